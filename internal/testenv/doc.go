@@ -1,0 +1,53 @@
+// Package testenv is the shared infrastructure of the integration tests: it
+// finds the Redis and RabbitMQ the tests talk to, starts throwaway
+// redis-server processes and local Redis Clusters, and names keys and queues
+// so that tests never collide.
+//
+// A typical integration test:
+//
+//	func TestStoreAcquire(t *testing.T) {
+//		rdb := testenv.RedisClient(t)       // closed in t.Cleanup
+//		prefix := testenv.Name(t) + ":"     // unique to this test and this run
+//		t.Cleanup(func() { ... delete prefix* ... })
+//		...
+//	}
+//
+// # Where the services come from
+//
+// [RedisAddr] and [AMQPURL] look, in this order, at:
+//
+//  1. the environment: REDIS_ADDR (host:port) and AMQP_URL (amqp://…). When
+//     set, that service is used or the test fails: testenv never falls back
+//     to another one behind the caller's back;
+//  2. the local default, 127.0.0.1:6379 and amqp://guest:guest@127.0.0.1:5672/,
+//     if it answers (a Redis PING, a full AMQP handshake);
+//  3. a container started by testcontainers-go (redis:7-alpine with
+//     --maxmemory-policy noeviction, rabbitmq:3.13-alpine), only if a Docker
+//     engine answers within a few seconds. The container is started once per
+//     test binary and removed by testcontainers' reaper (Ryuk) when the
+//     binary exits (by hand, if TESTCONTAINERS_RYUK_DISABLED=true).
+//
+// The answer, found or not, is cached for the life of the test binary.
+// `make services` (scripts/services.sh) starts the local defaults.
+//
+// # Missing services
+//
+// When a service cannot be found the test fails with a message saying what
+// to start. Under `go test -short` it is skipped instead, unless the
+// environment has CI=true: in CI a missing service is always a failure, never
+// a silent skip. The same rule applies to [RedisServer] and [RedisCluster]
+// when the redis-server or redis-cli binaries are not on PATH.
+//
+// # Processes
+//
+// [RedisServer] and [RedisCluster] run redis-server from PATH on free
+// loopback ports (127.0.0.1 only), each process in its own t.TempDir() with
+// its output captured to a log file there. The processes are killed and
+// waited for in t.Cleanup, whether the test passed or not, and their logs are
+// printed when it failed. On Linux they also die with the test binary if it
+// is killed (for example by -timeout) before t.Cleanup runs.
+//
+// Except for [Server.Stop], every function and method here must be called
+// from the goroutine running the test, because it may call t.Fatalf or
+// t.Skipf.
+package testenv

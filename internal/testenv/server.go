@@ -1,0 +1,390 @@
+package testenv
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+const (
+	// serverStartTimeout bounds starting one redis-server until it answers.
+	serverStartTimeout = 10 * time.Second
+	// maxPortAttempts bounds how many free ports a start tries when another
+	// process takes the port between picking it and redis-server binding it.
+	maxPortAttempts = 10
+	// logTailBytes is how much of a server's log a failure shows.
+	logTailBytes = 4 << 10
+)
+
+// errPortInUse means redis-server could not bind its port.
+var errPortInUse = errors.New("testenv: port in use")
+
+// Server is a redis-server process owned by one test, listening on a free
+// port of 127.0.0.1, with persistence off unless its args turn it on. It is
+// killed and waited for in t.Cleanup, and its log is printed if the test
+// failed.
+//
+// Stop may be called from any goroutine, for example to crash Redis while the
+// code under test is using it. Start, like t.Fatalf, must be called from the
+// goroutine running the test.
+type Server struct {
+	// Addr is the server's 127.0.0.1:port. It stays the same across Stop and
+	// Start.
+	Addr string
+	// Dir is the server's working directory (its --dir), a t.TempDir() where
+	// it writes RDB, AOF and nodes.conf files and its log,
+	// redis-server.log. Dir survives Stop and Start, so whatever the server
+	// persisted before Stop is loaded again by Start.
+	Dir string
+
+	t       testing.TB
+	bin     string
+	args    []string // all arguments but --port
+	logPath string
+	port    int
+
+	mu   sync.Mutex
+	cmd  *exec.Cmd
+	done chan struct{} // closed once cmd has exited and been waited for
+}
+
+// RedisServer starts a standalone redis-server from PATH for this test alone,
+// for tests that restart, kill, pause or reconfigure Redis. It runs with
+// --bind 127.0.0.1 --save "" --appendonly no followed by args, so args can
+// override those (for example "--appendonly", "yes") and add others
+// ("--maxmemory", "1mb", "--maxmemory-policy", "allkeys-lru"); args must not
+// set --port, --bind, --dir or --daemonize. If redis-server is not on PATH the
+// test fails, or is skipped under -short without CI=true.
+func RedisServer(t testing.TB, args ...string) *Server {
+	t.Helper()
+	bin := lookPath(t, "redis-server")
+	s := newServer(t, bin, args)
+	if err := s.launchFree(false, time.Now().Add(serverStartTimeout)); err != nil {
+		t.Fatalf("testenv: starting redis-server: %v (its log follows)", err)
+	}
+	return s
+}
+
+// newServer prepares, without starting it, a server in a new t.TempDir() that
+// is killed in t.Cleanup.
+func newServer(t testing.TB, bin string, args []string) *Server {
+	dir := t.TempDir()
+	s := &Server{
+		Dir:     dir,
+		t:       t,
+		bin:     bin,
+		logPath: filepath.Join(dir, "redis-server.log"),
+	}
+	s.args = append([]string{
+		"--bind", "127.0.0.1",
+		"--dir", dir,
+		"--daemonize", "no",
+		"--save", "",
+		"--appendonly", "no",
+	}, args...)
+	// Registered after t.TempDir, so it runs before the directory is removed.
+	t.Cleanup(s.cleanup)
+	return s
+}
+
+// Stop kills the server with SIGKILL, like a crash: nothing is flushed beyond
+// what its persistence settings already wrote, and clients see their
+// connections reset. Stop waits for the process to exit. Stopping a stopped
+// server does nothing.
+func (s *Server) Stop() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.kill()
+}
+
+// Start starts a stopped server again on the same Addr, Dir and arguments,
+// and waits until it answers. Starting a running server does nothing. If the
+// server cannot start within 10 seconds, the test fails.
+func (s *Server) Start() {
+	s.t.Helper()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cmd != nil {
+		return
+	}
+	deadline := time.Now().Add(serverStartTimeout)
+	for {
+		err := s.launch(deadline)
+		if err == nil {
+			return
+		}
+		// While the server was down, the kernel may have handed its port to
+		// an outgoing connection; such ports are soon released.
+		if !errors.Is(err, errPortInUse) || time.Now().After(deadline) {
+			s.t.Fatalf("testenv: restarting redis-server: %v (its log follows)", err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// Client returns a client of the server, closed in t.Cleanup. It reconnects
+// by itself after Stop and Start, though after failed dials go-redis may wait
+// about a second before dialing again.
+func (s *Server) Client(t testing.TB) *redis.Client {
+	t.Helper()
+	c := redis.NewClient(&redis.Options{Addr: s.Addr})
+	t.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
+// launchFree starts the server on a free port, trying other ports while the
+// chosen one turns out to be taken. With bus set, the port 10000 above it,
+// the Redis Cluster bus port, must be free too.
+func (s *Server) launchFree(bus bool, deadline time.Time) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for attempt := 1; ; attempt++ {
+		port, err := freePort(bus)
+		if err != nil {
+			return err
+		}
+		s.port = port
+		s.Addr = net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
+		err = s.launch(deadline)
+		if err == nil || !errors.Is(err, errPortInUse) || attempt == maxPortAttempts || time.Now().After(deadline) {
+			return err
+		}
+	}
+}
+
+// launch starts redis-server on s.port and waits, until deadline, for it to
+// answer as itself: a reply from another process that took the port does not
+// count. s.mu must be held.
+func (s *Server) launch(deadline time.Time) error {
+	logf, err := os.OpenFile(s.logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return err
+	}
+	var offset int64
+	if fi, err := logf.Stat(); err == nil {
+		offset = fi.Size()
+	}
+	args := append([]string{"--port", strconv.Itoa(s.port)}, s.args...)
+	fmt.Fprintf(logf, "--- testenv %s: %s %s\n", time.Now().Format(time.RFC3339Nano), s.bin, quoteArgs(args))
+
+	cmd := exec.Command(s.bin, args...)
+	cmd.Dir = s.Dir
+	cmd.Stdout = logf
+	cmd.Stderr = logf
+	cmd.SysProcAttr = sysProcAttr()
+	err = cmd.Start()
+	logf.Close() // the child has its own copy
+	if err != nil {
+		return err
+	}
+	done := make(chan struct{})
+	go func() {
+		_ = cmd.Wait()
+		close(done)
+	}()
+	s.cmd, s.done = cmd, done
+
+	want := strconv.Itoa(cmd.Process.Pid)
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		if info, err := command(s.Addr, time.Second, "INFO", "server"); err == nil && infoField(info, "process_id") == want {
+			return nil
+		}
+		select {
+		case <-done:
+			s.cmd, s.done = nil, nil
+			if strings.Contains(s.logSince(offset), "Address already in use") {
+				return fmt.Errorf("%w: %s: redis-server %v", errPortInUse, s.Addr, cmd.ProcessState)
+			}
+			return fmt.Errorf("redis-server on %s exited: %v", s.Addr, cmd.ProcessState)
+		case <-tick.C:
+		}
+		if time.Now().After(deadline) {
+			s.kill()
+			return fmt.Errorf("redis-server on %s did not answer in time", s.Addr)
+		}
+	}
+}
+
+// kill kills the process, if any, and waits for it. s.mu must be held.
+func (s *Server) kill() {
+	if s.cmd == nil {
+		return
+	}
+	_ = s.cmd.Process.Kill()
+	<-s.done
+	s.cmd, s.done = nil, nil
+}
+
+func (s *Server) cleanup() {
+	s.Stop()
+	if s.t.Failed() {
+		s.t.Logf("testenv: log of redis-server %s (%s):\n%s", s.Addr, s.logPath, s.logTail())
+	}
+}
+
+// logTail returns the last 4 KiB of the server's log.
+func (s *Server) logTail() string {
+	f, err := os.Open(s.logPath)
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	if fi, err := f.Stat(); err == nil && fi.Size() > logTailBytes {
+		_, _ = f.Seek(-logTailBytes, io.SeekEnd)
+	}
+	b, _ := io.ReadAll(f)
+	return string(b)
+}
+
+// logSince returns the server's log from offset on.
+func (s *Server) logSince(offset int64) string {
+	f, err := os.Open(s.logPath)
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	if _, err := f.Seek(offset, io.SeekStart); err != nil {
+		return ""
+	}
+	b, _ := io.ReadAll(io.LimitReader(f, 1<<20))
+	return string(b)
+}
+
+// freePort returns a port of 127.0.0.1 that was free a moment ago. With bus
+// set, port+10000 was free too.
+func freePort(bus bool) (int, error) {
+	for range 100 {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return 0, err
+		}
+		port := l.Addr().(*net.TCPAddr).Port
+		if !bus {
+			l.Close()
+			return port, nil
+		}
+		if port+10000 > 65535 {
+			l.Close()
+			continue
+		}
+		l2, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port+10000)))
+		l.Close()
+		if err != nil {
+			continue
+		}
+		l2.Close()
+		return port, nil
+	}
+	return 0, errors.New("testenv: no free pair of ports for a cluster node")
+}
+
+// lookPath finds a program, or ends the test with what to install.
+func lookPath(t testing.TB, name string) string {
+	t.Helper()
+	p, err := exec.LookPath(name)
+	if err != nil {
+		unavailable(t, "testenv: %v.\nInstall Redis so that redis-server and redis-cli are on PATH "+
+			"(Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis).", err)
+	}
+	return p
+}
+
+func quoteArgs(args []string) string {
+	q := make([]string, len(args))
+	for i, a := range args {
+		if a == "" || strings.ContainsAny(a, " \t\"'") {
+			a = strconv.Quote(a)
+		}
+		q[i] = a
+	}
+	return strings.Join(q, " ")
+}
+
+// pingRedis sends PING to addr and expects PONG.
+func pingRedis(addr string, timeout time.Duration) error {
+	if strings.Contains(addr, "://") {
+		return fmt.Errorf("%q is a URL; want host:port", addr)
+	}
+	reply, err := command(addr, timeout, "PING")
+	if err != nil {
+		return err
+	}
+	if reply != "PONG" {
+		return fmt.Errorf("PING replied %q", reply)
+	}
+	return nil
+}
+
+// command sends one command to the Redis at addr on a new connection and
+// returns its reply, which must be a simple string, an integer or a bulk
+// string. It speaks RESP2 directly so that probing a server costs one
+// connection and leaves no client or goroutine behind.
+func command(addr string, timeout time.Duration, args ...string) (string, error) {
+	conn, err := net.DialTimeout("tcp", addr, timeout)
+	if err != nil {
+		return "", err
+	}
+	defer conn.Close()
+	if err := conn.SetDeadline(time.Now().Add(timeout)); err != nil {
+		return "", err
+	}
+	var req strings.Builder
+	fmt.Fprintf(&req, "*%d\r\n", len(args))
+	for _, a := range args {
+		fmt.Fprintf(&req, "$%d\r\n%s\r\n", len(a), a)
+	}
+	if _, err := io.WriteString(conn, req.String()); err != nil {
+		return "", err
+	}
+	r := bufio.NewReader(conn)
+	line, err := r.ReadString('\n')
+	if err != nil {
+		return "", err
+	}
+	line = strings.TrimSuffix(line, "\r\n")
+	if line == "" {
+		return "", errors.New("empty reply")
+	}
+	switch line[0] {
+	case '+', ':':
+		return line[1:], nil
+	case '-':
+		return "", fmt.Errorf("redis: %s", line[1:])
+	case '$':
+		n, err := strconv.Atoi(line[1:])
+		if err != nil || n < 0 {
+			return "", fmt.Errorf("unexpected reply %q", line)
+		}
+		b := make([]byte, n+2)
+		if _, err := io.ReadFull(r, b); err != nil {
+			return "", err
+		}
+		return string(b[:n]), nil
+	default:
+		return "", fmt.Errorf("unexpected reply %q", line)
+	}
+}
+
+// infoField returns the value of field in the output of INFO or CLUSTER INFO.
+func infoField(info, field string) string {
+	for line := range strings.Lines(info) {
+		if k, v, ok := strings.Cut(strings.TrimSpace(line), ":"); ok && k == field {
+			return v
+		}
+	}
+	return ""
+}
