@@ -1,0 +1,141 @@
+package lock
+
+import (
+	"fmt"
+	"io"
+	"log/slog"
+	"strings"
+	"time"
+)
+
+// Defaults applied by Config.withDefaults.
+const (
+	// DefaultPrefix namespaces every Redis key the store writes.
+	DefaultPrefix = "amqpidem"
+	// DefaultLeaseTTL is the lease duration when neither Config nor the
+	// Request sets one.
+	DefaultLeaseTTL = 30 * time.Second
+	// DefaultRetention is the idempotency window: how long a record is
+	// kept after its last change.
+	DefaultRetention = 24 * time.Hour
+	// maxPrefixLen bounds Config.Prefix.
+	maxPrefixLen = 64
+)
+
+// Config configures a Store. The zero value is valid: every field has a
+// documented default.
+type Config struct {
+	// Prefix namespaces the store's Redis keys; two stores with different
+	// prefixes never see each other's records. At most 64 bytes, no '{' or
+	// '}' (they would change the Redis Cluster hash slot). Default
+	// DefaultPrefix.
+	Prefix string
+	// LeaseTTL is the default lease duration. Default DefaultLeaseTTL;
+	// below MinTTL (but not zero) is an error.
+	LeaseTTL time.Duration
+	// Retention is the default idempotency window. Default
+	// DefaultRetention; negative is an error.
+	Retention time.Duration
+	// MaxResultSize limits a stored result (Complete) and stored error
+	// text (Fail cuts longer text), in bytes. Default DefaultMaxResultSize;
+	// negative is an error.
+	MaxResultSize int
+	// Logger receives warnings (an eviction policy that can lose leases,
+	// a script reloaded after a failover). Nil discards.
+	Logger *slog.Logger
+	// Now is the local clock, used only to estimate a lease's deadline
+	// conservatively on this side. Lease expiry itself is always judged by
+	// the server's clock. Default time.Now.
+	Now func() time.Time
+}
+
+// Validate reports the first invalid field, by name.
+func (c Config) Validate() error {
+	switch {
+	case len(c.Prefix) > maxPrefixLen:
+		return fmt.Errorf("lock: Config.Prefix is %d bytes, at most %d allowed", len(c.Prefix), maxPrefixLen)
+	case strings.ContainsAny(c.Prefix, "{}"):
+		return fmt.Errorf("lock: Config.Prefix %q must not contain '{' or '}'", c.Prefix)
+	case c.LeaseTTL < 0 || (c.LeaseTTL > 0 && c.LeaseTTL < MinTTL):
+		return fmt.Errorf("%w: Config.LeaseTTL %v must be zero (default %v) or at least %v", ErrInvalidTTL, c.LeaseTTL, DefaultLeaseTTL, MinTTL)
+	case c.Retention < 0:
+		return fmt.Errorf("%w: Config.Retention %v must not be negative", ErrInvalidTTL, c.Retention)
+	case c.MaxResultSize < 0:
+		return fmt.Errorf("lock: Config.MaxResultSize %d must not be negative", c.MaxResultSize)
+	}
+	return nil
+}
+
+// withDefaults returns c with every zero field set to its default.
+func (c Config) withDefaults() Config {
+	if c.Prefix == "" {
+		c.Prefix = DefaultPrefix
+	}
+	if c.LeaseTTL == 0 {
+		c.LeaseTTL = DefaultLeaseTTL
+	}
+	if c.Retention == 0 {
+		c.Retention = DefaultRetention
+	}
+	if c.MaxResultSize == 0 {
+		c.MaxResultSize = DefaultMaxResultSize
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	if c.Now == nil {
+		c.Now = time.Now
+	}
+	return c
+}
+
+// check validates a request against the limits and fills in the defaults
+// for its TTL and retention.
+func (c Config) check(req Request) (Request, error) {
+	if err := checkKey(req.Key); err != nil {
+		return req, err
+	}
+	if len(req.Fingerprint) > MaxFingerprintLen {
+		return req, fmt.Errorf("%w: %d bytes, at most %d allowed", ErrInvalidFingerprint, len(req.Fingerprint), MaxFingerprintLen)
+	}
+	if req.TTL == 0 {
+		req.TTL = c.LeaseTTL
+	}
+	if req.Retention == 0 {
+		req.Retention = c.Retention
+	}
+	if req.TTL < MinTTL {
+		return req, fmt.Errorf("%w: lease TTL %v is below the minimum %v", ErrInvalidTTL, req.TTL, MinTTL)
+	}
+	if req.Retention < 0 {
+		return req, fmt.Errorf("%w: retention %v is negative", ErrInvalidTTL, req.Retention)
+	}
+	return req, nil
+}
+
+// checkLease rejects a lease no Store could have issued.
+func checkLease(l Lease) error {
+	if err := checkKey(l.Key); err != nil {
+		return err
+	}
+	if l.Owner == "" || l.Fence <= 0 {
+		return fmt.Errorf("%w: key %q: lease has no owner or fence (not from Acquire)", ErrLeaseLost, l.Key)
+	}
+	if l.TTL < MinTTL {
+		return fmt.Errorf("%w: lease TTL %v is below the minimum %v", ErrInvalidTTL, l.TTL, MinTTL)
+	}
+	if l.Retention < 0 {
+		return fmt.Errorf("%w: retention %v is negative", ErrInvalidTTL, l.Retention)
+	}
+	return nil
+}
+
+func checkKey(key string) error {
+	switch {
+	case key == "":
+		return fmt.Errorf("%w: empty", ErrInvalidKey)
+	case len(key) > MaxKeyLen:
+		return fmt.Errorf("%w: %d bytes, at most %d allowed", ErrInvalidKey, len(key), MaxKeyLen)
+	}
+	return nil
+}

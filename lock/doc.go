@@ -1,0 +1,68 @@
+// Package lock keeps one record per idempotency key and hands out leases on
+// it: the state behind "run this operation once".
+//
+// A record moves, per key:
+//
+//	absent ──Acquire──▶ in progress ──Complete──▶ completed (result)
+//	                      │    ▲     ──Fail──────▶ failed (error)
+//	                Release    │
+//	                      ▼    │ Acquire (new lease, fence+1, attempt+1)
+//	                   released
+//
+// Acquire answers one of five things in one atomic round trip: Acquired (a
+// Lease: owner token and fencing token), Completed (the stored result),
+// Failed (the stored error), InProgress (another owner's lease is live, and
+// how long it has left) or Conflict (the key was first seen with a
+// different payload fingerprint). An in-progress record whose lease has
+// expired is taken over by the next Acquire, with a higher fence.
+//
+// # Guarantees
+//
+//   - Atomic: every transition is one Lua script on RedisStore (one locked
+//     section on MemoryStore); there is no read-then-write window.
+//   - Expiry by the server's clock: scripts read Redis TIME. A client
+//     whose clock is wrong can neither steal a live lease nor keep a dead
+//     one. The client's own clock is used only to estimate its lease's
+//     deadline conservatively (Lease.Deadline is never later than the
+//     server's).
+//   - Fencing: the fence strictly increases with each lease on a key for as
+//     long as the record exists. Extend, Complete, Fail and Release are
+//     compare-and-set on owner and fence: a holder whose lease was taken
+//     over gets ErrLeaseLost and changes nothing.
+//   - Retry-safe: go-redis resends a command after a network error. A
+//     resent Acquire that finds its own owner token answers Acquired; a
+//     resent Complete, Fail or Release that finds its own write answers nil.
+//   - Bounded: keys are 1 to MaxKeyLen bytes (any bytes) and hashed into
+//     Redis keys "<prefix>:{<digest>}", so user input cannot pick a Cluster
+//     slot or cross a namespace. Results are limited (Config.MaxResultSize).
+//     Every record expires: Retention after its last change, or TTL +
+//     Retention while a lease is held. Nothing lives forever.
+//   - Portable: one key per record, passed in KEYS, so RedisStore works on
+//     a standalone server, Sentinel and Cluster (any redis.UniversalClient).
+//
+// # Limits
+//
+// A lease is not a mutex. A holder can be paused (GC, SIGSTOP, a slow
+// disk) past its deadline and go on running while another owner takes
+// over; the store then refuses the stale holder's writes, but it cannot
+// undo what the stale holder did elsewhere. Side effects outside the store
+// must check the fencing token (reject writes with a fence lower than the
+// highest seen) or be idempotent themselves. Package heartbeat keeps leases
+// alive and cancels handlers that lose them; it narrows the window, it does
+// not close it.
+//
+// Exactly-once ends at the store. If a process dies after the side effect
+// and before Complete, the next delivery finds an expired lease, takes it
+// over and runs the operation again. Only a side effect that is idempotent
+// or fenced absorbs that re-execution.
+//
+// Redis must not lose records: run it with maxmemory-policy noeviction
+// (RedisStore.Check warns otherwise) and with persistence (appendonly) if a
+// restart must not forget completed work. A failover to a replica that had
+// not yet received a write can forget it too; Redis replication is
+// asynchronous.
+//
+// A key that changes meaning within the retention window (a producer that
+// reuses ids) is a duplicate as far as the store knows; payload
+// fingerprints turn that into a Conflict instead of a silent skip.
+package lock

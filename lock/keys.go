@@ -1,0 +1,38 @@
+package lock
+
+import (
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+)
+
+// recordKey maps a user key to the Redis key of its record:
+//
+//	<prefix>:{<32 hex digits of SHA-256(prefix, 0x00, key)>}
+//
+// Hashing makes the key's length and bytes irrelevant to Redis: braces or
+// binary in a user key cannot pick the Cluster hash slot (no hot slot), and
+// the prefix is part of the hash, so namespaces cannot collide. The hash tag
+// covers the whole digest, so every key of one record shares its slot.
+func recordKey(prefix, key string) string {
+	h := sha256.New()
+	h.Write([]byte(prefix))
+	h.Write([]byte{0})
+	h.Write([]byte(key))
+	var sum [sha256.Size]byte
+	digest := h.Sum(sum[:0])
+
+	buf := make([]byte, 0, len(prefix)+3+32)
+	buf = append(buf, prefix...)
+	buf = append(buf, ":{"...)
+	buf = hex.AppendEncode(buf, digest[:16])
+	buf = append(buf, '}')
+	return string(buf)
+}
+
+// newOwner returns a random 128-bit owner token.
+func newOwner() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails (Go 1.24+).
+	return hex.EncodeToString(b[:])
+}

@@ -1,0 +1,48 @@
+package lock
+
+import (
+	"strings"
+	"testing"
+)
+
+func TestRecordKey(t *testing.T) {
+	k := recordKey("amqpidem", "{order}-1")
+	if !strings.HasPrefix(k, "amqpidem:{") || !strings.HasSuffix(k, "}") || len(k) != len("amqpidem:{}")+32 {
+		t.Fatalf("recordKey: got %q", k)
+	}
+	if strings.Count(k, "{") != 1 || strings.Count(k, "}") != 1 {
+		t.Fatalf("user braces leaked into the Redis key: %q", k)
+	}
+	// User-chosen hash tags must not pin records to one slot: the tag is
+	// the digest, different for each key.
+	seen := map[string]bool{}
+	for _, key := range []string{"{hot}a", "{hot}b", "{hot}c"} {
+		tag := recordKey("p", key)
+		if seen[tag] {
+			t.Fatalf("two keys share a record key: %q", tag)
+		}
+		seen[tag] = true
+	}
+	// The prefix is hashed too: "a"+":b" and "a:"+"b" differ.
+	if recordKey("a", ":b") == recordKey("a:", "b") {
+		t.Fatal("namespaces collide")
+	}
+}
+
+func TestTruncate(t *testing.T) {
+	tests := []struct {
+		in   string
+		n    int
+		want string
+	}{
+		{"short", 10, "short"},
+		{"exactly", 7, "exactly"},
+		{strings.Repeat("x", 30), 20, "xxxxxx…(truncated)"},
+		{"abcdef", 3, "abc"},
+	}
+	for _, tc := range tests {
+		if got := truncate(tc.in, tc.n); got != tc.want || len(got) > tc.n {
+			t.Errorf("truncate(%q, %d): got %q, want %q", tc.in, tc.n, got, tc.want)
+		}
+	}
+}

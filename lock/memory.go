@@ -1,0 +1,189 @@
+package lock
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+)
+
+// MemoryStore is a Store in this process's memory, with the same state
+// machine and answers as RedisStore. It suits unit tests and single-process
+// consumers; its records die with the process, so it gives no protection
+// across restarts or between processes. Time is Config.Now.
+//
+// MemoryStore is safe for concurrent use.
+type MemoryStore struct {
+	cfg Config
+
+	mu      sync.Mutex
+	records map[string]*memRecord
+	writes  int // writes since the last sweep of expired records
+}
+
+type memRecord struct {
+	state       byte // 'p' in progress, 'c' completed, 'f' failed, 'r' released
+	owner       string
+	fence       int64
+	deadline    time.Time
+	attempts    int
+	fingerprint string
+	value       []byte
+	expires     time.Time
+}
+
+var _ Store = (*MemoryStore)(nil)
+
+// NewMemoryStore returns an empty in-memory store.
+func NewMemoryStore(cfg Config) (*MemoryStore, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return &MemoryStore{cfg: cfg.withDefaults(), records: make(map[string]*memRecord)}, nil
+}
+
+// get returns the live record of key, dropping it if it expired.
+func (m *MemoryStore) get(key string, now time.Time) *memRecord {
+	r := m.records[key]
+	if r != nil && !now.Before(r.expires) {
+		delete(m.records, key)
+		return nil
+	}
+	return r
+}
+
+// wrote counts a write and, every so often, sweeps expired records so
+// that nothing outlives its retention even if never read again.
+func (m *MemoryStore) wrote(now time.Time) {
+	m.writes++
+	if m.writes < 1024 || m.writes < len(m.records) {
+		return
+	}
+	m.writes = 0
+	for k, r := range m.records {
+		if !now.Before(r.expires) {
+			delete(m.records, k)
+		}
+	}
+}
+
+// Acquire takes a lease on req.Key.
+func (m *MemoryStore) Acquire(ctx context.Context, req Request) (Result, error) {
+	req, err := m.cfg.check(req)
+	if err != nil {
+		return Result{}, err
+	}
+	if err := ctx.Err(); err != nil {
+		return Result{}, err
+	}
+	owner := newOwner()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	now := m.cfg.Now()
+	r := m.get(req.Key, now)
+	if r == nil {
+		r = &memRecord{fingerprint: req.Fingerprint}
+		m.records[req.Key] = r
+	} else {
+		res := Result{Fence: r.fence, Attempts: r.attempts}
+		switch {
+		case req.Fingerprint != "" && r.fingerprint != "" && r.fingerprint != req.Fingerprint:
+			res.Status = Conflict
+			return res, nil
+		case r.state == 'c':
+			res.Status, res.Value = Completed, append([]byte(nil), r.value...)
+			return res, nil
+		case r.state == 'f':
+			res.Status, res.Error = Failed, string(r.value)
+			return res, nil
+		case r.state == 'p' && r.deadline.After(now):
+			res.Status, res.Remaining = InProgress, r.deadline.Sub(now)
+			return res, nil
+		}
+	}
+	r.state, r.owner, r.deadline = 'p', owner, now.Add(req.TTL)
+	r.fence++
+	r.attempts++
+	r.expires = r.deadline.Add(req.Retention)
+	m.wrote(now)
+	lease := Lease{Key: req.Key, Owner: owner, Fence: r.fence, Attempt: r.attempts,
+		TTL: req.TTL, Retention: req.Retention, Deadline: now.Add(req.TTL)}
+	return Result{Status: Acquired, Lease: lease, Fence: r.fence, Attempts: r.attempts}, nil
+}
+
+// Extend renews each lease.
+func (m *MemoryStore) Extend(ctx context.Context, leases ...Lease) []error {
+	errs := make([]error, len(leases))
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	now := m.cfg.Now()
+	for i, l := range leases {
+		if errs[i] = checkLease(l); errs[i] != nil {
+			continue
+		}
+		if errs[i] = ctx.Err(); errs[i] != nil {
+			continue
+		}
+		r := m.held(l, now)
+		if r == nil || r.state != 'p' {
+			errs[i] = fmt.Errorf("%w: extend key %q fence %d", ErrLeaseLost, l.Key, l.Fence)
+			continue
+		}
+		r.deadline = now.Add(l.TTL)
+		r.expires = r.deadline.Add(l.Retention)
+	}
+	return errs
+}
+
+// held returns the record if lease l still owns it.
+func (m *MemoryStore) held(l Lease, now time.Time) *memRecord {
+	r := m.get(l.Key, now)
+	if r == nil || r.owner != l.Owner || r.fence != l.Fence {
+		return nil
+	}
+	return r
+}
+
+// Complete stores result and marks the record completed.
+func (m *MemoryStore) Complete(ctx context.Context, lease Lease, result []byte) error {
+	if len(result) > m.cfg.MaxResultSize {
+		return fmt.Errorf("%w: key %q: %d bytes, at most %d allowed", ErrResultTooLarge, lease.Key, len(result), m.cfg.MaxResultSize)
+	}
+	return m.finish(ctx, lease, "complete", 'c', append([]byte(nil), result...))
+}
+
+// Fail marks the record failed with reason, cut to MaxResultSize bytes.
+func (m *MemoryStore) Fail(ctx context.Context, lease Lease, reason string) error {
+	return m.finish(ctx, lease, "fail", 'f', []byte(truncate(reason, m.cfg.MaxResultSize)))
+}
+
+// Release gives the lease up, keeping the attempt count.
+func (m *MemoryStore) Release(ctx context.Context, lease Lease) error {
+	return m.finish(ctx, lease, "release", 'r', nil)
+}
+
+func (m *MemoryStore) finish(ctx context.Context, l Lease, op string, state byte, value []byte) error {
+	if err := checkLease(l); err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	now := m.cfg.Now()
+	r := m.held(l, now)
+	switch {
+	case r != nil && r.state == state:
+		return nil // a retry of this same call
+	case r == nil || r.state != 'p':
+		return fmt.Errorf("%w: %s key %q fence %d", ErrLeaseLost, op, l.Key, l.Fence)
+	}
+	r.state, r.deadline = state, time.Time{}
+	if state != 'r' {
+		r.value = value
+	}
+	r.expires = now.Add(l.Retention)
+	m.wrote(now)
+	return nil
+}

@@ -1,0 +1,177 @@
+package lock
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// Limits on what a Store accepts. They keep every record small enough that
+// one Redis round trip stays cheap and that no caller can fill memory with a
+// single message.
+const (
+	// MaxKeyLen is the longest idempotency key, in bytes, a Store accepts.
+	MaxKeyLen = 1024
+	// MaxFingerprintLen is the longest payload fingerprint, in bytes.
+	MaxFingerprintLen = 128
+	// DefaultMaxResultSize is the default limit on a stored result, in bytes.
+	DefaultMaxResultSize = 64 << 10
+	// MinTTL is the shortest lease TTL a Store accepts. Redis keeps lease
+	// deadlines in milliseconds.
+	MinTTL = time.Millisecond
+)
+
+// Errors returned by Store implementations. Callers compare with errors.Is;
+// the returned errors wrap these with the key that caused them.
+var (
+	// ErrLeaseLost means the lease is no longer held by the caller: another
+	// owner took it over, or the record moved on (completed, failed,
+	// released, expired from Redis). Nothing was changed.
+	ErrLeaseLost = errors.New("lock: lease lost")
+	// ErrInvalidKey means the idempotency key is empty or longer than MaxKeyLen.
+	ErrInvalidKey = errors.New("lock: invalid key")
+	// ErrInvalidTTL means a lease TTL or retention is negative or too short.
+	ErrInvalidTTL = errors.New("lock: invalid ttl")
+	// ErrInvalidFingerprint means the payload fingerprint is longer than
+	// MaxFingerprintLen.
+	ErrInvalidFingerprint = errors.New("lock: invalid fingerprint")
+	// ErrResultTooLarge means a result passed to Complete is larger than the
+	// store's MaxResultSize.
+	ErrResultTooLarge = errors.New("lock: result too large")
+	// ErrKeyCollision means two different keys mapped to the same record.
+	// With 128-bit key hashes it is not expected to happen; the store
+	// refuses rather than mixing two operations' state.
+	ErrKeyCollision = errors.New("lock: key hash collision")
+)
+
+// Status is what Acquire found for a key.
+type Status int
+
+// The answers of Acquire.
+const (
+	// Acquired: the caller holds a lease and should run the operation.
+	Acquired Status = iota + 1
+	// Completed: the operation already succeeded; Result holds its result.
+	Completed
+	// Failed: the operation failed terminally; Error holds the stored error.
+	Failed
+	// InProgress: another owner holds a live lease; Remaining says how long
+	// it has left, by the server's clock.
+	InProgress
+	// Conflict: the key was first seen with a different payload fingerprint.
+	Conflict
+)
+
+// String returns the status in lower case, as used in logs.
+func (s Status) String() string {
+	switch s {
+	case Acquired:
+		return "acquired"
+	case Completed:
+		return "completed"
+	case Failed:
+		return "failed"
+	case InProgress:
+		return "in_progress"
+	case Conflict:
+		return "conflict"
+	}
+	return fmt.Sprintf("status(%d)", int(s))
+}
+
+// Request asks a Store for a lease on one idempotency key.
+type Request struct {
+	// Key is the idempotency key: 1 to MaxKeyLen bytes, any bytes allowed.
+	Key string
+	// Fingerprint identifies the payload (a hash of the body, say). When
+	// both it and the stored fingerprint are non-empty and differ, Acquire
+	// answers Conflict. Empty disables the check for this call.
+	Fingerprint string
+	// TTL is the lease duration. Zero means the store's default; below
+	// MinTTL is ErrInvalidTTL.
+	TTL time.Duration
+	// Retention is how long the record outlives its last change (the
+	// idempotency window). Zero means the store's default; negative is
+	// ErrInvalidTTL.
+	Retention time.Duration
+}
+
+// Lease is a held claim on one key. It is a value: copies refer to the same
+// claim. Owner and Fence together identify it; every write a Store accepts
+// from a lease is compare-and-set on both.
+type Lease struct {
+	// Key is the idempotency key the lease is for.
+	Key string
+	// Owner is a random token unique to the Acquire call that made the lease.
+	Owner string
+	// Fence is the fencing token: it strictly increases with every lease
+	// granted on the key for as long as the record exists. Downstream
+	// writes that remember the highest fence they saw can reject a stale
+	// holder.
+	Fence int64
+	// Attempt counts the leases granted on the key, this one included
+	// (1 for the first execution). Takeovers of expired leases count.
+	Attempt int
+	// TTL is the lease duration used for Acquire and every Extend.
+	TTL time.Duration
+	// Retention is the record's idempotency window.
+	Retention time.Duration
+	// Deadline is a conservative local estimate of when the lease expires:
+	// the local time just before the request that set the server's
+	// deadline was sent, plus TTL. The server's deadline is never earlier.
+	Deadline time.Time
+}
+
+// Result is Acquire's answer.
+type Result struct {
+	// Status says which of the other fields are set.
+	Status Status
+	// Lease is the granted lease when Status is Acquired.
+	Lease Lease
+	// Value is the stored result when Status is Completed.
+	Value []byte
+	// Error is the stored error text when Status is Failed.
+	Error string
+	// Remaining is the time left on the other owner's lease, by the
+	// server's clock, when Status is InProgress.
+	Remaining time.Duration
+	// Attempts is the number of leases granted on the key so far. For
+	// Acquired it equals Lease.Attempt.
+	Attempts int
+	// Fence is the latest fencing token of the key.
+	Fence int64
+}
+
+// Store keeps one record per idempotency key and hands out leases on it.
+//
+// Per key the record moves: absent → in progress (owner, fence, lease
+// deadline, attempts, fingerprint) → completed (result) or failed (error).
+// Release takes an in-progress record back to "not running" while keeping
+// its attempt count and fence. A record expires Retention after its last
+// change; a record in progress lives at least TTL+Retention.
+//
+// Implementations are safe for concurrent use. Every method is safe to retry
+// after a network error: a retried Acquire that finds its own owner token
+// answers Acquired, and a retried Complete, Fail or Release that finds its
+// own write answers nil.
+type Store interface {
+	// Acquire takes a lease on req.Key, or reports why it could not.
+	Acquire(ctx context.Context, req Request) (Result, error)
+	// Extend renews each lease for its TTL, in one round trip where the
+	// store can. It returns one error per lease, in order: nil,
+	// ErrLeaseLost, or the transport error. A renewed lease's new
+	// deadline is at least start+TTL, where start is the local time
+	// before the call.
+	Extend(ctx context.Context, leases ...Lease) []error
+	// Complete stores result and marks the record completed. A lease that
+	// is no longer held gets ErrLeaseLost and changes nothing.
+	Complete(ctx context.Context, lease Lease, result []byte) error
+	// Fail marks the record failed for good with the error text reason
+	// (cut to the store's MaxResultSize). ErrLeaseLost as for Complete.
+	Fail(ctx context.Context, lease Lease, reason string) error
+	// Release gives the lease up without an outcome (a retryable failure):
+	// the next Acquire gets a new lease with a higher fence and attempt.
+	// ErrLeaseLost as for Complete.
+	Release(ctx context.Context, lease Lease) error
+}

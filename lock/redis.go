@@ -1,0 +1,251 @@
+package lock
+
+import (
+	"context"
+	_ "embed"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+var (
+	//go:embed scripts/acquire.lua
+	acquireLua    string
+	acquireScript = redis.NewScript(acquireLua)
+
+	//go:embed scripts/extend.lua
+	extendLua    string
+	extendScript = redis.NewScript(extendLua)
+
+	//go:embed scripts/finish.lua
+	finishLua    string
+	finishScript = redis.NewScript(finishLua)
+)
+
+// Record states as the scripts write them.
+const (
+	stateCompleted = "c"
+	stateFailed    = "f"
+	stateReleased  = "r"
+)
+
+// RedisStore is a Store on Redis: one hash per idempotency key, changed only
+// by Lua scripts so that every transition is one atomic round trip judged by
+// the server's clock. It works with any redis.UniversalClient: a standalone
+// server, a Sentinel failover client or a Cluster client.
+//
+// RedisStore is safe for concurrent use.
+type RedisStore struct {
+	client redis.UniversalClient
+	cfg    Config
+}
+
+var _ Store = (*RedisStore)(nil)
+
+// NewRedisStore returns a store that keeps its records in client. It makes
+// no network call; call Check once at start.
+func NewRedisStore(client redis.UniversalClient, cfg Config) (*RedisStore, error) {
+	if client == nil {
+		return nil, errors.New("lock: nil redis client")
+	}
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return &RedisStore{client: client, cfg: cfg.withDefaults()}, nil
+}
+
+// Check pings the server, loads the scripts and reads maxmemory-policy on
+// every master. A policy other than noeviction is logged as a warning: an
+// evicted record is a duplicate execution waiting to happen. A server that
+// refuses CONFIG GET (some managed services do) is logged too. Check
+// returns an error only when the server cannot be reached or the scripts
+// cannot be loaded.
+func (s *RedisStore) Check(ctx context.Context) error {
+	check := func(ctx context.Context, c *redis.Client) error {
+		if err := c.Ping(ctx).Err(); err != nil {
+			return fmt.Errorf("lock: redis %s: %w", c.Options().Addr, err)
+		}
+		for _, sc := range []*redis.Script{acquireScript, extendScript, finishScript} {
+			if err := sc.Load(ctx, c).Err(); err != nil {
+				return fmt.Errorf("lock: redis %s: loading script: %w", c.Options().Addr, err)
+			}
+		}
+		policy, err := c.ConfigGet(ctx, "maxmemory-policy").Result()
+		switch {
+		case err != nil:
+			s.cfg.Logger.WarnContext(ctx, "lock: cannot read maxmemory-policy; make sure it is noeviction",
+				"addr", c.Options().Addr, "error", err)
+		case policy["maxmemory-policy"] != "noeviction":
+			s.cfg.Logger.WarnContext(ctx, "lock: maxmemory-policy is not noeviction: evicted records cause duplicate executions",
+				"addr", c.Options().Addr, "maxmemory-policy", policy["maxmemory-policy"])
+		}
+		return nil
+	}
+	switch c := s.client.(type) {
+	case *redis.ClusterClient:
+		return c.ForEachMaster(ctx, check)
+	case *redis.Client:
+		return check(ctx, c)
+	default:
+		// A Ring or a wrapper: check what can be checked through the interface.
+		if err := c.Ping(ctx).Err(); err != nil {
+			return fmt.Errorf("lock: redis: %w", err)
+		}
+		return nil
+	}
+}
+
+// Acquire takes a lease on req.Key in one round trip (a retry after a
+// network error finds its own owner token and answers Acquired).
+func (s *RedisStore) Acquire(ctx context.Context, req Request) (Result, error) {
+	req, err := s.cfg.check(req)
+	if err != nil {
+		return Result{}, err
+	}
+	return s.acquire(ctx, req, newOwner())
+}
+
+// acquire runs the acquire script for a checked request and owner token.
+func (s *RedisStore) acquire(ctx context.Context, req Request, owner string) (Result, error) {
+	start := s.cfg.Now()
+	vals, err := acquireScript.Run(ctx, s.client, []string{recordKey(s.cfg.Prefix, req.Key)},
+		owner, req.TTL.Milliseconds(), req.Retention.Milliseconds(), req.Fingerprint, req.Key).Slice()
+	if err != nil {
+		return Result{}, fmt.Errorf("lock: acquire %q: %w", req.Key, err)
+	}
+	if len(vals) != 5 {
+		return Result{}, fmt.Errorf("lock: acquire %q: unexpected reply %v", req.Key, vals)
+	}
+	status, _ := vals[0].(int64)
+	fence, _ := vals[1].(int64)
+	attempts, _ := vals[2].(int64)
+	remaining, _ := vals[3].(int64)
+	value, _ := vals[4].(string)
+
+	res := Result{Status: Status(status), Fence: fence, Attempts: int(attempts)}
+	switch res.Status {
+	case Acquired:
+		res.Lease = Lease{
+			Key:       req.Key,
+			Owner:     owner,
+			Fence:     fence,
+			Attempt:   int(attempts),
+			TTL:       req.TTL,
+			Retention: req.Retention,
+			Deadline:  start.Add(req.TTL),
+		}
+	case Completed:
+		res.Value = []byte(value)
+	case Failed:
+		res.Error = value
+	case InProgress:
+		res.Remaining = time.Duration(remaining) * time.Millisecond
+	case Conflict:
+	case 6:
+		return Result{}, fmt.Errorf("%w: key %q", ErrKeyCollision, req.Key)
+	default:
+		return Result{}, fmt.Errorf("lock: acquire %q: unexpected status %d", req.Key, status)
+	}
+	return res, nil
+}
+
+// Extend renews the leases in one pipelined round trip (one per node on a
+// Cluster).
+func (s *RedisStore) Extend(ctx context.Context, leases ...Lease) []error {
+	errs := make([]error, len(leases))
+	if len(leases) == 1 {
+		l := leases[0]
+		if errs[0] = checkLease(l); errs[0] != nil {
+			return errs
+		}
+		n, err := extendScript.Run(ctx, s.client, []string{recordKey(s.cfg.Prefix, l.Key)}, extendArgs(l)...).Int()
+		errs[0] = leaseReply(l, "extend", n, err)
+		return errs
+	}
+
+	cmds := make([]*redis.Cmd, len(leases))
+	pipe := s.client.Pipeline()
+	for i, l := range leases {
+		if errs[i] = checkLease(l); errs[i] != nil {
+			continue
+		}
+		cmds[i] = extendScript.EvalSha(ctx, pipe, []string{recordKey(s.cfg.Prefix, l.Key)}, extendArgs(l)...)
+	}
+	if pipe.Len() > 0 {
+		_, _ = pipe.Exec(ctx) // errors are read per command below
+	}
+	for i, cmd := range cmds {
+		if cmd == nil {
+			continue
+		}
+		n, err := cmd.Int()
+		if isNoScript(err) {
+			// The server lost its script cache (restart, failover): Run
+			// loads the script again.
+			n, err = extendScript.Run(ctx, s.client, []string{recordKey(s.cfg.Prefix, leases[i].Key)}, extendArgs(leases[i])...).Int()
+		}
+		errs[i] = leaseReply(leases[i], "extend", n, err)
+	}
+	return errs
+}
+
+func extendArgs(l Lease) []any {
+	return []any{l.Owner, l.Fence, l.TTL.Milliseconds(), l.Retention.Milliseconds()}
+}
+
+// Complete stores result and marks the record completed.
+func (s *RedisStore) Complete(ctx context.Context, lease Lease, result []byte) error {
+	if len(result) > s.cfg.MaxResultSize {
+		return fmt.Errorf("%w: key %q: %d bytes, at most %d allowed", ErrResultTooLarge, lease.Key, len(result), s.cfg.MaxResultSize)
+	}
+	return s.finish(ctx, lease, "complete", stateCompleted, result)
+}
+
+// Fail marks the record failed with reason, cut to MaxResultSize bytes.
+func (s *RedisStore) Fail(ctx context.Context, lease Lease, reason string) error {
+	return s.finish(ctx, lease, "fail", stateFailed, truncate(reason, s.cfg.MaxResultSize))
+}
+
+// Release gives the lease up, keeping the attempt count.
+func (s *RedisStore) Release(ctx context.Context, lease Lease) error {
+	return s.finish(ctx, lease, "release", stateReleased, nil)
+}
+
+func (s *RedisStore) finish(ctx context.Context, l Lease, op, state string, value any) error {
+	if err := checkLease(l); err != nil {
+		return err
+	}
+	n, err := finishScript.Run(ctx, s.client, []string{recordKey(s.cfg.Prefix, l.Key)},
+		l.Owner, l.Fence, state, value, l.Retention.Milliseconds()).Int()
+	return leaseReply(l, op, n, err)
+}
+
+// leaseReply turns a compare-and-set script's reply into an error.
+func leaseReply(l Lease, op string, n int, err error) error {
+	switch {
+	case err != nil:
+		return fmt.Errorf("lock: %s %q: %w", op, l.Key, err)
+	case n != 1:
+		return fmt.Errorf("%w: %s key %q fence %d", ErrLeaseLost, op, l.Key, l.Fence)
+	}
+	return nil
+}
+
+func isNoScript(err error) bool {
+	return err != nil && strings.HasPrefix(err.Error(), "NOSCRIPT")
+}
+
+// truncate cuts s to at most n bytes, marking the cut.
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	const mark = "…(truncated)"
+	if n <= len(mark) {
+		return s[:n]
+	}
+	return s[:n-len(mark)] + mark
+}

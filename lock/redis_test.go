@@ -1,0 +1,309 @@
+package lock_test
+
+import (
+	"bytes"
+	"context"
+	"log/slog"
+	"net"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/amqpidem/amqpidem/internal/storetest"
+	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+func newRedisStore(t *testing.T, client redis.UniversalClient, cfg lock.Config) *lock.RedisStore {
+	t.Helper()
+	s, err := lock.NewRedisStore(client, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func TestRedisStore(t *testing.T) {
+	client := testenv.RedisClient(t)
+	storetest.Run(t, func(t *testing.T, cfg lock.Config) lock.Store {
+		return newRedisStore(t, client, cfg)
+	})
+}
+
+func TestRedisStoreCluster(t *testing.T) {
+	client := testenv.RedisCluster(t).Client(t)
+	storetest.Run(t, func(t *testing.T, cfg lock.Config) lock.Store {
+		s := newRedisStore(t, client, cfg)
+		if err := s.Check(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		return s
+	})
+}
+
+// A client whose clock is wrong cannot take a live lease: expiry is judged
+// by the server's clock alone.
+func TestRedisClientClockIsNotTrusted(t *testing.T) {
+	client := testenv.RedisClient(t)
+	prefix := testenv.Name(t)
+	honest := newRedisStore(t, client, lock.Config{Prefix: prefix})
+	ahead := newRedisStore(t, client, lock.Config{Prefix: prefix,
+		Now: func() time.Time { return time.Now().Add(time.Hour) }})
+
+	ctx := context.Background()
+	held, err := honest.Acquire(ctx, lock.Request{Key: "k", TTL: 400 * time.Millisecond})
+	if err != nil || held.Status != lock.Acquired {
+		t.Fatalf("Acquire: %v %v", held.Status, err)
+	}
+	res, err := ahead.Acquire(ctx, lock.Request{Key: "k", TTL: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Status != lock.InProgress {
+		t.Fatalf("client an hour ahead: got %v, want in_progress", res.Status)
+	}
+	// Once the server says the lease expired, anyone may take over.
+	time.Sleep(500 * time.Millisecond)
+	res, err = ahead.Acquire(ctx, lock.Request{Key: "k", TTL: time.Minute})
+	if err != nil || res.Status != lock.Acquired || res.Lease.Fence != 2 {
+		t.Fatalf("after server-side expiry: %+v %v", res, err)
+	}
+}
+
+// flakyConn loses the reply of the first command written after arm(): the
+// server executes the command, the client sees a broken connection, and
+// go-redis retries on a new connection.
+type flakyConn struct {
+	net.Conn
+	armed *atomic.Bool
+	lose  bool
+}
+
+func (c *flakyConn) Write(b []byte) (int, error) {
+	if c.armed.CompareAndSwap(true, false) {
+		c.lose = true
+	}
+	return c.Conn.Write(b)
+}
+
+func (c *flakyConn) Read(b []byte) (int, error) {
+	if c.lose {
+		// Wait for the reply so the command has surely run, then drop it.
+		_ = c.Conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+		_, _ = c.Conn.Read(b)
+		c.Conn.Close()
+		return 0, net.ErrClosed
+	}
+	return c.Conn.Read(b)
+}
+
+func TestRedisAcquireRetryAfterLostReply(t *testing.T) {
+	addr := testenv.RedisAddr(t)
+	var armed atomic.Bool
+	client := redis.NewClient(&redis.Options{
+		Addr:       addr,
+		MaxRetries: 3,
+		Dialer: func(ctx context.Context, network, addr string) (net.Conn, error) {
+			c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			return &flakyConn{Conn: c, armed: &armed}, nil
+		},
+	})
+	t.Cleanup(func() { client.Close() })
+	s := newRedisStore(t, client, lock.Config{Prefix: testenv.Name(t)})
+	if err := s.Check(context.Background()); err != nil { // loads the scripts
+		t.Fatal(err)
+	}
+
+	for _, op := range []string{"acquire", "complete"} {
+		key := "retry-" + op
+		var res lock.Result
+		var err error
+		if op == "acquire" {
+			armed.Store(true)
+		}
+		res, err = s.Acquire(context.Background(), lock.Request{Key: key})
+		if err != nil {
+			t.Fatalf("%s: Acquire: %v", op, err)
+		}
+		if res.Status != lock.Acquired || res.Lease.Fence != 1 {
+			t.Fatalf("%s: retried Acquire: got %v fence %d, want acquired fence 1", op, res.Status, res.Lease.Fence)
+		}
+		if op == "complete" {
+			armed.Store(true)
+		}
+		if err := s.Complete(context.Background(), res.Lease, []byte("ok")); err != nil {
+			t.Fatalf("%s: Complete: %v", op, err)
+		}
+		if armed.Load() {
+			t.Fatalf("%s: the fault was never injected", op)
+		}
+	}
+}
+
+func TestRedisExtendIsOnePipeline(t *testing.T) {
+	client := testenv.RedisClient(t)
+	var pipelines, commands atomic.Int64
+	client.AddHook(countHook{pipelines: &pipelines, commands: &commands})
+	s := newRedisStore(t, client, lock.Config{Prefix: testenv.Name(t)})
+	ctx := context.Background()
+	var leases []lock.Lease
+	for i := range 100 {
+		res, err := s.Acquire(ctx, lock.Request{Key: "k" + strings.Repeat("x", i)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		leases = append(leases, res.Lease)
+	}
+	pipelines.Store(0)
+	commands.Store(0)
+	for i, err := range s.Extend(ctx, leases...) {
+		if err != nil {
+			t.Fatalf("lease %d: %v", i, err)
+		}
+	}
+	if p, c := pipelines.Load(), commands.Load(); p != 1 || c != 0 {
+		t.Fatalf("Extend of 100 leases: %d pipelines and %d single commands, want 1 and 0", p, c)
+	}
+
+	// After the server forgets its scripts (a restart or failover), the
+	// batch still works.
+	if err := client.ScriptFlush(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	for i, err := range s.Extend(ctx, leases...) {
+		if err != nil {
+			t.Fatalf("after SCRIPT FLUSH, lease %d: %v", i, err)
+		}
+	}
+}
+
+// countHook counts script round trips: pipelines and single commands.
+type countHook struct{ pipelines, commands *atomic.Int64 }
+
+func (h countHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h countHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if isScript(cmd) {
+			h.commands.Add(1)
+		}
+		return next(ctx, cmd)
+	}
+}
+func (h countHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		if len(cmds) > 0 && isScript(cmds[0]) {
+			h.pipelines.Add(1)
+		}
+		return next(ctx, cmds)
+	}
+}
+
+// isScript tells the store's commands from the ones go-redis sends on its
+// own (HELLO and CLIENT SETINFO on each new connection).
+func isScript(cmd redis.Cmder) bool {
+	return cmd.Name() == "evalsha" || cmd.Name() == "eval"
+}
+
+func TestRedisCheckWarnsOnEviction(t *testing.T) {
+	srv := testenv.RedisServer(t, "--maxmemory-policy", "allkeys-lru")
+	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	t.Cleanup(func() { client.Close() })
+
+	var mu sync.Mutex
+	var logs bytes.Buffer
+	logger := slog.New(slog.NewTextHandler(&lockedWriter{mu: &mu, w: &logs}, nil))
+	s := newRedisStore(t, client, lock.Config{Logger: logger})
+	if err := s.Check(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	got := logs.String()
+	mu.Unlock()
+	if !strings.Contains(got, "level=WARN") || !strings.Contains(got, "allkeys-lru") {
+		t.Fatalf("Check with allkeys-lru logged %q, want a warning naming the policy", got)
+	}
+
+	logs.Reset()
+	if err := client.ConfigSet(context.Background(), "maxmemory-policy", "noeviction").Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Check(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if logs.Len() != 0 {
+		t.Fatalf("Check with noeviction logged %q, want nothing", logs.String())
+	}
+
+	srv.Stop()
+	if err := s.Check(context.Background()); err == nil {
+		t.Fatal("Check against a stopped server: got nil error")
+	}
+}
+
+type lockedWriter struct {
+	mu *sync.Mutex
+	w  *bytes.Buffer
+}
+
+func (w *lockedWriter) Write(b []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.w.Write(b)
+}
+
+func TestConfigValidate(t *testing.T) {
+	tests := []struct {
+		name  string
+		cfg   lock.Config
+		field string
+	}{
+		{"zero is valid", lock.Config{}, ""},
+		{"brace in prefix", lock.Config{Prefix: "a{b"}, "Prefix"},
+		{"long prefix", lock.Config{Prefix: strings.Repeat("p", 65)}, "Prefix"},
+		{"negative TTL", lock.Config{LeaseTTL: -1}, "LeaseTTL"},
+		{"sub-ms TTL", lock.Config{LeaseTTL: time.Microsecond}, "LeaseTTL"},
+		{"negative retention", lock.Config{Retention: -time.Hour}, "Retention"},
+		{"negative result size", lock.Config{MaxResultSize: -1}, "MaxResultSize"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.cfg.Validate()
+			if tc.field == "" {
+				if err != nil {
+					t.Fatalf("got %v, want nil", err)
+				}
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), "Config."+tc.field) {
+				t.Fatalf("got %v, want an error naming Config.%s", err, tc.field)
+			}
+			if _, err := lock.NewRedisStore(redis.NewClient(&redis.Options{}), tc.cfg); err == nil {
+				t.Fatal("NewRedisStore accepted the config")
+			}
+			if _, err := lock.NewMemoryStore(tc.cfg); err == nil {
+				t.Fatal("NewMemoryStore accepted the config")
+			}
+		})
+	}
+	if _, err := lock.NewRedisStore(nil, lock.Config{}); err == nil {
+		t.Fatal("NewRedisStore(nil): got nil error")
+	}
+}
+
+func TestStatusString(t *testing.T) {
+	for s, want := range map[lock.Status]string{
+		lock.Acquired: "acquired", lock.Completed: "completed", lock.Failed: "failed",
+		lock.InProgress: "in_progress", lock.Conflict: "conflict", 0: "status(0)",
+	} {
+		if got := s.String(); got != want {
+			t.Errorf("Status(%d): got %q, want %q", int(s), got, want)
+		}
+	}
+}
