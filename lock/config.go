@@ -104,6 +104,10 @@ func (c Config) check(req Request) (Request, error) {
 	if req.Retention == 0 {
 		req.Retention = c.Retention
 	}
+	// The server keeps milliseconds: a lease must not claim more than that,
+	// or its local deadline would be later than the server's.
+	req.TTL = req.TTL.Truncate(time.Millisecond)
+	req.Retention = req.Retention.Truncate(time.Millisecond)
 	if req.TTL < MinTTL {
 		return req, fmt.Errorf("%w: lease TTL %v is below the minimum %v", ErrInvalidTTL, req.TTL, MinTTL)
 	}

@@ -62,6 +62,12 @@
 // not yet received a write can forget it too; Redis replication is
 // asynchronous.
 //
+// go-redis ignores context deadlines unless the client has
+// ContextTimeoutEnabled; otherwise a call can block for ReadTimeout (3 s by
+// default) or longer. Package heartbeat copes with a blocked call, but set
+// ContextTimeoutEnabled, or timeouts well under the lease TTL, so that the
+// store answers within a lease.
+//
 // A key that changes meaning within the retention window (a producer that
 // reuses ids) is a duplicate as far as the store knows; payload
 // fingerprints turn that into a Conflict instead of a silent skip.

@@ -88,8 +88,9 @@ type Request struct {
 	// both it and the stored fingerprint are non-empty and differ, Acquire
 	// answers Conflict. Empty disables the check for this call.
 	Fingerprint string
-	// TTL is the lease duration. Zero means the store's default; below
-	// MinTTL is ErrInvalidTTL.
+	// TTL is the lease duration, cut to whole milliseconds (the server's
+	// unit). Zero means the store's default; below MinTTL is
+	// ErrInvalidTTL.
 	TTL time.Duration
 	// Retention is how long the record outlives its last change (the
 	// idempotency window). Zero means the store's default; negative is

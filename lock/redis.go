@@ -177,16 +177,37 @@ func (s *RedisStore) Extend(ctx context.Context, leases ...Lease) []error {
 	if pipe.Len() > 0 {
 		_, _ = pipe.Exec(ctx) // errors are read per command below
 	}
+	var again []int // leases whose server had forgotten the script
 	for i, cmd := range cmds {
 		if cmd == nil {
 			continue
 		}
 		n, err := cmd.Int()
 		if isNoScript(err) {
-			// The server lost its script cache (restart, failover): Run
-			// loads the script again.
-			n, err = extendScript.Run(ctx, s.client, []string{recordKey(s.cfg.Prefix, leases[i].Key)}, extendArgs(leases[i])...).Int()
+			again = append(again, i)
+			continue
 		}
+		errs[i] = leaseReply(leases[i], "extend", n, err)
+	}
+	if len(again) == 0 {
+		return errs
+	}
+	// A restart or failover emptied a script cache: load the script (on
+	// every master of a Cluster) and send those leases again, still as
+	// one pipeline rather than a round trip each.
+	if err := extendScript.Load(ctx, s.client).Err(); err != nil {
+		for _, i := range again {
+			errs[i] = fmt.Errorf("lock: extend %q: loading script: %w", leases[i].Key, err)
+		}
+		return errs
+	}
+	pipe = s.client.Pipeline()
+	for _, i := range again {
+		cmds[i] = extendScript.EvalSha(ctx, pipe, []string{recordKey(s.cfg.Prefix, leases[i].Key)}, extendArgs(leases[i])...)
+	}
+	_, _ = pipe.Exec(ctx)
+	for _, i := range again {
+		n, err := cmds[i].Int()
 		errs[i] = leaseReply(leases[i], "extend", n, err)
 	}
 	return errs

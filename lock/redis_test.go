@@ -177,10 +177,15 @@ func TestRedisExtendIsOnePipeline(t *testing.T) {
 	if err := client.ScriptFlush(ctx).Err(); err != nil {
 		t.Fatal(err)
 	}
+	pipelines.Store(0)
+	commands.Store(0)
 	for i, err := range s.Extend(ctx, leases...) {
 		if err != nil {
 			t.Fatalf("after SCRIPT FLUSH, lease %d: %v", i, err)
 		}
+	}
+	if p, c := pipelines.Load(), commands.Load(); p != 2 || c != 0 {
+		t.Fatalf("Extend after SCRIPT FLUSH: %d pipelines and %d single commands, want 2 (NOSCRIPT, then again) and 0", p, c)
 	}
 }
 
