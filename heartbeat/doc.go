@@ -1,0 +1,55 @@
+// Package heartbeat keeps leases from package lock alive while their
+// handlers run, and tells a handler, through its context, when it can no
+// longer count on its lease.
+//
+// A consumer acquires a lease per message (lock.Store.Acquire), passes it to
+// Keeper.Keep, runs the handler with the returned context, and finishes with
+// Complete, Fail or Release:
+//
+//	ctx, stop := keeper.Keep(ctx, res.Lease)
+//	defer stop()
+//	out, err := handle(ctx, msg) // reads heartbeat.LeaseFromContext(ctx)
+//
+// One Keeper serves every lease of a process with two goroutines: a loop that
+// watches each lease's deadline and, every tick, sends all due leases to the
+// store in one Extend call (one pipelined round trip on Redis), and an
+// extender that makes that call, so a store that hangs (a paused or
+// unreachable Redis, a client that ignores context deadlines) never delays a
+// deadline check. Each lease is extended about every TTL/3 (sooner after a
+// transport error, about every TTL/10), so leases with different TTLs can
+// share a Keeper.
+//
+// # Guarantees
+//
+// The Keeper tracks, for every lease, a conservative local deadline: the
+// local time just before the last confirmed Extend (or the Acquire) was sent,
+// plus the TTL. The server's deadline is never earlier, because the server
+// set it after that moment. The Keeper never trusts the server's clock: it
+// compares readings of this process's clock only (monotonic readings, for
+// leases from a store whose clock is time.Now, the default).
+//
+// The handler's context is cancelled, with a cause from context.Cause:
+//   - wrapping lock.ErrLeaseLost within about one extension interval after an
+//     Extend reports the lease lost (taken over, completed or released
+//     elsewhere, expired from Redis);
+//   - wrapping ErrLeaseUnconfirmed at the local deadline minus
+//     Config.SafetyMargin, when no extension was confirmed in time;
+//   - with ErrClosed when the Keeper shuts down;
+//   - with the parent's cause when the parent context is done.
+//
+// # Limits
+//
+// Cancellation is cooperative: the Keeper cancels a context, it cannot stop
+// a goroutine. A handler that ignores ctx keeps running, and keeps writing,
+// after its lease has run out and another consumer has taken the message
+// over. The safety margin must cover the time a handler takes to notice
+// cancellation and stop, and the difference in clock rate between this host
+// and Redis over one TTL.
+//
+// A lease is not a mutex. A process stopped for longer than the margin (a
+// long GC pause, SIGSTOP, a VM migration, an overloaded host) can resume
+// after its lease expired and act before it looks at its context. Where a
+// duplicate write matters, make the write itself safe: carry the fencing
+// token (LeaseFromContext(ctx).Fence) to the downstream system and have it
+// reject a write whose fence is lower than the highest it has seen.
+package heartbeat
