@@ -1,0 +1,633 @@
+package amqpidem_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// env is one test's broker connection, queue and store.
+type env struct {
+	t     *testing.T
+	url   string
+	conn  *amqp.Connection
+	ch    *amqp.Channel
+	queue string
+	store *lock.RedisStore
+}
+
+func newEnv(t *testing.T, queueArgs amqp.Table) *env {
+	t.Helper()
+	url := testenv.AMQPURL(t)
+	conn, err := amqp.Dial(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := testenv.Name(t)
+	if _, err := ch.QueueDeclare(name, true, false, false, false, queueArgs); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		c, err := amqp.Dial(url)
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		ch, err := c.Channel()
+		if err != nil {
+			return
+		}
+		for _, q := range []string{name, name + ".dlq"} {
+			_, _ = ch.QueueDelete(q, false, false, false)
+		}
+	})
+	store, err := lock.NewRedisStore(testenv.RedisClient(t), lock.Config{Prefix: name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &env{t: t, url: url, conn: conn, ch: ch, queue: name, store: store}
+}
+
+func (e *env) publish(msg amqp.Publishing) {
+	e.t.Helper()
+	if msg.DeliveryMode == 0 {
+		msg.DeliveryMode = amqp.Persistent
+	}
+	if err := e.ch.PublishWithContext(context.Background(), "", e.queue, false, false, msg); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+// get takes one message from queue q, waiting up to d for it.
+func (e *env) get(q string, d time.Duration) (amqp.Delivery, bool) {
+	e.t.Helper()
+	deadline := time.Now().Add(d)
+	for {
+		m, ok, err := e.ch.Get(q, true)
+		if err != nil {
+			e.t.Fatalf("get %s: %v", q, err)
+		}
+		if ok || time.Now().After(deadline) {
+			return m, ok
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// recorder is an Observer that keeps every event.
+type recorder struct {
+	mu     sync.Mutex
+	events []amqpidem.Event
+	at     []time.Time
+}
+
+func (r *recorder) Observe(_ context.Context, e amqpidem.Event) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.events = append(r.events, e)
+	r.at = append(r.at, time.Now())
+}
+
+// waitFor waits until cond holds over the events, or fails after d.
+func (r *recorder) waitFor(t *testing.T, d time.Duration, what string, cond func([]amqpidem.Event) bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for {
+		r.mu.Lock()
+		okNow := cond(r.events)
+		evs := append([]amqpidem.Event(nil), r.events...)
+		r.mu.Unlock()
+		if okNow {
+			return
+		}
+		if time.Now().After(deadline) {
+			var b strings.Builder
+			for _, e := range evs {
+				fmt.Fprintf(&b, "\n  %s %s %q %v", e.Key, e.Outcome, e.Reason, e.Err)
+			}
+			t.Fatalf("timed out waiting for %s; events:%s", what, b.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func count(evs []amqpidem.Event, key string, o amqpidem.Outcome) int {
+	n := 0
+	for _, e := range evs {
+		if e.Key == key && e.Outcome == o {
+			n++
+		}
+	}
+	return n
+}
+
+// startConsumer runs a Consumer until the test ends; it fails the test if
+// Shutdown does not return cleanly.
+func startConsumer(t *testing.T, e *env, cfg amqpidem.ConsumerConfig, h amqpidem.Handler) *amqpidem.Consumer {
+	t.Helper()
+	cfg.URL = e.url
+	cfg.Queue = e.queue
+	c, err := amqpidem.NewConsumer(e.store, cfg, h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- c.Run(context.Background()) }()
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if err := c.Shutdown(ctx); err != nil {
+			t.Errorf("Shutdown: %v", err)
+		}
+		if err := <-done; !errors.Is(err, amqpidem.ErrConsumerClosed) {
+			t.Errorf("Run: got %v, want ErrConsumerClosed", err)
+		}
+	})
+	return c
+}
+
+// runs counts handler executions per key.
+type runs struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+func (r *runs) add(key string) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.n == nil {
+		r.n = map[string]int{}
+	}
+	r.n[key]++
+	return r.n[key]
+}
+
+func (r *runs) get(key string) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.n[key]
+}
+
+func TestConsumerOutcomeTable(t *testing.T) {
+	for _, qt := range []string{"classic", "quorum"} {
+		t.Run(qt, func(t *testing.T) { testOutcomeTable(t, qt) })
+	}
+}
+
+func testOutcomeTable(t *testing.T, queueType string) {
+	e := newEnv(t, amqp.Table{"x-queue-type": queueType})
+	var ran runs
+	h := amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+		info, _ := amqpidem.FromContext(ctx)
+		n := ran.add(d.MessageId)
+		switch d.Type {
+		case "permanent":
+			return nil, amqpidem.Permanent(errors.New("card declined"))
+		case "always":
+			return nil, errors.New("gateway timeout")
+		case "flaky":
+			if n < 3 {
+				return nil, fmt.Errorf("flaky failure %d", n)
+			}
+		case "slow":
+			select {
+			case <-time.After(1500 * time.Millisecond):
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			}
+		}
+		return []byte(fmt.Sprintf("done:%s:attempt=%d:fence=%d", d.MessageId, info.Attempt, info.Fence)), nil
+	})
+	rec := &recorder{}
+	startConsumer(t, e, amqpidem.ConsumerConfig{
+		QueueArgs: amqp.Table{"x-queue-type": queueType},
+		Config: amqpidem.Config{
+			LeaseTTL:        300 * time.Millisecond,
+			MaxAttempts:     3,
+			InProgressDelay: 200 * time.Millisecond,
+			Backoff: func() backoff.BackOff {
+				b := backoff.NewExponentialBackOff()
+				b.InitialInterval, b.Multiplier, b.RandomizationFactor, b.MaxElapsedTime = 300*time.Millisecond, 2, 0, 0
+				b.Reset()
+				return b
+			},
+			Observer: rec,
+		},
+		Prefetch: 16,
+	}, h)
+
+	e.publish(amqp.Publishing{MessageId: "ok", Body: []byte("pay 10")})
+	e.publish(amqp.Publishing{MessageId: "perm", Type: "permanent", Body: []byte("pay 20"),
+		Headers: amqp.Table{"tenant": "acme"}})
+	e.publish(amqp.Publishing{MessageId: "always", Type: "always", Body: []byte("pay 30")})
+	e.publish(amqp.Publishing{MessageId: "flaky", Type: "flaky", Body: []byte("pay 40")})
+	e.publish(amqp.Publishing{Body: []byte("no key")})
+	e.publish(amqp.Publishing{MessageId: "slow", Type: "slow", Body: []byte("long job")})
+	time.Sleep(100 * time.Millisecond)
+	e.publish(amqp.Publishing{MessageId: "slow", Type: "slow", Body: []byte("long job")}) // while it runs
+	rec.waitFor(t, 10*time.Second, "ok completed", func(evs []amqpidem.Event) bool { return count(evs, "ok", amqpidem.Completed) == 1 })
+	e.publish(amqp.Publishing{MessageId: "ok", Body: []byte("pay 10")})      // duplicate of completed
+	e.publish(amqp.Publishing{MessageId: "ok", Body: []byte("pay 10 more")}) // same key, other payload
+
+	rec.waitFor(t, 20*time.Second, "every message settled", func(evs []amqpidem.Event) bool {
+		return count(evs, "ok", amqpidem.Duplicate) == 1 &&
+			count(evs, "perm", amqpidem.DeadLettered) == 1 &&
+			count(evs, "always", amqpidem.DeadLettered) == 1 &&
+			count(evs, "flaky", amqpidem.Completed) == 1 &&
+			count(evs, "", amqpidem.DeadLettered) == 1 &&
+			count(evs, "slow", amqpidem.Completed) == 1 && count(evs, "slow", amqpidem.Duplicate) == 1 &&
+			count(evs, "ok", amqpidem.DeadLettered) == 1
+	})
+
+	// Each key ran as often as its story says, never more.
+	for key, want := range map[string]int{"ok": 1, "perm": 1, "always": 3, "flaky": 3, "slow": 1} {
+		if got := ran.get(key); got != want {
+			t.Errorf("handler runs for %q: got %d, want %d", key, got, want)
+		}
+	}
+
+	rec.mu.Lock()
+	evs := append([]amqpidem.Event(nil), rec.events...)
+	at := append([]time.Time(nil), rec.at...)
+	rec.mu.Unlock()
+	if count(evs, "slow", amqpidem.Busy) < 1 {
+		t.Errorf("the duplicate of the long job was never requeued as busy")
+	}
+	// Requeue delays follow the backoff: 300 ms, then 600 ms.
+	var retried []time.Time
+	var delays []time.Duration
+	for i, ev := range evs {
+		if ev.Key == "flaky" {
+			retried = append(retried, at[i])
+			if ev.Outcome == amqpidem.Retried {
+				delays = append(delays, ev.Delay)
+			}
+		}
+	}
+	if len(delays) != 2 || delays[0] != 300*time.Millisecond || delays[1] != 600*time.Millisecond {
+		t.Errorf("flaky requeue delays: %v, want [300ms 600ms]", delays)
+	}
+	if len(retried) == 3 {
+		gap1, gap2 := retried[1].Sub(retried[0]), retried[2].Sub(retried[1])
+		if gap1 < 250*time.Millisecond || gap2 < 550*time.Millisecond || gap2 <= gap1 {
+			t.Errorf("observed gaps between executions: %v, %v; want >= 300ms, >= 600ms, growing", gap1, gap2)
+		}
+	}
+
+	// Dead letters: one copy each, with headers a person can act on.
+	dead := map[string]amqp.Delivery{}
+	for range 4 {
+		m, ok := e.get(e.queue+".dlq", 5*time.Second)
+		if !ok {
+			t.Fatalf("dead-letter queue has %d messages, want 4", len(dead))
+		}
+		reason, _ := m.Headers[amqpidem.HeaderReason].(string)
+		dead[m.MessageId+"/"+reason] = m
+	}
+	if _, extra := e.get(e.queue+".dlq", 300*time.Millisecond); extra {
+		t.Fatal("more than 4 dead letters")
+	}
+	for _, want := range []string{"perm/permanent failure", "always/attempts exhausted", "/missing key", "ok/key conflict"} {
+		if _, ok := dead[want]; !ok {
+			t.Errorf("no dead letter %q; got %v", want, keys(dead))
+		}
+	}
+	if m := dead["perm/permanent failure"]; m.Headers["tenant"] != "acme" || string(m.Body) != "pay 20" ||
+		!strings.Contains(fmt.Sprint(m.Headers[amqpidem.HeaderError]), "card declined") ||
+		m.Headers[amqpidem.HeaderOriginalRoutingKey] != e.queue || m.Headers[amqpidem.HeaderConsumer] == nil ||
+		m.Headers[amqpidem.HeaderFirstSeen] == nil || m.Type != "permanent" {
+		t.Errorf("permanent dead letter lost data: headers %v body %q", m.Headers, m.Body)
+	}
+	if m := dead["always/attempts exhausted"]; fmt.Sprint(m.Headers[amqpidem.HeaderAttempt]) != "3" ||
+		!strings.Contains(fmt.Sprint(m.Headers[amqpidem.HeaderError]), "gateway timeout") {
+		t.Errorf("exhausted dead letter headers: %v", m.Headers)
+	}
+
+	// Records: completed results are stored; failures too.
+	res, err := e.store.Acquire(context.Background(), lock.Request{Key: "flaky"})
+	if err != nil || res.Status != lock.Completed || !bytes.HasPrefix(res.Value, []byte("done:flaky:attempt=3")) {
+		t.Errorf("flaky record: %v %q %v", res.Status, res.Value, err)
+	}
+	res, err = e.store.Acquire(context.Background(), lock.Request{Key: "always"})
+	if err != nil || res.Status != lock.Failed || !strings.Contains(res.Error, "gateway timeout") {
+		t.Errorf("always record: %v %q %v", res.Status, res.Error, err)
+	}
+}
+
+func keys(m map[string]amqp.Delivery) []string {
+	var out []string
+	for k := range m {
+		out = append(out, k)
+	}
+	return out
+}
+
+// On a quorum queue with a delivery limit, a duplicate that waits for a
+// long job is requeued as a new message each time: the broker's delivery
+// count never reaches the limit, and the duplicate is acked, not dropped.
+func TestQuorumBusyRequeuesDoNotUseDeliveryLimit(t *testing.T) {
+	args := amqp.Table{"x-queue-type": "quorum", "x-delivery-limit": int64(2)}
+	e := newEnv(t, args)
+	var ran runs
+	h := amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+		ran.add(d.MessageId)
+		select {
+		case <-time.After(2 * time.Second):
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+		return []byte("ok"), nil
+	})
+	rec := &recorder{}
+	startConsumer(t, e, amqpidem.ConsumerConfig{
+		QueueArgs: args,
+		Config:    amqpidem.Config{LeaseTTL: 500 * time.Millisecond, InProgressDelay: 100 * time.Millisecond, Observer: rec},
+	}, h)
+	e.publish(amqp.Publishing{MessageId: "job", Body: []byte("x")})
+	time.Sleep(200 * time.Millisecond)
+	e.publish(amqp.Publishing{MessageId: "job", Body: []byte("x")})
+	rec.waitFor(t, 15*time.Second, "job completed and duplicate acked", func(evs []amqpidem.Event) bool {
+		return count(evs, "job", amqpidem.Completed) == 1 && count(evs, "job", amqpidem.Duplicate) == 1
+	})
+	rec.mu.Lock()
+	busy := count(rec.events, "job", amqpidem.Busy)
+	rec.mu.Unlock()
+	if busy <= 2 {
+		t.Fatalf("busy requeues: %d, want more than the delivery limit (2) to prove the point", busy)
+	}
+	if got := ran.get("job"); got != 1 {
+		t.Fatalf("handler runs: %d, want 1", got)
+	}
+}
+
+func TestConsumerShutdownInFlight(t *testing.T) {
+	e := newEnv(t, nil)
+	baseline := runtime.NumGoroutine()
+	started := make(chan struct{}, 1)
+	h := amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+		started <- struct{}{}
+		<-ctx.Done() // a job that only stops when told to
+		return nil, ctx.Err()
+	})
+	c, err := amqpidem.NewConsumer(e.store, amqpidem.ConsumerConfig{URL: e.url, Config: amqpidem.Config{Queue: e.queue}}, h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- c.Run(context.Background()) }()
+	e.publish(amqp.Publishing{MessageId: "long", Body: []byte("x")})
+	select {
+	case <-started:
+	case <-time.After(10 * time.Second):
+		t.Fatal("handler never started")
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	if err := c.Shutdown(ctx); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Shutdown with a handler that outlives ctx: got %v, want DeadlineExceeded", err)
+	}
+	if err := <-done; !errors.Is(err, amqpidem.ErrConsumerClosed) {
+		t.Fatalf("Run: %v", err)
+	}
+	if err := c.Shutdown(context.Background()); err != nil {
+		t.Fatalf("second Shutdown: %v", err)
+	}
+
+	// The message went back to the queue, and its lease was released.
+	m, ok := e.get(e.queue, 5*time.Second)
+	if !ok || m.MessageId != "long" {
+		t.Fatal("the unfinished message is not back in the queue")
+	}
+	res, err := e.store.Acquire(context.Background(), lock.Request{Key: "long"})
+	if err != nil || res.Status != lock.Acquired || res.Lease.Attempt != 2 {
+		t.Fatalf("lease after shutdown: %v attempt %d %v; want released", res.Status, res.Lease.Attempt, err)
+	}
+	waitGoroutines(t, baseline)
+}
+
+// waitGoroutines fails unless the goroutine count comes back to baseline
+// (a little slack for the runtime and connections closing).
+func waitGoroutines(t *testing.T, baseline int) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for runtime.NumGoroutine() > baseline+2 {
+		if time.Now().After(deadline) {
+			buf := make([]byte, 1<<20)
+			t.Fatalf("goroutines: %d, baseline %d\n%s", runtime.NumGoroutine(), baseline, buf[:runtime.Stack(buf, true)])
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func TestConsumerReconnects(t *testing.T) {
+	e := newEnv(t, nil)
+	var mu sync.Mutex
+	var conns []*amqp.Connection
+	var ran runs
+	rec := &recorder{}
+	startConsumer(t, e, amqpidem.ConsumerConfig{
+		Dial: func() (*amqp.Connection, error) {
+			c, err := amqp.Dial(e.url)
+			if err == nil {
+				mu.Lock()
+				conns = append(conns, c)
+				mu.Unlock()
+			}
+			return c, err
+		},
+		Config: amqpidem.Config{Observer: rec},
+	}, amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+		ran.add(d.MessageId)
+		return nil, nil
+	}))
+	for round := range 3 {
+		id := fmt.Sprint("m", round)
+		e.publish(amqp.Publishing{MessageId: id, Body: []byte("x")})
+		rec.waitFor(t, 15*time.Second, id+" completed", func(evs []amqpidem.Event) bool { return count(evs, id, amqpidem.Completed) == 1 })
+		mu.Lock()
+		last := conns[len(conns)-1]
+		mu.Unlock()
+		last.Close() // the connection dies under the consumer
+	}
+	mu.Lock()
+	n := len(conns)
+	mu.Unlock()
+	if n < 3 {
+		t.Fatalf("connections: %d, want a new one after each close", n)
+	}
+	for round := range 3 {
+		if got := ran.get(fmt.Sprint("m", round)); got != 1 {
+			t.Errorf("m%d ran %d times", round, got)
+		}
+	}
+}
+
+func TestWrapOwnLoopAndReplies(t *testing.T) {
+	e := newEnv(t, nil)
+	var ran runs
+	w, err := amqpidem.Wrap(e.conn, e.store, amqpidem.Config{Queue: e.queue},
+		amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+			n := ran.add(d.MessageId)
+			return []byte(fmt.Sprintf("quote for %s (run %d)", d.Body, n)), nil
+		}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := w.Shutdown(context.Background()); err != nil {
+			t.Error(err)
+		}
+	})
+	replies, err := e.ch.QueueDeclare("", false, true, true, false, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		e.publish(amqp.Publishing{MessageId: "rpc-1", Body: []byte("sku-9"), ReplyTo: replies.Name, CorrelationId: fmt.Sprint("c", i)})
+	}
+
+	// The user's own loop: consume, hand each delivery to the wrapper.
+	ch, err := e.conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	msgs, err := ch.Consume(e.queue, "", false, false, false, false, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var outcomes []amqpidem.Outcome
+	for range 3 {
+		d := <-msgs
+		outcomes = append(outcomes, w.Handle(context.Background(), d).Outcome)
+	}
+	if fmt.Sprint(outcomes) != "[completed duplicate duplicate]" {
+		t.Fatalf("outcomes: %v", outcomes)
+	}
+	for i := range 3 {
+		m, ok := e.get(replies.Name, 5*time.Second)
+		if !ok {
+			t.Fatalf("reply %d missing", i)
+		}
+		if string(m.Body) != "quote for sku-9 (run 1)" || m.CorrelationId != fmt.Sprint("c", i) {
+			t.Fatalf("reply %d: %q corr %q", i, m.Body, m.CorrelationId)
+		}
+	}
+	if got := ran.get("rpc-1"); got != 1 {
+		t.Fatalf("handler runs: %d", got)
+	}
+}
+
+// Bad input gets a clear outcome and is never silently dropped; bodies and
+// properties survive requeue hops byte for byte.
+func TestBadInputAndRoundTrips(t *testing.T) {
+	e := newEnv(t, nil)
+	big := bytes.Repeat([]byte("0123456789abcdef"), 1<<16) // 1 MiB
+	var mu sync.Mutex
+	seen := map[string][][]byte{}
+	rec := &recorder{}
+	startConsumer(t, e, amqpidem.ConsumerConfig{
+		Config: amqpidem.Config{
+			Key:      amqpidem.Header("op-id"),
+			Observer: rec,
+			Backoff:  func() backoff.BackOff { return backoff.NewConstantBackOff(50 * time.Millisecond) },
+		},
+	}, amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+		info, _ := amqpidem.FromContext(ctx)
+		mu.Lock()
+		seen[info.Key] = append(seen[info.Key], d.Body)
+		mu.Unlock()
+		if info.Attempt == 1 {
+			return nil, errors.New("first attempt fails") // force a hop through a delay queue
+		}
+		if d.ContentType != "application/octet-stream" || d.Headers["trace"] != "t-1" || d.CorrelationId != "corr" {
+			return nil, amqpidem.Permanent(fmt.Errorf("properties lost: %q %v %q", d.ContentType, d.Headers, d.CorrelationId))
+		}
+		return nil, nil
+	}))
+	props := func(id any, body []byte) amqp.Publishing {
+		return amqp.Publishing{Headers: amqp.Table{"op-id": id, "trace": "t-1"}, ContentType: "application/octet-stream",
+			CorrelationId: "corr", Body: body}
+	}
+	e.publish(props("big", big))
+	e.publish(props("empty", nil))
+	e.publish(props(int32(7), []byte("number key")))
+	e.publish(amqp.Publishing{Body: []byte("no header")})
+	e.publish(props("{braces}\x00\xff", []byte("binary key")))
+
+	rec.waitFor(t, 15*time.Second, "all settled", func(evs []amqpidem.Event) bool {
+		return count(evs, "big", amqpidem.Completed) == 1 && count(evs, "empty", amqpidem.Completed) == 1 &&
+			count(evs, "{braces}\x00\xff", amqpidem.Completed) == 1 && count(evs, "", amqpidem.DeadLettered) == 2
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	if b := seen["big"]; len(b) != 2 || !bytes.Equal(b[1], big) {
+		t.Fatalf("1 MiB body after a requeue hop: %d runs, equal=%v", len(b), len(b) == 2 && bytes.Equal(b[1], big))
+	}
+	for i := range 2 {
+		m, ok := e.get(e.queue+".dlq", 5*time.Second)
+		if !ok {
+			t.Fatalf("dead letter %d missing", i)
+		}
+		if m.Headers[amqpidem.HeaderReason] != "missing key" {
+			t.Fatalf("dead letter reason: %v", m.Headers[amqpidem.HeaderReason])
+		}
+		if string(m.Body) == "number key" && !strings.Contains(fmt.Sprint(m.Headers[amqpidem.HeaderError]), "int32") {
+			t.Fatalf("wrong-type header not explained: %v", m.Headers[amqpidem.HeaderError])
+		}
+	}
+}
+
+// A dead-letter target that does not exist never loses the message: it is
+// kept cycling through a delay until the target works.
+func TestUnroutableDeadLetterTarget(t *testing.T) {
+	e := newEnv(t, nil)
+	exchange := e.queue + ".dead-ex"
+	if err := e.ch.ExchangeDeclare(exchange, "direct", false, true, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	rec := &recorder{}
+	startConsumer(t, e, amqpidem.ConsumerConfig{
+		Config: amqpidem.Config{DeadLetterExchange: exchange, DeadLetterRoutingKey: "dead", Observer: rec,
+			UnavailableDelay: 100 * time.Millisecond},
+	}, amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+		return nil, amqpidem.Permanent(errors.New("bad payment"))
+	}))
+	e.publish(amqp.Publishing{MessageId: "p1", Body: []byte("x")})
+	rec.waitFor(t, 10*time.Second, "two unroutable attempts", func(evs []amqpidem.Event) bool {
+		return count(evs, "p1", amqpidem.Abandoned) >= 2
+	})
+	// Now bind a queue: the next cycle delivers the dead letter.
+	dlq := e.queue + ".custom-dlq"
+	if _, err := e.ch.QueueDeclare(dlq, false, true, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.ch.QueueBind(dlq, "dead", exchange, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	rec.waitFor(t, 10*time.Second, "dead-lettered", func(evs []amqpidem.Event) bool {
+		return count(evs, "p1", amqpidem.DeadLettered) == 1
+	})
+	m, ok := e.get(dlq, 5*time.Second)
+	if !ok || m.MessageId != "p1" || m.Headers[amqpidem.HeaderReason] != "permanent failure" {
+		t.Fatalf("dead letter: ok=%v %+v", ok, m.Headers)
+	}
+}

@@ -1,0 +1,69 @@
+package amqpidem
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// ErrNoKey means a message has no usable idempotency key. KeyFuncs return
+// it, wrapped with the reason.
+var ErrNoKey = errors.New("amqpidem: no idempotency key")
+
+// KeyFunc extracts the idempotency key of a delivery. It returns an error
+// wrapping ErrNoKey when there is none; Config.MissingKey decides what
+// happens then.
+type KeyFunc func(d *amqp.Delivery) (string, error)
+
+// MessageID is the default KeyFunc: the message-id property.
+func MessageID(d *amqp.Delivery) (string, error) {
+	if d.MessageId == "" {
+		return "", fmt.Errorf("%w: message-id property is empty", ErrNoKey)
+	}
+	return d.MessageId, nil
+}
+
+// Header returns a KeyFunc that reads the key from header name. The value
+// must be a non-empty string or byte slice; any other type is ErrNoKey,
+// naming the type found (a number is refused rather than formatted, so
+// that 1 and "1" cannot silently be the same operation).
+func Header(name string) KeyFunc {
+	return func(d *amqp.Delivery) (string, error) {
+		v, ok := d.Headers[name]
+		if !ok {
+			return "", fmt.Errorf("%w: header %q is missing", ErrNoKey, name)
+		}
+		var key string
+		switch v := v.(type) {
+		case string:
+			key = v
+		case []byte:
+			key = string(v)
+		default:
+			return "", fmt.Errorf("%w: header %q is a %T, want a string", ErrNoKey, name, v)
+		}
+		if key == "" {
+			return "", fmt.Errorf("%w: header %q is empty", ErrNoKey, name)
+		}
+		return key, nil
+	}
+}
+
+// BodyHash is a KeyFunc that uses the SHA-256 of the body: two messages with the same body are one operation. Use it
+// only when that is true of your messages; it is never the default. An
+// empty body has no key.
+func BodyHash(d *amqp.Delivery) (string, error) {
+	if len(d.Body) == 0 {
+		return "", fmt.Errorf("%w: body is empty", ErrNoKey)
+	}
+	return "sha256:" + fingerprint(d.Body), nil
+}
+
+// fingerprint identifies a payload for the key-conflict check.
+func fingerprint(body []byte) string {
+	sum := sha256.Sum256(body)
+	return hex.EncodeToString(sum[:16])
+}

@@ -1,0 +1,92 @@
+package amqpidem
+
+import (
+	"context"
+	"fmt"
+	"time"
+)
+
+// Outcome is what became of one delivery.
+type Outcome int
+
+// The outcomes, one per row of the broker mapping.
+const (
+	// Completed: the handler ran and succeeded; the record is completed
+	// and the message acked.
+	Completed Outcome = iota + 1
+	// Duplicate: the key was already completed; acked without running
+	// (the stored reply re-sent if the message has ReplyTo).
+	Duplicate
+	// Busy: another consumer holds the key's lease; requeued with
+	// InProgressDelay, not counted as an attempt.
+	Busy
+	// Retried: the handler failed, retryably; requeued after the queue's
+	// backoff.
+	Retried
+	// DeadLettered: a terminal failure (permanent error, attempts
+	// exhausted, key conflict, missing key, failed duplicate); published
+	// to the dead-letter target and acked.
+	DeadLettered
+	// Dropped: a duplicate of failed work, acked per
+	// AckFailedDuplicate.
+	Dropped
+	// Abandoned: the execution could not finish (lease lost, shutdown,
+	// broker or store unavailable); the message is requeued or left for
+	// the broker to redeliver, and its result, if any, discarded.
+	Abandoned
+)
+
+// String returns the outcome in lower case, as logged.
+func (o Outcome) String() string {
+	switch o {
+	case Completed:
+		return "completed"
+	case Duplicate:
+		return "duplicate"
+	case Busy:
+		return "busy"
+	case Retried:
+		return "retried"
+	case DeadLettered:
+		return "dead_lettered"
+	case Dropped:
+		return "dropped"
+	case Abandoned:
+		return "abandoned"
+	}
+	return fmt.Sprintf("outcome(%d)", int(o))
+}
+
+// Event describes one processed delivery.
+type Event struct {
+	Queue   string
+	Key     string
+	Outcome Outcome
+	// Reason says why, for every outcome but Completed and Duplicate
+	// ("attempts exhausted", "key conflict", "lease lost", ...).
+	Reason string
+	// Attempt and Fence are the lease's (zero without one).
+	Attempt int
+	Fence   int64
+	// Delay is the requeue delay for Busy, Retried and Abandoned.
+	Delay time.Duration
+	// Handler is how long the handler ran (zero if it did not run).
+	Handler time.Duration
+	// Total is the whole processing time, acks included.
+	Total time.Duration
+	// Err is the handler's or the infrastructure's error, if any.
+	Err error
+}
+
+// Observer is told of every processed delivery, for metrics. Observe is
+// called synchronously from the processing goroutine and must be fast
+// and safe for concurrent use.
+type Observer interface {
+	Observe(ctx context.Context, e Event)
+}
+
+// ObserverFunc adapts a function to Observer.
+type ObserverFunc func(ctx context.Context, e Event)
+
+// Observe calls f(ctx, e).
+func (f ObserverFunc) Observe(ctx context.Context, e Event) { f(ctx, e) }

@@ -1,0 +1,433 @@
+package amqpidem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/heartbeat"
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// settleTimeout bounds the store and broker calls that settle a delivery
+// after its handler returned, even when the caller's context is done.
+const settleTimeout = 10 * time.Second
+
+// broker is what the processor needs from RabbitMQ besides the delivery's
+// own ack: confirmed publishes of copies. *publisher is the real one.
+type broker interface {
+	publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error
+	declare(ctx context.Context, name string, args amqp.Table, refresh bool) error
+	forget(name string)
+	requeue(ctx context.Context, queue string, d *amqp.Delivery, delay time.Duration, extra amqp.Table) error
+}
+
+// processor maps one delivery to a store transition and a broker action.
+// It is shared by Wrapper and Consumer; safe for concurrent use.
+type processor struct {
+	cfg     Config
+	store   lock.Store
+	keeper  *heartbeat.Keeper
+	handler Handler
+}
+
+// process runs the whole decision for d and settles it: ack, delayed
+// requeue, dead letter, or, when ctx ends first, a nack with requeue so
+// that the broker delivers it again. It returns what happened.
+func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery) (ev Event) {
+	start := time.Now()
+	ev.Queue = p.cfg.Queue
+	defer func() {
+		ev.Total = time.Since(start)
+		p.report(ctx, ev)
+	}()
+
+	key, err := p.cfg.Key(d)
+	if err == nil && len(key) > lock.MaxKeyLen {
+		err = fmt.Errorf("%w: key is %d bytes, at most %d allowed", ErrNoKey, len(key), lock.MaxKeyLen)
+	}
+	if err != nil {
+		if p.cfg.MissingKey == ProcessMissingKey {
+			p.runUnkeyed(ctx, b, d, &ev, "no key")
+			return ev
+		}
+		p.deadLetter(ctx, b, d, &ev, "missing key", err)
+		return ev
+	}
+	ev.Key = key
+
+	req := lock.Request{Key: key, TTL: p.cfg.LeaseTTL, Retention: p.cfg.Retention}
+	if !p.cfg.SkipFingerprint {
+		req.Fingerprint = fingerprint(d.Body)
+	}
+	res, err := p.store.Acquire(ctx, req)
+	if err != nil {
+		switch {
+		case errors.Is(err, lock.ErrInvalidKey):
+			p.deadLetter(ctx, b, d, &ev, "missing key", err)
+		case ctx.Err() != nil:
+			p.giveBack(d, &ev, "shutdown", err)
+		case p.cfg.FailOpen:
+			p.runUnkeyed(ctx, b, d, &ev, "store unavailable, failing open")
+		default:
+			p.requeue(ctx, b, d, &ev, Abandoned, "store unavailable", p.cfg.UnavailableDelay, err)
+		}
+		return ev
+	}
+	ev.Attempt, ev.Fence = res.Attempts, res.Fence
+
+	switch res.Status {
+	case lock.Completed:
+		if d.ReplyTo != "" {
+			if err := p.reply(ctx, b, d, res.Value); err != nil {
+				p.requeue(ctx, b, d, &ev, Abandoned, "reply not sent", p.cfg.UnavailableDelay, err)
+				return ev
+			}
+		}
+		p.ack(d, &ev, Duplicate)
+	case lock.Failed:
+		failed := errors.New(res.Error)
+		pending := d.Headers[HeaderDeadLetterPending] != nil
+		if p.cfg.FailedDuplicate == AckFailedDuplicate && !pending && !d.Redelivered {
+			ev.Reason, ev.Err = "failed duplicate", failed
+			p.ack(d, &ev, Dropped)
+			return ev
+		}
+		// A redelivered copy may be the first one, whose dead letter was
+		// never confirmed: dead-letter it rather than risk losing it. A
+		// copy requeued because its dead letter was unroutable keeps the
+		// reason it had.
+		reason := "failed duplicate"
+		if r, ok := d.Headers[HeaderReason].(string); ok && pending {
+			reason = r
+		}
+		p.deadLetter(ctx, b, d, &ev, reason, failed)
+	case lock.InProgress:
+		p.requeue(ctx, b, d, &ev, Busy, "in progress elsewhere", p.cfg.InProgressDelay, nil)
+	case lock.Conflict:
+		p.deadLetter(ctx, b, d, &ev, "key conflict",
+			fmt.Errorf("key %q was first seen with a different payload", key))
+	case lock.Acquired:
+		p.run(ctx, b, d, &ev, res.Lease)
+	default:
+		p.requeue(ctx, b, d, &ev, Abandoned, "unexpected store answer", p.cfg.UnavailableDelay,
+			fmt.Errorf("status %v", res.Status))
+	}
+	return ev
+}
+
+// run executes the handler under a kept lease and records its outcome.
+func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, lease lock.Lease) {
+	if lease.Attempt > p.cfg.MaxAttempts {
+		p.fail(ctx, b, d, ev, lease, "attempts exhausted",
+			fmt.Errorf("%d executions started, at most %d allowed (earlier ones crashed or lost their lease)", lease.Attempt-1, p.cfg.MaxAttempts))
+		return
+	}
+
+	hctx, stop := p.keeper.Keep(ctx, lease)
+	defer stop()
+	hctx = withInfo(hctx, Info{Queue: p.cfg.Queue, Key: lease.Key, Attempt: lease.Attempt, Fence: lease.Fence})
+	t0 := time.Now()
+	result, err := call(hctx, p.handler, d)
+	ev.Handler = time.Since(t0)
+
+	if err == nil && len(result) > p.cfg.MaxResultSize {
+		err = Permanent(fmt.Errorf("%w: %d bytes, at most %d allowed", lock.ErrResultTooLarge, len(result), p.cfg.MaxResultSize))
+	}
+	if err == nil {
+		// Complete is compare-and-set on owner and fence: if the lease was
+		// lost, it fails and the result is discarded. If the keeper only
+		// could not confirm the lease but nobody took it over, the result
+		// is still the only one and is kept.
+		sctx, cancel := settleContext(ctx)
+		defer cancel()
+		if err := p.complete(sctx, lease, result); err != nil {
+			reason := "store unavailable"
+			if errors.Is(err, lock.ErrLeaseLost) {
+				reason = "lease lost"
+			}
+			p.requeue(ctx, b, d, ev, Abandoned, reason, p.cfg.InProgressDelay, err)
+			return
+		}
+		stop()
+		if d.ReplyTo != "" {
+			if err := p.reply(sctx, b, d, result); err != nil {
+				// The result is stored: the redelivery is a duplicate
+				// and sends the stored reply.
+				p.requeue(ctx, b, d, ev, Abandoned, "reply not sent", p.cfg.UnavailableDelay, err)
+				return
+			}
+		}
+		p.ack(d, ev, Completed)
+		return
+	}
+
+	if hctx.Err() != nil && !IsPermanent(err) {
+		// The handler was stopped (lease lost or unconfirmed, shutdown):
+		// its failure says nothing about the message.
+		cause := context.Cause(hctx)
+		stop()
+		p.release(ctx, lease)
+		if ctx.Err() != nil {
+			p.giveBack(d, ev, "shutdown", cause)
+			return
+		}
+		p.requeue(ctx, b, d, ev, Abandoned, "lease lost", p.cfg.InProgressDelay, cause)
+		return
+	}
+
+	if !IsPermanent(err) && lease.Attempt < p.cfg.MaxAttempts {
+		if delay, ok := p.cfg.retryDelay(lease.Attempt); ok {
+			stop()
+			p.release(ctx, lease)
+			p.requeue(ctx, b, d, ev, Retried, "handler error", delay, err)
+			return
+		}
+	}
+	reason := "permanent failure"
+	if !IsPermanent(err) {
+		reason = "attempts exhausted"
+	}
+	stop()
+	p.fail(ctx, b, d, ev, lease, reason, err)
+}
+
+// complete stores the result, retrying transport errors until sctx ends.
+func (p *processor) complete(sctx context.Context, lease lock.Lease, result []byte) error {
+	wait := 20 * time.Millisecond
+	for {
+		err := p.store.Complete(sctx, lease, result)
+		if err == nil || errors.Is(err, lock.ErrLeaseLost) || errors.Is(err, lock.ErrResultTooLarge) {
+			return err
+		}
+		select {
+		case <-sctx.Done():
+			return err
+		case <-time.After(wait):
+		}
+		wait = min(2*wait, time.Second)
+	}
+}
+
+// fail records a terminal failure and dead-letters the message.
+func (p *processor) fail(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, lease lock.Lease, reason string, cause error) {
+	sctx, cancel := settleContext(ctx)
+	defer cancel()
+	if err := p.store.Fail(sctx, lease, reason+": "+cause.Error()); err != nil {
+		why := "store unavailable"
+		if errors.Is(err, lock.ErrLeaseLost) {
+			why = "lease lost"
+		}
+		p.requeue(ctx, b, d, ev, Abandoned, why, p.cfg.InProgressDelay, errors.Join(cause, err))
+		return
+	}
+	p.deadLetter(ctx, b, d, ev, reason, cause)
+}
+
+// release gives a lease back so that a retry need not wait for it to
+// expire. A failure only delays that retry by up to the lease TTL.
+func (p *processor) release(ctx context.Context, lease lock.Lease) {
+	sctx, cancel := settleContext(ctx)
+	defer cancel()
+	if err := p.store.Release(sctx, lease); err != nil && !errors.Is(err, lock.ErrLeaseLost) {
+		p.cfg.Logger.WarnContext(ctx, "amqpidem: release failed; the retry waits for the lease to expire",
+			"queue", p.cfg.Queue, "key", lease.Key, "fence", lease.Fence, "error", err)
+	}
+}
+
+// runUnkeyed runs the handler with no lease and no stored outcome.
+func (p *processor) runUnkeyed(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, why string) {
+	attempt := headerInt(d.Headers, HeaderAttempt) + 1
+	ev.Attempt = attempt
+	hctx := withInfo(ctx, Info{Queue: p.cfg.Queue, Attempt: attempt})
+	t0 := time.Now()
+	result, err := call(hctx, p.handler, d)
+	ev.Handler = time.Since(t0)
+	if err == nil {
+		if d.ReplyTo != "" {
+			sctx, cancel := settleContext(ctx)
+			err := p.reply(sctx, b, d, result)
+			cancel()
+			if err != nil {
+				p.cfg.Logger.WarnContext(ctx, "amqpidem: reply not sent", "queue", p.cfg.Queue, "error", err)
+			}
+		}
+		ev.Reason = why
+		p.ack(d, ev, Completed)
+		return
+	}
+	if ctx.Err() != nil && !IsPermanent(err) {
+		p.giveBack(d, ev, "shutdown", err)
+		return
+	}
+	if !IsPermanent(err) && attempt < p.cfg.MaxAttempts {
+		if delay, ok := p.cfg.retryDelay(attempt); ok {
+			p.requeue(ctx, b, d, ev, Retried, "handler error", delay, err)
+			return
+		}
+	}
+	reason := "permanent failure"
+	if !IsPermanent(err) {
+		reason = "attempts exhausted"
+	}
+	p.deadLetter(ctx, b, d, ev, reason, err)
+}
+
+// requeue publishes a copy of d to come back after delay, then acks d.
+// If the copy cannot be published, d is nacked with requeue instead: a
+// duplicate is possible, a loss is not.
+func (p *processor) requeue(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, o Outcome, reason string, delay time.Duration, cause error) {
+	ev.Reason, ev.Delay = reason, delay
+	ev.Err = errors.Join(ev.Err, cause)
+	sctx, cancel := settleContext(ctx)
+	defer cancel()
+	extra := amqp.Table{HeaderAttempt: int64(max(ev.Attempt, headerInt(d.Headers, HeaderAttempt))), HeaderReason: reason}
+	if d.Headers[HeaderDeadLetterPending] != nil {
+		extra[HeaderDeadLetterPending] = d.Headers[HeaderDeadLetterPending]
+	}
+	if err := b.requeue(sctx, p.cfg.Queue, d, delay, extra); err != nil {
+		p.giveBack(d, ev, reason+"; delayed requeue failed", err)
+		return
+	}
+	p.ack(d, ev, o)
+}
+
+// deadLetter publishes d with fault headers to the dead-letter target,
+// then acks it. An unroutable target never loses the message: it is
+// requeued, marked to be dead-lettered again.
+func (p *processor) deadLetter(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, reason string, cause error) {
+	ev.Reason = reason
+	ev.Err = errors.Join(ev.Err, cause)
+	sctx, cancel := settleContext(ctx)
+	defer cancel()
+	msg := copyOf(d, amqp.Table{
+		HeaderReason:   reason,
+		HeaderError:    headerText(cause.Error()),
+		HeaderAttempt:  int64(max(ev.Attempt, headerInt(d.Headers, HeaderAttempt))),
+		HeaderConsumer: p.cfg.ConsumerName,
+		HeaderKey:      headerText(ev.Key),
+	})
+	delete(msg.Headers, HeaderDeadLetterPending)
+	exchange, key := p.cfg.DeadLetterExchange, p.cfg.DeadLetterRoutingKey
+	ownQueue := exchange == "" && key == p.cfg.Queue+".dlq"
+	var err error
+	for try := 0; try < 2; try++ {
+		if ownQueue {
+			if err = b.declare(sctx, key, nil, false); err != nil {
+				break
+			}
+		}
+		if err = b.publish(sctx, exchange, key, msg); err == nil || !errors.Is(err, ErrUnroutable) || !ownQueue {
+			break
+		}
+		b.forget(key) // someone deleted our dead-letter queue: declare it again
+	}
+	if err != nil {
+		p.cfg.Logger.ErrorContext(ctx, "amqpidem: dead letter not delivered; requeued to try again",
+			"queue", p.cfg.Queue, "key", ev.Key, "exchange", exchange, "routing_key", key, "error", err)
+		ev.Err = errors.Join(ev.Err, err)
+		extra := amqp.Table{HeaderDeadLetterPending: headerText(reason + ": " + cause.Error()), HeaderReason: reason}
+		if rerr := b.requeue(sctx, p.cfg.Queue, d, p.cfg.UnavailableDelay, extra); rerr != nil {
+			p.giveBack(d, ev, reason+"; dead letter and requeue failed", rerr)
+			return
+		}
+		ev.Delay = p.cfg.UnavailableDelay
+		p.ack(d, ev, Abandoned)
+		return
+	}
+	p.ack(d, ev, DeadLettered)
+}
+
+// reply sends result to d's ReplyTo with d's CorrelationId.
+func (p *processor) reply(ctx context.Context, b broker, d *amqp.Delivery, result []byte) error {
+	return b.publish(ctx, "", d.ReplyTo, amqp.Publishing{
+		CorrelationId: d.CorrelationId,
+		ContentType:   d.ContentType,
+		Timestamp:     time.Now(),
+		Body:          result,
+	})
+}
+
+// ack acknowledges d on its own channel.
+func (p *processor) ack(d *amqp.Delivery, ev *Event, o Outcome) {
+	ev.Outcome = o
+	if err := d.Ack(false); err != nil {
+		// The channel is gone; the broker will deliver d again and the
+		// record, already settled, makes that a duplicate.
+		ev.Err = errors.Join(ev.Err, fmt.Errorf("amqpidem: ack: %w", err))
+	}
+}
+
+// giveBack nacks d with requeue: the broker delivers it again at once.
+func (p *processor) giveBack(d *amqp.Delivery, ev *Event, reason string, cause error) {
+	ev.Outcome, ev.Reason = Abandoned, reason
+	ev.Err = errors.Join(ev.Err, cause)
+	if err := d.Nack(false, true); err != nil {
+		ev.Err = errors.Join(ev.Err, fmt.Errorf("amqpidem: nack: %w", err))
+	}
+}
+
+// report logs ev and tells the observer.
+func (p *processor) report(ctx context.Context, ev Event) {
+	level := slog.LevelInfo
+	switch {
+	case ev.Outcome == DeadLettered || ev.Err != nil && ev.Outcome == Abandoned:
+		level = slog.LevelWarn
+	case ev.Outcome == Duplicate || ev.Outcome == Busy:
+		level = slog.LevelDebug
+	}
+	if p.cfg.Logger.Enabled(ctx, level) {
+		attrs := []slog.Attr{
+			slog.String("queue", ev.Queue), slog.String("key", ev.Key),
+			slog.String("outcome", ev.Outcome.String()), slog.Int("attempt", ev.Attempt),
+			slog.Int64("fence", ev.Fence), slog.Duration("handler", ev.Handler), slog.Duration("total", ev.Total),
+		}
+		if ev.Reason != "" {
+			attrs = append(attrs, slog.String("reason", ev.Reason))
+		}
+		if ev.Delay > 0 {
+			attrs = append(attrs, slog.Duration("delay", ev.Delay))
+		}
+		if ev.Err != nil {
+			attrs = append(attrs, slog.Any("error", ev.Err))
+		}
+		p.cfg.Logger.LogAttrs(ctx, level, "amqpidem: message "+ev.Outcome.String(), attrs...)
+	}
+	if p.cfg.Observer != nil {
+		p.cfg.Observer.Observe(ctx, ev)
+	}
+}
+
+// settleContext is for the calls that settle a delivery: they must run
+// even when ctx was cancelled (shutdown), within settleTimeout.
+func settleContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
+}
+
+// headerInt reads an integer header of any AMQP integer type; 0 if absent
+// or of another type.
+func headerInt(h amqp.Table, name string) int {
+	switch v := h[name].(type) {
+	case int:
+		return v
+	case int8:
+		return int(v)
+	case int16:
+		return int(v)
+	case int32:
+		return int(v)
+	case int64:
+		return int(v)
+	case uint8:
+		return int(v)
+	case uint16:
+		return int(v)
+	case uint32:
+		return int(v)
+	}
+	return 0
+}

@@ -1,0 +1,228 @@
+package amqpidem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// ErrUnroutable means a mandatory publish was returned by the broker: no
+// queue was bound to take it.
+var ErrUnroutable = errors.New("amqpidem: message unroutable")
+
+// ErrNotConfirmed means the broker nacked a publish.
+var ErrNotConfirmed = errors.New("amqpidem: publish not confirmed")
+
+// ChannelOpener opens AMQP channels. *amqp.Connection is one; a user with
+// their own reconnect logic can pass something that opens a channel on the
+// current connection.
+type ChannelOpener interface {
+	Channel() (*amqp.Channel, error)
+}
+
+// maxPubChannels bounds the confirm-mode channels a publisher keeps open.
+const maxPubChannels = 8
+
+// publisher publishes confirmed, mandatory copies (requeues, dead letters,
+// replies) on channels of its own. One publish at a time per channel, so
+// that a basic.return, which the broker sends before the confirm of the
+// same message, belongs to the publish that waits on that channel.
+type publisher struct {
+	conn ChannelOpener
+	pool chan *pubChannel // idle channels
+	sem  chan struct{}    // bounds open channels
+
+	mu       sync.Mutex
+	declared map[string]time.Time // queues declared on this connection, and when
+	closed   bool
+}
+
+type pubChannel struct {
+	ch      *amqp.Channel
+	returns chan amqp.Return
+}
+
+func newPublisher(conn ChannelOpener) *publisher {
+	return &publisher{
+		conn:     conn,
+		pool:     make(chan *pubChannel, maxPubChannels),
+		sem:      make(chan struct{}, maxPubChannels),
+		declared: make(map[string]time.Time),
+	}
+}
+
+// get returns an idle channel or opens one.
+func (p *publisher) get(ctx context.Context) (*pubChannel, error) {
+	for {
+		select {
+		case pc := <-p.pool:
+			if pc.ch.IsClosed() {
+				<-p.sem
+				continue
+			}
+			return pc, nil
+		default:
+		}
+		select {
+		case pc := <-p.pool:
+			if pc.ch.IsClosed() {
+				<-p.sem
+				continue
+			}
+			return pc, nil
+		case p.sem <- struct{}{}:
+			pc, err := p.open()
+			if err != nil {
+				<-p.sem
+				return nil, err
+			}
+			return pc, nil
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+}
+
+func (p *publisher) open() (*pubChannel, error) {
+	p.mu.Lock()
+	closed := p.closed
+	p.mu.Unlock()
+	if closed {
+		return nil, errors.New("amqpidem: publisher closed")
+	}
+	ch, err := p.conn.Channel()
+	if err != nil {
+		return nil, fmt.Errorf("amqpidem: open publish channel: %w", err)
+	}
+	if err := ch.Confirm(false); err != nil {
+		ch.Close()
+		return nil, fmt.Errorf("amqpidem: confirm mode: %w", err)
+	}
+	// Buffered: the connection's reader goroutine blocks on a full notify
+	// channel. Returns are drained before each publish.
+	return &pubChannel{ch: ch, returns: ch.NotifyReturn(make(chan amqp.Return, 4))}, nil
+}
+
+// put gives a healthy channel back, or drops a broken one.
+func (p *publisher) put(pc *pubChannel, healthy bool) {
+	p.mu.Lock()
+	closed := p.closed
+	p.mu.Unlock()
+	if healthy && !closed && !pc.ch.IsClosed() {
+		p.pool <- pc
+		return
+	}
+	pc.ch.Close()
+	<-p.sem
+}
+
+// publish sends msg with mandatory set and waits for the broker's confirm.
+// It returns ErrUnroutable when the broker returned it, ErrNotConfirmed on
+// a nack. When it returns nil the broker has taken responsibility for the
+// message.
+func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	pc, err := p.get(ctx)
+	if err != nil {
+		return err
+	}
+	healthy := false
+	defer func() { p.put(pc, healthy) }()
+
+	for drained := false; !drained; {
+		select {
+		case <-pc.returns: // left over from a publish that timed out
+		default:
+			drained = true
+		}
+	}
+	dc, err := pc.ch.PublishWithDeferredConfirmWithContext(ctx, exchange, key, true, false, msg)
+	if err != nil {
+		return fmt.Errorf("amqpidem: publish to %q/%q: %w", exchange, key, err)
+	}
+	acked, err := dc.WaitContext(ctx)
+	if err != nil {
+		// The confirm may still come; this channel's state is unknown.
+		return fmt.Errorf("amqpidem: publish to %q/%q: waiting for confirm: %w", exchange, key, err)
+	}
+	healthy = true
+	select {
+	case r := <-pc.returns:
+		return fmt.Errorf("%w: exchange %q routing key %q: %d %s", ErrUnroutable, exchange, key, r.ReplyCode, r.ReplyText)
+	default:
+	}
+	if !acked {
+		return fmt.Errorf("%w: exchange %q routing key %q", ErrNotConfirmed, exchange, key)
+	}
+	return nil
+}
+
+// redeclareAfter is how often a self-expiring delay queue is declared
+// again while in use; each declaration restarts its x-expires clock, which
+// runs at least a minute longer than this.
+const redeclareAfter = 15 * time.Second
+
+// declare declares a durable queue once per publisher (per connection), or,
+// when refresh is set, again every redeclareAfter (to keep a self-expiring
+// queue alive while it is used).
+func (p *publisher) declare(ctx context.Context, name string, args amqp.Table, refresh bool) error {
+	p.mu.Lock()
+	at, done := p.declared[name]
+	p.mu.Unlock()
+	if done && (!refresh || time.Since(at) < redeclareAfter) {
+		return nil
+	}
+	pc, err := p.get(ctx)
+	if err != nil {
+		return err
+	}
+	_, err = pc.ch.QueueDeclare(name, true, false, false, false, args)
+	p.put(pc, err == nil)
+	if err != nil {
+		return fmt.Errorf("amqpidem: declare queue %q: %w", name, err)
+	}
+	p.mu.Lock()
+	p.declared[name] = time.Now()
+	p.mu.Unlock()
+	return nil
+}
+
+// forget makes the next declare of name go to the broker again.
+func (p *publisher) forget(name string) {
+	p.mu.Lock()
+	delete(p.declared, name)
+	p.mu.Unlock()
+}
+
+// close closes the idle channels; channels in use are closed when put back.
+func (p *publisher) close() {
+	p.mu.Lock()
+	p.closed = true
+	p.mu.Unlock()
+	for {
+		select {
+		case pc := <-p.pool:
+			pc.ch.Close()
+			<-p.sem
+		default:
+			return
+		}
+	}
+}
+
+// requeue publishes a copy of d to wait delay in its tier's delay queue and
+// then return to queue (or straight back to queue when delay is zero).
+func (p *publisher) requeue(ctx context.Context, queue string, d *amqp.Delivery, delay time.Duration, extra amqp.Table) error {
+	msg := copyOf(d, extra)
+	if delay <= 0 {
+		return p.publish(ctx, "", queue, msg)
+	}
+	name := delayQueue(queue, delayTier(delay))
+	if err := p.declare(ctx, name, delayQueueArgs(queue, delayTier(delay)), true); err != nil {
+		return err
+	}
+	return p.publish(ctx, "", name, msg)
+}

@@ -1,0 +1,128 @@
+package amqpidem
+
+import (
+	"context"
+	"errors"
+	"sync"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/heartbeat"
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// Wrapper makes one handler idempotent inside a delivery loop the user
+// keeps. Its Handle method takes a delivery and settles it: ack, delayed
+// requeue or dead letter, all on the delivery's own channel for acks and on
+// confirm-mode channels of its own for the copies it publishes.
+//
+// Wrapper is safe for concurrent use: call Handle from as many goroutines
+// as the loop wants to run handlers in.
+type Wrapper struct {
+	proc processor
+	pub  *publisher
+
+	base     context.Context // cancelled to stop in-flight handlers
+	cancel   context.CancelFunc
+	inflight sync.WaitGroup
+	mu       sync.Mutex
+	closed   bool
+	once     sync.Once
+}
+
+// Wrap returns a Wrapper running h for cfg.Queue with store. conn opens the
+// channels the Wrapper publishes on (an *amqp.Connection will do). It starts
+// one heartbeat keeper for all in-flight leases; stop it with Shutdown.
+func Wrap(conn ChannelOpener, store lock.Store, cfg Config, h Handler) (*Wrapper, error) {
+	if conn == nil {
+		return nil, errors.New("amqpidem: Wrap: nil connection")
+	}
+	proc, err := newProcessor(store, cfg, h)
+	if err != nil {
+		return nil, err
+	}
+	base, cancel := context.WithCancel(context.Background())
+	return &Wrapper{proc: proc, pub: newPublisher(conn), base: base, cancel: cancel}, nil
+}
+
+// newProcessor checks the configuration and starts a keeper.
+func newProcessor(store lock.Store, cfg Config, h Handler) (processor, error) {
+	if store == nil {
+		return processor{}, errors.New("amqpidem: nil store")
+	}
+	if h == nil {
+		return processor{}, errors.New("amqpidem: nil handler")
+	}
+	if err := cfg.Validate(); err != nil {
+		return processor{}, err
+	}
+	cfg = cfg.withDefaults()
+	keeper, err := heartbeat.New(store, heartbeat.Config{Logger: cfg.Logger})
+	if err != nil {
+		return processor{}, err
+	}
+	return processor{cfg: cfg, store: store, keeper: keeper, handler: h}, nil
+}
+
+// Handle processes d once per idempotency key and settles it; see the
+// package documentation for what each case does. It returns what happened.
+// When ctx is cancelled (or the Wrapper shut down) while the handler runs,
+// the handler's context is cancelled, its lease released and d nacked with
+// requeue, so the broker delivers it again.
+func (w *Wrapper) Handle(ctx context.Context, d amqp.Delivery) Event {
+	w.mu.Lock()
+	if w.closed {
+		w.mu.Unlock()
+		ev := Event{Queue: w.proc.cfg.Queue}
+		w.proc.giveBack(&d, &ev, "shutdown", errors.New("amqpidem: wrapper shut down"))
+		return ev
+	}
+	w.inflight.Add(1)
+	w.mu.Unlock()
+	defer w.inflight.Done()
+
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stop := context.AfterFunc(w.base, cancel)
+	defer stop()
+	return w.proc.process(ctx, w.pub, &d)
+}
+
+// Shutdown stops accepting deliveries (later Handle calls nack them with
+// requeue), waits for the handlers in flight to finish until ctx is done,
+// then cancels the ones still running (their messages are nacked with
+// requeue and their leases released) and stops the keeper. It returns
+// ctx.Err() if handlers had to be cancelled. Shutdown is idempotent.
+func (w *Wrapper) Shutdown(ctx context.Context) error {
+	w.mu.Lock()
+	w.closed = true
+	w.mu.Unlock()
+	err := waitGroup(ctx, &w.inflight)
+	if err != nil {
+		w.cancel()
+		w.inflight.Wait() // handlers see a cancelled context and settle
+	}
+	w.once.Do(func() {
+		w.cancel()
+		w.pub.close()
+		kctx, cancel := settleContext(ctx)
+		defer cancel()
+		err = errors.Join(err, w.proc.keeper.Shutdown(kctx))
+	})
+	return err
+}
+
+// waitGroup waits for wg until ctx is done.
+func waitGroup(ctx context.Context, wg *sync.WaitGroup) error {
+	done := make(chan struct{})
+	go func() {
+		wg.Wait()
+		close(done)
+	}()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
