@@ -41,6 +41,7 @@ const (
 type RedisStore struct {
 	client redis.UniversalClient
 	cfg    Config
+	batch  batcher // Acquire, Complete, Fail and Release calls
 }
 
 var _ Store = (*RedisStore)(nil)
@@ -54,7 +55,7 @@ func NewRedisStore(client redis.UniversalClient, cfg Config) (*RedisStore, error
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return &RedisStore{client: client, cfg: cfg.withDefaults()}, nil
+	return &RedisStore{client: client, cfg: cfg.withDefaults(), batch: batcher{client: client}}, nil
 }
 
 // Check pings the server, loads the scripts and reads maxmemory-policy on
@@ -98,8 +99,9 @@ func (s *RedisStore) Check(ctx context.Context) error {
 	}
 }
 
-// Acquire takes a lease on req.Key in one round trip (a retry after a
-// network error finds its own owner token and answers Acquired).
+// Acquire takes a lease on req.Key in one round trip, shared with the
+// concurrent calls of other goroutines (a retry after a network error finds
+// its own owner token and answers Acquired).
 func (s *RedisStore) Acquire(ctx context.Context, req Request) (Result, error) {
 	req, err := s.cfg.check(req)
 	if err != nil {
@@ -111,11 +113,12 @@ func (s *RedisStore) Acquire(ctx context.Context, req Request) (Result, error) {
 // acquire runs the acquire script for a checked request and owner token.
 func (s *RedisStore) acquire(ctx context.Context, req Request, owner string) (Result, error) {
 	start := s.cfg.Now()
-	vals, err := acquireScript.Run(ctx, s.client, []string{recordKey(s.cfg.Prefix, req.Key)},
-		owner, req.TTL.Milliseconds(), req.Retention.Milliseconds(), req.Fingerprint, req.Key).Slice()
+	reply, err := s.batch.run(ctx, acquireScript, []string{recordKey(s.cfg.Prefix, req.Key)},
+		owner, req.TTL.Milliseconds(), req.Retention.Milliseconds(), req.Fingerprint, req.Key)
 	if err != nil {
 		return Result{}, fmt.Errorf("lock: acquire %q: %w", req.Key, err)
 	}
+	vals, _ := reply.([]any)
 	if len(vals) != 5 {
 		return Result{}, fmt.Errorf("lock: acquire %q: unexpected reply %v", req.Key, vals)
 	}
@@ -239,9 +242,10 @@ func (s *RedisStore) finish(ctx context.Context, l Lease, op, state string, valu
 	if err := checkLease(l); err != nil {
 		return err
 	}
-	n, err := finishScript.Run(ctx, s.client, []string{recordKey(s.cfg.Prefix, l.Key)},
-		l.Owner, l.Fence, state, value, l.Retention.Milliseconds()).Int()
-	return leaseReply(l, op, n, err)
+	reply, err := s.batch.run(ctx, finishScript, []string{recordKey(s.cfg.Prefix, l.Key)},
+		l.Owner, l.Fence, state, value, l.Retention.Milliseconds())
+	n, _ := reply.(int64)
+	return leaseReply(l, op, int(n), err)
 }
 
 // leaseReply turns a compare-and-set script's reply into an error.
