@@ -3,7 +3,6 @@ package amqpidem
 import (
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"time"
 
@@ -183,7 +182,7 @@ func (c Config) withDefaults() Config {
 		c.ConsumerName = defaultConsumerName()
 	}
 	if c.Logger == nil {
-		c.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+		c.Logger = slog.New(slog.DiscardHandler)
 	}
 	return c
 }

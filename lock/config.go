@@ -2,7 +2,6 @@ package lock
 
 import (
 	"fmt"
-	"io"
 	"log/slog"
 	"strings"
 	"time"
@@ -81,7 +80,7 @@ func (c Config) withDefaults() Config {
 		c.MaxResultSize = DefaultMaxResultSize
 	}
 	if c.Logger == nil {
-		c.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+		c.Logger = slog.New(slog.DiscardHandler)
 	}
 	if c.Now == nil {
 		c.Now = time.Now
