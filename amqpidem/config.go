@@ -71,8 +71,8 @@ type Config struct {
 	Retention time.Duration
 	// Backoff makes a fresh backoff.BackOff for one delivery; the n-th
 	// NextBackOff is the delay before retry n. backoff.Stop means "no
-	// more retries": the message is dead-lettered. Default: exponential,
-	// 1 s initial, factor 2, 10% jitter, 5 min cap.
+	// more retries": the message is dead-lettered. Default:
+	// Exponential(time.Second, 5*time.Minute).
 	Backoff func() backoff.BackOff
 	// MaxAttempts is how many executions a key gets, crashes included,
 	// before it is dead-lettered. Default DefaultMaxAttempts.
@@ -187,15 +187,23 @@ func (c Config) withDefaults() Config {
 	return c
 }
 
-func defaultBackoff() backoff.BackOff {
-	b := backoff.NewExponentialBackOff()
-	b.InitialInterval = time.Second
-	b.Multiplier = 2
-	b.RandomizationFactor = 0.1
-	b.MaxInterval = 5 * time.Minute
-	b.MaxElapsedTime = 0
-	b.Reset()
-	return b
+// defaultBackoff is Config.Backoff's default.
+var defaultBackoff = Exponential(time.Second, 5*time.Minute)
+
+// Exponential returns a Config.Backoff factory: the first retry after
+// initial, each next one twice as long, capped at max, with 10% jitter. It
+// never says stop; Config.MaxAttempts ends the retries.
+func Exponential(initial, max time.Duration) func() backoff.BackOff {
+	return func() backoff.BackOff {
+		b := backoff.NewExponentialBackOff()
+		b.InitialInterval = initial
+		b.Multiplier = 2
+		b.RandomizationFactor = 0.1
+		b.MaxInterval = max
+		b.MaxElapsedTime = 0
+		b.Reset()
+		return b
+	}
 }
 
 // retryDelay is the delay before retry n (n >= 1) from a fresh backoff;

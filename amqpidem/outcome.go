@@ -59,7 +59,10 @@ func (o Outcome) String() string {
 
 // Event describes one processed delivery.
 type Event struct {
-	Queue   string
+	// Queue and Consumer are Config.Queue and Config.ConsumerName.
+	Queue    string
+	Consumer string
+	// Key is the idempotency key, empty when the message had none.
 	Key     string
 	Outcome Outcome
 	// Reason says why, for every outcome but Completed and Duplicate

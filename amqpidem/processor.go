@@ -40,7 +40,7 @@ type processor struct {
 // that the broker delivers it again. It returns what happened.
 func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery) (ev Event) {
 	start := time.Now()
-	ev.Queue = p.cfg.Queue
+	ev.Queue, ev.Consumer = p.cfg.Queue, p.cfg.ConsumerName
 	defer func() {
 		ev.Total = time.Since(start)
 		p.report(ctx, ev)
@@ -82,11 +82,9 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery) (ev
 
 	switch res.Status {
 	case lock.Completed:
-		if d.ReplyTo != "" {
-			if err := p.reply(ctx, b, d, res.Value); err != nil {
-				p.requeue(ctx, b, d, &ev, Abandoned, "reply not sent", p.cfg.UnavailableDelay, err)
-				return ev
-			}
+		if err := p.reply(ctx, b, d, res.Value, &ev); err != nil {
+			p.requeue(ctx, b, d, &ev, Abandoned, "reply not sent", p.cfg.UnavailableDelay, err)
+			return ev
 		}
 		p.ack(d, &ev, Duplicate)
 	case lock.Failed:
@@ -154,13 +152,11 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 			return
 		}
 		stop()
-		if d.ReplyTo != "" {
-			if err := p.reply(sctx, b, d, result); err != nil {
-				// The result is stored: the redelivery is a duplicate
-				// and sends the stored reply.
-				p.requeue(ctx, b, d, ev, Abandoned, "reply not sent", p.cfg.UnavailableDelay, err)
-				return
-			}
+		if err := p.reply(sctx, b, d, result, ev); err != nil {
+			// The result is stored: the redelivery is a duplicate and
+			// sends the stored reply.
+			p.requeue(ctx, b, d, ev, Abandoned, "reply not sent", p.cfg.UnavailableDelay, err)
+			return
 		}
 		p.ack(d, ev, Completed)
 		return
@@ -248,13 +244,13 @@ func (p *processor) runUnkeyed(ctx context.Context, b broker, d *amqp.Delivery, 
 	result, err := call(hctx, p.handler, d)
 	ev.Handler = time.Since(t0)
 	if err == nil {
-		if d.ReplyTo != "" {
-			sctx, cancel := settleContext(ctx)
-			err := p.reply(sctx, b, d, result)
-			cancel()
-			if err != nil {
-				p.cfg.Logger.WarnContext(ctx, "amqpidem: reply not sent", "queue", p.cfg.Queue, "error", err)
-			}
+		sctx, cancel := settleContext(ctx)
+		err := p.reply(sctx, b, d, result, ev)
+		cancel()
+		if err != nil {
+			// Nothing stored to send again: a retry would run the
+			// handler again, so the reply is lost and logged.
+			ev.Err = errors.Join(ev.Err, err)
 		}
 		ev.Reason = why
 		p.ack(d, ev, Completed)
@@ -342,14 +338,25 @@ func (p *processor) deadLetter(ctx context.Context, b broker, d *amqp.Delivery, 
 	p.ack(d, ev, DeadLettered)
 }
 
-// reply sends result to d's ReplyTo with d's CorrelationId.
-func (p *processor) reply(ctx context.Context, b broker, d *amqp.Delivery, result []byte) error {
-	return b.publish(ctx, "", d.ReplyTo, amqp.Publishing{
+// reply sends result to d's ReplyTo, if any, with d's CorrelationId. A
+// reply queue that no longer exists (the client gave up) is not an error:
+// nobody will ever read the reply, so it is noted in ev and dropped; only a
+// publish that may succeed later returns an error.
+func (p *processor) reply(ctx context.Context, b broker, d *amqp.Delivery, result []byte, ev *Event) error {
+	if d.ReplyTo == "" {
+		return nil
+	}
+	err := b.publish(ctx, "", d.ReplyTo, amqp.Publishing{
 		CorrelationId: d.CorrelationId,
 		ContentType:   d.ContentType,
 		Timestamp:     time.Now(),
 		Body:          result,
 	})
+	if errors.Is(err, ErrUnroutable) {
+		ev.Err = errors.Join(ev.Err, fmt.Errorf("amqpidem: reply to %q dropped: %w", d.ReplyTo, err))
+		return nil
+	}
+	return err
 }
 
 // ack acknowledges d on its own channel.
@@ -375,14 +382,14 @@ func (p *processor) giveBack(d *amqp.Delivery, ev *Event, reason string, cause e
 func (p *processor) report(ctx context.Context, ev Event) {
 	level := slog.LevelInfo
 	switch {
-	case ev.Outcome == DeadLettered || ev.Err != nil && ev.Outcome == Abandoned:
+	case ev.Outcome == DeadLettered || ev.Err != nil && ev.Outcome != Retried:
 		level = slog.LevelWarn
 	case ev.Outcome == Duplicate || ev.Outcome == Busy:
 		level = slog.LevelDebug
 	}
 	if p.cfg.Logger.Enabled(ctx, level) {
 		attrs := []slog.Attr{
-			slog.String("queue", ev.Queue), slog.String("key", ev.Key),
+			slog.String("queue", ev.Queue), slog.String("consumer", ev.Consumer), slog.String("key", ev.Key),
 			slog.String("outcome", ev.Outcome.String()), slog.Int("attempt", ev.Attempt),
 			slog.Int64("fence", ev.Fence), slog.Duration("handler", ev.Handler), slog.Duration("total", ev.Total),
 		}

@@ -279,3 +279,25 @@ func TestConfigValidate(t *testing.T) {
 		t.Fatalf("minimal config: %v", err)
 	}
 }
+
+// A reply queue that is gone (the client gave up) does not keep the message
+// cycling: the result is stored, the reply dropped and noted.
+func TestProcessUnroutableReplyIsDropped(t *testing.T) {
+	p, _ := newTestProcessor(t, Config{}, ok("42"))
+	b := &fakeBroker{fail: map[string]error{"gone": ErrUnroutable}}
+	for i, want := range []Outcome{Completed, Duplicate} {
+		d, ack := delivery("k", "x")
+		d.ReplyTo = "gone"
+		ev := p.process(context.Background(), b, d)
+		if ev.Outcome != want || ack.acks != 1 || !errors.Is(ev.Err, ErrUnroutable) {
+			t.Fatalf("delivery %d: %v acks %d err %v", i, ev.Outcome, ack.acks, ev.Err)
+		}
+	}
+	// A reply that may go through later is retried instead.
+	b.fail["gone"] = errors.New("connection reset")
+	d, _ := delivery("k", "x")
+	d.ReplyTo = "gone"
+	if ev := p.process(context.Background(), b, d); ev.Outcome != Abandoned || ev.Reason != "reply not sent" {
+		t.Fatalf("transient reply failure: %v %q", ev.Outcome, ev.Reason)
+	}
+}
