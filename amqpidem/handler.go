@@ -33,7 +33,7 @@ func (f HandlerFunc) Handle(ctx context.Context, d *amqp.Delivery) ([]byte, erro
 // PermanentError marks a handler error as terminal: the message is not
 // retried but dead-lettered and the outcome stored as failed.
 type PermanentError struct {
-	Err error
+	Err error // the handler's error
 }
 
 // Error returns the wrapped error's text.
@@ -66,8 +66,8 @@ func IsPermanent(err error) bool {
 // PanicError is a recovered handler panic. It is retryable: the panic may
 // come from a transient state.
 type PanicError struct {
-	Value any
-	Stack []byte
+	Value any    // what the handler panicked with
+	Stack []byte // the goroutine's stack at the panic
 }
 
 // Error returns the panic value; the stack is in Stack.

@@ -59,26 +59,17 @@ func (o Outcome) String() string {
 
 // Event describes one processed delivery.
 type Event struct {
-	// Queue and Consumer are Config.Queue and Config.ConsumerName.
-	Queue    string
-	Consumer string
-	// Key is the idempotency key, empty when the message had none.
-	Key     string
-	Outcome Outcome
-	// Reason says why, for every outcome but Completed and Duplicate
-	// ("attempts exhausted", "key conflict", "lease lost", ...).
-	Reason string
-	// Attempt and Fence are the lease's (zero without one).
-	Attempt int
-	Fence   int64
-	// Delay is the requeue delay for Busy, Retried and Abandoned.
-	Delay time.Duration
-	// Handler is how long the handler ran (zero if it did not run).
-	Handler time.Duration
-	// Total is the whole processing time, acks included.
-	Total time.Duration
-	// Err is the handler's or the infrastructure's error, if any.
-	Err error
+	Queue    string        // Config.Queue
+	Consumer string        // Config.ConsumerName
+	Key      string        // the idempotency key; empty when the message had none
+	Outcome  Outcome       // what became of the delivery
+	Reason   string        // why, for every outcome but Completed and Duplicate ("attempts exhausted", "lease lost", ...)
+	Attempt  int           // the lease's attempt, or the key's attempts so far; zero without a key
+	Fence    int64         // the lease's fencing token, or the key's latest; zero without a key
+	Delay    time.Duration // the requeue delay, for Busy, Retried and Abandoned
+	Handler  time.Duration // how long the handler ran; zero if it did not run
+	Total    time.Duration // the whole processing time, acks included
+	Err      error         // the handler's or the infrastructure's error, if any
 }
 
 // Observer is told of every processed delivery, for metrics. Observe is
