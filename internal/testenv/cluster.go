@@ -89,19 +89,7 @@ func (c *Cluster) Client(t testing.TB) *redis.ClusterClient {
 
 // waitClusterReady polls until clusterReady holds or ctx ends.
 func waitClusterReady(ctx context.Context, addrs []string) error {
-	tick := time.NewTicker(50 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		err := clusterReady(addrs)
-		if err == nil {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("%w; last check: %v", ctx.Err(), err)
-		case <-tick.C:
-		}
-	}
+	return poll(ctx, 50*time.Millisecond, func() error { return clusterReady(addrs) })
 }
 
 // clusterReady reports whether every node at addrs sees the whole cluster:

@@ -1,7 +1,7 @@
 // Package testenv is the shared infrastructure of the integration tests: it
 // finds the Redis and RabbitMQ the tests talk to, starts throwaway
-// redis-server processes and local Redis Clusters, and names keys and queues
-// so that tests never collide.
+// redis-server processes, local Redis Clusters and Sentinel setups, and names
+// keys and queues so that tests never collide.
 //
 // A typical integration test:
 //
@@ -35,14 +35,14 @@
 // When a service cannot be found the test fails with a message saying what
 // to start. Under `go test -short` it is skipped instead, unless the
 // environment has CI=true: in CI a missing service is always a failure, never
-// a silent skip. The same rule applies to [RedisServer] and [RedisCluster]
-// when the redis-server or redis-cli binaries are not on PATH.
+// a silent skip. The same rule applies to [RedisServer], [RedisCluster] and
+// [RedisSentinel] when the redis-server or redis-cli binaries are not on PATH.
 //
 // # Processes
 //
-// [RedisServer] and [RedisCluster] run redis-server from PATH on free
-// loopback ports (127.0.0.1 only), each process in its own t.TempDir() with
-// its output captured to a log file there. The processes are killed and
+// [RedisServer], [RedisCluster] and [RedisSentinel] run redis-server from
+// PATH on free loopback ports (127.0.0.1 only), each process in its own
+// t.TempDir() with its output captured to a log file there. The processes are killed and
 // waited for in t.Cleanup, whether the test passed or not, and their logs are
 // printed when it failed. On Linux they also die with the test binary if it
 // is killed (for example by -timeout) before t.Cleanup runs.

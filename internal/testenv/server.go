@@ -2,6 +2,7 @@ package testenv
 
 import (
 	"bufio"
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -51,7 +52,8 @@ type Server struct {
 
 	t       testing.TB
 	bin     string
-	args    []string // all arguments but --port
+	conf    string   // config file, given before all other arguments; "" for none
+	args    []string // all arguments but the config file and --port
 	logPath string
 	port    int
 
@@ -176,7 +178,12 @@ func (s *Server) launch(deadline time.Time) error {
 	if fi, err := logf.Stat(); err == nil {
 		offset = fi.Size()
 	}
-	args := append([]string{"--port", strconv.Itoa(s.port)}, s.args...)
+	var args []string
+	if s.conf != "" {
+		args = append(args, s.conf) // redis-server reads a config file only as its first argument
+	}
+	args = append(args, "--port", strconv.Itoa(s.port))
+	args = append(args, s.args...)
 	fmt.Fprintf(logf, "--- testenv %s: %s %s\n", time.Now().Format(time.RFC3339Nano), s.bin, quoteArgs(args))
 
 	cmd := exec.Command(s.bin, args...)
@@ -264,6 +271,24 @@ func (s *Server) logSince(offset int64) string {
 	return string(b)
 }
 
+// poll calls check every interval until it returns nil or ctx ends, and then
+// returns ctx's error with check's last error.
+func poll(ctx context.Context, interval time.Duration, check func() error) error {
+	tick := time.NewTicker(interval)
+	defer tick.Stop()
+	for {
+		err := check()
+		if err == nil {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%w; last check: %v", ctx.Err(), err)
+		case <-tick.C:
+		}
+	}
+}
+
 // freePort returns a port of 127.0.0.1 that was free a moment ago. With bus
 // set, port+10000 was free too.
 func freePort(bus bool) (int, error) {
@@ -334,13 +359,28 @@ func pingRedis(addr string, timeout time.Duration) error {
 // string. It speaks RESP2 directly so that probing a server costs one
 // connection and leaves no client or goroutine behind.
 func command(addr string, timeout time.Duration, args ...string) (string, error) {
-	conn, err := net.DialTimeout("tcp", addr, timeout)
+	reply, err := commandReply(addr, timeout, args...)
 	if err != nil {
 		return "", err
 	}
+	s, ok := reply.(string)
+	if !ok {
+		return "", fmt.Errorf("unexpected reply %v", reply)
+	}
+	return s, nil
+}
+
+// commandReply is command for any reply: a string (simple string, integer or
+// bulk string), nil (a null bulk string or array) or an []any of replies. An
+// error reply is a replyError.
+func commandReply(addr string, timeout time.Duration, args ...string) (any, error) {
+	conn, err := net.DialTimeout("tcp", addr, timeout)
+	if err != nil {
+		return nil, err
+	}
 	defer conn.Close()
 	if err := conn.SetDeadline(time.Now().Add(timeout)); err != nil {
-		return "", err
+		return nil, err
 	}
 	var req strings.Builder
 	fmt.Fprintf(&req, "*%d\r\n", len(args))
@@ -348,34 +388,66 @@ func command(addr string, timeout time.Duration, args ...string) (string, error)
 		fmt.Fprintf(&req, "$%d\r\n%s\r\n", len(a), a)
 	}
 	if _, err := io.WriteString(conn, req.String()); err != nil {
-		return "", err
+		return nil, err
 	}
-	r := bufio.NewReader(conn)
+	return readReply(bufio.NewReader(conn), 0)
+}
+
+// replyError is an error reply from Redis, such as "NOGOODSLAVE No suitable
+// replica to promote".
+type replyError string
+
+func (e replyError) Error() string { return "redis: " + string(e) }
+
+// maxReplyDepth bounds how deeply readReply follows nested arrays.
+const maxReplyDepth = 8
+
+// readReply reads one RESP2 reply; see commandReply. An error reply nested
+// in an array is returned as the array's error.
+func readReply(r *bufio.Reader, depth int) (any, error) {
 	line, err := r.ReadString('\n')
 	if err != nil {
-		return "", err
+		return nil, err
 	}
 	line = strings.TrimSuffix(line, "\r\n")
 	if line == "" {
-		return "", errors.New("empty reply")
+		return nil, errors.New("empty reply")
 	}
 	switch line[0] {
 	case '+', ':':
 		return line[1:], nil
 	case '-':
-		return "", fmt.Errorf("redis: %s", line[1:])
+		return nil, replyError(line[1:])
 	case '$':
 		n, err := strconv.Atoi(line[1:])
-		if err != nil || n < 0 {
-			return "", fmt.Errorf("unexpected reply %q", line)
+		if err != nil || n < -1 {
+			return nil, fmt.Errorf("unexpected reply %q", line)
+		}
+		if n == -1 {
+			return nil, nil
 		}
 		b := make([]byte, n+2)
 		if _, err := io.ReadFull(r, b); err != nil {
-			return "", err
+			return nil, err
 		}
 		return string(b[:n]), nil
+	case '*':
+		n, err := strconv.Atoi(line[1:])
+		if err != nil || n < -1 || depth == maxReplyDepth {
+			return nil, fmt.Errorf("unexpected reply %q", line)
+		}
+		if n == -1 {
+			return nil, nil
+		}
+		elems := make([]any, n)
+		for i := range elems {
+			if elems[i], err = readReply(r, depth+1); err != nil {
+				return nil, err
+			}
+		}
+		return elems, nil
 	default:
-		return "", fmt.Errorf("unexpected reply %q", line)
+		return nil, fmt.Errorf("unexpected reply %q", line)
 	}
 }
 
