@@ -7,8 +7,18 @@ services:
 test: services
 	go test -race -count=1 -timeout 20m ./...
 
-bench:
-	go test -run '^$$' -bench . -benchmem -count 1 ./...
+# bench runs the lock and heartbeat micro benchmarks, then the end-to-end
+# measurement of test/bench (issue 4): a bare amqp091-go consumer, amqpidem with
+# unique and with duplicate messages, and the naive SET NX + SET approach, side
+# by side on classic and quorum queues. It ends with "ratio <variant>/bare
+# <queue type> 0.00" lines. About 5-10 minutes; flags go in BENCH_FLAGS, e.g.
+#   make bench BENCH_FLAGS='-repeats 5 -cpuprofile unique.pprof'
+#   make bench BENCH_FLAGS=-short      # a smoke run of a few seconds
+# REDIS_ADDR and AMQP_URL pick other services than the local defaults.
+BENCH_FLAGS ?=
+bench: services
+	go test -run '^$$' -bench . -benchmem -count 1 ./lock/ ./heartbeat/
+	go run ./test/bench $(BENCH_FLAGS)
 
 lint:
 	@unformatted="$$(gofmt -l .)"; \

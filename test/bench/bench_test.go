@@ -1,0 +1,97 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/amqpidem/amqpidem/internal/testenv"
+)
+
+// TestShortRun runs the harness in its smoke mode against the real services,
+// so that `make test` notices when the measurement stops working. It checks
+// that every variant settled every message as expected and that the output
+// ends with the ratio lines; it never looks at how fast anything was.
+func TestShortRun(t *testing.T) {
+	var out bytes.Buffer
+	opts, err := parseFlags([]string{"-short"}, &out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts.AMQPURL, opts.RedisAddr = testenv.AMQPURL(t), testenv.RedisAddr(t)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	rep, err := run(ctx, opts, &out)
+	t.Logf("output:\n%s", out.String())
+	if err != nil {
+		t.Fatalf("run: %v", err)
+	}
+
+	for _, qt := range opts.QueueTypes {
+		for _, v := range variants {
+			runs := 0
+			for _, r := range rep.Runs {
+				if r.Round == 0 || r.QueueType != qt || r.Variant != v {
+					continue
+				}
+				runs++
+				if got, want := r.Settled, r.N; got != want {
+					t.Errorf("%s %s round %d: settled %d messages, want %d", qt, v, r.Round, got, want)
+				}
+				if got := r.Unexpected; got != 0 {
+					t.Errorf("%s %s round %d: %d unexpected outcomes (first: %s)", qt, v, r.Round, got, r.FirstUnexpected)
+				}
+			}
+			if got, want := runs, opts.Repeats; got != want {
+				t.Errorf("%s %s: %d runs, want %d", qt, v, got, want)
+			}
+		}
+	}
+	if got, want := len(rep.Latency), 2*len(opts.QueueTypes); got != want {
+		t.Errorf("latency runs: got %d, want %d", got, want)
+	}
+	for _, l := range rep.Latency {
+		if got, want := l.Settled, l.N+1; got != want { // +1: the probe
+			t.Errorf("latency %s %s: settled %d, want %d", l.QueueType, l.Variant, got, want)
+		}
+		if l.Samples == 0 {
+			t.Errorf("latency %s %s: no samples", l.QueueType, l.Variant)
+		}
+	}
+	if m := rep.Memory; m == nil {
+		t.Error("no memory phase")
+	} else {
+		if got, want := m.Settled, m.Handlers; got != want {
+			t.Errorf("memory phase: settled %d, want %d", got, want)
+		}
+		if m.Unexpected != 0 || m.InFlight == 0 {
+			t.Errorf("memory phase: %d unexpected outcomes, %d in flight when sampled", m.Unexpected, m.InFlight)
+		}
+	}
+	if rep.LeftKeys != 0 {
+		t.Errorf("%d Redis keys %s* left behind", rep.LeftKeys, rep.Base)
+	}
+
+	// The output ends with one ratio line per variant and queue type, in
+	// order, two decimals.
+	lines := strings.Split(strings.TrimRight(out.String(), "\n"), "\n")
+	var want []string
+	for _, qt := range opts.QueueTypes {
+		for _, v := range []string{"unique", "duplicate", "naive"} {
+			want = append(want, `^ratio `+v+`/bare `+qt+` \d+\.\d\d$`)
+		}
+	}
+	if len(lines) < len(want) {
+		t.Fatalf("output has %d lines, want at least %d", len(lines), len(want))
+	}
+	tail := lines[len(lines)-len(want):]
+	for i, pattern := range want {
+		if !regexp.MustCompile(pattern).MatchString(tail[i]) {
+			t.Errorf("ratio line %d: got %q, want a match of %s", i+1, tail[i], pattern)
+		}
+	}
+}

@@ -1,0 +1,246 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// broker is the harness's own connection to RabbitMQ, for declaring,
+// deleting and filling queues. It remembers every queue it declared so that
+// close can delete whatever a failed run left behind.
+type broker struct {
+	conn *amqp.Connection
+
+	mu     sync.Mutex
+	queues map[string]bool
+}
+
+func dialBroker(url string) (*broker, error) {
+	conn, err := amqp.DialConfig(url, amqp.Config{Dial: amqp.DefaultDial(5 * time.Second)})
+	if err != nil {
+		return nil, fmt.Errorf("amqp %s: %w", redactURL(url), err)
+	}
+	return &broker{conn: conn, queues: map[string]bool{}}, nil
+}
+
+// version is the server's product version, as it announces it.
+func (b *broker) version() string {
+	if v, ok := b.conn.Properties["version"].(string); ok {
+		return v
+	}
+	return "?"
+}
+
+// queueArgs are the arguments every queue of type qt is declared with, by
+// the harness and by amqpidem's default declaration alike.
+func queueArgs(qt string) amqp.Table {
+	return amqp.Table{"x-queue-type": qt}
+}
+
+// declare declares a durable queue of type qt, empty.
+func (b *broker) declare(name, qt string) error {
+	b.mu.Lock()
+	b.queues[name] = true
+	b.mu.Unlock()
+	ch, err := b.conn.Channel()
+	if err != nil {
+		return fmt.Errorf("declare %s: %w", name, err)
+	}
+	defer ch.Close()
+	if _, err := ch.QueueDeclare(name, true, false, false, false, queueArgs(qt)); err != nil {
+		return fmt.Errorf("declare %s: %w", name, err)
+	}
+	if _, err := ch.QueuePurge(name, false); err != nil {
+		return fmt.Errorf("purge %s: %w", name, err)
+	}
+	return nil
+}
+
+// remove deletes queue name and the queues amqpidem may have made for it
+// (its dead-letter queue and the delay tier of the default delays). Deleting
+// a queue that does not exist is not an error for RabbitMQ.
+func (b *broker) remove(name string) error {
+	b.mu.Lock()
+	delete(b.queues, name)
+	b.mu.Unlock()
+	var errs []error
+	for _, q := range []string{name, name + ".dlq", name + ".delay.5000"} {
+		ch, err := b.conn.Channel()
+		if err != nil {
+			return fmt.Errorf("delete %s: %w", q, err)
+		}
+		if _, err := ch.QueueDelete(q, false, false, false); err != nil {
+			errs = append(errs, fmt.Errorf("delete %s: %w", q, err))
+		}
+		_ = ch.Close()
+	}
+	return errors.Join(errs...)
+}
+
+// close deletes the queues still remembered and closes the connection.
+func (b *broker) close() error {
+	b.mu.Lock()
+	left := make([]string, 0, len(b.queues))
+	for q := range b.queues {
+		left = append(left, q)
+	}
+	b.mu.Unlock()
+	var errs []error
+	for _, q := range left {
+		errs = append(errs, b.remove(q))
+	}
+	errs = append(errs, b.conn.Close())
+	return errors.Join(errs...)
+}
+
+// message is what every publish sends: a persistent message whose
+// message-id is the idempotency key.
+func message(id string, body []byte) amqp.Publishing {
+	return amqp.Publishing{
+		MessageId:    id,
+		DeliveryMode: amqp.Persistent,
+		ContentType:  "application/octet-stream",
+		Body:         body,
+	}
+}
+
+// prefill publishes n messages with ids idPrefix+"0" .. idPrefix+"<n-1>" to
+// queue through a confirm-mode channel, keeping up to window confirms
+// outstanding, and returns once the broker confirmed every one.
+func (b *broker) prefill(ctx context.Context, queue, idPrefix string, n int, body []byte) error {
+	ch, err := b.conn.Channel()
+	if err != nil {
+		return fmt.Errorf("prefill %s: %w", queue, err)
+	}
+	defer ch.Close()
+	if err := ch.Confirm(false); err != nil {
+		return fmt.Errorf("prefill %s: confirm mode: %w", queue, err)
+	}
+	const window = 2048
+	pending := make([]*amqp.DeferredConfirmation, 0, window)
+	settle := func(keep int) error {
+		done := 0
+		for ; len(pending)-done > keep; done++ {
+			ok, err := pending[done].WaitContext(ctx)
+			if err != nil {
+				return fmt.Errorf("prefill %s: waiting for confirm: %w", queue, err)
+			}
+			if !ok {
+				return fmt.Errorf("prefill %s: broker nacked message %d", queue, pending[done].DeliveryTag)
+			}
+		}
+		pending = append(pending[:0], pending[done:]...)
+		return nil
+	}
+	for i := range n {
+		dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, "", queue, false, false,
+			message(idPrefix+strconv.Itoa(i), body))
+		if err != nil {
+			return fmt.Errorf("prefill %s: publish: %w", queue, err)
+		}
+		pending = append(pending, dc)
+		if len(pending) == window {
+			if err := settle(window / 2); err != nil {
+				return err
+			}
+		}
+	}
+	return settle(0)
+}
+
+// paced publishes n messages to queue at a steady rate (messages per
+// second) with ids idPrefix+"<i>", calling sent(i, t) with the time just
+// before each publish. The channel is in confirm mode; confirms are counted
+// as they come and waited for at the end. It returns the rate achieved and
+// when the last message was handed to the broker.
+func (b *broker) paced(ctx context.Context, queue, idPrefix string, n int, rate float64, body []byte, sent func(i int, t time.Time)) (achieved float64, last time.Time, err error) {
+	ch, err := b.conn.Channel()
+	if err != nil {
+		return 0, last, fmt.Errorf("publish %s: %w", queue, err)
+	}
+	defer ch.Close()
+	if err := ch.Confirm(false); err != nil {
+		return 0, last, fmt.Errorf("publish %s: confirm mode: %w", queue, err)
+	}
+	confirms := ch.NotifyPublish(make(chan amqp.Confirmation, 1024))
+	var acked, nacked atomic.Int64
+	drained := make(chan struct{})
+	go func() {
+		defer close(drained)
+		for c := range confirms { // closed when the channel closes
+			if c.Ack {
+				acked.Add(1)
+			} else {
+				nacked.Add(1)
+			}
+		}
+	}()
+	defer func() {
+		_ = ch.Close()
+		<-drained
+	}()
+
+	interval := float64(time.Second) / rate
+	start := time.Now()
+	for i := 0; i < n; {
+		due := min(n, int(float64(time.Since(start))/interval)+1)
+		for ; i < due; i++ {
+			now := time.Now()
+			sent(i, now)
+			if err := ch.PublishWithContext(ctx, "", queue, false, false, message(idPrefix+strconv.Itoa(i), body)); err != nil {
+				return 0, last, fmt.Errorf("publish %s: %w", queue, err)
+			}
+		}
+		if i < n {
+			next := start.Add(time.Duration(float64(i) * interval))
+			if err := sleepCtx(ctx, time.Until(next)); err != nil {
+				return 0, last, err
+			}
+		}
+	}
+	last = time.Now()
+	achieved = float64(n) / last.Sub(start).Seconds()
+	// Wait (bounded by ctx) for the broker to confirm everything.
+	for acked.Load()+nacked.Load() < int64(n) {
+		if err := sleepCtx(ctx, time.Millisecond); err != nil {
+			return achieved, last, fmt.Errorf("publish %s: waiting for confirms: %w", queue, err)
+		}
+	}
+	if k := nacked.Load(); k > 0 {
+		return achieved, last, fmt.Errorf("publish %s: broker nacked %d messages", queue, k)
+	}
+	return achieved, last, nil
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	if d <= 0 {
+		return ctx.Err()
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// redactURL hides the password of an AMQP URL.
+func redactURL(url string) string {
+	u, err := amqp.ParseURI(url)
+	if err != nil {
+		return "(unparsable AMQP_URL)"
+	}
+	if u.Password != "" {
+		u.Password = "xxx"
+	}
+	return u.String()
+}

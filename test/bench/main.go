@@ -1,0 +1,257 @@
+// Command bench measures what amqpidem costs per message, side by side on
+// one RabbitMQ and one Redis, in one run (issue 4, `make bench`):
+//
+//	bare       a plain amqp091-go consumer: manual acks, a pool of workers
+//	unique     amqpidem.Consumer on a RedisStore, no-op handler, every key new
+//	duplicate  the same, every message a duplicate of completed work
+//	naive      SET key NX, no-op handler, SET key done, ack (two round trips)
+//
+// All four use the same prefetch (128) and concurrency (32), on a classic and
+// a quorum queue. Each run drains a queue pre-filled by a confirming
+// publisher; throughput is measured from the first ack to the N-th. N is
+// sized by a calibration so that a bare run lasts -duration. Runs are
+// repeated in rounds, the order of the variants rotating from round to
+// round, and medians are reported. Then: the latency each message gains at
+// half the bare maximum rate (bare and unique), Redis round trips per
+// message (go-redis hook: Process plus ProcessPipeline calls), and the
+// goroutines and heap of many long handlers in flight.
+//
+// It ends with lines a script can read:
+//
+//	ratio unique/bare classic 0.83
+//
+// Every figure printed is measured in that run. amqpidem is driven through
+// its public API only (NewConsumer, Observer, lock.NewRedisStore).
+//
+// REDIS_ADDR and AMQP_URL name the services (default 127.0.0.1:6379 and
+// amqp://guest:guest@127.0.0.1:5672/). Every queue and Redis key it makes
+// carries a random run id and is deleted before it exits.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+)
+
+func main() {
+	opts, err := parseFlags(os.Args[1:], os.Stderr)
+	if err != nil {
+		if err == flag.ErrHelp {
+			os.Exit(0)
+		}
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	ctx, cancel := context.WithTimeout(ctx, opts.Timeout)
+	defer cancel()
+	if _, err := run(ctx, opts, os.Stdout); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}
+
+// options are the harness's settings; defaultOptions and shortOptions give
+// the two presets.
+type options struct {
+	AMQPURL   string
+	RedisAddr string
+
+	Prefetch    int
+	Concurrency int
+	QueueTypes  []string
+	BodySize    int
+
+	// Duration is how long a bare run should last; N is sized from it.
+	Duration time.Duration
+	// N fixes the messages per run and skips the calibration when > 0.
+	N          int
+	CalibrateN int
+	MinN, MaxN int
+	Repeats    int
+
+	LatencyDuration time.Duration
+	LatencyWarmup   time.Duration
+	// LatencyMaxN caps the messages of a latency run (0: no cap); the rate
+	// stays, the run gets shorter.
+	LatencyMaxN int
+
+	MemHandlers int
+	MemSleep    time.Duration
+	MemLeaseTTL time.Duration
+
+	// RunTimeout bounds one run (publishing and consuming); Timeout the
+	// whole program.
+	RunTimeout time.Duration
+	Timeout    time.Duration
+
+	CPUProfile string
+}
+
+func defaultOptions() options {
+	return options{
+		AMQPURL:         envOr("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"),
+		RedisAddr:       envOr("REDIS_ADDR", "127.0.0.1:6379"),
+		Prefetch:        128,
+		Concurrency:     32,
+		QueueTypes:      []string{"classic", "quorum"},
+		BodySize:        128,
+		Duration:        4 * time.Second,
+		CalibrateN:      20000,
+		MinN:            2000,
+		MaxN:            1000000,
+		Repeats:         3,
+		LatencyDuration: 5 * time.Second,
+		LatencyWarmup:   500 * time.Millisecond,
+		MemHandlers:     5000,
+		MemSleep:        3 * time.Second,
+		MemLeaseTTL:     time.Second,
+		RunTimeout:      2 * time.Minute,
+		Timeout:         20 * time.Minute,
+	}
+}
+
+// applyShort turns o into the smoke-run preset: tiny fixed N, one round,
+// short latency and memory phases. Flags given explicitly keep their value.
+func applyShort(o *options, set map[string]bool) {
+	short := options{
+		N:               300,
+		Repeats:         1,
+		LatencyDuration: time.Second,
+		LatencyWarmup:   100 * time.Millisecond,
+		LatencyMaxN:     1000,
+		MemHandlers:     100,
+		MemSleep:        1500 * time.Millisecond,
+		MemLeaseTTL:     500 * time.Millisecond,
+		RunTimeout:      time.Minute,
+		Timeout:         5 * time.Minute,
+	}
+	if !set["n"] {
+		o.N = short.N
+	}
+	if !set["repeats"] {
+		o.Repeats = short.Repeats
+	}
+	if !set["latency-duration"] {
+		o.LatencyDuration = short.LatencyDuration
+	}
+	if !set["latency-warmup"] {
+		o.LatencyWarmup = short.LatencyWarmup
+	}
+	if !set["latency-max-n"] {
+		o.LatencyMaxN = short.LatencyMaxN
+	}
+	if !set["mem-handlers"] {
+		o.MemHandlers = short.MemHandlers
+	}
+	if !set["mem-sleep"] {
+		o.MemSleep = short.MemSleep
+	}
+	if !set["mem-lease-ttl"] {
+		o.MemLeaseTTL = short.MemLeaseTTL
+	}
+	if !set["run-timeout"] {
+		o.RunTimeout = short.RunTimeout
+	}
+	if !set["timeout"] {
+		o.Timeout = short.Timeout
+	}
+}
+
+func parseFlags(args []string, out io.Writer) (options, error) {
+	o := defaultOptions()
+	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
+	fs.SetOutput(out)
+	short := fs.Bool("short", false, "smoke run: tiny N, one round, short latency and memory phases (a few seconds)")
+	fs.IntVar(&o.Prefetch, "prefetch", o.Prefetch, "QoS prefetch of every consumer")
+	fs.IntVar(&o.Concurrency, "concurrency", o.Concurrency, "handlers at once in every consumer")
+	queues := fs.String("queues", "classic,quorum", "queue types, comma separated")
+	fs.IntVar(&o.BodySize, "body", o.BodySize, "message body size in bytes")
+	fs.DurationVar(&o.Duration, "duration", o.Duration, "how long a bare throughput run should last; sizes N")
+	fs.IntVar(&o.N, "n", o.N, "messages per throughput run; 0 = calibrate from -duration")
+	fs.IntVar(&o.CalibrateN, "calibrate-n", o.CalibrateN, "messages of the calibration run")
+	fs.IntVar(&o.MaxN, "max-n", o.MaxN, "upper bound of the calibrated N")
+	fs.IntVar(&o.Repeats, "repeats", o.Repeats, "rounds of throughput runs; medians are reported")
+	fs.DurationVar(&o.LatencyDuration, "latency-duration", o.LatencyDuration, "length of each latency run")
+	fs.DurationVar(&o.LatencyWarmup, "latency-warmup", o.LatencyWarmup, "start of each latency run left out of the percentiles")
+	fs.IntVar(&o.LatencyMaxN, "latency-max-n", o.LatencyMaxN, "cap on the messages of a latency run (0: none)")
+	fs.IntVar(&o.MemHandlers, "mem-handlers", o.MemHandlers, "long handlers in flight in the memory phase (0 skips it)")
+	fs.DurationVar(&o.MemSleep, "mem-sleep", o.MemSleep, "how long each memory-phase handler sleeps")
+	fs.DurationVar(&o.MemLeaseTTL, "mem-lease-ttl", o.MemLeaseTTL, "lease TTL in the memory phase (the heartbeat renews it)")
+	fs.DurationVar(&o.RunTimeout, "run-timeout", o.RunTimeout, "hard limit of one run")
+	fs.DurationVar(&o.Timeout, "timeout", o.Timeout, "hard limit of the whole program")
+	fs.StringVar(&o.CPUProfile, "cpuprofile", "", "write a CPU profile of an extra amqpidem unique run (not in the medians) to this file")
+	if err := fs.Parse(args); err != nil {
+		return o, err
+	}
+	if fs.NArg() > 0 {
+		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	if *short {
+		applyShort(&o, set)
+	}
+	o.QueueTypes = splitList(*queues)
+	return o, o.validate()
+}
+
+func (o options) validate() error {
+	switch {
+	case o.Prefetch < 1:
+		return fmt.Errorf("-prefetch %d must be at least 1", o.Prefetch)
+	case o.Concurrency < 1:
+		return fmt.Errorf("-concurrency %d must be at least 1", o.Concurrency)
+	case len(o.QueueTypes) == 0:
+		return fmt.Errorf("-queues names no queue type")
+	case o.BodySize < 0:
+		return fmt.Errorf("-body %d must not be negative", o.BodySize)
+	case o.N < 0:
+		return fmt.Errorf("-n %d must not be negative", o.N)
+	case o.N == 0 && (o.Duration <= 0 || o.CalibrateN < 1 || o.MaxN < o.MinN):
+		return fmt.Errorf("-duration, -calibrate-n and -max-n must be positive to calibrate N")
+	case o.Repeats < 1:
+		return fmt.Errorf("-repeats %d must be at least 1", o.Repeats)
+	case o.LatencyDuration <= 0 || o.LatencyWarmup < 0 || o.LatencyWarmup >= o.LatencyDuration:
+		return fmt.Errorf("-latency-duration must be positive and longer than -latency-warmup")
+	case o.LatencyMaxN < 0:
+		return fmt.Errorf("-latency-max-n %d must not be negative", o.LatencyMaxN)
+	case o.MemHandlers < 0:
+		return fmt.Errorf("-mem-handlers %d must not be negative", o.MemHandlers)
+	case o.MemHandlers > 0 && o.MemSleep <= o.MemLeaseTTL:
+		return fmt.Errorf("-mem-sleep %v must be longer than -mem-lease-ttl %v so that the heartbeat runs", o.MemSleep, o.MemLeaseTTL)
+	case o.RunTimeout <= 0 || o.Timeout <= 0:
+		return fmt.Errorf("-run-timeout and -timeout must be positive")
+	}
+	for _, qt := range o.QueueTypes {
+		if qt != "classic" && qt != "quorum" {
+			return fmt.Errorf("-queues: %q is not classic or quorum", qt)
+		}
+	}
+	return nil
+}
+
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, f := range strings.Split(s, ",") {
+		if f = strings.TrimSpace(f); f != "" {
+			out = append(out, f)
+		}
+	}
+	return out
+}

@@ -1,0 +1,401 @@
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"runtime"
+	"runtime/pprof"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// variant is one of the consumers compared.
+type variant string
+
+const (
+	bare      variant = "bare"
+	unique    variant = "unique"
+	duplicate variant = "duplicate"
+	naive     variant = "naive"
+)
+
+// variants in the order of the tables.
+var variants = []variant{bare, unique, duplicate, naive}
+
+// Lease and retention of the throughput and latency runs. The lease is
+// amqpidem's default; retention is short so that keys a killed run leaves
+// behind expire on their own.
+const (
+	leaseTTL  = amqpidem.DefaultLeaseTTL
+	retention = time.Hour
+)
+
+// env is what every phase shares.
+type env struct {
+	opts  options
+	out   io.Writer
+	base  string // "amqpidem-bench-<run id>": prefix of every queue and key
+	brk   *broker
+	rdb   *redis.Client // the stores' and naive's client, counted by rts
+	rts   *roundTrips
+	admin *redis.Client // cleanup and INFO, not counted
+	body  []byte
+}
+
+// report is everything a run measured; bench_test reads it.
+type report struct {
+	Base     string
+	N        map[string]int
+	Runs     []runResult
+	Latency  []latencyResult
+	Memory   *memoryResult
+	Ratios   []ratio
+	Profile  string
+	LeftKeys int // keys of this run still in Redis after cleanup
+}
+
+// runResult is one throughput run.
+type runResult struct {
+	QueueType string
+	Variant   variant
+	Round     int
+	N         int
+	// Settled counts messages settled as the variant expects (acked;
+	// amqpidem: outcome Completed for unique, Duplicate for duplicate);
+	// Unexpected counts everything else.
+	Settled, Unexpected int
+	FirstUnexpected     string
+	Span                time.Duration // first settlement to the N-th
+	Rate                float64       // (N-1)/Span, messages per second
+	Publish             time.Duration // prefill time
+	RoundTrips          int64         // Redis round trips while consuming
+	ClientCPU           time.Duration // this process, while consuming
+	RedisCPU            time.Duration // the Redis server, while consuming
+}
+
+type ratio struct {
+	Variant   variant
+	QueueType string
+	Value     float64
+}
+
+func run(ctx context.Context, opts options, out io.Writer) (rep *report, err error) {
+	started := time.Now()
+	e := &env{opts: opts, out: out, base: "amqpidem-bench-" + randomHex(4), rts: &roundTrips{}}
+	rep = &report{Base: e.base, N: map[string]int{}}
+	e.body = make([]byte, opts.BodySize)
+	for i := range e.body {
+		e.body[i] = 'a' + byte(i%26)
+	}
+
+	e.rdb = redis.NewClient(&redis.Options{Addr: opts.RedisAddr})
+	e.rdb.AddHook(e.rts)
+	defer e.rdb.Close()
+	e.admin = redis.NewClient(&redis.Options{Addr: opts.RedisAddr})
+	defer e.admin.Close()
+	if err := pingRedis(ctx, e.admin); err != nil {
+		return rep, err
+	}
+	if e.brk, err = dialBroker(opts.AMQPURL); err != nil {
+		return rep, err
+	}
+	defer func() {
+		// Whatever happened: delete this run's queues and keys.
+		cctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		cerr := e.brk.close()
+		if _, kerr := deleteKeys(cctx, e.admin, e.base+"*"); kerr != nil {
+			cerr = errors.Join(cerr, fmt.Errorf("deleting keys %s*: %w", e.base, kerr))
+		}
+		left, kerr := countKeys(cctx, e.admin, e.base+"*")
+		rep.LeftKeys = left
+		if kerr == nil && left > 0 {
+			kerr = fmt.Errorf("%d keys %s* left in Redis", left, e.base)
+		}
+		err = errors.Join(err, cerr, kerr)
+	}()
+	// Load the scripts once, outside every measurement.
+	check, err := lock.NewRedisStore(e.rdb, lock.Config{Prefix: e.base + "-check"})
+	if err != nil {
+		return rep, err
+	}
+	if err := check.Check(ctx); err != nil {
+		return rep, err
+	}
+
+	fmt.Fprintf(out, "amqpidem bench %s  %s %s/%s, %d CPUs (GOMAXPROCS %d)\n",
+		time.Now().Format(time.DateTime), runtime.Version(), runtime.GOOS, runtime.GOARCH, runtime.NumCPU(), runtime.GOMAXPROCS(0))
+	fmt.Fprintf(out, "RabbitMQ %s at %s, Redis %s at %s (go-redis default pool, %d conns)\n",
+		e.brk.version(), redactURL(opts.AMQPURL), redisVersion(ctx, e.admin), opts.RedisAddr, e.rdb.Options().PoolSize)
+	fmt.Fprintf(out, "prefetch %d, concurrency %d, %d-byte persistent messages, %d round(s), run id %s\n",
+		opts.Prefetch, opts.Concurrency, opts.BodySize, opts.Repeats, e.base)
+	fmt.Fprintf(out, "load average at start: %s (other work on this machine skews single runs; compare ratios)\n\n", loadAvg())
+
+	// 1. N per queue type.
+	for _, qt := range opts.QueueTypes {
+		n := opts.N
+		if n == 0 {
+			if n, err = e.calibrate(ctx, qt); err != nil {
+				return rep, fmt.Errorf("calibration on %s: %w", qt, err)
+			}
+		}
+		rep.N[qt] = n
+	}
+
+	// 2. Throughput, in rounds; the order of the variants rotates so that
+	// drift hits all alike. duplicate follows unique in each round: it
+	// replays unique's keys, completed by then.
+	units := [][]variant{{bare}, {unique, duplicate}, {naive}}
+	fmt.Fprintf(out, "throughput runs (queue drained from full; rate = (N-1) / time from first to N-th settlement):\n")
+	for round := 1; round <= opts.Repeats; round++ {
+		for _, qt := range opts.QueueTypes {
+			for k := range units {
+				for _, v := range units[(k+round-1)%len(units)] {
+					r, err := e.throughput(ctx, qt, v, round, rep.N[qt], nil)
+					rep.Runs = append(rep.Runs, r)
+					if err != nil {
+						return rep, fmt.Errorf("round %d, %s %s: %w", round, qt, v, err)
+					}
+					fmt.Fprintf(out, "  round %d %-7s %-9s %9s msg/s  N %d in %v (prefill %v)%s\n", round, qt, v,
+						thousands(r.Rate), r.N, r.Span.Round(time.Millisecond), r.Publish.Round(time.Millisecond), unexpectedNote(r))
+				}
+			}
+			// The round's records are no longer needed.
+			if err := e.deleteRound(ctx, e.roundPrefix(qt, round)); err != nil {
+				return rep, err
+			}
+		}
+	}
+	fmt.Fprintln(out)
+	rep.Ratios = ratios(rep.Runs, opts.QueueTypes)
+
+	// 3. Latency at half the bare median rate.
+	for _, qt := range opts.QueueTypes {
+		rate := 0.5 * median(rates(rep.Runs, qt, bare))
+		for _, v := range []variant{bare, unique} {
+			l, err := e.latency(ctx, qt, v, rate)
+			rep.Latency = append(rep.Latency, l)
+			if err != nil {
+				return rep, fmt.Errorf("latency %s %s: %w", qt, v, err)
+			}
+		}
+	}
+
+	// 4. Many long handlers in flight.
+	if opts.MemHandlers > 0 {
+		m, err := e.memory(ctx, opts.QueueTypes[0])
+		rep.Memory = &m
+		if err != nil {
+			return rep, fmt.Errorf("memory phase: %w", err)
+		}
+	}
+
+	// 5. A CPU profile of one more unique run, not in the medians.
+	if opts.CPUProfile != "" {
+		qt := opts.QueueTypes[0]
+		r, err := e.throughput(ctx, qt, unique, 0, rep.N[qt], &opts.CPUProfile)
+		if err != nil {
+			return rep, fmt.Errorf("profiled run: %w", err)
+		}
+		rep.Profile = fmt.Sprintf("CPU profile of an extra unique run on %s (%s msg/s, N %d, not in the medians): %s",
+			qt, thousands(r.Rate), r.N, opts.CPUProfile)
+	}
+
+	printReport(out, e, rep)
+	fmt.Fprintf(out, "\nload average at end: %s\n", loadAvg())
+	fmt.Fprintf(out, "bench took %v\n\n", time.Since(started).Round(time.Second))
+	for _, r := range rep.Ratios {
+		fmt.Fprintf(out, "ratio %s/bare %s %.2f\n", r.Variant, r.QueueType, r.Value)
+	}
+	var bad []string
+	for _, r := range rep.Runs {
+		if r.Unexpected > 0 {
+			bad = append(bad, fmt.Sprintf("round %d %s %s: %d unexpected (first: %s)", r.Round, r.QueueType, r.Variant, r.Unexpected, r.FirstUnexpected))
+		}
+	}
+	if len(bad) > 0 {
+		return rep, fmt.Errorf("runs with unexpected outcomes, figures not valid: %v", bad)
+	}
+	return rep, nil
+}
+
+// calibrate drains a bare run of CalibrateN messages and sizes N so that a
+// bare run lasts opts.Duration.
+func (e *env) calibrate(ctx context.Context, qt string) (int, error) {
+	r, err := e.throughput(ctx, qt, bare, 0, e.opts.CalibrateN, nil)
+	if err != nil {
+		return 0, err
+	}
+	n := int(r.Rate * e.opts.Duration.Seconds())
+	if n > 10000 {
+		n = (n + 500) / 1000 * 1000
+	}
+	n = min(max(n, e.opts.MinN), e.opts.MaxN)
+	fmt.Fprintf(e.out, "calibration %-7s bare %9s msg/s over %d messages -> N = %d (bare run ~%v)\n",
+		qt, thousands(r.Rate), r.N, n, e.opts.Duration)
+	return n, nil
+}
+
+// deleteRound deletes the store records ("<prefix>:{...}") and naive keys
+// ("<prefix>-naive:...") under a round's prefix.
+func (e *env) deleteRound(ctx context.Context, prefix string) error {
+	for _, pattern := range []string{prefix + ":*", prefix + "-naive:*"} {
+		if _, err := deleteKeys(ctx, e.admin, pattern); err != nil {
+			return fmt.Errorf("deleting %s: %w", pattern, err)
+		}
+	}
+	return nil
+}
+
+// roundPrefix names a round's store records and naive keys.
+func (e *env) roundPrefix(qt string, round int) string {
+	return fmt.Sprintf("%s-%s-r%d", e.base, qt, round)
+}
+
+// throughput publishes n messages to a fresh queue, then drains it with
+// variant v and measures. round 0 is a calibration or profiled run. With
+// profile set, the consuming is CPU-profiled into that file.
+func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int, profile *string) (res runResult, err error) {
+	res = runResult{QueueType: qt, Variant: v, Round: round, N: n}
+	ctx, cancel := context.WithTimeout(ctx, e.opts.RunTimeout)
+	defer cancel()
+
+	prefix := e.roundPrefix(qt, round)
+	if round == 0 {
+		prefix += "-" + randomHex(2)
+	}
+	queue := prefix + "-" + string(v)
+	if err := e.brk.declare(queue, qt); err != nil {
+		return res, err
+	}
+	defer func() { err = errors.Join(err, e.brk.remove(queue)) }()
+
+	// unique and duplicate share the round's ids and store prefix:
+	// duplicate replays what unique completed.
+	ids := string(v) + "-"
+	if v == unique || v == duplicate {
+		ids = "m-"
+	}
+	t0 := time.Now()
+	if err := e.brk.prefill(ctx, queue, ids, n, e.body); err != nil {
+		return res, err
+	}
+	res.Publish = time.Since(t0)
+
+	t := newTally(n, nil)
+	cpu0, rcpu0 := processCPU(), redisCPU(ctx, e.admin)
+	rt0 := e.rts.n.Load()
+	if profile != nil {
+		f, err := os.Create(*profile)
+		if err != nil {
+			return res, err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return res, err
+		}
+		defer pprof.StopCPUProfile()
+	}
+	c, err := e.start(ctx, qt, v, queue, prefix, t)
+	if err != nil {
+		return res, err
+	}
+	werr := t.wait(ctx, e.opts.RunTimeout, c)
+	res.RoundTrips = e.rts.n.Load() - rt0
+	res.ClientCPU, res.RedisCPU = processCPU()-cpu0, redisCPU(ctx, e.admin)-rcpu0
+	if profile != nil {
+		pprof.StopCPUProfile()
+	}
+	sctx, scancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
+	defer scancel()
+	serr := c.stop(sctx)
+
+	res.Settled, res.Unexpected, res.FirstUnexpected = int(t.ok.Load()), int(t.bad.Load()), t.firstReason()
+	if werr == nil {
+		res.Span = t.span()
+		if res.Span > 0 {
+			res.Rate = float64(n-1) / res.Span.Seconds()
+		}
+	}
+	err = errors.Join(werr, serr)
+	if round == 0 {
+		err = errors.Join(err, e.deleteRound(context.WithoutCancel(ctx), prefix))
+	}
+	return res, err
+}
+
+// start starts variant v's consumer on queue. prefix names its Redis keys.
+func (e *env) start(ctx context.Context, qt string, v variant, queue, prefix string, t *tally) (consumer, error) {
+	switch v {
+	case bare:
+		return startPlain(ctx, e.opts.AMQPURL, queue, e.opts.Prefetch, e.opts.Concurrency, noop, t)
+	case naive:
+		return startPlain(ctx, e.opts.AMQPURL, queue, e.opts.Prefetch, e.opts.Concurrency,
+			naiveHandle(e.rdb, prefix+"-naive:", leaseTTL, retention), t)
+	}
+	store, err := lock.NewRedisStore(e.rdb, lock.Config{Prefix: prefix})
+	if err != nil {
+		return nil, err
+	}
+	want := amqpidem.Completed
+	if v == duplicate {
+		want = amqpidem.Duplicate
+	}
+	return startIdem(ctx, store, idemConfig{
+		url: e.opts.AMQPURL, queue: queue, queueType: qt,
+		prefetch: e.opts.Prefetch, concurrency: e.opts.Concurrency,
+		leaseTTL: leaseTTL, retention: retention,
+		handler: noopHandler, want: want,
+	}, t)
+}
+
+// loadAvg is the 1, 5 and 15 minute load averages from /proc/loadavg, or
+// "unknown".
+func loadAvg() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return "unknown"
+	}
+	f := strings.Fields(string(b))
+	if len(f) < 3 {
+		return "unknown"
+	}
+	return strings.Join(f[:3], " ")
+}
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+func unexpectedNote(r runResult) string {
+	if r.Unexpected == 0 {
+		return ""
+	}
+	return fmt.Sprintf("  UNEXPECTED: %d (first: %s)", r.Unexpected, r.FirstUnexpected)
+}
+
+// thousands formats a rate as an integer with thousands separators.
+func thousands(f float64) string {
+	s := strconv.FormatInt(int64(f+0.5), 10)
+	out := make([]byte, 0, len(s)+len(s)/3)
+	for i := range len(s) {
+		if i > 0 && (len(s)-i)%3 == 0 {
+			out = append(out, ',')
+		}
+		out = append(out, s[i])
+	}
+	return string(out)
+}
