@@ -224,6 +224,10 @@ func (c *Consumer) session(ctx context.Context) error {
 	c.proc.cfg.Logger.InfoContext(ctx, "amqpidem: consuming", "queue", c.cfg.Queue,
 		"prefetch", c.cfg.Prefetch, "concurrency", c.cfg.Concurrency)
 
+	// Acks go through acks, which folds them into multiple acks on this
+	// channel; what it holds is sent once the handlers are done.
+	acks := newAcker(ch)
+	defer acks.flush()
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	sem := make(chan struct{}, c.cfg.Concurrency)
@@ -233,11 +237,12 @@ func (c *Consumer) session(ctx context.Context) error {
 			if !ok {
 				return c.closedErr(connClosed, chClosed)
 			}
+			d.Acknowledger = acks
 			select {
 			case sem <- struct{}{}:
 			case <-c.stopping:
 				_ = d.Nack(false, true)
-				c.drain(ch, deliveries)
+				c.drain(ch, acks, deliveries)
 				return nil
 			}
 			wg.Add(1)
@@ -247,10 +252,10 @@ func (c *Consumer) session(ctx context.Context) error {
 				c.proc.process(c.base, pub, &d)
 			}()
 		case <-c.stopping:
-			c.drain(ch, deliveries)
+			c.drain(ch, acks, deliveries)
 			return nil
 		case <-ctx.Done():
-			c.drain(ch, deliveries)
+			c.drain(ch, acks, deliveries)
 			return ctx.Err()
 		}
 	}
@@ -272,7 +277,7 @@ func (c *Consumer) closedErr(connClosed, chClosed <-chan *amqp.Error) error {
 
 // drain cancels the AMQP consumer and hands back, unprocessed, the
 // deliveries that were already on their way.
-func (c *Consumer) drain(ch *amqp.Channel, deliveries <-chan amqp.Delivery) {
+func (c *Consumer) drain(ch *amqp.Channel, acks *acker, deliveries <-chan amqp.Delivery) {
 	_ = ch.Cancel(c.cfg.ConsumerTag, false)
 	timeout := time.NewTimer(5 * time.Second)
 	defer timeout.Stop()
@@ -282,7 +287,7 @@ func (c *Consumer) drain(ch *amqp.Channel, deliveries <-chan amqp.Delivery) {
 			if !ok {
 				return
 			}
-			_ = d.Nack(false, true)
+			_ = acks.Nack(d.DeliveryTag, false, true)
 		case <-timeout.C:
 			return // closing the channel returns the rest to the queue
 		}

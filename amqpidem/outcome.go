@@ -73,8 +73,9 @@ type Event struct {
 }
 
 // Observer is told of every processed delivery, for metrics. Observe is
-// called synchronously from the processing goroutine and must be fast
-// and safe for concurrent use.
+// called synchronously from the processing goroutine, after the delivery
+// was settled (a Consumer may fold an ack into a multiple ack sent up to
+// 20 ms later), and must be fast and safe for concurrent use.
 type Observer interface {
 	Observe(ctx context.Context, e Event)
 }

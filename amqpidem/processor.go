@@ -141,9 +141,7 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 		// lost, it fails and the result is discarded. If the keeper only
 		// could not confirm the lease but nobody took it over, the result
 		// is still the only one and is kept.
-		sctx, cancel := settleContext(ctx)
-		defer cancel()
-		if err := p.complete(sctx, lease, result); err != nil {
+		if err := p.complete(ctx, lease, result); err != nil {
 			reason := "store unavailable"
 			if errors.Is(err, lock.ErrLeaseLost) {
 				reason = "lease lost"
@@ -152,7 +150,7 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 			return
 		}
 		stop()
-		if err := p.reply(sctx, b, d, result, ev); err != nil {
+		if err := p.replyResult(ctx, b, d, result, ev); err != nil {
 			// The result is stored: the redelivery is a duplicate and
 			// sends the stored reply.
 			p.requeue(ctx, b, d, ev, Abandoned, "reply not sent", p.cfg.UnavailableDelay, err)
@@ -192,21 +190,41 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 	p.fail(ctx, b, d, ev, lease, reason, err)
 }
 
-// complete stores the result, retrying transport errors until sctx ends.
-func (p *processor) complete(sctx context.Context, lease lock.Lease, result []byte) error {
+// complete stores the result, even if ctx was cancelled meanwhile (the
+// work is done), retrying transport errors for up to settleTimeout.
+func (p *processor) complete(ctx context.Context, lease lock.Lease, result []byte) error {
+	final := func(err error) bool {
+		return err == nil || errors.Is(err, lock.ErrLeaseLost) || errors.Is(err, lock.ErrResultTooLarge)
+	}
+	err := p.store.Complete(context.WithoutCancel(ctx), lease, result)
+	if final(err) {
+		return err
+	}
+	sctx, cancel := settleContext(ctx)
+	defer cancel()
 	wait := 20 * time.Millisecond
 	for {
-		err := p.store.Complete(sctx, lease, result)
-		if err == nil || errors.Is(err, lock.ErrLeaseLost) || errors.Is(err, lock.ErrResultTooLarge) {
-			return err
-		}
 		select {
 		case <-sctx.Done():
 			return err
 		case <-time.After(wait):
 		}
 		wait = min(2*wait, time.Second)
+		if err = p.store.Complete(sctx, lease, result); final(err) {
+			return err
+		}
 	}
+}
+
+// replyResult sends result to d's ReplyTo, if it has one, within
+// settleTimeout.
+func (p *processor) replyResult(ctx context.Context, b broker, d *amqp.Delivery, result []byte, ev *Event) error {
+	if d.ReplyTo == "" {
+		return nil
+	}
+	sctx, cancel := settleContext(ctx)
+	defer cancel()
+	return p.reply(sctx, b, d, result, ev)
 }
 
 // fail records a terminal failure and dead-letters the message.
@@ -244,10 +262,7 @@ func (p *processor) runUnkeyed(ctx context.Context, b broker, d *amqp.Delivery, 
 	result, err := call(hctx, p.handler, d)
 	ev.Handler = time.Since(t0)
 	if err == nil {
-		sctx, cancel := settleContext(ctx)
-		err := p.reply(sctx, b, d, result, ev)
-		cancel()
-		if err != nil {
+		if err := p.replyResult(ctx, b, d, result, ev); err != nil {
 			// Nothing stored to send again: a retry would run the
 			// handler again, so the reply is lost and logged.
 			ev.Err = errors.Join(ev.Err, err)

@@ -46,3 +46,17 @@ func TestTruncate(t *testing.T) {
 		}
 	}
 }
+
+// A lease carries its record's key, but a store uses it only if the key is
+// in its own namespace.
+func TestKeyOfOtherStoresLease(t *testing.T) {
+	a := &RedisStore{cfg: Config{Prefix: "a"}.withDefaults()}
+	ab := &RedisStore{cfg: Config{Prefix: "a:b"}.withDefaults()}
+	l := Lease{Key: "k", rkey: recordKey("a:b", "k")}
+	if got, want := ab.keyOf(l), recordKey("a:b", "k"); got != want {
+		t.Fatalf("own lease: %q, want %q", got, want)
+	}
+	if got, want := a.keyOf(l), recordKey("a", "k"); got != want {
+		t.Fatalf("other store's lease: %q, want %q", got, want)
+	}
+}

@@ -122,6 +122,8 @@ type Lease struct {
 	// the local time just before the request that set the server's
 	// deadline was sent, plus TTL. The server's deadline is never earlier.
 	Deadline time.Time
+
+	rkey string // the record's Redis key, if a RedisStore issued the lease
 }
 
 // Result is Acquire's answer.

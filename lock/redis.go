@@ -113,7 +113,8 @@ func (s *RedisStore) Acquire(ctx context.Context, req Request) (Result, error) {
 // acquire runs the acquire script for a checked request and owner token.
 func (s *RedisStore) acquire(ctx context.Context, req Request, owner string) (Result, error) {
 	start := s.cfg.Now()
-	reply, err := s.batch.run(ctx, acquireScript, []string{recordKey(s.cfg.Prefix, req.Key)},
+	rkey := recordKey(s.cfg.Prefix, req.Key)
+	reply, err := s.batch.run(ctx, acquireScript, []string{rkey},
 		owner, req.TTL.Milliseconds(), req.Retention.Milliseconds(), req.Fingerprint, req.Key)
 	if err != nil {
 		return Result{}, fmt.Errorf("lock: acquire %q: %w", req.Key, err)
@@ -139,6 +140,7 @@ func (s *RedisStore) acquire(ctx context.Context, req Request, owner string) (Re
 			TTL:       req.TTL,
 			Retention: req.Retention,
 			Deadline:  start.Add(req.TTL),
+			rkey:      rkey,
 		}
 	case Completed:
 		res.Value = []byte(value)
@@ -164,7 +166,7 @@ func (s *RedisStore) Extend(ctx context.Context, leases ...Lease) []error {
 		if errs[0] = checkLease(l); errs[0] != nil {
 			return errs
 		}
-		n, err := extendScript.Run(ctx, s.client, []string{recordKey(s.cfg.Prefix, l.Key)}, extendArgs(l)...).Int()
+		n, err := extendScript.Run(ctx, s.client, []string{s.keyOf(l)}, extendArgs(l)...).Int()
 		errs[0] = leaseReply(l, "extend", n, err)
 		return errs
 	}
@@ -175,7 +177,7 @@ func (s *RedisStore) Extend(ctx context.Context, leases ...Lease) []error {
 		if errs[i] = checkLease(l); errs[i] != nil {
 			continue
 		}
-		cmds[i] = extendScript.EvalSha(ctx, pipe, []string{recordKey(s.cfg.Prefix, l.Key)}, extendArgs(l)...)
+		cmds[i] = extendScript.EvalSha(ctx, pipe, []string{s.keyOf(l)}, extendArgs(l)...)
 	}
 	if pipe.Len() > 0 {
 		_, _ = pipe.Exec(ctx) // errors are read per command below
@@ -206,7 +208,7 @@ func (s *RedisStore) Extend(ctx context.Context, leases ...Lease) []error {
 	}
 	pipe = s.client.Pipeline()
 	for _, i := range again {
-		cmds[i] = extendScript.EvalSha(ctx, pipe, []string{recordKey(s.cfg.Prefix, leases[i].Key)}, extendArgs(leases[i])...)
+		cmds[i] = extendScript.EvalSha(ctx, pipe, []string{s.keyOf(leases[i])}, extendArgs(leases[i])...)
 	}
 	_, _ = pipe.Exec(ctx)
 	for _, i := range again {
@@ -242,7 +244,7 @@ func (s *RedisStore) finish(ctx context.Context, l Lease, op, state string, valu
 	if err := checkLease(l); err != nil {
 		return err
 	}
-	reply, err := s.batch.run(ctx, finishScript, []string{recordKey(s.cfg.Prefix, l.Key)},
+	reply, err := s.batch.run(ctx, finishScript, []string{s.keyOf(l)},
 		l.Owner, l.Fence, state, value, l.Retention.Milliseconds())
 	n, _ := reply.(int64)
 	return leaseReply(l, op, int(n), err)
@@ -273,4 +275,13 @@ func truncate(s string, n int) string {
 		return s[:n]
 	}
 	return s[:n-len(mark)] + mark
+}
+
+// keyOf returns the Redis key of l's record, computed once by Acquire.
+func (s *RedisStore) keyOf(l Lease) string {
+	// Prefixes hold no '{', so "<prefix>:{" names this store's records only.
+	if n := len(s.cfg.Prefix); len(l.rkey) > n+2 && l.rkey[:n] == s.cfg.Prefix && l.rkey[n:n+2] == ":{" {
+		return l.rkey
+	}
+	return recordKey(s.cfg.Prefix, l.Key)
 }

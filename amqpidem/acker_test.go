@@ -1,0 +1,186 @@
+package amqpidem
+
+import (
+	"fmt"
+	"math/rand"
+	"sync"
+	"testing"
+	"time"
+)
+
+// fakeChannel keeps the broker's view of one channel's unacked deliveries
+// and refuses what RabbitMQ refuses: settling a tag that is not unacked.
+type fakeChannel struct {
+	mu       sync.Mutex
+	unacked  map[uint64]bool
+	acked    map[uint64]bool
+	nacked   map[uint64]bool
+	frames   []string
+	problems []string
+}
+
+func newFakeChannel(n int) *fakeChannel {
+	f := &fakeChannel{unacked: map[uint64]bool{}, acked: map[uint64]bool{}, nacked: map[uint64]bool{}}
+	for tag := uint64(1); tag <= uint64(n); tag++ {
+		f.unacked[tag] = true
+	}
+	return f
+}
+
+func (f *fakeChannel) Ack(tag uint64, multiple bool) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.frames = append(f.frames, fmt.Sprintf("ack %d %v", tag, multiple))
+	if !f.unacked[tag] {
+		f.problems = append(f.problems, fmt.Sprintf("ack of tag %d that is not unacked", tag))
+		return fmt.Errorf("unknown delivery tag %d", tag)
+	}
+	for t := range f.unacked {
+		if t == tag || multiple && t < tag {
+			delete(f.unacked, t)
+			f.acked[t] = true
+		}
+	}
+	return nil
+}
+
+func (f *fakeChannel) Nack(tag uint64, multiple, requeue bool) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.frames = append(f.frames, fmt.Sprintf("nack %d", tag))
+	if !f.unacked[tag] {
+		f.problems = append(f.problems, fmt.Sprintf("nack of tag %d that is not unacked", tag))
+	}
+	delete(f.unacked, tag)
+	f.nacked[tag] = true
+	return nil
+}
+
+func (f *fakeChannel) Reject(tag uint64, requeue bool) error { return f.Nack(tag, false, requeue) }
+
+func TestAckerFoldsInOrderAcks(t *testing.T) {
+	f := newFakeChannel(3)
+	a := newAcker(f)
+	_ = a.Ack(2, false) // held: 1 is not settled
+	_ = a.Ack(3, false)
+	if len(f.frames) != 0 {
+		t.Fatalf("acks above the frontier were sent at once: %v", f.frames)
+	}
+	_ = a.Ack(1, false)
+	if got, want := fmt.Sprint(f.frames), "[ack 3 true]"; got != want {
+		t.Fatalf("frames: got %v, want %v", got, want)
+	}
+	a.flush()
+	if len(f.unacked) != 0 || len(f.problems) != 0 {
+		t.Fatalf("unacked %v, problems %v", f.unacked, f.problems)
+	}
+}
+
+func TestAckerNeverCoversANack(t *testing.T) {
+	f := newFakeChannel(3)
+	a := newAcker(f)
+	_ = a.Ack(3, false)
+	_ = a.Nack(2, false, true)
+	_ = a.Ack(1, false)
+	a.flush()
+	if !f.nacked[2] || f.acked[2] || len(f.problems) != 0 {
+		t.Fatalf("tag 2 must be nacked, never acked: frames %v problems %v", f.frames, f.problems)
+	}
+	if len(f.unacked) != 0 {
+		t.Fatalf("unacked left: %v", f.unacked)
+	}
+}
+
+func TestAckerDoesNotHoldForever(t *testing.T) {
+	f := newFakeChannel(5)
+	a := newAcker(f)
+	for tag := uint64(2); tag <= 5; tag++ {
+		_ = a.Ack(tag, false) // 1 is a long job
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		f.mu.Lock()
+		n := len(f.unacked)
+		f.mu.Unlock()
+		if n == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("held acks not sent after %v: %d unacked", ackHold, n)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	_ = a.Ack(1, false)
+	a.flush()
+	if len(f.unacked) != 0 || len(f.problems) != 0 {
+		t.Fatalf("unacked %v problems %v frames %v", f.unacked, f.problems, f.frames)
+	}
+}
+
+func TestAckerBoundsHeldAcks(t *testing.T) {
+	f := newFakeChannel(ackHeldMax + 2)
+	a := newAcker(f)
+	for tag := uint64(2); tag <= ackHeldMax+2; tag++ {
+		_ = a.Ack(tag, false)
+	}
+	f.mu.Lock()
+	n := len(f.unacked)
+	f.mu.Unlock()
+	if n != 1 {
+		t.Fatalf("%d acks held: got %d unacked, want only the frontier", ackHeldMax+1, n)
+	}
+	a.flush()
+}
+
+// Many goroutines settle tags out of order: every tag is settled once and
+// nacks are never covered by an ack. When the disorder is local, as with
+// handlers finishing around the same time, the acks fold into far fewer
+// frames; fully shuffled, they still all get through.
+func TestAckerConcurrent(t *testing.T) {
+	for _, window := range []int{32, 5000} {
+		t.Run(fmt.Sprint("shuffled within ", window), func(t *testing.T) {
+			const n = 5000
+			f := newFakeChannel(n)
+			a := newAcker(f)
+			tags := make([]uint64, 0, n)
+			for start := 0; start < n; start += window {
+				for _, i := range rand.Perm(min(window, n-start)) {
+					tags = append(tags, uint64(start+i+1))
+				}
+			}
+			var wg sync.WaitGroup
+			work := make(chan uint64)
+			for range 16 {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					for tag := range work {
+						if tag%97 == 0 {
+							_ = a.Nack(tag, false, true)
+						} else {
+							_ = a.Ack(tag, false)
+						}
+					}
+				}()
+			}
+			for _, tag := range tags {
+				work <- tag
+			}
+			close(work)
+			wg.Wait()
+			a.flush()
+			if len(f.unacked) != 0 || len(f.problems) != 0 {
+				t.Fatalf("unacked %d problems %v", len(f.unacked), f.problems)
+			}
+			for tag := range f.nacked {
+				if f.acked[tag] || tag%97 != 0 {
+					t.Fatalf("tag %d both nacked and acked, or nacked by mistake", tag)
+				}
+			}
+			t.Logf("%d tags settled with %d frames", n, len(f.frames))
+			if window == 32 && len(f.frames) > n/2 {
+				t.Fatalf("%d frames for %d tags shuffled within %d: acks not folded", len(f.frames), n, window)
+			}
+		})
+	}
+}
