@@ -257,6 +257,13 @@ func testOutcomeTable(t *testing.T, queueType string) {
 			count(evs, "ok", amqpidem.DeadLettered) == 1
 	})
 
+	// A duplicate of failed work is not run again: dead-lettered (the
+	// default policy) with the stored error.
+	e.publish(amqp.Publishing{MessageId: "perm", Type: "permanent", Body: []byte("pay 20")})
+	rec.waitFor(t, 10*time.Second, "failed duplicate dead-lettered", func(evs []amqpidem.Event) bool {
+		return count(evs, "perm", amqpidem.DeadLettered) == 2
+	})
+
 	// Each key ran as often as its story says, never more.
 	for key, want := range map[string]int{"ok": 1, "perm": 1, "always": 3, "flaky": 3, "slow": 1} {
 		if got := ran.get(key); got != want {
@@ -294,18 +301,18 @@ func testOutcomeTable(t *testing.T, queueType string) {
 
 	// Dead letters: one copy each, with headers a person can act on.
 	dead := map[string]amqp.Delivery{}
-	for range 4 {
+	for range 5 {
 		m, ok := e.get(e.queue+".dlq", 5*time.Second)
 		if !ok {
-			t.Fatalf("dead-letter queue has %d messages, want 4", len(dead))
+			t.Fatalf("dead-letter queue has %d messages, want 5", len(dead))
 		}
 		reason, _ := m.Headers[amqpidem.HeaderReason].(string)
 		dead[m.MessageId+"/"+reason] = m
 	}
 	if _, extra := e.get(e.queue+".dlq", 300*time.Millisecond); extra {
-		t.Fatal("more than 4 dead letters")
+		t.Fatal("more than 5 dead letters")
 	}
-	for _, want := range []string{"perm/permanent failure", "always/attempts exhausted", "/missing key", "ok/key conflict"} {
+	for _, want := range []string{"perm/permanent failure", "perm/failed duplicate", "always/attempts exhausted", "/missing key", "ok/key conflict"} {
 		if _, ok := dead[want]; !ok {
 			t.Errorf("no dead letter %q; got %v", want, keys(dead))
 		}
@@ -315,6 +322,9 @@ func testOutcomeTable(t *testing.T, queueType string) {
 		m.Headers[amqpidem.HeaderOriginalRoutingKey] != e.queue || m.Headers[amqpidem.HeaderConsumer] == nil ||
 		m.Headers[amqpidem.HeaderFirstSeen] == nil || m.Type != "permanent" {
 		t.Errorf("permanent dead letter lost data: headers %v body %q", m.Headers, m.Body)
+	}
+	if m := dead["perm/failed duplicate"]; !strings.Contains(fmt.Sprint(m.Headers[amqpidem.HeaderError]), "card declined") {
+		t.Errorf("failed duplicate's dead letter lacks the stored error: %v", m.Headers)
 	}
 	if m := dead["always/attempts exhausted"]; fmt.Sprint(m.Headers[amqpidem.HeaderAttempt]) != "3" ||
 		!strings.Contains(fmt.Sprint(m.Headers[amqpidem.HeaderError]), "gateway timeout") {
