@@ -710,8 +710,8 @@ func TestRedisLongHandler(t *testing.T) {
 }
 
 // countHook counts the round trips that run Lua scripts (EVALSHA, EVAL):
-// single commands and pipelines. Connection setup (HELLO, CLIENT SETINFO)
-// is not counted.
+// single commands and pipelines, and the records the piped scripts work on.
+// Connection setup (HELLO, CLIENT SETINFO) is not counted.
 type countHook struct {
 	singles, pipelines, pipedCmds atomic.Int64
 }
@@ -719,6 +719,17 @@ type countHook struct {
 func isScript(cmd redis.Cmder) bool {
 	name := cmd.Name()
 	return name == "evalsha" || name == "eval"
+}
+
+// scriptKeys is the number of records a script call works on: one call
+// may extend many leases.
+func scriptKeys(cmd redis.Cmder) int64 {
+	if args := cmd.Args(); len(args) > 2 {
+		if n, ok := args[2].(int); ok {
+			return int64(n)
+		}
+	}
+	return 1
 }
 
 func (h *countHook) DialHook(next redis.DialHook) redis.DialHook { return next }
@@ -737,7 +748,7 @@ func (h *countHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pr
 		var n int64
 		for _, cmd := range cmds {
 			if isScript(cmd) {
-				n++
+				n += scriptKeys(cmd)
 			}
 		}
 		if n > 0 {
@@ -798,7 +809,7 @@ func TestRedisThousandLeases(t *testing.T) {
 
 	calls := counted.extendCalls()[calls0:]
 	singles, pipes, cmds := hook.singles.Load(), hook.pipelines.Load(), hook.pipedCmds.Load()
-	t.Logf("%v: %d Extend calls, %d pipelines of %d scripts, %d single scripts; goroutines %d before New, %d with %d leases",
+	t.Logf("%v: %d Extend calls, %d pipelines extending %d leases, %d single scripts; goroutines %d before New, %d with %d leases",
 		window, len(calls), pipes, cmds, singles, base, goroutines, n)
 	// Every Extend call is one round trip: a pipeline, or a single command
 	// for a batch of one lease. One call may straddle each end of the window.

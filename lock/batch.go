@@ -2,6 +2,7 @@ package lock
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"time"
 
@@ -11,8 +12,10 @@ import (
 // maxInFlight bounds the pipelines one store has on the wire at once. Calls
 // that arrive while they are all busy wait and go out together in the next
 // one, so the busier the store, the bigger its batches and the fewer its
-// round trips per call; an idle store sends each call at once.
-const maxInFlight = 4
+// round trips per call; an idle store sends each call at once. With 32
+// handlers, 2 gave fewer round trips and less CPU per message than 4 in
+// make bench, with no loss of throughput.
+const maxInFlight = 2
 
 // batchTimeout bounds one pipeline. No caller's context is used for it, so
 // that one caller giving up cannot fail the others' calls.
@@ -99,45 +102,99 @@ func (b *batcher) next() {
 	close(batch[0].ready)
 }
 
-// send runs batch as one pipeline and answers each call.
+// maxKeysPerScript bounds the records one script call works on, so that
+// no single call blocks the server for long.
+const maxKeysPerScript = 64
+
+// group is one script call for one or more calls of the same script.
+type group struct {
+	script *redis.Script
+	calls  []*call
+	cmd    *redis.Cmd
+}
+
+// send runs batch as one pipeline, answers each call, and hands the turn on
+// if a waiter was given it.
 func (b *batcher) send(batch []*call) {
 	ctx, cancel := context.WithTimeout(context.Background(), batchTimeout)
 	defer cancel()
-	cmds := make([]*redis.Cmd, len(batch))
-	pipe := b.client.Pipeline()
-	for i, c := range batch {
-		cmds[i] = c.script.EvalSha(ctx, pipe, c.keys, c.args...)
+	b.exec(ctx, batch)
+	for _, c := range batch {
+		if c.turn == nil {
+			close(c.ready)
+		}
 	}
-	_, _ = pipe.Exec(ctx) // errors are read per command
+}
+
+// exec runs calls as one pipeline and sets each call's val and err. On a
+// standalone server (or through Sentinel) calls of the same script are
+// merged into one script call over many keys; the scripts run each key
+// apart, so one key's error is that key's alone. A Cluster gets one script
+// call per key, since one call's keys must share a hash slot.
+func (b *batcher) exec(ctx context.Context, calls []*call) {
+	_, merge := b.client.(*redis.Client)
+	var groups []*group
+	open := map[*redis.Script]*group{}
+	for _, c := range calls {
+		g := open[c.script]
+		if g == nil || !merge || len(g.calls) == maxKeysPerScript {
+			g = &group{script: c.script}
+			groups = append(groups, g)
+			open[c.script] = g
+		}
+		g.calls = append(g.calls, c)
+	}
+
+	run := func(gs []*group) {
+		pipe := b.client.Pipeline()
+		for _, g := range gs {
+			keys := make([]string, 0, len(g.calls))
+			args := make([]any, 0, len(g.calls)*len(g.calls[0].args))
+			for _, c := range g.calls {
+				keys = append(keys, c.keys...)
+				args = append(args, c.args...)
+			}
+			g.cmd = g.script.EvalSha(ctx, pipe, keys, args...)
+		}
+		_, _ = pipe.Exec(ctx) // errors are read per command
+	}
+	run(groups)
 
 	// A restart or failover may have emptied the script cache: load what
-	// is missing and send those calls again, still as one pipeline.
-	var again []int
+	// is missing (on every master of a Cluster) and send those calls
+	// again, still as one pipeline.
+	var again []*group
 	loaded := map[*redis.Script]error{}
-	for i, cmd := range cmds {
-		if !isNoScript(cmd.Err()) {
+	for _, g := range groups {
+		if !isNoScript(g.cmd.Err()) {
 			continue
 		}
-		s := batch[i].script
-		if _, ok := loaded[s]; !ok {
-			loaded[s] = s.Load(ctx, b.client).Err()
+		if _, ok := loaded[g.script]; !ok {
+			loaded[g.script] = g.script.Load(ctx, b.client).Err()
 		}
-		if loaded[s] == nil {
-			again = append(again, i)
+		if loaded[g.script] == nil {
+			again = append(again, g)
 		}
 	}
 	if len(again) > 0 {
-		pipe = b.client.Pipeline()
-		for _, i := range again {
-			cmds[i] = batch[i].script.EvalSha(ctx, pipe, batch[i].keys, batch[i].args...)
-		}
-		_, _ = pipe.Exec(ctx)
+		run(again)
 	}
 
-	for i, c := range batch {
-		c.val, c.err = cmds[i].Val(), cmds[i].Err()
-		if c.turn == nil {
-			close(c.ready)
+	for _, g := range groups {
+		replies, err := g.cmd.Slice()
+		if err == nil && len(replies) != len(g.calls) {
+			err = fmt.Errorf("lock: script answered %d of %d keys", len(replies), len(g.calls))
+		}
+		for i, c := range g.calls {
+			if err != nil {
+				c.err = err
+				continue
+			}
+			if e, ok := replies[i].(error); ok {
+				c.err = e
+				continue
+			}
+			c.val = replies[i]
 		}
 	}
 }

@@ -24,9 +24,13 @@ func (h *pipelineCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook 
 }
 func (h *pipelineCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error {
+		for _, cmd := range cmds {
+			if cmd.Name() == "evalsha" {
+				h.scripts.Add(int64(cmd.Args()[2].(int))) // records worked on
+			}
+		}
 		if len(cmds) > 0 && cmds[0].Name() == "evalsha" {
 			h.pipelines.Add(1)
-			h.scripts.Add(int64(len(cmds)))
 		}
 		return next(ctx, cmds)
 	}
@@ -108,7 +112,7 @@ func TestBatcherWaiterGivesUp(t *testing.T) {
 	}
 	// Fill every slot with a script that blocks the server for a moment.
 	slow := redis.NewScript(`local t = redis.call('TIME') local stop = tonumber(t[1]) * 1000000 + tonumber(t[2]) + 200000
-		repeat t = redis.call('TIME') until tonumber(t[1]) * 1000000 + tonumber(t[2]) >= stop return 1`)
+		repeat t = redis.call('TIME') until tonumber(t[1]) * 1000000 + tonumber(t[2]) >= stop return {1}`)
 	var wg sync.WaitGroup
 	for range maxInFlight {
 		wg.Add(1)

@@ -158,62 +158,24 @@ func (s *RedisStore) acquire(ctx context.Context, req Request, owner string) (Re
 }
 
 // Extend renews the leases in one pipelined round trip (one per node on a
-// Cluster).
+// Cluster), many leases per script call where the server allows.
 func (s *RedisStore) Extend(ctx context.Context, leases ...Lease) []error {
 	errs := make([]error, len(leases))
-	if len(leases) == 1 {
-		l := leases[0]
-		if errs[0] = checkLease(l); errs[0] != nil {
-			return errs
-		}
-		n, err := extendScript.Run(ctx, s.client, []string{s.keyOf(l)}, extendArgs(l)...).Int()
-		errs[0] = leaseReply(l, "extend", n, err)
-		return errs
-	}
-
-	cmds := make([]*redis.Cmd, len(leases))
-	pipe := s.client.Pipeline()
+	calls := make([]*call, 0, len(leases))
+	index := make([]int, 0, len(leases))
 	for i, l := range leases {
 		if errs[i] = checkLease(l); errs[i] != nil {
 			continue
 		}
-		cmds[i] = extendScript.EvalSha(ctx, pipe, []string{s.keyOf(l)}, extendArgs(l)...)
+		calls = append(calls, &call{script: extendScript, keys: []string{s.keyOf(l)}, args: extendArgs(l)})
+		index = append(index, i)
 	}
-	if pipe.Len() > 0 {
-		_, _ = pipe.Exec(ctx) // errors are read per command below
+	if len(calls) > 0 {
+		s.batch.exec(ctx, calls)
 	}
-	var again []int // leases whose server had forgotten the script
-	for i, cmd := range cmds {
-		if cmd == nil {
-			continue
-		}
-		n, err := cmd.Int()
-		if isNoScript(err) {
-			again = append(again, i)
-			continue
-		}
-		errs[i] = leaseReply(leases[i], "extend", n, err)
-	}
-	if len(again) == 0 {
-		return errs
-	}
-	// A restart or failover emptied a script cache: load the script (on
-	// every master of a Cluster) and send those leases again, still as
-	// one pipeline rather than a round trip each.
-	if err := extendScript.Load(ctx, s.client).Err(); err != nil {
-		for _, i := range again {
-			errs[i] = fmt.Errorf("lock: extend %q: loading script: %w", leases[i].Key, err)
-		}
-		return errs
-	}
-	pipe = s.client.Pipeline()
-	for _, i := range again {
-		cmds[i] = extendScript.EvalSha(ctx, pipe, []string{s.keyOf(leases[i])}, extendArgs(leases[i])...)
-	}
-	_, _ = pipe.Exec(ctx)
-	for _, i := range again {
-		n, err := cmds[i].Int()
-		errs[i] = leaseReply(leases[i], "extend", n, err)
+	for j, c := range calls {
+		n, _ := c.val.(int64)
+		errs[index[j]] = leaseReply(leases[index[j]], "extend", int(n), c.err)
 	}
 	return errs
 }

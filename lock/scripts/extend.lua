@@ -1,14 +1,31 @@
--- extend.lua: renew a held lease, compare-and-set on owner and fence.
--- KEYS[1]  the record
--- ARGV[1]  owner token, ARGV[2] fence, ARGV[3] lease TTL ms, ARGV[4] retention ms
--- Returns 1 when renewed, 0 when the lease is no longer held.
-local r = redis.call('HMGET', KEYS[1], 's', 'o', 'f')
-if r[1] ~= 'p' or r[2] ~= ARGV[1] or r[3] ~= ARGV[2] then
-  return 0
-end
+-- extend.lua: renew held leases, each compare-and-set on owner and fence.
+-- KEYS[i]  a record; one or more per call
+-- ARGV     four per key: owner token, fence, lease TTL ms, retention ms
+-- Returns one reply per key: 1 when renewed, 0 when the lease is no longer
+-- held, or an error for that key alone.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ttl = tonumber(ARGV[3])
-redis.call('HSET', KEYS[1], 'd', now + ttl)
-redis.call('PEXPIRE', KEYS[1], ttl + tonumber(ARGV[4]))
-return 1
+
+local function extend(key, owner, fence, ttl, retention)
+  local r = redis.call('HMGET', key, 's', 'o', 'f')
+  if r[1] ~= 'p' or r[2] ~= owner or r[3] ~= fence then
+    return 0
+  end
+  redis.call('HSET', key, 'd', now + ttl)
+  redis.call('PEXPIRE', key, ttl + retention)
+  return 1
+end
+
+local out = {}
+for i = 1, #KEYS do
+  local a = (i - 1) * 4
+  local ok, res = pcall(extend, KEYS[i], ARGV[a + 1], ARGV[a + 2], tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]))
+  if ok then
+    out[i] = res
+  elseif type(res) == 'table' and res.err then
+    out[i] = res
+  else
+    out[i] = {err = tostring(res)}
+  end
+end
+return out
