@@ -1,4 +1,4 @@
-.PHONY: services test bench lint demo
+.PHONY: services test bench lint demo chaos
 
 # services starts local Redis and RabbitMQ if they are down (see scripts/services.sh).
 services:
@@ -28,3 +28,11 @@ lint:
 # demo runs the example consumer against the local services.
 demo: services
 	go run ./examples/orders
+
+# chaos runs every fault-injection scenario of test/chaos at full size
+# (CHAOS_FULL=1), scenario 6 included (it lowers the broker's consumer
+# timeout for a minute and restores it): about 5 minutes. `make test` runs
+# the same scenarios at short sizes. CHAOS_RESULTS=file also appends the
+# scenario lines to file.
+chaos: services
+	CHAOS_FULL=1 go test -count=1 -timeout 30m -v -run '^TestChaos' ./test/chaos/

@@ -1,0 +1,15 @@
+// Package chaos is amqpidem's fault-injection suite: it tries to break the
+// promise "each unique operation takes effect once, nothing is lost" on
+// real processes, a real Redis, a real RabbitMQ and a PostgreSQL ledger.
+//
+// The scenarios are ordinary Go tests (scenarioNN_*_test.go, Linux only).
+// They run at short sizes under `make test`, at full sizes with
+// CHAOS_FULL=1 (`make chaos`). Consumers are separate processes built from
+// cmd/consumer, so that they can be killed and paused; internal/ledger is
+// the sink their handler writes to and the classification of every
+// operation; internal/workload is the message plans and the publisher;
+// internal/worker is the consumer itself. See README.md for what each
+// scenario does and the results of a full run.
+//
+// There is nothing to import here: the package holds only tests.
+package chaos

@@ -1,0 +1,403 @@
+// Package worker is the chaos suite's consumer: an amqpidem.Consumer whose
+// handler follows the plan carried by each message (workload.Plan), writes
+// its side effect to the run's ledger with the lease's fencing token, logs
+// every execution there, and can kill its own process in a chosen crash
+// window. cmd/consumer runs it as a process; scenarios that neither kill nor
+// pause consumers may run it in the test process.
+package worker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/lock"
+	"github.com/amqpidem/amqpidem/test/chaos/internal/ledger"
+	"github.com/amqpidem/amqpidem/test/chaos/internal/workload"
+)
+
+// Defaults of Config.
+const (
+	// DefaultHeartbeat is the AMQP heartbeat interval.
+	DefaultHeartbeat = 10 * time.Second
+	// DefaultRedisTimeout bounds each Redis dial, read and write.
+	DefaultRedisTimeout = time.Second
+	// ledgerTimeout bounds each ledger call.
+	ledgerTimeout = 30 * time.Second
+)
+
+// Config configures a Worker. Zero values mean the library's defaults
+// unless stated otherwise.
+type Config struct {
+	// Name is the consumer's name: its AMQP connection_name (so that a
+	// test can close exactly its connections), its ConsumerName and the
+	// prefix of its execution ids. Required.
+	Name string
+	// AMQPURL, RedisAddr, PGDSN are where the broker, the store and the
+	// ledger are; Schema is the ledger's schema. Required.
+	AMQPURL, RedisAddr, PGDSN, Schema string
+	// Queue is the queue consumed and Prefix the store's key prefix.
+	// Required.
+	Queue, Prefix string
+	// EventsPath is a file to which every Observer event is appended as a
+	// JSON line (see EventRecord). Empty: none.
+	EventsPath string
+
+	// LeaseTTL, Retention, InProgressDelay, UnavailableDelay and
+	// MaxAttempts are amqpidem.Config's.
+	LeaseTTL, Retention, InProgressDelay, UnavailableDelay time.Duration
+	MaxAttempts                                            int
+	// StoreLeaseTTL is lock.Config.LeaseTTL.
+	StoreLeaseTTL time.Duration
+	// Backoff is the first retry delay; later ones double, up to 2 s,
+	// without jitter. Zero: the library's default backoff.
+	Backoff time.Duration
+	// Prefetch and Concurrency are amqpidem.ConsumerConfig's.
+	Prefetch, Concurrency int
+	// QueueArgs declare the queue (quorum, delivery limit).
+	QueueArgs amqp.Table
+	// KeyHeader reads the idempotency key from this header
+	// (amqpidem.Header) instead of the message-id.
+	KeyHeader string
+	// DeadLetterExchange and DeadLetterRoutingKey are amqpidem.Config's.
+	DeadLetterExchange, DeadLetterRoutingKey string
+	// AckFailedDuplicates selects amqpidem.AckFailedDuplicate.
+	AckFailedDuplicates bool
+
+	// Heartbeat is the AMQP heartbeat. Default DefaultHeartbeat.
+	Heartbeat time.Duration
+	// RedisTimeout bounds Redis dials, reads and writes. Default
+	// DefaultRedisTimeout.
+	RedisTimeout time.Duration
+	// AllowCrash lets crash windows kill the process. When false (a worker
+	// in a test process) they are ignored.
+	AllowCrash bool
+	// Logger receives the library's logs. Nil discards.
+	Logger *slog.Logger
+}
+
+// Worker is one chaos consumer. Run it once; Shutdown stops it and closes
+// its connections. It is safe for concurrent use.
+type Worker struct {
+	cfg      Config
+	pid      int
+	rdb      *redis.Client
+	led      *ledger.Ledger
+	events   *eventLog
+	consumer *amqpidem.Consumer
+	seq      atomic.Int64
+
+	// leases holds, per lease, what the store wrapper and the handler
+	// share. Entries are removed on Complete, Fail and Release; those of
+	// leases lost before Complete stay until the process ends (a chaos
+	// consumer lives for minutes).
+	mu     sync.Mutex
+	leases map[leaseID]*leaseInfo
+}
+
+type leaseID struct {
+	key   string
+	fence int64
+}
+
+// leaseInfo is what the store wrapper and the handler share about one
+// lease.
+type leaseInfo struct {
+	acquired time.Time
+	plan     planRef
+}
+
+type planRef struct {
+	crash  string
+	op     string
+	execID string
+}
+
+// New connects to the ledger and the store (checking it) and prepares the
+// consumer; it does not consume until Run.
+func New(ctx context.Context, cfg Config) (*Worker, error) {
+	switch {
+	case cfg.Name == "":
+		return nil, errors.New("worker: Config.Name is required")
+	case cfg.AMQPURL == "" || cfg.RedisAddr == "" || cfg.PGDSN == "" || cfg.Schema == "":
+		return nil, errors.New("worker: Config.AMQPURL, RedisAddr, PGDSN and Schema are required")
+	}
+	if cfg.Heartbeat == 0 {
+		cfg.Heartbeat = DefaultHeartbeat
+	}
+	if cfg.RedisTimeout == 0 {
+		cfg.RedisTimeout = DefaultRedisTimeout
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	w := &Worker{cfg: cfg, pid: os.Getpid(), leases: map[leaseID]*leaseInfo{}}
+	ok := false
+	var closers []func()
+	defer func() {
+		if !ok {
+			for i := len(closers) - 1; i >= 0; i-- {
+				closers[i]()
+			}
+		}
+	}()
+
+	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	var err error
+	w.led, err = ledger.Open(cctx, cfg.PGDSN, cfg.Schema, min(max(cfg.Concurrency, 4), 8))
+	if err != nil {
+		return nil, err
+	}
+	closers = append(closers, w.led.Close)
+	if cfg.EventsPath != "" {
+		w.events, err = openEventLog(cfg.EventsPath, cfg.Name, w.pid)
+		if err != nil {
+			return nil, err
+		}
+		closers = append(closers, func() { _ = w.events.close() })
+	}
+
+	acfg := amqpidem.Config{
+		Queue:                cfg.Queue,
+		LeaseTTL:             cfg.LeaseTTL,
+		Retention:            cfg.Retention,
+		MaxAttempts:          cfg.MaxAttempts,
+		InProgressDelay:      cfg.InProgressDelay,
+		UnavailableDelay:     cfg.UnavailableDelay,
+		DeadLetterExchange:   cfg.DeadLetterExchange,
+		DeadLetterRoutingKey: cfg.DeadLetterRoutingKey,
+		ConsumerName:         cfg.Name,
+		Logger:               cfg.Logger,
+	}
+	if w.events != nil {
+		acfg.Observer = w.events
+	}
+	if cfg.KeyHeader != "" {
+		acfg.Key = amqpidem.Header(cfg.KeyHeader)
+	}
+	if cfg.AckFailedDuplicates {
+		acfg.FailedDuplicate = amqpidem.AckFailedDuplicate
+	}
+	if cfg.Backoff > 0 {
+		first := cfg.Backoff
+		acfg.Backoff = func() backoff.BackOff {
+			b := backoff.NewExponentialBackOff()
+			b.InitialInterval = first
+			b.Multiplier = 2
+			b.RandomizationFactor = 0
+			b.MaxInterval = 2 * time.Second
+			b.MaxElapsedTime = 0
+			b.Reset()
+			return b
+		}
+	}
+
+	w.rdb = redis.NewClient(&redis.Options{
+		Addr:                  cfg.RedisAddr,
+		DialTimeout:           cfg.RedisTimeout,
+		ReadTimeout:           cfg.RedisTimeout,
+		WriteTimeout:          cfg.RedisTimeout,
+		ContextTimeoutEnabled: true,
+	})
+	closers = append(closers, func() { _ = w.rdb.Close() })
+	rs, err := lock.NewRedisStore(w.rdb, lock.Config{
+		Prefix:   cfg.Prefix,
+		LeaseTTL: cfg.StoreLeaseTTL,
+		Logger:   cfg.Logger,
+	})
+	if err != nil {
+		return nil, err
+	}
+
+	hb := cfg.Heartbeat
+	w.consumer, err = amqpidem.NewConsumer(&store{Store: rs, w: w}, amqpidem.ConsumerConfig{
+		Config:      acfg,
+		Prefetch:    cfg.Prefetch,
+		Concurrency: cfg.Concurrency,
+		QueueArgs:   cfg.QueueArgs,
+		Dial: func() (*amqp.Connection, error) {
+			return amqp.DialConfig(cfg.AMQPURL, amqp.Config{
+				Heartbeat:  hb,
+				Properties: amqp.Table{"connection_name": cfg.Name},
+				Dial:       amqp.DefaultDial(5 * time.Second),
+			})
+		},
+		Reconnect: func() backoff.BackOff {
+			b := backoff.NewExponentialBackOff()
+			b.InitialInterval = 100 * time.Millisecond
+			b.MaxInterval = time.Second
+			b.MaxElapsedTime = 0
+			b.Reset()
+			return b
+		},
+	}, amqpidem.HandlerFunc(w.handle))
+	if err != nil {
+		return nil, err
+	}
+	closers = append(closers, func() { _ = w.consumer.Shutdown(context.Background()) })
+
+	if err := rs.Check(cctx); err != nil {
+		return nil, err
+	}
+	ok = true
+	return w, nil
+}
+
+// Run consumes until Shutdown or ctx ends; see amqpidem.Consumer.Run.
+func (w *Worker) Run(ctx context.Context) error { return w.consumer.Run(ctx) }
+
+// Shutdown stops consuming (amqpidem.Consumer.Shutdown) and closes the
+// ledger, the Redis client and the event log.
+func (w *Worker) Shutdown(ctx context.Context) error {
+	err := w.consumer.Shutdown(ctx)
+	w.led.Close()
+	w.rdb.Close()
+	if w.events != nil {
+		err = errors.Join(err, w.events.close())
+	}
+	return err
+}
+
+// ledgerCtx bounds one ledger call, whatever the handler's context: the
+// ledger is written even by a handler that was cancelled (it must log that).
+func ledgerCtx() (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.Background(), ledgerTimeout)
+}
+
+// track remembers when the Acquire that granted (key, fence) was sent.
+func (w *Worker) track(key string, fence int64, at time.Time) {
+	w.mu.Lock()
+	w.leases[leaseID{key, fence}] = &leaseInfo{acquired: at}
+	w.mu.Unlock()
+}
+
+// attach gives the handler's plan to the lease's entry and returns when
+// its Acquire was sent (zero if unknown).
+func (w *Worker) attach(key string, fence int64, p planRef) time.Time {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	li := w.leases[leaseID{key, fence}]
+	if li == nil {
+		li = &leaseInfo{}
+		w.leases[leaseID{key, fence}] = li
+	}
+	li.plan = p
+	return li.acquired
+}
+
+// lookup returns the lease's plan.
+func (w *Worker) lookup(key string, fence int64) planRef {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if li := w.leases[leaseID{key, fence}]; li != nil {
+		return li.plan
+	}
+	return planRef{}
+}
+
+// untrack forgets a lease.
+func (w *Worker) untrack(key string, fence int64) {
+	w.mu.Lock()
+	delete(w.leases, leaseID{key, fence})
+	w.mu.Unlock()
+}
+
+// crash kills the process, once per operation and window (claimed in the
+// ledger so that a restarted consumer does not crash on the redelivery).
+func (w *Worker) crash(op, window, execID string, fence int64) {
+	if !w.cfg.AllowCrash {
+		return
+	}
+	ctx, cancel := ledgerCtx()
+	defer cancel()
+	first, err := w.led.ClaimCrash(ctx, op, window, execID, fence, w.pid)
+	if err != nil {
+		w.cfg.Logger.Error("chaos: cannot claim crash window", "op", op, "window", window, "error", err)
+		return
+	}
+	if !first {
+		return
+	}
+	fmt.Fprintf(os.Stderr, "chaos: %s crashing (SIGKILL) in window %s of %s, fence %d\n", w.cfg.Name, window, op, fence)
+	p, err := os.FindProcess(w.pid)
+	if err == nil {
+		err = p.Kill()
+	}
+	if err != nil {
+		os.Exit(137)
+	}
+	select {} // the signal is on its way
+}
+
+// store wraps the Redis store to watch the lease lifecycle: when each
+// Acquire was sent, every Complete the store accepted (logged in the ledger)
+// and the crash windows around Complete.
+type store struct {
+	lock.Store
+	w *Worker
+}
+
+func (s *store) Acquire(ctx context.Context, req lock.Request) (lock.Result, error) {
+	at := time.Now()
+	res, err := s.Store.Acquire(ctx, req)
+	if err == nil && res.Status == lock.Acquired {
+		s.w.track(req.Key, res.Lease.Fence, at)
+	}
+	return res, err
+}
+
+// Complete is called once the handler returned: the side effect is done,
+// the record not yet completed. The AfterEffect window is here; the
+// AfterComplete window is right after the store accepted the result, before
+// the processor acks.
+func (s *store) Complete(ctx context.Context, l lock.Lease, result []byte) error {
+	p := s.w.lookup(l.Key, l.Fence)
+	if p.crash == workload.AfterEffect {
+		s.w.crash(p.op, p.crash, p.execID, l.Fence)
+	}
+	err := s.Store.Complete(ctx, l, result)
+	if err != nil {
+		return err
+	}
+	done := time.Now()
+	op := ledger.OpID(l.Key)
+	lctx, cancel := ledgerCtx()
+	defer cancel()
+	for try := 0; ; try++ {
+		lerr := s.w.led.Completed(lctx, op, l.Fence, s.w.cfg.Name, s.w.pid, done)
+		if lerr == nil {
+			break
+		}
+		if try == 20 || lctx.Err() != nil {
+			s.w.cfg.Logger.Error("chaos: completion not logged", "op", op, "fence", l.Fence, "error", lerr)
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if p.crash == workload.AfterComplete {
+		s.w.crash(p.op, p.crash, p.execID, l.Fence)
+	}
+	s.w.untrack(l.Key, l.Fence)
+	return nil
+}
+
+func (s *store) Fail(ctx context.Context, l lock.Lease, reason string) error {
+	defer s.w.untrack(l.Key, l.Fence)
+	return s.Store.Fail(ctx, l, reason)
+}
+
+func (s *store) Release(ctx context.Context, l lock.Lease) error {
+	defer s.w.untrack(l.Key, l.Fence)
+	return s.Store.Release(ctx, l)
+}
