@@ -241,8 +241,8 @@ func (c *Consumer) session(ctx context.Context) error {
 			select {
 			case sem <- struct{}{}:
 			case <-c.stopping:
-				_ = d.Nack(false, true)
-				c.drain(ch, acks, deliveries)
+				c.giveBack(pub, &d)
+				c.drain(ch, acks, pub, deliveries)
 				return nil
 			}
 			wg.Add(1)
@@ -252,10 +252,10 @@ func (c *Consumer) session(ctx context.Context) error {
 				c.proc.process(c.base, pub, &d)
 			}()
 		case <-c.stopping:
-			c.drain(ch, acks, deliveries)
+			c.drain(ch, acks, pub, deliveries)
 			return nil
 		case <-ctx.Done():
-			c.drain(ch, acks, deliveries)
+			c.drain(ch, acks, pub, deliveries)
 			return ctx.Err()
 		}
 	}
@@ -277,7 +277,7 @@ func (c *Consumer) closedErr(connClosed, chClosed <-chan *amqp.Error) error {
 
 // drain cancels the AMQP consumer and hands back, unprocessed, the
 // deliveries that were already on their way.
-func (c *Consumer) drain(ch *amqp.Channel, acks *acker, deliveries <-chan amqp.Delivery) {
+func (c *Consumer) drain(ch *amqp.Channel, acks *acker, pub *publisher, deliveries <-chan amqp.Delivery) {
 	_ = ch.Cancel(c.cfg.ConsumerTag, false)
 	timeout := time.NewTimer(5 * time.Second)
 	defer timeout.Stop()
@@ -287,11 +287,25 @@ func (c *Consumer) drain(ch *amqp.Channel, acks *acker, deliveries <-chan amqp.D
 			if !ok {
 				return
 			}
-			_ = acks.Nack(d.DeliveryTag, false, true)
+			d.Acknowledger = acks
+			c.giveBack(pub, &d)
 		case <-timeout.C:
 			return // closing the channel returns the rest to the queue
 		}
 	}
+}
+
+// giveBack returns a delivery that was never processed to its queue: a
+// copy, then an ack, so that a quorum queue does not count the return
+// against its delivery limit; a nack with requeue if the copy fails.
+func (c *Consumer) giveBack(pub *publisher, d *amqp.Delivery) {
+	ctx, cancel := context.WithTimeout(context.Background(), settleTimeout)
+	defer cancel()
+	if err := pub.requeue(ctx, c.cfg.Queue, d, 0, amqp.Table{HeaderReason: "shutdown"}); err != nil {
+		_ = d.Nack(false, true)
+		return
+	}
+	_ = d.Ack(false)
 }
 
 func (c *Consumer) isStopping() bool {

@@ -21,7 +21,7 @@
 //	lease lost while running               ctx cancelled, result discarded,        untouched
 //	                                       delayed requeue
 //	store unavailable                      delayed requeue (or run, FailOpen)      none
-//	shutdown while running                 ctx cancelled, nack with requeue        lease released
+//	shutdown while running                 ctx cancelled, copy back to the queue   lease released
 //
 // A delayed requeue publishes a copy (properties, headers and body kept;
 // the attempt count in HeaderAttempt) to a delay queue "<queue>.delay.<ms>"
@@ -50,13 +50,21 @@
 // Exactly-once ends at the handler's side effects. If a process dies after
 // the side effect and before the outcome is stored, the next delivery takes
 // the expired lease over and runs the handler again. The handler's context
-// carries the key, the attempt and the fencing token (FromContext): a sink
-// that records the operation id with the effect, or refuses a fence lower
-// than the highest it has seen, absorbs that re-execution. A lease is not a
-// mutex: a paused process can outlive its lease, which is why the fence
-// exists and why the handler's context is cancelled when the lease is lost
-// or cannot be confirmed. Cancellation is cooperative: a handler that ignores
-// its context runs on, and its result is then refused by the store.
+// carries the key, the attempt and the fencing token (FromContext). A sink
+// that records the key with the effect (a unique constraint) absorbs that
+// re-execution. The fence guards against something else: a lease is not a
+// mutex, and a paused process can outlive its lease and write late; a sink
+// that keeps the highest fence per key and refuses lower ones rejects those
+// stale writes. (The re-execution after a crash carries a higher fence, so
+// the fence alone does not absorb it.) The handler's context is cancelled
+// when the lease is lost or cannot be confirmed; cancellation is
+// cooperative: a handler that ignores its context runs on, and its result
+// is then refused by the store.
+//
+// Messages returned to the queue by amqpidem (requeues, shutdown) are
+// copies published with confirms, and the original is acked: a quorum queue
+// does not count them against its delivery limit. Only when no copy can be
+// published is the original nacked with requeue.
 //
 // Completion is compare-and-set on the lease: a result is stored only if
 // nobody took the lease over meanwhile. If the keeper merely could not

@@ -36,8 +36,8 @@ type processor struct {
 }
 
 // process runs the whole decision for d and settles it: ack, delayed
-// requeue, dead letter, or, when ctx ends first, a nack with requeue so
-// that the broker delivers it again. It returns what happened.
+// requeue, dead letter, or, when ctx ends first, a copy straight back to
+// the queue so that it is delivered again. It returns what happened.
 func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery) (ev Event) {
 	start := time.Now()
 	ev.Queue, ev.Consumer = p.cfg.Queue, p.cfg.ConsumerName
@@ -70,7 +70,7 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery) (ev
 		case errors.Is(err, lock.ErrInvalidKey):
 			p.deadLetter(ctx, b, d, &ev, "missing key", err)
 		case ctx.Err() != nil:
-			p.giveBack(d, &ev, "shutdown", err)
+			p.requeue(ctx, b, d, &ev, Abandoned, "shutdown", 0, err)
 		case p.cfg.FailOpen:
 			p.runUnkeyed(ctx, b, d, &ev, "store unavailable, failing open")
 		default:
@@ -167,7 +167,7 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 		stop()
 		p.release(ctx, lease)
 		if ctx.Err() != nil {
-			p.giveBack(d, ev, "shutdown", cause)
+			p.requeue(ctx, b, d, ev, Abandoned, "shutdown", 0, cause)
 			return
 		}
 		p.requeue(ctx, b, d, ev, Abandoned, "lease lost", p.cfg.InProgressDelay, cause)
@@ -272,7 +272,7 @@ func (p *processor) runUnkeyed(ctx context.Context, b broker, d *amqp.Delivery, 
 		return
 	}
 	if ctx.Err() != nil && !IsPermanent(err) {
-		p.giveBack(d, ev, "shutdown", err)
+		p.requeue(ctx, b, d, ev, Abandoned, "shutdown", 0, err)
 		return
 	}
 	if !IsPermanent(err) && attempt < p.cfg.MaxAttempts {
@@ -288,9 +288,11 @@ func (p *processor) runUnkeyed(ctx context.Context, b broker, d *amqp.Delivery, 
 	p.deadLetter(ctx, b, d, ev, reason, err)
 }
 
-// requeue publishes a copy of d to come back after delay, then acks d.
-// If the copy cannot be published, d is nacked with requeue instead: a
-// duplicate is possible, a loss is not.
+// requeue publishes a copy of d to come back after delay (at once when
+// delay is zero), then acks d. Returning a message this way, rather than
+// with a nack, keeps it off a quorum queue's delivery limit. If the copy
+// cannot be published, d is nacked with requeue instead: a duplicate is
+// possible, a loss is not.
 func (p *processor) requeue(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, o Outcome, reason string, delay time.Duration, cause error) {
 	ev.Reason, ev.Delay = reason, delay
 	ev.Err = errors.Join(ev.Err, cause)
@@ -301,7 +303,7 @@ func (p *processor) requeue(ctx context.Context, b broker, d *amqp.Delivery, ev 
 		extra[HeaderDeadLetterPending] = d.Headers[HeaderDeadLetterPending]
 	}
 	if err := b.requeue(sctx, p.cfg.Queue, d, delay, extra); err != nil {
-		p.giveBack(d, ev, reason+"; delayed requeue failed", err)
+		p.nackRequeue(d, ev, reason+"; requeue failed", err)
 		return
 	}
 	p.ack(d, ev, o)
@@ -343,7 +345,7 @@ func (p *processor) deadLetter(ctx context.Context, b broker, d *amqp.Delivery, 
 		ev.Err = errors.Join(ev.Err, err)
 		extra := amqp.Table{HeaderDeadLetterPending: headerText(reason + ": " + cause.Error()), HeaderReason: reason}
 		if rerr := b.requeue(sctx, p.cfg.Queue, d, p.cfg.UnavailableDelay, extra); rerr != nil {
-			p.giveBack(d, ev, reason+"; dead letter and requeue failed", rerr)
+			p.nackRequeue(d, ev, reason+"; dead letter and requeue failed", rerr)
 			return
 		}
 		ev.Delay = p.cfg.UnavailableDelay
@@ -384,8 +386,10 @@ func (p *processor) ack(d *amqp.Delivery, ev *Event, o Outcome) {
 	}
 }
 
-// giveBack nacks d with requeue: the broker delivers it again at once.
-func (p *processor) giveBack(d *amqp.Delivery, ev *Event, reason string, cause error) {
+// nackRequeue nacks d with requeue: the broker delivers it again at once.
+// It is the last resort when no copy can be published: a quorum queue
+// counts the nack against its delivery limit, as it counts a crash.
+func (p *processor) nackRequeue(d *amqp.Delivery, ev *Event, reason string, cause error) {
 	ev.Outcome, ev.Reason = Abandoned, reason
 	ev.Err = errors.Join(ev.Err, cause)
 	if err := d.Nack(false, true); err != nil {

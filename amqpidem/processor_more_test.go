@@ -69,25 +69,43 @@ func TestProcessLeaseLost(t *testing.T) {
 	}
 }
 
+// A handler stopped by shutdown gives its message back as a copy straight
+// to the queue and an ack (a nack would count against a quorum queue's
+// delivery limit); only if the copy fails is it nacked with requeue.
 func TestProcessShutdownGivesBack(t *testing.T) {
-	started := make(chan struct{})
-	h := func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
-		close(started)
-		<-ctx.Done()
-		return nil, ctx.Err()
-	}
-	p, s := newTestProcessor(t, Config{}, h)
-	ctx, cancel := context.WithCancel(context.Background())
-	go func() { <-started; cancel() }()
-	d, ack := delivery("k", "body")
-	ev := p.process(ctx, &fakeBroker{}, d)
-	if ev.Outcome != Abandoned || ev.Reason != "shutdown" || ack.nacks != 1 || !ack.requeu || ack.acks != 0 {
-		t.Fatalf("got %v %q, acks %d nacks %d requeue %v", ev.Outcome, ev.Reason, ack.acks, ack.nacks, ack.requeu)
-	}
-	// The lease was released: the redelivery runs at once, as attempt 2.
-	res, err := s.Acquire(context.Background(), lock.Request{Key: "k"})
-	if err != nil || res.Status != lock.Acquired || res.Lease.Attempt != 2 {
-		t.Fatalf("after shutdown: %v attempt %d %v", res.Status, res.Lease.Attempt, err)
+	for _, copyFails := range []bool{false, true} {
+		t.Run(fmt.Sprint("copy fails=", copyFails), func(t *testing.T) {
+			started := make(chan struct{})
+			h := func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+				close(started)
+				<-ctx.Done()
+				return nil, ctx.Err()
+			}
+			p, s := newTestProcessor(t, Config{}, h)
+			ctx, cancel := context.WithCancel(context.Background())
+			go func() { <-started; cancel() }()
+			b := &fakeBroker{}
+			if copyFails {
+				b.fail = map[string]error{"requeue": errors.New("channel closed")}
+			}
+			d, ack := delivery("k", "body")
+			ev := p.process(ctx, b, d)
+			if ev.Outcome != Abandoned || !strings.HasPrefix(ev.Reason, "shutdown") {
+				t.Fatalf("got %v %q", ev.Outcome, ev.Reason)
+			}
+			if copyFails {
+				if ack.nacks != 1 || !ack.requeu || ack.acks != 0 {
+					t.Fatalf("copy failed: acks %d nacks %d requeue %v, want a nack with requeue", ack.acks, ack.nacks, ack.requeu)
+				}
+			} else if ack.acks != 1 || ack.nacks != 0 || len(b.pubs) != 1 || b.pubs[0].delay != 0 {
+				t.Fatalf("acks %d nacks %d pubs %+v, want a copy with no delay and an ack", ack.acks, ack.nacks, b.pubs)
+			}
+			// The lease was released: the redelivery runs at once, as attempt 2.
+			res, err := s.Acquire(context.Background(), lock.Request{Key: "k"})
+			if err != nil || res.Status != lock.Acquired || res.Lease.Attempt != 2 {
+				t.Fatalf("after shutdown: %v attempt %d %v", res.Status, res.Lease.Attempt, err)
+			}
+		})
 	}
 }
 

@@ -67,14 +67,15 @@ func newProcessor(store lock.Store, cfg Config, h Handler) (processor, error) {
 // Handle processes d once per idempotency key and settles it; see the
 // package documentation for what each case does. It returns what happened.
 // When ctx is cancelled (or the Wrapper shut down) while the handler runs,
-// the handler's context is cancelled, its lease released and d nacked with
-// requeue, so the broker delivers it again.
+// the handler's context is cancelled, its lease released and a copy of d
+// published straight back to the queue (d nacked with requeue if that
+// fails), so that it is delivered again.
 func (w *Wrapper) Handle(ctx context.Context, d amqp.Delivery) Event {
 	w.mu.Lock()
 	if w.closed {
 		w.mu.Unlock()
 		ev := Event{Queue: w.proc.cfg.Queue}
-		w.proc.giveBack(&d, &ev, "shutdown", errors.New("amqpidem: wrapper shut down"))
+		w.proc.nackRequeue(&d, &ev, "shutdown", errors.New("amqpidem: wrapper shut down"))
 		return ev
 	}
 	w.inflight.Add(1)
@@ -90,8 +91,8 @@ func (w *Wrapper) Handle(ctx context.Context, d amqp.Delivery) Event {
 
 // Shutdown stops accepting deliveries (later Handle calls nack them with
 // requeue), waits for the handlers in flight to finish until ctx is done,
-// then cancels the ones still running (their messages are nacked with
-// requeue and their leases released) and stops the keeper. It returns
+// then cancels the ones still running (their messages go back to the queue
+// and their leases are released) and stops the keeper. It returns
 // ctx.Err() if handlers had to be cancelled. Shutdown is idempotent.
 func (w *Wrapper) Shutdown(ctx context.Context) error {
 	w.mu.Lock()

@@ -4,7 +4,6 @@ package chaos_test
 
 import (
 	"fmt"
-	"os"
 	"testing"
 	"time"
 
@@ -54,19 +53,14 @@ func TestChaos10QuorumDeliveryLimit(t *testing.T) {
 	}
 }
 
-// Scenario 10b, quorum queue and graceful shutdown (a known bug, run with
-// CHAOS_KNOWN_BUGS=1): a handler interrupted by Consumer.Shutdown has its
-// message nacked with requeue, and a quorum queue counts that return
-// against its delivery limit, as it counts a crash. With x-delivery-limit 1,
-// two rolling restarts during one long handler and the broker drops the
-// message: lost, though it never failed. Messages prefetched behind it,
-// which never started, are nacked by Shutdown too. A delayed requeue
-// (publish a copy, ack the original), as for busy messages, would not
-// count.
+// Scenario 10b, quorum queue and graceful shutdown: a handler interrupted
+// by Consumer.Shutdown, and the messages prefetched behind it, go back to
+// the queue. Nacked with requeue, a quorum queue would count each return
+// against its delivery limit, as it counts a crash: with x-delivery-limit
+// 1, two rolling restarts during one long handler dropped the message (and
+// a prefetched one that never ran) before the fix. Returned as a copy and
+// an ack, like a busy requeue, they are never counted.
 func TestChaos10QuorumShutdownReturns(t *testing.T) {
-	if os.Getenv("CHAOS_KNOWN_BUGS") != "1" {
-		t.Skip("known bug (shutdown nacks count against a quorum queue's delivery limit); CHAOS_KNOWN_BUGS=1 runs it")
-	}
 	const limit = 1
 	e := newEnv(t, envOptions{queueArgs: amqp.Table{"x-queue-type": "quorum", "x-delivery-limit": int64(limit)}})
 	// One handler at a time, four more messages prefetched behind it.
