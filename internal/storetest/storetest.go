@@ -1,5 +1,3 @@
-// Package storetest is the conformance suite every lock.Store passes: the
-// same state machine, answers and limits whatever the backend.
 package storetest
 
 import (
