@@ -34,7 +34,7 @@ func Logger() *slog.Logger {
 
 // NewLogger is Logger writing to w.
 func NewLogger(w io.Writer) *slog.Logger {
-	return slog.New(tint.NewHandler(w, &tint.Options{
+	return slog.New(tint.NewTextHandler(w, &tint.Options{
 		Level:      slog.LevelDebug,
 		TimeFormat: "15:04:05.000",
 		NoColor:    !useColor(w),
