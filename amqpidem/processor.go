@@ -150,7 +150,7 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 			return
 		}
 		stop()
-		if err := p.replyResult(ctx, b, d, result, ev); err != nil {
+		if err := p.reply(ctx, b, d, result, ev); err != nil {
 			// The result is stored: the redelivery is a duplicate and
 			// sends the stored reply.
 			p.requeue(ctx, b, d, ev, Abandoned, "reply not sent", p.cfg.UnavailableDelay, err)
@@ -216,17 +216,6 @@ func (p *processor) complete(ctx context.Context, lease lock.Lease, result []byt
 	}
 }
 
-// replyResult sends result to d's ReplyTo, if it has one, within
-// settleTimeout.
-func (p *processor) replyResult(ctx context.Context, b broker, d *amqp.Delivery, result []byte, ev *Event) error {
-	if d.ReplyTo == "" {
-		return nil
-	}
-	sctx, cancel := settleContext(ctx)
-	defer cancel()
-	return p.reply(sctx, b, d, result, ev)
-}
-
 // fail records a terminal failure and dead-letters the message.
 func (p *processor) fail(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, lease lock.Lease, reason string, cause error) {
 	sctx, cancel := settleContext(ctx)
@@ -262,7 +251,7 @@ func (p *processor) runUnkeyed(ctx context.Context, b broker, d *amqp.Delivery, 
 	result, err := call(hctx, p.handler, d)
 	ev.Handler = time.Since(t0)
 	if err == nil {
-		if err := p.replyResult(ctx, b, d, result, ev); err != nil {
+		if err := p.reply(ctx, b, d, result, ev); err != nil {
 			// Nothing stored to send again: a retry would run the
 			// handler again, so the reply is lost and logged.
 			ev.Err = errors.Join(ev.Err, err)
@@ -355,15 +344,18 @@ func (p *processor) deadLetter(ctx context.Context, b broker, d *amqp.Delivery, 
 	p.ack(d, ev, DeadLettered)
 }
 
-// reply sends result to d's ReplyTo, if any, with d's CorrelationId. A
-// reply queue that no longer exists (the client gave up) is not an error:
+// reply sends result to d's ReplyTo, if any, with d's CorrelationId,
+// within settleTimeout even if ctx is done (the result is stored). A reply
+// queue that no longer exists (the client gave up) is not an error:
 // nobody will ever read the reply, so it is noted in ev and dropped; only a
 // publish that may succeed later returns an error.
 func (p *processor) reply(ctx context.Context, b broker, d *amqp.Delivery, result []byte, ev *Event) error {
 	if d.ReplyTo == "" {
 		return nil
 	}
-	err := b.publish(ctx, "", d.ReplyTo, amqp.Publishing{
+	sctx, cancel := settleContext(ctx)
+	defer cancel()
+	err := b.publish(sctx, "", d.ReplyTo, amqp.Publishing{
 		CorrelationId: d.CorrelationId,
 		ContentType:   d.ContentType,
 		Timestamp:     time.Now(),
