@@ -312,3 +312,31 @@ func TestStatusString(t *testing.T) {
 		}
 	}
 }
+
+// Nothing lives forever: every record has an expiry, TTL+Retention while
+// a lease is held, Retention after the outcome.
+func TestRedisRecordsExpire(t *testing.T) {
+	client := testenv.RedisClient(t)
+	prefix := testenv.Name(t)
+	s := newRedisStore(t, client, lock.Config{Prefix: prefix})
+	ctx := context.Background()
+	res, err := s.Acquire(ctx, lock.Request{Key: "k", TTL: 10 * time.Second, Retention: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	keys, err := client.Keys(ctx, prefix+":*").Result()
+	if err != nil || len(keys) != 1 {
+		t.Fatalf("record keys: %v %v", keys, err)
+	}
+	ttl := client.PTTL(ctx, keys[0]).Val()
+	if ttl <= time.Hour || ttl > time.Hour+10*time.Second {
+		t.Fatalf("in progress: PTTL %v, want about 1h10s", ttl)
+	}
+	if err := s.Complete(ctx, res.Lease, nil); err != nil {
+		t.Fatal(err)
+	}
+	ttl = client.PTTL(ctx, keys[0]).Val()
+	if ttl <= time.Hour-time.Minute || ttl > time.Hour {
+		t.Fatalf("completed: PTTL %v, want about 1h", ttl)
+	}
+}
