@@ -6,3 +6,6 @@ import "time"
 
 // processCPU is not measured on this system: it reports 0.
 func processCPU() time.Duration { return 0 }
+
+// machineCPU is not measured on this system: it reports 0.
+func machineCPU() time.Duration { return 0 }

@@ -69,7 +69,7 @@ func printReport(out io.Writer, e *env, rep *report) {
 	o := e.opts
 	fmt.Fprintf(out, "\n== throughput: median of %d run(s), msg/s; prefetch %d, concurrency %d ==\n", o.Repeats, o.Prefetch, o.Concurrency)
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "queue\tvariant\tN\tmedian\truns\tvs bare\tredis rt/msg\tclient cpu/msg\tredis cpu/msg\t")
+	fmt.Fprintln(tw, "queue\tvariant\tN\tmedian\truns\tvs bare\tredis rt/msg\tclient cpu/msg\tredis cpu/msg\tmachine cpu/msg\t")
 	for _, qt := range o.QueueTypes {
 		b := median(rates(rep.Runs, qt, bare))
 		for _, v := range variants {
@@ -86,13 +86,15 @@ func printReport(out io.Writer, e *env, rep *report) {
 			rt := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.RoundTrips) })
 			ccpu := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ClientCPU) })
 			rcpu := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.RedisCPU) })
-			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\t%.2f\t%.1fµs\t%.1fµs\t\n", qt, v, rep.N[qt], thousands(m),
-				strings.Join(each, " "), vs, rt, ccpu/1e3, rcpu/1e3)
+			mcpu := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.MachineCPU) })
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\t%.2f\t%.1fµs\t%.1fµs\t%.1fµs\t\n", qt, v, rep.N[qt], thousands(m),
+				strings.Join(each, " "), vs, rt, ccpu/1e3, rcpu/1e3, mcpu/1e3)
 		}
 	}
 	tw.Flush()
 	fmt.Fprintln(out, "(redis rt/msg: go-redis Process + ProcessPipeline calls per message; cpu/msg: CPU time of this\n"+
-		" process and of redis-server while consuming, per message; RabbitMQ's own CPU is not counted)")
+		" process, of redis-server and of the whole machine (RabbitMQ included; /proc/stat, so other work\n"+
+		" on the machine counts too) while consuming, per message)")
 
 	if len(rep.Latency) > 0 {
 		fmt.Fprintf(out, "\n== latency at half the bare median rate: publish -> settled after ack, first %v left out ==\n", o.LatencyWarmup)

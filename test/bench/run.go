@@ -82,6 +82,7 @@ type runResult struct {
 	RoundTrips          int64         // Redis round trips while consuming
 	ClientCPU           time.Duration // this process, while consuming
 	RedisCPU            time.Duration // the Redis server, while consuming
+	MachineCPU          time.Duration // every process on the machine, while consuming
 }
 
 type ratio struct {
@@ -294,7 +295,7 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 	res.Publish = time.Since(t0)
 
 	t := newTally(n, nil)
-	cpu0, rcpu0 := processCPU(), redisCPU(ctx, e.admin)
+	cpu0, rcpu0, mcpu0 := processCPU(), redisCPU(ctx, e.admin), machineCPU()
 	rt0 := e.rts.n.Load()
 	if profile != nil {
 		f, err := os.Create(*profile)
@@ -314,6 +315,7 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 	werr := t.wait(ctx, e.opts.RunTimeout, c)
 	res.RoundTrips = e.rts.n.Load() - rt0
 	res.ClientCPU, res.RedisCPU = processCPU()-cpu0, redisCPU(ctx, e.admin)-rcpu0
+	res.MachineCPU = machineCPU() - mcpu0
 	if profile != nil {
 		pprof.StopCPUProfile()
 	}
