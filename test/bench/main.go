@@ -5,8 +5,11 @@
 //	unique     amqpidem.Consumer on a RedisStore, no-op handler, every key new
 //	duplicate  the same, every message a duplicate of completed work
 //	naive      SET key NX, no-op handler, SET key done, ack (two round trips)
+//	memstore   unique on a lock.MemoryStore: amqpidem's own cost without
+//	           Redis, so what the store's round trips and Redis's CPU take
+//	           can be read off (not an idempotent setup: one process only)
 //
-// All four use the same prefetch (128) and concurrency (32), on a classic and
+// All use the same prefetch (128) and concurrency (32), on a classic and
 // a quorum queue. Each run drains a queue pre-filled by a confirming
 // publisher; throughput is measured from the first ack to the N-th. N is
 // sized by a calibration so that a bare run lasts -duration. Runs are
@@ -21,7 +24,8 @@
 //	ratio unique/bare classic 0.83
 //
 // Every figure printed is measured in that run. amqpidem is driven through
-// its public API only (NewConsumer, Observer, lock.NewRedisStore).
+// its public API only (NewConsumer, Observer, lock.NewRedisStore,
+// lock.NewMemoryStore).
 //
 // REDIS_ADDR and AMQP_URL name the services (default 127.0.0.1:6379 and
 // amqp://guest:guest@127.0.0.1:5672/). Every queue and Redis key it makes

@@ -28,10 +28,13 @@ const (
 	unique    variant = "unique"
 	duplicate variant = "duplicate"
 	naive     variant = "naive"
+	// memstore is unique on lock.MemoryStore: amqpidem's own cost with
+	// no Redis at all, the ceiling a faster store could approach.
+	memstore variant = "memstore"
 )
 
 // variants in the order of the tables.
-var variants = []variant{bare, unique, duplicate, naive}
+var variants = []variant{bare, unique, duplicate, naive, memstore}
 
 // Lease and retention of the throughput and latency runs. The lease is
 // amqpidem's default; retention is short so that keys a killed run leaves
@@ -157,7 +160,7 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 	// 2. Throughput, in rounds; the order of the variants rotates so that
 	// drift hits all alike. duplicate follows unique in each round: it
 	// replays unique's keys, completed by then.
-	units := [][]variant{{bare}, {unique, duplicate}, {naive}}
+	units := [][]variant{{bare}, {unique, duplicate}, {naive}, {memstore}}
 	fmt.Fprintf(out, "throughput runs (queue drained from full; rate = (N-1) / time from first to N-th settlement):\n")
 	for round := 1; round <= opts.Repeats; round++ {
 		for _, qt := range opts.QueueTypes {
@@ -346,7 +349,13 @@ func (e *env) start(ctx context.Context, qt string, v variant, queue, prefix str
 		return startPlain(ctx, e.opts.AMQPURL, queue, e.opts.Prefetch, e.opts.Concurrency,
 			naiveHandle(e.rdb, prefix+"-naive:", leaseTTL, retention), t)
 	}
-	store, err := lock.NewRedisStore(e.rdb, lock.Config{Prefix: prefix})
+	var store lock.Store
+	var err error
+	if v == memstore {
+		store, err = lock.NewMemoryStore(lock.Config{Prefix: prefix})
+	} else {
+		store, err = lock.NewRedisStore(e.rdb, lock.Config{Prefix: prefix})
+	}
 	if err != nil {
 		return nil, err
 	}
