@@ -38,7 +38,8 @@ func ratios(runs []runResult, queueTypes []string) []ratio {
 	var out []ratio
 	for _, qt := range queueTypes {
 		b := median(rates(runs, qt, bare))
-		for _, v := range []variant{unique, duplicate, naive, memstore} {
+		// The three; memstore's ratio is in the table only.
+		for _, v := range []variant{unique, duplicate, naive} {
 			r := ratio{Variant: v, QueueType: qt}
 			if b > 0 {
 				r.Value = median(rates(runs, qt, v)) / b
