@@ -47,8 +47,13 @@ func TestBatcherCoalescesAndIsolates(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	// A record key holding the wrong type makes its script fail.
-	if err := client.Set(ctx, recordKey(s.cfg.Prefix, "poisoned"), "x", time.Minute).Err(); err != nil {
+	// A record key holding the wrong type (a hash, as records were before
+	// format 1) makes its script fail.
+	poisoned := recordKey(s.cfg.Prefix, "poisoned")
+	if err := client.HSet(ctx, poisoned, "s", "p").Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := client.Expire(ctx, poisoned, time.Minute).Err(); err != nil {
 		t.Fatal(err)
 	}
 

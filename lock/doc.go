@@ -5,9 +5,13 @@
 //
 //	absent ──Acquire──▶ in progress ──Complete──▶ completed (result)
 //	                      │    ▲     ──Fail──────▶ failed (error)
-//	                Release    │
+//	       Release/Cancel │    │
 //	                      ▼    │ Acquire (new lease, fence+1, attempt+1)
 //	                   released
+//
+// Cancel is Release for work that never started: it also takes back the
+// attempt its Acquire counted, so the next lease has the same attempt
+// number (and a higher fence).
 //
 // Acquire answers one of five things in one atomic round trip: Acquired (a
 // Lease: owner token and fencing token), Completed (the stored result),
@@ -31,7 +35,8 @@
 //     over gets ErrLeaseLost and changes nothing.
 //   - Retry-safe: go-redis resends a command after a network error. A
 //     resent Acquire that finds its own owner token answers Acquired; a
-//     resent Complete, Fail or Release that finds its own write answers nil.
+//     resent Complete, Fail, Release or Cancel that finds its own write
+//     answers nil (and a resent Cancel takes back no second attempt).
 //   - Bounded: keys are 1 to MaxKeyLen bytes (any bytes) and hashed into
 //     Redis keys "<prefix>:{<digest>}", so user input cannot pick a Cluster
 //     slot or cross a namespace. Results are limited (Config.MaxResultSize).
@@ -39,6 +44,20 @@
 //     Retention while a lease is held. Nothing lives forever.
 //   - Portable: one key per record, passed in KEYS, so RedisStore works on
 //     a standalone server, Sentinel and Cluster (any redis.UniversalClient).
+//
+// # Records in Redis
+//
+// A RedisStore record is one string value: a binary MessagePack sequence
+// (packed by the scripts with cmsgpack) of a format version, 1, then state,
+// owner, fence, lease deadline, attempts, fingerprint, the caller's key,
+// created and ended times and the stored value, in that order
+// (scripts/acquire.lua describes each). It is written with SET ... PX, so
+// record and expiry change in one command. To inspect one, GET it and
+// decode the bytes with any MessagePack decoder; it is not a hash, and
+// HGETALL answers WRONGTYPE. A record of an unknown format version, or of
+// another type (a hash written by an earlier release of this package), is
+// an error for its key alone: other keys in the same call are answered as
+// usual.
 //
 // # Limits
 //

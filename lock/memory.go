@@ -22,7 +22,7 @@ type MemoryStore struct {
 }
 
 type memRecord struct {
-	state       byte // 'p' in progress, 'c' completed, 'f' failed, 'r' released
+	state       byte // 'p' in progress, 'c' completed, 'f' failed, 'r' released, 'x' cancelled
 	owner       string
 	fence       int64
 	deadline    time.Time
@@ -162,6 +162,11 @@ func (m *MemoryStore) Release(ctx context.Context, lease Lease) error {
 	return m.finish(ctx, lease, "release", 'r', nil)
 }
 
+// Cancel gives the lease up and takes back the attempt its Acquire counted.
+func (m *MemoryStore) Cancel(ctx context.Context, lease Lease) error {
+	return m.finish(ctx, lease, "cancel", 'x', nil)
+}
+
 func (m *MemoryStore) finish(ctx context.Context, l Lease, op string, state byte, value []byte) error {
 	if err := checkLease(l); err != nil {
 		return err
@@ -180,8 +185,11 @@ func (m *MemoryStore) finish(ctx context.Context, l Lease, op string, state byte
 		return fmt.Errorf("%w: %s key %q fence %d", ErrLeaseLost, op, l.Key, l.Fence)
 	}
 	r.state, r.deadline = state, time.Time{}
-	if state != 'r' {
+	switch state {
+	case 'c', 'f':
 		r.value = value
+	case 'x':
+		r.attempts = max(r.attempts-1, 0)
 	}
 	r.expires = now.Add(l.Retention)
 	m.wrote(now)

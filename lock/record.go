@@ -151,13 +151,16 @@ type Result struct {
 // Per key the record moves: absent → in progress (owner, fence, lease
 // deadline, attempts, fingerprint) → completed (result) or failed (error).
 // Release takes an in-progress record back to "not running" while keeping
-// its attempt count and fence. A record expires Retention after its last
-// change; a record in progress lives at least TTL+Retention.
+// its attempt count and fence; Cancel does the same but takes back the
+// attempt its Acquire counted (the fence stays raised). A record expires
+// Retention after its last change; a record in progress lives at least
+// TTL+Retention.
 //
 // Implementations are safe for concurrent use. Every method is safe to retry
 // after a network error: a retried Acquire that finds its own owner token
-// answers Acquired, and a retried Complete, Fail or Release that finds its
-// own write answers nil.
+// answers Acquired, and a retried Complete, Fail, Release or Cancel that
+// finds its own write answers nil (a retried Cancel takes back no second
+// attempt).
 type Store interface {
 	// Acquire takes a lease on req.Key, or reports why it could not.
 	Acquire(ctx context.Context, req Request) (Result, error)
@@ -177,4 +180,8 @@ type Store interface {
 	// the next Acquire gets a new lease with a higher fence and attempt.
 	// ErrLeaseLost as for Complete.
 	Release(ctx context.Context, lease Lease) error
+	// Cancel undoes an Acquire whose work never started: the lease is given up
+	// as by Release, and the attempt it counted is taken back. The fence stays
+	// raised, so no later lease reuses it. ErrLeaseLost as for Complete.
+	Cancel(ctx context.Context, lease Lease) error
 }

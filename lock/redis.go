@@ -30,12 +30,21 @@ const (
 	stateCompleted = "c"
 	stateFailed    = "f"
 	stateReleased  = "r"
+	stateCancelled = "x" // released, and the attempt its Acquire counted taken back
 )
 
-// RedisStore is a Store on Redis: one hash per idempotency key, changed only
-// by Lua scripts so that every transition is one atomic round trip judged by
-// the server's clock. It works with any redis.UniversalClient: a standalone
-// server, a Sentinel failover client or a Cluster client.
+// RedisStore is a Store on Redis: one string value per idempotency key,
+// changed only by Lua scripts so that every transition is one atomic round
+// trip judged by the server's clock. It works with any redis.UniversalClient:
+// a standalone server, a Sentinel failover client or a Cluster client.
+//
+// A record is binary: a MessagePack sequence (cmsgpack.pack) of a format
+// version (1), state, owner, fence, lease deadline, attempts, fingerprint,
+// the caller's key, created and ended times (server ms) and the stored
+// value, written with SET ... PX so that record and expiry change in one
+// command (scripts/acquire.lua documents the layout). Inspect one with GET
+// and a MessagePack decoder; HGETALL does not apply. A record of another
+// format version, or an old-style hash, is an error for its key alone.
 //
 // RedisStore is safe for concurrent use.
 type RedisStore struct {
@@ -200,6 +209,13 @@ func (s *RedisStore) Fail(ctx context.Context, lease Lease, reason string) error
 // Release gives the lease up, keeping the attempt count.
 func (s *RedisStore) Release(ctx context.Context, lease Lease) error {
 	return s.finish(ctx, lease, "release", stateReleased, nil)
+}
+
+// Cancel gives the lease up and takes back the attempt its Acquire counted.
+// A retried Cancel that finds its own write answers nil and takes nothing
+// back again.
+func (s *RedisStore) Cancel(ctx context.Context, lease Lease) error {
+	return s.finish(ctx, lease, "cancel", stateCancelled, nil)
 }
 
 func (s *RedisStore) finish(ctx context.Context, l Lease, op, state string, value any) error {

@@ -3,6 +3,7 @@ package lock_test
 import (
 	"bytes"
 	"context"
+	"errors"
 	"log/slog"
 	"net"
 	"strings"
@@ -338,5 +339,72 @@ func TestRedisRecordsExpire(t *testing.T) {
 	ttl = client.PTTL(ctx, keys[0]).Val()
 	if ttl <= time.Hour-time.Minute || ttl > time.Hour {
 		t.Fatalf("completed: PTTL %v, want about 1h", ttl)
+	}
+}
+
+// A record is one string, a MessagePack sequence led by format version 1,
+// with its expiry set by the same SET. A record of an unknown version is an
+// error for its key alone, never read as something else.
+func TestRedisRecordFormat(t *testing.T) {
+	client := testenv.RedisClient(t)
+	prefix := testenv.Name(t)
+	s := newRedisStore(t, client, lock.Config{Prefix: prefix})
+	ctx := context.Background()
+	res, err := s.Acquire(ctx, lock.Request{Key: "k", TTL: 10 * time.Second, Retention: time.Hour})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatalf("Acquire: %v %v", res.Status, err)
+	}
+	keys, err := client.Keys(ctx, prefix+":*").Result()
+	if err != nil || len(keys) != 1 {
+		t.Fatalf("record keys: %v %v", keys, err)
+	}
+	rkey := keys[0]
+	if typ := client.Type(ctx, rkey).Val(); typ != "string" {
+		t.Fatalf("record type %q, want string", typ)
+	}
+	if raw := client.Get(ctx, rkey).Val(); len(raw) == 0 || raw[0] != 0x01 {
+		t.Fatalf("record %q: want a msgpack sequence led by version 1", raw)
+	}
+	// set overwrites field i (1-based: 1 version ... 6 attempts) of the record.
+	set := func(i, v int) {
+		t.Helper()
+		err := client.Eval(ctx, `local r = {cmsgpack.unpack(redis.call('GET', KEYS[1]))}
+			r[tonumber(ARGV[1])] = tonumber(ARGV[2])
+			return redis.call('SET', KEYS[1], cmsgpack.pack(unpack(r)), 'KEEPTTL')`,
+			[]string{rkey}, i, v).Err()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	// Attempts never go below zero.
+	set(6, 0)
+	if err := s.Cancel(ctx, res.Lease); err != nil {
+		t.Fatal(err)
+	}
+	res, err = s.Acquire(ctx, lock.Request{Key: "k", TTL: 10 * time.Second, Retention: time.Hour})
+	if err != nil || res.Status != lock.Acquired || res.Attempts != 1 || res.Lease.Fence != 2 {
+		t.Fatalf("after Cancel at 0 attempts: %+v %v, want attempt 1 fence 2", res, err)
+	}
+
+	other, err := s.Acquire(ctx, lock.Request{Key: "other"})
+	if err != nil || other.Status != lock.Acquired {
+		t.Fatalf("Acquire other: %v %v", other.Status, err)
+	}
+	set(1, 2)
+	if _, err := s.Acquire(ctx, lock.Request{Key: "k"}); err == nil || !strings.Contains(err.Error(), "version 2") {
+		t.Fatalf("Acquire of a version 2 record: got %v, want a format error", err)
+	}
+	errs := s.Extend(ctx, res.Lease, other.Lease)
+	if errs[0] == nil || errors.Is(errs[0], lock.ErrLeaseLost) || errs[1] != nil {
+		t.Fatalf("Extend of a version 2 record and a good one: %v", errs)
+	}
+	for name, err := range map[string]error{
+		"Complete": s.Complete(ctx, res.Lease, nil),
+		"Cancel":   s.Cancel(ctx, res.Lease),
+	} {
+		if err == nil || errors.Is(err, lock.ErrLeaseLost) || !strings.Contains(err.Error(), "version 2") {
+			t.Fatalf("%s of a version 2 record: got %v, want a format error", name, err)
+		}
 	}
 }

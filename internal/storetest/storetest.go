@@ -34,6 +34,7 @@ func Run(t *testing.T, newStore NewStore) {
 		{"Lifecycle", testLifecycle},
 		{"RetriedWritesAreIdempotent", testRetriedWrites},
 		{"ReleaseKeepsAttempts", testRelease},
+		{"CancelTakesBackAttempt", testCancel},
 		{"FailStoresError", testFail},
 		{"ExpiredLeaseTakenOver", testTakeover},
 		{"ExpiredLeaseNotTakenOverCanComplete", testExpiredNotTakenOver},
@@ -152,6 +153,76 @@ func testRetriedWrites(t *testing.T, store func(*testing.T, lock.Config) lock.St
 	noErr(t, "Release", s.Release(ctx(t), l))
 	noErr(t, "Release retried", s.Release(ctx(t), l))
 	wantLost(t, "Complete after Release", s.Complete(ctx(t), l, nil))
+
+	// A retried Cancel answers nil and takes back no second attempt.
+	first := acquire(t, s, lock.Request{Key: "x"}, lock.Acquired).Lease
+	noErr(t, "Release", s.Release(ctx(t), first))
+	l = acquire(t, s, lock.Request{Key: "x"}, lock.Acquired).Lease
+	noErr(t, "Cancel", s.Cancel(ctx(t), l))
+	noErr(t, "Cancel retried", s.Cancel(ctx(t), l))
+	wantLost(t, "Complete after Cancel", s.Complete(ctx(t), l, nil))
+	wantLost(t, "Release after Cancel", s.Release(ctx(t), l))
+	if got := acquire(t, s, lock.Request{Key: "x"}, lock.Acquired); got.Attempts != 2 || got.Fence != 3 {
+		t.Fatalf("after a retried Cancel: attempts %d fence %d, want 2 3", got.Attempts, got.Fence)
+	}
+}
+
+func testCancel(t *testing.T, store func(*testing.T, lock.Config) lock.Store) {
+	s := store(t, lock.Config{})
+	req := lock.Request{Key: "never-ran"}
+	first := acquire(t, s, req, lock.Acquired)
+	noErr(t, "Cancel", s.Cancel(ctx(t), first.Lease))
+	second := acquire(t, s, req, lock.Acquired)
+	if second.Attempts != first.Attempts || second.Lease.Attempt != first.Lease.Attempt {
+		t.Fatalf("after Cancel: attempts %d (lease %d), want %d as before",
+			second.Attempts, second.Lease.Attempt, first.Attempts)
+	}
+	if second.Lease.Fence <= first.Lease.Fence || second.Fence != second.Lease.Fence {
+		t.Fatalf("after Cancel: fence %d, want above %d", second.Lease.Fence, first.Lease.Fence)
+	}
+	if second.Lease.Owner == first.Lease.Owner {
+		t.Fatal("a new lease reused the cancelled owner token")
+	}
+	wantLost(t, "Cancel by the cancelled lease", s.Cancel(ctx(t), first.Lease))
+	wantLost(t, "Extend by the cancelled lease", s.Extend(ctx(t), first.Lease)[0])
+	wantLost(t, "Complete by the cancelled lease", s.Complete(ctx(t), first.Lease, []byte("stale")))
+
+	// A stale lease (taken over after expiry) cannot cancel, and changes
+	// nothing.
+	stale := acquire(t, s, lock.Request{Key: "taken", TTL: 50 * time.Millisecond}, lock.Acquired).Lease
+	time.Sleep(120 * time.Millisecond)
+	cur := acquire(t, s, lock.Request{Key: "taken"}, lock.Acquired).Lease
+	wantLost(t, "Cancel by a stale lease", s.Cancel(ctx(t), stale))
+	busy := acquire(t, s, lock.Request{Key: "taken"}, lock.InProgress)
+	if busy.Fence != cur.Fence || busy.Attempts != 2 {
+		t.Fatalf("after a stale Cancel: %+v, want the new owner's lease, 2 attempts", busy)
+	}
+
+	// Cancel after an outcome is refused and keeps the outcome.
+	done := acquire(t, s, lock.Request{Key: "done"}, lock.Acquired).Lease
+	noErr(t, "Complete", s.Complete(ctx(t), done, []byte("ok")))
+	wantLost(t, "Cancel after Complete", s.Cancel(ctx(t), done))
+	if got := acquire(t, s, lock.Request{Key: "done"}, lock.Completed); string(got.Value) != "ok" || got.Attempts != 1 {
+		t.Fatalf("completed after a refused Cancel: %+v", got)
+	}
+
+	// Attempts never go below zero, and Cancel after Release is refused.
+	for range 3 {
+		l := acquire(t, s, lock.Request{Key: "again"}, lock.Acquired).Lease
+		if l.Attempt != 1 {
+			t.Fatalf("cancelled repeatedly: attempt %d, want 1", l.Attempt)
+		}
+		noErr(t, "Cancel", s.Cancel(ctx(t), l))
+	}
+	l := acquire(t, s, lock.Request{Key: "again"}, lock.Acquired).Lease
+	if l.Fence != 4 {
+		t.Fatalf("after 3 cancels: fence %d, want 4", l.Fence)
+	}
+	noErr(t, "Release", s.Release(ctx(t), l))
+	wantLost(t, "Cancel after Release", s.Cancel(ctx(t), l))
+	if got := acquire(t, s, lock.Request{Key: "again"}, lock.Acquired).Lease; got.Attempt != 2 {
+		t.Fatalf("after Release and a refused Cancel: attempt %d, want 2", got.Attempt)
+	}
 }
 
 func testRelease(t *testing.T, store func(*testing.T, lock.Config) lock.Store) {

@@ -1,5 +1,5 @@
 -- acquire.lua: take leases on idempotency records, each atomically.
--- KEYS[i]  a record (a hash); one or more per call
+-- KEYS[i]  a record; one or more per call
 -- ARGV     five per key, in order:
 --   owner token of the Acquire call, lease TTL ms, retention ms,
 --   payload fingerprint ('' = no check), the caller's key (kept to detect
@@ -8,43 +8,58 @@
 -- lease, stored value}, or an error for that key alone.
 -- Status: 1 acquired, 2 completed, 3 failed, 4 in progress, 5 conflict, 6 collision.
 -- Time is the server's: TIME, never the client's clock.
+--
+-- A record is one string value: cmsgpack.pack of, in this order,
+--   version (1), state ('p' in progress, 'c' completed, 'f' failed,
+--   'r' released, 'x' cancelled: released with its attempt taken back),
+--   owner, fence, lease deadline (ms, 0 when none), attempts, fingerprint,
+--   caller's key, created (ms), ended (ms, 0 until an outcome), value.
+-- It is written with SET ... PX, so value and expiry change together. The
+-- same layout is read and written by extend.lua and finish.lua; keep the
+-- three in step. A record of another version, or of another type, is an
+-- error for its key.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
+local function put(key, ms, ...)
+  if ms > 0 then
+    redis.call('SET', key, cmsgpack.pack(...), 'PX', ms)
+  else
+    redis.call('DEL', key) -- expires at once, as PEXPIRE 0 would
+  end
+end
+
 local function acquire(key, owner, ttl, retention, fingerprint, userkey)
   local keep = ttl + retention
-  local r = redis.call('HMGET', key, 's', 'o', 'f', 'd', 'a', 'p', 'k', 'v')
-  local state = r[1]
-  if not state then
-    redis.call('HSET', key, 's', 'p', 'o', owner, 'f', 1, 'd', now + ttl, 'a', 1,
-      'p', fingerprint, 'k', userkey, 't', now)
-    redis.call('PEXPIRE', key, keep)
+  local raw = redis.call('GET', key)
+  if not raw then
+    put(key, keep, 1, 'p', owner, 1, now + ttl, 1, fingerprint, userkey, now, 0, '')
     return {1, 1, 1, ttl, ''}
   end
-  if r[7] ~= userkey then
+  local ver, state, o, fence, deadline, attempts, fp, k, created, ended, value = cmsgpack.unpack(raw)
+  if ver ~= 1 then
+    return redis.error_reply('ERR lock: record format version ' .. tostring(ver) .. ' unknown')
+  end
+  if k ~= userkey then
     return {6, 0, 0, 0, ''}
   end
 
-  local fence = tonumber(r[3])
-  local attempts = tonumber(r[5])
-  if fingerprint ~= '' and r[6] ~= '' and r[6] ~= fingerprint then
+  if fingerprint ~= '' and fp ~= '' and fp ~= fingerprint then
     return {5, fence, attempts, 0, ''}
   end
   if state == 'c' then
-    return {2, fence, attempts, 0, r[8]}
+    return {2, fence, attempts, 0, value}
   end
   if state == 'f' then
-    return {3, fence, attempts, 0, r[8]}
+    return {3, fence, attempts, 0, value}
   end
   if state == 'p' then
-    local deadline = tonumber(r[4])
-    if r[2] == owner then
+    if o == owner then
       -- A retry of this same Acquire (the client resent it after a
       -- network error): the lease is already ours.
       if deadline < now + ttl then
         deadline = now + ttl
-        redis.call('HSET', key, 'd', deadline)
-        redis.call('PEXPIRE', key, keep)
+        put(key, keep, ver, state, o, fence, deadline, attempts, fp, k, created, ended, value)
       end
       return {1, fence, attempts, deadline - now, ''}
     end
@@ -53,11 +68,11 @@ local function acquire(key, owner, ttl, retention, fingerprint, userkey)
     end
   end
 
-  -- Released by its owner, or its lease expired: a new lease, a higher fence.
+  -- Released or cancelled by its owner, or its lease expired: a new lease,
+  -- a higher fence.
   fence = fence + 1
   attempts = attempts + 1
-  redis.call('HSET', key, 's', 'p', 'o', owner, 'f', fence, 'd', now + ttl, 'a', attempts)
-  redis.call('PEXPIRE', key, keep)
+  put(key, keep, ver, 'p', owner, fence, now + ttl, attempts, fp, k, created, ended, value)
   return {1, fence, attempts, ttl, ''}
 end
 

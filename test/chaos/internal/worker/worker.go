@@ -401,3 +401,8 @@ func (s *store) Release(ctx context.Context, l lock.Lease) error {
 	defer s.w.untrack(l.Key, l.Fence)
 	return s.Store.Release(ctx, l)
 }
+
+func (s *store) Cancel(ctx context.Context, l lock.Lease) error {
+	defer s.w.untrack(l.Key, l.Fence)
+	return s.Store.Cancel(ctx, l)
+}
