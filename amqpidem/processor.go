@@ -1,6 +1,7 @@
 package amqpidem
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -33,7 +34,21 @@ type processor struct {
 	store   lock.Store
 	keeper  *heartbeat.Keeper
 	handler Handler
+
+	// slots, when set, bounds the handlers running at once (a Consumer's
+	// Concurrency). A delivery takes its lease first and then waits for a
+	// slot, so that the store calls of prefetched deliveries go out
+	// together ahead of their handlers, and a slot is held by the handler
+	// only, not by the store and broker round trips around it.
+	slots chan struct{}
+	// stopping, when closed, sends deliveries still waiting for a slot
+	// back to their queue unprocessed.
+	stopping <-chan struct{}
 }
+
+// errNotStarted is the cause given when a delivery goes back to its queue
+// before its handler started.
+var errNotStarted = errors.New("amqpidem: consumer stopping before the handler started")
 
 // process runs the whole decision for d and settles it: ack, delayed
 // requeue, dead letter, or, when ctx ends first, a copy straight back to
@@ -128,10 +143,25 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 
 	hctx, stop := p.keeper.Keep(ctx, lease)
 	defer stop()
+	if !p.takeSlot(hctx) {
+		// Stopping, or the lease was lost, before the handler started:
+		// this attempt never ran, so it is taken back.
+		cause := context.Cause(hctx)
+		stop()
+		p.cancel(ctx, lease)
+		ev.Attempt = lease.Attempt - 1
+		if cause == nil || ctx.Err() != nil {
+			p.requeue(ctx, b, d, ev, Abandoned, "shutdown", 0, cmp.Or(cause, errNotStarted))
+			return
+		}
+		p.requeue(ctx, b, d, ev, Abandoned, "lease lost", p.cfg.InProgressDelay, cause)
+		return
+	}
 	hctx = withInfo(hctx, Info{Queue: p.cfg.Queue, Key: lease.Key, Attempt: lease.Attempt, Fence: lease.Fence})
 	t0 := time.Now()
 	result, err := call(hctx, p.handler, d)
 	ev.Handler = time.Since(t0)
+	p.freeSlot()
 
 	if err == nil && len(result) > p.cfg.MaxResultSize {
 		err = Permanent(fmt.Errorf("%w: %d bytes, at most %d allowed", lock.ErrResultTooLarge, len(result), p.cfg.MaxResultSize))
@@ -190,6 +220,36 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 	p.fail(ctx, b, d, ev, lease, reason, err)
 }
 
+// takeSlot waits for a handler slot when handlers are bounded. It reports
+// false, holding no slot, when the consumer began stopping or hctx ended
+// first.
+func (p *processor) takeSlot(hctx context.Context) bool {
+	if p.slots == nil {
+		return true
+	}
+	select {
+	case p.slots <- struct{}{}:
+	case <-p.stopping:
+		return false
+	case <-hctx.Done():
+		return false
+	}
+	select {
+	case <-p.stopping: // both were ready and the slot won: stopping wins
+		<-p.slots
+		return false
+	default:
+		return true
+	}
+}
+
+// freeSlot gives back the slot of takeSlot.
+func (p *processor) freeSlot() {
+	if p.slots != nil {
+		<-p.slots
+	}
+}
+
 // complete stores the result, even if ctx was cancelled meanwhile (the
 // work is done), retrying transport errors for up to settleTimeout.
 func (p *processor) complete(ctx context.Context, lease lock.Lease, result []byte) error {
@@ -238,6 +298,18 @@ func (p *processor) release(ctx context.Context, lease lock.Lease) {
 	defer cancel()
 	if err := p.store.Release(sctx, lease); err != nil && !errors.Is(err, lock.ErrLeaseLost) {
 		p.cfg.Logger.WarnContext(ctx, "amqpidem: release failed; the retry waits for the lease to expire",
+			"queue", p.cfg.Queue, "key", lease.Key, "fence", lease.Fence, "error", err)
+	}
+}
+
+// cancel gives back a lease whose handler never started, and the attempt
+// it counted. A failure only delays the next delivery by up to the lease
+// TTL, and that attempt stays counted.
+func (p *processor) cancel(ctx context.Context, lease lock.Lease) {
+	sctx, cancel := settleContext(ctx)
+	defer cancel()
+	if err := p.store.Cancel(sctx, lease); err != nil && !errors.Is(err, lock.ErrLeaseLost) {
+		p.cfg.Logger.WarnContext(ctx, "amqpidem: cancel failed; the next delivery waits for the lease to expire",
 			"queue", p.cfg.Queue, "key", lease.Key, "fence", lease.Fence, "error", err)
 	}
 }

@@ -1,0 +1,218 @@
+package amqpidem_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// leaseCounter is a store that counts the leases it granted, per key.
+type leaseCounter struct {
+	lock.Store
+	mu     sync.Mutex
+	leased map[string]int
+}
+
+func (s *leaseCounter) Acquire(ctx context.Context, req lock.Request) (lock.Result, error) {
+	res, err := s.Store.Acquire(ctx, req)
+	if err == nil && res.Status == lock.Acquired {
+		s.mu.Lock()
+		if s.leased == nil {
+			s.leased = map[string]int{}
+		}
+		s.leased[req.Key]++
+		s.mu.Unlock()
+	}
+	return res, err
+}
+
+func (s *leaseCounter) count() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.leased)
+}
+
+// gauge tracks how many handlers run at once, and the most ever.
+type gauge struct {
+	now, most, started atomic.Int64
+}
+
+func (g *gauge) enter() {
+	g.started.Add(1)
+	n := g.now.Add(1)
+	for {
+		m := g.most.Load()
+		if n <= m || g.most.CompareAndSwap(m, n) {
+			return
+		}
+	}
+}
+
+func (g *gauge) leave() { g.now.Add(-1) }
+
+func eventually(t *testing.T, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", d, what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// With Concurrency below Prefetch, every prefetched delivery takes its
+// lease at once, and no more than Concurrency handlers ever run together.
+func TestConsumerLeasesAheadOfHandlerSlots(t *testing.T) {
+	e := newEnv(t, nil)
+	store := &leaseCounter{Store: e.store}
+	var g gauge
+	release := make(chan struct{})
+	rec := &recorder{}
+	cfg := amqpidem.ConsumerConfig{
+		URL: e.url, Prefetch: 6, Concurrency: 2,
+		Config: amqpidem.Config{Queue: e.queue, Observer: rec},
+	}
+	c, err := amqpidem.NewConsumer(store, cfg, amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+		g.enter()
+		defer g.leave()
+		select {
+		case <-release:
+			return nil, nil
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- c.Run(context.Background()) }()
+	defer func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if err := c.Shutdown(ctx); err != nil {
+			t.Errorf("Shutdown: %v", err)
+		}
+		if err := <-done; !errors.Is(err, amqpidem.ErrConsumerClosed) {
+			t.Errorf("Run: %v", err)
+		}
+	}()
+
+	const n = 6
+	for i := range n {
+		e.publish(amqp.Publishing{MessageId: fmt.Sprintf("k%d", i), Body: []byte("x")})
+	}
+	eventually(t, 10*time.Second, "every delivery to hold a lease", func() bool { return store.count() == n })
+	// Leases were taken while only two handlers could run.
+	time.Sleep(100 * time.Millisecond) // room for a third handler to start if the bound were broken
+	if got := g.started.Load(); got != 2 {
+		t.Fatalf("%d handlers started with Concurrency 2 and all slots held", got)
+	}
+	close(release)
+	rec.waitFor(t, 10*time.Second, "every message completed", func(evs []amqpidem.Event) bool {
+		for i := range n {
+			if count(evs, fmt.Sprintf("k%d", i), amqpidem.Completed) != 1 {
+				return false
+			}
+		}
+		return true
+	})
+	if most := g.most.Load(); most != 2 {
+		t.Fatalf("at most %d handlers ran at once, want exactly Concurrency 2", most)
+	}
+	if got := g.started.Load(); got != n {
+		t.Fatalf("%d handler runs for %d messages", got, n)
+	}
+}
+
+// Deliveries that hold a lease but never got a handler slot go back to
+// the queue at Shutdown, and their attempt is taken back: only the message
+// whose handler was cut off used one up.
+func TestConsumerShutdownReturnsWaitingDeliveries(t *testing.T) {
+	e := newEnv(t, nil)
+	store := &leaseCounter{Store: e.store}
+	var g gauge
+	rec := &recorder{}
+	cfg := amqpidem.ConsumerConfig{
+		URL: e.url, Prefetch: 5, Concurrency: 1,
+		Config: amqpidem.Config{Queue: e.queue, Observer: rec},
+	}
+	running := make(chan string, 5)
+	c, err := amqpidem.NewConsumer(store, cfg, amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+		g.enter()
+		defer g.leave()
+		running <- d.MessageId
+		<-ctx.Done() // only stops when told to
+		return nil, ctx.Err()
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- c.Run(context.Background()) }()
+
+	const n = 5
+	for i := range n {
+		e.publish(amqp.Publishing{MessageId: fmt.Sprintf("k%d", i), Body: []byte("x")})
+	}
+	eventually(t, 10*time.Second, "every delivery to hold a lease", func() bool { return store.count() == n })
+	var cut string
+	select {
+	case cut = <-running:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no handler started")
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	if err := c.Shutdown(ctx); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Shutdown with a handler that outlives ctx: got %v, want DeadlineExceeded", err)
+	}
+	if err := <-done; !errors.Is(err, amqpidem.ErrConsumerClosed) {
+		t.Fatalf("Run: %v", err)
+	}
+	if got := g.started.Load(); got != 1 {
+		t.Fatalf("%d handlers started, want 1 (Concurrency 1)", got)
+	}
+
+	back := map[string]bool{}
+	for len(back) < n {
+		m, ok := e.get(e.queue, 5*time.Second)
+		if !ok {
+			t.Fatalf("only %d of %d messages are back in the queue: %v", len(back), n, back)
+		}
+		back[m.MessageId] = true
+	}
+	for i := range n {
+		key := fmt.Sprintf("k%d", i)
+		res, err := e.store.Acquire(context.Background(), lock.Request{Key: key})
+		if err != nil || res.Status != lock.Acquired {
+			t.Fatalf("%s after shutdown: %v %v; want its lease given up", key, res.Status, err)
+		}
+		want := 1 // never ran: the attempt was taken back
+		if key == cut {
+			want = 2 // ran and was cut off: that attempt counts
+		}
+		if res.Lease.Attempt != want {
+			t.Errorf("%s: next attempt %d, want %d", key, res.Lease.Attempt, want)
+		}
+	}
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	for i := range n {
+		key := fmt.Sprintf("k%d", i)
+		if got := count(rec.events, key, amqpidem.Abandoned); got != 1 {
+			t.Errorf("%s: %d Abandoned events, want 1", key, got)
+		}
+	}
+}
