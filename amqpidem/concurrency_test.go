@@ -173,6 +173,10 @@ func TestConsumerShutdownReturnsWaitingDeliveries(t *testing.T) {
 		t.Fatal("no handler started")
 	}
 
+	if cut != "k0" {
+		t.Fatalf("the handler started for %s, want k0: slots go in delivery order", cut)
+	}
+
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 	defer cancel()
 	if err := c.Shutdown(ctx); !errors.Is(err, context.DeadlineExceeded) {
@@ -214,5 +218,41 @@ func TestConsumerShutdownReturnsWaitingDeliveries(t *testing.T) {
 		if got := count(rec.events, key, amqpidem.Abandoned); got != 1 {
 			t.Errorf("%s: %d Abandoned events, want 1", key, got)
 		}
+	}
+}
+
+// With Concurrency 1 handlers run one after the other in queue order,
+// although the leases of the prefetched deliveries are taken all at once
+// and come back in any order.
+func TestConsumerConcurrencyOneKeepsOrder(t *testing.T) {
+	e := newEnv(t, nil)
+	const n = 40
+	var mu sync.Mutex
+	var order []string
+	rec := &recorder{}
+	startConsumer(t, e, amqpidem.ConsumerConfig{
+		Prefetch: n, Concurrency: 1,
+		Config: amqpidem.Config{Observer: rec},
+	}, amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+		mu.Lock()
+		order = append(order, d.MessageId)
+		mu.Unlock()
+		return nil, nil
+	}))
+	for i := range n {
+		e.publish(amqp.Publishing{MessageId: fmt.Sprintf("k%02d", i), Body: []byte("x")})
+	}
+	rec.waitFor(t, 20*time.Second, "every message completed", func(evs []amqpidem.Event) bool {
+		return len(evs) >= n
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	for i, id := range order {
+		if want := fmt.Sprintf("k%02d", i); id != want {
+			t.Fatalf("handler %d ran %s, want %s; order: %v", i, id, want, order)
+		}
+	}
+	if len(order) != n {
+		t.Fatalf("%d handler runs, want %d", len(order), n)
 	}
 }

@@ -142,7 +142,7 @@ func NewConsumer(store lock.Store, cfg ConsumerConfig, h Handler) (*Consumer, er
 	cfg.Config = proc.cfg
 	cfg = cfg.withDefaults()
 	stopping := make(chan struct{})
-	proc.slots, proc.stopping = make(chan struct{}, cfg.Concurrency), stopping
+	proc.gate, proc.stopping = newGate(cfg.Concurrency), stopping
 	base, cancel := context.WithCancel(context.Background())
 	return &Consumer{
 		cfg: cfg, proc: proc, base: base, cancel: cancel,
@@ -243,28 +243,32 @@ func (c *Consumer) session(ctx context.Context) error {
 	// no more unacked deliveries than that), and live as long as the
 	// session: a fresh goroutine per delivery would grow its stack anew
 	// each time, a cost that showed in make bench's CPU profile.
-	work := make(chan *amqp.Delivery)
+	type job struct {
+		d *amqp.Delivery
+		t *ticket
+	}
+	work := make(chan job)
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	defer close(work)
 	workers := 0
-	dispatch := func(d *amqp.Delivery) {
+	dispatch := func(j job) {
 		select {
-		case work <- d:
+		case work <- j:
 			return
 		default:
 		}
 		if workers == c.cfg.Prefetch {
-			work <- d
+			work <- j
 			return
 		}
 		workers++
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			c.proc.process(c.base, pub, d)
-			for d := range work {
-				c.proc.process(c.base, pub, d)
+			c.proc.process(c.base, pub, j.d, j.t)
+			for j := range work {
+				c.proc.process(c.base, pub, j.d, j.t)
 			}
 		}()
 	}
@@ -280,7 +284,7 @@ func (c *Consumer) session(ctx context.Context) error {
 				c.drain(ch, acks, pub, deliveries)
 				return nil
 			}
-			dispatch(&d)
+			dispatch(job{&d, c.proc.gate.enter()}) // tickets in delivery order
 		case <-c.stopping:
 			c.drain(ch, acks, pub, deliveries)
 			return nil

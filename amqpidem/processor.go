@@ -35,12 +35,13 @@ type processor struct {
 	keeper  *heartbeat.Keeper
 	handler Handler
 
-	// slots, when set, bounds the handlers running at once (a Consumer's
-	// Concurrency). A delivery takes its lease first and then waits for a
-	// slot, so that the store calls of prefetched deliveries go out
-	// together ahead of their handlers, and a slot is held by the handler
-	// only, not by the store and broker round trips around it.
-	slots chan struct{}
+	// gate, when set, bounds the handlers running at once (a Consumer's
+	// Concurrency) and starts them in delivery order. A delivery takes its
+	// lease first and then waits for a slot, so that the store calls of
+	// prefetched deliveries go out together ahead of their handlers, and a
+	// slot is held by the handler only, not by the store and broker round
+	// trips around it.
+	gate *gate
 	// stopping, when closed, sends deliveries still waiting for a slot
 	// back to their queue unprocessed.
 	stopping <-chan struct{}
@@ -52,9 +53,13 @@ var errNotStarted = errors.New("amqpidem: consumer stopping before the handler s
 
 // process runs the whole decision for d and settles it: ack, delayed
 // requeue, dead letter, or, when ctx ends first, a copy straight back to
-// the queue so that it is delivered again. It returns what happened.
-func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery) (ev Event) {
+// the queue so that it is delivered again. t is d's ticket of p.gate (nil
+// without a gate). It returns what happened.
+func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *ticket) (ev Event) {
 	start := time.Now()
+	if t != nil {
+		defer p.gate.leave(t) // whatever happens, later deliveries go on
+	}
 	ev.Queue, ev.Consumer = p.cfg.Queue, p.cfg.ConsumerName
 	defer func() {
 		ev.Total = time.Since(start)
@@ -125,7 +130,7 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery) (ev
 		p.deadLetter(ctx, b, d, &ev, "key conflict",
 			fmt.Errorf("key %q was first seen with a different payload", key))
 	case lock.Acquired:
-		p.run(ctx, b, d, &ev, res.Lease)
+		p.run(ctx, b, d, &ev, res.Lease, t)
 	default:
 		p.requeue(ctx, b, d, &ev, Abandoned, "unexpected store answer", p.cfg.UnavailableDelay,
 			fmt.Errorf("status %v", res.Status))
@@ -134,7 +139,7 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery) (ev
 }
 
 // run executes the handler under a kept lease and records its outcome.
-func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, lease lock.Lease) {
+func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, lease lock.Lease, t *ticket) {
 	if lease.Attempt > p.cfg.MaxAttempts {
 		p.fail(ctx, b, d, ev, lease, "attempts exhausted",
 			fmt.Errorf("%d executions started, at most %d allowed (earlier ones crashed or lost their lease)", lease.Attempt-1, p.cfg.MaxAttempts))
@@ -143,7 +148,7 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 
 	hctx, stop := p.keeper.Keep(ctx, lease)
 	defer stop()
-	if !p.takeSlot(hctx) {
+	if t != nil && !p.gate.wait(hctx, p.stopping, t) {
 		// Stopping, or the lease was lost, before the handler started:
 		// this attempt never ran, so it is taken back.
 		cause := context.Cause(hctx)
@@ -161,7 +166,9 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 	t0 := time.Now()
 	result, err := call(hctx, p.handler, d)
 	ev.Handler = time.Since(t0)
-	p.freeSlot()
+	if t != nil {
+		p.gate.release()
+	}
 
 	if err == nil && len(result) > p.cfg.MaxResultSize {
 		err = Permanent(fmt.Errorf("%w: %d bytes, at most %d allowed", lock.ErrResultTooLarge, len(result), p.cfg.MaxResultSize))
@@ -218,36 +225,6 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 	}
 	stop()
 	p.fail(ctx, b, d, ev, lease, reason, err)
-}
-
-// takeSlot waits for a handler slot when handlers are bounded. It reports
-// false, holding no slot, when the consumer began stopping or hctx ended
-// first.
-func (p *processor) takeSlot(hctx context.Context) bool {
-	if p.slots == nil {
-		return true
-	}
-	select {
-	case p.slots <- struct{}{}:
-	case <-p.stopping:
-		return false
-	case <-hctx.Done():
-		return false
-	}
-	select {
-	case <-p.stopping: // both were ready and the slot won: stopping wins
-		<-p.slots
-		return false
-	default:
-		return true
-	}
-}
-
-// freeSlot gives back the slot of takeSlot.
-func (p *processor) freeSlot() {
-	if p.slots != nil {
-		<-p.slots
-	}
 }
 
 // complete stores the result, even if ctx was cancelled meanwhile (the

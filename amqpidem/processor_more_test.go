@@ -53,7 +53,7 @@ func TestProcessLeaseLost(t *testing.T) {
 			store = s
 			b := &fakeBroker{}
 			d, ack := delivery("k", "body")
-			ev := p.process(context.Background(), b, d)
+			ev := p.process(context.Background(), b, d, nil)
 			if ev.Outcome != Abandoned || ev.Reason != "lease lost" || ack.acks != 1 || len(b.pubs) != 1 || b.pubs[0].key != "requeue" {
 				t.Fatalf("got %v %q acks %d pubs %+v err %v; want abandoned, requeued, acked", ev.Outcome, ev.Reason, ack.acks, b.pubs, ev.Err)
 			}
@@ -89,7 +89,7 @@ func TestProcessShutdownGivesBack(t *testing.T) {
 				b.fail = map[string]error{"requeue": errors.New("channel closed")}
 			}
 			d, ack := delivery("k", "body")
-			ev := p.process(ctx, b, d)
+			ev := p.process(ctx, b, d, nil)
 			if ev.Outcome != Abandoned || !strings.HasPrefix(ev.Reason, "shutdown") {
 				t.Fatalf("got %v %q", ev.Outcome, ev.Reason)
 			}
@@ -131,7 +131,7 @@ func TestProcessStoreUnavailable(t *testing.T) {
 			t.Cleanup(func() { _ = p.keeper.Shutdown(context.Background()) })
 			b := &fakeBroker{}
 			d, ack := delivery("k", "x")
-			ev := p.process(context.Background(), b, d)
+			ev := p.process(context.Background(), b, d, nil)
 			if failOpen {
 				if ev.Outcome != Completed || runs != 1 || ack.acks != 1 {
 					t.Fatalf("fail open: %v runs %d acks %d", ev.Outcome, runs, ack.acks)
@@ -153,7 +153,7 @@ func TestProcessUnroutableDeadLetterIsKept(t *testing.T) {
 		fails(Permanent(errors.New("card declined"))))
 	b := &fakeBroker{fail: map[string]error{"q.dlq": ErrUnroutable}}
 	d, ack := delivery("k", "x")
-	ev := p.process(context.Background(), b, d)
+	ev := p.process(context.Background(), b, d, nil)
 	if ev.Outcome != Abandoned || ack.acks != 1 || len(b.pubs) != 1 || b.pubs[0].key != "requeue" {
 		t.Fatalf("unroutable dead letter: %v acks %d pubs %+v", ev.Outcome, ack.acks, b.pubs)
 	}
@@ -168,7 +168,7 @@ func TestProcessUnroutableDeadLetterIsKept(t *testing.T) {
 	b.pubs = nil
 	d2, ack2 := delivery("k", "x")
 	d2.Headers = copyMsg.Headers
-	ev = p.process(context.Background(), b, d2)
+	ev = p.process(context.Background(), b, d2, nil)
 	if ev.Outcome != DeadLettered || ack2.acks != 1 || len(b.pubs) != 1 || b.pubs[0].exchange != "missing" {
 		t.Fatalf("pending dead letter: %v acks %d pubs %+v", ev.Outcome, ack2.acks, b.pubs)
 	}
@@ -183,7 +183,7 @@ func TestProcessReplies(t *testing.T) {
 	for i, want := range []Outcome{Completed, Duplicate} {
 		d, _ := delivery("k", "x")
 		d.ReplyTo, d.CorrelationId = "replies", fmt.Sprint("corr-", i)
-		if ev := p.process(context.Background(), b, d); ev.Outcome != want {
+		if ev := p.process(context.Background(), b, d, nil); ev.Outcome != want {
 			t.Fatalf("delivery %d: %v", i, ev.Outcome)
 		}
 		last := b.pubs[len(b.pubs)-1]
@@ -197,7 +197,7 @@ func TestProcessPublishFailureNeverLoses(t *testing.T) {
 	p, _ := newTestProcessor(t, Config{}, fails(errors.New("transient")))
 	b := &fakeBroker{fail: map[string]error{"requeue": errors.New("channel closed")}}
 	d, ack := delivery("k", "x")
-	ev := p.process(context.Background(), b, d)
+	ev := p.process(context.Background(), b, d, nil)
 	if ack.acks != 0 || ack.nacks != 1 || !ack.requeu || ev.Outcome != Abandoned {
 		t.Fatalf("failed requeue: %v acks %d nacks %d requeue %v", ev.Outcome, ack.acks, ack.nacks, ack.requeu)
 	}
@@ -209,7 +209,7 @@ func TestProcessRetriesCountAttempts(t *testing.T) {
 	want := []Outcome{Retried, Retried, DeadLettered}
 	for i, w := range want {
 		d, _ := delivery("k", "x")
-		ev := p.process(context.Background(), b, d)
+		ev := p.process(context.Background(), b, d, nil)
 		if ev.Outcome != w || ev.Attempt != i+1 {
 			t.Fatalf("delivery %d: %v attempt %d, want %v attempt %d", i, ev.Outcome, ev.Attempt, w, i+1)
 		}
@@ -306,7 +306,7 @@ func TestProcessUnroutableReplyIsDropped(t *testing.T) {
 	for i, want := range []Outcome{Completed, Duplicate} {
 		d, ack := delivery("k", "x")
 		d.ReplyTo = "gone"
-		ev := p.process(context.Background(), b, d)
+		ev := p.process(context.Background(), b, d, nil)
 		if ev.Outcome != want || ack.acks != 1 || !errors.Is(ev.Err, ErrUnroutable) {
 			t.Fatalf("delivery %d: %v acks %d err %v", i, ev.Outcome, ack.acks, ev.Err)
 		}
@@ -315,7 +315,7 @@ func TestProcessUnroutableReplyIsDropped(t *testing.T) {
 	b.fail["gone"] = errors.New("connection reset")
 	d, _ := delivery("k", "x")
 	d.ReplyTo = "gone"
-	if ev := p.process(context.Background(), b, d); ev.Outcome != Abandoned || ev.Reason != "reply not sent" {
+	if ev := p.process(context.Background(), b, d, nil); ev.Outcome != Abandoned || ev.Reason != "reply not sent" {
 		t.Fatalf("transient reply failure: %v %q", ev.Outcome, ev.Reason)
 	}
 }

@@ -160,7 +160,7 @@ func TestProcessOutcomes(t *testing.T) {
 			}
 			b := &fakeBroker{}
 			d, ack := delivery(tc.id, tc.body)
-			ev := p.process(context.Background(), b, d)
+			ev := p.process(context.Background(), b, d, nil)
 
 			if ev.Outcome != tc.want {
 				t.Fatalf("outcome: got %v (%s, %v), want %v", ev.Outcome, ev.Reason, ev.Err, tc.want)

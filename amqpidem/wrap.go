@@ -86,7 +86,7 @@ func (w *Wrapper) Handle(ctx context.Context, d amqp.Delivery) Event {
 	defer cancel()
 	stop := context.AfterFunc(w.base, cancel)
 	defer stop()
-	return w.proc.process(ctx, w.pub, &d)
+	return w.proc.process(ctx, w.pub, &d, nil)
 }
 
 // Shutdown stops accepting deliveries (later Handle calls nack them with

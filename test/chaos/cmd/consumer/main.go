@@ -77,6 +77,12 @@ func main() {
 	cfg.AllowCrash = true
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})).With("consumer", cfg.Name)
 
+	// Signals first: a SIGTERM that comes while the worker is being set up
+	// waits in sigs and shuts it down once it runs, instead of killing the
+	// process outright.
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGTERM, os.Interrupt)
+
 	w, err := worker.New(context.Background(), cfg)
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "consumer %s: %v\n", cfg.Name, err)
@@ -84,8 +90,6 @@ func main() {
 	}
 	fmt.Printf("consumer %s ready pid=%d\n", cfg.Name, os.Getpid())
 
-	sigs := make(chan os.Signal, 1)
-	signal.Notify(sigs, syscall.SIGTERM, os.Interrupt)
 	done := make(chan error, 1)
 	go func() {
 		sig := <-sigs

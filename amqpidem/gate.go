@@ -1,0 +1,117 @@
+package amqpidem
+
+import (
+	"context"
+	"sync"
+)
+
+// gate hands out a Consumer's handler slots in delivery order. Deliveries
+// take their leases concurrently, so their store answers come back in any
+// order; without the gate a later delivery could start its handler before
+// an earlier one, and Concurrency 1 would no longer mean one message after
+// the other, in queue order.
+//
+// Each delivery gets a ticket when it arrives (enter, called in delivery
+// order). A ticket that wants a slot (wait) gets one only when every
+// earlier ticket has got one or left: a delivery still taking its lease
+// holds the ones behind it back. Safe for concurrent use.
+type gate struct {
+	mu    sync.Mutex
+	free  int       // slots not held
+	queue []*ticket // tickets without a slot and not left, oldest first
+}
+
+// ticket is one delivery's place in the gate.
+type ticket struct {
+	state   ticketState
+	granted chan struct{} // closed when a slot is handed to the ticket
+}
+
+type ticketState int
+
+const (
+	pending ticketState = iota // taking its lease; holds later tickets back
+	waiting                    // wants a slot
+	granted                    // holds a slot
+	left                       // needs no slot (or gave up waiting)
+)
+
+func newGate(slots int) *gate { return &gate{free: slots} }
+
+// enter gives the next delivery its ticket. Calls must come in delivery
+// order.
+func (g *gate) enter() *ticket {
+	t := &ticket{granted: make(chan struct{})}
+	g.mu.Lock()
+	g.queue = append(g.queue, t)
+	g.mu.Unlock()
+	return t
+}
+
+// wait waits until t holds a slot. It reports false, holding no slot, when
+// stopping is closed or ctx is done first.
+func (g *gate) wait(ctx context.Context, stopping <-chan struct{}, t *ticket) bool {
+	g.mu.Lock()
+	t.state = waiting
+	g.grant()
+	g.mu.Unlock()
+	select {
+	case <-t.granted:
+		select {
+		case <-stopping: // both were ready and the slot won: stopping wins
+		default:
+			return true
+		}
+	case <-stopping:
+	case <-ctx.Done():
+	}
+	g.mu.Lock()
+	if t.state == granted {
+		g.free++
+	}
+	t.state = left
+	g.grant()
+	g.mu.Unlock()
+	return false
+}
+
+// release gives back a slot that wait handed out.
+func (g *gate) release() {
+	g.mu.Lock()
+	g.free++
+	g.grant()
+	g.mu.Unlock()
+}
+
+// leave removes t, which will not want a slot (again). A no-op for a ticket
+// that holds or held one.
+func (g *gate) leave(t *ticket) {
+	g.mu.Lock()
+	if t.state == pending || t.state == waiting {
+		t.state = left
+		g.grant()
+	}
+	g.mu.Unlock()
+}
+
+// grant hands free slots to the oldest tickets, in order, for as long as
+// the oldest one is waiting. g.mu is held.
+func (g *gate) grant() {
+	n := 0
+	for ; n < len(g.queue); n++ {
+		t := g.queue[n]
+		if t.state == left {
+			continue
+		}
+		if t.state != waiting || g.free == 0 {
+			break
+		}
+		g.free--
+		t.state = granted
+		close(t.granted)
+	}
+	if n > 0 {
+		clear(g.queue[:n])
+		g.queue = g.queue[n:]
+	}
+}
