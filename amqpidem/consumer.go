@@ -153,8 +153,8 @@ func NewConsumer(store lock.Store, cfg ConsumerConfig, h Handler) (*Consumer, er
 // Run consumes until Shutdown is called or ctx is done, reconnecting after
 // failures. It returns ErrConsumerClosed after Shutdown, ctx.Err() when ctx
 // ends (in-flight handlers are cancelled and their messages go back to the
-// queue, as with Shutdown), or the last connection error when Reconnect says stop. Run may
-// be called once.
+// queue, as with Shutdown), or the last connection error when Reconnect
+// says stop. Run may be called once.
 func (c *Consumer) Run(ctx context.Context) error {
 	started := false
 	c.runOnce.Do(func() { started = true; close(c.running) })
@@ -238,7 +238,7 @@ func (c *Consumer) session(ctx context.Context) error {
 	acks := newAcker(ch)
 	defer acks.flush()
 	// Every delivery is processed at once by a worker: it takes its lease
-	// right away, and the processor's slots bound the handlers. Workers
+	// right away, and the processor's gate bounds the handlers. Workers
 	// are started as needed, at most Prefetch of them (the broker sends
 	// no more unacked deliveries than that), and live as long as the
 	// session: a fresh goroutine per delivery would grow its stack anew
