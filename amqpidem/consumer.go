@@ -40,7 +40,9 @@ type ConsumerConfig struct {
 	// Concurrency bounds the handlers running at once. Default Prefetch.
 	// Every delivery takes its lease as soon as it arrives, so that the
 	// store calls of many deliveries go out together, and a slot is held
-	// only while the handler runs. With Concurrency below Prefetch, the
+	// only while the handler runs. Handlers start in delivery order: with
+	// Concurrency 1, one after the other in queue order (requeued copies
+	// go to the back of the queue). With Concurrency below Prefetch, the
 	// deliveries waiting for a slot hold their leases meanwhile (the
 	// keeper renews them; other consumers see those keys as in progress),
 	// and at Shutdown they go back to the queue with their lease given up
