@@ -7,11 +7,15 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// ackHold bounds how long an ack may be held back waiting to be folded into
-// a multiple ack, and ackHeldMax how many may be held.
+// ackHold bounds how long an ack above a gap may be held back waiting to be
+// folded into a multiple ack, and ackHeldMax how many may be held.
+// ackFlush is how long acks the frontier has passed wait for more to join
+// them in one frame, unless ackBatch acks are held by then.
 const (
 	ackHold    = 20 * time.Millisecond
 	ackHeldMax = 64
+	ackFlush   = time.Millisecond
+	ackBatch   = 32
 )
 
 // acker settles the deliveries of one channel, the one they came from,
@@ -19,13 +23,16 @@ const (
 // the broker to handle instead of one per message (a bare consumer runs
 // about half again as fast that way here).
 //
-// Tags are settled in any order. An ack of the lowest unsettled tag (the
-// frontier) is sent at once, as a multiple ack of every held ack the
-// frontier then passes. An ack above the frontier is held, for at most
-// ackHold and while fewer than ackHeldMax are held, in case the frontier
-// catches up; then the held acks go out one by one. Nacks and rejects go
-// out at once, and a tag counts as settled only after its frame is written,
-// so a multiple ack never covers a tag that was to be requeued.
+// Tags are settled in any order. Acks the frontier (the lowest unsettled
+// tag) can pass go out as one multiple ack, ackFlush after the first of
+// them or as soon as ackBatch acks are held, whichever comes first: acks
+// that arrive in order fold too. An ack above the frontier is held, for at
+// most ackHold and while fewer than ackHeldMax are held, in case the
+// frontier catches up; then the held acks go out one by one. Nacks and
+// rejects go out at once, and a tag counts as settled only after its frame
+// is written, so a multiple ack never covers a tag that was to be
+// requeued. A held ack is safe to lose: the record was completed before
+// the ack, so a redelivery is acked as a duplicate.
 //
 // acker is safe for concurrent use. It implements amqp.Acknowledger so
 // that processing code acks a delivery as usual.
@@ -37,13 +44,19 @@ type acker struct {
 	settled map[uint64]bool // settled tags >= next: true while the ack is held
 	held    int             // acks held back
 	sending bool            // a goroutine is writing acks; others leave theirs to it
+	idle    *sync.Cond      // signalled when sending ends
+	sendAll bool            // the writing goroutine is to send held acks too
 	timer   *time.Timer     // flushes held acks after ackHold
+	due     *time.Timer     // sends what the frontier passed after ackFlush
+	dueSet  bool            // due is armed
 	err     error           // the last write error
 	closed  bool
 }
 
 func newAcker(ch amqp.Acknowledger) *acker {
-	return &acker{ch: ch, next: 1, settled: make(map[uint64]bool)}
+	a := &acker{ch: ch, next: 1, settled: make(map[uint64]bool)}
+	a.idle = sync.NewCond(&a.mu)
+	return a
 }
 
 // Ack acknowledges tag. The frame may go out later, folded into a multiple
@@ -62,6 +75,12 @@ func (a *acker) Ack(tag uint64, multiple bool) error {
 	a.held++
 	if a.held == 1 && tag != a.next {
 		a.armTimer()
+	}
+	if a.held < ackBatch {
+		a.armDue()
+		err := a.err
+		a.mu.Unlock()
+		return err
 	}
 	return a.write(false) // unlocks
 }
@@ -87,12 +106,19 @@ func (a *acker) sent(tag uint64, err error) error {
 }
 
 // flush sends every held ack, one by one where need be, and stops holding:
-// later acks are sent at once. Call it before the channel closes.
+// later acks are sent at once. It returns when nothing is being written.
+// Call it before the channel closes.
 func (a *acker) flush() {
 	a.mu.Lock()
 	a.closed = true
 	if a.timer != nil {
 		a.timer.Stop()
+	}
+	if a.due != nil {
+		a.due.Stop()
+	}
+	for a.sending {
+		a.idle.Wait()
 	}
 	_ = a.write(true) // unlocks
 }
@@ -108,17 +134,37 @@ func (a *acker) armTimer() {
 	a.timer.Reset(ackHold)
 }
 
+// armDue makes sure what the frontier passes is sent within ackFlush.
+func (a *acker) armDue() {
+	if a.dueSet {
+		return
+	}
+	a.dueSet = true
+	if a.due == nil {
+		a.due = time.AfterFunc(ackFlush, func() {
+			a.mu.Lock()
+			a.dueSet = false
+			_ = a.write(false) // unlocks
+		})
+		return
+	}
+	a.due.Reset(ackFlush)
+}
+
 // write sends what is due, with a.mu held on entry; it unlocks. all sends
 // every held ack. Only one goroutine writes at a time; the others' acks are
 // picked up by its next round.
 func (a *acker) write(all bool) error {
 	if a.sending {
+		a.sendAll = a.sendAll || all
 		err := a.err
 		a.mu.Unlock()
 		return err
 	}
 	a.sending = true
 	for {
+		all = all || a.sendAll
+		a.sendAll = false
 		// Move the frontier over settled tags; the highest held one among
 		// them is acked with multiple, covering all held below it.
 		var upto uint64
@@ -164,6 +210,7 @@ func (a *acker) write(all bool) error {
 		}
 	}
 	a.sending = false
+	a.idle.Broadcast()
 	err := a.err
 	a.mu.Unlock()
 	return err

@@ -56,6 +56,13 @@ func (f *fakeChannel) Nack(tag uint64, multiple, requeue bool) error {
 	return nil
 }
 
+// left returns the unacked tags and the problems so far.
+func (f *fakeChannel) left() (int, []string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return len(f.unacked), append([]string(nil), f.problems...)
+}
+
 func (f *fakeChannel) Reject(tag uint64, requeue bool) error { return f.Nack(tag, false, requeue) }
 
 func TestAckerFoldsInOrderAcks(t *testing.T) {
@@ -67,12 +74,65 @@ func TestAckerFoldsInOrderAcks(t *testing.T) {
 		t.Fatalf("acks above the frontier were sent at once: %v", f.frames)
 	}
 	_ = a.Ack(1, false)
+	waitFrames(t, f, 1)
 	if got, want := fmt.Sprint(f.frames), "[ack 3 true]"; got != want {
 		t.Fatalf("frames: got %v, want %v", got, want)
 	}
 	a.flush()
-	if len(f.unacked) != 0 || len(f.problems) != 0 {
-		t.Fatalf("unacked %v, problems %v", f.unacked, f.problems)
+	if n, problems := f.left(); n != 0 || len(problems) != 0 {
+		t.Fatalf("unacked %d, problems %v", n, problems)
+	}
+}
+
+// waitFrames waits until f has at least n frames.
+func waitFrames(t *testing.T, f *fakeChannel, n int) {
+	t.Helper()
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		f.mu.Lock()
+		got := len(f.frames)
+		f.mu.Unlock()
+		if got >= n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d frames after 2s, want %d", got, n)
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+}
+
+// Acks that come in order fold as well: one frame for a run of them, sent
+// within ackFlush, or at once when ackBatch are held.
+func TestAckerBatchesInOrderAcks(t *testing.T) {
+	f := newFakeChannel(ackBatch + 10)
+	a := newAcker(f)
+	for tag := uint64(1); tag <= 10; tag++ {
+		_ = a.Ack(tag, false)
+	}
+	// One frame, or two if this goroutine was held up past ackFlush
+	// in the middle of the loop.
+	waitFrames(t, f, 1)
+	time.Sleep(2 * ackFlush) // room for a wrong second frame
+	f.mu.Lock()
+	if n, last := len(f.frames), f.frames[len(f.frames)-1]; n > 2 || last != "ack 10 true" {
+		t.Fatalf("frames for 10 in-order acks: %v, want [ack 10 true]", f.frames)
+	}
+	f.mu.Unlock()
+	for tag := uint64(11); tag < 11+ackBatch; tag++ {
+		_ = a.Ack(tag, false)
+	}
+	// At once, without waiting for the timer (which may also have fired
+	// in between on a slow machine, adding a frame).
+	f.mu.Lock()
+	last := f.frames[len(f.frames)-1]
+	f.mu.Unlock()
+	if want := fmt.Sprintf("ack %d true", 10+ackBatch); last != want {
+		t.Fatalf("after %d more acks: last frame %q, want %q at once", ackBatch, last, want)
+	}
+	a.flush()
+	if n, problems := f.left(); n != 0 || len(problems) != 0 {
+		t.Fatalf("unacked %d, problems %v", n, problems)
 	}
 }
 

@@ -39,6 +39,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -97,7 +98,8 @@ type options struct {
 	RunTimeout time.Duration
 	Timeout    time.Duration
 
-	CPUProfile string
+	CPUProfile     string
+	ProfileVariant string
 }
 
 func defaultOptions() options {
@@ -192,9 +194,14 @@ func parseFlags(args []string, out io.Writer) (options, error) {
 	fs.DurationVar(&o.MemLeaseTTL, "mem-lease-ttl", o.MemLeaseTTL, "lease TTL in the memory phase (the heartbeat renews it)")
 	fs.DurationVar(&o.RunTimeout, "run-timeout", o.RunTimeout, "hard limit of one run")
 	fs.DurationVar(&o.Timeout, "timeout", o.Timeout, "hard limit of the whole program")
-	fs.StringVar(&o.CPUProfile, "cpuprofile", "", "write a CPU profile of an extra amqpidem unique run (not in the medians) to this file")
+	fs.StringVar(&o.CPUProfile, "cpuprofile", "", "write a CPU profile of an extra run (not in the medians) to this file")
+	fs.StringVar(&o.ProfileVariant, "profile-variant", string(unique), "the variant -cpuprofile profiles: "+variantNames())
 	if err := fs.Parse(args); err != nil {
 		return o, err
+	}
+	// duplicate replays a round's unique keys: it cannot run alone.
+	if v := variant(o.ProfileVariant); !slices.Contains(variants, v) || v == duplicate {
+		return o, fmt.Errorf("-profile-variant %q: want one of %s", o.ProfileVariant, variantNames())
 	}
 	if fs.NArg() > 0 {
 		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
@@ -258,4 +265,15 @@ func splitList(s string) []string {
 		}
 	}
 	return out
+}
+
+// variantNames lists the variants -profile-variant takes.
+func variantNames() string {
+	var names []string
+	for _, v := range variants {
+		if v != duplicate {
+			names = append(names, string(v))
+		}
+	}
+	return strings.Join(names, ", ")
 }

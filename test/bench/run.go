@@ -205,15 +205,15 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 		}
 	}
 
-	// 5. A CPU profile of one more unique run, not in the medians.
+	// 5. A CPU profile of one more run, not in the medians.
 	if opts.CPUProfile != "" {
-		qt := opts.QueueTypes[0]
-		r, err := e.throughput(ctx, qt, unique, 0, rep.N[qt], &opts.CPUProfile)
+		qt, v := opts.QueueTypes[0], variant(opts.ProfileVariant)
+		r, err := e.throughput(ctx, qt, v, 0, rep.N[qt], &opts.CPUProfile)
 		if err != nil {
 			return rep, fmt.Errorf("profiled run: %w", err)
 		}
-		rep.Profile = fmt.Sprintf("CPU profile of an extra unique run on %s (%s msg/s, N %d, not in the medians): %s",
-			qt, thousands(r.Rate), r.N, opts.CPUProfile)
+		rep.Profile = fmt.Sprintf("CPU profile of an extra %s run on %s (%s msg/s, N %d, not in the medians): %s",
+			v, qt, thousands(r.Rate), r.N, opts.CPUProfile)
 	}
 
 	printReport(out, e, rep)
