@@ -31,8 +31,11 @@ const (
 // frontier catches up; then the held acks go out one by one. Nacks and
 // rejects go out at once, and a tag counts as settled only after its frame
 // is written, so a multiple ack never covers a tag that was to be
-// requeued. A held ack is safe to lose: the record was completed before
-// the ack, so a redelivery is acked as a duplicate.
+// requeued. A held ack lost with its connection is like any ack the broker
+// never got: the message is delivered again. After a completed handler
+// that redelivery is acked as a duplicate; after a requeue or a dead
+// letter, the copy already published and the redelivered original both
+// exist, and the store decides the original again.
 //
 // acker is safe for concurrent use. It implements amqp.Acknowledger so
 // that processing code acks a delivery as usual.
@@ -47,6 +50,7 @@ type acker struct {
 	idle    *sync.Cond      // signalled when sending ends
 	sendAll bool            // the writing goroutine is to send held acks too
 	timer   *time.Timer     // flushes held acks after ackHold
+	timerOn bool            // timer is armed
 	due     *time.Timer     // sends what the frontier passed after ackFlush
 	dueSet  bool            // due is armed
 	err     error           // the last write error
@@ -73,8 +77,8 @@ func (a *acker) Ack(tag uint64, multiple bool) error {
 	}
 	a.settled[tag] = true
 	a.held++
-	if a.held == 1 && tag != a.next {
-		a.armTimer()
+	if tag != a.next {
+		a.armTimer() // above a gap: held for at most ackHold
 	}
 	if a.held < ackBatch {
 		a.armDue()
@@ -123,10 +127,17 @@ func (a *acker) flush() {
 	_ = a.write(true) // unlocks
 }
 
+// armTimer makes sure held acks are all sent within ackHold, unless it is
+// armed already.
 func (a *acker) armTimer() {
+	if a.timerOn || a.closed {
+		return
+	}
+	a.timerOn = true
 	if a.timer == nil {
 		a.timer = time.AfterFunc(ackHold, func() {
 			a.mu.Lock()
+			a.timerOn = false
 			_ = a.write(true) // unlocks
 		})
 		return
@@ -136,7 +147,7 @@ func (a *acker) armTimer() {
 
 // armDue makes sure what the frontier passes is sent within ackFlush.
 func (a *acker) armDue() {
-	if a.dueSet {
+	if a.dueSet || a.closed {
 		return
 	}
 	a.dueSet = true
@@ -208,6 +219,9 @@ func (a *acker) write(all bool) error {
 		if err != nil {
 			a.err = err
 		}
+	}
+	if a.held > 0 {
+		a.armTimer() // acks left above a gap
 	}
 	a.sending = false
 	a.idle.Broadcast()

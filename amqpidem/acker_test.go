@@ -177,6 +177,37 @@ func TestAckerDoesNotHoldForever(t *testing.T) {
 	}
 }
 
+// An ack above a gap that comes while in-order acks are held (so more than
+// one ack is held) is still sent within ackHold: a slow message must not
+// keep the quick ones after it unacked until it ends.
+func TestAckerHoldsAboveAGapForAckHoldOnly(t *testing.T) {
+	f := newFakeChannel(5)
+	a := newAcker(f)
+	_ = a.Ack(1, false) // in order: held up to ackFlush
+	_ = a.Ack(3, false) // 2 is a long job
+	waitFrames(t, f, 1) // 1 went out after ackFlush
+	_ = a.Ack(4, false)
+	_ = a.Ack(5, false)
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		f.mu.Lock()
+		n := len(f.unacked)
+		f.mu.Unlock()
+		if n == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("acks above the gap not sent after 2s (ackHold %v): %d unacked", ackHold, n)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	_ = a.Ack(2, false)
+	a.flush()
+	if n, problems := f.left(); n != 0 || len(problems) != 0 {
+		t.Fatalf("unacked %d, problems %v", n, problems)
+	}
+}
+
 func TestAckerBoundsHeldAcks(t *testing.T) {
 	f := newFakeChannel(ackHeldMax + 2)
 	a := newAcker(f)

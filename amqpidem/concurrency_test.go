@@ -70,9 +70,9 @@ func eventually(t *testing.T, d time.Duration, what string, cond func() bool) {
 	}
 }
 
-// With Concurrency below Prefetch, every prefetched delivery takes its
-// lease at once, and no more than Concurrency handlers ever run together.
-func TestConsumerLeasesAheadOfHandlerSlots(t *testing.T) {
+// With Concurrency below Prefetch, no more than Concurrency deliveries hold
+// a lease (and count an attempt) or run a handler at once.
+func TestConsumerConcurrencyBoundsLeases(t *testing.T) {
 	e := newEnv(t, nil)
 	store := &leaseCounter{Store: e.store}
 	var g gauge
@@ -112,11 +112,13 @@ func TestConsumerLeasesAheadOfHandlerSlots(t *testing.T) {
 	for i := range n {
 		e.publish(amqp.Publishing{MessageId: fmt.Sprintf("k%d", i), Body: []byte("x")})
 	}
-	eventually(t, 10*time.Second, "every delivery to hold a lease", func() bool { return store.count() == n })
-	// Leases were taken while only two handlers could run.
-	time.Sleep(100 * time.Millisecond) // room for a third handler to start if the bound were broken
+	eventually(t, 10*time.Second, "two handlers to start", func() bool { return g.started.Load() == 2 })
+	time.Sleep(200 * time.Millisecond) // room for a third lease or handler if the bound were broken
 	if got := g.started.Load(); got != 2 {
 		t.Fatalf("%d handlers started with Concurrency 2 and all slots held", got)
+	}
+	if got := store.count(); got != 2 {
+		t.Fatalf("%d leases taken with Concurrency 2 and all slots held, want 2", got)
 	}
 	close(release)
 	rec.waitFor(t, 10*time.Second, "every message completed", func(evs []amqpidem.Event) bool {
@@ -135,9 +137,9 @@ func TestConsumerLeasesAheadOfHandlerSlots(t *testing.T) {
 	}
 }
 
-// Deliveries that hold a lease but never got a handler slot go back to
-// the queue at Shutdown, and their attempt is taken back: only the message
-// whose handler was cut off used one up.
+// Prefetched deliveries still waiting for a slot go back to the queue at
+// Shutdown without a lease or an attempt: only the message whose handler
+// was cut off used one up.
 func TestConsumerShutdownReturnsWaitingDeliveries(t *testing.T) {
 	e := newEnv(t, nil)
 	store := &leaseCounter{Store: e.store}
@@ -165,12 +167,15 @@ func TestConsumerShutdownReturnsWaitingDeliveries(t *testing.T) {
 	for i := range n {
 		e.publish(amqp.Publishing{MessageId: fmt.Sprintf("k%d", i), Body: []byte("x")})
 	}
-	eventually(t, 10*time.Second, "every delivery to hold a lease", func() bool { return store.count() == n })
 	var cut string
 	select {
 	case cut = <-running:
 	case <-time.After(10 * time.Second):
 		t.Fatal("no handler started")
+	}
+	time.Sleep(200 * time.Millisecond) // the other four arrive and wait
+	if got := store.count(); got != 1 {
+		t.Fatalf("%d leases taken with Concurrency 1, want 1", got)
 	}
 
 	if cut != "k0" {
@@ -203,7 +208,7 @@ func TestConsumerShutdownReturnsWaitingDeliveries(t *testing.T) {
 		if err != nil || res.Status != lock.Acquired {
 			t.Fatalf("%s after shutdown: %v %v; want its lease given up", key, res.Status, err)
 		}
-		want := 1 // never ran: the attempt was taken back
+		want := 1 // never ran: no attempt used
 		if key == cut {
 			want = 2 // ran and was cut off: that attempt counts
 		}
@@ -254,5 +259,49 @@ func TestConsumerConcurrencyOneKeepsOrder(t *testing.T) {
 	}
 	if len(order) != n {
 		t.Fatalf("%d handler runs, want %d", len(order), n)
+	}
+}
+
+// Messages without a key, run without idempotency by policy, take a slot
+// like the others: Concurrency still bounds the handlers.
+func TestConsumerConcurrencyBoundsUnkeyedHandlers(t *testing.T) {
+	e := newEnv(t, nil)
+	var g gauge
+	release := make(chan struct{})
+	rec := &recorder{}
+	startConsumer(t, e, amqpidem.ConsumerConfig{
+		Prefetch: 5, Concurrency: 1,
+		Config: amqpidem.Config{Observer: rec, MissingKey: amqpidem.ProcessMissingKey},
+	}, amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+		g.enter()
+		defer g.leave()
+		select {
+		case <-release:
+			return nil, nil
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}))
+	const n = 5
+	for range n {
+		e.publish(amqp.Publishing{Body: []byte("no key")})
+	}
+	eventually(t, 10*time.Second, "a handler to start", func() bool { return g.started.Load() == 1 })
+	time.Sleep(200 * time.Millisecond)
+	if got := g.started.Load(); got != 1 {
+		t.Fatalf("%d unkeyed handlers started with Concurrency 1", got)
+	}
+	close(release)
+	rec.waitFor(t, 10*time.Second, "every message completed", func(evs []amqpidem.Event) bool {
+		done := 0
+		for _, ev := range evs {
+			if ev.Outcome == amqpidem.Completed {
+				done++
+			}
+		}
+		return done == n
+	})
+	if most := g.most.Load(); most != 1 {
+		t.Fatalf("%d unkeyed handlers ran at once, want 1", most)
 	}
 }

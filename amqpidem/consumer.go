@@ -37,16 +37,13 @@ type ConsumerConfig struct {
 	Dial func() (*amqp.Connection, error)
 	// Prefetch is the QoS prefetch count. Default DefaultPrefetch.
 	Prefetch int
-	// Concurrency bounds the handlers running at once. Default Prefetch.
-	// Every delivery takes its lease as soon as it arrives, so that the
-	// store calls of many deliveries go out together, and a slot is held
-	// only while the handler runs. Handlers start in delivery order: with
-	// Concurrency 1, one after the other in queue order (requeued copies
-	// go to the back of the queue). With Concurrency below Prefetch, the
-	// deliveries waiting for a slot hold their leases meanwhile (the
-	// keeper renews them; other consumers see those keys as in progress),
-	// and at Shutdown they go back to the queue with their lease given up
-	// and their attempt taken back, their handler never having run.
+	// Concurrency bounds the deliveries being worked on at once, from
+	// taking the lease to the handler's return (so at most Concurrency
+	// leases are held, and attempts counted, at a time). Default Prefetch.
+	// Deliveries start in delivery order: with Concurrency 1, one after the
+	// other in queue order (requeued copies go to the back of the queue).
+	// Storing the outcome and settling the delivery happen after the slot
+	// is given back, and a duplicate gives it back right after its lookup.
 	Concurrency int
 	// QueueArgs are the arguments the default declaration gives the queue,
 	// e.g. amqp.Table{"x-queue-type": "quorum"}. Ignored when Declare is set.
@@ -239,8 +236,8 @@ func (c *Consumer) session(ctx context.Context) error {
 	// channel; what it holds is sent once the handlers are done.
 	acks := newAcker(ch)
 	defer acks.flush()
-	// Every delivery is processed at once by a worker: it takes its lease
-	// right away, and the processor's gate bounds the handlers. Workers
+	// Every delivery goes to a worker at once; the processor's gate lets
+	// Concurrency of them in at a time, in delivery order. Workers
 	// are started as needed, at most Prefetch of them (the broker sends
 	// no more unacked deliveries than that), and live as long as the
 	// session: a fresh goroutine per delivery would grow its stack anew
@@ -354,10 +351,10 @@ func (c *Consumer) isStopping() bool {
 }
 
 // Shutdown stops consuming, sends the deliveries whose handler has not
-// started back to the queue (their leases cancelled), lets the handlers in
-// flight finish until ctx is done, then cancels the rest: their messages go
-// back to the queue (a confirmed copy, then an ack; a nack with requeue
-// only if the copy fails) and their leases are released. It then stops the
+// started back to the queue, lets the handlers in flight finish until ctx
+// is done, then cancels the rest: their messages go back to the queue (a
+// confirmed copy, then an ack; a nack with requeue only if the copy fails)
+// and their leases are released. It then stops the
 // keeper and returns ctx.Err() if handlers had to be cancelled. A handler
 // that ignores its context delays Shutdown until it returns. Shutdown is
 // idempotent and may be called before, during or after Run.

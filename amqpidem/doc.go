@@ -22,7 +22,7 @@
 //	                                       delayed requeue
 //	store unavailable                      delayed requeue (or run, FailOpen)      none
 //	shutdown while running                 ctx cancelled, copy back to the queue   lease released
-//	shutdown before the handler started    copy back to the queue                  lease given up, attempt taken back
+//	shutdown before the handler started    copy back to the queue                  none, or lease given up, attempt taken back
 //
 // A delayed requeue publishes a copy (properties, headers and body kept;
 // the attempt count in HeaderAttempt) to a delay queue "<queue>.delay.<ms>"

@@ -5,16 +5,14 @@ import (
 	"sync"
 )
 
-// gate hands out a Consumer's handler slots in delivery order. Deliveries
-// take their leases concurrently, so their store answers come back in any
-// order; without the gate a later delivery could start its handler before
-// an earlier one, and Concurrency 1 would no longer mean one message after
-// the other, in queue order.
+// gate hands out a Consumer's slots in delivery order. Workers pick
+// deliveries up concurrently, so without the gate a later delivery could
+// start before an earlier one, and Concurrency 1 would no longer mean one
+// message after the other, in queue order.
 //
 // Each delivery gets a ticket when it arrives (enter, called in delivery
-// order). A ticket that wants a slot (wait) gets one only when every
-// earlier ticket has got one or left: a delivery still taking its lease
-// holds the ones behind it back. Safe for concurrent use.
+// order), then waits for a slot (wait). A ticket gets one only when every
+// earlier ticket has got one or given up waiting. Safe for concurrent use.
 type gate struct {
 	mu    sync.Mutex
 	free  int       // slots not held
@@ -30,10 +28,10 @@ type ticket struct {
 type ticketState int
 
 const (
-	pending ticketState = iota // taking its lease; holds later tickets back
+	pending ticketState = iota // not waiting yet; holds later tickets back
 	waiting                    // wants a slot
-	granted                    // holds a slot
-	left                       // needs no slot (or gave up waiting)
+	granted                    // got one
+	left                       // gave up waiting
 )
 
 func newGate(slots int) *gate { return &gate{free: slots} }
@@ -80,17 +78,6 @@ func (g *gate) release() {
 	g.mu.Lock()
 	g.free++
 	g.grant()
-	g.mu.Unlock()
-}
-
-// leave removes t, which will not want a slot (again). A no-op for a ticket
-// that holds or held one.
-func (g *gate) leave(t *ticket) {
-	g.mu.Lock()
-	if t.state == pending || t.state == waiting {
-		t.state = left
-		g.grant()
-	}
 	g.mu.Unlock()
 }
 

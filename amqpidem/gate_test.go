@@ -51,12 +51,15 @@ func TestGateGrantsInDeliveryOrder(t *testing.T) {
 	// c wants a slot first, but a and b came before it.
 	cw := waitAsync(g, ctx, stopping, c)
 	noAnswer(t, cw)
-	// b wants one too; a is still taking its lease and holds both back.
+	// b wants one too; a has not asked yet and holds both back.
 	bw := waitAsync(g, ctx, stopping, b)
 	noAnswer(t, bw)
-	// a needs no slot (a duplicate, say): b goes first, then c waits for
-	// b's slot.
-	g.leave(a)
+	if !answer(t, waitAsync(g, ctx, stopping, a)) {
+		t.Fatal("a: no slot")
+	}
+	noAnswer(t, bw)
+	// a is done: b goes next, then c waits for b's slot.
+	g.release()
 	if !answer(t, bw) {
 		t.Fatal("b: no slot")
 	}
@@ -65,7 +68,6 @@ func TestGateGrantsInDeliveryOrder(t *testing.T) {
 	if !answer(t, cw) {
 		t.Fatal("c: no slot")
 	}
-	g.leave(c) // no-op: c holds a slot
 	g.release()
 	if g.free != 1 || len(g.queue) != 0 {
 		t.Fatalf("after all: %d free, %d queued; want 1, 0", g.free, len(g.queue))

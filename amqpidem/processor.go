@@ -35,16 +35,32 @@ type processor struct {
 	keeper  *heartbeat.Keeper
 	handler Handler
 
-	// gate, when set, bounds the handlers running at once (a Consumer's
-	// Concurrency) and starts them in delivery order. A delivery takes its
-	// lease first and then waits for a slot, so that the store calls of
-	// prefetched deliveries go out together ahead of their handlers, and a
-	// slot is held by the handler only, not by the store and broker round
-	// trips around it.
+	// gate, when set, bounds the deliveries being decided or run at once
+	// (a Consumer's Concurrency) and lets them in in delivery order. A
+	// delivery takes a slot before its lease, so that no more than
+	// Concurrency deliveries ever hold a lease (and count an attempt) at
+	// once, and gives it back as soon as it needs it no more: right after
+	// Acquire when there is nothing to run, right after the handler
+	// otherwise, so that the store and broker calls that settle it do not
+	// hold a slot.
 	gate *gate
 	// stopping, when closed, sends deliveries still waiting for a slot
 	// back to their queue unprocessed.
 	stopping <-chan struct{}
+}
+
+// slot is a delivery's hold on one of the gate's slots; nil without a gate.
+type slot struct {
+	g    *gate
+	held bool
+}
+
+// free gives the slot back, once; a no-op on nil.
+func (s *slot) free() {
+	if s != nil && s.held {
+		s.held = false
+		s.g.release()
+	}
 }
 
 // errNotStarted is the cause given when a delivery goes back to its queue
@@ -57,9 +73,6 @@ var errNotStarted = errors.New("amqpidem: consumer stopping before the handler s
 // without a gate). It returns what happened.
 func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *ticket) (ev Event) {
 	start := time.Now()
-	if t != nil {
-		defer p.gate.leave(t) // whatever happens, later deliveries go on
-	}
 	ev.Queue, ev.Consumer = p.cfg.Queue, p.cfg.ConsumerName
 	defer func() {
 		ev.Total = time.Since(start)
@@ -70,15 +83,30 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *
 	if err == nil && len(key) > lock.MaxKeyLen {
 		err = fmt.Errorf("%w: key is %d bytes, at most %d allowed", ErrNoKey, len(key), lock.MaxKeyLen)
 	}
-	if err != nil {
-		if p.cfg.MissingKey == ProcessMissingKey {
-			p.runUnkeyed(ctx, b, d, &ev, "no key")
+	ev.Key = key
+
+	var sl *slot
+	if t != nil {
+		if !p.gate.wait(ctx, p.stopping, t) {
+			// Stopping before this delivery's turn: back to the queue,
+			// no lease taken, nothing run.
+			p.requeue(ctx, b, d, &ev, Abandoned, "shutdown", 0, cmp.Or(ctx.Err(), errNotStarted))
 			return ev
 		}
+		sl = &slot{g: p.gate, held: true}
+		defer sl.free()
+	}
+
+	if err != nil {
+		ev.Key = ""
+		if p.cfg.MissingKey == ProcessMissingKey {
+			p.runUnkeyed(ctx, b, d, &ev, "no key", sl)
+			return ev
+		}
+		sl.free()
 		p.deadLetter(ctx, b, d, &ev, "missing key", err)
 		return ev
 	}
-	ev.Key = key
 
 	req := lock.Request{Key: key, TTL: p.cfg.LeaseTTL, Retention: p.cfg.Retention}
 	if !p.cfg.SkipFingerprint {
@@ -86,19 +114,25 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *
 	}
 	res, err := p.store.Acquire(ctx, req)
 	if err != nil {
+		if p.cfg.FailOpen && ctx.Err() == nil && !errors.Is(err, lock.ErrInvalidKey) {
+			p.runUnkeyed(ctx, b, d, &ev, "store unavailable, failing open", sl)
+			return ev
+		}
+		sl.free()
 		switch {
 		case errors.Is(err, lock.ErrInvalidKey):
 			p.deadLetter(ctx, b, d, &ev, "missing key", err)
 		case ctx.Err() != nil:
 			p.requeue(ctx, b, d, &ev, Abandoned, "shutdown", 0, err)
-		case p.cfg.FailOpen:
-			p.runUnkeyed(ctx, b, d, &ev, "store unavailable, failing open")
 		default:
 			p.requeue(ctx, b, d, &ev, Abandoned, "store unavailable", p.cfg.UnavailableDelay, err)
 		}
 		return ev
 	}
 	ev.Attempt, ev.Fence = res.Attempts, res.Fence
+	if res.Status != lock.Acquired {
+		sl.free() // nothing to run: later deliveries go on
+	}
 
 	switch res.Status {
 	case lock.Completed:
@@ -130,7 +164,7 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *
 		p.deadLetter(ctx, b, d, &ev, "key conflict",
 			fmt.Errorf("key %q was first seen with a different payload", key))
 	case lock.Acquired:
-		p.run(ctx, b, d, &ev, res.Lease, t)
+		p.run(ctx, b, d, &ev, res.Lease, sl)
 	default:
 		p.requeue(ctx, b, d, &ev, Abandoned, "unexpected store answer", p.cfg.UnavailableDelay,
 			fmt.Errorf("status %v", res.Status))
@@ -139,8 +173,9 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *
 }
 
 // run executes the handler under a kept lease and records its outcome.
-func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, lease lock.Lease, t *ticket) {
+func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, lease lock.Lease, sl *slot) {
 	if lease.Attempt > p.cfg.MaxAttempts {
+		sl.free()
 		p.fail(ctx, b, d, ev, lease, "attempts exhausted",
 			fmt.Errorf("%d executions started, at most %d allowed (earlier ones crashed or lost their lease)", lease.Attempt-1, p.cfg.MaxAttempts))
 		return
@@ -148,15 +183,17 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 
 	hctx, stop := p.keeper.Keep(ctx, lease)
 	defer stop()
-	if t != nil && !p.gate.wait(hctx, p.stopping, t) {
-		// Stopping, or the lease was lost, before the handler started:
-		// this attempt never ran, so it is taken back.
+	if hctx.Err() != nil {
+		// Shut down, or the lease already lost, before the handler
+		// started: this attempt never ran, so it is taken back.
 		cause := context.Cause(hctx)
 		stop()
-		p.cancel(ctx, lease)
-		ev.Attempt = lease.Attempt - 1
-		if cause == nil || ctx.Err() != nil {
-			p.requeue(ctx, b, d, ev, Abandoned, "shutdown", 0, cmp.Or(cause, errNotStarted))
+		sl.free()
+		if p.cancel(ctx, lease) {
+			ev.Attempt = lease.Attempt - 1
+		}
+		if ctx.Err() != nil {
+			p.requeue(ctx, b, d, ev, Abandoned, "shutdown", 0, cause)
 			return
 		}
 		p.requeue(ctx, b, d, ev, Abandoned, "lease lost", p.cfg.InProgressDelay, cause)
@@ -166,9 +203,7 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 	t0 := time.Now()
 	result, err := call(hctx, p.handler, d)
 	ev.Handler = time.Since(t0)
-	if t != nil {
-		p.gate.release()
-	}
+	sl.free()
 
 	if err == nil && len(result) > p.cfg.MaxResultSize {
 		err = Permanent(fmt.Errorf("%w: %d bytes, at most %d allowed", lock.ErrResultTooLarge, len(result), p.cfg.MaxResultSize))
@@ -280,25 +315,29 @@ func (p *processor) release(ctx context.Context, lease lock.Lease) {
 }
 
 // cancel gives back a lease whose handler never started, and the attempt
-// it counted. A failure only delays the next delivery by up to the lease
-// TTL, and that attempt stays counted.
-func (p *processor) cancel(ctx context.Context, lease lock.Lease) {
+// it counted; it reports whether it did. A failure only delays the next
+// delivery by up to the lease TTL, and that attempt stays counted.
+func (p *processor) cancel(ctx context.Context, lease lock.Lease) bool {
 	sctx, cancel := settleContext(ctx)
 	defer cancel()
-	if err := p.store.Cancel(sctx, lease); err != nil && !errors.Is(err, lock.ErrLeaseLost) {
+	err := p.store.Cancel(sctx, lease)
+	if err != nil && !errors.Is(err, lock.ErrLeaseLost) {
 		p.cfg.Logger.WarnContext(ctx, "amqpidem: cancel failed; the next delivery waits for the lease to expire",
 			"queue", p.cfg.Queue, "key", lease.Key, "fence", lease.Fence, "error", err)
 	}
+	return err == nil
 }
 
-// runUnkeyed runs the handler with no lease and no stored outcome.
-func (p *processor) runUnkeyed(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, why string) {
+// runUnkeyed runs the handler with no lease and no stored outcome, in sl,
+// which it frees when the handler returns.
+func (p *processor) runUnkeyed(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, why string, sl *slot) {
 	attempt := headerInt(d.Headers, HeaderAttempt) + 1
 	ev.Attempt = attempt
 	hctx := withInfo(ctx, Info{Queue: p.cfg.Queue, Attempt: attempt})
 	t0 := time.Now()
 	result, err := call(hctx, p.handler, d)
 	ev.Handler = time.Since(t0)
+	sl.free()
 	if err == nil {
 		if err := p.reply(ctx, b, d, result, ev); err != nil {
 			// Nothing stored to send again: a retry would run the
