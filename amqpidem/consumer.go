@@ -38,8 +38,9 @@ type ConsumerConfig struct {
 	// Prefetch is the QoS prefetch count. Default DefaultPrefetch.
 	Prefetch int
 	// Concurrency bounds the deliveries being worked on at once, from
-	// taking the lease to the handler's return (so at most Concurrency
-	// leases are held, and attempts counted, at a time). Default Prefetch.
+	// taking the lease to the handler's return: at most Concurrency
+	// handlers run, and at most Concurrency leases are taken ahead of a
+	// handler's end. Default Prefetch.
 	// Deliveries start in delivery order: with Concurrency 1, one after the
 	// other in queue order (requeued copies go to the back of the queue).
 	// Storing the outcome and settling the delivery happen after the slot

@@ -37,16 +37,27 @@ type processor struct {
 
 	// gate, when set, bounds the deliveries being decided or run at once
 	// (a Consumer's Concurrency) and lets them in in delivery order. A
-	// delivery takes a slot before its lease, so that no more than
-	// Concurrency deliveries ever hold a lease (and count an attempt) at
-	// once, and gives it back as soon as it needs it no more: right after
-	// Acquire when there is nothing to run, right after the handler
-	// otherwise, so that the store and broker calls that settle it do not
-	// hold a slot.
+	// delivery takes a slot before its lease, so that at most Concurrency
+	// leases whose handler has not finished are held (and attempts
+	// counted) at once, and gives it back as soon as it needs it no more:
+	// right after Acquire when there is nothing to run, right after the
+	// handler otherwise, so that the store and broker calls that settle it
+	// do not hold a slot (its lease is held until its outcome is stored).
 	gate *gate
 	// stopping, when closed, sends deliveries still waiting for a slot
 	// back to their queue unprocessed.
 	stopping <-chan struct{}
+}
+
+// isStopping reports whether the consumer began stopping (never, without
+// a gate).
+func (p *processor) isStopping() bool {
+	select {
+	case <-p.stopping:
+		return true
+	default:
+		return false
+	}
 }
 
 // slot is a delivery's hold on one of the gate's slots; nil without a gate.
@@ -183,7 +194,7 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 
 	hctx, stop := p.keeper.Keep(ctx, lease)
 	defer stop()
-	if hctx.Err() != nil {
+	if stopping := p.isStopping(); stopping || hctx.Err() != nil {
 		// Shut down, or the lease already lost, before the handler
 		// started: this attempt never ran, so it is taken back.
 		cause := context.Cause(hctx)
@@ -192,8 +203,8 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 		if p.cancel(ctx, lease) {
 			ev.Attempt = lease.Attempt - 1
 		}
-		if ctx.Err() != nil {
-			p.requeue(ctx, b, d, ev, Abandoned, "shutdown", 0, cause)
+		if stopping || ctx.Err() != nil {
+			p.requeue(ctx, b, d, ev, Abandoned, "shutdown", 0, cmp.Or(cause, errNotStarted))
 			return
 		}
 		p.requeue(ctx, b, d, ev, Abandoned, "lease lost", p.cfg.InProgressDelay, cause)
