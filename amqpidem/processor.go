@@ -94,7 +94,9 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *
 	if err == nil && len(key) > lock.MaxKeyLen {
 		err = fmt.Errorf("%w: key is %d bytes, at most %d allowed", ErrNoKey, len(key), lock.MaxKeyLen)
 	}
-	ev.Key = key
+	if err == nil {
+		ev.Key = key
+	}
 
 	var sl *slot
 	if t != nil {
@@ -109,7 +111,6 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *
 	}
 
 	if err != nil {
-		ev.Key = ""
 		if p.cfg.MissingKey == ProcessMissingKey {
 			p.runUnkeyed(ctx, b, d, &ev, "no key", sl)
 			return ev
