@@ -4,6 +4,10 @@ import (
 	"context"
 	"testing"
 	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/lock"
 )
 
 func hasSlot(t *ticket) bool {
@@ -128,5 +132,51 @@ func TestGateSeveralSlots(t *testing.T) {
 	answer(t, ws[4])
 	if g.free != 0 {
 		t.Fatalf("%d free, want 0", g.free)
+	}
+}
+
+// stopDuringAcquire is a store whose Acquire, once it has taken the lease,
+// closes stop: the consumer begins stopping while the answer is on its way.
+type stopDuringAcquire struct {
+	lock.Store
+	stop chan struct{}
+}
+
+func (s *stopDuringAcquire) Acquire(ctx context.Context, req lock.Request) (lock.Result, error) {
+	res, err := s.Store.Acquire(ctx, req)
+	close(s.stop)
+	return res, err
+}
+
+// A delivery whose lease arrives after stopping began goes back to the
+// queue without its handler running, and its attempt is taken back.
+func TestProcessStoppingBetweenAcquireAndHandler(t *testing.T) {
+	ran := false
+	p, store := newTestProcessor(t, Config{}, func(context.Context, *amqp.Delivery) ([]byte, error) {
+		ran = true
+		return nil, nil
+	})
+	stop := make(chan struct{})
+	p.store = &stopDuringAcquire{Store: store, stop: stop}
+	p.gate, p.stopping = newGate(1), stop
+	b := &fakeBroker{}
+	d, acks := delivery("k", "body")
+
+	ev := p.process(context.Background(), b, d, p.gate.enter())
+	if ran {
+		t.Fatal("the handler ran after stopping began")
+	}
+	if ev.Outcome != Abandoned || ev.Reason != "shutdown" || ev.Attempt != 0 {
+		t.Fatalf("event: %v %q attempt %d; want abandoned, shutdown, attempt 0", ev.Outcome, ev.Reason, ev.Attempt)
+	}
+	if len(b.pubs) != 1 || b.pubs[0].key != "requeue" || b.pubs[0].delay != 0 || acks.acks != 1 {
+		t.Fatalf("broker: %+v, acks %v; want one copy back to the queue, then an ack", b.pubs, acks.acks)
+	}
+	res, err := store.Acquire(context.Background(), lock.Request{Key: "k"})
+	if err != nil || res.Status != lock.Acquired || res.Lease.Attempt != 1 {
+		t.Fatalf("next lease: %v attempt %d %v; want acquired, attempt 1", res.Status, res.Lease.Attempt, err)
+	}
+	if g := p.gate; g.free != 1 {
+		t.Fatalf("%d slots free after the delivery, want 1", g.free)
 	}
 }
