@@ -102,6 +102,23 @@ func waitFrames(t *testing.T, f *fakeChannel, n int) {
 	}
 }
 
+// waitUnacked waits until f has n unacked tags left, for at most 2s
+// (ackHold is 20ms).
+func waitUnacked(t *testing.T, f *fakeChannel, n int) {
+	t.Helper()
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		left, _ := f.left()
+		if left == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d unacked after 2s (ackHold %v), want %d", left, ackHold, n)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
 // Acks that come in order fold as well: one frame for a run of them, sent
 // within ackFlush, or at once when ackBatch are held.
 func TestAckerBatchesInOrderAcks(t *testing.T) {
@@ -157,19 +174,7 @@ func TestAckerDoesNotHoldForever(t *testing.T) {
 	for tag := uint64(2); tag <= 5; tag++ {
 		_ = a.Ack(tag, false) // 1 is a long job
 	}
-	deadline := time.Now().Add(2 * time.Second)
-	for {
-		f.mu.Lock()
-		n := len(f.unacked)
-		f.mu.Unlock()
-		if n == 1 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("held acks not sent after %v: %d unacked", ackHold, n)
-		}
-		time.Sleep(time.Millisecond)
-	}
+	waitUnacked(t, f, 1) // the held acks went out after ackHold
 	_ = a.Ack(1, false)
 	a.flush()
 	if len(f.unacked) != 0 || len(f.problems) != 0 {
@@ -188,19 +193,7 @@ func TestAckerHoldsAboveAGapForAckHoldOnly(t *testing.T) {
 	waitFrames(t, f, 1) // 1 went out after ackFlush
 	_ = a.Ack(4, false)
 	_ = a.Ack(5, false)
-	deadline := time.Now().Add(2 * time.Second)
-	for {
-		f.mu.Lock()
-		n := len(f.unacked)
-		f.mu.Unlock()
-		if n == 1 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("acks above the gap not sent after 2s (ackHold %v): %d unacked", ackHold, n)
-		}
-		time.Sleep(time.Millisecond)
-	}
+	waitUnacked(t, f, 1) // the acks above the gap went out after ackHold
 	_ = a.Ack(2, false)
 	a.flush()
 	if n, problems := f.left(); n != 0 || len(problems) != 0 {
