@@ -59,6 +59,21 @@ func (g *gauge) enter() {
 
 func (g *gauge) leave() { g.now.Add(-1) }
 
+// blockUntil is a handler, counted by g, that returns when release is
+// closed (or its context ends).
+func (g *gauge) blockUntil(release <-chan struct{}) amqpidem.Handler {
+	return amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+		g.enter()
+		defer g.leave()
+		select {
+		case <-release:
+			return nil, nil
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	})
+}
+
 func eventually(t *testing.T, d time.Duration, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(d)
@@ -78,35 +93,8 @@ func TestConsumerConcurrencyBoundsLeases(t *testing.T) {
 	var g gauge
 	release := make(chan struct{})
 	rec := &recorder{}
-	cfg := amqpidem.ConsumerConfig{
-		URL: e.url, Prefetch: 6, Concurrency: 2,
-		Config: amqpidem.Config{Queue: e.queue, Observer: rec},
-	}
-	c, err := amqpidem.NewConsumer(store, cfg, amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
-		g.enter()
-		defer g.leave()
-		select {
-		case <-release:
-			return nil, nil
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		}
-	}))
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- c.Run(context.Background()) }()
-	defer func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		if err := c.Shutdown(ctx); err != nil {
-			t.Errorf("Shutdown: %v", err)
-		}
-		if err := <-done; !errors.Is(err, amqpidem.ErrConsumerClosed) {
-			t.Errorf("Run: %v", err)
-		}
-	}()
+	cfg := amqpidem.ConsumerConfig{Prefetch: 6, Concurrency: 2, Config: amqpidem.Config{Observer: rec}}
+	startConsumerWith(t, e, store, cfg, g.blockUntil(release))
 
 	const n = 6
 	for i := range n {
@@ -272,16 +260,7 @@ func TestConsumerConcurrencyBoundsUnkeyedHandlers(t *testing.T) {
 	startConsumer(t, e, amqpidem.ConsumerConfig{
 		Prefetch: 5, Concurrency: 1,
 		Config: amqpidem.Config{Observer: rec, MissingKey: amqpidem.ProcessMissingKey},
-	}, amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
-		g.enter()
-		defer g.leave()
-		select {
-		case <-release:
-			return nil, nil
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		}
-	}))
+	}, g.blockUntil(release))
 	const n = 5
 	for range n {
 		e.publish(amqp.Publishing{Body: []byte("no key")})

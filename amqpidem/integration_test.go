@@ -143,9 +143,15 @@ func count(evs []amqpidem.Event, key string, o amqpidem.Outcome) int {
 // Shutdown does not return cleanly.
 func startConsumer(t *testing.T, e *env, cfg amqpidem.ConsumerConfig, h amqpidem.Handler) *amqpidem.Consumer {
 	t.Helper()
+	return startConsumerWith(t, e, e.store, cfg, h)
+}
+
+// startConsumerWith is startConsumer on another store than e's.
+func startConsumerWith(t *testing.T, e *env, store lock.Store, cfg amqpidem.ConsumerConfig, h amqpidem.Handler) *amqpidem.Consumer {
+	t.Helper()
 	cfg.URL = e.url
 	cfg.Queue = e.queue
-	c, err := amqpidem.NewConsumer(e.store, cfg, h)
+	c, err := amqpidem.NewConsumer(store, cfg, h)
 	if err != nil {
 		t.Fatal(err)
 	}
