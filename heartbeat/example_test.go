@@ -29,7 +29,7 @@ func Example() {
 	// The handler runs for two TTLs; the keeper extends the lease meanwhile.
 	hctx, stop := keeper.Keep(ctx, res.Lease)
 	lease, _ := heartbeat.LeaseFromContext(hctx)
-	fmt.Println("fence:", lease.Fence)
+	fmt.Println("attempt:", lease.Attempt)
 	select {
 	case <-hctx.Done():
 		fmt.Println("lease lost:", context.Cause(hctx))
@@ -43,6 +43,6 @@ func Example() {
 	}
 	fmt.Println("completed")
 	// Output:
-	// fence: 1
+	// attempt: 1
 	// completed
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -32,6 +33,8 @@ const batchTimeout = 30 * time.Second
 // pipeline after a network error, which the scripts make safe.
 type batcher struct {
 	client redis.UniversalClient
+
+	noMerge atomic.Bool // a merged script call was refused where single ones went through
 
 	mu      sync.Mutex
 	waiting []*call
@@ -130,9 +133,58 @@ func (b *batcher) send(batch []*call) {
 // standalone server (or through Sentinel) calls of the same script are
 // merged into one script call over many keys; the scripts run each key
 // apart, so one key's error is that key's alone. A Cluster gets one script
-// call per key, since one call's keys must share a hash slot.
+// call per key, since one call's keys must share a hash slot. A merged
+// call refused as a whole (a proxy in front of a cluster answering
+// CROSSSLOT, say) is sent again one call per key, so that no call's
+// batch-mates decide its answer, and merging stops for this store once a
+// call alone went through where the merged one was refused.
 func (b *batcher) exec(ctx context.Context, calls []*call) {
 	_, merge := b.client.(*redis.Client)
+	groups := groupCalls(calls, merge && !b.noMerge.Load())
+	b.runGroups(ctx, groups)
+
+	var alone []*group
+	for _, g := range groups {
+		if len(g.calls) > 1 && refusedWhole(g.cmd.Err()) {
+			for _, c := range g.calls {
+				alone = append(alone, &group{script: g.script, calls: []*call{c}})
+			}
+			g.calls = nil // answered by alone
+		}
+	}
+	if len(alone) > 0 {
+		b.runGroups(ctx, alone)
+		for _, g := range alone {
+			if !refusedWhole(g.cmd.Err()) {
+				b.noMerge.Store(true)
+				break
+			}
+		}
+		groups = append(groups, alone...)
+	}
+
+	for _, g := range groups {
+		replies, err := g.cmd.Slice()
+		if err == nil && len(replies) != len(g.calls) && len(g.calls) > 0 {
+			err = fmt.Errorf("lock: script answered %d of %d keys", len(replies), len(g.calls))
+		}
+		for i, c := range g.calls {
+			if err != nil {
+				c.err = classify(err)
+				continue
+			}
+			if e, ok := replies[i].(error); ok {
+				c.err = keyError(e)
+				continue
+			}
+			c.val = replies[i]
+		}
+	}
+}
+
+// groupCalls makes one script call per call, or, with merge, one per
+// script for up to maxKeysPerScript calls.
+func groupCalls(calls []*call, merge bool) []*group {
 	var groups []*group
 	open := map[*redis.Script]*group{}
 	for _, c := range calls {
@@ -144,8 +196,14 @@ func (b *batcher) exec(ctx context.Context, calls []*call) {
 		}
 		g.calls = append(g.calls, c)
 	}
+	return groups
+}
 
-	run := func(gs []*group) {
+// runGroups sends groups as one pipeline. A restart or failover may have emptied
+// the script cache: it loads what is missing (on every master of a
+// Cluster) and sends those calls again, still as one pipeline.
+func (b *batcher) runGroups(ctx context.Context, groups []*group) {
+	send := func(gs []*group) {
 		pipe := b.client.Pipeline()
 		for _, g := range gs {
 			keys := make([]string, 0, len(g.calls))
@@ -158,11 +216,8 @@ func (b *batcher) exec(ctx context.Context, calls []*call) {
 		}
 		_, _ = pipe.Exec(ctx) // errors are read per command
 	}
-	run(groups)
+	send(groups)
 
-	// A restart or failover may have emptied the script cache: load what
-	// is missing (on every master of a Cluster) and send those calls
-	// again, still as one pipeline.
 	var again []*group
 	loaded := map[*redis.Script]error{}
 	for _, g := range groups {
@@ -177,24 +232,6 @@ func (b *batcher) exec(ctx context.Context, calls []*call) {
 		}
 	}
 	if len(again) > 0 {
-		run(again)
-	}
-
-	for _, g := range groups {
-		replies, err := g.cmd.Slice()
-		if err == nil && len(replies) != len(g.calls) {
-			err = fmt.Errorf("lock: script answered %d of %d keys", len(replies), len(g.calls))
-		}
-		for i, c := range g.calls {
-			if err != nil {
-				c.err = err
-				continue
-			}
-			if e, ok := replies[i].(error); ok {
-				c.err = e
-				continue
-			}
-			c.val = replies[i]
-		}
+		send(again)
 	}
 }

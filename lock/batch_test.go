@@ -146,8 +146,8 @@ func TestBatcherWaiterGivesUp(t *testing.T) {
 	}
 	wg.Wait()
 	res, err := s.Acquire(context.Background(), Request{Key: "impatient"})
-	if err != nil || res.Status != Acquired || res.Lease.Fence != 1 {
-		t.Fatalf("the abandoned call was sent anyway: %v fence %d %v", res.Status, res.Lease.Fence, err)
+	if err != nil || res.Status != Acquired || res.Lease.Attempt != 1 {
+		t.Fatalf("the abandoned call was sent anyway: %v attempt %d %v", res.Status, res.Lease.Attempt, err)
 	}
 	s.batch.mu.Lock()
 	defer s.batch.mu.Unlock()

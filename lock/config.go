@@ -33,7 +33,8 @@ type Config struct {
 	// below MinTTL (but not zero) is an error.
 	LeaseTTL time.Duration
 	// Retention is the default idempotency window. Default
-	// DefaultRetention; negative is an error.
+	// DefaultRetention; negative, or between 0 and 1ms (which the server
+	// would keep as 0: no idempotency at all), is an error.
 	Retention time.Duration
 	// MaxResultSize limits a stored result (Complete) and stored error
 	// text (Fail cuts longer text), in bytes. Default DefaultMaxResultSize;
@@ -57,8 +58,9 @@ func (c Config) Validate() error {
 		return fmt.Errorf("lock: Config.Prefix %q must not contain '{' or '}'", c.Prefix)
 	case c.LeaseTTL < 0 || (c.LeaseTTL > 0 && c.LeaseTTL < MinTTL):
 		return fmt.Errorf("%w: Config.LeaseTTL %v must be zero (default %v) or at least %v", ErrInvalidTTL, c.LeaseTTL, DefaultLeaseTTL, MinTTL)
-	case c.Retention < 0:
-		return fmt.Errorf("%w: Config.Retention %v must not be negative", ErrInvalidTTL, c.Retention)
+	case c.Retention < 0 || (c.Retention > 0 && c.Retention < time.Millisecond):
+		// Below a millisecond the server would keep nothing: idempotency off.
+		return fmt.Errorf("%w: Config.Retention %v must be zero (default %v) or at least 1ms", ErrInvalidTTL, c.Retention, DefaultRetention)
 	case c.MaxResultSize < 0:
 		return fmt.Errorf("lock: Config.MaxResultSize %d must not be negative", c.MaxResultSize)
 	}
@@ -102,6 +104,9 @@ func (c Config) check(req Request) (Request, error) {
 	}
 	if req.Retention == 0 {
 		req.Retention = c.Retention
+	}
+	if req.Retention > 0 && req.Retention < time.Millisecond {
+		return req, fmt.Errorf("%w: retention %v is below 1ms: nothing would be kept", ErrInvalidTTL, req.Retention)
 	}
 	// The server keeps milliseconds: a lease must not claim more than that,
 	// or its local deadline would be later than the server's.

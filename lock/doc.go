@@ -29,14 +29,32 @@
 //     one. The client's own clock is used only to estimate its lease's
 //     deadline conservatively (Lease.Deadline is never later than the
 //     server's).
-//   - Fencing: the fence strictly increases with each lease on a key for as
-//     long as the record exists. Extend, Complete, Fail and Release are
-//     compare-and-set on owner and fence: a holder whose lease was taken
-//     over gets ErrLeaseLost and changes nothing.
+//   - Fencing: the fence strictly increases with each lease on a key.
+//     A new lease's fence is the higher of the last fence + 1 and the
+//     server's clock in microseconds (Redis TIME), so a record that was
+//     lost (expired after its retention, evicted, forgotten by a restart
+//     without persistence or by a failover) and made again still hands out
+//     fences above every fence of the lost record. That part holds as long
+//     as the clock of the server granting the new lease is ahead of the
+//     microsecond the old fence was granted at: a clock stepped back, or a
+//     failover to a server whose clock is behind, can break it. Within one
+//     record fences never go down whatever the clock does. (A key gets
+//     fewer than one lease per microsecond: each is a script execution.)
+//     Attempts, unlike fences, restart at 1 with a new record.
+//     Extend, Complete, Fail and Release are compare-and-set on owner and
+//     fence: a holder whose lease was taken over gets ErrLeaseLost and
+//     changes nothing.
 //   - Retry-safe: go-redis resends a command after a network error. A
 //     resent Acquire that finds its own owner token answers Acquired; a
 //     resent Complete, Fail, Release or Cancel that finds its own write
 //     answers nil (and a resent Cancel takes back no second attempt).
+//     RedisStore.Acquire also tries again itself, with the same owner
+//     token, when a reply does not come (a timeout), so that a lease taken
+//     by a call whose reply was lost is not left blocking the key.
+//   - Errors say what they are: ErrUnavailable when the store could not
+//     answer (the call may or may not have taken effect), ErrBadRecord or
+//     ErrKeyCollision when one key's record cannot be used (other keys are
+//     unaffected), ErrLeaseLost when the lease is no longer held.
 //   - Bounded: keys are 1 to MaxKeyLen bytes (any bytes) and hashed into
 //     Redis keys "<prefix>:{<digest>}", so user input cannot pick a Cluster
 //     slot or cross a namespace. Results are limited (Config.MaxResultSize).
@@ -44,6 +62,9 @@
 //     Retention while a lease is held. Nothing lives forever.
 //   - Portable: one key per record, passed in KEYS, so RedisStore works on
 //     a standalone server, Sentinel and Cluster (any redis.UniversalClient).
+//     On a standalone client, concurrent calls are merged into one script
+//     call over many keys; a proxy that refuses such a call as a whole
+//     (CROSSSLOT) gets each call alone, and merging stops for that store.
 //
 // # Records in Redis
 //

@@ -16,7 +16,7 @@ func Example() {
 	ctx := context.Background()
 
 	res, _ := store.Acquire(ctx, lock.Request{Key: "payment-42"})
-	fmt.Println(res.Status, "fence", res.Lease.Fence)
+	fmt.Println(res.Status, "attempt", res.Lease.Attempt)
 
 	// A duplicate delivery while the first still runs.
 	dup, _ := store.Acquire(ctx, lock.Request{Key: "payment-42"})
@@ -28,7 +28,7 @@ func Example() {
 	done, _ := store.Acquire(ctx, lock.Request{Key: "payment-42"})
 	fmt.Println(done.Status, string(done.Value))
 	// Output:
-	// acquired fence 1
+	// acquired attempt 1
 	// in_progress
 	// completed receipt-1
 }

@@ -42,6 +42,9 @@ func NewMemoryStore(cfg Config) (*MemoryStore, error) {
 	return &MemoryStore{cfg: cfg.withDefaults(), records: make(map[string]*memRecord)}, nil
 }
 
+// MaxResultSize is the largest result Complete accepts, in bytes.
+func (m *MemoryStore) MaxResultSize() int { return m.cfg.MaxResultSize }
+
 // get returns the live record of key, dropping it if it expired.
 func (m *MemoryStore) get(key string, now time.Time) *memRecord {
 	r := m.records[key]
@@ -102,7 +105,7 @@ func (m *MemoryStore) Acquire(ctx context.Context, req Request) (Result, error) 
 		}
 	}
 	r.state, r.owner, r.deadline = 'p', owner, now.Add(req.TTL)
-	r.fence++
+	r.fence = max(r.fence+1, now.UnixMicro()) // as RedisStore: above a lost record's
 	r.attempts++
 	r.expires = r.deadline.Add(req.Retention)
 	m.wrote(now)

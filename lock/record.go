@@ -39,6 +39,18 @@ var (
 	// ErrResultTooLarge means a result passed to Complete is larger than the
 	// store's MaxResultSize.
 	ErrResultTooLarge = errors.New("lock: result too large")
+	// ErrUnavailable means the store could not be reached or did not answer
+	// in time: a network error, a timeout, a closed client, or a server
+	// that says "not now" (LOADING, READONLY, MASTERDOWN, CLUSTERDOWN,
+	// TRYAGAIN, BUSY). The call may or may not have taken effect. The
+	// returned error wraps both this and the original error.
+	ErrUnavailable = errors.New("lock: store unavailable")
+	// ErrBadRecord means the record of this one key cannot be used: the
+	// Redis key holds another type (WRONGTYPE), a record of an unknown
+	// format version, or bytes that do not decode. Other keys are not
+	// affected; retrying does not help until the key is repaired or
+	// expires.
+	ErrBadRecord = errors.New("lock: record unusable")
 	// ErrKeyCollision means two different keys mapped to the same record.
 	// With 128-bit key hashes it is not expected to happen; the store
 	// refuses rather than mixing two operations' state.
@@ -93,8 +105,8 @@ type Request struct {
 	// ErrInvalidTTL.
 	TTL time.Duration
 	// Retention is how long the record outlives its last change (the
-	// idempotency window). Zero means the store's default; negative is
-	// ErrInvalidTTL.
+	// idempotency window). Zero means the store's default; negative, or
+	// between 0 and 1ms, is ErrInvalidTTL.
 	Retention time.Duration
 }
 
@@ -107,9 +119,12 @@ type Lease struct {
 	// Owner is a random token unique to the Acquire call that made the lease.
 	Owner string
 	// Fence is the fencing token: it strictly increases with every lease
-	// granted on the key for as long as the record exists. Downstream
-	// writes that remember the highest fence they saw can reject a stale
-	// holder.
+	// granted on the key. It is at least the server's clock in
+	// microseconds when the lease was granted, so a record that is lost
+	// (expired, evicted, forgotten) and made again still gives fences
+	// above the lost one's, unless the server's clock stepped back (or a
+	// failover moved to a server whose clock is behind). Downstream writes
+	// that remember the highest fence they saw can reject a stale holder.
 	Fence int64
 	// Attempt counts the leases granted on the key, this one included
 	// (1 for the first execution). Takeovers of expired leases count.
@@ -147,6 +162,8 @@ type Result struct {
 }
 
 // Store keeps one record per idempotency key and hands out leases on it.
+// Fences come from the store's clock (microseconds) and never go down for
+// a key, across a lost record too; attempts restart at 1 with a new record.
 //
 // Per key the record moves: absent → in progress (owner, fence, lease
 // deadline, attempts, fingerprint) → completed (result) or failed (error).

@@ -108,16 +108,52 @@ func (s *RedisStore) Check(ctx context.Context) error {
 	}
 }
 
+// acquireRetries bounds the tries Acquire makes after its first when the
+// store does not answer, and acquireRetryWait is the wait before the first
+// of them (doubled for each next one).
+const (
+	acquireRetries   = 3
+	acquireRetryWait = 50 * time.Millisecond
+)
+
 // Acquire takes a lease on req.Key in one round trip, shared with the
-// concurrent calls of other goroutines (a retry after a network error finds
-// its own owner token and answers Acquired).
+// concurrent calls of other goroutines.
+//
+// An Acquire whose reply is lost may have taken the lease: it is sent again
+// with the same owner token, which the script answers with that same lease
+// (no second attempt counted). go-redis resends after a broken connection;
+// after a timeout or a store that stays unreachable, Acquire itself tries
+// again up to 3 times over about 350 ms, within ctx (a call that surely
+// never reached the server, a failed dial, is not). If all fail it
+// returns an error wrapping ErrUnavailable, and a lease it may have taken
+// blocks the key for its TTL, with its attempt counted.
 func (s *RedisStore) Acquire(ctx context.Context, req Request) (Result, error) {
 	req, err := s.cfg.check(req)
 	if err != nil {
 		return Result{}, err
 	}
-	return s.acquire(ctx, req, newOwner())
+	owner := newOwner()
+	wait := acquireRetryWait
+	uncertain := false // a try may have reached the server
+	for try := 0; ; try++ {
+		res, err := s.acquire(ctx, req, owner)
+		uncertain = uncertain || (errors.Is(err, ErrUnavailable) && !notSent(err))
+		if err == nil || !uncertain || try == acquireRetries || ctx.Err() != nil {
+			return res, err
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return res, err
+		}
+		wait *= 2
+	}
 }
+
+// MaxResultSize is the largest result Complete accepts, in bytes.
+func (s *RedisStore) MaxResultSize() int { return s.cfg.MaxResultSize }
 
 // acquire runs the acquire script for a checked request and owner token.
 func (s *RedisStore) acquire(ctx context.Context, req Request, owner string) (Result, error) {
@@ -126,7 +162,7 @@ func (s *RedisStore) acquire(ctx context.Context, req Request, owner string) (Re
 	reply, err := s.batch.run(ctx, acquireScript, []string{rkey},
 		owner, req.TTL.Milliseconds(), req.Retention.Milliseconds(), req.Fingerprint, req.Key)
 	if err != nil {
-		return Result{}, fmt.Errorf("lock: acquire %q: %w", req.Key, err)
+		return Result{}, fmt.Errorf("lock: acquire %q: %w", req.Key, classify(err))
 	}
 	vals, _ := reply.([]any)
 	if len(vals) != 5 {
@@ -232,7 +268,7 @@ func (s *RedisStore) finish(ctx context.Context, l Lease, op, state string, valu
 func leaseReply(l Lease, op string, n int, err error) error {
 	switch {
 	case err != nil:
-		return fmt.Errorf("lock: %s %q: %w", op, l.Key, err)
+		return fmt.Errorf("lock: %s %q: %w", op, l.Key, classify(err))
 	case n != 1:
 		return fmt.Errorf("%w: %s key %q fence %d", ErrLeaseLost, op, l.Key, l.Fence)
 	}

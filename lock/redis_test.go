@@ -70,7 +70,7 @@ func TestRedisClientClockIsNotTrusted(t *testing.T) {
 	// Once the server says the lease expired, anyone may take over.
 	time.Sleep(500 * time.Millisecond)
 	res, err = ahead.Acquire(ctx, lock.Request{Key: "k", TTL: time.Minute})
-	if err != nil || res.Status != lock.Acquired || res.Lease.Fence != 2 {
+	if err != nil || res.Status != lock.Acquired || res.Lease.Fence <= held.Lease.Fence {
 		t.Fatalf("after server-side expiry: %+v %v", res, err)
 	}
 }
@@ -133,8 +133,8 @@ func TestRedisAcquireRetryAfterLostReply(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s: Acquire: %v", op, err)
 		}
-		if res.Status != lock.Acquired || res.Lease.Fence != 1 {
-			t.Fatalf("%s: retried Acquire: got %v fence %d, want acquired fence 1", op, res.Status, res.Lease.Fence)
+		if res.Status != lock.Acquired || res.Lease.Attempt != 1 {
+			t.Fatalf("%s: retried Acquire: got %v attempt %d, want acquired attempt 1", op, res.Status, res.Lease.Attempt)
 		}
 		if op == "complete" {
 			armed.Store(true)
@@ -383,8 +383,8 @@ func TestRedisRecordFormat(t *testing.T) {
 		t.Fatal(err)
 	}
 	res, err = s.Acquire(ctx, lock.Request{Key: "k", TTL: 10 * time.Second, Retention: time.Hour})
-	if err != nil || res.Status != lock.Acquired || res.Attempts != 1 || res.Lease.Fence != 2 {
-		t.Fatalf("after Cancel at 0 attempts: %+v %v, want attempt 1 fence 2", res, err)
+	if err != nil || res.Status != lock.Acquired || res.Attempts != 1 || res.Lease.Fence < 2 {
+		t.Fatalf("after Cancel at 0 attempts: %+v %v, want attempt 1 and a higher fence", res, err)
 	}
 
 	other, err := s.Acquire(ctx, lock.Request{Key: "other"})
@@ -392,7 +392,7 @@ func TestRedisRecordFormat(t *testing.T) {
 		t.Fatalf("Acquire other: %v %v", other.Status, err)
 	}
 	set(1, 2)
-	if _, err := s.Acquire(ctx, lock.Request{Key: "k"}); err == nil || !strings.Contains(err.Error(), "version 2") {
+	if _, err := s.Acquire(ctx, lock.Request{Key: "k"}); !errors.Is(err, lock.ErrBadRecord) || !strings.Contains(err.Error(), "version 2") {
 		t.Fatalf("Acquire of a version 2 record: got %v, want a format error", err)
 	}
 	errs := s.Extend(ctx, res.Lease, other.Lease)

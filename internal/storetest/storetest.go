@@ -43,6 +43,8 @@ func Run(t *testing.T, newStore NewStore) {
 		{"FingerprintConflict", testConflict},
 		{"ExtendBatchPositionalErrors", testExtendBatch},
 		{"RetentionExpiresRecords", testRetention},
+		{"FenceSurvivesLostRecord", testFenceSurvivesLostRecord},
+		{"SubMillisecondRetentionRefused", testSubMillisecondRetention},
 		{"PrefixesAreNamespaces", testNamespaces},
 		{"BadInput", testBadInput},
 		{"ResultSizeLimit", testResultLimit},
@@ -98,8 +100,8 @@ func testLifecycle(t *testing.T, store func(*testing.T, lock.Config) lock.Store)
 	before := time.Now()
 	res := acquire(t, s, req, lock.Acquired)
 	l := res.Lease
-	if l.Fence != 1 || l.Attempt != 1 || res.Attempts != 1 || l.Key != "order-1" || l.Owner == "" {
-		t.Fatalf("first lease: got %+v", l)
+	if l.Fence < before.UnixMicro() || l.Attempt != 1 || res.Attempts != 1 || l.Key != "order-1" || l.Owner == "" {
+		t.Fatalf("first lease: got %+v, want fence from the clock (µs), attempt 1", l)
 	}
 	if l.TTL != 5*time.Second || l.Deadline.Before(before.Add(5*time.Second)) || l.Deadline.After(time.Now().Add(5*time.Second)) {
 		t.Fatalf("lease TTL/deadline: got %v / %v, want 5s from the call", l.TTL, l.Deadline)
@@ -109,8 +111,8 @@ func testLifecycle(t *testing.T, store func(*testing.T, lock.Config) lock.Store)
 	if busy.Remaining <= 3*time.Second || busy.Remaining > 5*time.Second {
 		t.Fatalf("in progress: remaining %v, want (3s, 5s]", busy.Remaining)
 	}
-	if busy.Fence != 1 || busy.Attempts != 1 {
-		t.Fatalf("in progress: fence %d attempts %d, want 1 1", busy.Fence, busy.Attempts)
+	if busy.Fence != l.Fence || busy.Attempts != 1 {
+		t.Fatalf("in progress: fence %d attempts %d, want %d 1", busy.Fence, busy.Attempts, l.Fence)
 	}
 
 	noErr(t, "Extend", s.Extend(ctx(t), l)[0])
@@ -120,8 +122,8 @@ func testLifecycle(t *testing.T, store func(*testing.T, lock.Config) lock.Store)
 	if got, want := string(done.Value), "receipt-42"; got != want {
 		t.Fatalf("stored result: got %q, want %q", got, want)
 	}
-	if done.Fence != 1 || done.Attempts != 1 {
-		t.Fatalf("completed: fence %d attempts %d, want 1 1", done.Fence, done.Attempts)
+	if done.Fence != l.Fence || done.Attempts != 1 {
+		t.Fatalf("completed: fence %d attempts %d, want %d 1", done.Fence, done.Attempts, l.Fence)
 	}
 	wantLost(t, "Extend after Complete", s.Extend(ctx(t), l)[0])
 	wantLost(t, "Fail after Complete", s.Fail(ctx(t), l, "late"))
@@ -162,8 +164,8 @@ func testRetriedWrites(t *testing.T, store func(*testing.T, lock.Config) lock.St
 	noErr(t, "Cancel retried", s.Cancel(ctx(t), l))
 	wantLost(t, "Complete after Cancel", s.Complete(ctx(t), l, nil))
 	wantLost(t, "Release after Cancel", s.Release(ctx(t), l))
-	if got := acquire(t, s, lock.Request{Key: "x"}, lock.Acquired); got.Attempts != 2 || got.Fence != 3 {
-		t.Fatalf("after a retried Cancel: attempts %d fence %d, want 2 3", got.Attempts, got.Fence)
+	if got := acquire(t, s, lock.Request{Key: "x"}, lock.Acquired); got.Attempts != 2 || got.Fence <= l.Fence {
+		t.Fatalf("after a retried Cancel: attempts %d fence %d, want 2 and above %d", got.Attempts, got.Fence, l.Fence)
 	}
 }
 
@@ -215,8 +217,8 @@ func testCancel(t *testing.T, store func(*testing.T, lock.Config) lock.Store) {
 		noErr(t, "Cancel", s.Cancel(ctx(t), l))
 	}
 	l := acquire(t, s, lock.Request{Key: "again"}, lock.Acquired).Lease
-	if l.Fence != 4 {
-		t.Fatalf("after 3 cancels: fence %d, want 4", l.Fence)
+	if l.Attempt != 1 {
+		t.Fatalf("after 3 cancels: attempt %d, want 1", l.Attempt)
 	}
 	noErr(t, "Release", s.Release(ctx(t), l))
 	wantLost(t, "Cancel after Release", s.Cancel(ctx(t), l))
@@ -231,8 +233,8 @@ func testRelease(t *testing.T, store func(*testing.T, lock.Config) lock.Store) {
 	first := acquire(t, s, req, lock.Acquired).Lease
 	noErr(t, "Release", s.Release(ctx(t), first))
 	second := acquire(t, s, req, lock.Acquired).Lease
-	if second.Fence != 2 || second.Attempt != 2 {
-		t.Fatalf("after release: fence %d attempt %d, want 2 2", second.Fence, second.Attempt)
+	if second.Fence <= first.Fence || second.Attempt != 2 {
+		t.Fatalf("after release: fence %d attempt %d, want above %d, 2", second.Fence, second.Attempt, first.Fence)
 	}
 	if second.Owner == first.Owner {
 		t.Fatal("a new lease reused the old owner token")
@@ -346,8 +348,9 @@ func testFenceIncreases(t *testing.T, store func(*testing.T, lock.Config) lock.S
 			noErr(t, "Release", s.Release(ctx(t), l))
 		}
 	}
-	if last != 12 {
-		t.Fatalf("fence after 12 leases: %d, want 12", last)
+	// The last lease expired: the next is the 13th.
+	if res := acquire(t, s, lock.Request{Key: "fenced"}, lock.Acquired); res.Attempts != 13 || res.Fence <= last {
+		t.Fatalf("after 12 leases: attempts %d fence %d, want 13 and above %d", res.Attempts, res.Fence, last)
 	}
 }
 
@@ -401,8 +404,38 @@ func testRetention(t *testing.T, store func(*testing.T, lock.Config) lock.Store)
 	acquire(t, s, lock.Request{Key: "short-lived"}, lock.Completed)
 	time.Sleep(300 * time.Millisecond)
 	fresh := acquire(t, s, lock.Request{Key: "short-lived"}, lock.Acquired)
-	if fresh.Lease.Fence != 1 {
-		t.Fatalf("after retention: fence %d, want a new record (1)", fresh.Lease.Fence)
+	if fresh.Lease.Attempt != 1 {
+		t.Fatalf("after retention: attempt %d, want a new record (1)", fresh.Lease.Attempt)
+	}
+}
+
+// testFenceSurvivesLostRecord: a record lost (here: expired after its
+// retention) and made again hands out fences above the lost one's, so a
+// sink that keeps the highest fence still refuses the old holder.
+func testFenceSurvivesLostRecord(t *testing.T, store func(*testing.T, lock.Config) lock.Store) {
+	s := store(t, lock.Config{Retention: 5 * time.Millisecond})
+	var old lock.Lease
+	for range 3 { // a few leases, so that the lost fence is not the first
+		old = acquire(t, s, lock.Request{Key: "lost"}, lock.Acquired).Lease
+		noErr(t, "Release", s.Release(ctx(t), old))
+	}
+	time.Sleep(50 * time.Millisecond) // the record expires
+	fresh := acquire(t, s, lock.Request{Key: "lost"}, lock.Acquired).Lease
+	if fresh.Attempt != 1 {
+		t.Fatalf("the record did not expire: attempt %d", fresh.Attempt)
+	}
+	if fresh.Fence <= old.Fence {
+		t.Fatalf("after a lost record: fence %d, not above the lost record's %d", fresh.Fence, old.Fence)
+	}
+}
+
+// testSubMillisecondRetention: a retention the server would keep as 0 ms
+// (no idempotency at all) is refused.
+func testSubMillisecondRetention(t *testing.T, store func(*testing.T, lock.Config) lock.Store) {
+	s := store(t, lock.Config{})
+	_, err := s.Acquire(ctx(t), lock.Request{Key: "k", Retention: 500 * time.Microsecond})
+	if !errors.Is(err, lock.ErrInvalidTTL) {
+		t.Fatalf("Acquire with a 500µs retention: got %v, want ErrInvalidTTL", err)
 	}
 }
 

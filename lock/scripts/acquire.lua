@@ -12,7 +12,7 @@
 -- A record is one string value: cmsgpack.pack of, in this order,
 --   version (1), state ('p' in progress, 'c' completed, 'f' failed,
 --   'r' released, 'x' cancelled: released with its attempt taken back),
---   owner, fence, lease deadline (ms, 0 when none), attempts, fingerprint,
+--   owner, fence (server µs, see above), lease deadline (ms, 0 when none), attempts, fingerprint,
 --   caller's key, created (ms), ended (ms, 0 until an outcome), value.
 -- It is written with SET ... PX, so value and expiry change together. The
 -- same layout is read and written by extend.lua and finish.lua; keep the
@@ -20,6 +20,11 @@
 -- error for its key.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- Fences come from the server's clock in microseconds (about 1.8e15, exact
+-- in a Lua number), so that a record lost and made again still hands out a
+-- fence above the lost one's: a new lease's fence is the higher of the
+-- last fence + 1 and the current microsecond.
+local nowus = tonumber(t[1]) * 1000000 + tonumber(t[2])
 
 local function put(key, ms, ...)
   if ms > 0 then
@@ -33,8 +38,8 @@ local function acquire(key, owner, ttl, retention, fingerprint, userkey)
   local keep = ttl + retention
   local raw = redis.call('GET', key)
   if not raw then
-    put(key, keep, 1, 'p', owner, 1, now + ttl, 1, fingerprint, userkey, now, 0, '')
-    return {1, 1, 1, ttl, ''}
+    put(key, keep, 1, 'p', owner, nowus, now + ttl, 1, fingerprint, userkey, now, 0, '')
+    return {1, nowus, 1, ttl, ''}
   end
   local ver, state, o, fence, deadline, attempts, fp, k, created, ended, value = cmsgpack.unpack(raw)
   if ver ~= 1 then
@@ -70,7 +75,7 @@ local function acquire(key, owner, ttl, retention, fingerprint, userkey)
 
   -- Released or cancelled by its owner, or its lease expired: a new lease,
   -- a higher fence.
-  fence = fence + 1
+  fence = math.max(fence + 1, nowus)
   attempts = attempts + 1
   put(key, keep, ver, 'p', owner, fence, now + ttl, attempts, fp, k, created, ended, value)
   return {1, fence, attempts, ttl, ''}
