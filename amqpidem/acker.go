@@ -18,6 +18,17 @@ const (
 	ackBatch   = 32
 )
 
+// gapSlack is how many settled tags gaps may keep, beyond as many as it has
+// unsettled ones, before it is compacted.
+const gapSlack = 64
+
+// maxSkip bounds how far above every tag settled so far a tag may be: the
+// tags in between are all delivered and unsettled, and a prefetch count (a
+// 16-bit number) keeps the broker from sending more than 65535 of them.
+// A tag beyond it is not from this channel's deliveries, and is not
+// recorded (which would take a gap entry per tag skipped).
+const maxSkip = 1 << 16
+
 // acker settles the deliveries of one channel, the one they came from,
 // folding acks together: "ack every delivery up to tag t" is one frame for
 // the broker to handle instead of one per message (a bare consumer runs
@@ -37,28 +48,54 @@ const (
 // letter, the copy already published and the redelivered original both
 // exist, and the store decides the original again.
 //
+// The acker remembers the unsettled tags rather than the settled ones. The
+// broker numbers a channel's deliveries 1, 2, 3... and hands them out in
+// that order, so when tag t is settled every tag below it has been
+// delivered: each tag up to top, the highest settled so far, is either
+// settled or in unsettled. Settling a tag above top puts the tags skipped
+// over in unsettled, and in gaps, which lists them lowest first; settling
+// one of them takes it out of unsettled. The frontier, next, is the lowest
+// tag in unsettled, or top+1: when it is settled, it moves to the first
+// entry of gaps still unsettled, dropping the settled ones before it.
+// Settled tags elsewhere in gaps are dropped when they make up most of it.
+// Each tag enters and leaves gaps once, so an ack costs O(1) amortized
+// however far above the frontier it is; a tag settled above the frontier
+// is forgotten once its frame is written, so memory is bounded by the
+// deliveries not settled yet (the prefetch count at most) and the held acks
+// (held), not by how many tags went by above a slow delivery.
+//
+// An ack of a tag already settled, of tag 0 or of one more than maxSkip
+// above every tag settled so far is written at once, as it would be
+// without the acker, and the broker refuses it.
+//
 // acker is safe for concurrent use. It implements amqp.Acknowledger so
 // that processing code acks a delivery as usual.
 type acker struct {
-	ch amqp.Acknowledger
+	ch amqp.Acknowledger // the channel the deliveries came from
 
-	mu      sync.Mutex
-	next    uint64          // lowest tag not settled yet
-	settled map[uint64]bool // settled tags >= next: true while the ack is held
-	held    int             // acks held back
-	sending bool            // a goroutine is writing acks; others leave theirs to it
-	idle    *sync.Cond      // signalled when sending ends
-	sendAll bool            // the writing goroutine is to send held acks too
-	timer   *time.Timer     // flushes held acks after ackHold
-	timerOn bool            // timer is armed
-	due     *time.Timer     // sends what the frontier passed after ackFlush
-	dueSet  bool            // due is armed
-	err     error           // the last write error
-	closed  bool
+	mu        sync.Mutex          // guards the fields below
+	next      uint64              // the frontier: the lowest tag not settled
+	top       uint64              // highest tag settled; every tag up to it was delivered
+	unsettled map[uint64]struct{} // tags below top not settled yet
+	gaps      []uint64            // from head on, the tags of unsettled lowest first, and settled ones not dropped yet
+	head      int                 // where gaps starts; the entries before it are dropped
+	held      []uint64            // acked tags whose frame is not written yet, in arrival order
+	heldLow   uint64              // lowest tag in held, when held is not empty
+	out       []uint64            // held acks being written one by one; used by the writer only
+	sending   bool                // a goroutine is writing acks; others leave theirs to it
+	idle      *sync.Cond          // signalled when sending ends
+	sendAll   bool                // the writing goroutine is to send held acks too
+	timer     *time.Timer         // flushes held acks after ackHold
+	timerOn   bool                // timer is armed
+	due       *time.Timer         // sends what the frontier passed after ackFlush
+	dueSet    bool                // due is armed
+	err       error               // the last write error
+	closed    bool                // flush was called: acks are written at once
 }
 
+// newAcker returns an acker for the deliveries of ch.
 func newAcker(ch amqp.Acknowledger) *acker {
-	a := &acker{ch: ch, next: 1, settled: make(map[uint64]bool)}
+	a := &acker{ch: ch, next: 1, unsettled: make(map[uint64]struct{})}
 	a.idle = sync.NewCond(&a.mu)
 	return a
 }
@@ -71,16 +108,18 @@ func (a *acker) Ack(tag uint64, multiple bool) error {
 		return a.sent(tag, a.ch.Ack(tag, true))
 	}
 	a.mu.Lock()
-	if a.closed {
+	if a.closed || !a.settle(tag) {
 		a.mu.Unlock()
 		return a.ch.Ack(tag, false)
 	}
-	a.settled[tag] = true
-	a.held++
-	if tag != a.next {
+	if len(a.held) == 0 || tag < a.heldLow {
+		a.heldLow = tag
+	}
+	a.held = append(a.held, tag)
+	if tag > a.next {
 		a.armTimer() // above a gap: held for at most ackHold
 	}
-	if a.held < ackBatch {
+	if len(a.held) < ackBatch {
 		a.armDue()
 		err := a.err
 		a.mu.Unlock()
@@ -103,7 +142,7 @@ func (a *acker) Reject(tag uint64, requeue bool) error {
 func (a *acker) sent(tag uint64, err error) error {
 	a.mu.Lock()
 	if !a.closed {
-		a.settled[tag] = false
+		a.settle(tag)
 	}
 	_ = a.write(false) // unlocks; the frontier may have moved
 	return err
@@ -176,32 +215,31 @@ func (a *acker) write(all bool) error {
 	for {
 		all = all || a.sendAll
 		a.sendAll = false
-		// Move the frontier over settled tags; the highest held one among
-		// them is acked with multiple, covering all held below it.
+		// The highest held ack the frontier passed is acked with
+		// multiple, covering all held below it; the tags in between were
+		// settled already, and the broker skips those.
 		var upto uint64
-		for {
-			h, ok := a.settled[a.next]
-			if !ok {
-				break
-			}
-			if h {
-				upto = a.next
-				a.held--
-			}
-			delete(a.settled, a.next)
-			a.next++
-		}
-		var single []uint64
-		if all || a.held > ackHeldMax {
-			for tag, h := range a.settled {
-				if h {
-					single = append(single, tag)
-					a.settled[tag] = false
+		if next := a.next; len(a.held) > 0 && a.heldLow < next {
+			kept := a.held[:0]
+			for _, tag := range a.held {
+				if tag < next {
+					upto = max(upto, tag)
+					continue
 				}
+				if len(kept) == 0 || tag < a.heldLow {
+					a.heldLow = tag
+				}
+				kept = append(kept, tag)
 			}
-			a.held = 0
+			a.held = kept
+		}
+		single := a.out[:0]
+		if all || len(a.held) > ackHeldMax {
+			single = append(single, a.held...)
+			a.held = a.held[:0]
 			all = false
 		}
+		a.out = single
 		if upto == 0 && len(single) == 0 {
 			break
 		}
@@ -220,7 +258,7 @@ func (a *acker) write(all bool) error {
 			a.err = err
 		}
 	}
-	if a.held > 0 {
+	if len(a.held) > 0 {
 		a.armTimer() // acks left above a gap
 	}
 	a.sending = false
@@ -228,4 +266,72 @@ func (a *acker) write(all bool) error {
 	err := a.err
 	a.mu.Unlock()
 	return err
+}
+
+// settle records tag as settled, with a.mu held, and reports whether it was
+// not settled yet (false for a tag beyond maxSkip, not recorded). Every tag below a newly seen one has been delivered, so
+// those not settled yet become gaps.
+func (a *acker) settle(tag uint64) bool {
+	if tag > a.top+maxSkip {
+		return false // not a delivery of this channel
+	}
+	if tag > a.top {
+		for t := a.top + 1; t < tag; t++ {
+			a.unsettled[t] = struct{}{}
+			a.gaps = append(a.gaps, t)
+		}
+		a.top = tag
+		if a.next == tag {
+			a.next = tag + 1
+		}
+		return true
+	}
+	n := len(a.unsettled)
+	delete(a.unsettled, tag)
+	if len(a.unsettled) == n {
+		return false // settled already, or tag 0
+	}
+	if tag == a.next {
+		a.advance()
+	}
+	if len(a.gaps) > 2*len(a.unsettled)+gapSlack {
+		// Most of gaps is settled: drop those, a pass that the
+		// settles since the last one pay for.
+		live := a.gaps[:0]
+		for _, t := range a.gaps[a.head:] {
+			if a.isUnsettled(t) {
+				live = append(live, t)
+			}
+		}
+		a.gaps, a.head = live, 0
+	}
+	return true
+}
+
+// advance moves the frontier to the lowest tag not settled, with a.mu
+// held, after the frontier was settled: the settled tags at the head of
+// gaps are dropped on the way.
+func (a *acker) advance() {
+	for ; a.head < len(a.gaps); a.head++ {
+		if t := a.gaps[a.head]; a.isUnsettled(t) {
+			a.next = t
+			return
+		}
+	}
+	a.gaps, a.head = a.gaps[:0], 0
+	a.next = a.top + 1
+}
+
+// isUnsettled reports whether tag is one of a.unsettled, with a.mu held.
+func (a *acker) isUnsettled(tag uint64) bool {
+	_, ok := a.unsettled[tag]
+	return ok
+}
+
+// size returns how many tags the acker remembers: the unsettled ones, the
+// entries of gaps and the held acks. Tests check that it stays bounded.
+func (a *acker) size() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return len(a.unsettled) + len(a.gaps) + len(a.held)
 }

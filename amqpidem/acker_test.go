@@ -17,6 +17,10 @@ type fakeChannel struct {
 	nacked   map[uint64]bool
 	frames   []string
 	problems []string
+	// quick settles a single ack without walking unacked, for tests that
+	// settle many tags. The others keep the walk: it makes a frame slow
+	// to write, and TestAckerConcurrent's fold ratio depends on that.
+	quick bool
 }
 
 func newFakeChannel(n int) *fakeChannel {
@@ -34,6 +38,11 @@ func (f *fakeChannel) Ack(tag uint64, multiple bool) error {
 	if !f.unacked[tag] {
 		f.problems = append(f.problems, fmt.Sprintf("ack of tag %d that is not unacked", tag))
 		return fmt.Errorf("unknown delivery tag %d", tag)
+	}
+	if f.quick && !multiple {
+		delete(f.unacked, tag)
+		f.acked[tag] = true
+		return nil
 	}
 	for t := range f.unacked {
 		if t == tag || multiple && t < tag {
@@ -266,5 +275,120 @@ func TestAckerConcurrent(t *testing.T) {
 				t.Fatalf("%d frames for %d tags shuffled within %d: acks not folded", len(f.frames), n, window)
 			}
 		})
+	}
+}
+
+// A slow delivery pins the frontier while the ones after it are settled, as
+// a 10-minute job does at 5k msg/s: the acker remembers the tags not
+// settled yet and the held acks, not every tag settled above the slow one.
+func TestAckerForgetsTagsSettledAboveASlowOne(t *testing.T) {
+	const n = 200_000
+	slow := []uint64{1, n / 3, 2 * n / 3}
+	isSlow := func(tag uint64) bool { return tag == slow[0] || tag == slow[1] || tag == slow[2] }
+	f := newFakeChannel(n)
+	f.quick = true
+	a := newAcker(f)
+	// Settled out of order within windows of 32, as handlers finishing
+	// around the same time are, and delivered as the broker does: no more
+	// than prefetch unacked. The acker remembers the unsettled tags (3+31
+	// at most), their gaps entries (twice as many, plus gapSlack) and the
+	// held acks (unacked at the broker: prefetch at most). Far from n.
+	const prefetch = 1024
+	bound := prefetch + 3*(len(slow)+32) + gapSlack
+	for start := 1; start <= n; start += 32 {
+		waitBroker(t, f, func(unacked int) bool { return (start-1)-(n-unacked)+32 <= prefetch })
+		for _, i := range rand.Perm(min(32, n-start+1)) {
+			tag := uint64(start + i)
+			switch {
+			case isSlow(tag):
+			case tag%97 == 0:
+				_ = a.Nack(tag, false, true)
+			default:
+				_ = a.Ack(tag, false)
+			}
+		}
+		if size := a.size(); size > bound {
+			t.Fatalf("after tags 1 to %d: the acker remembers %d tags, want at most %d", start+31, size, bound)
+		}
+	}
+	waitUnacked(t, f, len(slow)) // the held acks went out after ackHold
+	if size, want := a.size(), len(slow)+2*len(slow)+gapSlack; size > want {
+		t.Fatalf("held acks sent, %d unsettled: the acker remembers %d tags, want at most %d", len(slow), size, want)
+	}
+	// The slow ones end: one acked above a gap, one requeued, then the
+	// frontier.
+	_ = a.Ack(slow[2], false)
+	_ = a.Nack(slow[1], false, true)
+	_ = a.Ack(slow[0], false)
+	a.flush()
+	if left, problems := f.left(); left != 0 || len(problems) != 0 {
+		t.Fatalf("unacked %d, problems %v", left, problems)
+	}
+	for tag := range f.nacked {
+		if f.acked[tag] || tag%97 != 0 && tag != slow[1] {
+			t.Fatalf("tag %d both nacked and acked, or nacked by mistake", tag)
+		}
+	}
+	if size := a.size(); size != 0 {
+		t.Fatalf("every tag settled and sent: the acker remembers %d tags, want 0", size)
+	}
+}
+
+// waitBroker waits until ok(the number of unacked tags in f), for at most
+// 2s (ackHold is 20ms).
+func waitBroker(t *testing.T, f *fakeChannel, ok func(unacked int) bool) {
+	t.Helper()
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		f.mu.Lock()
+		unacked := len(f.unacked)
+		f.mu.Unlock()
+		if ok(unacked) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d unacked after 2s (ackHold %v)", unacked, ackHold)
+		}
+		time.Sleep(50 * time.Microsecond)
+	}
+}
+
+// An ack of a tag settled already is written at once, as without the
+// acker: it is not folded into a multiple ack, and the broker's refusal is
+// returned.
+func TestAckerWritesAnAckOfASettledTagAtOnce(t *testing.T) {
+	f := newFakeChannel(2)
+	a := newAcker(f)
+	_ = a.Nack(1, false, true)
+	if err := a.Ack(1, false); err == nil {
+		t.Fatalf("ack of a nacked tag: no error; frames %v", f.frames)
+	}
+	if got, want := fmt.Sprint(f.frames), "[nack 1 ack 1 false]"; got != want {
+		t.Fatalf("frames: got %v, want %v", got, want)
+	}
+	_ = a.Ack(2, false)
+	a.flush()
+	if left, problems := f.left(); left != 0 || len(problems) != 1 {
+		t.Fatalf("unacked %d, problems %v, want only the ack of tag 1", left, problems)
+	}
+}
+
+// A tag far above every tag settled so far cannot be a delivery of this
+// channel: its ack is written at once, and the acker does not record the
+// tags skipped over.
+func TestAckerWritesAnAckFarAboveAtOnce(t *testing.T) {
+	f := newFakeChannel(1)
+	a := newAcker(f)
+	const far = 1 << 40
+	if err := a.Ack(far, false); err == nil {
+		t.Fatalf("ack of tag %d: no error; frames %v", uint64(far), f.frames)
+	}
+	if size := a.size(); size != 0 {
+		t.Fatalf("after an ack of tag %d the acker remembers %d tags, want 0", uint64(far), size)
+	}
+	_ = a.Ack(1, false)
+	a.flush()
+	if got, want := fmt.Sprint(f.frames), fmt.Sprintf("[ack %d false ack 1 true]", uint64(far)); got != want {
+		t.Fatalf("frames: got %v, want %v", got, want)
 	}
 }
