@@ -192,7 +192,7 @@ func TestConsumerShutdownReturnsWaitingDeliveries(t *testing.T) {
 	}
 	for i := range n {
 		key := fmt.Sprintf("k%d", i)
-		res, err := e.store.Acquire(context.Background(), lock.Request{Key: key})
+		res, err := e.store.Acquire(context.Background(), lock.Request{Key: amqpidem.StoreKey(e.queue, key)})
 		if err != nil || res.Status != lock.Acquired {
 			t.Fatalf("%s after shutdown: %v %v; want its lease given up", key, res.Status, err)
 		}

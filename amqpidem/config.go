@@ -4,11 +4,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
-
-	"github.com/amqpidem/amqpidem/lock"
 )
 
 // Defaults applied by Config.withDefaults, in one place.
@@ -63,6 +62,26 @@ type Config struct {
 	// Queue is the queue consumed. Required. It names the dead-letter
 	// queue ("<Queue>.dlq") and the delay queues ("<Queue>.delay.<ms>").
 	Queue string
+	// Endpoint names the inbox whose records this consumer keeps: a
+	// message's record is kept under StoreKey(Endpoint, key), so two
+	// consumers with different endpoints never see each other's records,
+	// even on one store. Default Queue: each queue is its own inbox, and an
+	// event fanned out to two queues runs once on each.
+	//
+	// Consumers of several queues that must share one inbox (a message
+	// completed through one queue is a duplicate on the other) set the same
+	// Endpoint explicitly. Do so only when the queues carry the same
+	// operations: with a shared inbox, whichever queue's consumer takes the
+	// key first runs it and every other queue acks it as a duplicate, and a
+	// publisher to one queue can pre-complete or conflict message ids of
+	// the other. At most 200 bytes, no NUL byte.
+	Endpoint string
+	// QueueType is the type of Queue: "classic" (the default) or
+	// "quorum". It picks the delay queues of delayed requeues: a quorum
+	// work queue gets quorum delay queues with at-least-once
+	// dead-lettering, so that a requeued copy is not lost on its way back.
+	// A Consumer fills it in from QueueArgs["x-queue-type"] when empty.
+	QueueType string
 
 	// LeaseTTL is the lease duration; the heartbeat renews it about every
 	// LeaseTTL/3 while the handler runs. Default DefaultLeaseTTL.
@@ -98,11 +117,21 @@ type Config struct {
 	// again with a different body is a "key conflict" and dead-lettered.
 	SkipFingerprint bool
 	// FailOpen runs the handler without idempotency when the store cannot
-	// be reached. Default false: fail closed, requeue with a delay.
+	// be reached: only when the store's error wraps lock.ErrUnavailable (a
+	// network error, a timeout, a server that is loading or read-only).
+	// Errors of one key's record (lock.ErrBadRecord, lock.ErrKeyCollision)
+	// never fail open: the record exists and may be completed; such a
+	// message is requeued after UnavailableDelay and dead-lettered after
+	// MaxAttempts tries. Default false: fail closed, requeue with a delay.
 	FailOpen bool
-	// MaxResultSize limits a stored result in bytes; a handler result over
-	// it fails the message terminally. Default lock.DefaultMaxResultSize.
-	// It must not exceed the store's own limit.
+	// MaxResultSize limits a handler's result in bytes; a result over it
+	// fails the message terminally ("result too large"). The stored value
+	// is the result plus at most ResultOverhead bytes (which say where a
+	// duplicate's reply may go), so MaxResultSize + ResultOverhead must not
+	// exceed the store's own limit; NewConsumer and Wrap refuse a larger
+	// value when the store tells its limit (a MaxResultSize() int method,
+	// as lock's stores have). Default: the store's limit (or
+	// lock.DefaultMaxResultSize) minus ResultOverhead.
 	MaxResultSize int
 
 	// DeadLetterExchange is where dead letters go. Default "" (the default
@@ -131,8 +160,15 @@ func (c Config) Validate() error {
 		return fmt.Errorf("amqpidem: Config.Queue is %d bytes; at most 200 leave room for the .dlq and .delay suffixes", len(c.Queue))
 	case c.LeaseTTL < 0 || (c.LeaseTTL > 0 && c.LeaseTTL < 10*time.Millisecond):
 		return fmt.Errorf("amqpidem: Config.LeaseTTL %v must be zero (default %v) or at least 10ms", c.LeaseTTL, DefaultLeaseTTL)
-	case c.Retention < 0:
-		return fmt.Errorf("amqpidem: Config.Retention %v must not be negative", c.Retention)
+	case c.Retention < 0 || (c.Retention > 0 && c.Retention < time.Millisecond):
+		// Below a millisecond the store would keep nothing: idempotency off.
+		return fmt.Errorf("amqpidem: Config.Retention %v must be zero (default %v) or at least 1ms", c.Retention, DefaultRetention)
+	case len(c.Endpoint) > 200 || strings.IndexByte(c.Endpoint, 0) >= 0:
+		return fmt.Errorf("amqpidem: Config.Endpoint must be at most 200 bytes with no NUL byte")
+	case c.Endpoint == "" && strings.IndexByte(c.Queue, 0) >= 0:
+		return fmt.Errorf("amqpidem: Config.Queue contains a NUL byte; set Config.Endpoint to name its records")
+	case c.QueueType != "" && c.QueueType != "classic" && c.QueueType != "quorum":
+		return fmt.Errorf("amqpidem: Config.QueueType %q must be \"classic\" or \"quorum\"", c.QueueType)
 	case c.MaxAttempts < 0:
 		return fmt.Errorf("amqpidem: Config.MaxAttempts %d must not be negative", c.MaxAttempts)
 	case c.InProgressDelay < 0:
@@ -151,6 +187,12 @@ func (c Config) Validate() error {
 
 // withDefaults returns c with every zero field set to its default.
 func (c Config) withDefaults() Config {
+	if c.Endpoint == "" {
+		c.Endpoint = c.Queue
+	}
+	if c.QueueType == "" {
+		c.QueueType = "classic"
+	}
 	if c.LeaseTTL == 0 {
 		c.LeaseTTL = DefaultLeaseTTL
 	}
@@ -171,9 +213,6 @@ func (c Config) withDefaults() Config {
 	}
 	if c.Key == nil {
 		c.Key = MessageID
-	}
-	if c.MaxResultSize == 0 {
-		c.MaxResultSize = lock.DefaultMaxResultSize
 	}
 	if c.DeadLetterRoutingKey == "" {
 		c.DeadLetterRoutingKey = c.Queue + ".dlq"

@@ -135,6 +135,9 @@ func NewConsumer(store lock.Store, cfg ConsumerConfig, h Handler) (*Consumer, er
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
+	if t, ok := cfg.QueueArgs["x-queue-type"].(string); ok && cfg.QueueType == "" {
+		cfg.QueueType = t
+	}
 	proc, err := newProcessor(store, cfg.Config, h)
 	if err != nil {
 		return nil, err
@@ -144,10 +147,12 @@ func NewConsumer(store lock.Store, cfg ConsumerConfig, h Handler) (*Consumer, er
 	stopping := make(chan struct{})
 	proc.gate, proc.stopping = newGate(cfg.Concurrency), stopping
 	base, cancel := context.WithCancel(context.Background())
-	return &Consumer{
+	c := &Consumer{
 		cfg: cfg, proc: proc, base: base, cancel: cancel,
 		stopping: stopping, done: make(chan struct{}), running: make(chan struct{}),
-	}, nil
+	}
+	stopKeeperWhenUnreachable(c, proc.keeper)
+	return c, nil
 }
 
 // Run consumes until Shutdown is called or ctx is done, reconnecting after
@@ -162,6 +167,13 @@ func (c *Consumer) Run(ctx context.Context) error {
 		return errors.New("amqpidem: Consumer.Run called twice")
 	}
 	defer close(c.done)
+	// Run is the keeper's last user: however Run ends, Shutdown or not,
+	// the keeper's goroutines end with it.
+	defer func() {
+		kctx, cancel := context.WithTimeout(context.Background(), settleTimeout)
+		defer cancel()
+		_ = c.proc.keeper.Shutdown(kctx)
+	}()
 	if c.isStopping() {
 		return ErrConsumerClosed
 	}
@@ -228,7 +240,7 @@ func (c *Consumer) session(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("amqpidem: consume %q: %w", c.cfg.Queue, err)
 	}
-	pub := newPublisher(conn)
+	pub := newPublisher(conn, c.cfg.QueueType)
 	defer pub.close()
 	c.proc.cfg.Logger.InfoContext(ctx, "amqpidem: consuming", "queue", c.cfg.Queue,
 		"prefetch", c.cfg.Prefetch, "concurrency", c.cfg.Concurrency)

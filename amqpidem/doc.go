@@ -11,42 +11,112 @@
 //
 //	what happened                          broker                                  record
 //	new key, handler succeeded             ack after the record is completed       completed, result stored
-//	duplicate of completed work            ack; stored reply re-sent to ReplyTo    unchanged
+//	duplicate of completed work            ack; stored reply re-sent, only to the  unchanged
+//	                                       ReplyTo it was made for
 //	another consumer holds a live lease    delayed requeue (InProgressDelay)       unchanged
 //	retryable failure                      delayed requeue after Backoff(attempt)  lease released, attempts kept
-//	permanent failure, attempts exhausted  dead letter with fault headers          failed, error stored
+//	permanent failure, attempts exhausted, dead letter with fault headers          failed, error stored
+//	result too large for the store
 //	duplicate of failed work               dead letter (or ack, by policy)         unchanged
 //	same key, different payload            dead letter, reason "key conflict"      unchanged
-//	no usable key                          dead letter (or run unkeyed, by policy) none
+//	no key                                 dead letter (or run unkeyed, by policy) none
+//	invalid key (too long, KeyFunc panic)  dead letter, never run unkeyed          none
 //	lease lost while running               ctx cancelled, result discarded,        untouched
 //	                                       delayed requeue
 //	store unavailable                      delayed requeue (or run, FailOpen)      none
+//	the key's record unusable              delayed requeue, dead letter after      untouched
+//	(wrong type, unknown format)           MaxAttempts tries; never run
 //	shutdown while running                 ctx cancelled, copy back to the queue   lease released
 //	shutdown before the handler started    copy back to the queue                  none, or lease given up, attempt taken back
 //
+// # Records belong to an endpoint
+//
+// A message's record is kept under StoreKey(Config.Endpoint, key), and
+// Endpoint defaults to the queue: each queue is its own inbox, as
+// MassTransit and NServiceBus scope theirs. An event fanned out to two
+// queues runs once on each, even when both consumers share one store; a
+// publisher to one queue cannot pre-complete, fail or conflict the message
+// ids of another. Consumers that must share one inbox across queues set
+// the same Endpoint, knowingly: then a key runs on whichever queue takes it
+// first and is a duplicate on the others.
+//
+// A stored result carries a digest of the ReplyTo its reply went to
+// (ResultOverhead bytes), and a duplicate's reply is re-sent only to that
+// same ReplyTo: a message that reuses an id cannot have someone else's
+// result sent where it chooses.
+//
 // A delayed requeue publishes a copy (properties, headers and body kept;
-// the attempt count in HeaderAttempt) to a delay queue "<queue>.delay.<ms>"
-// whose queue-level TTL dead-letters it back to the queue; one queue per
-// delay tier, so a short delay never waits behind a long one, and each
-// deletes itself when unused. The copy is published with mandatory set and
-// confirmed before the original is acked; if it cannot be published the
-// original is nacked with requeue instead. No plugin is needed. Because the
-// original is acked and a new message published, requeues do not count
-// against a quorum queue's delivery limit.
+// the attempt count in HeaderAttempt), confirmed and with mandatory set,
+// to a delay queue whose queue-level TTL dead-letters it back to the queue;
+// one queue per delay tier, so a short delay never waits behind a long
+// one, and each deletes itself when unused. Only then is the original
+// acked. No plugin is needed, and because the original is acked and a new
+// message published, requeues do not count against a quorum queue's
+// delivery limit.
+//
+// On a quorum work queue (Config.QueueType "quorum") the delay queues are
+// quorum queues "<queue>.delayq.<ms>" with at-least-once dead-lettering
+// (RabbitMQ 3.10 or later): the copy is replicated while it waits and
+// stays in the delay queue until the work queue has confirmed it. On a
+// classic work queue they are classic queues "<queue>.delay.<ms>", and
+// classic dead-lettering is at-most-once: the delay queue is not
+// replicated and the broker does not wait for the work queue to take the
+// copy, so a broker crash while a copy waits, or a failure on its way back
+// (the work queue unavailable or rejecting publishes), can lose it after
+// the original was acked. Use a quorum work queue when that matters. Delay
+// queues delete themselves when unused: after twice the delay plus a
+// minute (classic) or plus a day (quorum; copies waiting for an
+// unavailable work queue are kept that long, then lost with the queue).
+//
+// Requeues never extend a message's expiration (its Expiration property):
+// HeaderExpiresAt keeps its deadline and copies sent straight back carry
+// the time left. A copy back from a delay queue has no expiration, because
+// RabbitMQ removes it on dead-lettering. Dead letters carry none either;
+// the original value is in HeaderOriginalExpiration.
 //
 // Dead letters go to "<queue>.dlq" (declared on demand) or a configured
 // exchange, with HeaderReason, HeaderError, HeaderAttempt, HeaderFirstSeen,
 // HeaderConsumer, HeaderKey and the original exchange and routing key,
 // confirmed before the original is acked. A dead letter the broker cannot
 // route is requeued with HeaderDeadLetterPending and tried again after
-// UnavailableDelay: it is never dropped.
+// UnavailableDelay: it is never dropped. So is a message whose failure
+// may or may not have been stored (the store's reply was lost): if the
+// record says failed when the copy comes back, it is dead-lettered,
+// whatever FailedDuplicate says.
+//
+// A copy that cannot be published (a delay queue that exists with other
+// arguments, a broker refusing publishes) does not spin: the message is
+// held for its delay (at most UnavailableDelay), then sent straight back
+// to the queue, and nacked with requeue only if that fails too.
+//
+// # Headers a publisher can forge
+//
+// The headers amqpidem writes can also come from a publisher. None of them
+// can make a message run more often than its record allows. HeaderAttempt
+// counts with the record (the higher count wins, so that a lost record
+// does not restart the retries) but is read as at most MaxAttempts, and a
+// negative or non-integer value as 0: a forged value can bring a dead
+// letter closer, never postpone one. HeaderDeadLetterPending only turns
+// the drop of a duplicate of failed work into a dead letter, and the
+// dead letter's reason then comes from the record, not from the header.
+// HeaderOriginalExchange, HeaderOriginalRoutingKey and HeaderUserID are
+// informational: amqpidem decides nothing from them.
 //
 // # Guarantees and where exactly-once ends
 //
-// The handler runs at most once at a time per key (while leases hold; see
-// package lock), and a completed key never runs again within the retention
-// window. The broker's at-least-once delivery is absorbed: duplicates are
-// acked without running.
+// The handler runs at most once at a time per key and endpoint (while
+// leases hold; see package lock), and a completed key never runs again
+// within the retention window, as long as the store keeps its record. The
+// broker's at-least-once delivery is absorbed: duplicates are acked without
+// running.
+//
+// A record the store lost (Redis restarted without persistence, a failover
+// to a replica that had not received it, eviction, a Retention shorter than
+// the time the message spends in queues) is forgotten work: the next
+// delivery runs the handler again. Fences stay higher than the lost
+// record's (they come from the server's clock, see package lock), so a
+// fenced sink still refuses the old holder; attempts keep counting through
+// HeaderAttempt, so MaxAttempts still ends the retries.
 //
 // Exactly-once ends at the handler's side effects. If a process dies after
 // the side effect and before the outcome is stored, the next delivery takes

@@ -1,6 +1,7 @@
 package amqpidem_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"testing"
@@ -105,8 +106,8 @@ func TestLeaseLostWhileRunning(t *testing.T) {
 	if abandoned != 1 {
 		t.Errorf("abandoned events: %d, want 1", abandoned)
 	}
-	res, err := e.store.Acquire(context.Background(), lock.Request{Key: "job"})
-	if err != nil || res.Status != lock.Completed || string(res.Value) != "second run" {
+	res, err := e.store.Acquire(context.Background(), lock.Request{Key: amqpidem.StoreKey(e.queue, "job")})
+	if err != nil || res.Status != lock.Completed || !bytes.HasSuffix(res.Value, []byte("second run")) {
 		t.Fatalf("record: %v %q %v", res.Status, res.Value, err)
 	}
 }

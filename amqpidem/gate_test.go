@@ -172,7 +172,7 @@ func TestProcessStoppingBetweenAcquireAndHandler(t *testing.T) {
 	if len(b.pubs) != 1 || b.pubs[0].key != "requeue" || b.pubs[0].delay != 0 || acks.acks != 1 {
 		t.Fatalf("broker: %+v, acks %v; want one copy back to the queue, then an ack", b.pubs, acks.acks)
 	}
-	res, err := store.Acquire(context.Background(), lock.Request{Key: "k"})
+	res, err := store.Acquire(context.Background(), lock.Request{Key: StoreKey("q", "k")})
 	if err != nil || res.Status != lock.Acquired || res.Lease.Attempt != 1 {
 		t.Fatalf("next lease: %v attempt %d %v; want acquired, attempt 1", res.Status, res.Lease.Attempt, err)
 	}

@@ -9,7 +9,8 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// Handler processes one message. It returns the result to store (and to
+// Handler processes one message. The delivery it gets is a copy that it
+// must not settle: Ack, Nack and Reject on it return ErrHandlerAck. It returns the result to store (and to
 // send to ReplyTo, if the message has one) or an error. An error wrapped
 // with Permanent fails the message for good; any other error is retried
 // with the queue's backoff.
@@ -73,6 +74,27 @@ type PanicError struct {
 // Error returns the panic value; the stack is in Stack.
 func (e *PanicError) Error() string { return fmt.Sprintf("handler panic: %v", e.Value) }
 
+// ErrHandlerAck is what Ack, Nack and Reject return when a handler calls
+// them on its delivery: amqpidem settles every delivery itself, after the
+// outcome is stored, and a second ack of one delivery tag would make the
+// broker close the channel.
+var ErrHandlerAck = errors.New("amqpidem: a handler must not ack, nack or reject its delivery; amqpidem settles it")
+
+// handlerDelivery is d as its handler gets it: a copy whose Ack, Nack and
+// Reject return ErrHandlerAck and settle nothing.
+func handlerDelivery(d *amqp.Delivery) *amqp.Delivery {
+	c := *d
+	c.Acknowledger = refuseAck{}
+	return &c
+}
+
+// refuseAck is the Acknowledger of a handler's delivery.
+type refuseAck struct{}
+
+func (refuseAck) Ack(uint64, bool) error        { return ErrHandlerAck }
+func (refuseAck) Nack(uint64, bool, bool) error { return ErrHandlerAck }
+func (refuseAck) Reject(uint64, bool) error     { return ErrHandlerAck }
+
 // call runs h, turning a panic into a *PanicError.
 func call(ctx context.Context, h Handler, d *amqp.Delivery) (result []byte, err error) {
 	defer func() {
@@ -87,11 +109,16 @@ func call(ctx context.Context, h Handler, d *amqp.Delivery) (result []byte, err 
 type Info struct {
 	// Queue is the queue the message came from.
 	Queue string
-	// Key is the idempotency key; empty when processed without one.
+	// Key is the message's idempotency key (what Config.Key returned);
+	// empty when processed without one. The store keeps its record under
+	// StoreKey(Config.Endpoint, Key).
 	Key string
-	// Attempt counts executions of the key, this one included (1 first).
+	// Attempt counts executions of the key, this one included (1 first):
+	// the store's count, or the message's own (HeaderAttempt, capped at
+	// MaxAttempts) when that is higher, as after a lost record.
 	Attempt int
-	// Fence is the lease's fencing token: it strictly increases per key.
+	// Fence is the lease's fencing token: it strictly increases per key,
+	// across a lost record too as far as package lock's docs say.
 	// A downstream store that keeps the highest fence it has seen for a
 	// key and refuses lower ones is safe from stale holders. Zero when
 	// processed without a lease.

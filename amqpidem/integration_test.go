@@ -150,7 +150,9 @@ func startConsumer(t *testing.T, e *env, cfg amqpidem.ConsumerConfig, h amqpidem
 func startConsumerWith(t *testing.T, e *env, store lock.Store, cfg amqpidem.ConsumerConfig, h amqpidem.Handler) *amqpidem.Consumer {
 	t.Helper()
 	cfg.URL = e.url
-	cfg.Queue = e.queue
+	if cfg.Queue == "" {
+		cfg.Queue = e.queue
+	}
 	c, err := amqpidem.NewConsumer(store, cfg, h)
 	if err != nil {
 		t.Fatal(err)
@@ -338,11 +340,11 @@ func testOutcomeTable(t *testing.T, queueType string) {
 	}
 
 	// Records: completed results are stored; failures too.
-	res, err := e.store.Acquire(context.Background(), lock.Request{Key: "flaky"})
-	if err != nil || res.Status != lock.Completed || !bytes.HasPrefix(res.Value, []byte("done:flaky:attempt=3")) {
+	res, err := e.store.Acquire(context.Background(), lock.Request{Key: amqpidem.StoreKey(e.queue, "flaky")})
+	if err != nil || res.Status != lock.Completed || !bytes.Contains(res.Value, []byte("done:flaky:attempt=3")) {
 		t.Errorf("flaky record: %v %q %v", res.Status, res.Value, err)
 	}
-	res, err = e.store.Acquire(context.Background(), lock.Request{Key: "always"})
+	res, err = e.store.Acquire(context.Background(), lock.Request{Key: amqpidem.StoreKey(e.queue, "always")})
 	if err != nil || res.Status != lock.Failed || !strings.Contains(res.Error, "gateway timeout") {
 		t.Errorf("always record: %v %q %v", res.Status, res.Error, err)
 	}
@@ -433,7 +435,7 @@ func TestConsumerShutdownInFlight(t *testing.T) {
 	if !ok || m.MessageId != "long" {
 		t.Fatal("the unfinished message is not back in the queue")
 	}
-	res, err := e.store.Acquire(context.Background(), lock.Request{Key: "long"})
+	res, err := e.store.Acquire(context.Background(), lock.Request{Key: amqpidem.StoreKey(e.queue, "long")})
 	if err != nil || res.Status != lock.Acquired || res.Lease.Attempt != 2 {
 		t.Fatalf("lease after shutdown: %v attempt %d %v; want released", res.Status, res.Lease.Attempt, err)
 	}

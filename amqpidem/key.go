@@ -13,9 +13,15 @@ import (
 // it, wrapped with the reason.
 var ErrNoKey = errors.New("amqpidem: no idempotency key")
 
+// ErrInvalidKey means a message's key cannot be used: longer than the store
+// takes (lock.MaxKeyLen less the endpoint and one byte), or the KeyFunc
+// panicked. Such a message is dead-lettered ("invalid key"), never run
+// without a key, whatever Config.MissingKey says.
+var ErrInvalidKey = errors.New("amqpidem: invalid idempotency key")
+
 // KeyFunc extracts the idempotency key of a delivery. It returns an error
 // wrapping ErrNoKey when there is none; Config.MissingKey decides what
-// happens then.
+// happens then. A KeyFunc that panics is recovered: ErrInvalidKey.
 type KeyFunc func(d *amqp.Delivery) (string, error)
 
 // MessageID is the default KeyFunc: the message-id property.

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"runtime/debug"
+	"strings"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -90,10 +92,7 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *
 		p.report(ctx, ev)
 	}()
 
-	key, err := p.cfg.Key(d)
-	if err == nil && len(key) > lock.MaxKeyLen {
-		err = fmt.Errorf("%w: key is %d bytes, at most %d allowed", ErrNoKey, len(key), lock.MaxKeyLen)
-	}
+	key, err := p.key(d)
 	if err == nil {
 		ev.Key = key
 	}
@@ -111,44 +110,56 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *
 	}
 
 	if err != nil {
-		if p.cfg.MissingKey == ProcessMissingKey {
+		if errors.Is(err, ErrNoKey) && p.cfg.MissingKey == ProcessMissingKey {
 			p.runUnkeyed(ctx, b, d, &ev, "no key", sl)
 			return ev
 		}
 		sl.free()
-		p.deadLetter(ctx, b, d, &ev, "missing key", err)
+		reason := "missing key"
+		if errors.Is(err, ErrInvalidKey) {
+			reason = "invalid key"
+		}
+		p.deadLetter(ctx, b, d, &ev, reason, err)
 		return ev
 	}
 
-	req := lock.Request{Key: key, TTL: p.cfg.LeaseTTL, Retention: p.cfg.Retention}
+	req := lock.Request{Key: StoreKey(p.cfg.Endpoint, key), TTL: p.cfg.LeaseTTL, Retention: p.cfg.Retention}
 	if !p.cfg.SkipFingerprint {
 		req.Fingerprint = fingerprint(d.Body)
 	}
 	res, err := p.store.Acquire(ctx, req)
 	if err != nil {
-		if p.cfg.FailOpen && ctx.Err() == nil && !errors.Is(err, lock.ErrInvalidKey) {
+		if p.cfg.FailOpen && ctx.Err() == nil && errors.Is(err, lock.ErrUnavailable) {
 			p.runUnkeyed(ctx, b, d, &ev, "store unavailable, failing open", sl)
 			return ev
 		}
 		sl.free()
 		switch {
 		case errors.Is(err, lock.ErrInvalidKey):
-			p.deadLetter(ctx, b, d, &ev, "missing key", err)
+			p.deadLetter(ctx, b, d, &ev, "invalid key", err)
 		case ctx.Err() != nil:
 			p.requeue(ctx, b, d, &ev, Abandoned, "shutdown", 0, err)
+		case errors.Is(err, lock.ErrBadRecord) || errors.Is(err, lock.ErrKeyCollision):
+			p.recordFault(ctx, b, d, &ev, err)
 		default:
 			p.requeue(ctx, b, d, &ev, Abandoned, "store unavailable", p.cfg.UnavailableDelay, err)
 		}
 		return ev
 	}
-	ev.Attempt, ev.Fence = res.Attempts, res.Fence
+	ev.Attempt, ev.Fence = max(res.Attempts, p.headerAttempt(d)), res.Fence
 	if res.Status != lock.Acquired {
 		sl.free() // nothing to run: later deliveries go on
 	}
 
 	switch res.Status {
 	case lock.Completed:
-		if err := p.reply(ctx, b, d, res.Value, &ev); err != nil {
+		result, replyOK := decodeResult(res.Value, d.ReplyTo)
+		if d.ReplyTo != "" && !replyOK {
+			// The result was made for another ReplyTo, or none: a
+			// duplicate does not get to choose where it goes.
+			ev.Reason = "reply not re-sent"
+			ev.Err = fmt.Errorf("amqpidem: stored reply not re-sent to %q: the result was not made for that reply-to", d.ReplyTo)
+		} else if err := p.reply(ctx, b, d, result, &ev); err != nil {
 			p.requeue(ctx, b, d, &ev, Abandoned, "reply not sent", p.cfg.UnavailableDelay, err)
 			return ev
 		}
@@ -162,12 +173,13 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *
 			return ev
 		}
 		// A redelivered copy may be the first one, whose dead letter was
-		// never confirmed: dead-letter it rather than risk losing it. A
-		// copy requeued because its dead letter was unroutable keeps the
-		// reason it had.
+		// never confirmed; a pending one surely is: dead-letter it rather
+		// than risk losing it. The header only ever sends a message to the
+		// dead-letter queue that the record says failed; the reason comes
+		// from the record, not from the header.
 		reason := "failed duplicate"
-		if r, ok := d.Headers[HeaderReason].(string); ok && pending {
-			reason = r
+		if pending {
+			reason = storedReason(res.Error)
 		}
 		p.deadLetter(ctx, b, d, &ev, reason, failed)
 	case lock.InProgress:
@@ -184,12 +196,60 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *
 	return ev
 }
 
+// key returns d's idempotency key, checked against what the store takes.
+// A KeyFunc that panics, or a key too long for the store, is ErrInvalidKey:
+// such a message is never run unkeyed, whatever MissingKey says.
+func (p *processor) key(d *amqp.Delivery) (key string, err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			key, err = "", fmt.Errorf("%w: the key function panicked: %v", ErrInvalidKey, v)
+		}
+	}()
+	key, err = p.cfg.Key(d)
+	switch limit := lock.MaxKeyLen - len(p.cfg.Endpoint) - 1; {
+	case err != nil:
+		return "", err
+	case key == "":
+		return "", fmt.Errorf("%w: the key function returned an empty key", ErrNoKey)
+	case len(key) > limit:
+		return "", fmt.Errorf("%w: key is %d bytes, at most %d allowed", ErrInvalidKey, len(key), limit)
+	}
+	return key, nil
+}
+
+// headerAttempt is the number of executions d's HeaderAttempt claims,
+// clamped to [0, MaxAttempts]. A publisher can forge the header, so it may
+// only bring a dead letter closer (its executions count with the record's),
+// never allow more executions than the record does.
+func (p *processor) headerAttempt(d *amqp.Delivery) int {
+	return min(max(headerInt(d.Headers, HeaderAttempt), 0), p.cfg.MaxAttempts)
+}
+
+// recordFault settles a delivery whose key's record cannot be used
+// (lock.ErrBadRecord, lock.ErrKeyCollision): it is not run, unkeyed or
+// otherwise, since the record may say the work is done. It is requeued
+// after UnavailableDelay, counting tries in HeaderAttempt, and dead-lettered
+// once MaxAttempts tries were made.
+func (p *processor) recordFault(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, err error) {
+	ev.Attempt = p.headerAttempt(d) + 1
+	if ev.Attempt >= p.cfg.MaxAttempts {
+		p.deadLetter(ctx, b, d, ev, "record unusable", err)
+		return
+	}
+	p.requeue(ctx, b, d, ev, Abandoned, "record unusable", p.cfg.UnavailableDelay, err)
+}
+
 // run executes the handler under a kept lease and records its outcome.
 func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, lease lock.Lease, sl *slot) {
-	if lease.Attempt > p.cfg.MaxAttempts {
+	// The attempt is the record's, or the message's own count when that is
+	// higher: a record lost (expired, evicted, forgotten by a restart)
+	// restarts its count, the message's copies do not.
+	attempt := max(lease.Attempt, p.headerAttempt(d)+1)
+	ev.Attempt = attempt
+	if attempt > p.cfg.MaxAttempts {
 		sl.free()
 		p.fail(ctx, b, d, ev, lease, "attempts exhausted",
-			fmt.Errorf("%d executions started, at most %d allowed (earlier ones crashed or lost their lease)", lease.Attempt-1, p.cfg.MaxAttempts))
+			fmt.Errorf("%d executions started, at most %d allowed (earlier ones crashed or lost their lease)", attempt-1, p.cfg.MaxAttempts))
 		return
 	}
 
@@ -202,7 +262,7 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 		stop()
 		sl.free()
 		if p.cancel(ctx, lease) {
-			ev.Attempt = lease.Attempt - 1
+			ev.Attempt = attempt - 1
 		}
 		if stopping || ctx.Err() != nil {
 			p.requeue(ctx, b, d, ev, Abandoned, "shutdown", 0, cmp.Or(cause, errNotStarted))
@@ -211,9 +271,9 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 		p.requeue(ctx, b, d, ev, Abandoned, "lease lost", p.cfg.InProgressDelay, cause)
 		return
 	}
-	hctx = withInfo(hctx, Info{Queue: p.cfg.Queue, Key: lease.Key, Attempt: lease.Attempt, Fence: lease.Fence})
+	hctx = withInfo(hctx, Info{Queue: p.cfg.Queue, Key: ev.Key, Attempt: attempt, Fence: lease.Fence})
 	t0 := time.Now()
-	result, err := call(hctx, p.handler, d)
+	result, err := call(hctx, p.handler, handlerDelivery(d))
 	ev.Handler = time.Since(t0)
 	sl.free()
 
@@ -225,7 +285,14 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 		// lost, it fails and the result is discarded. If the keeper only
 		// could not confirm the lease but nobody took it over, the result
 		// is still the only one and is kept.
-		if err := p.complete(ctx, lease, result); err != nil {
+		if err := p.complete(ctx, lease, encodeResult(d.ReplyTo, result)); err != nil {
+			if errors.Is(err, lock.ErrResultTooLarge) {
+				// Terminal: storing it again cannot work, and a requeue
+				// would run the handler again once the lease expired.
+				stop()
+				p.fail(ctx, b, d, ev, lease, "result too large", err)
+				return
+			}
 			reason := "store unavailable"
 			if errors.Is(err, lock.ErrLeaseLost) {
 				reason = "lease lost"
@@ -258,8 +325,8 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 		return
 	}
 
-	if !IsPermanent(err) && lease.Attempt < p.cfg.MaxAttempts {
-		if delay, ok := p.cfg.retryDelay(lease.Attempt); ok {
+	if !IsPermanent(err) && attempt < p.cfg.MaxAttempts {
+		if delay, ok := p.cfg.retryDelay(attempt); ok {
 			stop()
 			p.release(ctx, lease)
 			p.requeue(ctx, b, d, ev, Retried, "handler error", delay, err)
@@ -305,14 +372,34 @@ func (p *processor) fail(ctx context.Context, b broker, d *amqp.Delivery, ev *Ev
 	sctx, cancel := settleContext(ctx)
 	defer cancel()
 	if err := p.store.Fail(sctx, lease, reason+": "+cause.Error()); err != nil {
-		why := "store unavailable"
 		if errors.Is(err, lock.ErrLeaseLost) {
-			why = "lease lost"
+			// Someone took the key over: its new holder decides.
+			p.requeue(ctx, b, d, ev, Abandoned, "lease lost", p.cfg.InProgressDelay, errors.Join(cause, err))
+			return
 		}
-		p.requeue(ctx, b, d, ev, Abandoned, why, p.cfg.InProgressDelay, errors.Join(cause, err))
+		// Fail may have landed with its reply lost. The copy goes back
+		// marked pending, so that if the record says failed when it comes
+		// back it is dead-lettered, whatever FailedDuplicate says; if Fail
+		// did not land, the key runs again once the lease expires.
+		p.requeueMarked(ctx, b, d, ev, Abandoned, "store unavailable", p.cfg.InProgressDelay,
+			errors.Join(cause, err), reason+": "+cause.Error())
 		return
 	}
 	p.deadLetter(ctx, b, d, ev, reason, cause)
+}
+
+// failureReasons are the reasons a record's stored error can start with.
+var failureReasons = []string{"permanent failure", "attempts exhausted", "result too large"}
+
+// storedReason is the reason a failed record's error text gives, or
+// "failed duplicate".
+func storedReason(text string) string {
+	for _, r := range failureReasons {
+		if strings.HasPrefix(text, r+": ") {
+			return r
+		}
+	}
+	return "failed duplicate"
 }
 
 // release gives a lease back so that a retry need not wait for it to
@@ -343,11 +430,17 @@ func (p *processor) cancel(ctx context.Context, lease lock.Lease) bool {
 // runUnkeyed runs the handler with no lease and no stored outcome, in sl,
 // which it frees when the handler returns.
 func (p *processor) runUnkeyed(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, why string, sl *slot) {
-	attempt := headerInt(d.Headers, HeaderAttempt) + 1
+	attempt := p.headerAttempt(d) + 1
 	ev.Attempt = attempt
+	if attempt > p.cfg.MaxAttempts {
+		sl.free()
+		p.deadLetter(ctx, b, d, ev, "attempts exhausted",
+			fmt.Errorf("%d executions started, at most %d allowed", attempt-1, p.cfg.MaxAttempts))
+		return
+	}
 	hctx := withInfo(ctx, Info{Queue: p.cfg.Queue, Attempt: attempt})
 	t0 := time.Now()
-	result, err := call(hctx, p.handler, d)
+	result, err := call(hctx, p.handler, handlerDelivery(d))
 	ev.Handler = time.Since(t0)
 	sl.free()
 	if err == nil {
@@ -379,23 +472,72 @@ func (p *processor) runUnkeyed(ctx context.Context, b broker, d *amqp.Delivery, 
 
 // requeue publishes a copy of d to come back after delay (at once when
 // delay is zero), then acks d. Returning a message this way, rather than
-// with a nack, keeps it off a quorum queue's delivery limit. If the copy
-// cannot be published, d is nacked with requeue instead: a duplicate is
-// possible, a loss is not.
+// with a nack, keeps it off a quorum queue's delivery limit. A copy that
+// cannot be published never spins: see sendBack.
 func (p *processor) requeue(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, o Outcome, reason string, delay time.Duration, cause error) {
+	p.requeueMarked(ctx, b, d, ev, o, reason, delay, cause, "")
+}
+
+// requeueMarked is requeue with the copy marked HeaderDeadLetterPending
+// (pending is the mark's text) when pending is set or d carries the mark.
+func (p *processor) requeueMarked(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, o Outcome, reason string, delay time.Duration, cause error, pending string) {
 	ev.Reason, ev.Delay = reason, delay
 	ev.Err = errors.Join(ev.Err, cause)
+	extra := amqp.Table{HeaderAttempt: int64(max(ev.Attempt, p.headerAttempt(d))), HeaderReason: reason}
+	if v, ok := d.Headers[HeaderDeadLetterPending]; ok && pending == "" {
+		pending, _ = v.(string)
+		pending = cmp.Or(pending, "pending")
+	}
+	if pending != "" {
+		extra[HeaderDeadLetterPending] = headerText(pending)
+	}
+	if p.sendBack(ctx, b, d, ev, delay, extra) {
+		p.ack(d, ev, o)
+	}
+}
+
+// sendBack publishes a copy of d, with extra headers, to come back after
+// delay; it reports whether it did, or else has nacked d with requeue.
+//
+// When the copy cannot be published (a delay queue declared elsewhere
+// with other arguments, a broker refusing publishes), d is held for the
+// delay it was to wait anyway (at most UnavailableDelay, less on shutdown),
+// then sent straight back to the queue, and only if that fails too is it
+// nacked with requeue. A persistent failure so costs one try per message
+// per delay, never a hot loop, and a nack (which a quorum queue counts
+// against its delivery limit) only when nothing can be published at all.
+func (p *processor) sendBack(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, delay time.Duration, extra amqp.Table) bool {
 	sctx, cancel := settleContext(ctx)
 	defer cancel()
-	extra := amqp.Table{HeaderAttempt: int64(max(ev.Attempt, headerInt(d.Headers, HeaderAttempt))), HeaderReason: reason}
-	if d.Headers[HeaderDeadLetterPending] != nil {
-		extra[HeaderDeadLetterPending] = d.Headers[HeaderDeadLetterPending]
+	err := b.requeue(sctx, p.cfg.Queue, d, delay, extra)
+	if err == nil {
+		return true
 	}
-	if err := b.requeue(sctx, p.cfg.Queue, d, delay, extra); err != nil {
-		p.nackRequeue(d, ev, reason+"; requeue failed", err)
-		return
+	ev.Err = errors.Join(ev.Err, err)
+	if delay > 0 {
+		p.cfg.Logger.ErrorContext(ctx, "amqpidem: delayed requeue failed; the message waits here, then goes straight back to the queue",
+			"queue", p.cfg.Queue, "key", ev.Key, "delay", delay, "error", err)
+		p.sleep(ctx, min(delay, p.cfg.UnavailableDelay))
+		sctx, cancel := settleContext(ctx)
+		defer cancel()
+		if err = b.requeue(sctx, p.cfg.Queue, d, 0, extra); err == nil {
+			return true
+		}
+		ev.Err = errors.Join(ev.Err, err)
 	}
-	p.ack(d, ev, o)
+	p.nackRequeue(d, ev, ev.Reason+"; requeue failed", nil)
+	return false
+}
+
+// sleep waits d, or less if ctx ends or the consumer begins stopping.
+func (p *processor) sleep(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-ctx.Done():
+	case <-p.stopping:
+	}
 }
 
 // deadLetter publishes d with fault headers to the dead-letter target,
@@ -406,10 +548,10 @@ func (p *processor) deadLetter(ctx context.Context, b broker, d *amqp.Delivery, 
 	ev.Err = errors.Join(ev.Err, cause)
 	sctx, cancel := settleContext(ctx)
 	defer cancel()
-	msg := copyOf(d, amqp.Table{
+	msg := deadLetterOf(d, amqp.Table{
 		HeaderReason:   reason,
 		HeaderError:    headerText(cause.Error()),
-		HeaderAttempt:  int64(max(ev.Attempt, headerInt(d.Headers, HeaderAttempt))),
+		HeaderAttempt:  int64(max(ev.Attempt, p.headerAttempt(d))),
 		HeaderConsumer: p.cfg.ConsumerName,
 		HeaderKey:      headerText(ev.Key),
 	})
@@ -431,14 +573,7 @@ func (p *processor) deadLetter(ctx context.Context, b broker, d *amqp.Delivery, 
 	if err != nil {
 		p.cfg.Logger.ErrorContext(ctx, "amqpidem: dead letter not delivered; requeued to try again",
 			"queue", p.cfg.Queue, "key", ev.Key, "exchange", exchange, "routing_key", key, "error", err)
-		ev.Err = errors.Join(ev.Err, err)
-		extra := amqp.Table{HeaderDeadLetterPending: headerText(reason + ": " + cause.Error()), HeaderReason: reason}
-		if rerr := b.requeue(sctx, p.cfg.Queue, d, p.cfg.UnavailableDelay, extra); rerr != nil {
-			p.nackRequeue(d, ev, reason+"; dead letter and requeue failed", rerr)
-			return
-		}
-		ev.Delay = p.cfg.UnavailableDelay
-		p.ack(d, ev, Abandoned)
+		p.requeueMarked(ctx, b, d, ev, Abandoned, reason, p.cfg.UnavailableDelay, err, reason+": "+cause.Error())
 		return
 	}
 	p.ack(d, ev, DeadLettered)
@@ -516,8 +651,19 @@ func (p *processor) report(ctx context.Context, ev Event) {
 		p.cfg.Logger.LogAttrs(ctx, level, "amqpidem: message "+ev.Outcome.String(), attrs...)
 	}
 	if p.cfg.Observer != nil {
-		p.cfg.Observer.Observe(ctx, ev)
+		p.observe(ctx, ev)
 	}
+}
+
+// observe tells the Observer of ev; a panic in it is logged, not spread.
+func (p *processor) observe(ctx context.Context, ev Event) {
+	defer func() {
+		if v := recover(); v != nil {
+			p.cfg.Logger.ErrorContext(ctx, "amqpidem: Observer panicked", "queue", ev.Queue, "key", ev.Key,
+				"panic", v, "stack", string(debug.Stack()))
+		}
+	}()
+	p.cfg.Observer.Observe(ctx, ev)
 }
 
 // settleContext is for the calls that settle a delivery: they must run
@@ -529,23 +675,6 @@ func settleContext(ctx context.Context) (context.Context, context.CancelFunc) {
 // headerInt reads an integer header of any AMQP integer type; 0 if absent
 // or of another type.
 func headerInt(h amqp.Table, name string) int {
-	switch v := h[name].(type) {
-	case int:
-		return v
-	case int8:
-		return int(v)
-	case int16:
-		return int(v)
-	case int32:
-		return int(v)
-	case int64:
-		return int(v)
-	case uint8:
-		return int(v)
-	case uint16:
-		return int(v)
-	case uint32:
-		return int(v)
-	}
-	return 0
+	n, _ := headerInt64(h[name])
+	return int(n)
 }

@@ -61,7 +61,7 @@ func TestProcessLeaseLost(t *testing.T) {
 			if err := s.Complete(context.Background(), other, []byte("theirs")); err != nil {
 				t.Fatalf("the new owner cannot complete: %v", err)
 			}
-			res, _ := s.Acquire(context.Background(), lock.Request{Key: "k"})
+			res, _ := s.Acquire(context.Background(), lock.Request{Key: StoreKey("q", "k")})
 			if string(res.Value) != "theirs" {
 				t.Fatalf("stored result: %q", res.Value)
 			}
@@ -101,7 +101,7 @@ func TestProcessShutdownGivesBack(t *testing.T) {
 				t.Fatalf("acks %d nacks %d pubs %+v, want a copy with no delay and an ack", ack.acks, ack.nacks, b.pubs)
 			}
 			// The lease was released: the redelivery runs at once, as attempt 2.
-			res, err := s.Acquire(context.Background(), lock.Request{Key: "k"})
+			res, err := s.Acquire(context.Background(), lock.Request{Key: StoreKey("q", "k")})
 			if err != nil || res.Status != lock.Acquired || res.Lease.Attempt != 2 {
 				t.Fatalf("after shutdown: %v attempt %d %v", res.Status, res.Lease.Attempt, err)
 			}
@@ -112,7 +112,7 @@ func TestProcessShutdownGivesBack(t *testing.T) {
 // downStore fails every call, like a Redis that cannot be reached.
 type downStore struct{ lock.Store }
 
-var errDown = errors.New("dial tcp 127.0.0.1:6379: connection refused")
+var errDown = fmt.Errorf("%w: dial tcp 127.0.0.1:6379: connection refused", lock.ErrUnavailable)
 
 func (downStore) Acquire(context.Context, lock.Request) (lock.Result, error) {
 	return lock.Result{}, errDown
@@ -123,12 +123,8 @@ func TestProcessStoreUnavailable(t *testing.T) {
 		t.Run(fmt.Sprint("FailOpen=", failOpen), func(t *testing.T) {
 			runs := 0
 			mem, _ := lock.NewMemoryStore(lock.Config{})
-			p, err := newProcessor(downStore{mem}, Config{Queue: "q", FailOpen: failOpen},
-				HandlerFunc(func(context.Context, *amqp.Delivery) ([]byte, error) { runs++; return nil, nil }))
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = p.keeper.Shutdown(context.Background()) })
+			p := newProcessorOn(t, downStore{mem}, Config{FailOpen: failOpen},
+				func(context.Context, *amqp.Delivery) ([]byte, error) { runs++; return nil, nil })
 			b := &fakeBroker{}
 			d, ack := delivery("k", "x")
 			ev := p.process(context.Background(), b, d, nil)
@@ -214,7 +210,7 @@ func TestProcessRetriesCountAttempts(t *testing.T) {
 			t.Fatalf("delivery %d: %v attempt %d, want %v attempt %d", i, ev.Outcome, ev.Attempt, w, i+1)
 		}
 	}
-	res, _ := s.Acquire(context.Background(), lock.Request{Key: "k"})
+	res, _ := s.Acquire(context.Background(), lock.Request{Key: StoreKey("q", "k")})
 	if res.Status != lock.Failed || res.Attempts != 3 {
 		t.Fatalf("record: %v attempts %d", res.Status, res.Attempts)
 	}
@@ -280,6 +276,10 @@ func TestConfigValidate(t *testing.T) {
 		{Config{Queue: "q", LeaseTTL: -1}, "LeaseTTL"},
 		{Config{Queue: "q", LeaseTTL: time.Millisecond}, "LeaseTTL"},
 		{Config{Queue: "q", Retention: -1}, "Retention"},
+		{Config{Queue: "q", Retention: 500 * time.Microsecond}, "Retention"},
+		{Config{Queue: "q", Endpoint: "a\x00b"}, "Endpoint"},
+		{Config{Queue: "q\x00"}, "Queue"},
+		{Config{Queue: "q", QueueType: "stream"}, "QueueType"},
 		{Config{Queue: "q", MaxAttempts: -1}, "MaxAttempts"},
 		{Config{Queue: "q", InProgressDelay: -1}, "InProgressDelay"},
 		{Config{Queue: "q", UnavailableDelay: -1}, "UnavailableDelay"},

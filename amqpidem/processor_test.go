@@ -77,6 +77,13 @@ func newTestProcessor(t *testing.T, cfg Config, h HandlerFunc) (processor, lock.
 	if err != nil {
 		t.Fatal(err)
 	}
+	return newProcessorOn(t, store, cfg, h), store
+}
+
+// newProcessorOn makes a processor of queue "q" (unless cfg names one) on
+// store, stopped when the test ends.
+func newProcessorOn(t *testing.T, store lock.Store, cfg Config, h HandlerFunc) processor {
+	t.Helper()
 	if cfg.Queue == "" {
 		cfg.Queue = "q"
 	}
@@ -85,7 +92,7 @@ func newTestProcessor(t *testing.T, cfg Config, h HandlerFunc) (processor, lock.
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = p.keeper.Shutdown(context.Background()) })
-	return p, store
+	return p
 }
 
 func delivery(id, body string) (*amqp.Delivery, *fakeAck) {
@@ -138,8 +145,13 @@ func TestProcessOutcomes(t *testing.T) {
 			want: DeadLettered, wantReason: "missing key", wantAck: true, wantPub: "q.dlq"},
 		{name: "no key, processed", id: "", body: "x", handler: ok("r"), cfg: Config{MissingKey: ProcessMissingKey},
 			want: Completed, wantAck: true, wantRuns: 1},
-		{name: "key too long", id: strings.Repeat("k", lock.MaxKeyLen+1), body: "x", handler: ok("r"),
-			want: DeadLettered, wantReason: "missing key", wantAck: true, wantPub: "q.dlq"},
+		{name: "key too long", id: strings.Repeat("k", lock.MaxKeyLen-1), body: "x", handler: ok("r"),
+			want: DeadLettered, wantReason: "invalid key", wantAck: true, wantPub: "q.dlq"},
+		{name: "key too long, not run unkeyed", id: strings.Repeat("k", lock.MaxKeyLen-1), body: "x", handler: ok("r"),
+			cfg:  Config{MissingKey: ProcessMissingKey},
+			want: DeadLettered, wantReason: "invalid key", wantAck: true, wantPub: "q.dlq"},
+		{name: "longest key", id: strings.Repeat("k", lock.MaxKeyLen-2), body: "x", handler: ok("r"),
+			want: Completed, wantAck: true, wantRuns: 1, wantStatus: lock.Completed},
 		{name: "panic is retryable", id: "a", body: "x", handler: panics, cfg: Config{Backoff: fixed},
 			want: Retried, wantAck: true, wantRuns: 1, wantPub: "requeue", wantDelay: 3 * time.Second},
 		{name: "result over the limit", id: "a", body: "x", handler: ok(strings.Repeat("r", 11)), cfg: Config{MaxResultSize: 10},
@@ -190,7 +202,7 @@ func TestProcessOutcomes(t *testing.T) {
 				}
 			}
 			if tc.wantStatus != 0 {
-				res, err := store.Acquire(context.Background(), lock.Request{Key: tc.id})
+				res, err := store.Acquire(context.Background(), lock.Request{Key: StoreKey("q", tc.id)})
 				if err != nil || res.Status != tc.wantStatus {
 					t.Errorf("record afterwards: got %v %v, want %v", res.Status, err, tc.wantStatus)
 				}
@@ -231,9 +243,10 @@ func holding(key, body string) func(*testing.T, lock.Store) {
 	return func(t *testing.T, s lock.Store) { held(key, body)(t, s) }
 }
 
+// held takes a lease on key's record, as the processor of queue "q" keeps it.
 func held(key, body string) func(*testing.T, lock.Store) lock.Lease {
 	return func(t *testing.T, s lock.Store) lock.Lease {
-		res, err := s.Acquire(context.Background(), lock.Request{Key: key, Fingerprint: fingerprint([]byte(body)), TTL: time.Minute})
+		res, err := s.Acquire(context.Background(), lock.Request{Key: StoreKey("q", key), Fingerprint: fingerprint([]byte(body)), TTL: time.Minute})
 		if err != nil || res.Status != lock.Acquired {
 			t.Fatalf("prepare: %v %v", res.Status, err)
 		}

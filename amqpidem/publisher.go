@@ -33,25 +33,34 @@ const maxPubChannels = 8
 // same message, belongs to the publish that waits on that channel.
 type publisher struct {
 	conn ChannelOpener
-	pool chan *pubChannel // idle channels
-	sem  chan struct{}    // bounds open channels
+	// queueType is the work queues' type, "classic" or "quorum": it picks
+	// the kind of delay queue (see delayQueueArgs).
+	queueType string
+	pool      chan *pubChannel // idle channels
+	sem       chan struct{}    // bounds open channels
 
 	mu       sync.Mutex
 	declared map[string]time.Time // queues declared on this connection, and when
 	closed   bool
 }
 
+// pubChannel is a confirm-mode channel of a publisher and the channel its
+// basic.returns arrive on.
 type pubChannel struct {
 	ch      *amqp.Channel
 	returns chan amqp.Return
 }
 
-func newPublisher(conn ChannelOpener) *publisher {
+// newPublisher returns a publisher opening its channels with conn, for
+// work queues of type queueType ("classic" or "quorum"; anything else is
+// taken as classic).
+func newPublisher(conn ChannelOpener, queueType string) *publisher {
 	return &publisher{
-		conn:     conn,
-		pool:     make(chan *pubChannel, maxPubChannels),
-		sem:      make(chan struct{}, maxPubChannels),
-		declared: make(map[string]time.Time),
+		conn:      conn,
+		queueType: queueType,
+		pool:      make(chan *pubChannel, maxPubChannels),
+		sem:       make(chan struct{}, maxPubChannels),
+		declared:  make(map[string]time.Time),
 	}
 }
 
@@ -87,6 +96,7 @@ func (p *publisher) get(ctx context.Context) (*pubChannel, error) {
 	}
 }
 
+// open opens a confirm-mode channel, unless the publisher is closed.
 func (p *publisher) open() (*pubChannel, error) {
 	p.mu.Lock()
 	closed := p.closed
@@ -182,12 +192,35 @@ func (p *publisher) declare(ctx context.Context, name string, args amqp.Table, r
 	_, err = pc.ch.QueueDeclare(name, true, false, false, false, args)
 	p.put(pc, err == nil)
 	if err != nil {
-		return fmt.Errorf("amqpidem: declare queue %q: %w", name, err)
+		return declareError(name, args, err)
 	}
 	p.mu.Lock()
 	p.declared[name] = time.Now()
 	p.mu.Unlock()
 	return nil
+}
+
+// declareError describes a failed declaration of queue name with args.
+// PRECONDITION_FAILED (which also closes the channel) means that the queue
+// exists with other arguments, or that the broker refuses these: every
+// later declaration fails the same way until someone acts, so the error
+// says what to do. It wraps err (an *amqp.Error for a broker refusal).
+func declareError(name string, args amqp.Table, err error) error {
+	var ae *amqp.Error
+	if errors.As(err, &ae) && ae.Code == amqp.PreconditionFailed {
+		return fmt.Errorf("amqpidem: declare queue %q: it exists with arguments other than those amqpidem declares (%s), "+
+			"or the broker refuses these (quorum delay queues need RabbitMQ 3.10 or later); "+
+			"delete the queue, and amqpidem declares it again: %w", name, tableText(args), err)
+	}
+	return fmt.Errorf("amqpidem: declare queue %q: %w", name, err)
+}
+
+// tableText prints a queue's arguments, keys sorted; "none" for none.
+func tableText(args amqp.Table) string {
+	if len(args) == 0 {
+		return "none"
+	}
+	return fmt.Sprint(map[string]any(args))
 }
 
 // forget makes the next declare of name go to the broker again.
@@ -214,14 +247,23 @@ func (p *publisher) close() {
 }
 
 // requeue publishes a copy of d to wait delay in its tier's delay queue and
-// then return to queue (or straight back to queue when delay is zero).
+// then return to queue (or straight back to queue when delay is zero). The
+// delay queue is of the kind p.queueType calls for (see delayQueueArgs).
+//
+// A copy sent to a delay queue carries no expiration: one shorter than the
+// delay would make the broker dead-letter it back early (at once, for a
+// copy already expired), and RabbitMQ removes the expiration from every
+// dead-lettered message anyway. HeaderExpiresAt keeps the message's
+// expiry, and the next copy made from it carries the time left.
 func (p *publisher) requeue(ctx context.Context, queue string, d *amqp.Delivery, delay time.Duration, extra amqp.Table) error {
 	msg := copyOf(d, extra)
 	if delay <= 0 {
 		return p.publish(ctx, "", queue, msg)
 	}
-	name := delayQueue(queue, delayTier(delay))
-	if err := p.declare(ctx, name, delayQueueArgs(queue, delayTier(delay)), true); err != nil {
+	msg.Expiration = ""
+	tier := delayTier(delay)
+	name := delayQueue(queue, p.queueType, tier)
+	if err := p.declare(ctx, name, delayQueueArgs(queue, p.queueType, tier), true); err != nil {
 		return err
 	}
 	return p.publish(ctx, "", name, msg)

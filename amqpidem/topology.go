@@ -10,6 +10,12 @@ import (
 
 // Headers amqpidem writes on the copies it publishes. User headers are kept
 // as they are.
+//
+// HeaderOriginalExchange, HeaderOriginalRoutingKey, HeaderUserID,
+// HeaderOriginalExpiration and HeaderExpiresAt are carried from copy to
+// copy, so a publisher can set them on a message's first delivery: they
+// are informational, and nothing in amqpidem decides anything from them
+// (HeaderExpiresAt can only shorten a copy's life; see there).
 const (
 	// HeaderAttempt is the number of executions so far, on requeued and
 	// dead-lettered copies.
@@ -18,10 +24,17 @@ const (
 	// the message (time.Time).
 	HeaderFirstSeen = "x-amqpidem-first-seen"
 	// HeaderOriginalExchange is the exchange the message was first
-	// published to.
+	// published to. It is kept from the delivery's headers when it is
+	// there as a string (or byte array) of at most 255 bytes, together
+	// with a valid HeaderOriginalRoutingKey; otherwise both are set from
+	// the delivery's own exchange and routing key. A publisher can set it
+	// on a first delivery: it is informational, nothing in amqpidem
+	// decides anything from it.
 	HeaderOriginalExchange = "x-amqpidem-original-exchange"
-	// HeaderOriginalRoutingKey is the routing key it was first published
-	// with.
+	// HeaderOriginalRoutingKey is the routing key the message was first
+	// published with; kept or replaced together with
+	// HeaderOriginalExchange, under the same rules. Informational, like
+	// it.
 	HeaderOriginalRoutingKey = "x-amqpidem-original-routing-key"
 	// HeaderReason says why a copy was requeued or dead-lettered
 	// ("permanent failure", "attempts exhausted", "key conflict", ...).
@@ -38,15 +51,66 @@ const (
 	// the failed-duplicate policy.
 	HeaderDeadLetterPending = "x-amqpidem-dead-letter-pending"
 	// HeaderUserID carries the original user-id property, which a
-	// republished copy cannot keep.
+	// republished copy cannot keep. It is set from the delivery's user-id
+	// when that is present (RabbitMQ checked it against the publishing
+	// connection's user). Otherwise a value already in the headers is
+	// kept if it is a string of at most 255 bytes and dropped if not; such
+	// a value may come from a publisher rather than from the broker: it
+	// is informational, nothing in amqpidem decides anything from it.
 	HeaderUserID = "x-amqpidem-user-id"
+	// HeaderExpiresAt is when a message that was published with an
+	// expiration (per-message TTL) expires, in milliseconds since the
+	// Unix epoch (int64). The first requeued copy sets it to the time of
+	// the requeue plus the delivery's expiration; every requeued copy
+	// then carries the time that remains as its expiration (at least 1
+	// ms), so that requeues do not extend the message's life. It never
+	// extends a delivery's own expiration. A copy that waits in a delay
+	// queue carries no expiration (it would cut the delay short), and
+	// RabbitMQ removes it from every dead-lettered message: a copy back
+	// from a delay queue has none, and only this header says when it
+	// expires.
+	HeaderExpiresAt = "x-amqpidem-expires-at"
+	// HeaderOriginalExpiration is the expiration property the message was
+	// first seen with, on dead letters (which carry none, so that they do
+	// not expire from the dead-letter queue) and requeued copies.
+	HeaderOriginalExpiration = "x-amqpidem-original-expiration"
 	// maxHeaderText bounds the error text written into a header.
 	maxHeaderText = 4 << 10
+	// maxShortText bounds the broker-given names kept from incoming
+	// headers (exchange, routing key, user id): AMQP short strings.
+	maxShortText = 255
+	// maxExpiration is the largest expiration RabbitMQ accepts, in ms.
+	maxExpiration = math.MaxUint32
 )
 
-// delayQueue names the delay tier queue for d on queue.
-func delayQueue(queue string, d time.Duration) string {
-	return queue + ".delay." + strconv.FormatInt(d.Milliseconds(), 10)
+// Queue types, as in the x-queue-type argument and Config.QueueType.
+const (
+	// queueClassic is a classic queue.
+	queueClassic = "classic"
+	// queueQuorum is a quorum queue.
+	queueQuorum = "quorum"
+)
+
+// quorumDelayIdle is how long a quorum delay queue outlives its last use
+// beyond twice its TTL. At-least-once dead-lettering keeps a copy in the
+// delay queue until the work queue has taken it, and x-expires deletes a
+// queue with the messages in it: the margin lets a work queue that is
+// unavailable or rejecting publishes (overflow reject-publish) take its
+// copies back for up to a day.
+const quorumDelayIdle = 24 * time.Hour
+
+// delayQueue names the delay tier queue for d on queue, a work queue of
+// type queueType: "<queue>.delay.<ms>" for a classic work queue (a classic
+// delay queue), "<queue>.delayq.<ms>" for a quorum one (a quorum delay
+// queue). The names differ because a queue's type and arguments cannot
+// change: declaring the quorum kind under the classic name, which may
+// already exist, would fail with PRECONDITION_FAILED.
+func delayQueue(queue, queueType string, d time.Duration) string {
+	infix := ".delay."
+	if queueType == queueQuorum {
+		infix = ".delayq."
+	}
+	return queue + infix + strconv.FormatInt(d.Milliseconds(), 10)
 }
 
 // delayTier rounds d to two significant digits of milliseconds (at least
@@ -62,19 +126,46 @@ func delayTier(d time.Duration) time.Duration {
 }
 
 // delayQueueArgs makes a queue whose messages wait ttl and then are
-// dead-lettered by RabbitMQ back to queue through the default exchange. One
-// queue per delay: with a queue-level TTL every message in it expires in
-// order, so a short delay never waits behind a long one. The queue deletes
-// itself when unused for long after its messages are gone (each publish
-// declares it again, which counts as use).
-func delayQueueArgs(queue string, ttl time.Duration) amqp.Table {
+// dead-lettered by RabbitMQ back to queue, a work queue of type queueType,
+// through the default exchange. One queue per delay: with a queue-level
+// TTL every message in it expires in order, so a short delay never waits
+// behind a long one. The queue deletes itself (x-expires) when unused for
+// long after its messages are gone; each requeue declares it again at
+// least every redeclareAfter, which counts as use.
+//
+// For a classic work queue the delay queue is classic, with x-expires
+// 2*ttl+1m. Classic dead-lettering is at-most-once: the broker does not
+// wait for the work queue to confirm the copy, and the delay queue is not
+// replicated; a broker crash while a copy waits, or a failure on the way
+// back, can lose it.
+//
+// For a quorum work queue the delay queue is a quorum queue (replicated)
+// with at-least-once dead-lettering (x-dead-letter-strategy
+// "at-least-once", which requires x-overflow "reject-publish" and
+// RabbitMQ 3.10 or later): a copy stays in the delay queue until the work
+// queue has confirmed it. x-expires, which RabbitMQ 3.10 honours on quorum
+// queues (a declaration restarts its clock) and which deletes a queue with
+// its messages, is 2*ttl+quorumDelayIdle, so that copies waiting for an
+// unavailable work queue are kept for a day.
+func delayQueueArgs(queue, queueType string, ttl time.Duration) amqp.Table {
 	ms := ttl.Milliseconds()
+	if queueType == queueQuorum {
+		return amqp.Table{
+			"x-queue-type":              queueQuorum,
+			"x-message-ttl":             ms,
+			"x-dead-letter-exchange":    "",
+			"x-dead-letter-routing-key": queue,
+			"x-dead-letter-strategy":    "at-least-once",
+			"x-overflow":                "reject-publish",
+			"x-expires":                 2*ms + quorumDelayIdle.Milliseconds(),
+		}
+	}
 	return amqp.Table{
 		"x-message-ttl":             ms,
 		"x-dead-letter-exchange":    "",
 		"x-dead-letter-routing-key": queue,
 		"x-expires":                 2*ms + int64(time.Minute/time.Millisecond),
-		"x-queue-type":              "classic",
+		"x-queue-type":              queueClassic,
 	}
 }
 
@@ -84,22 +175,52 @@ func delayQueueArgs(queue string, ttl time.Duration) amqp.Table {
 var brokerHeaders = []string{"x-death", "x-first-death-exchange", "x-first-death-queue",
 	"x-first-death-reason", "x-last-death-exchange", "x-last-death-queue", "x-last-death-reason"}
 
-// copyOf returns a Publishing with every property, header and the body of
-// d, plus extra headers.
+// copyOf returns the Publishing that requeues d: every property, header
+// and the body of d, plus extra headers. Its expiration is what remains of
+// the message's own (see HeaderExpiresAt), so that requeues never extend
+// a message's life.
 func copyOf(d *amqp.Delivery, extra amqp.Table) amqp.Publishing {
-	h := make(amqp.Table, len(d.Headers)+len(extra)+2)
+	return copyAt(d, extra, time.Now())
+}
+
+// copyAt is copyOf at time now.
+func copyAt(d *amqp.Delivery, extra amqp.Table, now time.Time) amqp.Publishing {
+	msg := baseCopy(d, extra, now)
+	msg.Expiration = remaining(d, msg.Headers, now)
+	return msg
+}
+
+// deadLetterOf returns the Publishing that dead-letters d: like copyOf,
+// but without an expiration, so that the dead letter does not expire from
+// the dead-letter queue; the message's first expiration is kept in
+// HeaderOriginalExpiration.
+func deadLetterOf(d *amqp.Delivery, extra amqp.Table) amqp.Publishing {
+	msg := baseCopy(d, extra, time.Now())
+	if _, ok := msg.Headers[HeaderOriginalExpiration]; !ok && d.Expiration != "" {
+		msg.Headers[HeaderOriginalExpiration] = d.Expiration
+	}
+	return msg
+}
+
+// baseCopy returns a Publishing with every property but the expiration,
+// every header and the body of d, plus extra headers, at time now: broker
+// headers removed, amqpidem's informational headers checked or set.
+func baseCopy(d *amqp.Delivery, extra amqp.Table, now time.Time) amqp.Publishing {
+	h := make(amqp.Table, len(d.Headers)+len(extra)+4)
 	for k, v := range d.Headers {
 		h[k] = v
 	}
 	for _, k := range brokerHeaders {
 		delete(h, k)
 	}
-	if _, ok := h[HeaderOriginalExchange]; !ok {
-		h[HeaderOriginalExchange] = d.Exchange
-		h[HeaderOriginalRoutingKey] = d.RoutingKey
+	ex, exOK := shortText(h[HeaderOriginalExchange], true)
+	rk, rkOK := shortText(h[HeaderOriginalRoutingKey], true)
+	if !exOK || !rkOK {
+		ex, rk = d.Exchange, d.RoutingKey
 	}
+	h[HeaderOriginalExchange], h[HeaderOriginalRoutingKey] = ex, rk
 	if _, ok := h[HeaderFirstSeen]; !ok {
-		h[HeaderFirstSeen] = time.Now().UTC().Truncate(time.Second)
+		h[HeaderFirstSeen] = now.UTC().Truncate(time.Second)
 	}
 	for k, v := range extra {
 		h[k] = v
@@ -108,6 +229,10 @@ func copyOf(d *amqp.Delivery, extra amqp.Table) amqp.Publishing {
 		// RabbitMQ refuses a user-id property that is not the publishing
 		// connection's user, so it travels as a header.
 		h[HeaderUserID] = d.UserId
+	} else if v, ok := h[HeaderUserID]; ok {
+		if _, valid := shortText(v, false); !valid {
+			delete(h, HeaderUserID)
+		}
 	}
 	return amqp.Publishing{
 		Headers:         h,
@@ -117,13 +242,96 @@ func copyOf(d *amqp.Delivery, extra amqp.Table) amqp.Publishing {
 		Priority:        d.Priority,
 		CorrelationId:   d.CorrelationId,
 		ReplyTo:         d.ReplyTo,
-		Expiration:      d.Expiration,
 		MessageId:       d.MessageId,
 		Timestamp:       d.Timestamp,
 		Type:            d.Type,
 		AppId:           d.AppId,
 		Body:            d.Body,
 	}
+}
+
+// shortText returns v as a string when it is one (or, with bytesOK, a
+// byte array) of at most maxShortText bytes.
+func shortText(v any, bytesOK bool) (string, bool) {
+	var s string
+	switch v := v.(type) {
+	case string:
+		s = v
+	case []byte:
+		if !bytesOK {
+			return "", false
+		}
+		s = string(v)
+	default:
+		return "", false
+	}
+	return s, len(s) <= maxShortText
+}
+
+// remaining returns the expiration of a requeued copy of d at time now,
+// and records the message's absolute expiry in h (the copy's headers) as
+// HeaderExpiresAt: the header's value, bounded by d's own expiration, or
+// now plus d's expiration when the header is missing or not an integer.
+// The result is the time left, at least 1 ms (a copy already expired is
+// expired by the broker under the queue's policy, as the message would
+// have been) and at most maxExpiration. Without an expiration or an expiry,
+// or with an expiration RabbitMQ would not accept, d's expiration is
+// returned as it is.
+func remaining(d *amqp.Delivery, h amqp.Table, now time.Time) string {
+	nowMs := now.UnixMilli()
+	ttl, ttlOK := parseExpiration(d.Expiration)
+	if d.Expiration != "" && !ttlOK {
+		return d.Expiration
+	}
+	at, atOK := headerInt64(h[HeaderExpiresAt])
+	switch {
+	case ttlOK && atOK:
+		at = min(at, nowMs+ttl)
+	case ttlOK:
+		at, atOK = nowMs+ttl, true
+	}
+	if !atOK {
+		return d.Expiration
+	}
+	h[HeaderExpiresAt] = at
+	if _, ok := h[HeaderOriginalExpiration]; !ok && d.Expiration != "" {
+		h[HeaderOriginalExpiration] = d.Expiration
+	}
+	left := min(max(at-nowMs, 1), maxExpiration)
+	return strconv.FormatInt(left, 10)
+}
+
+// parseExpiration reads an expiration property as RabbitMQ does: a
+// decimal number of milliseconds from 0 to maxExpiration.
+func parseExpiration(s string) (int64, bool) {
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil || n < 0 || n > maxExpiration {
+		return 0, false
+	}
+	return n, true
+}
+
+// headerInt64 reads a header of any AMQP integer type.
+func headerInt64(v any) (int64, bool) {
+	switch v := v.(type) {
+	case int:
+		return int64(v), true
+	case int8:
+		return int64(v), true
+	case int16:
+		return int64(v), true
+	case int32:
+		return int64(v), true
+	case int64:
+		return v, true
+	case uint8:
+		return int64(v), true
+	case uint16:
+		return int64(v), true
+	case uint32:
+		return int64(v), true
+	}
+	return 0, false
 }
 
 // headerText cuts s to fit a header.

@@ -3,6 +3,8 @@ package amqpidem
 import (
 	"context"
 	"errors"
+	"fmt"
+	"runtime"
 	"sync"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -32,7 +34,9 @@ type Wrapper struct {
 
 // Wrap returns a Wrapper running h for cfg.Queue with store. conn opens the
 // channels the Wrapper publishes on (an *amqp.Connection will do). It starts
-// one heartbeat keeper for all in-flight leases; stop it with Shutdown.
+// one heartbeat keeper for all in-flight leases; stop it with Shutdown (a
+// Wrapper dropped without Shutdown stops its keeper once it is garbage
+// collected).
 func Wrap(conn ChannelOpener, store lock.Store, cfg Config, h Handler) (*Wrapper, error) {
 	if conn == nil {
 		return nil, errors.New("amqpidem: Wrap: nil connection")
@@ -42,7 +46,9 @@ func Wrap(conn ChannelOpener, store lock.Store, cfg Config, h Handler) (*Wrapper
 		return nil, err
 	}
 	base, cancel := context.WithCancel(context.Background())
-	return &Wrapper{proc: proc, pub: newPublisher(conn), base: base, cancel: cancel}, nil
+	w := &Wrapper{proc: proc, pub: newPublisher(conn, proc.cfg.QueueType), base: base, cancel: cancel}
+	stopKeeperWhenUnreachable(w, proc.keeper)
+	return w, nil
 }
 
 // newProcessor checks the configuration and starts a keeper.
@@ -57,11 +63,32 @@ func newProcessor(store lock.Store, cfg Config, h Handler) (processor, error) {
 		return processor{}, err
 	}
 	cfg = cfg.withDefaults()
+	limit, known := lock.DefaultMaxResultSize, false
+	if s, ok := store.(interface{ MaxResultSize() int }); ok {
+		limit, known = s.MaxResultSize(), true
+	}
+	switch {
+	case cfg.MaxResultSize == 0 && limit <= ResultOverhead:
+		return processor{}, fmt.Errorf("amqpidem: the store keeps results of at most %d bytes, not even the %d bytes amqpidem adds", limit, ResultOverhead)
+	case cfg.MaxResultSize == 0:
+		cfg.MaxResultSize = limit - ResultOverhead
+	case known && cfg.MaxResultSize > limit-ResultOverhead:
+		// Complete would refuse such a result after the handler ran.
+		return processor{}, fmt.Errorf("amqpidem: Config.MaxResultSize %d is above what the store keeps: %d bytes less the %d amqpidem adds (ResultOverhead)",
+			cfg.MaxResultSize, limit, ResultOverhead)
+	}
 	keeper, err := heartbeat.New(store, heartbeat.Config{Logger: cfg.Logger})
 	if err != nil {
 		return processor{}, err
 	}
 	return processor{cfg: cfg, store: store, keeper: keeper, handler: h}, nil
+}
+
+// stopKeeperWhenUnreachable shuts k down once owner is garbage: a Wrapper
+// or Consumer dropped without Shutdown must not leave the keeper's
+// goroutines behind. k must not refer to owner.
+func stopKeeperWhenUnreachable[T any](owner *T, k *heartbeat.Keeper) {
+	runtime.AddCleanup(owner, func(k *heartbeat.Keeper) { _ = k.Shutdown(context.Background()) }, k)
 }
 
 // Handle processes d once per idempotency key and settles it; see the

@@ -61,7 +61,7 @@ func TestChaos03SigstopPastLease(t *testing.T) {
 	e.waitFor("A to report the victims' outcomes", time.Minute, func() bool {
 		n := 0
 		for _, ev := range e.events() {
-			if ev.Consumer == nameA && strings.Contains(ev.Op, "victim") && ev.Fence == 1 {
+			if ev.Consumer == nameA && strings.Contains(ev.Op, "victim") && ev.Attempt == 1 {
 				n++
 			}
 		}

@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -340,6 +341,16 @@ func (w *Worker) crash(op, window, execID string, fence int64) {
 	select {} // the signal is on its way
 }
 
+// messageKey is the message key of a record key made by amqpidem.StoreKey
+// (the endpoint, a NUL byte, the key): the ledger and the handler know
+// operations by message key.
+func messageKey(storeKey string) string {
+	if _, key, ok := strings.Cut(storeKey, "\x00"); ok {
+		return key
+	}
+	return storeKey
+}
+
 // store wraps the Redis store to watch the lease lifecycle: when each
 // Acquire was sent, every Complete the store accepted (logged in the ledger)
 // and the crash windows around Complete.
@@ -352,7 +363,7 @@ func (s *store) Acquire(ctx context.Context, req lock.Request) (lock.Result, err
 	at := time.Now()
 	res, err := s.Store.Acquire(ctx, req)
 	if err == nil && res.Status == lock.Acquired {
-		s.w.track(req.Key, res.Lease.Fence, at)
+		s.w.track(messageKey(req.Key), res.Lease.Fence, at)
 	}
 	return res, err
 }
@@ -362,7 +373,7 @@ func (s *store) Acquire(ctx context.Context, req lock.Request) (lock.Result, err
 // AfterComplete window is right after the store accepted the result, before
 // the processor acks.
 func (s *store) Complete(ctx context.Context, l lock.Lease, result []byte) error {
-	p := s.w.lookup(l.Key, l.Fence)
+	p := s.w.lookup(messageKey(l.Key), l.Fence)
 	if p.crash == workload.AfterEffect {
 		s.w.crash(p.op, p.crash, p.execID, l.Fence)
 	}
@@ -371,7 +382,7 @@ func (s *store) Complete(ctx context.Context, l lock.Lease, result []byte) error
 		return err
 	}
 	done := time.Now()
-	op := ledger.OpID(l.Key)
+	op := ledger.OpID(messageKey(l.Key))
 	lctx, cancel := ledgerCtx()
 	defer cancel()
 	for try := 0; ; try++ {
@@ -388,21 +399,21 @@ func (s *store) Complete(ctx context.Context, l lock.Lease, result []byte) error
 	if p.crash == workload.AfterComplete {
 		s.w.crash(p.op, p.crash, p.execID, l.Fence)
 	}
-	s.w.untrack(l.Key, l.Fence)
+	s.w.untrack(messageKey(l.Key), l.Fence)
 	return nil
 }
 
 func (s *store) Fail(ctx context.Context, l lock.Lease, reason string) error {
-	defer s.w.untrack(l.Key, l.Fence)
+	defer s.w.untrack(messageKey(l.Key), l.Fence)
 	return s.Store.Fail(ctx, l, reason)
 }
 
 func (s *store) Release(ctx context.Context, l lock.Lease) error {
-	defer s.w.untrack(l.Key, l.Fence)
+	defer s.w.untrack(messageKey(l.Key), l.Fence)
 	return s.Store.Release(ctx, l)
 }
 
 func (s *store) Cancel(ctx context.Context, l lock.Lease) error {
-	defer s.w.untrack(l.Key, l.Fence)
+	defer s.w.untrack(messageKey(l.Key), l.Fence)
 	return s.Store.Cancel(ctx, l)
 }

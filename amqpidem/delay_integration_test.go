@@ -1,0 +1,316 @@
+package amqpidem_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+)
+
+// retryDelay is the delay of the delayed requeues in these tests; a delay
+// tier of its own (delay queues "<queue>.delay.3000", "<queue>.delayq.3000").
+const retryDelay = 3 * time.Second
+
+// retryOnce is a consumer whose handler fails a key's first execution and
+// succeeds on the next, with every retry retryDelay later.
+type retryOnce struct {
+	e   *env
+	rec *recorder
+
+	mu   sync.Mutex
+	seen []amqp.Delivery // what the handler was given, in order
+}
+
+// startRetryOnce declares a work queue of type queueType and runs a
+// retryOnce consumer on it; the test's delay queues are deleted when it
+// ends.
+func startRetryOnce(t *testing.T, queueType string) *retryOnce {
+	t.Helper()
+	e := newEnv(t, amqp.Table{"x-queue-type": queueType})
+	t.Cleanup(func() { deleteQueues(e, delayQueueName(e, "classic"), delayQueueName(e, "quorum")) })
+	r := &retryOnce{e: e, rec: &recorder{}}
+	h := amqpidem.HandlerFunc(func(_ context.Context, d *amqp.Delivery) ([]byte, error) {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		r.seen = append(r.seen, *d)
+		if len(r.seen) == 1 {
+			return nil, errors.New("first try fails")
+		}
+		return []byte("ok"), nil
+	})
+	startConsumer(t, e, amqpidem.ConsumerConfig{
+		QueueArgs: amqp.Table{"x-queue-type": queueType},
+		Config: amqpidem.Config{
+			MaxAttempts:      3,
+			UnavailableDelay: 200 * time.Millisecond,
+			Backoff:          func() backoff.BackOff { return backoff.NewConstantBackOff(retryDelay) },
+			Observer:         r.rec,
+		},
+	}, h)
+	return r
+}
+
+// delayQueueName is the name amqpidem gives the retryDelay delay queue of
+// e's work queue when that is of type queueType.
+func delayQueueName(e *env, queueType string) string {
+	infix := ".delay."
+	if queueType == "quorum" {
+		infix = ".delayq."
+	}
+	return fmt.Sprintf("%s%s%d", e.queue, infix, retryDelay.Milliseconds())
+}
+
+// deleteQueues deletes queues, each on a channel of its own.
+func deleteQueues(e *env, queues ...string) {
+	for _, q := range queues {
+		if ch, err := e.conn.Channel(); err == nil {
+			_, _ = ch.QueueDelete(q, false, false, false)
+			ch.Close()
+		}
+	}
+}
+
+// declareOn declares queue with args (passively when passive is set) on a
+// channel of its own, since a refusal closes the channel.
+func declareOn(t *testing.T, e *env, queue string, args amqp.Table, passive bool) (amqp.Queue, error) {
+	t.Helper()
+	ch, err := e.conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ch.Close()
+	if passive {
+		return ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+	}
+	return ch.QueueDeclare(queue, true, false, false, false, args)
+}
+
+// waitRetried publishes one message and waits until its first execution
+// failed and it was requeued.
+func (r *retryOnce) waitRetried(t *testing.T, msg amqp.Publishing) {
+	t.Helper()
+	r.e.publish(msg)
+	r.rec.waitFor(t, 10*time.Second, "the delayed requeue", func(evs []amqpidem.Event) bool {
+		return count(evs, msg.MessageId, amqpidem.Retried) == 1
+	})
+}
+
+// handled returns the deliveries the handler was given so far.
+func (r *retryOnce) handled() []amqp.Delivery {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]amqp.Delivery(nil), r.seen...)
+}
+
+// eventTime returns when the first event of key with outcome o was
+// observed.
+func (r *retryOnce) eventTime(t *testing.T, key string, o amqpidem.Outcome) time.Time {
+	t.Helper()
+	r.rec.mu.Lock()
+	defer r.rec.mu.Unlock()
+	for i, ev := range r.rec.events {
+		if ev.Key == key && ev.Outcome == o {
+			return r.rec.at[i]
+		}
+	}
+	t.Fatalf("no %s event for %q", o, key)
+	return time.Time{}
+}
+
+// quorumDelayArgs are the arguments amqpidem declares the retryDelay
+// delay queue of e's quorum work queue with.
+func quorumDelayArgs(e *env) amqp.Table {
+	ms := retryDelay.Milliseconds()
+	return amqp.Table{
+		"x-queue-type":              "quorum",
+		"x-message-ttl":             ms,
+		"x-dead-letter-exchange":    "",
+		"x-dead-letter-routing-key": e.queue,
+		"x-dead-letter-strategy":    "at-least-once",
+		"x-overflow":                "reject-publish",
+		"x-expires":                 2*ms + (24 * time.Hour).Milliseconds(),
+	}
+}
+
+// TestQuorumDelayedRequeue checks that on a quorum work queue a delayed
+// requeue waits in a quorum delay queue "<queue>.delayq.<ms>", not the
+// classic one, and comes back from it after the delay.
+func TestQuorumDelayedRequeue(t *testing.T) {
+	r := startRetryOnce(t, "quorum")
+	r.waitRetried(t, amqp.Publishing{MessageId: "q1", Body: []byte("pay 10")})
+	retried := r.eventTime(t, "q1", amqpidem.Retried)
+
+	dq := delayQueueName(r.e, "quorum")
+	q, err := declareOn(t, r.e, dq, nil, true)
+	if err != nil {
+		t.Fatalf("the quorum delay queue %q does not exist: %v", dq, err)
+	}
+	if q.Messages != 1 && time.Since(retried) < retryDelay-500*time.Millisecond {
+		t.Errorf("the quorum delay queue %q holds %d messages, want the copy", dq, q.Messages)
+	}
+	if _, err := declareOn(t, r.e, delayQueueName(r.e, "classic"), nil, true); err == nil {
+		t.Errorf("a classic delay queue %q was declared for a quorum work queue", delayQueueName(r.e, "classic"))
+	}
+
+	r.rec.waitFor(t, 10*time.Second, "the copy back and completed", func(evs []amqpidem.Event) bool {
+		return count(evs, "q1", amqpidem.Completed) == 1
+	})
+	if gap := r.eventTime(t, "q1", amqpidem.Completed).Sub(retried); gap < retryDelay-200*time.Millisecond {
+		t.Errorf("the copy came back after %v, want about %v", gap, retryDelay)
+	}
+	seen := r.handled()
+	if len(seen) != 2 {
+		t.Fatalf("handler ran %d times, want 2", len(seen))
+	}
+	if got := seen[1].Headers["x-first-death-queue"]; got != dq {
+		t.Errorf("the copy came back from %v, want %q", got, dq)
+	}
+	if string(seen[1].Body) != "pay 10" || seen[1].MessageId != "q1" {
+		t.Errorf("the copy lost data: %q %q", seen[1].MessageId, seen[1].Body)
+	}
+}
+
+// TestQuorumDelayQueueArguments checks the arguments of the quorum delay
+// queue amqpidem declared: RabbitMQ accepts a declaration of an existing
+// queue only with equivalent arguments, so one with exactly the expected
+// arguments must pass and one with any of them changed must fail.
+func TestQuorumDelayQueueArguments(t *testing.T) {
+	r := startRetryOnce(t, "quorum")
+	r.waitRetried(t, amqp.Publishing{MessageId: "q2", Body: []byte("pay 20")})
+	dq := delayQueueName(r.e, "quorum")
+
+	if _, err := declareOn(t, r.e, dq, nil, true); err != nil {
+		t.Fatalf("the quorum delay queue %q does not exist: %v", dq, err)
+	}
+	if _, err := declareOn(t, r.e, dq, quorumDelayArgs(r.e), false); err != nil {
+		t.Fatalf("declaring %q with the expected arguments %v: %v", dq, quorumDelayArgs(r.e), err)
+	}
+	changes := map[string]any{
+		"x-dead-letter-strategy": "at-most-once",
+		"x-overflow":             "drop-head",
+		"x-queue-type":           "classic",
+	}
+	for arg, v := range changes {
+		args := quorumDelayArgs(r.e)
+		args[arg] = v
+		_, err := declareOn(t, r.e, dq, args, false)
+		var ae *amqp.Error
+		if !errors.As(err, &ae) || ae.Code != amqp.PreconditionFailed {
+			t.Errorf("declaring %q with %s=%v: got %v, want PRECONDITION_FAILED", dq, arg, v, err)
+		}
+	}
+	r.rec.waitFor(t, 10*time.Second, "the copy back and completed", func(evs []amqpidem.Event) bool {
+		return count(evs, "q2", amqpidem.Completed) == 1
+	})
+}
+
+// TestClassicDelayedRequeue checks that a classic work queue keeps its
+// classic delay queue "<queue>.delay.<ms>", with the same arguments as
+// before.
+func TestClassicDelayedRequeue(t *testing.T) {
+	r := startRetryOnce(t, "classic")
+	r.waitRetried(t, amqp.Publishing{MessageId: "c1", Body: []byte("pay 30")})
+	dq := delayQueueName(r.e, "classic")
+	ms := retryDelay.Milliseconds()
+	want := amqp.Table{
+		"x-message-ttl":             ms,
+		"x-dead-letter-exchange":    "",
+		"x-dead-letter-routing-key": r.e.queue,
+		"x-expires":                 2*ms + time.Minute.Milliseconds(),
+		"x-queue-type":              "classic",
+	}
+	if _, err := declareOn(t, r.e, dq, want, false); err != nil {
+		t.Errorf("declaring %q with the classic arguments %v: %v", dq, want, err)
+	}
+	if _, err := declareOn(t, r.e, delayQueueName(r.e, "quorum"), nil, true); err == nil {
+		t.Errorf("a quorum delay queue %q was declared for a classic work queue", delayQueueName(r.e, "quorum"))
+	}
+	r.rec.waitFor(t, 10*time.Second, "the copy back and completed", func(evs []amqpidem.Event) bool {
+		return count(evs, "c1", amqpidem.Completed) == 1
+	})
+	if seen := r.handled(); len(seen) != 2 || seen[1].Headers["x-first-death-queue"] != dq {
+		t.Errorf("the copy did not come back from %q", dq)
+	}
+}
+
+// TestDelayQueueWithOtherArguments checks that a delay queue that exists
+// with other arguments (every declaration PRECONDITION_FAILED) gives an
+// error naming the queue and saying what to do.
+func TestDelayQueueWithOtherArguments(t *testing.T) {
+	r := startRetryOnce(t, "classic")
+	dq := delayQueueName(r.e, "classic")
+	if _, err := declareOn(t, r.e, dq, amqp.Table{"x-message-ttl": int64(1)}, false); err != nil {
+		t.Fatal(err)
+	}
+	r.e.publish(amqp.Publishing{MessageId: "c2", Body: []byte("pay 40")})
+	var got error
+	r.rec.waitFor(t, 15*time.Second, "an event with the declaration's error", func(evs []amqpidem.Event) bool {
+		for _, ev := range evs {
+			if ev.Err != nil && strings.Contains(ev.Err.Error(), dq) {
+				got = ev.Err
+				return true
+			}
+		}
+		return false
+	})
+	for _, want := range []string{fmt.Sprintf("declare queue %q", dq), "exists with arguments other than those amqpidem declares",
+		"delete the queue", "PRECONDITION_FAILED"} {
+		if !strings.Contains(got.Error(), want) {
+			t.Errorf("error %q does not contain %q", got, want)
+		}
+	}
+}
+
+// TestDelayedCopyOfExpiringMessageWaits checks that a delayed copy of a
+// message whose expiration is shorter than the delay still waits the
+// delay (an expiration on the copy in the delay queue would have the
+// broker dead-letter it back early), and that the message's expiry
+// travels in HeaderExpiresAt.
+func TestDelayedCopyOfExpiringMessageWaits(t *testing.T) {
+	for _, qt := range []string{"classic", "quorum"} {
+		t.Run(qt, func(t *testing.T) {
+			r := startRetryOnce(t, qt)
+			published := time.Now().UnixMilli()
+			r.waitRetried(t, amqp.Publishing{MessageId: "x1", Body: []byte("pay 50"), Expiration: "1000"})
+			retried := r.eventTime(t, "x1", amqpidem.Retried)
+			r.rec.waitFor(t, 10*time.Second, "the copy back", func(evs []amqpidem.Event) bool {
+				n := 0
+				for _, ev := range evs {
+					if ev.Key == "x1" {
+						n++
+					}
+				}
+				return n >= 2
+			})
+			r.rec.mu.Lock()
+			var back time.Time
+			for i, ev := range r.rec.events {
+				if ev.Key == "x1" && ev.Outcome != amqpidem.Retried {
+					back = r.rec.at[i]
+					break
+				}
+			}
+			r.rec.mu.Unlock()
+			if gap := back.Sub(retried); gap < retryDelay-200*time.Millisecond {
+				t.Errorf("the copy came back after %v, want the delay, %v", gap, retryDelay)
+			}
+			if seen := r.handled(); len(seen) == 2 {
+				at, _ := seen[1].Headers[amqpidem.HeaderExpiresAt].(int64)
+				if at < published+1000 || at > time.Now().UnixMilli() ||
+					seen[1].Headers[amqpidem.HeaderOriginalExpiration] != "1000" {
+					t.Errorf("the copy's headers: %s %v, %s %v; want about publish time + 1 s and 1000",
+						amqpidem.HeaderExpiresAt, seen[1].Headers[amqpidem.HeaderExpiresAt],
+						amqpidem.HeaderOriginalExpiration, seen[1].Headers[amqpidem.HeaderOriginalExpiration])
+				}
+			}
+		})
+	}
+}
