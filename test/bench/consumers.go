@@ -272,7 +272,11 @@ func startIdem(ctx context.Context, store lock.Store, cfg idemConfig, t *tally) 
 	})
 	c, err := amqpidem.NewConsumer(store, amqpidem.ConsumerConfig{
 		Config: amqpidem.Config{
-			Queue:     cfg.queue,
+			Queue: cfg.queue,
+			// One inbox for the round's queues: the duplicate variant
+			// consumes another queue and replays what unique completed.
+			// The store's prefix keeps rounds apart.
+			Endpoint:  "bench",
 			LeaseTTL:  cfg.leaseTTL,
 			Retention: cfg.retention,
 			Observer:  obs,
