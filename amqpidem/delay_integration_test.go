@@ -136,7 +136,6 @@ func quorumDelayArgs(e *env) amqp.Table {
 		"x-dead-letter-routing-key": e.queue,
 		"x-dead-letter-strategy":    "at-least-once",
 		"x-overflow":                "reject-publish",
-		"x-expires":                 2*ms + (24 * time.Hour).Milliseconds(),
 	}
 }
 

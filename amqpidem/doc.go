@@ -63,10 +63,13 @@
 // replicated and the broker does not wait for the work queue to take the
 // copy, so a broker crash while a copy waits, or a failure on its way back
 // (the work queue unavailable or rejecting publishes), can lose it after
-// the original was acked. Use a quorum work queue when that matters. Delay
-// queues delete themselves when unused: after twice the delay plus a
-// minute (classic) or plus a day (quorum; copies waiting for an
-// unavailable work queue are kept that long, then lost with the queue).
+// the original was acked. Use a quorum work queue when that matters.
+// Classic delay queues delete themselves when unused (after twice the
+// delay plus a minute). Quorum delay queues do not expire: an expiring
+// queue is deleted with the copies in it, and RabbitMQ after 3.10 does
+// not renew a quorum queue's expiry on re-declaration. They stay, empty
+// when unused, one per delay tier (at most 90 per decade of delays);
+// delete unused ones at will, amqpidem declares them again when needed.
 //
 // Requeues never extend a message's expiration (its Expiration property):
 // HeaderExpiresAt keeps its deadline and copies sent straight back carry

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os/exec"
 	"runtime"
 	"strings"
 	"sync"
@@ -55,7 +56,7 @@ func newEnv(t *testing.T, queueArgs amqp.Table) *env {
 		if err != nil {
 			return
 		}
-		for _, q := range []string{name, name + ".dlq"} {
+		for _, q := range append([]string{name, name + ".dlq"}, delayQueues(name)...) {
 			_, _ = ch.QueueDelete(q, false, false, false)
 		}
 	})
@@ -64,6 +65,23 @@ func newEnv(t *testing.T, queueArgs amqp.Table) *env {
 		t.Fatal(err)
 	}
 	return &env{t: t, url: url, conn: conn, ch: ch, queue: name, store: store}
+}
+
+// delayQueues lists the quorum delay queues of queue on the local broker
+// (they do not expire), through rabbitmqctl when it is there; none
+// otherwise.
+func delayQueues(queue string) []string {
+	out, err := exec.Command("rabbitmqctl", "list_queues", "-q", "--no-table-headers", "name").Output()
+	if err != nil {
+		return nil
+	}
+	var qs []string
+	for _, q := range strings.Fields(string(out)) {
+		if strings.HasPrefix(q, queue+".delayq.") {
+			qs = append(qs, q)
+		}
+	}
+	return qs
 }
 
 func (e *env) publish(msg amqp.Publishing) {

@@ -91,14 +91,6 @@ const (
 	queueQuorum = "quorum"
 )
 
-// quorumDelayIdle is how long a quorum delay queue outlives its last use
-// beyond twice its TTL. At-least-once dead-lettering keeps a copy in the
-// delay queue until the work queue has taken it, and x-expires deletes a
-// queue with the messages in it: the margin lets a work queue that is
-// unavailable or rejecting publishes (overflow reject-publish) take its
-// copies back for up to a day.
-const quorumDelayIdle = 24 * time.Hour
-
 // delayQueue names the delay tier queue for d on queue, a work queue of
 // type queueType: "<queue>.delay.<ms>" for a classic work queue (a classic
 // delay queue), "<queue>.delayq.<ms>" for a quorum one (a quorum delay
@@ -143,10 +135,11 @@ func delayTier(d time.Duration) time.Duration {
 // with at-least-once dead-lettering (x-dead-letter-strategy
 // "at-least-once", which requires x-overflow "reject-publish" and
 // RabbitMQ 3.10 or later): a copy stays in the delay queue until the work
-// queue has confirmed it. x-expires, which RabbitMQ 3.10 honours on quorum
-// queues (a declaration restarts its clock) and which deletes a queue with
-// its messages, is 2*ttl+quorumDelayIdle, so that copies waiting for an
-// unavailable work queue are kept for a day.
+// queue has confirmed it. A quorum delay queue has no x-expires: it would
+// delete the queue with the copies waiting in it, and RabbitMQ releases
+// after 3.10 do not renew a quorum queue's expiry when it is declared
+// again, so a queue in use would be deleted on schedule. Quorum delay
+// queues stay (empty when unused); at most 90 tiers per decade of delays.
 func delayQueueArgs(queue, queueType string, ttl time.Duration) amqp.Table {
 	ms := ttl.Milliseconds()
 	if queueType == queueQuorum {
@@ -157,7 +150,6 @@ func delayQueueArgs(queue, queueType string, ttl time.Duration) amqp.Table {
 			"x-dead-letter-routing-key": queue,
 			"x-dead-letter-strategy":    "at-least-once",
 			"x-overflow":                "reject-publish",
-			"x-expires":                 2*ms + quorumDelayIdle.Milliseconds(),
 		}
 	}
 	return amqp.Table{

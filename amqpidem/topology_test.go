@@ -48,7 +48,6 @@ func TestDelayQueueArgs(t *testing.T) {
 		"x-dead-letter-routing-key": "orders",
 		"x-dead-letter-strategy":    "at-least-once",
 		"x-overflow":                "reject-publish",
-		"x-expires":                 int64(3000 + 24*3600*1000),
 	}
 	for _, tc := range []struct {
 		queueType string

@@ -3,6 +3,7 @@ package lock
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -34,7 +35,8 @@ const batchTimeout = 30 * time.Second
 type batcher struct {
 	client redis.UniversalClient
 
-	noMerge atomic.Bool // a merged script call was refused where single ones went through
+	noMerge    atomic.Bool  // a merged script call was refused where single ones went through
+	standalone atomic.Int32 // 0 not known yet, 1 a standalone server (merge), 2 not (never merge)
 
 	mu      sync.Mutex
 	waiting []*call
@@ -139,8 +141,7 @@ func (b *batcher) send(batch []*call) {
 // batch-mates decide its answer, and merging stops for this store once a
 // call alone went through where the merged one was refused.
 func (b *batcher) exec(ctx context.Context, calls []*call) {
-	_, merge := b.client.(*redis.Client)
-	groups := groupCalls(calls, merge && !b.noMerge.Load())
+	groups := groupCalls(calls, b.merging(ctx))
 	b.runGroups(ctx, groups)
 
 	var alone []*group
@@ -180,6 +181,34 @@ func (b *batcher) exec(ctx context.Context, calls []*call) {
 			c.val = replies[i]
 		}
 	}
+}
+
+// merging reports whether script calls may be merged: only on a
+// *redis.Client whose server says, once, that it is a real standalone
+// Redis (INFO server: redis_mode:standalone; a proxy in front of a
+// cluster answers otherwise or not at all, and could run a merged call on
+// the shard of its first key), and never after a merged call was refused.
+func (b *batcher) merging(ctx context.Context) bool {
+	c, ok := b.client.(*redis.Client)
+	if !ok || b.noMerge.Load() {
+		return false
+	}
+	switch b.standalone.Load() {
+	case 1:
+		return true
+	case 2:
+		return false
+	}
+	info, err := c.Info(ctx, "server").Result()
+	switch {
+	case err != nil && isUnavailable(err):
+		return false // ask again next time
+	case err == nil && strings.Contains(info, "redis_mode:standalone"):
+		b.standalone.Store(1)
+		return true
+	}
+	b.standalone.Store(2)
+	return false
 }
 
 // groupCalls makes one script call per call, or, with merge, one per

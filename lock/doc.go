@@ -62,9 +62,11 @@
 //     Retention while a lease is held. Nothing lives forever.
 //   - Portable: one key per record, passed in KEYS, so RedisStore works on
 //     a standalone server, Sentinel and Cluster (any redis.UniversalClient).
-//     On a standalone client, concurrent calls are merged into one script
-//     call over many keys; a proxy that refuses such a call as a whole
-//     (CROSSSLOT) gets each call alone, and merging stops for that store.
+//     Concurrent calls are merged into one script call over many keys
+//     only when the server says (INFO server, asked once) that it is a
+//     standalone Redis, not a proxy that might run the call on the shard of
+//     its first key; a merged call refused as a whole (CROSSSLOT) is sent
+//     again one call per key, and merging stops for that store.
 //
 // # Records in Redis
 //

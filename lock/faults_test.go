@@ -227,3 +227,54 @@ func TestConfigRefusesSubMillisecondRetention(t *testing.T) {
 		t.Fatalf("Retention 500µs: got %v, want ErrInvalidTTL", err)
 	}
 }
+
+// notStandalone answers INFO as a proxy in front of a cluster might, and
+// counts script calls over more than one key.
+type notStandalone struct{ merged atomic.Int64 }
+
+func (h *notStandalone) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *notStandalone) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if c, ok := cmd.(*redis.StringCmd); ok && strings.EqualFold(cmd.Name(), "info") {
+			c.SetVal("# Server\r\nredis_mode:cluster\r\n")
+			return nil
+		}
+		return next(ctx, cmd)
+	}
+}
+func (h *notStandalone) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		for _, c := range cmds {
+			if a := c.Args(); len(a) > 2 && strings.EqualFold(fmt.Sprint(a[0]), "evalsha") && fmt.Sprint(a[2]) != "1" {
+				h.merged.Add(1)
+			}
+		}
+		return next(ctx, cmds)
+	}
+}
+
+// Script calls are merged only on a server that says it is a standalone
+// Redis: behind a proxy a merged call could run on the shard of its first
+// key.
+func TestRedisMergesOnlyOnAStandaloneServer(t *testing.T) {
+	client := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr(t)})
+	t.Cleanup(func() { client.Close() })
+	hook := &notStandalone{}
+	client.AddHook(hook)
+	s := newRedisStore(t, client, lock.Config{Prefix: testenv.Name(t)})
+	ctx := context.Background()
+	var wg sync.WaitGroup
+	for i := range 64 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := s.Acquire(ctx, lock.Request{Key: fmt.Sprint("k", i)}); err != nil {
+				t.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+	if n := hook.merged.Load(); n != 0 {
+		t.Fatalf("%d script calls over many keys sent to a server that is not standalone", n)
+	}
+}
