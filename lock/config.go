@@ -105,7 +105,12 @@ func (c Config) check(req Request) (Request, error) {
 	if req.Retention == 0 {
 		req.Retention = c.Retention
 	}
-	if req.Retention > 0 && req.Retention < time.Millisecond {
+	// Checked before the cut to milliseconds below, which would make a
+	// retention of -500µs or 500µs a retention of 0: nothing kept.
+	if req.Retention < 0 {
+		return req, fmt.Errorf("%w: retention %v is negative", ErrInvalidTTL, req.Retention)
+	}
+	if req.Retention < time.Millisecond {
 		return req, fmt.Errorf("%w: retention %v is below 1ms: nothing would be kept", ErrInvalidTTL, req.Retention)
 	}
 	// The server keeps milliseconds: a lease must not claim more than that,
@@ -114,9 +119,6 @@ func (c Config) check(req Request) (Request, error) {
 	req.Retention = req.Retention.Truncate(time.Millisecond)
 	if req.TTL < MinTTL {
 		return req, fmt.Errorf("%w: lease TTL %v is below the minimum %v", ErrInvalidTTL, req.TTL, MinTTL)
-	}
-	if req.Retention < 0 {
-		return req, fmt.Errorf("%w: retention %v is negative", ErrInvalidTTL, req.Retention)
 	}
 	return req, nil
 }

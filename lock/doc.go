@@ -29,18 +29,22 @@
 //     one. The client's own clock is used only to estimate its lease's
 //     deadline conservatively (Lease.Deadline is never later than the
 //     server's).
-//   - Fencing: the fence strictly increases with each lease on a key.
-//     A new lease's fence is the higher of the last fence + 1 and the
-//     server's clock in microseconds (Redis TIME), so a record that was
-//     lost (expired after its retention, evicted, forgotten by a restart
-//     without persistence or by a failover) and made again still hands out
-//     fences above every fence of the lost record. That part holds as long
-//     as the clock of the server granting the new lease is ahead of the
-//     microsecond the old fence was granted at: a clock stepped back, or a
-//     failover to a server whose clock is behind, can break it. Within one
-//     record fences never go down whatever the clock does. (A key gets
-//     fewer than one lease per microsecond: each is a script execution.)
-//     Attempts, unlike fences, restart at 1 with a new record.
+//   - Fencing: while a key's record exists, each new lease's fence is
+//     strictly higher than the last, whatever the clocks do. A new lease's
+//     fence is the higher of the last fence + 1 and the server's clock in
+//     microseconds (Redis TIME), so a record that was lost (expired after
+//     its retention, evicted, forgotten by a restart without persistence
+//     or by a failover) and made again still hands out fences above every
+//     fence of the lost record, as long as the clock of the server
+//     granting the new lease is ahead of the microsecond the lost record's
+//     last fence was granted at. A clock stepped back, or a failover to a
+//     server whose clock is behind, can break that. The last fence is
+//     that microsecond because a key gets fewer than one lease per
+//     microsecond: each lease is a script execution that reads TIME, GETs
+//     and SETs the record, between two leases on a key comes another such
+//     script (Release or Cancel) or a TTL of at least 1 ms, and Redis runs
+//     scripts one at a time. Attempts, unlike fences, restart at 1 with a
+//     new record.
 //     Extend, Complete, Fail and Release are compare-and-set on owner and
 //     fence: a holder whose lease was taken over gets ErrLeaseLost and
 //     changes nothing.
@@ -49,8 +53,12 @@
 //     resent Complete, Fail, Release or Cancel that finds its own write
 //     answers nil (and a resent Cancel takes back no second attempt).
 //     RedisStore.Acquire also tries again itself, with the same owner
-//     token, when a reply does not come (a timeout), so that a lease taken
-//     by a call whose reply was lost is not left blocking the key.
+//     token, when a reply does not come (a timeout, a broken connection),
+//     so that a lease taken by a call whose reply was lost is not left
+//     blocking the key. What remains: if the store stays unreachable past
+//     those few tries (about 350 ms), Acquire returns ErrUnavailable and a
+//     lease it may have taken blocks the key for its TTL, with its attempt
+//     counted.
 //   - Errors say what they are: ErrUnavailable when the store could not
 //     answer (the call may or may not have taken effect), ErrBadRecord or
 //     ErrKeyCollision when one key's record cannot be used (other keys are

@@ -42,7 +42,7 @@ func isUnavailable(err error) bool {
 	case errors.As(err, &re):
 		return hasPrefix(re.Error(), notNowPrefixes)
 	}
-	return strings.Contains(err.Error(), "connection pool timeout")
+	return errors.Is(err, redis.ErrPoolTimeout)
 }
 
 // classify wraps err with ErrUnavailable when the store could not answer.
@@ -74,5 +74,5 @@ func refusedWhole(err error) bool {
 // connection could not be made.
 func notSent(err error) bool {
 	var oe *net.OpError
-	return (errors.As(err, &oe) && oe.Op == "dial") || strings.Contains(err.Error(), "connection pool timeout")
+	return (errors.As(err, &oe) && oe.Op == "dial") || errors.Is(err, redis.ErrPoolTimeout)
 }

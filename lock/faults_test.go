@@ -108,6 +108,7 @@ func TestRedisMergedCallRefusedAsAWhole(t *testing.T) {
 	if err := s.Check(ctx); err != nil {
 		t.Fatal(err)
 	}
+	var refused int64
 	for round := range 3 {
 		const n = 32
 		var wg sync.WaitGroup
@@ -132,6 +133,15 @@ func TestRedisMergedCallRefusedAsAWhole(t *testing.T) {
 				t.Fatalf("round %d, key %d: %v", round, i, err)
 			}
 		}
+		// The first round merges (and is refused); then merging stops.
+		switch n := proxy.refused.Load(); {
+		case round == 0 && n == 0:
+			t.Fatal("no merged call was sent: the fault was never injected")
+		case round == 0:
+			refused = n
+		case n != refused:
+			t.Fatalf("round %d: %d merged calls refused after %d in round 0: merging did not stop", round, n, refused)
+		}
 	}
 	for i := range 32 {
 		res, err := s.Acquire(ctx, lock.Request{Key: fmt.Sprintf("r0-k%d", i)})
@@ -139,7 +149,6 @@ func TestRedisMergedCallRefusedAsAWhole(t *testing.T) {
 			t.Fatalf("key %d: %v attempts %d %v; want completed once", i, res.Status, res.Attempts, err)
 		}
 	}
-	t.Logf("merged calls refused: %d", proxy.refused.Load())
 }
 
 // lostReplyConn loses the reply of the first script call written after arm:
@@ -210,6 +219,72 @@ func TestRedisAcquireResolvesALostReply(t *testing.T) {
 	}
 	if err != nil || res.Status != lock.Acquired || res.Lease.Attempt != 1 {
 		t.Fatalf("Acquire with its reply lost: %v attempt %d %v; want acquired, attempt 1", res.Status, res.Lease.Attempt, err)
+	}
+	busy, err := s.Acquire(ctx, lock.Request{Key: "k"})
+	if err != nil || busy.Status != lock.InProgress || busy.Fence != res.Lease.Fence || busy.Attempts != 1 {
+		t.Fatalf("another caller: %v fence %d attempts %d %v; want the same lease in progress", busy.Status, busy.Fence, busy.Attempts, err)
+	}
+	if err := s.Complete(ctx, res.Lease, []byte("ok")); err != nil {
+		t.Fatalf("the resolved lease cannot complete: %v", err)
+	}
+}
+
+// stallConn stalls the reply of the first script call written after arm
+// until the client's read deadline passes: the server ran the call, the
+// client sees an i/o timeout.
+type stallConn struct {
+	net.Conn
+	armed *atomic.Bool
+	stall bool
+}
+
+func (c *stallConn) Write(b []byte) (int, error) {
+	if bytes.Contains(bytes.ToLower(b), []byte("evalsha")) && c.armed.CompareAndSwap(true, false) {
+		c.stall = true
+	}
+	return c.Conn.Write(b)
+}
+
+func (c *stallConn) Read(b []byte) (int, error) {
+	if c.stall {
+		c.stall = false
+		_, _ = c.Conn.Read(b) // the reply came: the command surely ran
+		return c.Conn.Read(b) // nothing more comes: blocks until the read deadline
+	}
+	return c.Conn.Read(b)
+}
+
+// An Acquire whose reply does not come in time (the server ran it) is
+// tried again with the same owner token: the lease it took is its own,
+// attempt 1, and another caller sees it in progress. MaxRetries -1 keeps
+// go-redis from resending the pipeline after the timeout itself.
+func TestRedisAcquireResolvesATimedOutReply(t *testing.T) {
+	var armed atomic.Bool
+	client := redis.NewClient(&redis.Options{
+		Addr:        testenv.RedisAddr(t),
+		MaxRetries:  -1,
+		ReadTimeout: 200 * time.Millisecond,
+		Dialer: func(ctx context.Context, network, addr string) (net.Conn, error) {
+			c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			return &stallConn{Conn: c, armed: &armed}, nil
+		},
+	})
+	t.Cleanup(func() { client.Close() })
+	s := newRedisStore(t, client, lock.Config{Prefix: testenv.Name(t)})
+	ctx := context.Background()
+	if err := s.Check(ctx); err != nil {
+		t.Fatal(err)
+	}
+	armed.Store(true)
+	res, err := s.Acquire(ctx, lock.Request{Key: "k", TTL: time.Minute})
+	if armed.Load() {
+		t.Fatal("the fault was never injected")
+	}
+	if err != nil || res.Status != lock.Acquired || res.Lease.Attempt != 1 {
+		t.Fatalf("Acquire with its reply timed out: %v attempt %d %v; want acquired, attempt 1", res.Status, res.Lease.Attempt, err)
 	}
 	busy, err := s.Acquire(ctx, lock.Request{Key: "k"})
 	if err != nil || busy.Status != lock.InProgress || busy.Fence != res.Lease.Fence || busy.Attempts != 1 {

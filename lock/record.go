@@ -118,16 +118,21 @@ type Lease struct {
 	Key string
 	// Owner is a random token unique to the Acquire call that made the lease.
 	Owner string
-	// Fence is the fencing token: it strictly increases with every lease
-	// granted on the key. It is at least the server's clock in
-	// microseconds when the lease was granted, so a record that is lost
-	// (expired, evicted, forgotten) and made again still gives fences
-	// above the lost one's, unless the server's clock stepped back (or a
-	// failover moved to a server whose clock is behind). Downstream writes
-	// that remember the highest fence they saw can reject a stale holder.
+	// Fence is the fencing token. While the key's record exists, each new
+	// lease's fence is strictly higher than the last one's, whatever the
+	// clocks do. It is the higher of the last fence + 1 and the store's
+	// clock in microseconds (Redis TIME; Config.Now for MemoryStore), so
+	// a record that was lost (expired after its retention, evicted,
+	// forgotten by a restart or a failover) and made again still hands
+	// out a higher fence as long as the clock granting the new lease is
+	// past the microsecond the lost fence was granted at. A clock stepped
+	// back, or a failover to a server whose clock is behind, can break
+	// that. Downstream writes that remember the highest fence they saw can
+	// reject a stale holder.
 	Fence int64
 	// Attempt counts the leases granted on the key, this one included
-	// (1 for the first execution). Takeovers of expired leases count.
+	// (1 for the first execution). Takeovers of expired leases count. A
+	// lost record takes its count with it: the next lease is attempt 1.
 	Attempt int
 	// TTL is the lease duration used for Acquire and every Extend.
 	TTL time.Duration
@@ -162,8 +167,10 @@ type Result struct {
 }
 
 // Store keeps one record per idempotency key and hands out leases on it.
-// Fences come from the store's clock (microseconds) and never go down for
-// a key, across a lost record too; attempts restart at 1 with a new record.
+// Fences strictly increase per key while its record exists; they come
+// from the store's clock in microseconds, so that a record lost and made
+// again still gives higher fences unless that clock is behind the lost
+// fence (see Lease.Fence). Attempts restart at 1 with a new record.
 //
 // Per key the record moves: absent → in progress (owner, fence, lease
 // deadline, attempts, fingerprint) → completed (result) or failed (error).

@@ -121,10 +121,14 @@ const (
 //
 // An Acquire whose reply is lost may have taken the lease: it is sent again
 // with the same owner token, which the script answers with that same lease
-// (no second attempt counted). go-redis resends after a broken connection;
-// after a timeout or a store that stays unreachable, Acquire itself tries
-// again up to 3 times over about 350 ms, within ctx (a call that surely
-// never reached the server, a failed dial, is not). If all fail it
+// (no second attempt counted). go-redis resends after a broken connection
+// or a timeout (unless its MaxRetries is -1); when the error still comes
+// through (ErrUnavailable), Acquire itself tries again up to 3 times over
+// about 350 ms, within ctx. A per-key error (ErrBadRecord), an answer, or
+// ctx ending is not retried, nor is an error saying the call never left
+// the client (a failed dial, a pool timeout) while no earlier try may
+// have reached the server, so that a dead store fails fast; go-redis's own
+// resends can hide such an earlier send. If the tries all fail, Acquire
 // returns an error wrapping ErrUnavailable, and a lease it may have taken
 // blocks the key for its TTL, with its attempt counted.
 func (s *RedisStore) Acquire(ctx context.Context, req Request) (Result, error) {

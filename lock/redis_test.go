@@ -3,6 +3,7 @@ package lock_test
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"log/slog"
 	"net"
@@ -362,8 +363,16 @@ func TestRedisRecordFormat(t *testing.T) {
 	if typ := client.Type(ctx, rkey).Val(); typ != "string" {
 		t.Fatalf("record type %q, want string", typ)
 	}
-	if raw := client.Get(ctx, rkey).Val(); len(raw) == 0 || raw[0] != 0x01 {
+	raw := []byte(client.Get(ctx, rkey).Val())
+	if len(raw) == 0 || raw[0] != 0x01 {
 		t.Fatalf("record %q: want a msgpack sequence led by version 1", raw)
+	}
+	// The fence (server µs, about 1.8e15) is packed as a MessagePack
+	// uint64, exact, not as a float: after version 0x01, state "p" (fixstr
+	// 0xa1 'p') and the 32-byte owner (str8 0xd9 0x20 ...).
+	const at = 1 + 2 + 2 + 32
+	if len(raw) < at+9 || raw[at] != 0xcf || int64(binary.BigEndian.Uint64(raw[at+1:])) != res.Lease.Fence {
+		t.Fatalf("record %x: want fence %d packed as uint64 (0xcf) at byte %d", raw, res.Lease.Fence, at)
 	}
 	// set overwrites field i (1-based: 1 version ... 6 attempts) of the record.
 	set := func(i, v int) {

@@ -459,6 +459,8 @@ func testBadInput(t *testing.T, store func(*testing.T, lock.Config) lock.Store) 
 		{"negative TTL", lock.Request{Key: "k", TTL: -time.Second}, lock.ErrInvalidTTL},
 		{"sub-millisecond TTL", lock.Request{Key: "k", TTL: time.Microsecond}, lock.ErrInvalidTTL},
 		{"negative retention", lock.Request{Key: "k", Retention: -time.Second}, lock.ErrInvalidTTL},
+		{"negative sub-millisecond retention", lock.Request{Key: "k", Retention: -500 * time.Microsecond}, lock.ErrInvalidTTL},
+		{"negative sub-millisecond TTL", lock.Request{Key: "k", TTL: -500 * time.Microsecond}, lock.ErrInvalidTTL},
 		{"long fingerprint", lock.Request{Key: "k", Fingerprint: strings.Repeat("f", 200)}, lock.ErrInvalidFingerprint},
 	}
 	for _, tc := range errCases {
