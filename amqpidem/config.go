@@ -80,7 +80,12 @@ type Config struct {
 	// "quorum". It picks the delay queues of delayed requeues: a quorum
 	// work queue gets quorum delay queues with at-least-once
 	// dead-lettering, so that a requeued copy is not lost on its way back.
-	// A Consumer fills it in from QueueArgs["x-queue-type"] when empty.
+	// A Consumer fills it in from QueueArgs["x-queue-type"] when empty; a
+	// queue that is quorum by other means (a custom Declare, a policy, the
+	// virtual host's default queue type) must say so here, or its delay
+	// queues are classic. The dead-letter queue "<Queue>.dlq" is declared
+	// classic; declare it yourself (or set DeadLetterExchange) for another
+	// type.
 	QueueType string
 
 	// LeaseTTL is the lease duration; the heartbeat renews it about every

@@ -151,7 +151,7 @@ func NewConsumer(store lock.Store, cfg ConsumerConfig, h Handler) (*Consumer, er
 		cfg: cfg, proc: proc, base: base, cancel: cancel,
 		stopping: stopping, done: make(chan struct{}), running: make(chan struct{}),
 	}
-	stopKeeperWhenUnreachable(c, proc.keeper)
+	cleanUpWhenUnreachable(c, proc.keeper, nil) // Run closes its sessions' publishers
 	return c, nil
 }
 

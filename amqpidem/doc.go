@@ -21,6 +21,7 @@
 //	same key, different payload            dead letter, reason "key conflict"      unchanged
 //	no key                                 dead letter (or run unkeyed, by policy) none
 //	invalid key (too long, KeyFunc panic)  dead letter, never run unkeyed          none
+//	expired (HeaderExpiresAt passed)       dead letter, reason "expired"           none
 //	lease lost while running               ctx cancelled, result discarded,        untouched
 //	                                       delayed requeue
 //	store unavailable                      delayed requeue (or run, FailOpen)      none
@@ -71,11 +72,13 @@
 // when unused, one per delay tier (at most 90 per decade of delays);
 // delete unused ones at will, amqpidem declares them again when needed.
 //
-// Requeues never extend a message's expiration (its Expiration property):
-// HeaderExpiresAt keeps its deadline and copies sent straight back carry
-// the time left. A copy back from a delay queue has no expiration, because
-// RabbitMQ removes it on dead-lettering. Dead letters carry none either;
-// the original value is in HeaderOriginalExpiration.
+// A message published with an expiration (per-message TTL) keeps it
+// across requeues: the first copy records the deadline in
+// HeaderExpiresAt, copies carry no expiration property (the broker would
+// drop an expired copy silently), and a delivery past its deadline is
+// dead-lettered with reason "expired", never run and never dropped. Dead
+// letters carry no expiration either; the original value is in
+// HeaderOriginalExpiration.
 //
 // Dead letters go to "<queue>.dlq" (declared on demand) or a configured
 // exchange, with HeaderReason, HeaderError, HeaderAttempt, HeaderFirstSeen,
@@ -83,9 +86,14 @@
 // confirmed before the original is acked. A dead letter the broker cannot
 // route is requeued with HeaderDeadLetterPending and tried again after
 // UnavailableDelay: it is never dropped. So is a message whose failure
-// may or may not have been stored (the store's reply was lost): if the
-// record says failed when the copy comes back, it is dead-lettered,
-// whatever FailedDuplicate says.
+// could not be stored for sure (Fail is tried for up to 10 s): when the
+// copy comes back it is dead-lettered, whatever FailedDuplicate says, and
+// if the failure was not stored after all, it is stored then, without
+// running the handler again.
+//
+// A result whose reply cannot be sent is requeued so that its redelivery,
+// a duplicate, sends the stored reply; after MaxAttempts tries
+// (HeaderReplyTries) the reply is given up, logged, and the message acked.
 //
 // A copy that cannot be published (a delay queue that exists with other
 // arguments, a broker refusing publishes) does not spin: the message is
@@ -99,9 +107,13 @@
 // counts with the record (the higher count wins, so that a lost record
 // does not restart the retries) but is read as at most MaxAttempts, and a
 // negative or non-integer value as 0: a forged value can bring a dead
-// letter closer, never postpone one. HeaderDeadLetterPending only turns
-// the drop of a duplicate of failed work into a dead letter, and the
-// dead letter's reason then comes from the record, not from the header.
+// letter closer, never postpone one. A dead letter moved back to its
+// queue (it carries HeaderError) starts its count afresh, so that it runs
+// once its record has expired or been removed. HeaderDeadLetterPending
+// only brings a dead letter closer too: a duplicate of failed work is
+// dead-lettered instead of dropped, with the record's reason, and a key
+// that is free is failed and dead-lettered without running.
+// HeaderExpiresAt can only bring an "expired" dead letter closer.
 // HeaderOriginalExchange, HeaderOriginalRoutingKey and HeaderUserID are
 // informational: amqpidem decides nothing from them.
 //

@@ -10,7 +10,10 @@ import (
 )
 
 // Handler processes one message. The delivery it gets is a copy that it
-// must not settle: Ack, Nack and Reject on it return ErrHandlerAck. It returns the result to store (and to
+// must not settle: Ack, Nack and Reject on it return ErrHandlerAck. Its
+// Headers and Body are shared with the copies amqpidem may publish (a
+// requeue, a dead letter) and with the payload fingerprint: read them, do
+// not modify them. It returns the result to store (and to
 // send to ReplyTo, if the message has one) or an error. An error wrapped
 // with Permanent fails the message for good; any other error is retried
 // with the queue's backoff.

@@ -109,6 +109,14 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *
 		defer sl.free()
 	}
 
+	if expired(d, time.Now()) {
+		// Its publisher gave it an expiration that requeues have
+		// outlived: not run, and not dropped either.
+		sl.free()
+		p.deadLetter(ctx, b, d, &ev, "expired", fmt.Errorf("expired at %v (%s)",
+			time.UnixMilli(int64(headerInt(d.Headers, HeaderExpiresAt))).UTC().Format(time.RFC3339Nano), HeaderExpiresAt))
+		return ev
+	}
 	if err != nil {
 		if errors.Is(err, ErrNoKey) && p.cfg.MissingKey == ProcessMissingKey {
 			p.runUnkeyed(ctx, b, d, &ev, "no key", sl)
@@ -160,7 +168,7 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *
 			ev.Reason = "reply not re-sent"
 			ev.Err = fmt.Errorf("amqpidem: stored reply not re-sent to %q: the result was not made for that reply-to", d.ReplyTo)
 		} else if err := p.reply(ctx, b, d, result, &ev); err != nil {
-			p.requeue(ctx, b, d, &ev, Abandoned, "reply not sent", p.cfg.UnavailableDelay, err)
+			p.replyFailed(ctx, b, d, &ev, Duplicate, err)
 			return ev
 		}
 		p.ack(d, &ev, Duplicate)
@@ -188,6 +196,19 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *
 		p.deadLetter(ctx, b, d, &ev, "key conflict",
 			fmt.Errorf("key %q was first seen with a different payload", key))
 	case lock.Acquired:
+		if mark, ok := d.Headers[HeaderDeadLetterPending]; ok {
+			// A copy whose dead letter is due (its failure may not have
+			// been stored, or its dead letter could not be routed) is not
+			// run again: the header can only bring a dead letter closer.
+			sl.free()
+			text, _ := mark.(string)
+			reason := storedReason(text)
+			if reason == "failed duplicate" {
+				reason = "dead letter pending"
+			}
+			p.fail(ctx, b, d, &ev, res.Lease, reason, fmt.Errorf("dead letter pending: %s", headerText(text)))
+			return ev
+		}
 		p.run(ctx, b, d, &ev, res.Lease, sl)
 	default:
 		p.requeue(ctx, b, d, &ev, Abandoned, "unexpected store answer", p.cfg.UnavailableDelay,
@@ -220,8 +241,13 @@ func (p *processor) key(d *amqp.Delivery) (key string, err error) {
 // headerAttempt is the number of executions d's HeaderAttempt claims,
 // clamped to [0, MaxAttempts]. A publisher can forge the header, so it may
 // only bring a dead letter closer (its executions count with the record's),
-// never allow more executions than the record does.
+// never allow more executions than the record does. A dead letter moved
+// back to the queue (it carries HeaderError, which only dead letters do)
+// starts afresh: its count is what got it dead-lettered.
 func (p *processor) headerAttempt(d *amqp.Delivery) int {
+	if d.Headers[HeaderError] != nil {
+		return 0
+	}
 	return min(max(headerInt(d.Headers, HeaderAttempt), 0), p.cfg.MaxAttempts)
 }
 
@@ -278,7 +304,10 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 	sl.free()
 
 	if err == nil && len(result) > p.cfg.MaxResultSize {
-		err = Permanent(fmt.Errorf("%w: %d bytes, at most %d allowed", lock.ErrResultTooLarge, len(result), p.cfg.MaxResultSize))
+		stop()
+		p.fail(ctx, b, d, ev, lease, "result too large",
+			fmt.Errorf("%w: %d bytes, at most %d allowed", lock.ErrResultTooLarge, len(result), p.cfg.MaxResultSize))
+		return
 	}
 	if err == nil {
 		// Complete is compare-and-set on owner and fence: if the lease was
@@ -304,7 +333,7 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 		if err := p.reply(ctx, b, d, result, ev); err != nil {
 			// The result is stored: the redelivery is a duplicate and
 			// sends the stored reply.
-			p.requeue(ctx, b, d, ev, Abandoned, "reply not sent", p.cfg.UnavailableDelay, err)
+			p.replyFailed(ctx, b, d, ev, Completed, err)
 			return
 		}
 		p.ack(d, ev, Completed)
@@ -342,12 +371,20 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 }
 
 // complete stores the result, even if ctx was cancelled meanwhile (the
-// work is done), retrying transport errors for up to settleTimeout.
+// work is done), retrying for up to settleTimeout (see settle).
 func (p *processor) complete(ctx context.Context, lease lock.Lease, result []byte) error {
+	return settle(ctx, func(ctx context.Context) error { return p.store.Complete(ctx, lease, result) })
+}
+
+// settle makes a store call that settles a lease (Complete, Fail) even if
+// ctx was cancelled meanwhile, and tries it again for up to settleTimeout
+// while it fails with anything but an answer: nil, lock.ErrLeaseLost or
+// lock.ErrResultTooLarge.
+func settle(ctx context.Context, call func(context.Context) error) error {
 	final := func(err error) bool {
 		return err == nil || errors.Is(err, lock.ErrLeaseLost) || errors.Is(err, lock.ErrResultTooLarge)
 	}
-	err := p.store.Complete(context.WithoutCancel(ctx), lease, result)
+	err := call(context.WithoutCancel(ctx))
 	if final(err) {
 		return err
 	}
@@ -361,7 +398,7 @@ func (p *processor) complete(ctx context.Context, lease lock.Lease, result []byt
 		case <-time.After(wait):
 		}
 		wait = min(2*wait, time.Second)
-		if err = p.store.Complete(sctx, lease, result); final(err) {
+		if err = call(sctx); final(err) {
 			return err
 		}
 	}
@@ -369,9 +406,8 @@ func (p *processor) complete(ctx context.Context, lease lock.Lease, result []byt
 
 // fail records a terminal failure and dead-letters the message.
 func (p *processor) fail(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, lease lock.Lease, reason string, cause error) {
-	sctx, cancel := settleContext(ctx)
-	defer cancel()
-	if err := p.store.Fail(sctx, lease, reason+": "+cause.Error()); err != nil {
+	text := reason + ": " + cause.Error()
+	if err := settle(ctx, func(ctx context.Context) error { return p.store.Fail(ctx, lease, text) }); err != nil {
 		if errors.Is(err, lock.ErrLeaseLost) {
 			// Someone took the key over: its new holder decides.
 			p.requeue(ctx, b, d, ev, Abandoned, "lease lost", p.cfg.InProgressDelay, errors.Join(cause, err))
@@ -391,8 +427,8 @@ func (p *processor) fail(ctx context.Context, b broker, d *amqp.Delivery, ev *Ev
 // failureReasons are the reasons a record's stored error can start with.
 var failureReasons = []string{"permanent failure", "attempts exhausted", "result too large"}
 
-// storedReason is the reason a failed record's error text gives, or
-// "failed duplicate".
+// storedReason is the reason a failed record's error text (or a pending
+// mark's text) gives, or "failed duplicate".
 func storedReason(text string) string {
 	for _, r := range failureReasons {
 		if strings.HasPrefix(text, r+": ") {
@@ -478,12 +514,39 @@ func (p *processor) requeue(ctx context.Context, b broker, d *amqp.Delivery, ev 
 	p.requeueMarked(ctx, b, d, ev, o, reason, delay, cause, "")
 }
 
+// replyFailed settles d, whose result is stored but whose reply could not
+// be sent: requeued after UnavailableDelay so that its redelivery, a
+// duplicate, sends the stored reply, at most MaxAttempts times (counted in
+// HeaderReplyTries); then the reply is given up, logged, and d acked as
+// o, so that the copy does not cycle until its record expires and the
+// work runs again.
+func (p *processor) replyFailed(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, o Outcome, err error) {
+	tries := min(max(headerInt(d.Headers, HeaderReplyTries), 0), p.cfg.MaxAttempts) + 1
+	if tries >= p.cfg.MaxAttempts {
+		ev.Reason = "reply given up"
+		ev.Err = errors.Join(ev.Err, fmt.Errorf("amqpidem: reply to %q not sent after %d tries: %w", d.ReplyTo, tries, err))
+		p.cfg.Logger.ErrorContext(ctx, "amqpidem: reply given up; the result stays stored",
+			"queue", p.cfg.Queue, "key", ev.Key, "reply_to", d.ReplyTo, "tries", tries, "error", err)
+		p.ack(d, ev, o)
+		return
+	}
+	p.requeueWith(ctx, b, d, ev, Abandoned, "reply not sent", p.cfg.UnavailableDelay, err, "", amqp.Table{HeaderReplyTries: int64(tries)})
+}
+
 // requeueMarked is requeue with the copy marked HeaderDeadLetterPending
 // (pending is the mark's text) when pending is set or d carries the mark.
 func (p *processor) requeueMarked(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, o Outcome, reason string, delay time.Duration, cause error, pending string) {
+	p.requeueWith(ctx, b, d, ev, o, reason, delay, cause, pending, nil)
+}
+
+// requeueWith is requeueMarked with more headers on the copy.
+func (p *processor) requeueWith(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, o Outcome, reason string, delay time.Duration, cause error, pending string, more amqp.Table) {
 	ev.Reason, ev.Delay = reason, delay
 	ev.Err = errors.Join(ev.Err, cause)
 	extra := amqp.Table{HeaderAttempt: int64(max(ev.Attempt, p.headerAttempt(d))), HeaderReason: reason}
+	for k, v := range more {
+		extra[k] = v
+	}
 	if v, ok := d.Headers[HeaderDeadLetterPending]; ok && pending == "" {
 		pending, _ = v.(string)
 		pending = cmp.Or(pending, "pending")

@@ -155,7 +155,7 @@ func TestProcessOutcomes(t *testing.T) {
 		{name: "panic is retryable", id: "a", body: "x", handler: panics, cfg: Config{Backoff: fixed},
 			want: Retried, wantAck: true, wantRuns: 1, wantPub: "requeue", wantDelay: 3 * time.Second},
 		{name: "result over the limit", id: "a", body: "x", handler: ok(strings.Repeat("r", 11)), cfg: Config{MaxResultSize: 10},
-			want: DeadLettered, wantReason: "permanent failure", wantAck: true, wantRuns: 1, wantPub: "q.dlq", wantStatus: lock.Failed},
+			want: DeadLettered, wantReason: "result too large", wantAck: true, wantRuns: 1, wantPub: "q.dlq", wantStatus: lock.Failed},
 		{name: "empty body is processed", id: "a", body: "", handler: ok("r"),
 			want: Completed, wantAck: true, wantRuns: 1, wantStatus: lock.Completed},
 	}

@@ -249,18 +249,12 @@ func (p *publisher) close() {
 // requeue publishes a copy of d to wait delay in its tier's delay queue and
 // then return to queue (or straight back to queue when delay is zero). The
 // delay queue is of the kind p.queueType calls for (see delayQueueArgs).
-//
-// A copy sent to a delay queue carries no expiration: one shorter than the
-// delay would make the broker dead-letter it back early (at once, for a
-// copy already expired), and RabbitMQ removes the expiration from every
-// dead-lettered message anyway. HeaderExpiresAt keeps the message's
-// expiry, and the next copy made from it carries the time left.
+// The copy carries no expiration; HeaderExpiresAt keeps the message's.
 func (p *publisher) requeue(ctx context.Context, queue string, d *amqp.Delivery, delay time.Duration, extra amqp.Table) error {
 	msg := copyOf(d, extra)
 	if delay <= 0 {
 		return p.publish(ctx, "", queue, msg)
 	}
-	msg.Expiration = ""
 	tier := delayTier(delay)
 	name := delayQueue(queue, p.queueType, tier)
 	if err := p.declare(ctx, name, delayQueueArgs(queue, p.queueType, tier), true); err != nil {

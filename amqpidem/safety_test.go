@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -221,13 +222,17 @@ func TestProcessForgedHeaders(t *testing.T) {
 		}
 	})
 
-	t.Run("pending mark does not skip work", func(t *testing.T) {
+	t.Run("pending mark brings the dead letter closer", func(t *testing.T) {
 		runs := 0
-		p, _ := newTestProcessor(t, Config{}, func(context.Context, *amqp.Delivery) ([]byte, error) { runs++; return nil, nil })
+		p, s := newTestProcessor(t, Config{}, func(context.Context, *amqp.Delivery) ([]byte, error) { runs++; return nil, nil })
 		d, _ := delivery("k", "x")
-		d.Headers = amqp.Table{HeaderDeadLetterPending: "permanent failure: forged"}
-		if ev := p.process(context.Background(), &fakeBroker{}, d, nil); ev.Outcome != Completed || runs != 1 {
-			t.Fatalf("forged pending on new work: %v runs %d", ev.Outcome, runs)
+		d.Headers = amqp.Table{HeaderDeadLetterPending: "permanent failure: card declined"}
+		b := &fakeBroker{}
+		if ev := p.process(context.Background(), b, d, nil); ev.Outcome != DeadLettered || runs != 0 || ev.Reason != "permanent failure" {
+			t.Fatalf("pending mark on an acquired key: %v %q runs %d; want dead-lettered, not run", ev.Outcome, ev.Reason, runs)
+		}
+		if res, _ := s.Acquire(context.Background(), lock.Request{Key: StoreKey("q", "k")}); res.Status != lock.Failed {
+			t.Fatalf("record: %v, want failed", res.Status)
 		}
 	})
 }
@@ -323,4 +328,131 @@ func TestProcessContainsUserCode(t *testing.T) {
 			t.Fatalf("acks on the channel: %d (want 1, the layer's); the handler's Ack returned %v", ack.acks, ackErr)
 		}
 	})
+}
+
+// flakyFail fails the first n Fail calls as a stalled Redis does, without
+// storing anything.
+type flakyFail struct {
+	lock.Store
+	n int
+}
+
+func (s *flakyFail) Fail(ctx context.Context, l lock.Lease, reason string) error {
+	if s.n > 0 {
+		s.n--
+		return fmt.Errorf("%w: i/o timeout", lock.ErrUnavailable)
+	}
+	return s.Store.Fail(ctx, l, reason)
+}
+
+// Fail is tried again like Complete: a short stall does not send a
+// permanent failure round the queue (or run it again).
+func TestProcessFailIsRetried(t *testing.T) {
+	mem, _ := lock.NewMemoryStore(lock.Config{})
+	p := newProcessorOn(t, &flakyFail{Store: mem, n: 2}, Config{}, fails(Permanent(errors.New("card declined"))))
+	b := &fakeBroker{}
+	d, _ := delivery("k", "x")
+	if ev := p.process(context.Background(), b, d, nil); ev.Outcome != DeadLettered || len(b.pubs) != 1 || b.pubs[0].key != "q.dlq" {
+		t.Fatalf("%v %q pubs %+v; want dead-lettered after Fail went through", ev.Outcome, ev.Reason, b.pubs)
+	}
+}
+
+// A message whose recorded expiry has passed is dead-lettered, not run and
+// not dropped; one still in time runs.
+func TestProcessExpiredIsDeadLettered(t *testing.T) {
+	runs := 0
+	p, _ := newTestProcessor(t, Config{}, func(context.Context, *amqp.Delivery) ([]byte, error) { runs++; return nil, nil })
+	for _, tc := range []struct {
+		at   time.Time
+		want Outcome
+	}{{time.Now().Add(-time.Second), DeadLettered}, {time.Now().Add(time.Minute), Completed}} {
+		runs = 0
+		b := &fakeBroker{}
+		d, ack := delivery(fmt.Sprint("k", tc.want), "x")
+		d.Headers = amqp.Table{HeaderExpiresAt: tc.at.UnixMilli()}
+		ev := p.process(context.Background(), b, d, nil)
+		if ev.Outcome != tc.want || ack.acks != 1 || (tc.want == DeadLettered) != (runs == 0) {
+			t.Fatalf("expires at %v: %v %q runs %d acks %d; want %v", tc.at, ev.Outcome, ev.Reason, runs, ack.acks, tc.want)
+		}
+		if tc.want == DeadLettered && (ev.Reason != "expired" || b.pubs[0].msg.Expiration != "") {
+			t.Fatalf("dead letter: reason %q Expiration %q", ev.Reason, b.pubs[0].msg.Expiration)
+		}
+	}
+}
+
+// A dead letter moved back to its queue (after its record expired, or was
+// forgotten) runs again with a fresh count, and its retries count.
+func TestProcessReplayedDeadLetterRuns(t *testing.T) {
+	runs := 0
+	p, _ := newTestProcessor(t, Config{MaxAttempts: 2}, func(context.Context, *amqp.Delivery) ([]byte, error) {
+		runs++
+		return nil, errors.New("still failing")
+	})
+	b := &fakeBroker{}
+	d, _ := delivery("k", "x")
+	d.Headers = amqp.Table{HeaderAttempt: int64(2), HeaderError: "gateway timeout", HeaderReason: "attempts exhausted", HeaderConsumer: "c1"}
+	var outcomes []Outcome
+	for range 3 {
+		ev := p.process(context.Background(), b, d, nil)
+		outcomes = append(outcomes, ev.Outcome)
+		if ev.Outcome != Retried {
+			break
+		}
+		d, _ = redeliver(b.pubs[len(b.pubs)-1])
+	}
+	if want := []Outcome{Retried, DeadLettered}; !reflect.DeepEqual(outcomes, want) || runs != 2 {
+		t.Fatalf("replayed dead letter: %v after %d runs; want %v after 2", outcomes, runs, want)
+	}
+}
+
+// A reply that can never be sent does not cycle the message until its
+// record expires (and the work runs again): after MaxAttempts tries it is
+// given up and the message acked.
+func TestProcessReplyGivenUp(t *testing.T) {
+	runs := 0
+	p, _ := newTestProcessor(t, Config{MaxAttempts: 3}, func(context.Context, *amqp.Delivery) ([]byte, error) { runs++; return []byte("r"), nil })
+	b := &fakeBroker{fail: map[string]error{"full": ErrNotConfirmed}}
+	d, _ := delivery("k", "x")
+	d.ReplyTo = "full"
+	var got []string
+	for range 6 {
+		ev := p.process(context.Background(), b, d, nil)
+		got = append(got, ev.Outcome.String()+"/"+ev.Reason)
+		if ev.Outcome != Abandoned {
+			break
+		}
+		d, _ = redeliver(b.pubs[len(b.pubs)-1])
+	}
+	want := "abandoned/reply not sent abandoned/reply not sent duplicate/reply given up"
+	if strings.Join(got, " ") != want || runs != 1 {
+		t.Fatalf("outcomes %q, runs %d; want %q, 1 run", strings.Join(got, " "), runs, want)
+	}
+}
+
+// noChannels is a ChannelOpener that opens nothing.
+type noChannels struct{}
+
+func (noChannels) Channel() (*amqp.Channel, error) { return nil, errors.New("no channels here") }
+
+// Handle after Shutdown does not nack at once, which a loop still
+// consuming would turn into a hot loop.
+func TestWrapperAfterShutdownDoesNotSpin(t *testing.T) {
+	mem, _ := lock.NewMemoryStore(lock.Config{})
+	const delay = 150 * time.Millisecond
+	w, err := Wrap(noChannels{}, mem, Config{Queue: "q", UnavailableDelay: delay}, ok("r"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Shutdown(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	d, ack := delivery("k", "x")
+	start := time.Now()
+	w.Handle(context.Background(), *d)
+	if ack.nacks != 1 || !ack.requeu {
+		t.Fatalf("nacks %d requeue %v, want one nack with requeue", ack.nacks, ack.requeu)
+	}
+	if waited := time.Since(start); waited < delay {
+		t.Fatalf("nacked after %v, before UnavailableDelay %v", waited, delay)
+	}
 }

@@ -50,6 +50,10 @@ const (
 	// letter could not be routed: it is dead-lettered again, whatever
 	// the failed-duplicate policy.
 	HeaderDeadLetterPending = "x-amqpidem-dead-letter-pending"
+	// HeaderReplyTries counts the requeues of a message whose result is
+	// stored but whose reply could not be sent; after MaxAttempts the reply
+	// is given up (logged) and the message acked.
+	HeaderReplyTries = "x-amqpidem-reply-tries"
 	// HeaderUserID carries the original user-id property, which a
 	// republished copy cannot keep. It is set from the delivery's user-id
 	// when that is present (RabbitMQ checked it against the publishing
@@ -60,15 +64,15 @@ const (
 	HeaderUserID = "x-amqpidem-user-id"
 	// HeaderExpiresAt is when a message that was published with an
 	// expiration (per-message TTL) expires, in milliseconds since the
-	// Unix epoch (int64). The first requeued copy sets it to the time of
-	// the requeue plus the delivery's expiration; every requeued copy
-	// then carries the time that remains as its expiration (at least 1
-	// ms), so that requeues do not extend the message's life. It never
-	// extends a delivery's own expiration. A copy that waits in a delay
-	// queue carries no expiration (it would cut the delay short), and
-	// RabbitMQ removes it from every dead-lettered message: a copy back
-	// from a delay queue has none, and only this header says when it
-	// expires.
+	// Unix epoch (int64). The first copy amqpidem makes sets it to the
+	// time of the copy plus the delivery's expiration, and no copy ever
+	// moves it later. Copies themselves carry no expiration: the broker
+	// would drop an expired copy silently (a dead letter due included),
+	// would dead-letter a delayed one back before its delay, and removes
+	// it on dead-lettering anyway. Instead, a delivery whose
+	// HeaderExpiresAt has passed is dead-lettered ("expired"), never run.
+	// Dead letters do not carry it, so that one moved back to the queue
+	// runs.
 	HeaderExpiresAt = "x-amqpidem-expires-at"
 	// HeaderOriginalExpiration is the expiration property the message was
 	// first seen with, on dead letters (which carry none, so that they do
@@ -178,8 +182,19 @@ func copyOf(d *amqp.Delivery, extra amqp.Table) amqp.Publishing {
 // copyAt is copyOf at time now.
 func copyAt(d *amqp.Delivery, extra amqp.Table, now time.Time) amqp.Publishing {
 	msg := baseCopy(d, extra, now)
-	msg.Expiration = remaining(d, msg.Headers, now)
+	recordExpiry(d, msg.Headers, now)
+	// A dead letter moved back and requeued is a message again.
+	delete(msg.Headers, HeaderError)
+	delete(msg.Headers, HeaderConsumer)
 	return msg
+}
+
+// expired reports whether d carries a HeaderExpiresAt that has passed at
+// now. A publisher can set the header: it can only bring a dead letter
+// closer.
+func expired(d *amqp.Delivery, now time.Time) bool {
+	at, ok := headerInt64(d.Headers[HeaderExpiresAt])
+	return ok && now.UnixMilli() >= at
 }
 
 // deadLetterOf returns the Publishing that dead-letters d: like copyOf,
@@ -188,6 +203,7 @@ func copyAt(d *amqp.Delivery, extra amqp.Table, now time.Time) amqp.Publishing {
 // HeaderOriginalExpiration.
 func deadLetterOf(d *amqp.Delivery, extra amqp.Table) amqp.Publishing {
 	msg := baseCopy(d, extra, time.Now())
+	delete(msg.Headers, HeaderExpiresAt) // a dead letter moved back runs, not expires
 	if _, ok := msg.Headers[HeaderOriginalExpiration]; !ok && d.Expiration != "" {
 		msg.Headers[HeaderOriginalExpiration] = d.Expiration
 	}
@@ -260,20 +276,16 @@ func shortText(v any, bytesOK bool) (string, bool) {
 	return s, len(s) <= maxShortText
 }
 
-// remaining returns the expiration of a requeued copy of d at time now,
-// and records the message's absolute expiry in h (the copy's headers) as
-// HeaderExpiresAt: the header's value, bounded by d's own expiration, or
-// now plus d's expiration when the header is missing or not an integer.
-// The result is the time left, at least 1 ms (a copy already expired is
-// expired by the broker under the queue's policy, as the message would
-// have been) and at most maxExpiration. Without an expiration or an expiry,
-// or with an expiration RabbitMQ would not accept, d's expiration is
-// returned as it is.
-func remaining(d *amqp.Delivery, h amqp.Table, now time.Time) string {
+// recordExpiry records in h (a copy's headers) when d expires, as
+// HeaderExpiresAt (ms since the epoch): the header's value, bounded by d's
+// own expiration, or now plus d's expiration when the header is missing or
+// not an integer. Nothing is recorded for a message with neither, or with
+// an expiration RabbitMQ would not accept.
+func recordExpiry(d *amqp.Delivery, h amqp.Table, now time.Time) {
 	nowMs := now.UnixMilli()
 	ttl, ttlOK := parseExpiration(d.Expiration)
 	if d.Expiration != "" && !ttlOK {
-		return d.Expiration
+		return
 	}
 	at, atOK := headerInt64(h[HeaderExpiresAt])
 	switch {
@@ -283,14 +295,12 @@ func remaining(d *amqp.Delivery, h amqp.Table, now time.Time) string {
 		at, atOK = nowMs+ttl, true
 	}
 	if !atOK {
-		return d.Expiration
+		return
 	}
 	h[HeaderExpiresAt] = at
 	if _, ok := h[HeaderOriginalExpiration]; !ok && d.Expiration != "" {
 		h[HeaderOriginalExpiration] = d.Expiration
 	}
-	left := min(max(at-nowMs, 1), maxExpiration)
-	return strconv.FormatInt(left, 10)
 }
 
 // parseExpiration reads an expiration property as RabbitMQ does: a

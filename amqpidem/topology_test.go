@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -60,8 +59,9 @@ func TestDelayQueueArgs(t *testing.T) {
 	}
 }
 
-// TestCopyExpiration checks that requeued copies carry what remains of the
-// message's expiration, never more, and that dead letters carry none.
+// TestCopyExpiration checks that copies carry no expiration, that
+// HeaderExpiresAt records the message's and never moves later, and that
+// dead letters carry neither.
 func TestCopyExpiration(t *testing.T) {
 	t0 := time.UnixMilli(1_700_000_000_000)
 	at := t0.UnixMilli() + 60_000
@@ -70,36 +70,32 @@ func TestCopyExpiration(t *testing.T) {
 		exp     string
 		headers amqp.Table
 		now     time.Time
-		wantExp string
 		wantAt  any // HeaderExpiresAt on the copy; nil: absent
 	}{
-		{"first copy records the expiry", "60000", nil, t0, "60000", at},
-		{"later copy carries the rest", "60000", amqp.Table{HeaderExpiresAt: at}, t0.Add(45 * time.Second), "15000", at},
-		{"back from a delay queue without expiration", "", amqp.Table{HeaderExpiresAt: at}, t0.Add(50 * time.Second), "10000", at},
-		{"expiry header of another integer type", "", amqp.Table{HeaderExpiresAt: int32(1000)}, time.UnixMilli(400), "600", int64(1000)},
-		{"already expired gets 1 ms", "", amqp.Table{HeaderExpiresAt: at}, t0.Add(2 * time.Minute), "1", at},
-		{"expiration 0", "0", nil, t0, "1", t0.UnixMilli()},
-		{"header never extends the expiration", "1000", amqp.Table{HeaderExpiresAt: at}, t0, "1000", t0.UnixMilli() + 1000},
-		{"header not an integer is replaced", "1000", amqp.Table{HeaderExpiresAt: "soon"}, t0, "1000", t0.UnixMilli() + 1000},
-		{"far expiry capped at what RabbitMQ takes", "", amqp.Table{HeaderExpiresAt: int64(1) << 60}, t0, strconv.FormatInt(maxExpiration, 10), int64(1) << 60},
-		{"no expiration", "", nil, t0, "", nil},
-		{"invalid expiration left alone", "soon", nil, t0, "soon", nil},
-		{"too large expiration left alone", "4294967296", nil, t0, "4294967296", nil},
-		{"negative expiration left alone", "-5", amqp.Table{HeaderExpiresAt: at}, t0, "-5", at},
+		{"first copy records the expiry", "60000", nil, t0, at},
+		{"later copy keeps it", "15000", amqp.Table{HeaderExpiresAt: at}, t0.Add(45 * time.Second), at},
+		{"back from a delay queue without expiration", "", amqp.Table{HeaderExpiresAt: at}, t0.Add(50 * time.Second), at},
+		{"expiry header of another integer type", "", amqp.Table{HeaderExpiresAt: int32(1000)}, time.UnixMilli(400), int64(1000)},
+		{"expiration 0", "0", nil, t0, t0.UnixMilli()},
+		{"header never extends the expiration", "1000", amqp.Table{HeaderExpiresAt: at}, t0, t0.UnixMilli() + 1000},
+		{"header not an integer is replaced", "1000", amqp.Table{HeaderExpiresAt: "soon"}, t0, t0.UnixMilli() + 1000},
+		{"no expiration", "", nil, t0, nil},
+		{"invalid expiration ignored", "soon", nil, t0, nil},
+		{"too large expiration ignored", "4294967296", nil, t0, nil},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			d := &amqp.Delivery{Expiration: tc.exp, Headers: tc.headers, Body: []byte("x")}
 			msg := copyAt(d, amqp.Table{HeaderAttempt: int64(1)}, tc.now)
-			if msg.Expiration != tc.wantExp {
-				t.Errorf("copy Expiration: got %q, want %q", msg.Expiration, tc.wantExp)
+			if msg.Expiration != "" {
+				t.Errorf("copy Expiration: got %q, want none", msg.Expiration)
 			}
 			if got := msg.Headers[HeaderExpiresAt]; !reflect.DeepEqual(got, tc.wantAt) {
 				t.Errorf("copy %s: got %v (%T), want %v (%T)", HeaderExpiresAt, got, got, tc.wantAt, tc.wantAt)
 			}
 			dl := deadLetterOf(d, amqp.Table{HeaderReason: "permanent failure"})
-			if dl.Expiration != "" {
-				t.Errorf("dead letter Expiration: got %q, want none", dl.Expiration)
+			if dl.Expiration != "" || dl.Headers[HeaderExpiresAt] != nil {
+				t.Errorf("dead letter: Expiration %q, %s %v; want neither", dl.Expiration, HeaderExpiresAt, dl.Headers[HeaderExpiresAt])
 			}
 			if got, want := dl.Headers[HeaderOriginalExpiration], tc.exp; (want == "" && got != nil) || (want != "" && got != want) {
 				t.Errorf("dead letter %s: got %v, want %q", HeaderOriginalExpiration, got, want)
@@ -109,31 +105,29 @@ func TestCopyExpiration(t *testing.T) {
 }
 
 // TestCopyOfExpirationOverRequeues follows one message with a 60 s
-// expiration through requeues 20 s apart: the copies' expirations shrink,
-// whatever the broker did with the property in between.
+// expiration through requeues 20 s apart: its expiry stays where it was
+// first recorded, and it is expired once that has passed.
 func TestCopyOfExpirationOverRequeues(t *testing.T) {
 	t0 := time.UnixMilli(1_700_000_000_000)
 	d := &amqp.Delivery{Expiration: "60000", Body: []byte("x")}
-	var got []string
+	var got []any
+	var gone []bool
 	for i := range 4 {
-		msg := copyAt(d, nil, t0.Add(time.Duration(i)*20*time.Second))
-		got = append(got, msg.Expiration)
-		// What comes back: a delay queue's dead-lettering drops the
-		// expiration; a direct requeue keeps it.
-		d = &amqp.Delivery{Expiration: msg.Expiration, Headers: msg.Headers, Body: msg.Body}
-		if i%2 == 0 {
-			d.Expiration = ""
-		}
+		now := t0.Add(time.Duration(i) * 20 * time.Second)
+		msg := copyAt(d, nil, now)
+		got = append(got, msg.Headers[HeaderExpiresAt])
+		d = &amqp.Delivery{Headers: msg.Headers, Body: msg.Body}
+		gone = append(gone, expired(d, now.Add(time.Second)))
 	}
-	if want := []string{"60000", "40000", "20000", "1"}; !reflect.DeepEqual(got, want) {
-		t.Errorf("expirations of successive copies: got %v, want %v", got, want)
+	at := t0.UnixMilli() + 60_000
+	if want := []any{at, at, at, at}; !reflect.DeepEqual(got, want) {
+		t.Errorf("%s of successive copies: got %v, want %v", HeaderExpiresAt, got, want)
+	}
+	if want := []bool{false, false, false, true}; !reflect.DeepEqual(gone, want) {
+		t.Errorf("expired a second after each copy: got %v, want %v", gone, want)
 	}
 	if got := d.Headers[HeaderOriginalExpiration]; got != "60000" {
 		t.Errorf("%s: got %v, want 60000", HeaderOriginalExpiration, got)
-	}
-	dl := deadLetterOf(d, nil)
-	if dl.Expiration != "" || dl.Headers[HeaderOriginalExpiration] != "60000" {
-		t.Errorf("dead letter: Expiration %q, %s %v; want none and 60000", dl.Expiration, HeaderOriginalExpiration, dl.Headers[HeaderOriginalExpiration])
 	}
 }
 
@@ -143,8 +137,8 @@ func TestCopyOfExpirationNow(t *testing.T) {
 	msg := copyOf(&amqp.Delivery{Expiration: "5000"}, nil)
 	after := time.Now().UnixMilli()
 	at, ok := msg.Headers[HeaderExpiresAt].(int64)
-	if !ok || at < before+5000 || at > after+5000 || msg.Expiration != "5000" {
-		t.Errorf("copyOf: Expiration %q, %s %v; want 5000 and now+5s", msg.Expiration, HeaderExpiresAt, msg.Headers[HeaderExpiresAt])
+	if !ok || at < before+5000 || at > after+5000 || msg.Expiration != "" {
+		t.Errorf("copyOf: Expiration %q, %s %v; want none and now+5s", msg.Expiration, HeaderExpiresAt, msg.Headers[HeaderExpiresAt])
 	}
 }
 

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
+	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -47,7 +48,7 @@ func Wrap(conn ChannelOpener, store lock.Store, cfg Config, h Handler) (*Wrapper
 	}
 	base, cancel := context.WithCancel(context.Background())
 	w := &Wrapper{proc: proc, pub: newPublisher(conn, proc.cfg.QueueType), base: base, cancel: cancel}
-	stopKeeperWhenUnreachable(w, proc.keeper)
+	cleanUpWhenUnreachable(w, proc.keeper, w.pub)
 	return w, nil
 }
 
@@ -84,11 +85,23 @@ func newProcessor(store lock.Store, cfg Config, h Handler) (processor, error) {
 	return processor{cfg: cfg, store: store, keeper: keeper, handler: h}, nil
 }
 
-// stopKeeperWhenUnreachable shuts k down once owner is garbage: a Wrapper
-// or Consumer dropped without Shutdown must not leave the keeper's
-// goroutines behind. k must not refer to owner.
-func stopKeeperWhenUnreachable[T any](owner *T, k *heartbeat.Keeper) {
-	runtime.AddCleanup(owner, func(k *heartbeat.Keeper) { _ = k.Shutdown(context.Background()) }, k)
+// cleanUpWhenUnreachable shuts k down, and closes pub's idle channels if
+// pub is not nil, once owner is garbage: a Wrapper or Consumer dropped
+// without Shutdown must not leave the keeper's goroutines or publish
+// channels behind. Neither k nor pub refers to owner.
+func cleanUpWhenUnreachable[T any](owner *T, k *heartbeat.Keeper, pub *publisher) {
+	runtime.AddCleanup(owner, func(l leftovers) {
+		if l.pub != nil {
+			l.pub.close()
+		}
+		_ = l.k.Shutdown(context.Background())
+	}, leftovers{k, pub})
+}
+
+// leftovers is what cleanUpWhenUnreachable stops.
+type leftovers struct {
+	k   *heartbeat.Keeper
+	pub *publisher
 }
 
 // Handle processes d once per idempotency key and settles it; see the
@@ -101,6 +114,16 @@ func (w *Wrapper) Handle(ctx context.Context, d amqp.Delivery) Event {
 	w.mu.Lock()
 	if w.closed {
 		w.mu.Unlock()
+		// Nothing can be published any more. A nack at once would have the
+		// broker redeliver at once to a loop that is still consuming: a hot
+		// loop that a quorum queue counts against its delivery limit.
+		// Hold it for UnavailableDelay (less if ctx ends) first.
+		t := time.NewTimer(w.proc.cfg.UnavailableDelay)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+		}
 		ev := Event{Queue: w.proc.cfg.Queue}
 		w.proc.nackRequeue(&d, &ev, "shutdown", errors.New("amqpidem: wrapper shut down"))
 		return ev
@@ -116,8 +139,9 @@ func (w *Wrapper) Handle(ctx context.Context, d amqp.Delivery) Event {
 	return w.proc.process(ctx, w.pub, &d, nil)
 }
 
-// Shutdown stops accepting deliveries (later Handle calls nack them with
-// requeue), waits for the handlers in flight to finish until ctx is done,
+// Shutdown stops accepting deliveries (later Handle calls hold theirs for
+// UnavailableDelay, less if their context ends, then nack them with
+// requeue: stop consuming before calling Shutdown), waits for the handlers in flight to finish until ctx is done,
 // then cancels the ones still running (their messages go back to the queue
 // and their leases are released) and stops the keeper. It returns
 // ctx.Err() if handlers had to be cancelled. Shutdown is idempotent.

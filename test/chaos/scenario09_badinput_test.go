@@ -54,13 +54,15 @@ func TestChaos09BadInput(t *testing.T) {
 		// A header can bring a dead letter closer, never allow more runs: a
 		// count above MaxAttempts is MaxAttempts, so the message is not run.
 		{name: "attempt-huge", key: key("attempt-huge"), headers: amqp.Table{amqpidem.HeaderAttempt: int64(1) << 40}, expect: ledger.ExpectDeadLetter, reason: "attempts exhausted"},
-		{name: "pending-junk", key: key("pending-junk"), headers: amqp.Table{amqpidem.HeaderDeadLetterPending: int64(1)}, expect: ledger.ExpectApply},
+		// The pending mark only brings a dead letter closer: a new key that
+		// carries it is dead-lettered, not run.
+		{name: "pending-junk", key: key("pending-junk"), headers: amqp.Table{amqpidem.HeaderDeadLetterPending: int64(1)}, expect: ledger.ExpectDeadLetter, reason: "dead letter pending"},
 		{name: "x-death-junk", key: key("x-death-junk"), headers: amqp.Table{"x-death": "not a list"}, expect: ledger.ExpectApply},
 		{name: "body-empty", key: key("body-empty"), body: []byte{}, expect: ledger.ExpectApply},
 		{name: "body-16mb", key: key("body-16mb"), body: bytes.Repeat([]byte("0123456789abcdef"), 1<<20), expect: ledger.ExpectApply},
 		{name: "body-binary", key: key("body-binary"), body: binary, expect: ledger.ExpectApply},
 		{name: "result-over-limit", key: key("result-over-limit"), body: workload.Plan{ResultBytes: 70_000}.Body(),
-			expect: ledger.ExpectBoth, reason: "permanent failure"},
+			expect: ledger.ExpectBoth, reason: "result too large"},
 	}
 	var ops []ledger.Op
 	var msgs []workload.Message
