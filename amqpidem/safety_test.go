@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -15,6 +14,21 @@ import (
 
 	"github.com/amqpidem/amqpidem/lock"
 )
+
+// cycle processes d, and while the outcome is while, the copy it
+// published, at most n times; it returns the outcomes and reasons.
+func cycle(p processor, b *fakeBroker, d *amqp.Delivery, while Outcome, n int) string {
+	var got []string
+	for range n {
+		ev := p.process(context.Background(), b, d, nil)
+		got = append(got, ev.Outcome.String()+"/"+ev.Reason)
+		if ev.Outcome != while {
+			break
+		}
+		d, _ = redeliver(b.pubs[len(b.pubs)-1])
+	}
+	return strings.Join(got, " ")
+}
 
 // redeliver turns a published copy into the delivery that comes back.
 func redeliver(pub published) (*amqp.Delivery, *fakeAck) {
@@ -156,19 +170,9 @@ func TestProcessRecordFaultNeverFailsOpen(t *testing.T) {
 	mem, _ := lock.NewMemoryStore(lock.Config{})
 	p := newProcessorOn(t, badRecordStore{mem}, Config{FailOpen: true, MaxAttempts: 3},
 		func(context.Context, *amqp.Delivery) ([]byte, error) { runs++; return nil, nil })
-	b := &fakeBroker{}
 	d, _ := delivery("k", "x")
-	var outcomes []string
-	for i := 0; i < 5; i++ {
-		ev := p.process(context.Background(), b, d, nil)
-		outcomes = append(outcomes, ev.Outcome.String()+"/"+ev.Reason)
-		if ev.Outcome != Abandoned {
-			break
-		}
-		d, _ = redeliver(b.pubs[len(b.pubs)-1])
-	}
 	want := "abandoned/record unusable abandoned/record unusable dead_lettered/record unusable"
-	if got := strings.Join(outcomes, " "); got != want || runs != 0 {
+	if got := cycle(p, &fakeBroker{}, d, Abandoned, 5); got != want || runs != 0 {
 		t.Fatalf("outcomes %q, runs %d; want %q, 0 runs", got, runs, want)
 	}
 }
@@ -391,17 +395,8 @@ func TestProcessReplayedDeadLetterRuns(t *testing.T) {
 	b := &fakeBroker{}
 	d, _ := delivery("k", "x")
 	d.Headers = amqp.Table{HeaderAttempt: int64(2), HeaderError: "gateway timeout", HeaderReason: "attempts exhausted", HeaderConsumer: "c1"}
-	var outcomes []Outcome
-	for range 3 {
-		ev := p.process(context.Background(), b, d, nil)
-		outcomes = append(outcomes, ev.Outcome)
-		if ev.Outcome != Retried {
-			break
-		}
-		d, _ = redeliver(b.pubs[len(b.pubs)-1])
-	}
-	if want := []Outcome{Retried, DeadLettered}; !reflect.DeepEqual(outcomes, want) || runs != 2 {
-		t.Fatalf("replayed dead letter: %v after %d runs; want %v after 2", outcomes, runs, want)
+	if got, want := cycle(p, b, d, Retried, 3), "retried/handler error dead_lettered/attempts exhausted"; got != want || runs != 2 {
+		t.Fatalf("replayed dead letter: %q after %d runs; want %q after 2", got, runs, want)
 	}
 }
 
@@ -411,21 +406,11 @@ func TestProcessReplayedDeadLetterRuns(t *testing.T) {
 func TestProcessReplyGivenUp(t *testing.T) {
 	runs := 0
 	p, _ := newTestProcessor(t, Config{MaxAttempts: 3}, func(context.Context, *amqp.Delivery) ([]byte, error) { runs++; return []byte("r"), nil })
-	b := &fakeBroker{fail: map[string]error{"full": ErrNotConfirmed}}
 	d, _ := delivery("k", "x")
 	d.ReplyTo = "full"
-	var got []string
-	for range 6 {
-		ev := p.process(context.Background(), b, d, nil)
-		got = append(got, ev.Outcome.String()+"/"+ev.Reason)
-		if ev.Outcome != Abandoned {
-			break
-		}
-		d, _ = redeliver(b.pubs[len(b.pubs)-1])
-	}
 	want := "abandoned/reply not sent abandoned/reply not sent duplicate/reply given up"
-	if strings.Join(got, " ") != want || runs != 1 {
-		t.Fatalf("outcomes %q, runs %d; want %q, 1 run", strings.Join(got, " "), runs, want)
+	if got := cycle(p, &fakeBroker{fail: map[string]error{"full": ErrNotConfirmed}}, d, Abandoned, 6); got != want || runs != 1 {
+		t.Fatalf("outcomes %q, runs %d; want %q, 1 run", got, runs, want)
 	}
 }
 

@@ -207,26 +207,7 @@ func TestRedisAcquireResolvesALostReply(t *testing.T) {
 		},
 	})
 	t.Cleanup(func() { client.Close() })
-	s := newRedisStore(t, client, lock.Config{Prefix: testenv.Name(t)})
-	ctx := context.Background()
-	if err := s.Check(ctx); err != nil {
-		t.Fatal(err)
-	}
-	armed.Store(true)
-	res, err := s.Acquire(ctx, lock.Request{Key: "k", TTL: time.Minute})
-	if armed.Load() {
-		t.Fatal("the fault was never injected")
-	}
-	if err != nil || res.Status != lock.Acquired || res.Lease.Attempt != 1 {
-		t.Fatalf("Acquire with its reply lost: %v attempt %d %v; want acquired, attempt 1", res.Status, res.Lease.Attempt, err)
-	}
-	busy, err := s.Acquire(ctx, lock.Request{Key: "k"})
-	if err != nil || busy.Status != lock.InProgress || busy.Fence != res.Lease.Fence || busy.Attempts != 1 {
-		t.Fatalf("another caller: %v fence %d attempts %d %v; want the same lease in progress", busy.Status, busy.Fence, busy.Attempts, err)
-	}
-	if err := s.Complete(ctx, res.Lease, []byte("ok")); err != nil {
-		t.Fatalf("the resolved lease cannot complete: %v", err)
-	}
+	wantResolved(t, client, &armed)
 }
 
 // stallConn stalls the reply of the first script call written after arm
@@ -273,26 +254,7 @@ func TestRedisAcquireResolvesATimedOutReply(t *testing.T) {
 		},
 	})
 	t.Cleanup(func() { client.Close() })
-	s := newRedisStore(t, client, lock.Config{Prefix: testenv.Name(t)})
-	ctx := context.Background()
-	if err := s.Check(ctx); err != nil {
-		t.Fatal(err)
-	}
-	armed.Store(true)
-	res, err := s.Acquire(ctx, lock.Request{Key: "k", TTL: time.Minute})
-	if armed.Load() {
-		t.Fatal("the fault was never injected")
-	}
-	if err != nil || res.Status != lock.Acquired || res.Lease.Attempt != 1 {
-		t.Fatalf("Acquire with its reply timed out: %v attempt %d %v; want acquired, attempt 1", res.Status, res.Lease.Attempt, err)
-	}
-	busy, err := s.Acquire(ctx, lock.Request{Key: "k"})
-	if err != nil || busy.Status != lock.InProgress || busy.Fence != res.Lease.Fence || busy.Attempts != 1 {
-		t.Fatalf("another caller: %v fence %d attempts %d %v; want the same lease in progress", busy.Status, busy.Fence, busy.Attempts, err)
-	}
-	if err := s.Complete(ctx, res.Lease, []byte("ok")); err != nil {
-		t.Fatalf("the resolved lease cannot complete: %v", err)
-	}
+	wantResolved(t, client, &armed)
 }
 
 // A retention the server would keep as 0 ms is refused.
@@ -351,5 +313,32 @@ func TestRedisMergesOnlyOnAStandaloneServer(t *testing.T) {
 	wg.Wait()
 	if n := hook.merged.Load(); n != 0 {
 		t.Fatalf("%d script calls over many keys sent to a server that is not standalone", n)
+	}
+}
+
+// wantResolved arms the fault of client's connections, acquires a key and
+// checks that the Acquire whose reply was lost resolved to its own lease:
+// attempt 1, in progress for another caller, and able to complete.
+func wantResolved(t *testing.T, client *redis.Client, armed *atomic.Bool) {
+	t.Helper()
+	s := newRedisStore(t, client, lock.Config{Prefix: testenv.Name(t)})
+	ctx := context.Background()
+	if err := s.Check(ctx); err != nil {
+		t.Fatal(err)
+	}
+	armed.Store(true)
+	res, err := s.Acquire(ctx, lock.Request{Key: "k", TTL: time.Minute})
+	if armed.Load() {
+		t.Fatal("the fault was never injected")
+	}
+	if err != nil || res.Status != lock.Acquired || res.Lease.Attempt != 1 {
+		t.Fatalf("Acquire with its reply lost: %v attempt %d %v; want acquired, attempt 1", res.Status, res.Lease.Attempt, err)
+	}
+	busy, err := s.Acquire(ctx, lock.Request{Key: "k"})
+	if err != nil || busy.Status != lock.InProgress || busy.Fence != res.Lease.Fence || busy.Attempts != 1 {
+		t.Fatalf("another caller: %v fence %d attempts %d %v; want the same lease in progress", busy.Status, busy.Fence, busy.Attempts, err)
+	}
+	if err := s.Complete(ctx, res.Lease, []byte("ok")); err != nil {
+		t.Fatalf("the resolved lease cannot complete: %v", err)
 	}
 }
