@@ -75,8 +75,9 @@
 // A message published with an expiration (per-message TTL) keeps it
 // across requeues: the first copy records the deadline in
 // HeaderExpiresAt, copies carry no expiration property (the broker would
-// drop an expired copy silently), and a delivery past its deadline is
-// dead-lettered with reason "expired", never run and never dropped. Dead
+// drop an expired copy silently), and a delivery past its deadline that
+// would run is dead-lettered with reason "expired" instead, never dropped
+// (a duplicate of completed work is still acked as one). Dead
 // letters carry no expiration either; the original value is in
 // HeaderOriginalExpiration.
 //

@@ -109,16 +109,11 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *
 		defer sl.free()
 	}
 
-	if expired(d, time.Now()) {
-		// Its publisher gave it an expiration that requeues have
-		// outlived: not run, and not dropped either.
-		sl.free()
-		p.deadLetter(ctx, b, d, &ev, "expired", fmt.Errorf("expired at %v (%s)",
-			time.UnixMilli(int64(headerInt(d.Headers, HeaderExpiresAt))).UTC().Format(time.RFC3339Nano), HeaderExpiresAt))
-		return ev
-	}
 	if err != nil {
 		if errors.Is(err, ErrNoKey) && p.cfg.MissingKey == ProcessMissingKey {
+			if p.expired(ctx, b, d, &ev, sl) {
+				return ev
+			}
 			p.runUnkeyed(ctx, b, d, &ev, "no key", sl)
 			return ev
 		}
@@ -196,6 +191,12 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *
 		p.deadLetter(ctx, b, d, &ev, "key conflict",
 			fmt.Errorf("key %q was first seen with a different payload", key))
 	case lock.Acquired:
+		if expired(d, time.Now()) {
+			// Not run: the attempt its Acquire counted is taken back.
+			p.cancel(ctx, res.Lease)
+			p.expired(ctx, b, d, &ev, sl)
+			return ev
+		}
 		if mark, ok := d.Headers[HeaderDeadLetterPending]; ok {
 			// A copy whose dead letter is due (its failure may not have
 			// been stored, or its dead letter could not be routed) is not
@@ -215,6 +216,20 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *
 			fmt.Errorf("status %v", res.Status))
 	}
 	return ev
+}
+
+// expired dead-letters d ("expired") if its HeaderExpiresAt has passed:
+// its publisher gave it an expiration that requeues have outlived. It is
+// not run, and not dropped either. It reports whether it did. Only a run
+// is stopped so: a duplicate of completed work is still acked as one.
+func (p *processor) expired(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, sl *slot) bool {
+	if !expired(d, time.Now()) {
+		return false
+	}
+	sl.free()
+	at := time.UnixMilli(int64(headerInt(d.Headers, HeaderExpiresAt))).UTC()
+	p.deadLetter(ctx, b, d, ev, "expired", fmt.Errorf("expired at %s (%s)", at.Format(time.RFC3339Nano), HeaderExpiresAt))
+	return true
 }
 
 // key returns d's idempotency key, checked against what the store takes.

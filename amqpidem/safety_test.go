@@ -382,6 +382,13 @@ func TestProcessExpiredIsDeadLettered(t *testing.T) {
 			t.Fatalf("dead letter: reason %q Expiration %q", ev.Reason, b.pubs[0].msg.Expiration)
 		}
 	}
+
+	// An expired duplicate of completed work is still a duplicate.
+	d, ack := delivery(fmt.Sprint("k", Completed), "x") // completed above
+	d.Headers = amqp.Table{HeaderExpiresAt: time.Now().Add(-time.Second).UnixMilli()}
+	if ev := p.process(context.Background(), &fakeBroker{}, d, nil); ev.Outcome != Duplicate || ack.acks != 1 || runs != 1 {
+		t.Fatalf("expired duplicate of completed work: %v %q acks %d runs %d; want a duplicate", ev.Outcome, ev.Reason, ack.acks, runs)
+	}
 }
 
 // A dead letter moved back to its queue (after its record expired, or was

@@ -70,7 +70,8 @@ const (
 	// would drop an expired copy silently (a dead letter due included),
 	// would dead-letter a delayed one back before its delay, and removes
 	// it on dead-lettering anyway. Instead, a delivery whose
-	// HeaderExpiresAt has passed is dead-lettered ("expired"), never run.
+	// HeaderExpiresAt has passed and that would run is dead-lettered
+	// ("expired"); a duplicate of completed work is still acked.
 	// Dead letters do not carry it, so that one moved back to the queue
 	// runs.
 	HeaderExpiresAt = "x-amqpidem-expires-at"
