@@ -172,7 +172,7 @@ func (c Config) Validate() error {
 		return fmt.Errorf("amqpidem: Config.Endpoint must be at most 200 bytes with no NUL byte")
 	case c.Endpoint == "" && strings.IndexByte(c.Queue, 0) >= 0:
 		return fmt.Errorf("amqpidem: Config.Queue contains a NUL byte; set Config.Endpoint to name its records")
-	case c.QueueType != "" && c.QueueType != "classic" && c.QueueType != "quorum":
+	case c.QueueType != "" && c.QueueType != queueClassic && c.QueueType != queueQuorum:
 		return fmt.Errorf("amqpidem: Config.QueueType %q must be \"classic\" or \"quorum\"", c.QueueType)
 	case c.MaxAttempts < 0:
 		return fmt.Errorf("amqpidem: Config.MaxAttempts %d must not be negative", c.MaxAttempts)
@@ -196,7 +196,7 @@ func (c Config) withDefaults() Config {
 		c.Endpoint = c.Queue
 	}
 	if c.QueueType == "" {
-		c.QueueType = "classic"
+		c.QueueType = queueClassic
 	}
 	if c.LeaseTTL == 0 {
 		c.LeaseTTL = DefaultLeaseTTL

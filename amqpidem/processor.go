@@ -111,7 +111,8 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *
 
 	if err != nil {
 		if errors.Is(err, ErrNoKey) && p.cfg.MissingKey == ProcessMissingKey {
-			if p.expired(ctx, b, d, &ev, sl) {
+			if expired(d, time.Now()) {
+				p.deadLetterExpired(ctx, b, d, &ev, sl)
 				return ev
 			}
 			p.runUnkeyed(ctx, b, d, &ev, "no key", sl)
@@ -193,8 +194,10 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *
 	case lock.Acquired:
 		if expired(d, time.Now()) {
 			// Not run: the attempt its Acquire counted is taken back.
-			p.cancel(ctx, res.Lease)
-			p.expired(ctx, b, d, &ev, sl)
+			if p.cancel(ctx, res.Lease) {
+				ev.Attempt = max(res.Attempts-1, p.headerAttempt(d))
+			}
+			p.deadLetterExpired(ctx, b, d, &ev, sl)
 			return ev
 		}
 		if mark, ok := d.Headers[HeaderDeadLetterPending]; ok {
@@ -218,18 +221,14 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *
 	return ev
 }
 
-// expired dead-letters d ("expired") if its HeaderExpiresAt has passed:
-// its publisher gave it an expiration that requeues have outlived. It is
-// not run, and not dropped either. It reports whether it did. Only a run
-// is stopped so: a duplicate of completed work is still acked as one.
-func (p *processor) expired(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, sl *slot) bool {
-	if !expired(d, time.Now()) {
-		return false
-	}
+// deadLetterExpired dead-letters d, whose HeaderExpiresAt has passed
+// (expired): its publisher gave it an expiration that requeues have
+// outlived. It is not run, and not dropped either. Only a run is stopped
+// so: a duplicate of completed work is still acked as one.
+func (p *processor) deadLetterExpired(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, sl *slot) {
 	sl.free()
 	at := time.UnixMilli(int64(headerInt(d.Headers, HeaderExpiresAt))).UTC()
 	p.deadLetter(ctx, b, d, ev, "expired", fmt.Errorf("expired at %s (%s)", at.Format(time.RFC3339Nano), HeaderExpiresAt))
-	return true
 }
 
 // key returns d's idempotency key, checked against what the store takes.

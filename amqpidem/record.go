@@ -1,9 +1,6 @@
 package amqpidem
 
-import (
-	"crypto/sha256"
-	"strings"
-)
+import "crypto/sha256"
 
 // StoreKey is the key under which amqpidem keeps, in its lock.Store, the
 // record of the message key key for endpoint (Config.Endpoint, by default
@@ -12,14 +9,6 @@ import (
 // (Info.Key).
 func StoreKey(endpoint, key string) string {
 	return endpoint + "\x00" + key
-}
-
-// messageKey returns the message key part of a StoreKey.
-func messageKey(storeKey string) string {
-	if _, key, ok := strings.Cut(storeKey, "\x00"); ok {
-		return key
-	}
-	return storeKey
 }
 
 // ResultOverhead is the most bytes amqpidem adds to a handler's result
