@@ -199,11 +199,7 @@ func TestRedisAcquireResolvesALostReply(t *testing.T) {
 			if time.Now().UnixNano() < down.Load() {
 				return nil, &net.OpError{Op: "dial", Net: network, Err: errors.New("connection refused (test outage)")}
 			}
-			c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
-			if err != nil {
-				return nil, err
-			}
-			return &lostReplyConn{Conn: c, armed: &armed, down: &down}, nil
+			return wrapDialer(func(c net.Conn) net.Conn { return &lostReplyConn{Conn: c, armed: &armed, down: &down} })(ctx, network, addr)
 		},
 	})
 	t.Cleanup(func() { client.Close() })
@@ -245,13 +241,7 @@ func TestRedisAcquireResolvesATimedOutReply(t *testing.T) {
 		Addr:        testenv.RedisAddr(t),
 		MaxRetries:  -1,
 		ReadTimeout: 200 * time.Millisecond,
-		Dialer: func(ctx context.Context, network, addr string) (net.Conn, error) {
-			c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
-			if err != nil {
-				return nil, err
-			}
-			return &stallConn{Conn: c, armed: &armed}, nil
-		},
+		Dialer:      wrapDialer(func(c net.Conn) net.Conn { return &stallConn{Conn: c, armed: &armed} }),
 	})
 	t.Cleanup(func() { client.Close() })
 	wantResolved(t, client, &armed)

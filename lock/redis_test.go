@@ -103,19 +103,25 @@ func (c *flakyConn) Read(b []byte) (int, error) {
 	return c.Conn.Read(b)
 }
 
+// wrapDialer dials as go-redis does and wraps each connection for fault
+// injection.
+func wrapDialer(wrap func(net.Conn) net.Conn) func(context.Context, string, string) (net.Conn, error) {
+	return func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		return wrap(c), nil
+	}
+}
+
 func TestRedisAcquireRetryAfterLostReply(t *testing.T) {
 	addr := testenv.RedisAddr(t)
 	var armed atomic.Bool
 	client := redis.NewClient(&redis.Options{
 		Addr:       addr,
 		MaxRetries: 3,
-		Dialer: func(ctx context.Context, network, addr string) (net.Conn, error) {
-			c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
-			if err != nil {
-				return nil, err
-			}
-			return &flakyConn{Conn: c, armed: &armed}, nil
-		},
+		Dialer:     wrapDialer(func(c net.Conn) net.Conn { return &flakyConn{Conn: c, armed: &armed} }),
 	})
 	t.Cleanup(func() { client.Close() })
 	s := newRedisStore(t, client, lock.Config{Prefix: testenv.Name(t)})
