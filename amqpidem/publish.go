@@ -1,0 +1,54 @@
+package amqpidem
+
+import (
+	"context"
+	"fmt"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// Publisher publishes the messages an amqpidem consumer takes: each one
+// with a MessageId (its idempotency key under the default Config.Key),
+// mandatory (a message no queue takes is an error, not dropped silently)
+// and confirmed by the broker before Publish returns. It is the producer's
+// half of exactly-once: when Publish returns an error the message may or
+// may not have been taken, so publish it again with the same MessageId,
+// and the consumer runs it once.
+//
+// Publisher is safe for concurrent use; up to 8 publishes are in flight at
+// once, each on a confirm-mode channel of its own. Close it when done.
+type Publisher struct {
+	p *publisher
+}
+
+// NewPublisher returns a Publisher opening its channels with conn (an
+// *amqp.Connection will do; RabbitMQ advises a connection for publishing
+// apart from the one consuming). It makes no network call.
+func NewPublisher(conn ChannelOpener) *Publisher {
+	return &Publisher{p: newPublisher(conn, queueClassic)}
+}
+
+// Publish sends msg to exchange with routing key key and waits until the
+// broker confirms it or ctx ends. msg.MessageId is required: pick it from
+// the operation (an order id, a payment id), never per call, or a retried
+// publish is a new operation. A zero DeliveryMode is made Persistent.
+//
+// It returns ErrNoKey without a MessageId, ErrUnroutable when no queue was
+// bound to take the message, ErrNotConfirmed when the broker refused it,
+// and a connection error otherwise; after any error but ErrNoKey, publish
+// again with the same MessageId.
+func (p *Publisher) Publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	if msg.MessageId == "" {
+		return fmt.Errorf("%w: Publisher.Publish needs msg.MessageId, the operation's idempotency key", ErrNoKey)
+	}
+	if msg.DeliveryMode == 0 {
+		msg.DeliveryMode = amqp.Persistent
+	}
+	return p.p.publish(ctx, exchange, key, msg)
+}
+
+// Close closes the Publisher's channels (those in use once their publish
+// returns). Publishing after Close fails. Close does not close conn.
+func (p *Publisher) Close() {
+	p.p.close()
+}
