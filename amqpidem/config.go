@@ -8,21 +8,33 @@ import (
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/lock"
 )
 
 // Defaults applied by Config.withDefaults, in one place.
 const (
-	// DefaultLeaseTTL is how long a lease lasts between heartbeats.
-	DefaultLeaseTTL = 30 * time.Second
-	// DefaultRetention is the idempotency window: how long a completed or
-	// failed outcome is remembered.
-	DefaultRetention = 24 * time.Hour
+	// DefaultLeaseTTL is how long a lease lasts between heartbeats when
+	// neither Config.LeaseTTL nor the store's own configuration sets it
+	// (lock.Config.LeaseTTL, whose default this is).
+	DefaultLeaseTTL = lock.DefaultLeaseTTL
+	// DefaultRetention is the idempotency window (how long a completed or
+	// failed outcome is remembered) when neither Config.Retention nor the
+	// store's configuration sets it (lock.Config.Retention).
+	DefaultRetention = lock.DefaultRetention
 	// DefaultMaxAttempts is how many executions a key gets before it is
 	// dead-lettered.
 	DefaultMaxAttempts = 5
-	// DefaultInProgressDelay is how long a duplicate waits before it is
-	// delivered again while another consumer holds the key's lease.
-	DefaultInProgressDelay = 5 * time.Second
+	// DefaultInProgressDelay is the longest a duplicate waits before it is
+	// delivered again while another consumer holds the key's lease: the
+	// default lease TTL, so that a crashed holder's lease is waited out in
+	// one step and a long job is not polled more often than its lease
+	// would expire.
+	DefaultInProgressDelay = 30 * time.Second
+	// MinInProgressDelay is the shortest a duplicate waits while another
+	// consumer holds the key's lease, however little the lease has left.
+	MinInProgressDelay = 250 * time.Millisecond
 	// DefaultUnavailableDelay is how long a message waits before it is
 	// delivered again when the store or the dead-letter target cannot be
 	// reached.
@@ -89,10 +101,33 @@ type Config struct {
 	QueueType string
 
 	// LeaseTTL is the lease duration; the heartbeat renews it about every
-	// LeaseTTL/3 while the handler runs. Default DefaultLeaseTTL.
+	// LeaseTTL/3 while the handler runs. Zero leaves it to the store: a
+	// lock store's Config.LeaseTTL, whose default is DefaultLeaseTTL. Set
+	// it in one of the two places; when both are set, this one wins.
 	LeaseTTL time.Duration
-	// Retention is the idempotency window. Default DefaultRetention.
+	// Retention is the idempotency window: how long a completed or failed
+	// outcome is remembered, so that a duplicate arriving later is
+	// recognised. Zero leaves it to the store (lock.Config.Retention,
+	// default DefaultRetention), with the same rule as LeaseTTL.
 	Retention time.Duration
+	// SafetyMargin is how long before its lease's deadline (by the local
+	// clock) a handler whose lease could not be renewed is cancelled, so
+	// that it stops before another consumer can take the key over. It must
+	// cover the time a handler takes to notice its context and the clock
+	// drift between this host and the store. Zero: a fifth of the lease
+	// TTL (see heartbeat.Config.SafetyMargin). It must be shorter than the
+	// lease TTL: a lease no longer than the margin is never run.
+	SafetyMargin time.Duration
+	// HandlerTimeout bounds one execution of the handler: its context is
+	// cancelled after that long, with ErrHandlerTimeout as the cause, and
+	// unless the handler still returns a result, the execution counts as a
+	// retryable failure (reason "handler timeout"): retried with Backoff,
+	// dead-lettered after MaxAttempts. A handler that ignores its context
+	// keeps its lease renewed and its concurrency slot until it returns.
+	// Zero (the default): no timeout, since a long job must not be cut
+	// off by a default; a hung handler then holds its lease until the
+	// process stops. Set it to a bound the work can never need.
+	HandlerTimeout time.Duration
 	// Backoff makes a fresh backoff.BackOff for one delivery; the n-th
 	// NextBackOff is the delay before retry n. backoff.Stop means "no
 	// more retries": the message is dead-lettered. Default:
@@ -101,8 +136,13 @@ type Config struct {
 	// MaxAttempts is how many executions a key gets, crashes included,
 	// before it is dead-lettered. Default DefaultMaxAttempts.
 	MaxAttempts int
-	// InProgressDelay is how long a duplicate waits while another consumer
-	// holds the key. It is not counted as an attempt. Default
+	// InProgressDelay is the longest a duplicate waits while another
+	// consumer holds the key: it waits what the holder's lease has left,
+	// as the store reports it (and 10% more), at least MinInProgressDelay
+	// and at most InProgressDelay, then is delivered again. A live holder
+	// renews its lease, so a long job is looked at about once per lease
+	// TTL; a crashed holder's key is taken over about as soon as its lease
+	// expires. It is not counted as an attempt. Default
 	// DefaultInProgressDelay.
 	InProgressDelay time.Duration
 	// UnavailableDelay is the requeue delay when the store cannot be
@@ -121,6 +161,14 @@ type Config struct {
 	// SkipFingerprint turns off the payload check: by default a key seen
 	// again with a different body is a "key conflict" and dead-lettered.
 	SkipFingerprint bool
+	// Fingerprint picks what the payload check compares: it returns the
+	// bytes of d that must be the same in every copy of one key (they are
+	// hashed; only the hash is stored). Use it when a producer's retries
+	// differ in a field that does not change the operation, such as a
+	// timestamp: return the body without it. A nil result skips the check
+	// for that message. Default: the whole body. Setting it together with
+	// SkipFingerprint is an error.
+	Fingerprint func(d *amqp.Delivery) []byte
 	// FailOpen runs the handler without idempotency when the store cannot
 	// be reached: only when the store's error wraps lock.ErrUnavailable (a
 	// network error, a timeout, a server that is loading or read-only).
@@ -146,11 +194,31 @@ type Config struct {
 	// DeadLetterRoutingKey is the dead letters' routing key. Default
 	// "<Queue>.dlq".
 	DeadLetterRoutingKey string
+	// DeadLetterQueueArgs are the arguments amqpidem declares its own
+	// dead-letter queue "<Queue>.dlq" with (when DeadLetterExchange and
+	// DeadLetterRoutingKey are left to their defaults), e.g.
+	// amqp.Table{"x-queue-type": "quorum"}. Default none: a durable
+	// classic queue. Changing them for a queue that exists makes its
+	// declaration fail (PRECONDITION_FAILED) until the queue is deleted.
+	DeadLetterQueueArgs amqp.Table
+	// DelayQueueArgs are extra arguments for the delay queues of delayed
+	// requeues, e.g. amqp.Table{"x-queue-leader-locator": "balanced"}. The
+	// arguments amqpidem sets itself (x-queue-type, x-message-ttl,
+	// x-expires, x-overflow and the x-dead-letter-* ones) cannot be
+	// overridden; Validate refuses them. Default none.
+	DelayQueueArgs amqp.Table
 
 	// ConsumerName is written into dead letters' headers. Default: host
 	// name and process id.
 	ConsumerName string
-	// Logger receives one record per message outcome. Nil discards.
+	// Logger receives what amqpidem has to say: warnings and errors (a
+	// dead letter, a store or broker that cannot be reached, a lease
+	// lost), and one record per message: at debug level for the outcomes
+	// that need no attention (completed, duplicate, busy), at info for
+	// retries and requeues, at warn for dead letters and errors. Default
+	// slog.Default(). To silence it, pass
+	// slog.New(slog.DiscardHandler). The store and the heartbeat keeper
+	// log with their own Config.Logger; amqpidem gives the keeper this one.
 	Logger *slog.Logger
 	// Observer is told every outcome, for metrics. Nil: none.
 	Observer Observer
@@ -176,6 +244,14 @@ func (c Config) Validate() error {
 		return fmt.Errorf("amqpidem: Config.QueueType %q must be \"classic\" or \"quorum\"", c.QueueType)
 	case c.MaxAttempts < 0:
 		return fmt.Errorf("amqpidem: Config.MaxAttempts %d must not be negative", c.MaxAttempts)
+	case c.SafetyMargin < 0:
+		return fmt.Errorf("amqpidem: Config.SafetyMargin %v must not be negative", c.SafetyMargin)
+	case c.SafetyMargin > 0 && c.LeaseTTL > 0 && c.SafetyMargin >= c.LeaseTTL:
+		return fmt.Errorf("amqpidem: Config.SafetyMargin %v must be shorter than Config.LeaseTTL %v", c.SafetyMargin, c.LeaseTTL)
+	case c.HandlerTimeout < 0:
+		return fmt.Errorf("amqpidem: Config.HandlerTimeout %v must not be negative (zero: no timeout)", c.HandlerTimeout)
+	case c.SkipFingerprint && c.Fingerprint != nil:
+		return errors.New("amqpidem: Config.SkipFingerprint and Config.Fingerprint are both set; set one")
 	case c.InProgressDelay < 0:
 		return fmt.Errorf("amqpidem: Config.InProgressDelay %v must not be negative", c.InProgressDelay)
 	case c.UnavailableDelay < 0:
@@ -187,6 +263,11 @@ func (c Config) Validate() error {
 	case c.MaxResultSize < 0:
 		return fmt.Errorf("amqpidem: Config.MaxResultSize %d must not be negative", c.MaxResultSize)
 	}
+	for _, k := range delayArgsOwned {
+		if _, ok := c.DelayQueueArgs[k]; ok {
+			return fmt.Errorf("amqpidem: Config.DelayQueueArgs sets %q, which amqpidem sets itself", k)
+		}
+	}
 	return nil
 }
 
@@ -197,12 +278,6 @@ func (c Config) withDefaults() Config {
 	}
 	if c.QueueType == "" {
 		c.QueueType = queueClassic
-	}
-	if c.LeaseTTL == 0 {
-		c.LeaseTTL = DefaultLeaseTTL
-	}
-	if c.Retention == 0 {
-		c.Retention = DefaultRetention
 	}
 	if c.Backoff == nil {
 		c.Backoff = defaultBackoff
@@ -226,7 +301,7 @@ func (c Config) withDefaults() Config {
 		c.ConsumerName = defaultConsumerName()
 	}
 	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
+		c.Logger = slog.Default()
 	}
 	return c
 }

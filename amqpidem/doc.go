@@ -13,8 +13,10 @@
 //	new key, handler succeeded             ack after the record is completed       completed, result stored
 //	duplicate of completed work            ack; stored reply re-sent, only to the  unchanged
 //	                                       ReplyTo it was made for
-//	another consumer holds a live lease    delayed requeue (InProgressDelay)       unchanged
-//	retryable failure                      delayed requeue after Backoff(attempt)  lease released, attempts kept
+//	another consumer holds a live lease    delayed requeue until about when that   unchanged
+//	                                       lease would expire (InProgressDelay)
+//	retryable failure, HandlerTimeout      delayed requeue after Backoff(attempt)  lease released, attempts kept
+//	handler returned ErrStale              short requeue, not an attempt           lease given up, attempt taken back
 //	permanent failure, attempts exhausted, dead letter with fault headers          failed, error stored
 //	result too large for the store
 //	duplicate of failed work               dead letter (or ack, by policy)         unchanged
@@ -142,7 +144,8 @@
 // re-execution. The fence guards against something else: a lease is not a
 // mutex, and a paused process can outlive its lease and write late; a sink
 // that keeps the highest fence per key and refuses lower ones rejects those
-// stale writes. (The re-execution after a crash carries a higher fence, so
+// stale writes; the handler then returns ErrStale, and amqpidem discards
+// that execution without counting it. (The re-execution after a crash carries a higher fence, so
 // the fence alone does not absorb it.) The handler's context is cancelled
 // when the lease is lost or cannot be confirmed; cancellation is
 // cooperative: a handler that ignores its context runs on, and its result

@@ -77,6 +77,25 @@ type PanicError struct {
 // Error returns the panic value; the stack is in Stack.
 func (e *PanicError) Error() string { return fmt.Sprintf("handler panic: %v", e.Value) }
 
+// ErrHandlerTimeout is the cause of a handler context cancelled after
+// Config.HandlerTimeout. Unless the handler still returns a result, that
+// execution is a retryable failure with reason "handler timeout"; the
+// error recorded wraps ErrHandlerTimeout.
+var ErrHandlerTimeout = errors.New("amqpidem: handler timeout")
+
+// ErrStale is what a handler returns (wrapped or not) when its own store
+// refused its writes because it has seen a newer fencing token for the key
+// (Info.Fence; see "Guarantees" in the package documentation): another
+// execution of the same key has got further than this one. amqpidem then
+// discards this execution, which is not counted as an attempt, not logged
+// as a handler error and not retried with backoff: the message goes back
+// to its queue for a short while, and its next delivery is decided by the
+// record (acked as a duplicate once the newer execution completed, a busy
+// requeue while it runs, run again if it crashed). Without an
+// idempotency key (ProcessMissingKey, FailOpen) there is no fence, and
+// ErrStale is an ordinary handler error.
+var ErrStale = errors.New("amqpidem: stale fencing token")
+
 // ErrHandlerAck is what Ack, Nack and Reject return when a handler calls
 // them on its delivery: amqpidem settles every delivery itself, after the
 // outcome is stored, and a second ack of one delivery tag would make the

@@ -128,9 +128,7 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *
 	}
 
 	req := lock.Request{Key: StoreKey(p.cfg.Endpoint, key), TTL: p.cfg.LeaseTTL, Retention: p.cfg.Retention}
-	if !p.cfg.SkipFingerprint {
-		req.Fingerprint = fingerprint(d.Body)
-	}
+	req.Fingerprint = p.fingerprint(d)
 	res, err := p.store.Acquire(ctx, req)
 	if err != nil {
 		if p.cfg.FailOpen && ctx.Err() == nil && errors.Is(err, lock.ErrUnavailable) {
@@ -187,7 +185,7 @@ func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *
 		}
 		p.deadLetter(ctx, b, d, &ev, reason, failed)
 	case lock.InProgress:
-		p.requeue(ctx, b, d, &ev, Busy, "in progress elsewhere", p.cfg.InProgressDelay, nil)
+		p.requeue(ctx, b, d, &ev, Busy, "in progress elsewhere", p.busyDelay(res.Remaining), nil)
 	case lock.Conflict:
 		p.deadLetter(ctx, b, d, &ev, "key conflict",
 			fmt.Errorf("key %q was first seen with a different payload", key))
@@ -308,8 +306,13 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 			p.requeue(ctx, b, d, ev, Abandoned, "shutdown", 0, cmp.Or(cause, errNotStarted))
 			return
 		}
-		p.requeue(ctx, b, d, ev, Abandoned, "lease lost", p.cfg.InProgressDelay, cause)
+		p.requeue(ctx, b, d, ev, Abandoned, "lease lost", MinInProgressDelay, cause)
 		return
+	}
+	if p.cfg.HandlerTimeout > 0 {
+		var cancel context.CancelFunc
+		hctx, cancel = context.WithTimeoutCause(hctx, p.cfg.HandlerTimeout, ErrHandlerTimeout)
+		defer cancel()
 	}
 	hctx = withInfo(hctx, Info{Queue: p.cfg.Queue, Key: ev.Key, Attempt: attempt, Fence: lease.Fence})
 	t0 := time.Now()
@@ -336,11 +339,14 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 				p.fail(ctx, b, d, ev, lease, "result too large", err)
 				return
 			}
-			reason := "store unavailable"
+			// The lease is held until it expires (store unavailable) or
+			// by someone else (lost): its next delivery waits for it as a
+			// busy duplicate.
+			reason, delay := "store unavailable", p.cfg.UnavailableDelay
 			if errors.Is(err, lock.ErrLeaseLost) {
-				reason = "lease lost"
+				reason, delay = "lease lost", MinInProgressDelay
 			}
-			p.requeue(ctx, b, d, ev, Abandoned, reason, p.cfg.InProgressDelay, err)
+			p.requeue(ctx, b, d, ev, Abandoned, reason, delay, err)
 			return
 		}
 		stop()
@@ -354,7 +360,8 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 		return
 	}
 
-	if hctx.Err() != nil && !IsPermanent(err) {
+	timedOut := errors.Is(context.Cause(hctx), ErrHandlerTimeout)
+	if hctx.Err() != nil && !IsPermanent(err) && !timedOut {
 		// The handler was stopped (lease lost or unconfirmed, shutdown):
 		// its failure says nothing about the message.
 		cause := context.Cause(hctx)
@@ -364,24 +371,64 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 			p.requeue(ctx, b, d, ev, Abandoned, "shutdown", 0, cause)
 			return
 		}
-		p.requeue(ctx, b, d, ev, Abandoned, "lease lost", p.cfg.InProgressDelay, cause)
+		p.requeue(ctx, b, d, ev, Abandoned, "lease lost", MinInProgressDelay, cause)
+		return
+	}
+	if errors.Is(err, ErrStale) && !IsPermanent(err) {
+		// The handler's own store saw a newer fence: another execution
+		// of this key got further. This one is no attempt; the record
+		// decides the next delivery (a duplicate once that execution
+		// completed, busy while it runs).
+		stop()
+		if p.cancel(ctx, lease) {
+			ev.Attempt = attempt - 1
+		}
+		p.requeue(ctx, b, d, ev, Abandoned, "stale fence", MinInProgressDelay, err)
 		return
 	}
 
+	reason := "handler error"
+	if timedOut {
+		reason = "handler timeout"
+		err = fmt.Errorf("%w after %v: %w", ErrHandlerTimeout, p.cfg.HandlerTimeout, err)
+	}
 	if !IsPermanent(err) && attempt < p.cfg.MaxAttempts {
 		if delay, ok := p.cfg.retryDelay(attempt); ok {
 			stop()
 			p.release(ctx, lease)
-			p.requeue(ctx, b, d, ev, Retried, "handler error", delay, err)
+			p.requeue(ctx, b, d, ev, Retried, reason, delay, err)
 			return
 		}
 	}
-	reason := "permanent failure"
+	reason = "permanent failure"
 	if !IsPermanent(err) {
 		reason = "attempts exhausted"
 	}
 	stop()
 	p.fail(ctx, b, d, ev, lease, reason, err)
+}
+
+// fingerprint is what the payload check compares for d (see
+// Config.Fingerprint); empty for no check.
+func (p *processor) fingerprint(d *amqp.Delivery) string {
+	switch {
+	case p.cfg.SkipFingerprint:
+		return ""
+	case p.cfg.Fingerprint == nil:
+		return fingerprint(d.Body)
+	}
+	if b := p.cfg.Fingerprint(d); b != nil {
+		return fingerprint(b)
+	}
+	return ""
+}
+
+// busyDelay is how long a duplicate waits while another consumer holds
+// its key, whose lease has remaining left by the store's clock: until a
+// little after that lease would expire, within [MinInProgressDelay,
+// InProgressDelay].
+func (p *processor) busyDelay(remaining time.Duration) time.Duration {
+	return min(max(remaining+remaining/10, MinInProgressDelay), max(p.cfg.InProgressDelay, MinInProgressDelay))
 }
 
 // complete stores the result, even if ctx was cancelled meanwhile (the
@@ -424,7 +471,7 @@ func (p *processor) fail(ctx context.Context, b broker, d *amqp.Delivery, ev *Ev
 	if err := settle(ctx, func(ctx context.Context) error { return p.store.Fail(ctx, lease, text) }); err != nil {
 		if errors.Is(err, lock.ErrLeaseLost) {
 			// Someone took the key over: its new holder decides.
-			p.requeue(ctx, b, d, ev, Abandoned, "lease lost", p.cfg.InProgressDelay, errors.Join(cause, err))
+			p.requeue(ctx, b, d, ev, Abandoned, "lease lost", MinInProgressDelay, errors.Join(cause, err))
 			return
 		}
 		// Fail may have landed with its reply lost. The copy goes back
@@ -489,6 +536,11 @@ func (p *processor) runUnkeyed(ctx context.Context, b broker, d *amqp.Delivery, 
 		return
 	}
 	hctx := withInfo(ctx, Info{Queue: p.cfg.Queue, Attempt: attempt})
+	if p.cfg.HandlerTimeout > 0 {
+		var cancel context.CancelFunc
+		hctx, cancel = context.WithTimeoutCause(hctx, p.cfg.HandlerTimeout, ErrHandlerTimeout)
+		defer cancel()
+	}
 	t0 := time.Now()
 	result, err := call(hctx, p.handler, handlerDelivery(d))
 	ev.Handler = time.Since(t0)
@@ -507,13 +559,18 @@ func (p *processor) runUnkeyed(ctx context.Context, b broker, d *amqp.Delivery, 
 		p.requeue(ctx, b, d, ev, Abandoned, "shutdown", 0, err)
 		return
 	}
+	reason := "handler error"
+	if errors.Is(context.Cause(hctx), ErrHandlerTimeout) {
+		reason = "handler timeout"
+		err = fmt.Errorf("%w after %v: %w", ErrHandlerTimeout, p.cfg.HandlerTimeout, err)
+	}
 	if !IsPermanent(err) && attempt < p.cfg.MaxAttempts {
 		if delay, ok := p.cfg.retryDelay(attempt); ok {
-			p.requeue(ctx, b, d, ev, Retried, "handler error", delay, err)
+			p.requeue(ctx, b, d, ev, Retried, reason, delay, err)
 			return
 		}
 	}
-	reason := "permanent failure"
+	reason = "permanent failure"
 	if !IsPermanent(err) {
 		reason = "attempts exhausted"
 	}
@@ -638,7 +695,7 @@ func (p *processor) deadLetter(ctx context.Context, b broker, d *amqp.Delivery, 
 	var err error
 	for try := 0; try < 2; try++ {
 		if ownQueue {
-			if err = b.declare(sctx, key, nil, false); err != nil {
+			if err = b.declare(sctx, key, p.cfg.DeadLetterQueueArgs, false); err != nil {
 				break
 			}
 		}
@@ -703,12 +760,12 @@ func (p *processor) nackRequeue(d *amqp.Delivery, ev *Event, reason string, caus
 
 // report logs ev and tells the observer.
 func (p *processor) report(ctx context.Context, ev Event) {
-	level := slog.LevelInfo
+	level := slog.LevelDebug // completed, duplicate, busy: nothing to look at
 	switch {
-	case ev.Outcome == DeadLettered || ev.Err != nil && ev.Outcome != Retried:
+	case ev.Outcome == DeadLettered || ev.Err != nil && ev.Outcome != Retried && ev.Outcome != Abandoned:
 		level = slog.LevelWarn
-	case ev.Outcome == Duplicate || ev.Outcome == Busy:
-		level = slog.LevelDebug
+	case ev.Outcome == Retried || ev.Outcome == Abandoned || ev.Outcome == Dropped || ev.Err != nil:
+		level = slog.LevelInfo
 	}
 	if p.cfg.Logger.Enabled(ctx, level) {
 		attrs := []slog.Attr{

@@ -36,6 +36,8 @@ type publisher struct {
 	// queueType is the work queues' type, "classic" or "quorum": it picks
 	// the kind of delay queue (see delayQueueArgs).
 	queueType string
+	// delayArgs are Config.DelayQueueArgs, added to every delay queue's.
+	delayArgs amqp.Table
 	pool      chan *pubChannel // idle channels
 	sem       chan struct{}    // bounds open channels
 
@@ -257,7 +259,7 @@ func (p *publisher) requeue(ctx context.Context, queue string, d *amqp.Delivery,
 	}
 	tier := delayTier(delay)
 	name := delayQueue(queue, p.queueType, tier)
-	if err := p.declare(ctx, name, delayQueueArgs(queue, p.queueType, tier), true); err != nil {
+	if err := p.declare(ctx, name, delayQueueArgs(queue, p.queueType, tier, p.delayArgs), true); err != nil {
 		return err
 	}
 	return p.publish(ctx, "", name, msg)

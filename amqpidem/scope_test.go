@@ -55,7 +55,9 @@ func TestRecordsScopedPerQueue(t *testing.T) {
 			var r [2]runs
 			var rec recorder
 			for i, q := range queues {
-				cfg := amqpidem.Config{Observer: &rec}
+				// A copy that finds the other queue's consumer holding the
+				// shared key waits at most a second, not the lease's 30s.
+				cfg := amqpidem.Config{Observer: &rec, InProgressDelay: time.Second}
 				if shared {
 					cfg.Endpoint = e.queue + ".inbox"
 				}

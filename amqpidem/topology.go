@@ -145,26 +145,30 @@ func delayTier(d time.Duration) time.Duration {
 // after 3.10 do not renew a quorum queue's expiry when it is declared
 // again, so a queue in use would be deleted on schedule. Quorum delay
 // queues stay (empty when unused); at most 90 tiers per decade of delays.
-func delayQueueArgs(queue, queueType string, ttl time.Duration) amqp.Table {
+func delayQueueArgs(queue, queueType string, ttl time.Duration, extra amqp.Table) amqp.Table {
 	ms := ttl.Milliseconds()
+	args := make(amqp.Table, len(extra)+6)
+	for k, v := range extra {
+		args[k] = v // Config.Validate refused the keys set below
+	}
+	args["x-message-ttl"] = ms
+	args["x-dead-letter-exchange"] = ""
+	args["x-dead-letter-routing-key"] = queue
 	if queueType == queueQuorum {
-		return amqp.Table{
-			"x-queue-type":              queueQuorum,
-			"x-message-ttl":             ms,
-			"x-dead-letter-exchange":    "",
-			"x-dead-letter-routing-key": queue,
-			"x-dead-letter-strategy":    "at-least-once",
-			"x-overflow":                "reject-publish",
-		}
+		args["x-queue-type"] = queueQuorum
+		args["x-dead-letter-strategy"] = "at-least-once"
+		args["x-overflow"] = "reject-publish"
+		return args
 	}
-	return amqp.Table{
-		"x-message-ttl":             ms,
-		"x-dead-letter-exchange":    "",
-		"x-dead-letter-routing-key": queue,
-		"x-expires":                 2*ms + int64(time.Minute/time.Millisecond),
-		"x-queue-type":              queueClassic,
-	}
+	args["x-queue-type"] = queueClassic
+	args["x-expires"] = 2*ms + int64(time.Minute/time.Millisecond)
+	return args
 }
+
+// delayArgsOwned are the delay queue arguments that delayQueueArgs sets
+// and Config.DelayQueueArgs may not.
+var delayArgsOwned = []string{"x-queue-type", "x-message-ttl", "x-expires", "x-overflow",
+	"x-dead-letter-exchange", "x-dead-letter-routing-key", "x-dead-letter-strategy"}
 
 // brokerHeaders are headers RabbitMQ writes on dead-lettering; they are not
 // carried onto amqpidem's own copies (they would grow with every hop and

@@ -52,7 +52,7 @@ func TestDelayQueueArgs(t *testing.T) {
 		queueType string
 		want      amqp.Table
 	}{{"classic", classic}, {"", classic}, {"quorum", quorum}} {
-		got := delayQueueArgs("orders", tc.queueType, 1500*time.Millisecond)
+		got := delayQueueArgs("orders", tc.queueType, 1500*time.Millisecond, nil)
 		if !reflect.DeepEqual(got, tc.want) {
 			t.Errorf("delayQueueArgs(orders, %q, 1.5s):\n got  %v\n want %v", tc.queueType, got, tc.want)
 		}
@@ -195,7 +195,7 @@ func TestCopyForgedHeaders(t *testing.T) {
 // PRECONDITION_FAILED says which queue and what to do, and still wraps the
 // broker's error.
 func TestDeclareErrorPreconditionFailed(t *testing.T) {
-	args := delayQueueArgs("orders", "quorum", time.Second)
+	args := delayQueueArgs("orders", "quorum", time.Second, nil)
 	cause := &amqp.Error{Code: amqp.PreconditionFailed, Reason: "PRECONDITION_FAILED - inequivalent arg 'x-queue-type'"}
 	err := declareError("orders.delayq.1000", args, fmt.Errorf("wrapped: %w", cause))
 	for _, want := range []string{`"orders.delayq.1000"`, "exists with arguments other than those amqpidem declares",

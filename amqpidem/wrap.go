@@ -47,7 +47,9 @@ func Wrap(conn ChannelOpener, store lock.Store, cfg Config, h Handler) (*Wrapper
 		return nil, err
 	}
 	base, cancel := context.WithCancel(context.Background())
-	w := &Wrapper{proc: proc, pub: newPublisher(conn, proc.cfg.QueueType), base: base, cancel: cancel}
+	pub := newPublisher(conn, proc.cfg.QueueType)
+	pub.delayArgs = proc.cfg.DelayQueueArgs
+	w := &Wrapper{proc: proc, pub: pub, base: base, cancel: cancel}
 	cleanUpWhenUnreachable(w, proc.keeper, w.pub)
 	return w, nil
 }
@@ -78,7 +80,7 @@ func newProcessor(store lock.Store, cfg Config, h Handler) (processor, error) {
 		return processor{}, fmt.Errorf("amqpidem: Config.MaxResultSize %d is above what the store keeps: %d bytes less the %d amqpidem adds (ResultOverhead)",
 			cfg.MaxResultSize, limit, ResultOverhead)
 	}
-	keeper, err := heartbeat.New(store, heartbeat.Config{Logger: cfg.Logger})
+	keeper, err := heartbeat.New(store, heartbeat.Config{SafetyMargin: cfg.SafetyMargin, Logger: cfg.Logger})
 	if err != nil {
 		return processor{}, err
 	}

@@ -32,7 +32,7 @@ type Config struct {
 	// TTL is not longer than the margin is refused by Keep.
 	SafetyMargin time.Duration
 	// Logger receives extension failures, lost and unconfirmed leases.
-	// Nil discards.
+	// Default slog.Default(); slog.New(slog.DiscardHandler) silences it.
 	Logger *slog.Logger
 }
 
@@ -48,7 +48,7 @@ func (c Config) Validate() error {
 // margin's default depends on each lease's TTL; see margin.
 func (c Config) withDefaults() Config {
 	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
+		c.Logger = slog.Default()
 	}
 	return c
 }

@@ -41,7 +41,8 @@ type Config struct {
 	// negative is an error.
 	MaxResultSize int
 	// Logger receives warnings (an eviction policy that can lose leases,
-	// a script reloaded after a failover). Nil discards.
+	// a script reloaded after a failover). Default slog.Default();
+	// slog.New(slog.DiscardHandler) silences it.
 	Logger *slog.Logger
 	// Now is the local clock, used only to estimate a lease's deadline
 	// conservatively on this side. Lease expiry itself is always judged by
@@ -82,7 +83,7 @@ func (c Config) withDefaults() Config {
 		c.MaxResultSize = DefaultMaxResultSize
 	}
 	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
+		c.Logger = slog.Default()
 	}
 	if c.Now == nil {
 		c.Now = time.Now
