@@ -1,14 +1,28 @@
-.PHONY: services test bench lint demo chaos
+.PHONY: services test check-user-module bench lint demo chaos
 
-# services starts local Redis and RabbitMQ if they are down (see scripts/services.sh).
+# CONTAINERS is the Docker fallback of internal/testenv: a program in a
+# module of its own, so that testcontainers-go stays out of this module's
+# go.mod and go.sum.
+CONTAINERS := internal/testenv/containers
+
+# services starts local Redis, RabbitMQ and PostgreSQL if they are down (see
+# scripts/services.sh; with Docker, `docker compose up -d --wait` instead).
 services:
 	bash scripts/services.sh
 
-test: services
+# test checks that a module importing amqpidem inherits none of the tests'
+# dependencies, then runs every test with the race detector.
+test: services check-user-module
 	go test -race -count=1 -timeout 20m ./...
 
+# check-user-module fails if a fresh module importing amqpidem, heartbeat and
+# lock gets testcontainers, the Docker client, pgx, toxiproxy or zerolog in its
+# go.sum, and prints its go.sum line count.
+check-user-module:
+	bash scripts/check-user-module.sh
+
 # bench runs the lock and heartbeat micro benchmarks, then the end-to-end
-# measurement of test/bench (issue 4): a bare amqp091-go consumer, amqpidem with
+# measurement of test/bench: a bare amqp091-go consumer, amqpidem with
 # unique and with duplicate messages, and the naive SET NX + SET approach, side
 # by side on classic and quorum queues. It ends with "ratio <variant>/bare
 # <queue type> 0.00" lines. About 5-10 minutes; flags go in BENCH_FLAGS, e.g.
@@ -16,17 +30,23 @@ test: services
 #   make bench BENCH_FLAGS=-short      # a smoke run of a few seconds
 # REDIS_ADDR and AMQP_URL pick other services than the local defaults.
 BENCH_FLAGS ?=
-bench: services
+bench:
+	bash scripts/services.sh redis rabbitmq
 	go test -run '^$$' -bench . -benchmem -count 1 ./lock/ ./heartbeat/
 	go run ./test/bench $(BENCH_FLAGS)
 
+# lint: gofmt, go vet and tidy go.mod and go.sum, in this module and in the
+# nested module of $(CONTAINERS), which `go vet ./...` here does not reach.
 lint:
 	@unformatted="$$(gofmt -l .)"; \
 	if [ -n "$$unformatted" ]; then echo "gofmt -l lists files that need gofmt -w:"; echo "$$unformatted"; exit 1; fi
 	go vet ./...
+	go mod tidy -diff
+	cd $(CONTAINERS) && go vet ./... && go mod tidy -diff
 
 # demo runs the example consumer against the local services.
-demo: services
+demo:
+	bash scripts/services.sh redis rabbitmq
 	go run ./examples/orders
 
 # chaos runs every fault-injection scenario of test/chaos at full size

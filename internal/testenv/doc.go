@@ -21,14 +21,23 @@
 //     to another one behind the caller's back;
 //  2. the local default, 127.0.0.1:6379 and amqp://guest:guest@127.0.0.1:5672/,
 //     if it answers (a Redis PING, a full AMQP handshake);
-//  3. a container started by testcontainers-go (redis:7-alpine with
-//     --maxmemory-policy noeviction, rabbitmq:3.13-alpine), only if a Docker
-//     engine answers within a few seconds. The container is started once per
-//     test binary and removed by testcontainers' reaper (Ryuk) when the
-//     binary exits (by hand, if TESTCONTAINERS_RYUK_DISABLED=true).
+//  3. a container (redis:7.0-alpine with --maxmemory-policy noeviction,
+//     rabbitmq:3.13-alpine), only if a Docker engine answers GET /_ping
+//     within a few seconds where testcontainers-go looks for one
+//     (DOCKER_HOST, /var/run/docker.sock, the rootless and Docker Desktop
+//     sockets, ~/.testcontainers.properties). testenv then runs the program
+//     in containers/ with `go run`: a module of its own, so that
+//     testcontainers-go and the Docker client stay out of this module's
+//     go.mod and go.sum and so out of those of every module importing
+//     amqpidem. That needs the go command and a checkout of this repository.
+//     The container is started once per test binary and removed when the
+//     binary exits (the program's standard input closes then), or by
+//     testcontainers' reaper (Ryuk) if the program is killed.
 //
 // The answer, found or not, is cached for the life of the test binary.
-// `make services` (scripts/services.sh) starts the local defaults.
+// `make services` (scripts/services.sh) starts the local defaults, and
+// `docker compose up -d --wait` (docker-compose.yml) runs them in containers
+// published on the same ports.
 //
 // # Missing services
 //
@@ -36,7 +45,10 @@
 // to start. Under `go test -short` it is skipped instead, unless the
 // environment has CI=true: in CI a missing service is always a failure, never
 // a silent skip. The same rule applies to [RedisServer], [RedisCluster] and
-// [RedisSentinel] when the redis-server or redis-cli binaries are not on PATH.
+// [RedisSentinel] when the redis-server or redis-cli binaries are not on PATH:
+// those tests start their own redis-server processes, so they run only on a
+// host with Redis installed (Linux or macOS); the shared Redis of
+// REDIS_ADDR, docker compose or Docker cannot stand in for them.
 //
 // # Processes
 //

@@ -317,13 +317,18 @@ func freePort(bus bool) (int, error) {
 	return 0, errors.New("testenv: no free pair of ports for a cluster node")
 }
 
-// lookPath finds a program, or ends the test with what to install.
+// lookPath finds a program of Redis, or ends the test with what to install.
 func lookPath(t testing.TB, name string) string {
 	t.Helper()
 	p, err := exec.LookPath(name)
 	if err != nil {
-		unavailable(t, "testenv: %v.\nInstall Redis so that redis-server and redis-cli are on PATH "+
-			"(Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis).", err)
+		unavailable(t, "testenv: %s needs the %s program on PATH (%v).\n"+
+			"It starts its own throwaway redis-server processes (a standalone server, a Redis Cluster or a Sentinel setup) "+
+			"on free loopback ports, so it runs only on a host with Redis installed: "+
+			"the shared Redis of REDIS_ADDR, make services or docker compose cannot stand in for it.\n"+
+			"Install Redis so that redis-server and redis-cli are on PATH "+
+			"(Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis).",
+			t.Name(), name, err)
 	}
 	return p
 }

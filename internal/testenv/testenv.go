@@ -1,8 +1,6 @@
 package testenv
 
 import (
-	"context"
-	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -13,8 +11,6 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
-	"github.com/testcontainers/testcontainers-go"
-	"github.com/testcontainers/testcontainers-go/wait"
 )
 
 // Local defaults, images and time limits.
@@ -22,29 +18,36 @@ const (
 	defaultRedisAddr = "127.0.0.1:6379"
 	defaultAMQPURL   = "amqp://guest:guest@127.0.0.1:5672/"
 
-	redisImage  = "redis:7-alpine"
+	// The images the containers program starts (see containers/main.go).
+	redisImage  = "redis:7.0-alpine"
 	rabbitImage = "rabbitmq:3.13-alpine"
 
 	// probeTimeout bounds one check that a service answers.
 	probeTimeout = 5 * time.Second
 	// dockerProbeTimeout bounds the check that a Docker engine answers.
 	dockerProbeTimeout = 5 * time.Second
-	// containerTimeout bounds pulling and starting a container.
-	containerTimeout = 3 * time.Minute
+	// containerTimeout bounds building the containers program, pulling the
+	// image and starting the container.
+	containerTimeout = 5 * time.Minute
+	// containerReadyTimeout bounds waiting, after the containers program
+	// reported a container ready, until the service answers the tests.
+	containerReadyTimeout = 30 * time.Second
 )
 
 // How to start each service, shown when it cannot be found.
 const (
 	redisHelp = `Start one of:
-  make services
-  mkdir -p /var/lib/redis /var/log/redis && redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no --dir /var/lib/redis --logfile /var/log/redis/ci.log
+  make services                  (starts a local redis-server, if Redis is installed)
+  docker compose up -d --wait    (Redis, RabbitMQ and PostgreSQL from docker-compose.yml)
+  redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no
 or set REDIS_ADDR=host:port to a running Redis,
-or start a Docker engine (testcontainers-go then runs ` + redisImage + `).`
+or start a Docker engine (the tests then run ` + redisImage + ` through testcontainers-go).`
 	amqpHelp = `Start one of:
-  make services
+  make services                  (starts a local rabbitmq-server, if RabbitMQ is installed)
+  docker compose up -d --wait    (Redis, RabbitMQ and PostgreSQL from docker-compose.yml)
   rabbitmq-server -detached && rabbitmqctl await_startup
 or set AMQP_URL=amqp://user:pass@host:port/vhost to a running RabbitMQ,
-or start a Docker engine (testcontainers-go then runs ` + rabbitImage + `).`
+or start a Docker engine (the tests then run ` + rabbitImage + ` through testcontainers-go).`
 )
 
 // service caches, for the life of the test binary, where a service is or why
@@ -67,7 +70,7 @@ func (s *service) get(t testing.TB, resolve func() (addr, missing string)) strin
 var redisService, amqpService service
 
 // RedisAddr returns the host:port of a Redis for integration tests: REDIS_ADDR
-// if set, else 127.0.0.1:6379 if it answers PING, else a redis:7-alpine
+// if set, else 127.0.0.1:6379 if it answers PING, else a redis:7.0-alpine
 // container if a Docker engine answers. The answer is cached for the test
 // binary. When no Redis can be found the test fails, or is skipped under
 // -short without CI=true; the message says what to start.
@@ -134,10 +137,24 @@ func Name(t testing.TB) string {
 // under -short unless CI=true, a failure otherwise.
 func unavailable(t testing.TB, format string, args ...any) {
 	t.Helper()
-	if skipMissing(testing.Short(), os.Getenv("CI")) {
-		t.Skipf(format+"\n(skipped because of -short; with CI=true this is a failure)", args...)
+	skip, note := missingOutcome(testing.Short(), os.Getenv("CI"))
+	if skip {
+		t.Skipf(format+"\n"+note, args...)
 	}
-	t.Fatalf(format, args...)
+	t.Fatalf(format+"\n"+note, args...)
+}
+
+// missingOutcome says whether a missing service or program skips the test
+// rather than failing it, and the note that says why.
+func missingOutcome(short bool, ci string) (skip bool, note string) {
+	switch {
+	case skipMissing(short, ci):
+		return true, "(skipped because of -short; with CI=true this is a failure)"
+	case ci == "true":
+		return false, "(CI=true: a missing service or program is a failure, never a skip)"
+	default:
+		return false, "(go test -short skips such tests instead, unless CI=true)"
+	}
 }
 
 // skipMissing reports whether a missing service skips the test rather than
@@ -146,54 +163,73 @@ func skipMissing(short bool, ci string) bool {
 	return short && ci != "true"
 }
 
-func resolveRedis() (addr, missing string) {
-	if env := os.Getenv("REDIS_ADDR"); env != "" {
-		if err := pingRedis(env, probeTimeout); err != nil {
-			return "", fmt.Sprintf("testenv: REDIS_ADDR=%s does not answer PING: %v\n"+
-				"Start Redis at that address, or unset REDIS_ADDR to use %s or Docker.", env, err, defaultRedisAddr)
-		}
-		return env, ""
-	}
-	localErr := pingRedis(defaultRedisAddr, probeTimeout)
-	if localErr == nil {
-		return defaultRedisAddr, ""
-	}
-	tried := fmt.Sprintf("REDIS_ADDR is not set; %s does not answer PING (%v)", defaultRedisAddr, localErr)
-	if err := dockerAvailable(); err != nil {
-		return "", fmt.Sprintf("testenv: no Redis for the integration tests.\n%s; no Docker engine for testcontainers (%v).\n%s",
-			tried, err, redisHelp)
-	}
-	addr, err := startRedisContainer()
-	if err != nil {
-		return "", fmt.Sprintf("testenv: no Redis for the integration tests.\n%s; starting %s with testcontainers failed: %v\n%s",
-			tried, redisImage, err, redisHelp)
-	}
-	return addr, ""
+// A target is a service the tests look for, and how.
+type target struct {
+	name    string                  // "Redis"
+	envVar  string                  // "REDIS_ADDR"
+	local   string                  // the local default address or URL
+	probe   func(addr string) error // nil if the service at addr answers
+	failure string                  // what a failed probe means, after the address: " does not answer PING"
+	service string                  // the containers program's argument: "redis"; it prints envVar=address
+	image   string                  // the image it runs
+	help    string                  // what to start
 }
 
-func resolveAMQP() (url, missing string) {
-	if env := os.Getenv("AMQP_URL"); env != "" {
-		if err := dialAMQP(env, probeTimeout); err != nil {
-			return "", fmt.Sprintf("testenv: AMQP_URL=%s: cannot connect: %v\n"+
-				"Start RabbitMQ at that address, or unset AMQP_URL to use %s or Docker.", env, err, defaultAMQPURL)
+var (
+	redisTarget = target{
+		name:    "Redis",
+		envVar:  "REDIS_ADDR",
+		local:   defaultRedisAddr,
+		probe:   func(addr string) error { return pingRedis(addr, probeTimeout) },
+		failure: " does not answer PING",
+		service: "redis",
+		image:   redisImage,
+		help:    redisHelp,
+	}
+	amqpTarget = target{
+		name:    "RabbitMQ",
+		envVar:  "AMQP_URL",
+		local:   defaultAMQPURL,
+		probe:   func(url string) error { return dialAMQP(url, probeTimeout) },
+		failure: ": cannot connect",
+		service: "rabbitmq",
+		image:   rabbitImage,
+		help:    amqpHelp,
+	}
+)
+
+func resolveRedis() (addr, missing string) { return resolve(redisTarget, dockerAvailable) }
+
+func resolveAMQP() (url, missing string) { return resolve(amqpTarget, dockerAvailable) }
+
+// resolve finds tg: its environment variable if set (and then only there),
+// else its local default if it answers, else a container when docker
+// reports an engine. It returns the address, or why there is none and what
+// to start.
+func resolve(tg target, docker func() error) (addr, missing string) {
+	if env := os.Getenv(tg.envVar); env != "" {
+		if err := tg.probe(env); err != nil {
+			return "", fmt.Sprintf("testenv: %s=%s%s: %v\n"+
+				"Start %s at that address, or unset %s to use %s or Docker.",
+				tg.envVar, env, tg.failure, err, tg.name, tg.envVar, tg.local)
 		}
 		return env, ""
 	}
-	localErr := dialAMQP(defaultAMQPURL, probeTimeout)
+	localErr := tg.probe(tg.local)
 	if localErr == nil {
-		return defaultAMQPURL, ""
+		return tg.local, ""
 	}
-	tried := fmt.Sprintf("AMQP_URL is not set; %s: cannot connect (%v)", defaultAMQPURL, localErr)
-	if err := dockerAvailable(); err != nil {
-		return "", fmt.Sprintf("testenv: no RabbitMQ for the integration tests.\n%s; no Docker engine for testcontainers (%v).\n%s",
-			tried, err, amqpHelp)
+	tried := fmt.Sprintf("%s is not set; %s%s (%v)", tg.envVar, tg.local, tg.failure, localErr)
+	if err := docker(); err != nil {
+		return "", fmt.Sprintf("testenv: no %s for the integration tests.\n%s; no Docker engine for testcontainers (%v).\n%s",
+			tg.name, tried, err, tg.help)
 	}
-	url, err := startRabbitContainer()
+	addr, err := startContainer(tg)
 	if err != nil {
-		return "", fmt.Sprintf("testenv: no RabbitMQ for the integration tests.\n%s; starting %s with testcontainers failed: %v\n%s",
-			tried, rabbitImage, err, amqpHelp)
+		return "", fmt.Sprintf("testenv: no %s for the integration tests.\n%s; starting %s with testcontainers failed: %v\n%s",
+			tg.name, tried, tg.image, err, tg.help)
 	}
-	return url, ""
+	return addr, ""
 }
 
 // dialAMQP opens and closes an AMQP connection to url.
@@ -203,103 +239,4 @@ func dialAMQP(url string, timeout time.Duration) error {
 		return err
 	}
 	return conn.Close()
-}
-
-var docker struct {
-	once sync.Once
-	err  error
-}
-
-// dockerAvailable reports, once per test binary, whether a Docker engine
-// answers; nil means testcontainers can be used.
-func dockerAvailable() error {
-	docker.once.Do(func() { docker.err = probeDocker(dockerProbeTimeout) })
-	return docker.err
-}
-
-// probeDocker asks testcontainers' default provider for the engine's health.
-// Finding the engine does not take a context and can block on a socket that
-// accepts but never answers, so the probe runs in its own goroutine and is
-// abandoned after timeout.
-func probeDocker(timeout time.Duration) error {
-	ctx, cancel := context.WithTimeout(context.Background(), timeout)
-	defer cancel()
-	done := make(chan error, 1)
-	go func() {
-		defer func() {
-			if r := recover(); r != nil {
-				done <- fmt.Errorf("testcontainers panicked: %v", r)
-			}
-		}()
-		p, err := testcontainers.ProviderDefault.GetProvider()
-		if err != nil {
-			done <- err
-			return
-		}
-		done <- p.Health(ctx) // Health closes the provider.
-	}()
-	select {
-	case err := <-done:
-		return err
-	case <-ctx.Done():
-		return fmt.Errorf("no answer from the Docker engine within %v", timeout)
-	}
-}
-
-// startContainer runs img with port exposed and returns the host:port it is
-// mapped to. The container outlives the call: testcontainers' reaper removes
-// it when the test binary exits.
-func startContainer(img, port string, opts ...testcontainers.ContainerCustomizer) (string, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), containerTimeout)
-	defer cancel()
-	opts = append([]testcontainers.ContainerCustomizer{testcontainers.WithExposedPorts(port)}, opts...)
-	c, err := testcontainers.Run(ctx, img, opts...)
-	if err != nil {
-		return "", errors.Join(err, testcontainers.TerminateContainer(c))
-	}
-	endpoint, err := c.PortEndpoint(ctx, port, "")
-	if err != nil {
-		return "", errors.Join(err, testcontainers.TerminateContainer(c))
-	}
-	return endpoint, nil
-}
-
-func startRedisContainer() (string, error) {
-	addr, err := startContainer(redisImage, "6379/tcp",
-		testcontainers.WithCmd("redis-server", "--maxmemory-policy", "noeviction"),
-		testcontainers.WithWaitStrategy(
-			wait.ForLog("Ready to accept connections"),
-			wait.ForListeningPort("6379/tcp"),
-		),
-	)
-	if err != nil {
-		return "", err
-	}
-	return addr, retry(30*time.Second, func() error { return pingRedis(addr, probeTimeout) })
-}
-
-func startRabbitContainer() (string, error) {
-	addr, err := startContainer(rabbitImage, "5672/tcp",
-		testcontainers.WithWaitStrategyAndDeadline(2*time.Minute,
-			wait.ForLog("Server startup complete"),
-			wait.ForListeningPort("5672/tcp"),
-		),
-	)
-	if err != nil {
-		return "", err
-	}
-	url := "amqp://guest:guest@" + addr + "/"
-	return url, retry(30*time.Second, func() error { return dialAMQP(url, probeTimeout) })
-}
-
-// retry calls f until it succeeds or d has passed, and returns its last error.
-func retry(d time.Duration, f func() error) error {
-	deadline := time.Now().Add(d)
-	for {
-		err := f()
-		if err == nil || time.Now().After(deadline) {
-			return err
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
 }

@@ -1,12 +1,7 @@
 package testenv
 
 import (
-	"context"
 	"errors"
-	"net"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -29,60 +24,6 @@ func TestSkipMissing(t *testing.T) {
 			t.Errorf("skipMissing(%v, %q): got %v, want %v", tt.short, tt.ci, got, tt.want)
 		}
 	}
-}
-
-// TestProbeDockerDoesNotHang points testcontainers at a socket that accepts
-// connections and never answers: the probe must give up on time. It runs the
-// probe in a child process, because testcontainers caches the Docker host it
-// finds for the life of the process.
-func TestProbeDockerDoesNotHang(t *testing.T) {
-	if os.Getenv("TESTENV_HANGING_DOCKER") == "1" {
-		start := time.Now()
-		err := probeDocker(300 * time.Millisecond)
-		if got, max := time.Since(start), 2*time.Second; got > max {
-			t.Fatalf("probeDocker took %v, want at most %v", got, max)
-		}
-		if err == nil {
-			t.Skip("a Docker engine answered: testcontainers is configured to use another host than DOCKER_HOST")
-		}
-		t.Logf("probeDocker: %v", err)
-		return
-	}
-
-	sock := filepath.Join(t.TempDir(), "docker.sock")
-	l, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Skipf("no unix sockets here: %v", err)
-	}
-	var conns []net.Conn
-	accepted := make(chan struct{})
-	go func() {
-		defer close(accepted)
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			conns = append(conns, c)
-		}
-	}()
-	t.Cleanup(func() {
-		l.Close()
-		<-accepted
-		for _, c := range conns {
-			c.Close()
-		}
-	})
-
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	child := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestProbeDockerDoesNotHang$", "-test.v", "-test.count=1")
-	child.Env = append(os.Environ(), "TESTENV_HANGING_DOCKER=1", "DOCKER_HOST=unix://"+sock)
-	out, err := child.CombinedOutput()
-	if err != nil {
-		t.Fatalf("probe in child process: %v\n%s", err, out)
-	}
-	t.Logf("child process:\n%s", out)
 }
 
 func TestCommand(t *testing.T) {
