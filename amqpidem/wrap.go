@@ -34,7 +34,11 @@ type Wrapper struct {
 }
 
 // Wrap returns a Wrapper running h for cfg.Queue with store. conn opens the
-// channels the Wrapper publishes on (an *amqp.Connection will do). It starts
+// channels the Wrapper publishes on (an *amqp.Connection will do). Give it
+// a connection of its own, not the one your loop consumes on, as RabbitMQ
+// advises: when the broker blocks publishers (a memory or disk alarm), it
+// blocks the whole connection, and the acks of a consuming channel on it
+// with it. Handle acks each delivery on the delivery's own channel. It starts
 // one heartbeat keeper for all in-flight leases; stop it with Shutdown (a
 // Wrapper dropped without Shutdown stops its keeper once it is garbage
 // collected).
