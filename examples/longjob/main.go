@@ -1,185 +1,189 @@
-// Command longjob runs a job ten times longer than its lease (5 s on a
-// 500 ms lease TTL) while a duplicate of its message arrives.
+// Command longjob runs jobs that take far longer than their lease. Each
+// message of the queue "reports" asks for a report that takes minutes to
+// write, and the report is written once per message-id.
 //
-// The heartbeat renews the lease while the job runs, so the duplicate finds
-// the key in progress: it is requeued as busy, again and again, until the
-// job completes; then it is acked as a duplicate without running. The
-// program exits non-zero if the job ran other than once.
+// The lease is short, so that the job of a consumer that crashed is taken
+// over soon after; the heartbeat renews it every LeaseTTL/3 while the job
+// runs. A copy of the message that arrives meanwhile finds the job in
+// progress: it is requeued as busy until the job is done, then acked as a
+// duplicate without running.
 //
-// Run it with `go run ./examples/longjob` once Redis and RabbitMQ are up
-// (`make services`). REDIS_ADDR and AMQP_URL override the defaults
-// 127.0.0.1:6379 and amqp://guest:guest@127.0.0.1:5672/.
+// This file is a template: a whole program that imports only public
+// packages. Copy it into your own module and replace writeReport with your
+// own job. REDIS_ADDR (default 127.0.0.1:6379) and AMQP_URL (default
+// amqp://guest:guest@127.0.0.1:5672/) say where Redis and RabbitMQ are.
+// SIGINT or SIGTERM stops it gracefully: the jobs running get up to 30 s to
+// finish; any still running then are cancelled and go back to the queue,
+// to start over on the next consumer.
+//
+// In this repository `go run ./examples/longjob` also compiles
+// selfcheck.go, which runs a self-checking demo of this handler and wiring
+// instead; `go run ./examples/longjob/main.go` runs this file alone.
 package main
 
 import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
-	"sync"
-	"sync/atomic"
+	"log/slog"
+	"os"
+	"os/signal"
+	"syscall"
 	"time"
 
+	"github.com/lmittmann/tint"
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
-	"github.com/amqpidem/amqpidem/examples/internal/demo"
 	"github.com/amqpidem/amqpidem/heartbeat"
 	"github.com/amqpidem/amqpidem/lock"
 )
 
 const (
-	leaseTTL  = 500 * time.Millisecond
-	jobTakes  = 10 * leaseTTL
-	jobKey    = "nightly-report-2024-12-31"
-	timeLimit = 60 * time.Second
+	queue = "reports"
+	// reportTakes is how long writeReport takes.
+	reportTakes = 3 * time.Minute
+	// shutdownGrace is how long the jobs running get to finish on SIGINT
+	// or SIGTERM.
+	shutdownGrace = 30 * time.Second
 )
 
-func main() { demo.Main("longjob", timeLimit, run) }
+func main() {
+	log := slog.New(tint.NewTextHandler(os.Stderr, &tint.Options{Level: slog.LevelDebug, TimeFormat: time.TimeOnly}))
+	if err := run(log); err != nil {
+		log.Error("longjob stopped", "error", err)
+		os.Exit(1)
+	}
+}
 
-func run(ctx context.Context) (err error) {
-	log := demo.Logger()
-	env, err := demo.Connect(ctx, "longjob")
+func run(log *slog.Logger) error {
+	// The store keeps one record per job in Redis: the lease while the job
+	// runs, then its outcome for Config.Retention.
+	rdb := redis.NewClient(&redis.Options{Addr: envOr("REDIS_ADDR", "127.0.0.1:6379")})
+	defer rdb.Close()
+	store, err := lock.NewRedisStore(rdb, lock.Config{Prefix: "longjob", Logger: log})
 	if err != nil {
 		return err
 	}
-	defer func() {
-		if cerr := env.Close(); cerr != nil {
-			log.Warn("cleanup incomplete", "error", cerr)
-		}
-	}()
-
-	store, err := lock.NewRedisStore(env.Redis, lock.Config{Prefix: env.Name, Logger: log})
-	if err != nil {
-		return err
-	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	// Check fails if Redis cannot be reached, and warns about an eviction
+	// policy that could lose records.
 	if err := store.Check(ctx); err != nil {
 		return err
 	}
-	if err := env.DeclareQueue(env.Name); err != nil {
-		return err
-	}
 
-	var runs atomic.Int32
-	started := make(chan struct{})
-	job := amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
-		if runs.Add(1) == 1 {
-			close(started)
-		}
-		info, _ := amqpidem.FromContext(ctx)
-		log.Info("job started", "key", info.Key, "fence", info.Fence, "takes", jobTakes, "lease_ttl", leaseTTL)
-		begin := time.Now()
-		tick := time.NewTicker(time.Second)
-		defer tick.Stop()
-		done := time.NewTimer(jobTakes)
-		defer done.Stop()
-		for {
-			select {
-			case <-tick.C:
-				// The keeper renews the lease about every TTL/3; its
-				// deadline stays ahead although the job outlived the TTL
-				// long ago.
-				lease, _ := heartbeat.LeaseFromContext(ctx)
-				log.Info("job working", "key", info.Key, "elapsed", time.Since(begin).Round(100*time.Millisecond),
-					"lease_expires_in", time.Until(lease.Deadline).Round(time.Millisecond))
-			case <-done.C:
-				log.Info("job done", "key", info.Key, "took", time.Since(begin))
-				return []byte("report written"), nil
-			case <-ctx.Done(): // the lease was lost, or shutdown: stop now
-				return nil, context.Cause(ctx)
-			}
-		}
-	})
-
-	tally := demo.NewTally()
-	consumer, err := amqpidem.NewConsumer(store, amqpidem.ConsumerConfig{
-		Config: amqpidem.Config{
-			Queue:           env.Name,
-			LeaseTTL:        leaseTTL,
-			Retention:       time.Hour,
-			InProgressDelay: time.Second, // how long the duplicate waits between tries
-			Logger:          log,
-			Observer:        tally,
-		},
-		URL: env.AMQPURL,
-	}, job)
+	url := envOr("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+	consumer, err := amqpidem.NewConsumer(store, consumerConfig(url, queue, log), reportHandler(log, reportTakes))
 	if err != nil {
 		return err
 	}
-	var wg sync.WaitGroup
-	runErr := make(chan error, 1)
-	wg.Go(func() {
-		if err := consumer.Run(ctx); !errors.Is(err, amqpidem.ErrConsumerClosed) {
-			runErr <- err
-		}
-	})
-	defer func() {
-		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-		defer cancel()
-		if serr := consumer.Shutdown(sctx); serr != nil {
-			err = errors.Join(err, fmt.Errorf("shutdown: %w", serr))
-		}
-		wg.Wait()
-	}()
 
-	pub, err := demo.NewPublisher(env.Conn)
-	if err != nil {
-		return err
-	}
-	defer pub.Close()
-	msg := amqp.Publishing{MessageId: jobKey, ContentType: "text/plain", Body: []byte("write the year-end report")}
-	if err := pub.Publish(ctx, env.Name, msg); err != nil {
-		return err
-	}
-	select {
-	case <-started:
-	case err := <-runErr:
-		return err
-	case <-ctx.Done():
-		return fmt.Errorf("waiting for the job to start: %w", context.Cause(ctx))
-	}
-	log.Info("publishing a duplicate while the job runs", "key", jobKey)
-	if err := pub.Publish(ctx, env.Name, msg); err != nil {
-		return err
-	}
-
-	err = tally.Wait(ctx, func(c demo.Counts) bool {
-		return c.Key(jobKey, amqpidem.Completed) == 1 && c.Key(jobKey, amqpidem.Duplicate) == 1
-	})
-	if err != nil {
-		return fmt.Errorf("waiting for the job and its duplicate: %w", err)
-	}
-	return report(tally, int(runs.Load()))
+	stop, stopSignals := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stopSignals()
+	return serve(stop, consumer, shutdownGrace, log)
 }
 
-func report(tally *demo.Tally, runs int) error {
-	var problems []string
-	tally.View(func(c demo.Counts) {
-		busy, abandoned := c.Key(jobKey, amqpidem.Busy), c.Key(jobKey, amqpidem.Abandoned)
-		var took time.Duration
-		for _, e := range c.Events() {
-			if e.Outcome == amqpidem.Completed {
-				took = e.Handler
-			}
+// consumerConfig is how the reports queue is consumed. Every field left
+// out has a documented default.
+func consumerConfig(url, queue string, log *slog.Logger) amqpidem.ConsumerConfig {
+	return amqpidem.ConsumerConfig{
+		URL: url,
+		// Few jobs at a time, and few taken from the queue ahead of them:
+		// the rest are left to the other consumers.
+		Prefetch:    2,
+		Concurrency: 2,
+		Config: amqpidem.Config{
+			Queue: queue,
+			// A crashed consumer's job is taken over once its lease runs
+			// out: within 15 s, although a job takes minutes.
+			LeaseTTL: 15 * time.Second,
+			// The idempotency window: a copy arriving within it is
+			// recognised.
+			Retention: 24 * time.Hour,
+			// A job that takes longer is cancelled and retried.
+			HandlerTimeout: 30 * time.Minute,
+			Logger:         log,
+		},
+	}
+}
+
+// serve runs c until stop is done, then shuts it down, giving the handlers
+// in flight up to grace to finish.
+func serve(stop context.Context, c *amqpidem.Consumer, grace time.Duration, log *slog.Logger) error {
+	// Run does not get stop: when Run's context ends, the handlers in flight
+	// are cancelled at once. Shutdown lets them finish first.
+	done := make(chan error, 1)
+	go func() { done <- c.Run(context.Background()) }()
+	select {
+	case err := <-done:
+		return err // ConsumerConfig.Reconnect gave up; the default never does
+	case <-stop.Done():
+	}
+	log.Info("shutting down", "grace", grace)
+	ctx, cancel := context.WithTimeout(context.Background(), grace)
+	defer cancel()
+	// Shutdown stops consuming, sends back the deliveries not started yet,
+	// waits for the handlers in flight until ctx ends, then cancels the
+	// rest: their messages go back to the queue, and it returns ctx.Err().
+	err := c.Shutdown(ctx)
+	if err != nil {
+		err = fmt.Errorf("shutdown: %w", err)
+	}
+	if rerr := <-done; !errors.Is(rerr, amqpidem.ErrConsumerClosed) {
+		err = errors.Join(err, rerr)
+	}
+	return err
+}
+
+// reportHandler writes the report a message asks for; amqpidem runs it
+// once per message-id.
+func reportHandler(log *slog.Logger, takes time.Duration) amqpidem.Handler {
+	return amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+		// The key, the attempt (1 first) and the lease's fencing token;
+		// ok is false only when the handler is called outside amqpidem.
+		info, ok := amqpidem.FromContext(ctx)
+		if !ok {
+			return nil, errors.New("no idempotency key: run the handler through amqpidem")
 		}
-		fmt.Printf("\nsummary (lease TTL %v, job %v)\n", leaseTTL, jobTakes)
-		fmt.Printf("  %-14s %d (took %v, %.0fx the lease TTL)\n", "job ran", runs, took.Round(time.Millisecond), float64(took)/float64(leaseTTL))
-		fmt.Printf("  %-14s %d (the duplicate, while the job held the lease)\n", "busy requeues", busy)
-		fmt.Printf("  %-14s %d (acked without running)\n", "duplicate", c.Key(jobKey, amqpidem.Duplicate))
-		fmt.Printf("  %-14s %d\n", "abandoned", abandoned)
-		if busy == 0 {
-			problems = append(problems, "the duplicate was never requeued as busy")
+		log.Info("job started", "key", info.Key, "attempt", info.Attempt, "fence", info.Fence, "takes", takes)
+		begin := time.Now()
+		if err := writeReport(ctx, log, info.Key, takes); err != nil {
+			return nil, err // retried with backoff, then dead-lettered
 		}
-		if abandoned != 0 {
-			problems = append(problems, fmt.Sprintf("%d executions abandoned (lease lost?)", abandoned))
-		}
+		log.Info("job done", "key", info.Key, "took", time.Since(begin))
+		return []byte("report written"), nil
 	})
-	if runs != 1 {
-		problems = append(problems, fmt.Sprintf("the job ran %d times, want once", runs))
+}
+
+// writeReport stands in for a long job: ten steps, each a tenth of takes.
+// It stops as soon as ctx ends: the lease was lost (another consumer may
+// take the job over), HandlerTimeout passed, or shutdown.
+func writeReport(ctx context.Context, log *slog.Logger, key string, takes time.Duration) error {
+	const steps = 10
+	begin := time.Now()
+	for step := 1; step <= steps; step++ {
+		t := time.NewTimer(takes / steps)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return context.Cause(ctx)
+		}
+		// The heartbeat renews the lease all along: its deadline stays
+		// ahead although the job outlived the lease TTL long ago.
+		lease, _ := heartbeat.LeaseFromContext(ctx)
+		log.Info("job working", "key", key, "step", fmt.Sprintf("%d/%d", step, steps),
+			"elapsed", time.Since(begin).Round(10*time.Millisecond),
+			"lease_expires_in", time.Until(lease.Deadline).Round(time.Millisecond))
 	}
-	if len(problems) > 0 {
-		return errors.New(strings.Join(problems, "; "))
-	}
-	fmt.Printf("  %-14s the job ran once; its duplicate waited, then was acked without running\n", "ok")
 	return nil
+}
+
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
 }

@@ -1,45 +1,183 @@
-// Command rpc is an idempotent RPC server built with amqpidem.Wrap inside a
-// delivery loop the program keeps itself: ch.Consume, then w.Handle for
-// each delivery.
+// Command rpc is an idempotent RPC server: it answers the price-quote
+// requests of the queue "quotes" with amqpidem.Wrap, inside a delivery loop
+// it keeps itself (ch.Consume, then w.Handle for each delivery).
 //
-// A client sends a request with ReplyTo (its exclusive reply queue) and a
-// CorrelationId, then sends the same request again, as a client that timed
-// out and retried would: same MessageId, new CorrelationId. The handler
-// runs once; the second request is a duplicate, answered with the result
-// stored by the first, so both replies carry the same quote. The program
-// exits non-zero otherwise.
+// A request's message-id is its idempotency key. A client that timed out
+// and sends its request again, with the same message-id (and a new
+// correlation id), gets the quote computed the first time: the handler
+// runs once, and the stored result is sent to the request's ReplyTo with
+// the request's CorrelationId, as the first reply was.
 //
-// Run it with `go run ./examples/rpc` once Redis and RabbitMQ are up
-// (`make services`). REDIS_ADDR and AMQP_URL override the defaults
-// 127.0.0.1:6379 and amqp://guest:guest@127.0.0.1:5672/.
+// This file is a template: a whole program that imports only public
+// packages. Copy it into your own module and replace price with your own
+// work. REDIS_ADDR (default 127.0.0.1:6379) and AMQP_URL (default
+// amqp://guest:guest@127.0.0.1:5672/) say where Redis and RabbitMQ are.
+// SIGINT or SIGTERM stops it gracefully: the requests being answered get up
+// to 30 s to finish; any still running then are cancelled and go back to
+// the queue. It does not reconnect: when the connection is lost it exits
+// with an error, for its supervisor to restart it (amqpidem.Consumer, as in
+// the orders example, reconnects by itself).
+//
+// In this repository `go run ./examples/rpc` also compiles selfcheck.go,
+// which runs a self-checking demo of this server, with a client, instead;
+// `go run ./examples/rpc/main.go` runs this file alone.
 package main
 
 import (
-	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
-	"strings"
+	"os"
+	"os/signal"
 	"sync"
-	"sync/atomic"
+	"syscall"
 	"time"
 
+	"github.com/lmittmann/tint"
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
-	"github.com/amqpidem/amqpidem/examples/internal/demo"
 	"github.com/amqpidem/amqpidem/lock"
 )
 
 const (
-	requestID = "quote-request-8f3a" // the idempotency key: the client's request id
-	timeLimit = 60 * time.Second
+	queue = "quotes"
+	// prefetch bounds the requests being answered at once.
+	prefetch = 8
+	// shutdownGrace is how long the requests being answered get to finish
+	// on SIGINT or SIGTERM.
+	shutdownGrace = 30 * time.Second
 )
 
-func main() { demo.Main("rpc", timeLimit, run) }
+func main() {
+	log := slog.New(tint.NewTextHandler(os.Stderr, &tint.Options{Level: slog.LevelDebug, TimeFormat: time.TimeOnly}))
+	if err := run(log); err != nil {
+		log.Error("rpc stopped", "error", err)
+		os.Exit(1)
+	}
+}
+
+func run(log *slog.Logger) error {
+	// The store keeps one record per request id in Redis: the lease while
+	// the request is answered, then the result for Config.Retention.
+	rdb := redis.NewClient(&redis.Options{Addr: envOr("REDIS_ADDR", "127.0.0.1:6379")})
+	defer rdb.Close()
+	store, err := lock.NewRedisStore(rdb, lock.Config{Prefix: "rpc", Logger: log})
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	// Check fails if Redis cannot be reached, and warns about an eviction
+	// policy that could lose records.
+	if err := store.Check(ctx); err != nil {
+		return err
+	}
+
+	conn, err := amqp.Dial(envOr("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"))
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	// The Wrapper publishes on channels of its own on conn: replies,
+	// delayed retries, dead letters.
+	w, err := amqpidem.Wrap(conn, store, config(queue, log), quoteHandler(log))
+	if err != nil {
+		return err
+	}
+
+	stop, stopSignals := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stopSignals()
+	return serve(stop, conn, w, queue, shutdownGrace)
+}
+
+// config is how the quotes queue is processed. Every field left out has a
+// documented default.
+func config(queue string, log *slog.Logger) amqpidem.Config {
+	return amqpidem.Config{
+		Queue: queue,
+		// The lease held while a request is answered, renewed every
+		// LeaseTTL/3 until the handler returns.
+		LeaseTTL: 10 * time.Second,
+		// A request sent again while the first is still being answered
+		// is requeued, and looked at again after at most this long: its
+		// client gets the answer soon after the first one's.
+		InProgressDelay: 500 * time.Millisecond,
+		// The idempotency window: a request sent again within it gets the
+		// stored result. Longer than any client retries.
+		Retention: time.Hour,
+		// A request that takes longer is cancelled and retried.
+		HandlerTimeout: 10 * time.Second,
+		Logger:         log,
+	}
+}
+
+// serve consumes queue on a channel of conn and hands each delivery to w,
+// until stop is done or the channel closes. Then it stops consuming and
+// shuts w down, giving the handlers in flight up to grace to finish.
+func serve(stop context.Context, conn *amqp.Connection, w *amqpidem.Wrapper, queue string, grace time.Duration) error {
+	ch, err := conn.Channel()
+	if err != nil {
+		return err
+	}
+	defer ch.Close() // after the handlers: each delivery is acked on it
+	if _, err := ch.QueueDeclare(queue, true, false, false, false, nil); err != nil {
+		return err
+	}
+	if err := ch.Qos(prefetch, 0, false); err != nil {
+		return err
+	}
+	const tag = "rpc-server"
+	deliveries, err := ch.Consume(queue, tag, false, false, false, false, nil)
+	if err != nil {
+		return err
+	}
+
+	// One goroutine per delivery: at most prefetch at once, as the broker
+	// sends no more unacked deliveries than that. Handle settles the
+	// delivery (ack, delayed requeue or dead letter) and sends the reply.
+	// Its context is not stop: it would cancel the handlers at once, where
+	// Shutdown lets them finish first.
+	var handlers sync.WaitGroup
+	handle := func(d amqp.Delivery) {
+		handlers.Go(func() { w.Handle(context.Background(), d) })
+	}
+	var lost error // why serve ends other than by stop
+loop:
+	for {
+		select {
+		case d, ok := <-deliveries:
+			if !ok {
+				lost = errors.New("rpc: the channel closed; restart to reconnect")
+				break loop
+			}
+			handle(d)
+		case <-stop.Done():
+			// Stop consuming; the deliveries already sent still come, then
+			// deliveries closes.
+			_ = ch.Cancel(tag, false)
+			for d := range deliveries {
+				handle(d)
+			}
+			break loop
+		}
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), grace)
+	defer cancel()
+	// Shutdown waits for the handlers in flight until ctx ends, then
+	// cancels the rest (their requests go back to the queue) and returns
+	// ctx.Err().
+	if err := w.Shutdown(ctx); err != nil {
+		lost = errors.Join(lost, fmt.Errorf("shutdown: %w", err))
+	}
+	handlers.Wait()
+	return lost
+}
 
 type quoteRequest struct {
 	SKU      string `json:"sku"`
@@ -53,211 +191,44 @@ type quote struct {
 	TotalCents int    `json:"total_cents"`
 }
 
-func run(ctx context.Context) (err error) {
-	log := demo.Logger()
-	env, err := demo.Connect(ctx, "rpc")
-	if err != nil {
-		return err
-	}
-	defer func() {
-		if cerr := env.Close(); cerr != nil {
-			log.Warn("cleanup incomplete", "error", cerr)
-		}
-	}()
-
-	store, err := lock.NewRedisStore(env.Redis, lock.Config{Prefix: env.Name, Logger: log})
-	if err != nil {
-		return err
-	}
-	if err := store.Check(ctx); err != nil {
-		return err
-	}
-
-	// ---- server ----
-	var runs atomic.Int32
-	handler := amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
-		runs.Add(1)
+// quoteHandler answers one request; amqpidem runs it once per message-id.
+// Its result is stored and sent to the request's ReplyTo.
+func quoteHandler(log *slog.Logger) amqpidem.Handler {
+	return amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
 		var req quoteRequest
 		if err := json.Unmarshal(d.Body, &req); err != nil {
-			return nil, amqpidem.Permanent(fmt.Errorf("bad request: %w", err))
+			return nil, amqpidem.Permanent(fmt.Errorf("bad request: %w", err)) // dead-lettered, never retried
 		}
-		select { // pricing takes a while
-		case <-time.After(200 * time.Millisecond):
-		case <-ctx.Done():
-			return nil, context.Cause(ctx)
+		q, err := price(ctx, req)
+		if err != nil {
+			return nil, err // retried with backoff, then dead-lettered
 		}
-		// A fresh quote id on every execution: a reply that carries the
-		// first one was not computed again.
-		q := quote{QuoteID: "q-" + rand.Text()[:8], SKU: req.SKU, Quantity: req.Quantity, TotalCents: 4999 * req.Quantity}
-		log.Info("quote computed", "key", d.MessageId, "quote_id", q.QuoteID, "correlation_id", d.CorrelationId)
-		return json.Marshal(q) // stored, and sent to ReplyTo
+		// The key and the attempt (1 first); ok is false only when the
+		// handler is called outside amqpidem.
+		if info, ok := amqpidem.FromContext(ctx); ok {
+			log.Info("quote computed", "key", info.Key, "attempt", info.Attempt,
+				"quote_id", q.QuoteID, "correlation_id", d.CorrelationId)
+		}
+		return json.Marshal(q)
 	})
-
-	tally := demo.NewTally()
-	w, err := amqpidem.Wrap(env.Conn, store, amqpidem.Config{
-		Queue:     env.Name,
-		LeaseTTL:  time.Second,
-		Retention: time.Hour,
-		Logger:    log,
-		Observer:  tally,
-	}, handler)
-	if err != nil {
-		return err
-	}
-	srv, err := env.Conn.Channel()
-	if err != nil {
-		return err
-	}
-	defer srv.Close()
-	if _, err := srv.QueueDeclare(env.Name, true, false, false, false, nil); err != nil {
-		return err
-	}
-	if err := srv.Qos(8, 0, false); err != nil {
-		return err
-	}
-	deliveries, err := srv.Consume(env.Name, "rpc-server", false, false, false, false, nil)
-	if err != nil {
-		return err
-	}
-	// The delivery loop: one goroutine per delivery, at most 8 at a time
-	// (the prefetch). Handle settles each delivery: ack, delayed requeue or
-	// dead letter, and sends the reply.
-	var loop sync.WaitGroup
-	loop.Go(func() {
-		var handlers sync.WaitGroup
-		defer handlers.Wait()
-		for d := range deliveries {
-			handlers.Go(func() { w.Handle(ctx, d) })
-		}
-	})
-	defer func() {
-		_ = srv.Cancel("rpc-server", false) // closes deliveries: the loop ends
-		loop.Wait()
-		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-		defer cancel()
-		if serr := w.Shutdown(sctx); serr != nil {
-			err = errors.Join(err, fmt.Errorf("shutdown: %w", serr))
-		}
-	}()
-
-	// ---- client, on a connection of its own ----
-	client, err := newClient(env.AMQPURL, env.Name+"-client", env.Name)
-	if err != nil {
-		return err
-	}
-	defer client.close()
-	body, _ := json.Marshal(quoteRequest{SKU: "chair-oak", Quantity: 4})
-
-	first, err := client.call(ctx, log, requestID, "corr-1", body)
-	if err != nil {
-		return err
-	}
-	// The client retries: same request id, new correlation id.
-	second, err := client.call(ctx, log, requestID, "corr-2", body)
-	if err != nil {
-		return err
-	}
-
-	// Handle reports after it replied: wait for both outcomes.
-	err = tally.Wait(ctx, func(c demo.Counts) bool {
-		return c.Key(requestID, amqpidem.Completed) == 1 && c.Key(requestID, amqpidem.Duplicate) == 1
-	})
-	if err != nil {
-		return fmt.Errorf("waiting for the server's outcomes: %w", err)
-	}
-
-	var problems []string
-	fmt.Printf("\nsummary\n")
-	fmt.Printf("  %-16s %s\n", "reply to corr-1", first)
-	fmt.Printf("  %-16s %s\n", "reply to corr-2", second)
-	fmt.Printf("  %-16s %d\n", "handler ran", runs.Load())
-	if !bytes.Equal(first, second) {
-		problems = append(problems, "the two replies differ")
-	}
-	if n := runs.Load(); n != 1 {
-		problems = append(problems, fmt.Sprintf("the handler ran %d times, want once", n))
-	}
-	if len(problems) > 0 {
-		return errors.New(strings.Join(problems, "; "))
-	}
-	fmt.Printf("  %-16s both replies carry the stored result; the handler ran once\n", "ok")
-	return nil
 }
 
-// client sends requests and waits for their replies on an exclusive,
-// server-named reply queue.
-type client struct {
-	conn    *amqp.Connection
-	ch      *amqp.Channel
-	pub     *demo.Publisher
-	queue   string // where requests go
-	replyTo string
-	replies <-chan amqp.Delivery
+// price computes a quote. It takes a while, and stops when ctx ends (the
+// lease lost, HandlerTimeout, shutdown).
+func price(ctx context.Context, req quoteRequest) (quote, error) {
+	select {
+	case <-time.After(200 * time.Millisecond):
+	case <-ctx.Done():
+		return quote{}, context.Cause(ctx)
+	}
+	// A fresh quote id each time: a reply that carries the first one was
+	// not computed again.
+	return quote{QuoteID: "q-" + rand.Text()[:8], SKU: req.SKU, Quantity: req.Quantity, TotalCents: 4999 * req.Quantity}, nil
 }
 
-func newClient(url, name, queue string) (*client, error) {
-	conn, err := demo.Dial(url, name)
-	if err != nil {
-		return nil, err
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
 	}
-	c := &client{conn: conn, queue: queue}
-	if c.ch, err = conn.Channel(); err != nil {
-		conn.Close()
-		return nil, err
-	}
-	q, err := c.ch.QueueDeclare("", false, true, true, false, nil) // exclusive, deleted with the connection
-	if err != nil {
-		conn.Close()
-		return nil, err
-	}
-	c.replyTo = q.Name
-	if c.replies, err = c.ch.Consume(q.Name, "", true, true, false, false, nil); err != nil {
-		conn.Close()
-		return nil, err
-	}
-	if c.pub, err = demo.NewPublisher(conn); err != nil {
-		conn.Close()
-		return nil, err
-	}
-	return c, nil
+	return def
 }
-
-// call sends one request and waits up to 10 s for the reply with its
-// correlation id.
-func (c *client) call(ctx context.Context, log *slog.Logger, requestID, corrID string, body []byte) ([]byte, error) {
-	log.Info("client: sending request", "message_id", requestID, "correlation_id", corrID, "reply_to", c.replyTo)
-	err := c.pub.Publish(ctx, c.queue, amqp.Publishing{
-		MessageId:     requestID,
-		CorrelationId: corrID,
-		ReplyTo:       c.replyTo,
-		ContentType:   "application/json",
-		Body:          body,
-	})
-	if err != nil {
-		return nil, err
-	}
-	timeout := time.NewTimer(10 * time.Second)
-	defer timeout.Stop()
-	for {
-		select {
-		case d, ok := <-c.replies:
-			if !ok {
-				return nil, errors.New("client: reply queue closed")
-			}
-			if d.CorrelationId != corrID {
-				log.Warn("client: reply for another call", "correlation_id", d.CorrelationId)
-				continue
-			}
-			var q quote
-			_ = json.Unmarshal(d.Body, &q)
-			log.Info("client: got reply", "correlation_id", corrID, "quote_id", q.QuoteID)
-			return d.Body, nil
-		case <-timeout.C:
-			return nil, fmt.Errorf("client: no reply to %s within 10s", corrID)
-		case <-ctx.Done():
-			return nil, context.Cause(ctx)
-		}
-	}
-}
-
-func (c *client) close() { c.conn.Close() }

@@ -1,10 +1,11 @@
-// Package demo is the scaffolding the example programs share, so that each
-// example's main.go shows only how amqpidem is used: finding Redis and
-// RabbitMQ (REDIS_ADDR, AMQP_URL), naming a run's queue and Redis prefix,
-// a coloured logger, a confirmed publisher, an Observer that counts
-// outcomes, a hard time limit, and cleaning up afterwards.
+// Package demo is the scaffolding of the examples' self-checks (each
+// example's selfcheck.go, which `go run ./examples/<name>` runs): finding
+// Redis and RabbitMQ (REDIS_ADDR, AMQP_URL), naming a run's queue and Redis
+// prefix, a coloured logger, an Observer that counts outcomes, a hard time
+// limit, PASS or FAIL, and cleaning up afterwards.
 //
-// It is not part of the library's API.
+// An example's main.go never imports it: main.go is the template a user
+// copies, and imports only public packages.
 package demo
 
 import (
@@ -29,9 +30,13 @@ const (
 // Main runs fn with a context that ends when limit has passed (its cause
 // says so) or on Ctrl-C, then exits the process: status 0 when fn returned
 // nil, 1 otherwise, after printing "<name>: PASS" or "<name>: FAIL: <err>".
-// A watchdog exits with status 2 if fn has not returned 15 s after the
-// limit, so an example can never hang.
+// It never returns. A watchdog exits with status 2 if fn has not returned
+// 15 s after the limit, so an example can never hang.
 func Main(name string, limit time.Duration, fn func(ctx context.Context) error) {
+	os.Exit(run(name, limit, fn))
+}
+
+func run(name string, limit time.Duration, fn func(ctx context.Context) error) int {
 	start := time.Now()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -48,10 +53,10 @@ func Main(name string, limit time.Duration, fn func(ctx context.Context) error) 
 	took := time.Since(start).Round(time.Millisecond)
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "%s: FAIL after %v: %v\n", name, took, err)
-		watchdog.Stop()
-		os.Exit(1)
+		return 1
 	}
 	fmt.Printf("%s: PASS in %v\n", name, took)
+	return 0
 }
 
 // Env is what an example connects to. Close deletes what the run left.
@@ -63,7 +68,7 @@ type Env struct {
 	RedisAddr, AMQPURL string
 	// Redis is a client for RedisAddr.
 	Redis *redis.Client
-	// Conn is a connection to AMQPURL for the example's own use
+	// Conn is a connection to AMQPURL for the self-check's own use
 	// (publishing, reading the dead-letter queue, an RPC server).
 	Conn *amqp.Connection
 }

@@ -6,8 +6,11 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strconv"
+	"sync"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
 )
 
 // Op is one operation of a workload: an id (the message-id, the
@@ -58,15 +61,20 @@ func Storm(prefix string, n, maxCopies, maxWorkMS int, rng *rand.Rand) []Op {
 	return ops
 }
 
-// window is how many publishes may wait for their confirms at once.
-const window = 256
+// parallel is how many publishes wait for their confirms at once:
+// amqpidem.Publisher keeps up to 8 confirm-mode channels, one publish in
+// flight on each.
+const parallel = 8
 
-// Publisher publishes persistent, mandatory messages with confirms on a
-// connection of its own. It is not safe for concurrent use.
+// Publisher publishes a workload's messages on a connection of its own,
+// through amqpidem.Publisher (persistent, mandatory, confirmed) when they
+// have a message-id. A message without one, which amqpidem.Publisher
+// refuses (the missing-key cases of the bad-input scenario), goes through a
+// confirm-mode channel of its own. It is not safe for concurrent use.
 type Publisher struct {
-	conn    *amqp.Connection
-	ch      *amqp.Channel
-	returns chan amqp.Return
+	conn *amqp.Connection
+	ch   *amqp.Channel
+	pub  *amqpidem.Publisher
 }
 
 // Dial opens a publisher's connection, named name in the broker.
@@ -80,58 +88,107 @@ func Dial(url, name string) (*Publisher, error) {
 		conn.Close()
 		return nil, fmt.Errorf("workload: channel: %w", err)
 	}
-	if err := ch.Confirm(false); err != nil {
-		conn.Close()
-		return nil, fmt.Errorf("workload: confirm mode: %w", err)
-	}
-	return &Publisher{conn: conn, ch: ch, returns: ch.NotifyReturn(make(chan amqp.Return, window))}, nil
+	return &Publisher{conn: conn, ch: ch, pub: amqpidem.NewPublisher(conn)}, nil
 }
 
-// Channel returns the publisher's channel, for declarations.
+// Channel returns a channel of the publisher's connection, for
+// declarations.
 func (p *Publisher) Channel() *amqp.Channel { return p.ch }
 
 // Close closes the connection.
-func (p *Publisher) Close() error { return p.conn.Close() }
+func (p *Publisher) Close() error {
+	p.pub.Close()
+	return p.conn.Close()
+}
 
 // Publish sends msgs to queue through the default exchange and waits for
-// every confirm. It fails if the broker returns or nacks any of them.
+// every confirm, up to parallel publishes at a time, so they reach the
+// queue in about the order given (those without a message-id last). It
+// fails if the broker returns or nacks any of them.
 func (p *Publisher) Publish(ctx context.Context, queue string, msgs []Message) error {
-	pending := make([]*amqp.DeferredConfirmation, 0, window)
-	wait := func() error {
-		for _, dc := range pending {
-			ok, err := dc.WaitContext(ctx)
-			if err != nil {
-				return fmt.Errorf("workload: waiting for confirms: %w", err)
+	var keyless []Message
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	next := make(chan Message)
+	var wg sync.WaitGroup
+	for range parallel {
+		wg.Go(func() {
+			for m := range next {
+				if err := p.pub.Publish(ctx, "", queue, publishing(m)); err != nil {
+					cancel(fmt.Errorf("workload: publish %q to %q: %w", m.ID, queue, err))
+					return
+				}
 			}
-			if !ok {
-				return errors.New("workload: the broker nacked a publish")
-			}
+		})
+	}
+feed:
+	for _, m := range msgs {
+		if m.ID == "" {
+			keyless = append(keyless, m)
+			continue
 		}
-		pending = pending[:0]
 		select {
-		case r := <-p.returns:
-			return fmt.Errorf("workload: message %q returned: %d %s", r.MessageId, r.ReplyCode, r.ReplyText)
-		default:
+		case next <- m:
+		case <-ctx.Done():
+			break feed
 		}
+	}
+	close(next)
+	wg.Wait()
+	if ctx.Err() != nil {
+		return context.Cause(ctx)
+	}
+	return p.publishKeyless(ctx, queue, keyless)
+}
+
+// publishKeyless publishes msgs, which have no message-id, on a
+// confirm-mode channel opened for the purpose, and waits for their
+// confirms.
+func (p *Publisher) publishKeyless(ctx context.Context, queue string, msgs []Message) error {
+	if len(msgs) == 0 {
 		return nil
 	}
+	ch, err := p.conn.Channel()
+	if err != nil {
+		return fmt.Errorf("workload: channel: %w", err)
+	}
+	defer ch.Close()
+	if err := ch.Confirm(false); err != nil {
+		return fmt.Errorf("workload: confirm mode: %w", err)
+	}
+	returns := ch.NotifyReturn(make(chan amqp.Return, len(msgs)))
+	pending := make([]*amqp.DeferredConfirmation, 0, len(msgs))
 	for _, m := range msgs {
-		dc, err := p.ch.PublishWithDeferredConfirmWithContext(ctx, "", queue, true, false, amqp.Publishing{
-			MessageId:    m.ID,
-			DeliveryMode: amqp.Persistent,
-			ContentType:  "application/json",
-			Headers:      m.Headers,
-			Body:         m.Body,
-		})
+		dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, "", queue, true, false, publishing(m))
 		if err != nil {
 			return fmt.Errorf("workload: publish to %q: %w", queue, err)
 		}
 		pending = append(pending, dc)
-		if len(pending) == window {
-			if err := wait(); err != nil {
-				return err
-			}
+	}
+	for _, dc := range pending {
+		ok, err := dc.WaitContext(ctx)
+		if err != nil {
+			return fmt.Errorf("workload: waiting for confirms: %w", err)
+		}
+		if !ok {
+			return errors.New("workload: the broker nacked a publish")
 		}
 	}
-	return wait()
+	select { // the broker sends a return before the confirm
+	case r := <-returns:
+		return fmt.Errorf("workload: a message without message-id returned: %d %s", r.ReplyCode, r.ReplyText)
+	default:
+	}
+	return nil
+}
+
+// publishing is m as published: persistent JSON.
+func publishing(m Message) amqp.Publishing {
+	return amqp.Publishing{
+		MessageId:    m.ID,
+		DeliveryMode: amqp.Persistent,
+		ContentType:  "application/json",
+		Headers:      m.Headers,
+		Body:         m.Body,
+	}
 }
