@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -33,7 +34,9 @@ type ConsumerConfig struct {
 	// Required unless Dial is set.
 	URL string
 	// Dial opens a connection; it overrides URL (for TLS or custom
-	// amqp.Config).
+	// amqp.Config). The Consumer keeps two: one it consumes on, dialled
+	// again on every reconnection, and one it publishes its copies on,
+	// dialled when first needed and again once it has closed.
 	Dial func() (*amqp.Connection, error)
 	// Prefetch is the QoS prefetch count. Default DefaultPrefetch.
 	Prefetch int
@@ -45,6 +48,8 @@ type ConsumerConfig struct {
 	// other in queue order (requeued copies go to the back of the queue).
 	// Storing the outcome and settling the delivery happen after the slot
 	// is given back, and a duplicate gives it back right after its lookup.
+	// Handlers still running from a connection that died hold their
+	// slots until they return.
 	Concurrency int
 	// QueueArgs are the arguments the default declaration gives the queue,
 	// e.g. amqp.Table{"x-queue-type": "quorum"}. Ignored when Declare is set.
@@ -54,19 +59,29 @@ type ConsumerConfig struct {
 	Declare func(ch *amqp.Channel) error
 	// Reconnect makes the backoff between reconnection attempts; a
 	// backoff.Stop ends Run with the last error. Default: exponential,
-	// 100 ms to 10 s, forever.
+	// 100 ms to 10 s, forever. A refusal that reconnecting cannot cure
+	// (wrong credentials, a queue declared with other arguments: see
+	// Consumer.Run) ends Run at once, whatever Reconnect says.
 	Reconnect func() backoff.BackOff
 	// ConsumerTag names the AMQP consumer. Default: "amqpidem.", the
 	// consumer name and a random suffix.
 	ConsumerTag string
 }
 
-func (c ConsumerConfig) validate() error {
+// maxPrefetch is the largest QoS prefetch count: the field is 16 bits.
+const maxPrefetch = 1<<16 - 1
+
+// Validate reports the first invalid field, by name: the connection's
+// own fields, then the embedded Config's (Config.Validate). NewConsumer
+// calls it.
+func (c ConsumerConfig) Validate() error {
 	switch {
 	case c.URL == "" && c.Dial == nil:
 		return errors.New("amqpidem: ConsumerConfig.URL is required (or Dial)")
 	case c.Prefetch < 0:
 		return fmt.Errorf("amqpidem: ConsumerConfig.Prefetch %d must not be negative", c.Prefetch)
+	case c.Prefetch > maxPrefetch:
+		return fmt.Errorf("amqpidem: ConsumerConfig.Prefetch %d is above %d, the largest prefetch count AMQP carries", c.Prefetch, maxPrefetch)
 	case c.Concurrency < 0:
 		return fmt.Errorf("amqpidem: ConsumerConfig.Concurrency %d must not be negative", c.Concurrency)
 	}
@@ -114,25 +129,55 @@ func (c ConsumerConfig) withDefaults() ConsumerConfig {
 // Wrapper, and reconnects with backoff when the connection or channel dies.
 // A delivery is only ever acked on the channel it came from.
 //
+// The copies it publishes (delayed requeues, dead letters, replies) go out
+// on a connection of its own, dialled with the same Dial when first needed
+// and again once it has closed, as RabbitMQ advises: a broker short of
+// memory or disk blocks the connections that publish, and a consuming
+// connection that published would have its acks blocked with it. A
+// connection.blocked notification is logged at warn level, with the
+// broker's reason, and its end at info level.
+//
+// When the consuming connection or channel dies, the Consumer reconnects
+// without waiting for the handlers in flight: the broker has put their
+// deliveries back in the queue already. Those handlers run on, their
+// context not cancelled, still counting against Concurrency; their
+// outcome is stored as usual (completed, or failed), but their ack fails
+// on the closed channel. The broker's redelivery is then acked as a
+// duplicate of the stored outcome, or requeued as busy while the lease is
+// still held. A delivery of the dead channel still waiting for a slot is
+// not started at all, and neither acked nor requeued: the broker delivers
+// it again. (One that got its slot just before, and is taking its lease,
+// goes on as an in-flight one.)
+//
 // Consumer is safe for concurrent use; Run once, Shutdown any number of
 // times.
 type Consumer struct {
 	cfg  ConsumerConfig
 	proc processor
+	// ownDeclare is set when ConsumerConfig.Declare was the user's.
+	ownDeclare bool
+	pubConn    *pubConn   // the connection copies are published on
+	pub        *publisher // publishes on pubConn, for every session
 
-	base     context.Context // handlers' parent; cancelled to force them to stop
+	force    context.Context // cancelled to force the handlers to stop
 	cancel   context.CancelFunc
 	stopping chan struct{}
 	stopOnce sync.Once
 	done     chan struct{}
 	running  chan struct{} // closed when Run starts
 	runOnce  sync.Once
+
+	// tasks counts the goroutines Run starts: the workers that run the
+	// handlers (of every session, dead or alive), the cleanups of dead
+	// sessions, the watchers of the consuming connections' blocked
+	// notifications, the store check. Run waits for all of them.
+	tasks sync.WaitGroup
 }
 
 // NewConsumer returns a Consumer running h on cfg.Queue with store. It makes
 // no network call; Run connects.
 func NewConsumer(store lock.Store, cfg ConsumerConfig, h Handler) (*Consumer, error) {
-	if err := cfg.validate(); err != nil {
+	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
 	if t, ok := cfg.QueueArgs["x-queue-type"].(string); ok && cfg.QueueType == "" {
@@ -143,23 +188,68 @@ func NewConsumer(store lock.Store, cfg ConsumerConfig, h Handler) (*Consumer, er
 		return nil, err
 	}
 	cfg.Config = proc.cfg
+	ownDeclare := cfg.Declare != nil
 	cfg = cfg.withDefaults()
 	stopping := make(chan struct{})
 	proc.gate, proc.stopping = newGate(cfg.Concurrency), stopping
-	base, cancel := context.WithCancel(context.Background())
+	force, cancel := context.WithCancel(context.Background())
+	pc := newPubConn(cfg.Dial, proc.cfg.Logger, cfg.Queue)
+	pub := newPublisher(pc, proc.cfg.QueueType)
+	pub.delayArgs = proc.cfg.DelayQueueArgs
 	c := &Consumer{
-		cfg: cfg, proc: proc, base: base, cancel: cancel,
+		cfg: cfg, proc: proc, ownDeclare: ownDeclare, pubConn: pc, pub: pub,
+		force: force, cancel: cancel,
 		stopping: stopping, done: make(chan struct{}), running: make(chan struct{}),
 	}
-	cleanUpWhenUnreachable(c, proc.keeper, nil) // Run closes its sessions' publishers
+	cleanUpWhenUnreachable(c, proc.keeper, pub) // Run closes the publishing connection
 	return c, nil
 }
+
+// storeCheckTimeout bounds the store check Run makes at start.
+const storeCheckTimeout = 5 * time.Second
 
 // Run consumes until Shutdown is called or ctx is done, reconnecting after
 // failures. It returns ErrConsumerClosed after Shutdown, ctx.Err() when ctx
 // ends (in-flight handlers are cancelled and their messages go back to the
 // queue, as with Shutdown), or the last connection error when Reconnect
-// says stop. Run may be called once.
+// says stop. Run may be called once. It returns once every handler it
+// started has returned, those of connections that died included.
+//
+// The handlers' context carries ctx's values (trace spans, loggers), not
+// its cancellation: ctx ending cancels them as said above, and so does
+// Shutdown's deadline.
+//
+// A refusal by the broker that the next connection would meet again ends
+// Run at once, logged at error level, with an error that says what to fix
+// and wraps the broker's *amqp.Error:
+//
+//   - ACCESS_REFUSED (403) on dial, amqp.ErrCredentials and amqp.ErrSASL
+//     included: wrong user name or password, no shared authentication
+//     mechanism, or no access to the vhost;
+//   - NOT_ALLOWED (530) on dial: the vhost does not exist, or the user
+//     has no permissions on it (but a connection limit reached is
+//     transient);
+//   - ACCESS_REFUSED (403) while declaring or consuming the queue: the
+//     user lacks permissions on it, or another connection uses it
+//     exclusively;
+//   - PRECONDITION_FAILED (406) from Declare, QoS or consume, typically a
+//     queue that exists with arguments other than QueueArgs;
+//   - NOT_FOUND (404) on the consumed queue: it does not exist (a custom
+//     Declare that does not declare it).
+//
+// A login refused without a word (RabbitMQ closes the socket:
+// amqp.ErrCredentials) looks the same as a broker going down in the
+// middle of the handshake, so it ends Run when the next attempt is refused
+// too. Every other failure (connection refused or reset,
+// CONNECTION_FORCED (320) from a broker restart, timeouts, a channel that
+// dies while consuming) is transient: Run logs it at warn level with the
+// attempt number and reconnects after Reconnect's backoff.
+//
+// If store has a method Check(context.Context) error (lock.RedisStore
+// has: it warns when Redis may evict records), Run calls it once at start,
+// for at most 5 s, while it connects. An error is logged at error level
+// and does not end Run: until the store answers, deliveries are requeued
+// (Config.FailOpen aside).
 func (c *Consumer) Run(ctx context.Context) error {
 	started := false
 	c.runOnce.Do(func() { started = true; close(c.running) })
@@ -179,25 +269,56 @@ func (c *Consumer) Run(ctx context.Context) error {
 	}
 	stopCtx := context.AfterFunc(ctx, c.cancel) // ctx ending forces handlers to stop
 	defer stopCtx()
+	// The handlers' parent: ctx's values without its cancellation,
+	// cancelled when they are forced to stop.
+	base, cancelBase := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelBase()
+	stopBase := context.AfterFunc(c.force, cancelBase)
+	defer stopBase()
 
+	checkCtx, endCheck := context.WithTimeout(ctx, storeCheckTimeout)
+	defer func() {
+		endCheck()
+		c.tasks.Wait() // every session's handlers have settled
+		c.pub.close()
+		c.pubConn.close()
+	}()
+	c.checkStore(checkCtx)
+
+	log := c.proc.cfg.Logger
 	bo := c.cfg.Reconnect()
+	attempt := 0
+	refused := false // the last attempt's login was refused without a word
 	for {
-		err := c.session(ctx)
+		err := c.session(ctx, base)
 		if c.isStopping() {
 			return ErrConsumerClosed
 		}
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		wait := bo.NextBackOff()
-		if wait == backoff.Stop {
-			return err
+		var perm *permanentError
+		if errors.As(err, &perm) && (!perm.ambiguous || refused) {
+			log.ErrorContext(ctx, "amqpidem: cannot consume; fix the configuration", "queue", c.cfg.Queue, "error", perm.err)
+			return perm.err
 		}
-		c.proc.cfg.Logger.WarnContext(ctx, "amqpidem: connection lost; reconnecting",
-			"queue", c.cfg.Queue, "error", err, "wait", wait)
+		refused = perm != nil && perm.ambiguous
 		if errors.Is(err, errConsumed) {
 			bo.Reset() // it worked for a while: start the backoff over
+			attempt = 0
 		}
+		attempt++
+		wait := bo.NextBackOff()
+		if wait == backoff.Stop {
+			log.ErrorContext(ctx, "amqpidem: cannot consume; Reconnect gave up", "queue", c.cfg.Queue,
+				"error", err, "attempt", attempt)
+			return err
+		}
+		msg := "amqpidem: cannot consume; retrying"
+		if errors.Is(err, errConsumed) {
+			msg = "amqpidem: connection lost; reconnecting"
+		}
+		log.WarnContext(ctx, msg, "queue", c.cfg.Queue, "error", err, "attempt", attempt, "wait", wait)
 		t := time.NewTimer(wait)
 		select {
 		case <-t.C:
@@ -211,100 +332,259 @@ func (c *Consumer) Run(ctx context.Context) error {
 	}
 }
 
+// checkStore runs the store's Check, if it has one, in the background;
+// ctx bounds it.
+func (c *Consumer) checkStore(ctx context.Context) {
+	s, ok := c.proc.store.(interface{ Check(context.Context) error })
+	if !ok {
+		return
+	}
+	c.tasks.Add(1)
+	go func() {
+		defer c.tasks.Done()
+		err := s.Check(ctx)
+		if err == nil || errors.Is(ctx.Err(), context.Canceled) {
+			return // fine, or Run ended first
+		}
+		c.proc.cfg.Logger.ErrorContext(ctx, "amqpidem: the store check failed; consuming anyway, deliveries are requeued until the store answers",
+			"queue", c.cfg.Queue, "error", err)
+	}()
+}
+
 // errConsumed marks a session that consumed before it ended.
 var errConsumed = errors.New("amqpidem: session ended")
 
+// permanentError is a session's failure that reconnecting does not cure:
+// Run ends with err. ambiguous marks one that a broker going down could
+// also cause: Run ends only when the next attempt fails the same way.
+type permanentError struct {
+	err       error
+	ambiguous bool
+}
+
+func (e *permanentError) Error() string { return e.err.Error() }
+func (e *permanentError) Unwrap() error { return e.err }
+
+// dialError explains a failed dial; the broker's refusals are permanent.
+func dialError(err error) error {
+	var ae *amqp.Error
+	if !errors.As(err, &ae) {
+		return fmt.Errorf("amqpidem: dial: %w", err)
+	}
+	var why string
+	switch {
+	case errors.Is(err, amqp.ErrSASL):
+		why = "the broker offers no authentication mechanism the client has (SASL): " +
+			"give the amqp.Config of your Dial one that the broker accepts"
+	case errors.Is(err, amqp.ErrVhost):
+		why = "the broker refused access to the vhost: check the vhost in ConsumerConfig.URL (or Dial), and the user's permissions on it"
+	case ae.Code == amqp.AccessRefused:
+		why = "the broker refused the login (ACCESS_REFUSED): check the credentials, " +
+			"user name and password, in ConsumerConfig.URL (or Dial)"
+	case ae.Code == amqp.NotAllowed && !strings.Contains(ae.Reason, "limit"):
+		why = "the broker does not let the user in (NOT_ALLOWED): check that the vhost in ConsumerConfig.URL (or Dial) exists " +
+			"and that the user has permissions on it"
+	default:
+		return fmt.Errorf("amqpidem: dial: %w", err)
+	}
+	// The broker's own reply is sure; the library's fallbacks, when the
+	// socket closed without one, are not.
+	return &permanentError{err: fmt.Errorf("amqpidem: dial: %s: %w", why, err),
+		ambiguous: !ae.Server && !errors.Is(err, amqp.ErrSASL)}
+}
+
+// The steps of setting up a session after dialling, for setupError.
+const (
+	stepChannel = "open a channel for queue"
+	stepQos     = "set QoS for queue"
+	stepDeclare = "declare queue"
+	stepConsume = "consume queue"
+)
+
+// setupError explains a failure at step of setting up a session: the
+// broker's refusals that the next connection would meet again are
+// permanent.
+func (c *Consumer) setupError(step string, err error) error {
+	q := c.cfg.Queue
+	if step == stepDeclare && c.ownDeclare {
+		step = "declare (ConsumerConfig.Declare) the topology of queue"
+	}
+	var ae *amqp.Error
+	if !errors.As(err, &ae) {
+		return fmt.Errorf("amqpidem: %s %q: %w", step, q, err)
+	}
+	var why string
+	switch ae.Code {
+	case amqp.AccessRefused:
+		why = "the broker refused access (ACCESS_REFUSED): give the user configure, write and read permissions on the queue, " +
+			"or stop the other connection that uses it exclusively"
+	case amqp.PreconditionFailed:
+		switch {
+		case step == stepDeclare:
+			why = fmt.Sprintf("the queue exists with arguments other than ConsumerConfig.QueueArgs (%s), or the broker refuses these "+
+				"(PRECONDITION_FAILED): make QueueArgs match the queue's, or delete the queue so that it is declared again",
+				tableText(c.cfg.QueueArgs))
+		case c.ownDeclare && strings.HasPrefix(step, "declare"):
+			why = "the broker refused a declaration (PRECONDITION_FAILED), typically of a queue or exchange that exists " +
+				"with other arguments or of another type: make Declare match it, or delete it so that it is declared again"
+		default:
+			why = "the broker refused it (PRECONDITION_FAILED)"
+		}
+	case amqp.NotFound:
+		if step == stepConsume || strings.Contains(ae.Reason, "queue '"+q+"'") {
+			why = "the queue does not exist (NOT_FOUND): declare it in ConsumerConfig.Declare (the default Declare does), or fix Config.Queue"
+		}
+	case amqp.NotAllowed:
+		why = "the broker does not allow it (NOT_ALLOWED)"
+	}
+	if why == "" {
+		return fmt.Errorf("amqpidem: %s %q: %w", step, q, err)
+	}
+	return &permanentError{err: fmt.Errorf("amqpidem: %s %q: %s: %w", step, q, why, err)}
+}
+
+// job is one delivery of a session, with its ticket of the gate.
+type job struct {
+	d *amqp.Delivery
+	t *ticket
+}
+
 // session runs one connection: it returns when the connection or channel
-// closes, or when the consumer stops. Deliveries in flight are waited for
-// before it returns, so that the next session starts clean.
-func (c *Consumer) session(ctx context.Context) error {
+// closes, or when the consumer stops. When it stops (Shutdown, ctx done),
+// it waits for its handlers, whose acks need its channel, before it
+// returns. When its channel dies, it returns at once: its handlers run on,
+// as tasks of c, and its deliveries still waiting for a slot are dropped
+// (see work). base is the handlers' parent context.
+func (c *Consumer) session(ctx, base context.Context) error {
 	conn, err := c.cfg.Dial()
 	if err != nil {
-		return fmt.Errorf("amqpidem: dial: %w", err)
+		return dialError(err)
 	}
 	defer conn.Close()
 	connClosed := conn.NotifyClose(make(chan *amqp.Error, 1))
+	watchBlocked(conn, &c.tasks, c.proc.cfg.Logger, c.cfg.Queue, "consume")
 
 	ch, err := conn.Channel()
 	if err != nil {
-		return fmt.Errorf("amqpidem: open channel: %w", err)
+		return c.setupError(stepChannel, err)
 	}
 	chClosed := ch.NotifyClose(make(chan *amqp.Error, 1))
 	if err := ch.Qos(c.cfg.Prefetch, 0, false); err != nil {
-		return fmt.Errorf("amqpidem: qos: %w", err)
+		return c.setupError(stepQos, err)
 	}
 	if err := c.cfg.Declare(ch); err != nil {
-		return fmt.Errorf("amqpidem: declare: %w", err)
+		return c.setupError(stepDeclare, err)
 	}
 	deliveries, err := ch.Consume(c.cfg.Queue, c.cfg.ConsumerTag, false, false, false, false, nil)
 	if err != nil {
-		return fmt.Errorf("amqpidem: consume %q: %w", c.cfg.Queue, err)
+		return c.setupError(stepConsume, err)
 	}
-	pub := newPublisher(conn, c.cfg.QueueType)
-	defer pub.close()
 	c.proc.cfg.Logger.InfoContext(ctx, "amqpidem: consuming", "queue", c.cfg.Queue,
 		"prefetch", c.cfg.Prefetch, "concurrency", c.cfg.Concurrency)
 
 	// Acks go through acks, which folds them into multiple acks on this
 	// channel; what it holds is sent once the handlers are done.
 	acks := newAcker(ch)
-	defer acks.flush()
+	// dead is closed when the channel died; sctx ends when the session
+	// does, or when the handlers must stop: it bounds the wait for a slot.
+	dead := make(chan struct{})
+	sctx, endSession := context.WithCancel(base)
 	// Every delivery goes to a worker at once; the processor's gate lets
 	// Concurrency of them in at a time, in delivery order. Workers
 	// are started as needed, at most Prefetch of them (the broker sends
 	// no more unacked deliveries than that), and live as long as the
 	// session: a fresh goroutine per delivery would grow its stack anew
 	// each time, a cost that showed in make bench's CPU profile.
-	type job struct {
-		d *amqp.Delivery
-		t *ticket
-	}
 	work := make(chan job)
-	var wg sync.WaitGroup
-	defer wg.Wait()
-	defer close(work)
-	workers := 0
+	var workers sync.WaitGroup
+	nworkers := 0
 	dispatch := func(j job) {
 		select {
 		case work <- j:
 			return
 		default:
 		}
-		if workers == c.cfg.Prefetch {
+		if nworkers == c.cfg.Prefetch {
 			work <- j
 			return
 		}
-		workers++
-		wg.Add(1)
+		nworkers++
+		workers.Add(1)
+		c.tasks.Add(1)
 		go func() {
-			defer wg.Done()
-			c.proc.process(c.base, pub, j.d, j.t)
+			defer c.tasks.Done()
+			defer workers.Done()
+			c.work(base, sctx, dead, j)
 			for j := range work {
-				c.proc.process(c.base, pub, j.d, j.t)
+				c.work(base, sctx, dead, j)
 			}
+		}()
+	}
+	// end ends the session. alive: the channel works, and the handlers
+	// finish before it closes. Otherwise they finish on their own, and the
+	// deliveries still waiting for a slot give it up.
+	end := func(alive bool) {
+		close(work)
+		if alive {
+			workers.Wait()
+			acks.flush()
+			endSession()
+			return
+		}
+		close(dead)
+		endSession()
+		c.tasks.Add(1)
+		go func() {
+			defer c.tasks.Done()
+			workers.Wait()
+			acks.flush() // stops its timers; the writes fail
 		}()
 	}
 	for {
 		select {
 		case d, ok := <-deliveries:
 			if !ok {
+				end(false)
 				return c.closedErr(connClosed, chClosed)
 			}
 			d.Acknowledger = acks
 			if c.isStopping() {
-				c.giveBack(pub, &d)
-				c.drain(ch, acks, pub, deliveries)
+				c.giveBack(base, &d)
+				c.drain(base, ch, acks, deliveries)
+				end(true)
 				return nil
 			}
 			dispatch(job{&d, c.proc.gate.enter()}) // tickets in delivery order
 		case <-c.stopping:
-			c.drain(ch, acks, pub, deliveries)
+			c.drain(base, ch, acks, deliveries)
+			end(true)
 			return nil
 		case <-ctx.Done():
-			c.drain(ch, acks, pub, deliveries)
+			c.drain(base, ch, acks, deliveries)
+			end(true)
 			return ctx.Err()
 		}
 	}
+}
+
+// work waits for j's turn at the gate, then processes it. A delivery
+// whose channel died first (dead closed) is dropped: its ticket given
+// back, its handler not started, nothing acked or published, since the
+// broker delivers it again. A delivery that got no slot because the
+// consumer is stopping goes to process all the same, which sends it back
+// to its queue unrun.
+func (c *Consumer) work(base, sctx context.Context, dead <-chan struct{}, j job) {
+	g := c.proc.gate
+	g.wait(sctx, c.stopping, j.t) // process takes it from here, slot or not
+	select {
+	case <-dead:
+		g.leave(j.t) // gives back the slot wait handed out, if it did
+		c.proc.cfg.Logger.DebugContext(base, "amqpidem: delivery of a closed channel not started; the broker delivers it again",
+			"queue", c.cfg.Queue, "message_id", j.d.MessageId, "delivery_tag", j.d.DeliveryTag)
+		return
+	default:
+	}
+	c.proc.process(base, c.pub, j.d, j.t)
 }
 
 // closedErr explains why the deliveries channel closed.
@@ -323,7 +603,7 @@ func (c *Consumer) closedErr(connClosed, chClosed <-chan *amqp.Error) error {
 
 // drain cancels the AMQP consumer and hands back, unprocessed, the
 // deliveries that were already on their way.
-func (c *Consumer) drain(ch *amqp.Channel, acks *acker, pub *publisher, deliveries <-chan amqp.Delivery) {
+func (c *Consumer) drain(base context.Context, ch *amqp.Channel, acks *acker, deliveries <-chan amqp.Delivery) {
 	_ = ch.Cancel(c.cfg.ConsumerTag, false)
 	timeout := time.NewTimer(5 * time.Second)
 	defer timeout.Stop()
@@ -334,7 +614,7 @@ func (c *Consumer) drain(ch *amqp.Channel, acks *acker, pub *publisher, deliveri
 				return
 			}
 			d.Acknowledger = acks
-			c.giveBack(pub, &d)
+			c.giveBack(base, &d)
 		case <-timeout.C:
 			return // closing the channel returns the rest to the queue
 		}
@@ -344,10 +624,10 @@ func (c *Consumer) drain(ch *amqp.Channel, acks *acker, pub *publisher, deliveri
 // giveBack returns a delivery that was never processed to its queue: a
 // copy, then an ack, so that a quorum queue does not count the return
 // against its delivery limit; a nack with requeue if the copy fails.
-func (c *Consumer) giveBack(pub *publisher, d *amqp.Delivery) {
-	ctx, cancel := context.WithTimeout(context.Background(), settleTimeout)
+func (c *Consumer) giveBack(base context.Context, d *amqp.Delivery) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(base), settleTimeout)
 	defer cancel()
-	if err := pub.requeue(ctx, c.cfg.Queue, d, 0, amqp.Table{HeaderReason: "shutdown"}); err != nil {
+	if err := c.pub.requeue(ctx, c.cfg.Queue, d, 0, amqp.Table{HeaderReason: "shutdown"}); err != nil {
 		_ = d.Nack(false, true)
 		return
 	}
@@ -364,13 +644,14 @@ func (c *Consumer) isStopping() bool {
 }
 
 // Shutdown stops consuming, sends the deliveries whose handler has not
-// started back to the queue, lets the handlers in flight finish until ctx
-// is done, then cancels the rest: their messages go back to the queue (a
-// confirmed copy, then an ack; a nack with requeue only if the copy fails)
-// and their leases are released. It then stops the
-// keeper and returns ctx.Err() if handlers had to be cancelled. A handler
-// that ignores its context delays Shutdown until it returns. Shutdown is
-// idempotent and may be called before, during or after Run.
+// started back to the queue, lets the handlers in flight (those of earlier,
+// dead connections included) finish until ctx is done, then cancels the
+// rest: their messages go back to the queue (a confirmed copy, then an
+// ack; a nack with requeue only if the copy fails) and their leases are
+// released. It then stops the keeper and returns ctx.Err() if handlers had
+// to be cancelled. A handler that ignores its context delays Shutdown
+// until it returns. Shutdown is idempotent and may be called before,
+// during or after Run.
 func (c *Consumer) Shutdown(ctx context.Context) error {
 	c.stopOnce.Do(func() { close(c.stopping) })
 	var err error

@@ -12,7 +12,8 @@ import (
 //
 // Each delivery gets a ticket when it arrives (enter, called in delivery
 // order), then waits for a slot (wait). A ticket gets one only when every
-// earlier ticket has got one or given up waiting. Safe for concurrent use.
+// earlier ticket has got one or given up (left: its wait ended without a
+// slot, or its delivery was abandoned). Safe for concurrent use.
 type gate struct {
 	mu    sync.Mutex
 	free  int       // slots not held
@@ -31,7 +32,7 @@ const (
 	pending ticketState = iota // not waiting yet; holds later tickets back
 	waiting                    // wants a slot
 	granted                    // got one
-	left                       // gave up waiting
+	left                       // gave up: waited in vain, or abandoned
 )
 
 func newGate(slots int) *gate { return &gate{free: slots} }
@@ -47,11 +48,20 @@ func (g *gate) enter() *ticket {
 }
 
 // wait waits until t holds a slot. It reports false, holding no slot, when
-// stopping is closed or ctx is done first.
+// stopping is closed or ctx is done first. A ticket that holds its slot
+// already (an earlier wait reported true) reports true again, unless
+// stopping is closed: then the slot is given back. A ticket that left
+// reports false at once.
 func (g *gate) wait(ctx context.Context, stopping <-chan struct{}, t *ticket) bool {
 	g.mu.Lock()
-	t.state = waiting
-	g.grant()
+	switch t.state {
+	case left:
+		g.mu.Unlock()
+		return false
+	case pending:
+		t.state = waiting
+		g.grant()
+	}
 	g.mu.Unlock()
 	select {
 	case <-t.granted:
@@ -63,14 +73,27 @@ func (g *gate) wait(ctx context.Context, stopping <-chan struct{}, t *ticket) bo
 	case <-stopping:
 	case <-ctx.Done():
 	}
+	g.leave(t)
+	return false
+}
+
+// leave gives t up, whatever its state, when no wait on t is under way: a
+// ticket that never waited (its delivery is abandoned) no longer holds
+// later tickets back, a slot wait handed to t is given back (call it only
+// while that slot is t's: not after release gave it back), and a later
+// wait on t reports false at once. It is a no-op on a ticket that left
+// already.
+func (g *gate) leave(t *ticket) {
 	g.mu.Lock()
-	if t.state == granted {
+	defer g.mu.Unlock()
+	switch t.state {
+	case left:
+		return
+	case granted:
 		g.free++
 	}
 	t.state = left
 	g.grant()
-	g.mu.Unlock()
-	return false
 }
 
 // release gives back a slot that wait handed out.

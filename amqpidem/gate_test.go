@@ -180,3 +180,59 @@ func TestProcessStoppingBetweenAcquireAndHandler(t *testing.T) {
 		t.Fatalf("%d slots free after the delivery, want 1", g.free)
 	}
 }
+
+// A ticket that holds its slot can wait again (the Consumer's worker waits
+// before process does): it keeps the slot, or gives it back when stopping.
+func TestGateWaitAgainHoldingTheSlot(t *testing.T) {
+	stopping := make(chan struct{})
+	g := newGate(1)
+	a := g.enter()
+	if !answer(t, waitAsync(g, context.Background(), stopping, a)) {
+		t.Fatal("a: no slot")
+	}
+	if !answer(t, waitAsync(g, context.Background(), stopping, a)) {
+		t.Fatal("a: lost its slot waiting again")
+	}
+	if g.free != 0 {
+		t.Fatalf("%d free while a holds the only slot", g.free)
+	}
+	close(stopping)
+	if answer(t, waitAsync(g, context.Background(), stopping, a)) {
+		t.Fatal("a: kept its slot while stopping")
+	}
+	if g.free != 1 {
+		t.Fatalf("%d free after a gave its slot back, want 1", g.free)
+	}
+}
+
+// An abandoned ticket (its delivery's channel died) does not hold later
+// tickets back, whether it never waited or holds a slot, and waits for
+// nothing after.
+func TestGateLeave(t *testing.T) {
+	stopping := make(chan struct{})
+	ctx := context.Background()
+	g := newGate(1)
+	a, b, c, d := g.enter(), g.enter(), g.enter(), g.enter()
+
+	g.leave(a) // never waited
+	if !answer(t, waitAsync(g, ctx, stopping, b)) {
+		t.Fatal("b: no slot after a left")
+	}
+	cw := waitAsync(g, ctx, stopping, c)
+	noAnswer(t, cw)
+	g.leave(b) // holds the slot: it goes to c
+	if !answer(t, cw) {
+		t.Fatal("c: no slot after b left with it")
+	}
+	g.leave(d)
+	g.leave(d) // a no-op
+	for name, tk := range map[string]*ticket{"a": a, "b": b, "d": d} {
+		if answer(t, waitAsync(g, ctx, stopping, tk)) { // at once, c holds the slot
+			t.Fatalf("%s: granted after it left", name)
+		}
+	}
+	g.release() // c is done
+	if g.free != 1 || len(g.queue) != 0 {
+		t.Fatalf("after all: %d free, %d queued; want 1, 0", g.free, len(g.queue))
+	}
+}
