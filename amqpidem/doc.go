@@ -7,6 +7,22 @@
 // which runs the loop for you (prefetch, bounded concurrency, reconnection,
 // graceful Shutdown).
 //
+// # Connections
+//
+// A Consumer opens two connections with ConsumerConfig.Dial: one to
+// consume on (acks go there) and one to publish its copies on (delayed
+// requeues, dead letters, replies), as RabbitMQ advises, since a broker
+// that blocks publishers (a memory or disk alarm) blocks the whole
+// connection; connection.blocked is logged. After the consuming connection
+// is lost, Run reconnects at once: handlers already running finish and
+// store their outcome, their ack fails with the dead channel, and the
+// broker's redelivery is acked as a duplicate (or requeued as busy while
+// the lease is held); deliveries of the dead channel whose handler had not
+// started are not run. Errors no retry can mend (wrong credentials, a
+// missing vhost, a queue declared with other arguments, a missing queue)
+// end Run with an error that says what to fix. A Wrapper publishes on the
+// ChannelOpener given to Wrap: give it a connection of its own too.
+//
 // # What happens to a delivery
 //
 //	what happened                          broker                                  record
