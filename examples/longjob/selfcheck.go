@@ -23,7 +23,6 @@ import (
 
 	"github.com/amqpidem/amqpidem/amqpidem"
 	"github.com/amqpidem/amqpidem/examples/internal/demo"
-	"github.com/amqpidem/amqpidem/lock"
 )
 
 // init runs the self-check in place of main, and exits.
@@ -42,7 +41,9 @@ const (
 
 func selfCheck(ctx context.Context) (err error) {
 	log := demo.Logger()
-	env, err := demo.Connect(ctx, "longjob")
+	// The store is shared by every consumer of the run: the lease on a key
+	// is what keeps two of them from running it at once.
+	env, store, err := demo.Start(ctx, "longjob", log)
 	if err != nil {
 		return err
 	}
@@ -51,17 +52,6 @@ func selfCheck(ctx context.Context) (err error) {
 			log.Warn("cleanup incomplete", "error", cerr)
 		}
 	}()
-
-	store, err := lock.NewRedisStore(env.Redis, lock.Config{Prefix: env.Name, Logger: log})
-	if err != nil {
-		return err
-	}
-	if err := store.Check(ctx); err != nil {
-		return err
-	}
-	if err := env.DeclareQueue(env.Name); err != nil {
-		return err
-	}
 
 	// main.go's handler, its runs counted.
 	var runs atomic.Int32

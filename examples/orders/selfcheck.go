@@ -34,7 +34,6 @@ import (
 
 	"github.com/amqpidem/amqpidem/amqpidem"
 	"github.com/amqpidem/amqpidem/examples/internal/demo"
-	"github.com/amqpidem/amqpidem/lock"
 )
 
 // init runs the self-check in place of main, and exits.
@@ -70,7 +69,9 @@ func paymentID(i int) string { return fmt.Sprintf("pay-%03d", i) }
 
 func selfCheck(ctx context.Context) (err error) {
 	log := demo.Logger()
-	env, err := demo.Connect(ctx, "orders")
+	// The store is shared by every consumer of the run: the lease on a key
+	// is what keeps two of them from running it at once.
+	env, store, err := demo.Start(ctx, "orders", log)
 	if err != nil {
 		return err
 	}
@@ -79,19 +80,6 @@ func selfCheck(ctx context.Context) (err error) {
 			log.Warn("cleanup incomplete", "error", cerr)
 		}
 	}()
-
-	// One store, shared by every consumer: the lease on a payment id is
-	// what keeps two consumers from charging it at the same time.
-	store, err := lock.NewRedisStore(env.Redis, lock.Config{Prefix: env.Name, Logger: log})
-	if err != nil {
-		return err
-	}
-	if err := store.Check(ctx); err != nil {
-		return err
-	}
-	if err := env.DeclareQueue(env.Name); err != nil {
-		return err
-	}
 
 	tally := demo.NewTally()
 	ledger := newDemoBank(log)

@@ -27,7 +27,6 @@ import (
 
 	"github.com/amqpidem/amqpidem/amqpidem"
 	"github.com/amqpidem/amqpidem/examples/internal/demo"
-	"github.com/amqpidem/amqpidem/lock"
 )
 
 // init runs the self-check in place of main, and exits.
@@ -44,7 +43,9 @@ const (
 
 func selfCheck(ctx context.Context) (err error) {
 	log := demo.Logger()
-	env, err := demo.Connect(ctx, "rpc")
+	// The store is shared by every consumer of the run: the lease on a key
+	// is what keeps two of them from running it at once.
+	env, store, err := demo.Start(ctx, "rpc", log)
 	if err != nil {
 		return err
 	}
@@ -53,18 +54,6 @@ func selfCheck(ctx context.Context) (err error) {
 			log.Warn("cleanup incomplete", "error", cerr)
 		}
 	}()
-
-	store, err := lock.NewRedisStore(env.Redis, lock.Config{Prefix: env.Name, Logger: log})
-	if err != nil {
-		return err
-	}
-	if err := store.Check(ctx); err != nil {
-		return err
-	}
-	// Declared before the client's first (mandatory) publish.
-	if err := env.DeclareQueue(env.Name); err != nil {
-		return err
-	}
 
 	// ---- server: main.go's, with its handler runs counted ----
 	var runs atomic.Int32

@@ -12,6 +12,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"os/signal"
 	"syscall"
@@ -19,6 +20,8 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
+
+	"github.com/amqpidem/amqpidem/lock"
 )
 
 // Defaults used when REDIS_ADDR and AMQP_URL are not set.
@@ -104,6 +107,29 @@ func Connect(ctx context.Context, example string) (*Env, error) {
 	}
 	e.Conn = conn
 	return e, nil
+}
+
+// Start is Connect, then a Redis store under the run's prefix (checked,
+// logging to log) and the run's queue declared, as main.go's wiring does
+// them. On success the caller closes the Env; on an error Start has.
+func Start(ctx context.Context, example string, log *slog.Logger) (*Env, *lock.RedisStore, error) {
+	e, err := Connect(ctx, example)
+	if err != nil {
+		return nil, nil, err
+	}
+	store, err := lock.NewRedisStore(e.Redis, lock.Config{Prefix: e.Name, Logger: log})
+	if err == nil {
+		err = store.Check(ctx)
+	}
+	if err == nil {
+		// Declared before the first (mandatory) publish, as the
+		// Consumer's default declaration does.
+		err = e.DeclareQueue(e.Name)
+	}
+	if err != nil {
+		return nil, nil, errors.Join(err, e.Close())
+	}
+	return e, store, nil
 }
 
 // Dial opens an AMQP connection named name (as the management UI shows it),
