@@ -7,7 +7,7 @@ import (
 	"time"
 )
 
-// Defaults applied by Config.withDefaults.
+// Defaults applied by Config.WithDefaults.
 const (
 	// DefaultPrefix namespaces every Redis key the store writes.
 	DefaultPrefix = "amqpidem"
@@ -68,8 +68,9 @@ func (c Config) Validate() error {
 	return nil
 }
 
-// withDefaults returns c with every zero field set to its default.
-func (c Config) withDefaults() Config {
+// WithDefaults returns c with every zero field set to its default. Store
+// implementations call it once, after Validate.
+func (c Config) WithDefaults() Config {
 	if c.Prefix == "" {
 		c.Prefix = DefaultPrefix
 	}
@@ -91,9 +92,12 @@ func (c Config) withDefaults() Config {
 	return c
 }
 
-// check validates a request against the limits and fills in the defaults
-// for its TTL and retention.
-func (c Config) check(req Request) (Request, error) {
+// CheckRequest validates req against the limits every Store enforces
+// (key and fingerprint length, TTL and retention bounds) and fills in c's
+// defaults for its TTL and retention, cut to whole milliseconds. c must
+// have its defaults (WithDefaults). Store implementations call it first in
+// Acquire, so that every store accepts and refuses the same requests.
+func (c Config) CheckRequest(req Request) (Request, error) {
 	if err := checkKey(req.Key); err != nil {
 		return req, err
 	}
@@ -124,8 +128,11 @@ func (c Config) check(req Request) (Request, error) {
 	return req, nil
 }
 
-// checkLease rejects a lease no Store could have issued.
-func checkLease(l Lease) error {
+// CheckLease rejects a lease no Store could have issued: an invalid key, no
+// owner or fence (ErrLeaseLost), a TTL below MinTTL or a negative retention.
+// Store implementations call it first in Extend, Complete, Fail, Release
+// and Cancel.
+func CheckLease(l Lease) error {
 	if err := checkKey(l.Key); err != nil {
 		return err
 	}

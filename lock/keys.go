@@ -30,8 +30,9 @@ func recordKey(prefix, key string) string {
 	return string(buf)
 }
 
-// newOwner returns a random 128-bit owner token.
-func newOwner() string {
+// NewOwner returns a random 128-bit owner token, 32 hex digits: what a
+// Store puts in Lease.Owner for each Acquire call.
+func NewOwner() string {
 	var b [16]byte
 	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails (Go 1.24+).
 	return hex.EncodeToString(b[:])

@@ -41,8 +41,8 @@ func TestTruncate(t *testing.T) {
 		{"abcdef", 3, "abc"},
 	}
 	for _, tc := range tests {
-		if got := truncate(tc.in, tc.n); got != tc.want || len(got) > tc.n {
-			t.Errorf("truncate(%q, %d): got %q, want %q", tc.in, tc.n, got, tc.want)
+		if got := CutText(tc.in, tc.n); got != tc.want || len(got) > tc.n {
+			t.Errorf("CutText(%q, %d): got %q, want %q", tc.in, tc.n, got, tc.want)
 		}
 	}
 }
@@ -50,8 +50,8 @@ func TestTruncate(t *testing.T) {
 // A lease carries its record's key, but a store uses it only if the key is
 // in its own namespace.
 func TestKeyOfOtherStoresLease(t *testing.T) {
-	a := &RedisStore{cfg: Config{Prefix: "a"}.withDefaults()}
-	ab := &RedisStore{cfg: Config{Prefix: "a:b"}.withDefaults()}
+	a := &RedisStore{cfg: Config{Prefix: "a"}.WithDefaults()}
+	ab := &RedisStore{cfg: Config{Prefix: "a:b"}.WithDefaults()}
 	l := Lease{Key: "k", rkey: recordKey("a:b", "k")}
 	if got, want := ab.keyOf(l), recordKey("a:b", "k"); got != want {
 		t.Fatalf("own lease: %q, want %q", got, want)

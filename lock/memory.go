@@ -39,7 +39,7 @@ func NewMemoryStore(cfg Config) (*MemoryStore, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return &MemoryStore{cfg: cfg.withDefaults(), records: make(map[string]*memRecord)}, nil
+	return &MemoryStore{cfg: cfg.WithDefaults(), records: make(map[string]*memRecord)}, nil
 }
 
 // MaxResultSize is the largest result Complete accepts, in bytes.
@@ -72,14 +72,14 @@ func (m *MemoryStore) wrote(now time.Time) {
 
 // Acquire takes a lease on req.Key.
 func (m *MemoryStore) Acquire(ctx context.Context, req Request) (Result, error) {
-	req, err := m.cfg.check(req)
+	req, err := m.cfg.CheckRequest(req)
 	if err != nil {
 		return Result{}, err
 	}
 	if err := ctx.Err(); err != nil {
 		return Result{}, err
 	}
-	owner := newOwner()
+	owner := NewOwner()
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	now := m.cfg.Now()
@@ -121,7 +121,7 @@ func (m *MemoryStore) Extend(ctx context.Context, leases ...Lease) []error {
 	defer m.mu.Unlock()
 	now := m.cfg.Now()
 	for i, l := range leases {
-		if errs[i] = checkLease(l); errs[i] != nil {
+		if errs[i] = CheckLease(l); errs[i] != nil {
 			continue
 		}
 		if errs[i] = ctx.Err(); errs[i] != nil {
@@ -157,7 +157,7 @@ func (m *MemoryStore) Complete(ctx context.Context, lease Lease, result []byte) 
 
 // Fail marks the record failed with reason, cut to MaxResultSize bytes.
 func (m *MemoryStore) Fail(ctx context.Context, lease Lease, reason string) error {
-	return m.finish(ctx, lease, "fail", 'f', []byte(truncate(reason, m.cfg.MaxResultSize)))
+	return m.finish(ctx, lease, "fail", 'f', []byte(CutText(reason, m.cfg.MaxResultSize)))
 }
 
 // Release gives the lease up, keeping the attempt count.
@@ -171,7 +171,7 @@ func (m *MemoryStore) Cancel(ctx context.Context, lease Lease) error {
 }
 
 func (m *MemoryStore) finish(ctx context.Context, l Lease, op string, state byte, value []byte) error {
-	if err := checkLease(l); err != nil {
+	if err := CheckLease(l); err != nil {
 		return err
 	}
 	if err := ctx.Err(); err != nil {

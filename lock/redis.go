@@ -64,7 +64,7 @@ func NewRedisStore(client redis.UniversalClient, cfg Config) (*RedisStore, error
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return &RedisStore{client: client, cfg: cfg.withDefaults(), batch: batcher{client: client}}, nil
+	return &RedisStore{client: client, cfg: cfg.WithDefaults(), batch: batcher{client: client}}, nil
 }
 
 // Check pings the server, loads the scripts and reads maxmemory-policy on
@@ -132,11 +132,11 @@ const (
 // returns an error wrapping ErrUnavailable, and a lease it may have taken
 // blocks the key for its TTL, with its attempt counted.
 func (s *RedisStore) Acquire(ctx context.Context, req Request) (Result, error) {
-	req, err := s.cfg.check(req)
+	req, err := s.cfg.CheckRequest(req)
 	if err != nil {
 		return Result{}, err
 	}
-	owner := newOwner()
+	owner := NewOwner()
 	wait := acquireRetryWait
 	uncertain := false // a try may have reached the server
 	for try := 0; ; try++ {
@@ -213,7 +213,7 @@ func (s *RedisStore) Extend(ctx context.Context, leases ...Lease) []error {
 	calls := make([]*call, 0, len(leases))
 	index := make([]int, 0, len(leases))
 	for i, l := range leases {
-		if errs[i] = checkLease(l); errs[i] != nil {
+		if errs[i] = CheckLease(l); errs[i] != nil {
 			continue
 		}
 		calls = append(calls, &call{script: extendScript, keys: []string{s.keyOf(l)}, args: extendArgs(l)})
@@ -243,7 +243,7 @@ func (s *RedisStore) Complete(ctx context.Context, lease Lease, result []byte) e
 
 // Fail marks the record failed with reason, cut to MaxResultSize bytes.
 func (s *RedisStore) Fail(ctx context.Context, lease Lease, reason string) error {
-	return s.finish(ctx, lease, "fail", stateFailed, truncate(reason, s.cfg.MaxResultSize))
+	return s.finish(ctx, lease, "fail", stateFailed, CutText(reason, s.cfg.MaxResultSize))
 }
 
 // Release gives the lease up, keeping the attempt count.
@@ -259,7 +259,7 @@ func (s *RedisStore) Cancel(ctx context.Context, lease Lease) error {
 }
 
 func (s *RedisStore) finish(ctx context.Context, l Lease, op, state string, value any) error {
-	if err := checkLease(l); err != nil {
+	if err := CheckLease(l); err != nil {
 		return err
 	}
 	reply, err := s.batch.run(ctx, finishScript, []string{s.keyOf(l)},
@@ -283,8 +283,10 @@ func isNoScript(err error) bool {
 	return err != nil && strings.HasPrefix(err.Error(), "NOSCRIPT")
 }
 
-// truncate cuts s to at most n bytes, marking the cut.
-func truncate(s string, n int) string {
+// CutText cuts s to at most n bytes, ending it with "…(truncated)" when
+// it was cut: how Fail shortens an error text longer than MaxResultSize.
+// Store implementations use it so that every store stores the same text.
+func CutText(s string, n int) string {
 	if len(s) <= n {
 		return s
 	}
