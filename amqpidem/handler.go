@@ -7,6 +7,8 @@ import (
 	"runtime/debug"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/lock"
 )
 
 // Handler processes one message. The delivery it gets is a copy that it
@@ -24,6 +26,40 @@ import (
 // the key, attempt and fencing token.
 type Handler interface {
 	Handle(ctx context.Context, d *amqp.Delivery) ([]byte, error)
+}
+
+// A Completer is a Handler that stores its outcome itself, in the same
+// transaction as its effects, so that the effects and the completed record
+// commit together or not at all: a crash between the two can no longer run
+// the work twice. pgstore.Store.TxHandler makes one.
+//
+// For a message with a lease, amqpidem calls HandleComplete instead of
+// Handle and does not call the store's Complete afterwards. Handle serves
+// the messages processed without a lease (Config.ProcessMissingKey,
+// Config.FailOpen): the work runs in a transaction of its own, with no
+// record.
+type Completer interface {
+	Handler
+	// CompleterStore is the store whose records HandleComplete completes.
+	// It must be the store the Consumer or Wrapper was made with;
+	// NewConsumer and Wrap refuse another.
+	CompleterStore() lock.Store
+	// HandleComplete does the work of d in a transaction and, in that same
+	// transaction, after the work, completes the record of lease with
+	// value(result) (compare-and-set on owner and fence), then commits. It
+	// returns the result only once the commit succeeded. ctx and d are as
+	// for Handle.
+	//
+	// Any error means nothing was committed, and must wrap, besides the
+	// work's own error: the error of value (lock.ErrResultTooLarge: the
+	// result is too large to store), lock.ErrLeaseLost when the record was
+	// no longer held by lease, and lock.ErrUnavailable when the store
+	// could not be reached to complete or commit. A commit whose outcome
+	// is unknown (the connection dropped during COMMIT) is also
+	// lock.ErrUnavailable: amqpidem requeues the message and its
+	// redelivery finds the record completed (a duplicate) or still held
+	// (it runs again, the effects having rolled back).
+	HandleComplete(ctx context.Context, d *amqp.Delivery, lease lock.Lease, value func(result []byte) ([]byte, error)) ([]byte, error)
 }
 
 // HandlerFunc adapts a function to Handler.
@@ -118,13 +154,18 @@ func (refuseAck) Nack(uint64, bool, bool) error { return ErrHandlerAck }
 func (refuseAck) Reject(uint64, bool) error     { return ErrHandlerAck }
 
 // call runs h, turning a panic into a *PanicError.
-func call(ctx context.Context, h Handler, d *amqp.Delivery) (result []byte, err error) {
+func call(ctx context.Context, h Handler, d *amqp.Delivery) ([]byte, error) {
+	return recovered(func() ([]byte, error) { return h.Handle(ctx, d) })
+}
+
+// recovered runs f, turning a panic into a *PanicError.
+func recovered(f func() ([]byte, error)) (result []byte, err error) {
 	defer func() {
 		if v := recover(); v != nil {
 			result, err = nil, &PanicError{Value: v, Stack: debug.Stack()}
 		}
 	}()
-	return h.Handle(ctx, d)
+	return f()
 }
 
 // Info describes the execution a handler runs in.

@@ -315,6 +315,10 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 		defer cancel()
 	}
 	hctx = withInfo(hctx, Info{Queue: p.cfg.Queue, Key: ev.Key, Attempt: attempt, Fence: lease.Fence})
+	if c, ok := p.handler.(Completer); ok {
+		p.runCompleter(ctx, hctx, b, d, ev, c, lease, attempt, sl, stop)
+		return
+	}
 	t0 := time.Now()
 	result, err := call(hctx, p.handler, handlerDelivery(d))
 	ev.Handler = time.Since(t0)
@@ -359,7 +363,56 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 		p.ack(d, ev, Completed)
 		return
 	}
+	p.handlerFailed(ctx, hctx, b, d, ev, lease, attempt, stop, err)
+}
 
+// runCompleter is run's second half for a Completer, which completes the
+// record itself, in the transaction of its effects: it runs c and settles
+// d.
+func (p *processor) runCompleter(ctx, hctx context.Context, b broker, d *amqp.Delivery, ev *Event, c Completer, lease lock.Lease, attempt int, sl *slot, stop func()) {
+	tooLarge := false // value refused the result
+	value := func(result []byte) ([]byte, error) {
+		if len(result) > p.cfg.MaxResultSize {
+			tooLarge = true
+			return nil, fmt.Errorf("%w: %d bytes, at most %d allowed", lock.ErrResultTooLarge, len(result), p.cfg.MaxResultSize)
+		}
+		return encodeResult(d.ReplyTo, result), nil
+	}
+	t0 := time.Now()
+	result, err := recovered(func() ([]byte, error) { return c.HandleComplete(hctx, handlerDelivery(d), lease, value) })
+	ev.Handler = time.Since(t0)
+	sl.free()
+	switch {
+	case err == nil:
+		stop()
+		if err := p.reply(ctx, b, d, result, ev); err != nil {
+			p.replyFailed(ctx, b, d, ev, Completed, err)
+			return
+		}
+		p.ack(d, ev, Completed)
+	case tooLarge && !IsPermanent(err):
+		stop()
+		p.fail(ctx, b, d, ev, lease, "result too large", err)
+	case errors.Is(err, lock.ErrLeaseLost):
+		// Another owner took the key over: everything rolled back, and the
+		// record decides the next delivery.
+		stop()
+		p.requeue(ctx, b, d, ev, Abandoned, "lease lost", MinInProgressDelay, err)
+	case errors.Is(err, lock.ErrUnavailable):
+		// Not committed, or committed with the answer lost. In the second
+		// case the record is completed and refuses the release, and the
+		// redelivery is acked as a duplicate.
+		stop()
+		p.release(ctx, lease)
+		p.requeue(ctx, b, d, ev, Abandoned, "store unavailable", p.cfg.UnavailableDelay, err)
+	default:
+		p.handlerFailed(ctx, hctx, b, d, ev, lease, attempt, stop, err)
+	}
+}
+
+// handlerFailed settles d after its handler returned err: lease lost or
+// shutdown, a stale fence, a retry with backoff, or a terminal failure.
+func (p *processor) handlerFailed(ctx, hctx context.Context, b broker, d *amqp.Delivery, ev *Event, lease lock.Lease, attempt int, stop func(), err error) {
 	timedOut := errors.Is(context.Cause(hctx), ErrHandlerTimeout)
 	if hctx.Err() != nil && !IsPermanent(err) && !timedOut {
 		// The handler was stopped (lease lost or unconfirmed, shutdown):

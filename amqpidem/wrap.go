@@ -69,6 +69,9 @@ func newProcessor(store lock.Store, cfg Config, h Handler) (processor, error) {
 	if err := cfg.Validate(); err != nil {
 		return processor{}, err
 	}
+	if c, ok := h.(Completer); ok && c.CompleterStore() != store {
+		return processor{}, errors.New("amqpidem: the handler completes records in another store than the one given (a Completer's CompleterStore must be the Consumer's or Wrapper's store)")
+	}
 	cfg = cfg.withDefaults()
 	limit, known := lock.DefaultMaxResultSize, false
 	if s, ok := store.(interface{ MaxResultSize() int }); ok {
