@@ -1,5 +1,5 @@
 // Package testenv is the shared infrastructure of the integration tests: it
-// finds the Redis and RabbitMQ the tests talk to, starts throwaway
+// finds the Redis, RabbitMQ and PostgreSQL the tests talk to, starts throwaway
 // redis-server processes, local Redis Clusters and Sentinel setups, and names
 // keys and queues so that tests never collide.
 //
@@ -14,15 +14,18 @@
 //
 // # Where the services come from
 //
-// [RedisAddr] and [AMQPURL] look, in this order, at:
+// [RedisAddr], [AMQPURL] and [PostgresDSN] look, in this order, at:
 //
-//  1. the environment: REDIS_ADDR (host:port) and AMQP_URL (amqp://…). When
-//     set, that service is used or the test fails: testenv never falls back
-//     to another one behind the caller's back;
-//  2. the local default, 127.0.0.1:6379 and amqp://guest:guest@127.0.0.1:5672/,
-//     if it answers (a Redis PING, a full AMQP handshake);
+//  1. the environment: REDIS_ADDR (host:port), AMQP_URL (amqp://…) and
+//     PG_DSN (postgres://…). When set, that service is used or the test
+//     fails: testenv never falls back to another one behind the caller's
+//     back;
+//  2. the local default, 127.0.0.1:6379, amqp://guest:guest@127.0.0.1:5672/
+//     and postgres://postgres@127.0.0.1:5432/test, if it answers (a Redis
+//     PING, a full AMQP handshake, a PostgreSQL connection);
 //  3. a container (redis:7.0-alpine with --maxmemory-policy noeviction,
-//     rabbitmq:3.13-alpine), only if a Docker engine answers GET /_ping
+//     rabbitmq:3.13-alpine, postgres:15-alpine with trust authentication
+//     and a database "test"), only if a Docker engine answers GET /_ping
 //     within a few seconds where testcontainers-go looks for one
 //     (DOCKER_HOST, /var/run/docker.sock, the rootless and Docker Desktop
 //     sockets, ~/.testcontainers.properties). testenv then runs the program

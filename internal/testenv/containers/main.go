@@ -18,7 +18,7 @@
 //
 //	REDIS_ADDR=127.0.0.1:32768
 //	AMQP_URL=amqp://guest:guest@127.0.0.1:32769/
-//	CHAOS_PG_DSN=postgres://postgres@127.0.0.1:32770/test?sslmode=disable
+//	PG_DSN=postgres://postgres@127.0.0.1:32770/test?sslmode=disable
 //
 // Then it keeps the containers until its standard input reaches end of file
 // (Ctrl-D in a terminal) or it receives SIGINT or SIGTERM, removes them and
@@ -104,7 +104,7 @@ var services = map[string]service{
 				wait.ForListeningPort("5432/tcp"),
 			),
 		},
-		line: func(hp string) string { return "CHAOS_PG_DSN=postgres://postgres@" + hp + "/test?sslmode=disable" },
+		line: func(hp string) string { return "PG_DSN=postgres://postgres@" + hp + "/test?sslmode=disable" },
 	},
 }
 

@@ -1,0 +1,121 @@
+package pgstore
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// Defaults applied by Config.withDefaults.
+const (
+	// DefaultTable is the records table when Config.Table is empty.
+	DefaultTable = "amqpidem_records"
+	// DefaultCleanupInterval is how often a Store deletes expired records
+	// when Config.CleanupInterval is zero.
+	DefaultCleanupInterval = time.Minute
+	// DefaultCleanupBatch is how many expired records one cleanup
+	// statement deletes at most when Config.CleanupBatch is zero.
+	DefaultCleanupBatch = 1000
+	// maxTableLen leaves room in PostgreSQL's 63-byte identifiers for the
+	// suffixes of the functions and the index ("_acquire", "_expires").
+	maxTableLen = 50
+)
+
+// Config configures a Store, and names what Migrate creates. The zero value
+// is valid: every field has a documented default.
+type Config struct {
+	// Config holds what every store of package lock shares: LeaseTTL,
+	// Retention, MaxResultSize, Logger and Now, with the same defaults and
+	// limits. Prefix is the namespace of the records: two stores with
+	// different prefixes on one table never see each other's records
+	// (default lock.DefaultPrefix).
+	lock.Config
+	// Schema is the schema of the table and its functions. Default empty:
+	// unqualified names, resolved through the connection's search_path.
+	// Migrate creates it if it does not exist.
+	Schema string
+	// Table is the records table. Migrate also creates the functions
+	// "<Table>_acquire" and "<Table>_finish" and the index
+	// "<Table>_expires" in the same schema. At most 50 bytes. Default
+	// DefaultTable.
+	Table string
+	// TxOptions are the options of the transactions TxHandler begins.
+	// Default: the server's default isolation level, READ COMMITTED unless
+	// changed. Under REPEATABLE READ or SERIALIZABLE, a handler that runs
+	// longer than a heartbeat interval (a third of the lease TTL) fails at
+	// the end with a serialization failure (SQLSTATE 40001), because the
+	// heartbeat has updated its record meanwhile: the message is retried,
+	// and runs into the same failure again. Keep such handlers short, or
+	// use READ COMMITTED with explicit row locks (SELECT ... FOR UPDATE).
+	TxOptions pgx.TxOptions
+	// CleanupInterval is how often the Store deletes the records whose
+	// retention has passed, in batches of CleanupBatch, from a goroutine
+	// that Close stops. Default DefaultCleanupInterval; negative turns the
+	// background cleanup off (call Cleanup yourself). Expired records are
+	// never used, whether or not they were deleted yet.
+	CleanupInterval time.Duration
+	// CleanupBatch is how many records one cleanup statement deletes at
+	// most, so that no statement holds many row locks or runs long.
+	// Default DefaultCleanupBatch; negative is an error.
+	CleanupBatch int
+}
+
+// Validate reports the first invalid field, by name.
+func (c Config) Validate() error {
+	if err := c.Config.Validate(); err != nil {
+		return err
+	}
+	switch {
+	case len(c.Table) > maxTableLen:
+		return fmt.Errorf("pgstore: Config.Table is %d bytes, at most %d allowed", len(c.Table), maxTableLen)
+	case strings.ContainsRune(c.Table, 0) || strings.ContainsRune(c.Schema, 0):
+		return errors.New("pgstore: Config.Table and Config.Schema must not contain a NUL byte")
+	case len(c.Schema) > 63:
+		return fmt.Errorf("pgstore: Config.Schema is %d bytes, at most 63 allowed", len(c.Schema))
+	case c.CleanupBatch < 0:
+		return fmt.Errorf("pgstore: Config.CleanupBatch %d must not be negative", c.CleanupBatch)
+	}
+	return nil
+}
+
+// withDefaults returns c with every zero field set to its default.
+func (c Config) withDefaults() Config {
+	c.Config = c.Config.WithDefaults()
+	if c.Table == "" {
+		c.Table = DefaultTable
+	}
+	if c.CleanupInterval == 0 {
+		c.CleanupInterval = DefaultCleanupInterval
+	}
+	if c.CleanupBatch == 0 {
+		c.CleanupBatch = DefaultCleanupBatch
+	}
+	return c
+}
+
+// names are the quoted, schema-qualified identifiers of what Migrate
+// creates.
+type names struct {
+	table, acquire, finish string
+	index                  string // unqualified, as CREATE INDEX wants it
+}
+
+func (c Config) names() names {
+	qual := func(name string) string {
+		if c.Schema == "" {
+			return pgx.Identifier{name}.Sanitize()
+		}
+		return pgx.Identifier{c.Schema, name}.Sanitize()
+	}
+	return names{
+		table:   qual(c.Table),
+		acquire: qual(c.Table + "_acquire"),
+		finish:  qual(c.Table + "_finish"),
+		index:   pgx.Identifier{c.Table + "_expires"}.Sanitize(),
+	}
+}

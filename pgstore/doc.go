@@ -1,0 +1,109 @@
+// Package pgstore keeps amqpidem's idempotency records in PostgreSQL, and
+// lets a handler write its effects in the same transaction that completes
+// the record: for effects that live in that database, a message then takes
+// effect exactly once, crashes included.
+//
+//	pool, _ := pgxpool.New(ctx, "postgres://app@db/payments")
+//	_ = pgstore.Migrate(ctx, pool, pgstore.Config{})   // once; or apply pgstore.MigrationSQL
+//	store, _ := pgstore.New(pool, pgstore.Config{})
+//	defer store.Close()
+//	h := store.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+//		_, err := tx.Exec(ctx, "INSERT INTO payments (id, amount) VALUES ($1, $2)", d.MessageId, 100)
+//		return nil, err
+//	})
+//	c, _ := amqpidem.NewConsumer(store, amqpidem.ConsumerConfig{...}, h)
+//
+// # Guarantees
+//
+// Store is a lock.Store with the Redis store's state machine, answers and
+// limits; it passes the same conformance suite (internal/storetest).
+//
+//   - Atomic: each call is one statement. Acquire is a PL/pgSQL function
+//     that reads the record and writes it only by compare-and-set on the
+//     row as read (reading again when another statement changed it
+//     first); Complete, Fail, Release and Cancel lock the row and check
+//     owner and fence; Extend renews all of a heartbeat's leases in one
+//     UPDATE.
+//   - Expiry by the database's clock (clock_timestamp()), never the
+//     client's; the client's clock only estimates Lease.Deadline
+//     conservatively.
+//   - Fencing: each new lease's fence is the higher of the last fence + 1
+//     and the database clock in microseconds, so fences strictly increase
+//     per key, across a record deleted after its retention too, as long as
+//     the database clock does not step back past the deleted record's
+//     last fence.
+//   - Retry-safe: Acquire retries a lost answer with the same owner token
+//     (up to 3 times, about 350 ms) and gets the same lease back; a
+//     retried Complete, Fail, Release or Cancel that finds its own write
+//     answers nil.
+//   - Bounded: keys (any bytes, up to lock.MaxKeyLen), fingerprints and
+//     results are limited as in package lock. Every record expires
+//     Retention after its last change (TTL + Retention while a lease is
+//     held); an expired record is treated as absent at once, and deleted
+//     by Cleanup, which the Store runs every CleanupInterval in batches of
+//     CleanupBatch rows with FOR UPDATE SKIP LOCKED: short statements, no
+//     long locks, safe from many processes at once.
+//   - Errors: lock.ErrUnavailable when the database could not answer
+//     (connection errors, shutdown, too many connections, a serialization
+//     failure or deadlock, a read-only standby, and a missing table or
+//     function, whose error says to run Migrate); lock.ErrLeaseLost when
+//     the lease is no longer held.
+//
+// # The transactional handler
+//
+// TxHandler begins a transaction, runs the handler's function in it, then,
+// in the same transaction, completes the record with compare-and-set on
+// owner and fence, and commits. The completion locks the record's row, so
+// a consumer that would take the key over waits for the commit and then
+// finds the record completed. So:
+//
+//   - a crash or a lost connection before the commit rolls back the
+//     effects and leaves the lease, which expires: the next delivery runs
+//     the work again, once;
+//   - a holder that lost its lease (paused past it, say) cannot commit: its
+//     completion finds another owner, and its effects roll back;
+//   - a commit whose outcome is unknown is requeued, and the redelivery
+//     reads the record: completed (a duplicate, acked) or not (it runs
+//     again, since the effects rolled back with it).
+//
+// # The lease model, and why
+//
+// A lease is a row with a deadline, renewed by package heartbeat: one
+// UPDATE per heartbeat tick for all the leases of a consumer. The
+// alternative, the row lock of a transaction held open from Acquire to
+// commit, needs no heartbeat, but a duplicate delivery would wait on that
+// lock instead of being told "in progress" and requeued, every lease would
+// hold a connection even while the handler does not touch the database,
+// and the non-transactional handlers would need a transaction too. With
+// leases by TTL, the store has one state machine for every handler form
+// and every backend, and a duplicate is answered at once.
+//
+// # Limits
+//
+// Exactly-once covers what the handler writes through tx, in this
+// database. Anything else it does (an HTTP call, a message published, a
+// write to another database) happens at least once, as with the Redis
+// store: make it idempotent or fence it with amqpidem.FromContext(ctx).Fence.
+//
+// A TxHandler holds one pooled connection and an open transaction for as
+// long as the handler runs. Size the pool above the number of handlers that
+// can run at once (ConsumerConfig.Concurrency, over every consumer sharing
+// it): leases are renewed through the same pool, and a pool whose every
+// connection is held by a handler cannot renew them. Long transactions
+// hold back VACUUM on the whole database for their duration: keep
+// handlers that run for minutes out of the transaction (the plain
+// handler form works on this store too, with Complete in its own
+// statement). Under REPEATABLE READ or SERIALIZABLE (Config.TxOptions), a
+// handler that runs longer than a heartbeat interval fails at its
+// completion with a serialization failure, because the heartbeat changed
+// the record after the transaction's snapshot: use READ COMMITTED (the
+// default) for such handlers.
+//
+// A lease is not a mutex: the store refuses a stale holder's record
+// writes, and TxHandler rolls its transactional effects back, but work a
+// paused holder does outside the transaction is not undone.
+//
+// The records table is written on every message: plan for its write
+// volume (one insert and one or two updates per unique message, an index
+// on expires_at), and keep autovacuum on.
+package pgstore

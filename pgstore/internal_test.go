@@ -1,0 +1,83 @@
+package pgstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// TestAcquireRetriedWithSameOwner: an Acquire sent again with its own owner
+// token (what Acquire does when an answer is lost) gets the same lease,
+// not a second attempt, and a fresh deadline.
+func TestAcquireRetriedWithSameOwner(t *testing.T) {
+	pool := testenv.PostgresPool(t, 4)
+	cfg := Config{Schema: strings.ToLower(testenv.Name(t)), CleanupInterval: -1}
+	ctx := context.Background()
+	if err := Migrate(ctx, pool, cfg); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = pool.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{cfg.Schema}.Sanitize()+" CASCADE") })
+	s, err := New(pool, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	req, err := s.cfg.CheckRequest(lock.Request{Key: "k", TTL: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	owner := lock.NewOwner()
+	first, err := s.acquire(ctx, req, owner)
+	if err != nil || first.Status != lock.Acquired {
+		t.Fatalf("first: %+v, %v", first, err)
+	}
+	time.Sleep(50 * time.Millisecond)
+	again, err := s.acquire(ctx, req, owner)
+	if err != nil || again.Status != lock.Acquired {
+		t.Fatalf("again: %+v, %v", again, err)
+	}
+	if again.Lease.Fence != first.Lease.Fence || again.Lease.Attempt != 1 {
+		t.Fatalf("again: fence %d attempt %d, want the first lease (fence %d, attempt 1)", again.Lease.Fence, again.Lease.Attempt, first.Lease.Fence)
+	}
+	other, err := s.acquire(ctx, req, lock.NewOwner())
+	if err != nil || other.Status != lock.InProgress || other.Remaining < 900*time.Millisecond {
+		t.Fatalf("another owner: %+v, %v; want in progress with the renewed deadline (about 1s)", other, err)
+	}
+}
+
+func TestClassify(t *testing.T) {
+	cases := []struct {
+		err         error
+		unavailable bool
+	}{
+		{&pgconn.PgError{Code: "57P01"}, true}, // admin shutdown
+		{&pgconn.PgError{Code: "08006"}, true}, // connection failure
+		{&pgconn.PgError{Code: "53300"}, true}, // too many connections
+		{&pgconn.PgError{Code: "40001"}, true}, // serialization failure
+		{&pgconn.PgError{Code: "25006"}, true}, // read-only: a standby
+		{&pgconn.PgError{Code: "42P01"}, true}, // not migrated
+		{&pgconn.PgError{Code: "23505"}, false},
+		{&pgconn.PgError{Code: "22P02"}, false},
+		{io.EOF, true},
+		{fmt.Errorf("x: %w", pgconn.ErrConnClosed), true},
+		{context.DeadlineExceeded, true},
+		{context.Canceled, false},
+		{errors.New("cannot encode"), false},
+	}
+	for _, tc := range cases {
+		got := errors.Is(classify(tc.err), lock.ErrUnavailable)
+		if got != tc.unavailable {
+			t.Errorf("classify(%v): unavailable %v, want %v", tc.err, got, tc.unavailable)
+		}
+	}
+}

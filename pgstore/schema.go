@@ -1,0 +1,239 @@
+package pgstore
+
+import (
+	"context"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// formatVersion is the version of the table's layout and of the functions'
+// behaviour; it is written in the table's comment, which Check reads.
+const formatVersion = 1
+
+// tableComment marks a table made by this package's migration.
+var tableComment = fmt.Sprintf("amqpidem pgstore records, format %d", formatVersion)
+
+// migrationSQL is the schema, with {table}, {acquire}, {finish}, {index}
+// and {comment} replaced by quoted identifiers and the comment literal.
+//
+// One row per (namespace, key). state: 'p' in progress (a lease: owner,
+// fence, deadline), 'c' completed (value: the result), 'f' failed (value:
+// the error text), 'r' released, 'x' cancelled (released with its attempt
+// taken back). A row whose expires_at has passed is treated as absent by
+// every function, and deleted by the cleanup.
+//
+// Every time is the server's clock_timestamp(): the real time of the
+// statement, not the start of its transaction, which matters for a
+// completion made at the end of a long handler transaction.
+const migrationSQL = `
+CREATE TABLE IF NOT EXISTS {table} (
+	ns          text        NOT NULL,
+	key         bytea       NOT NULL,
+	state       text        NOT NULL CHECK (state IN ('p', 'c', 'f', 'r', 'x')),
+	owner       text        NOT NULL,
+	fence       bigint      NOT NULL,
+	deadline    timestamptz,
+	attempts    integer     NOT NULL,
+	fingerprint bytea       NOT NULL,
+	value       bytea,
+	created_at  timestamptz NOT NULL,
+	ended_at    timestamptz,
+	expires_at  timestamptz NOT NULL,
+	PRIMARY KEY (ns, key)
+);
+
+CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at);
+
+COMMENT ON TABLE {table} IS {comment};
+
+-- acquire: take a lease on one key, or say why not. status: 1 acquired,
+-- 2 completed, 3 failed, 4 in progress, 5 conflict (another fingerprint).
+-- Reads without a lock first: a final record (completed, failed) and a
+-- live lease are answered from that read. A write is compare-and-set on
+-- the row as read, and the function reads again when another statement
+-- changed it first.
+CREATE OR REPLACE FUNCTION {acquire}(p_ns text, p_key bytea, p_owner text, p_ttl_ms bigint,
+	p_ret_ms bigint, p_fp bytea,
+	OUT status int, OUT fence bigint, OUT attempts int, OUT remaining_ms bigint, OUT value bytea)
+LANGUAGE plpgsql AS $fn$
+DECLARE
+	r      {table}%ROWTYPE;
+	now_ts timestamptz;
+	now_us bigint;
+	ttl    interval := p_ttl_ms * interval '1 millisecond';
+	keep   interval := (p_ttl_ms + p_ret_ms) * interval '1 millisecond';
+BEGIN
+	FOR try IN 1..100 LOOP
+		now_ts := clock_timestamp();
+		-- Fences come from the clock in microseconds, so that a record
+		-- lost and made again hands out a fence above the lost one's.
+		now_us := (extract(epoch FROM now_ts) * 1000000)::bigint;
+		SELECT * INTO r FROM {table} t WHERE t.ns = p_ns AND t.key = p_key;
+		IF NOT FOUND THEN
+			INSERT INTO {table} AS t (ns, key, state, owner, fence, deadline, attempts, fingerprint,
+				value, created_at, ended_at, expires_at)
+			VALUES (p_ns, p_key, 'p', p_owner, now_us, now_ts + ttl, 1, p_fp,
+				NULL, now_ts, NULL, now_ts + keep)
+			ON CONFLICT (ns, key) DO NOTHING;
+			IF FOUND THEN
+				status := 1; fence := now_us; attempts := 1; remaining_ms := p_ttl_ms;
+				RETURN;
+			END IF;
+			CONTINUE; -- another Acquire made it first: read it
+		END IF;
+
+		IF r.expires_at <= now_ts THEN
+			-- Past its retention, not yet deleted: a new record, with a
+			-- fence above the old one's.
+			fence := greatest(r.fence + 1, now_us);
+			UPDATE {table} t SET state = 'p', owner = p_owner, fence = greatest(r.fence + 1, now_us),
+				deadline = now_ts + ttl, attempts = 1, fingerprint = p_fp, value = NULL,
+				created_at = now_ts, ended_at = NULL, expires_at = now_ts + keep
+			WHERE t.ns = p_ns AND t.key = p_key
+				AND (t.state, t.owner, t.fence, t.attempts, t.expires_at) = (r.state, r.owner, r.fence, r.attempts, r.expires_at);
+			IF FOUND THEN
+				status := 1; attempts := 1; remaining_ms := p_ttl_ms;
+				RETURN;
+			END IF;
+			CONTINUE;
+		END IF;
+
+		fence := r.fence;
+		attempts := r.attempts;
+		remaining_ms := 0;
+		IF length(p_fp) > 0 AND length(r.fingerprint) > 0 AND r.fingerprint <> p_fp THEN
+			status := 5;
+			RETURN;
+		END IF;
+		IF r.state IN ('c', 'f') THEN
+			status := CASE r.state WHEN 'c' THEN 2 ELSE 3 END;
+			value := r.value;
+			RETURN;
+		END IF;
+		IF r.state = 'p' AND r.owner = p_owner THEN
+			-- A retry of this same Acquire (its answer was lost): the lease
+			-- is ours already.
+			IF r.deadline >= now_ts + ttl THEN
+				status := 1;
+				remaining_ms := ceil(extract(epoch FROM r.deadline - now_ts) * 1000)::bigint;
+				RETURN;
+			END IF;
+			UPDATE {table} t SET deadline = now_ts + ttl, expires_at = greatest(t.expires_at, now_ts + keep)
+			WHERE t.ns = p_ns AND t.key = p_key
+				AND (t.state, t.owner, t.fence, t.attempts, t.expires_at) = (r.state, r.owner, r.fence, r.attempts, r.expires_at);
+			IF FOUND THEN
+				status := 1; remaining_ms := p_ttl_ms;
+				RETURN;
+			END IF;
+			CONTINUE;
+		END IF;
+		IF r.state = 'p' AND r.deadline > now_ts THEN
+			status := 4;
+			remaining_ms := greatest(ceil(extract(epoch FROM r.deadline - now_ts) * 1000)::bigint, 1);
+			RETURN;
+		END IF;
+
+		-- Released or cancelled by its owner, or its lease expired: a new
+		-- lease, a higher fence, one more attempt.
+		fence := greatest(r.fence + 1, now_us);
+		UPDATE {table} t SET state = 'p', owner = p_owner, fence = greatest(r.fence + 1, now_us),
+			deadline = now_ts + ttl, attempts = r.attempts + 1, expires_at = now_ts + keep
+		WHERE t.ns = p_ns AND t.key = p_key
+			AND (t.state, t.owner, t.fence, t.attempts, t.expires_at) = (r.state, r.owner, r.fence, r.attempts, r.expires_at);
+		IF FOUND THEN
+			status := 1; attempts := r.attempts + 1; remaining_ms := p_ttl_ms;
+			RETURN;
+		END IF;
+	END LOOP;
+	RAISE EXCEPTION 'amqpidem: the record changed under 100 acquires in a row'
+		USING ERRCODE = '40001';
+END
+$fn$;
+
+-- finish: end a lease with an outcome, compare-and-set on owner and fence.
+-- p_state: 'c' completed, 'f' failed (p_value stored), 'r' released, 'x'
+-- cancelled (attempt taken back, never below 0). Returns 1 when written,
+-- or already written by this same lease (a retried call), 0 when the
+-- lease is no longer held. Called in a handler's transaction, it keeps the
+-- row locked until that transaction ends: a takeover waits for the
+-- outcome.
+CREATE OR REPLACE FUNCTION {finish}(p_ns text, p_key bytea, p_owner text, p_fence bigint,
+	p_state text, p_value bytea, p_ret_ms bigint)
+RETURNS int
+LANGUAGE plpgsql AS $fn$
+DECLARE
+	r      {table}%ROWTYPE;
+	now_ts timestamptz;
+BEGIN
+	SELECT * INTO r FROM {table} t WHERE t.ns = p_ns AND t.key = p_key FOR UPDATE;
+	now_ts := clock_timestamp();
+	IF NOT FOUND OR r.expires_at <= now_ts OR r.owner <> p_owner OR r.fence <> p_fence THEN
+		RETURN 0;
+	END IF;
+	IF r.state = p_state THEN
+		RETURN 1; -- a retry of this same call that landed
+	END IF;
+	IF r.state <> 'p' THEN
+		RETURN 0;
+	END IF;
+	UPDATE {table} t SET state = p_state, deadline = NULL,
+		attempts = CASE WHEN p_state = 'x' THEN greatest(r.attempts - 1, 0) ELSE r.attempts END,
+		value = CASE WHEN p_state IN ('c', 'f') THEN p_value ELSE r.value END,
+		ended_at = now_ts, expires_at = now_ts + p_ret_ms * interval '1 millisecond'
+	WHERE t.ns = p_ns AND t.key = p_key;
+	RETURN 1;
+END
+$fn$;
+`
+
+// MigrationSQL returns the SQL that Migrate runs for cfg: the table, its
+// index and its two functions, each created only if missing (the
+// functions are replaced). Apply it with your own migration tool if you
+// prefer; Check tells whether a database has it.
+func MigrationSQL(cfg Config) (string, error) {
+	if err := cfg.Validate(); err != nil {
+		return "", err
+	}
+	cfg = cfg.withDefaults()
+	n := cfg.names()
+	sql := strings.NewReplacer(
+		"{table}", n.table,
+		"{acquire}", n.acquire,
+		"{finish}", n.finish,
+		"{index}", n.index,
+		"{comment}", "'"+tableComment+"'",
+	).Replace(migrationSQL)
+	if cfg.Schema != "" {
+		sql = "CREATE SCHEMA IF NOT EXISTS " + pgx.Identifier{cfg.Schema}.Sanitize() + ";\n" + sql
+	}
+	return sql, nil
+}
+
+// migrateLock is the key of the advisory lock that serializes concurrent
+// migrations (two processes starting at once).
+const migrateLock = 0x616d717069646d // "amqpidm"
+
+// Migrate creates, in one transaction, what a Store configured with cfg
+// needs: MigrationSQL(cfg). It is idempotent and safe to run from many
+// processes at once (they take turns on an advisory lock). The role needs
+// the right to create tables and functions in the schema.
+func Migrate(ctx context.Context, pool *pgxpool.Pool, cfg Config) error {
+	sql, err := MigrationSQL(cfg)
+	if err != nil {
+		return err
+	}
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", int64(migrateLock)); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, sql)
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("pgstore: migrate: %w", classify(err))
+	}
+	return nil
+}

@@ -1,0 +1,336 @@
+package pgstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// Store is a lock.Store on PostgreSQL: one row per idempotency key in a
+// table made by Migrate, with the state machine, answers and limits of the
+// Redis store (see package lock), and a handler form, TxHandler, that
+// completes the record in the handler's own transaction.
+//
+// A Store is safe for concurrent use. It uses connections of the pool it
+// was given, one per call, and never closes the pool.
+type Store struct {
+	pool *pgxpool.Pool
+	cfg  Config
+	sql  statements
+
+	stop context.CancelFunc // called by Close: ends the cleanup goroutine
+	done chan struct{}      // closed when the cleanup goroutine has ended
+}
+
+var _ lock.Store = (*Store)(nil)
+
+// statements are the SQL texts of the Store's calls, for its Config.
+type statements struct {
+	acquire, finish, extend, cleanup, check string
+}
+
+// New returns a Store on pool. It does no I/O: the table must exist
+// (Migrate), which Check verifies. Unless Config.CleanupInterval is
+// negative, a goroutine deletes expired records every CleanupInterval
+// until Close.
+//
+// Every handler that TxHandler runs holds one pooled connection for as
+// long as it runs, and the heartbeat, Acquire and the outcome calls need
+// connections beside them: give the pool more connections than the
+// handlers that can run at once (ConsumerConfig.Concurrency, summed over
+// the consumers sharing the pool), or leases go unrenewed while every
+// connection is busy.
+func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
+	if pool == nil {
+		return nil, errors.New("pgstore: nil pool")
+	}
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg = cfg.withDefaults()
+	n := cfg.names()
+	s := &Store{
+		pool: pool,
+		cfg:  cfg,
+		sql: statements{
+			acquire: "SELECT status, fence, attempts, remaining_ms, value FROM " + n.acquire + "($1, $2, $3, $4, $5, $6)",
+			finish:  "SELECT " + n.finish + "($1, $2, $3, $4, $5, $6, $7)",
+			extend: "UPDATE " + n.table + ` AS t
+				SET deadline = clock_timestamp() + x.ttl * interval '1 millisecond',
+					expires_at = clock_timestamp() + (x.ttl + x.ret) * interval '1 millisecond'
+				FROM unnest($2::bytea[], $3::text[], $4::bigint[], $5::bigint[], $6::bigint[]) AS x(key, owner, fence, ttl, ret)
+				WHERE t.ns = $1 AND t.key = x.key AND t.owner = x.owner AND t.fence = x.fence
+					AND t.state = 'p' AND t.expires_at > clock_timestamp()
+				RETURNING t.key, t.owner, t.fence`,
+			cleanup: "DELETE FROM " + n.table + ` AS t WHERE (t.ns, t.key) IN (
+					SELECT ns, key FROM ` + n.table + ` WHERE expires_at <= clock_timestamp()
+					LIMIT $1 FOR UPDATE SKIP LOCKED)
+				AND t.expires_at <= clock_timestamp()`,
+			check: "SELECT obj_description(to_regclass($1), 'pg_class'), to_regproc($2) IS NOT NULL, to_regproc($3) IS NOT NULL",
+		},
+		done: make(chan struct{}),
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	s.stop = stop
+	if cfg.CleanupInterval > 0 {
+		go s.cleanupLoop(ctx)
+	} else {
+		close(s.done)
+	}
+	return s, nil
+}
+
+// Close stops the background cleanup and waits for it. It does not close
+// the pool; the Store must not be used after Close.
+func (s *Store) Close() {
+	s.stop()
+	<-s.done
+}
+
+// MaxResultSize is the largest result Complete accepts, in bytes.
+func (s *Store) MaxResultSize() int { return s.cfg.MaxResultSize }
+
+// Check verifies that the database answers and has what Migrate makes for
+// this Store's Config, in the format this package reads. amqpidem's
+// Consumer calls it once when Run starts, and logs what it returns.
+func (s *Store) Check(ctx context.Context) error {
+	n := s.cfg.names()
+	var comment *string
+	var acquire, finish bool
+	err := s.pool.QueryRow(ctx, s.sql.check, n.table, n.acquire, n.finish).Scan(&comment, &acquire, &finish)
+	switch {
+	case err != nil:
+		return fmt.Errorf("pgstore: check: %w", classify(err))
+	case comment == nil || !acquire || !finish:
+		return fmt.Errorf("pgstore: table %s or its functions are missing: run pgstore.Migrate, or apply pgstore.MigrationSQL, with this Config", n.table)
+	case *comment != tableComment:
+		return fmt.Errorf("pgstore: table %s says %q, this package reads %q: run pgstore.Migrate with this release", n.table, *comment, tableComment)
+	}
+	return nil
+}
+
+// acquireRetries bounds the tries Acquire makes after its first when the
+// database does not answer, and acquireRetryWait is the wait before the
+// first of them (doubled for each next one): about 350 ms in all.
+const (
+	acquireRetries   = 3
+	acquireRetryWait = 50 * time.Millisecond
+)
+
+// Acquire takes a lease on req.Key in one statement.
+//
+// An Acquire whose answer is lost (the connection broke after the
+// statement was sent) may have taken the lease: it is sent again with the
+// same owner token, which the database answers with that same lease (no
+// second attempt counted), up to 3 times over about 350 ms within ctx. An
+// error saying the statement never left (a failed connect) is not retried
+// while no earlier try may have reached the server. If the tries all fail,
+// Acquire returns an error wrapping lock.ErrUnavailable, and a lease it
+// may have taken blocks the key for its TTL.
+func (s *Store) Acquire(ctx context.Context, req lock.Request) (lock.Result, error) {
+	req, err := s.cfg.CheckRequest(req)
+	if err != nil {
+		return lock.Result{}, err
+	}
+	owner := lock.NewOwner()
+	wait := acquireRetryWait
+	uncertain := false // a try may have reached the server
+	for try := 0; ; try++ {
+		res, err := s.acquire(ctx, req, owner)
+		uncertain = uncertain || (errors.Is(err, lock.ErrUnavailable) && !notSent(err))
+		if err == nil || !uncertain || try == acquireRetries || ctx.Err() != nil {
+			return res, err
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return res, err
+		}
+		wait *= 2
+	}
+}
+
+// acquire runs the acquire function for a checked request and owner token.
+func (s *Store) acquire(ctx context.Context, req lock.Request, owner string) (lock.Result, error) {
+	start := s.cfg.Now()
+	var status, attempts int
+	var fence, remaining int64
+	var value []byte
+	err := s.pool.QueryRow(ctx, s.sql.acquire, s.cfg.Prefix, []byte(req.Key), owner,
+		req.TTL.Milliseconds(), req.Retention.Milliseconds(), []byte(req.Fingerprint),
+	).Scan(&status, &fence, &attempts, &remaining, &value)
+	if err != nil {
+		return lock.Result{}, fmt.Errorf("pgstore: acquire %q: %w", req.Key, classify(err))
+	}
+	res := lock.Result{Status: lock.Status(status), Fence: fence, Attempts: attempts}
+	switch res.Status {
+	case lock.Acquired:
+		res.Lease = lock.Lease{
+			Key:       req.Key,
+			Owner:     owner,
+			Fence:     fence,
+			Attempt:   attempts,
+			TTL:       req.TTL,
+			Retention: req.Retention,
+			// A retried Acquire may answer a deadline shorter than TTL.
+			Deadline: start.Add(min(req.TTL, time.Duration(remaining)*time.Millisecond)),
+		}
+	case lock.Completed:
+		res.Value = value
+	case lock.Failed:
+		res.Error = string(value)
+	case lock.InProgress:
+		res.Remaining = time.Duration(remaining) * time.Millisecond
+	case lock.Conflict:
+	default:
+		return lock.Result{}, fmt.Errorf("pgstore: acquire %q: unexpected status %d", req.Key, status)
+	}
+	return res, nil
+}
+
+// Extend renews the leases in one statement.
+func (s *Store) Extend(ctx context.Context, leases ...lock.Lease) []error {
+	errs := make([]error, len(leases))
+	var keys [][]byte
+	var owners []string
+	var fences, ttls, rets []int64
+	for i, l := range leases {
+		if errs[i] = lock.CheckLease(l); errs[i] != nil {
+			continue
+		}
+		keys = append(keys, []byte(l.Key))
+		owners = append(owners, l.Owner)
+		fences = append(fences, l.Fence)
+		ttls = append(ttls, l.TTL.Milliseconds())
+		rets = append(rets, l.Retention.Milliseconds())
+	}
+	if len(keys) == 0 {
+		return errs
+	}
+	type held struct {
+		key, owner string
+		fence      int64
+	}
+	renewed := make(map[held]bool, len(keys))
+	rows, err := s.pool.Query(ctx, s.sql.extend, s.cfg.Prefix, keys, owners, fences, ttls, rets)
+	if err == nil {
+		var h held
+		var key []byte
+		_, err = pgx.ForEachRow(rows, []any{&key, &h.owner, &h.fence}, func() error {
+			h.key = string(key)
+			renewed[h] = true
+			return nil
+		})
+	}
+	for i, l := range leases {
+		switch {
+		case errs[i] != nil:
+		case err != nil:
+			errs[i] = fmt.Errorf("pgstore: extend %q: %w", l.Key, classify(err))
+		case !renewed[held{l.Key, l.Owner, l.Fence}]:
+			errs[i] = fmt.Errorf("%w: extend key %q fence %d", lock.ErrLeaseLost, l.Key, l.Fence)
+		}
+	}
+	return errs
+}
+
+// Complete stores result and marks the record completed.
+func (s *Store) Complete(ctx context.Context, lease lock.Lease, result []byte) error {
+	if len(result) > s.cfg.MaxResultSize {
+		return fmt.Errorf("%w: key %q: %d bytes, at most %d allowed", lock.ErrResultTooLarge, lease.Key, len(result), s.cfg.MaxResultSize)
+	}
+	return s.finish(ctx, s.pool, lease, "complete", "c", result)
+}
+
+// Fail marks the record failed with reason, cut to MaxResultSize bytes.
+func (s *Store) Fail(ctx context.Context, lease lock.Lease, reason string) error {
+	return s.finish(ctx, s.pool, lease, "fail", "f", []byte(lock.CutText(reason, s.cfg.MaxResultSize)))
+}
+
+// Release gives the lease up, keeping the attempt count.
+func (s *Store) Release(ctx context.Context, lease lock.Lease) error {
+	return s.finish(ctx, s.pool, lease, "release", "r", nil)
+}
+
+// Cancel gives the lease up and takes back the attempt its Acquire counted.
+// A retried Cancel that finds its own write answers nil and takes nothing
+// back again.
+func (s *Store) Cancel(ctx context.Context, lease lock.Lease) error {
+	return s.finish(ctx, s.pool, lease, "cancel", "x", nil)
+}
+
+// querier is what finish runs on: the pool (a statement of its own) or a
+// handler's transaction.
+type querier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// finish runs the finish function on q: compare-and-set on owner and
+// fence.
+func (s *Store) finish(ctx context.Context, q querier, l lock.Lease, op, state string, value []byte) error {
+	if err := lock.CheckLease(l); err != nil {
+		return err
+	}
+	var n int
+	err := q.QueryRow(ctx, s.sql.finish, s.cfg.Prefix, []byte(l.Key), l.Owner, l.Fence, state, value,
+		l.Retention.Milliseconds()).Scan(&n)
+	switch {
+	case err != nil:
+		return fmt.Errorf("pgstore: %s %q: %w", op, l.Key, classify(err))
+	case n != 1:
+		return fmt.Errorf("%w: %s key %q fence %d", lock.ErrLeaseLost, op, l.Key, l.Fence)
+	}
+	return nil
+}
+
+// Cleanup deletes the records whose retention has passed, in statements of
+// at most Config.CleanupBatch rows (skipping rows another transaction
+// holds), until a statement finds fewer than that or ctx ends. It returns
+// how many it deleted. Expired records are never used whether or not they
+// were deleted; Cleanup only bounds the table. Many processes may run it
+// at once.
+func (s *Store) Cleanup(ctx context.Context) (int64, error) {
+	var total int64
+	for {
+		tag, err := s.pool.Exec(ctx, s.sql.cleanup, s.cfg.CleanupBatch)
+		if err != nil {
+			return total, fmt.Errorf("pgstore: cleanup: %w", classify(err))
+		}
+		total += tag.RowsAffected()
+		if tag.RowsAffected() < int64(s.cfg.CleanupBatch) {
+			return total, nil
+		}
+		if err := ctx.Err(); err != nil {
+			return total, err
+		}
+	}
+}
+
+// cleanupLoop runs Cleanup every CleanupInterval (with up to 10% jitter,
+// so that the processes sharing a table spread their cleanups) until
+// Close.
+func (s *Store) cleanupLoop(ctx context.Context) {
+	defer close(s.done)
+	for {
+		t := time.NewTimer(s.cfg.CleanupInterval + rand.N(s.cfg.CleanupInterval/10+1))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		if n, err := s.Cleanup(ctx); err != nil && ctx.Err() == nil {
+			s.cfg.Logger.Warn("pgstore: cleanup of expired records failed; trying again later",
+				"table", s.cfg.names().table, "deleted", n, "error", err)
+		}
+	}
+}

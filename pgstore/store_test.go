@@ -1,0 +1,339 @@
+package pgstore_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/amqpidem/amqpidem/internal/storetest"
+	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/lock"
+	"github.com/amqpidem/amqpidem/pgstore"
+)
+
+// schema makes a schema of its own for t, migrated for cfg (whose Schema
+// it sets), and drops it in t.Cleanup.
+func schema(t *testing.T, pool *pgxpool.Pool, cfg pgstore.Config) pgstore.Config {
+	t.Helper()
+	cfg.Schema = strings.ToLower(testenv.Name(t))
+	if err := pgstore.Migrate(context.Background(), pool, cfg); err != nil {
+		t.Fatalf("Migrate: %v", err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if _, err := pool.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{cfg.Schema}.Sanitize()+" CASCADE"); err != nil {
+			t.Errorf("drop schema %s: %v", cfg.Schema, err)
+		}
+	})
+	return cfg
+}
+
+// newStore returns a Store on cfg, closed in t.Cleanup.
+func newStore(t *testing.T, pool *pgxpool.Pool, cfg pgstore.Config) *pgstore.Store {
+	t.Helper()
+	s, err := pgstore.New(pool, cfg)
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	t.Cleanup(s.Close)
+	return s
+}
+
+func TestConformance(t *testing.T) {
+	pool := testenv.PostgresPool(t, 16)
+	base := schema(t, pool, pgstore.Config{})
+	storetest.Run(t, func(t *testing.T, cfg lock.Config) lock.Store {
+		c := base
+		c.Config = cfg
+		c.CleanupInterval = -1
+		return newStore(t, pool, c)
+	})
+}
+
+// TestConformanceWithCleanup runs the suite with a cleanup deleting
+// expired records every few milliseconds, so that records are lost (and
+// made again) in the middle of the suite's sequences as well.
+func TestConformanceWithCleanup(t *testing.T) {
+	pool := testenv.PostgresPool(t, 16)
+	base := schema(t, pool, pgstore.Config{Table: "records_cleaned"})
+	storetest.Run(t, func(t *testing.T, cfg lock.Config) lock.Store {
+		c := base
+		c.Config = cfg
+		c.CleanupInterval = 5 * time.Millisecond
+		c.CleanupBatch = 3
+		return newStore(t, pool, c)
+	})
+}
+
+func TestMigrateConcurrentAndIdempotent(t *testing.T) {
+	pool := testenv.PostgresPool(t, 8)
+	cfg := schema(t, pool, pgstore.Config{Table: "twice"})
+	var wg sync.WaitGroup
+	errs := make([]error, 4)
+	for i := range errs {
+		wg.Go(func() { errs[i] = pgstore.Migrate(context.Background(), pool, cfg) })
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Errorf("Migrate %d: %v", i, err)
+		}
+	}
+	if err := newStore(t, pool, cfg).Check(context.Background()); err != nil {
+		t.Fatalf("Check after Migrate: %v", err)
+	}
+}
+
+func TestNotMigrated(t *testing.T) {
+	pool := testenv.PostgresPool(t, 4)
+	cfg := schema(t, pool, pgstore.Config{})
+	cfg.Table = "never_migrated"
+	s := newStore(t, pool, cfg)
+	err := s.Check(context.Background())
+	if err == nil || !strings.Contains(err.Error(), "pgstore.Migrate") {
+		t.Fatalf("Check: got %v, want an error that says to run pgstore.Migrate", err)
+	}
+	_, err = s.Acquire(context.Background(), lock.Request{Key: "k"})
+	if !errors.Is(err, lock.ErrUnavailable) || !strings.Contains(err.Error(), "pgstore.Migrate") {
+		t.Fatalf("Acquire: got %v, want ErrUnavailable saying to run pgstore.Migrate", err)
+	}
+}
+
+func TestCheckWrongFormat(t *testing.T) {
+	pool := testenv.PostgresPool(t, 4)
+	cfg := schema(t, pool, pgstore.Config{})
+	if _, err := pool.Exec(context.Background(), "COMMENT ON TABLE "+pgx.Identifier{cfg.Schema, pgstore.DefaultTable}.Sanitize()+" IS 'amqpidem pgstore records, format 99'"); err != nil {
+		t.Fatal(err)
+	}
+	err := newStore(t, pool, cfg).Check(context.Background())
+	if err == nil || !strings.Contains(err.Error(), "format 99") {
+		t.Fatalf("Check: got %v, want an error naming the table's format", err)
+	}
+}
+
+func TestMigrationSQLIsPlainSQL(t *testing.T) {
+	pool := testenv.PostgresPool(t, 4)
+	cfg := pgstore.Config{Schema: strings.ToLower(testenv.Name(t)), Table: `odd "name"`}
+	sql, err := pgstore.MigrationSQL(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{cfg.Schema}.Sanitize()+" CASCADE")
+	})
+	// Applied as a DBA would: the text alone, through psql or any tool.
+	if _, err := pool.Exec(context.Background(), sql); err != nil {
+		t.Fatalf("applying MigrationSQL: %v", err)
+	}
+	s := newStore(t, pool, cfg)
+	if err := s.Check(context.Background()); err != nil {
+		t.Fatalf("Check: %v", err)
+	}
+	res, err := s.Acquire(context.Background(), lock.Request{Key: "k"})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatalf("Acquire: %+v, %v", res, err)
+	}
+}
+
+func TestConfigValidate(t *testing.T) {
+	bad := []pgstore.Config{
+		{Table: strings.Repeat("t", 51)},
+		{Table: "a\x00b"},
+		{Schema: strings.Repeat("s", 64)},
+		{CleanupBatch: -1},
+		{Config: lock.Config{LeaseTTL: -time.Second}},
+	}
+	for _, c := range bad {
+		if err := c.Validate(); err == nil {
+			t.Errorf("Validate(%+v): nil, want an error", c)
+		}
+		if _, err := pgstore.New(&pgxpool.Pool{}, c); err == nil {
+			t.Errorf("New(%+v): nil error", c)
+		}
+	}
+	if _, err := pgstore.New(nil, pgstore.Config{}); err == nil {
+		t.Error("New(nil pool): nil error")
+	}
+}
+
+// rows counts the records of cfg's table.
+func rows(t *testing.T, pool *pgxpool.Pool, cfg pgstore.Config) int {
+	t.Helper()
+	table := cfg.Table
+	if table == "" {
+		table = pgstore.DefaultTable
+	}
+	var n int
+	if err := pool.QueryRow(context.Background(), "SELECT count(*) FROM "+pgx.Identifier{cfg.Schema, table}.Sanitize()).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func TestCleanupDeletesExpiredInBatches(t *testing.T) {
+	pool := testenv.PostgresPool(t, 4)
+	cfg := schema(t, pool, pgstore.Config{CleanupInterval: -1, CleanupBatch: 7})
+	s := newStore(t, pool, cfg)
+	ctx := context.Background()
+	for i := range 30 {
+		key := "short-" + string(rune('a'+i%26)) + string(rune('a'+i/26))
+		res, err := s.Acquire(ctx, lock.Request{Key: key, Retention: 20 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Complete(ctx, res.Lease, []byte("done")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, key := range []string{"long-done", "long-held"} {
+		res, err := s.Acquire(ctx, lock.Request{Key: key, TTL: time.Minute})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if key == "long-done" {
+			if err := s.Complete(ctx, res.Lease, nil); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	time.Sleep(100 * time.Millisecond)
+	n, err := s.Cleanup(ctx)
+	if err != nil {
+		t.Fatalf("Cleanup: %v", err)
+	}
+	if n != 30 {
+		t.Fatalf("Cleanup deleted %d records, want the 30 expired ones", n)
+	}
+	if got := rows(t, pool, cfg); got != 2 {
+		t.Fatalf("%d records left, want the 2 live ones", got)
+	}
+	if n, err := s.Cleanup(ctx); err != nil || n != 0 {
+		t.Fatalf("second Cleanup: %d, %v; want 0, nil", n, err)
+	}
+}
+
+func TestBackgroundCleanupStopsOnClose(t *testing.T) {
+	pool := testenv.PostgresPool(t, 4)
+	cfg := schema(t, pool, pgstore.Config{CleanupInterval: 20 * time.Millisecond})
+	s, err := pgstore.New(pool, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	res, err := s.Acquire(ctx, lock.Request{Key: "k", Retention: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Complete(ctx, res.Lease, nil); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for rows(t, pool, cfg) != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the background cleanup did not delete the expired record within 5s")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	s.Close()
+	s.Close() // a second Close is harmless
+	res, err = s.Acquire(ctx, lock.Request{Key: "k2", Retention: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Complete(ctx, res.Lease, nil); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond)
+	if got := rows(t, pool, cfg); got != 1 {
+		t.Fatalf("after Close: %d records, want 1 (no cleanup any more)", got)
+	}
+}
+
+// TestFenceAboveDeletedRecord: a record deleted by the cleanup and made
+// again hands out a higher fence (from the clock), as after a lost Redis
+// record.
+func TestFenceAboveDeletedRecord(t *testing.T) {
+	pool := testenv.PostgresPool(t, 4)
+	cfg := schema(t, pool, pgstore.Config{CleanupInterval: -1})
+	s := newStore(t, pool, cfg)
+	ctx := context.Background()
+	var last int64
+	for range 3 {
+		res, err := s.Acquire(ctx, lock.Request{Key: "k", Retention: time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		last = res.Lease.Fence
+		if err := s.Release(ctx, res.Lease); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(10 * time.Millisecond)
+	if n, err := s.Cleanup(ctx); err != nil || n != 1 {
+		t.Fatalf("Cleanup: %d, %v", n, err)
+	}
+	res, err := s.Acquire(ctx, lock.Request{Key: "k"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Lease.Attempt != 1 || res.Lease.Fence <= last {
+		t.Fatalf("after the cleanup: attempt %d fence %d; want attempt 1 and a fence above %d", res.Lease.Attempt, res.Lease.Fence, last)
+	}
+}
+
+// TestKeysAreBytes: keys are any bytes, as the lock package promises: a
+// NUL byte or invalid UTF-8 is a key like any other.
+func TestKeysAreBytes(t *testing.T) {
+	pool := testenv.PostgresPool(t, 4)
+	s := newStore(t, pool, schema(t, pool, pgstore.Config{CleanupInterval: -1}))
+	ctx := context.Background()
+	for _, key := range []string{"a\x00b", "a\x00c", "\xff\xfe", strings.Repeat("k", lock.MaxKeyLen)} {
+		res, err := s.Acquire(ctx, lock.Request{Key: key, Fingerprint: "\x00\xff"})
+		if err != nil || res.Status != lock.Acquired {
+			t.Fatalf("Acquire(%q): %+v, %v", key, res, err)
+		}
+		if err := s.Complete(ctx, res.Lease, []byte(key)); err != nil {
+			t.Fatalf("Complete(%q): %v", key, err)
+		}
+		res, err = s.Acquire(ctx, lock.Request{Key: key})
+		if err != nil || res.Status != lock.Completed || string(res.Value) != key {
+			t.Fatalf("Acquire(%q) again: %+v, %v", key, res, err)
+		}
+	}
+}
+
+// TestUnavailable: a closed pool (as a database that cannot be reached) is
+// lock.ErrUnavailable, for every call.
+func TestUnavailable(t *testing.T) {
+	pool := testenv.PostgresPool(t, 4)
+	cfg := schema(t, pool, pgstore.Config{CleanupInterval: -1})
+	other, err := pgxpool.NewWithConfig(context.Background(), pool.Config())
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := newStore(t, other, cfg)
+	res, err := s.Acquire(context.Background(), lock.Request{Key: "k"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	other.Close()
+	if _, err := s.Acquire(context.Background(), lock.Request{Key: "k2"}); !errors.Is(err, lock.ErrUnavailable) {
+		t.Errorf("Acquire: %v, want ErrUnavailable", err)
+	}
+	if err := s.Complete(context.Background(), res.Lease, nil); !errors.Is(err, lock.ErrUnavailable) {
+		t.Errorf("Complete: %v, want ErrUnavailable", err)
+	}
+	if errs := s.Extend(context.Background(), res.Lease); !errors.Is(errs[0], lock.ErrUnavailable) {
+		t.Errorf("Extend: %v, want ErrUnavailable", errs[0])
+	}
+	if err := s.Check(context.Background()); !errors.Is(err, lock.ErrUnavailable) {
+		t.Errorf("Check: %v, want ErrUnavailable", err)
+	}
+}

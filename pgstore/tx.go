@@ -1,0 +1,120 @@
+package pgstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// TxFunc does the work of one message in tx, a transaction of the Store's
+// pool, and returns the result to store (and to send to ReplyTo) or an
+// error, as amqpidem.Handler does. It must not commit or roll back tx:
+// TxHandler does, after writing the record in it. ctx is the handler's
+// context (cancelled when the lease is lost, with amqpidem.FromContext
+// giving the key, attempt and fence); run tx's statements with it.
+type TxFunc func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error)
+
+// commitTimeout bounds writing the record and committing, which run even
+// when the handler's context was cancelled meanwhile: whether the work
+// counts is the record's compare-and-set to decide, not the context's.
+const commitTimeout = 10 * time.Second
+
+// TxHandler returns a handler that runs fn in a transaction (begun with
+// Config.TxOptions) and completes the message's record in that same
+// transaction, after fn, then commits: fn's writes and the record commit
+// together or not at all. Give it to amqpidem.NewConsumer or
+// amqpidem.Wrap with this Store.
+//
+//   - fn returns an error: the transaction rolls back, and the error is
+//     the handler's, retried or dead-lettered as usual.
+//   - The lease was lost meanwhile (another consumer took the key over):
+//     the record refuses the completion (compare-and-set on owner and
+//     fence), everything rolls back, and the message is requeued for the
+//     record to decide.
+//   - The commit's outcome is unknown (the connection dropped during
+//     COMMIT): the error wraps lock.ErrUnavailable, the message is
+//     requeued, and its redelivery finds the record completed (it is
+//     acked as a duplicate) or still held (the effects rolled back with
+//     it, and it runs again). Never both effects, never none.
+//
+// A message processed without a lease (amqpidem.ProcessMissingKey,
+// FailOpen) runs fn in a transaction of its own, with no record.
+//
+// The returned handler implements amqpidem.Completer.
+func (s *Store) TxHandler(fn TxFunc) amqpidem.Handler {
+	return &txHandler{s: s, fn: fn}
+}
+
+// txHandler is what TxHandler returns.
+type txHandler struct {
+	s  *Store
+	fn TxFunc
+}
+
+var _ amqpidem.Completer = (*txHandler)(nil)
+
+// CompleterStore returns the Store the handler writes records to.
+func (h *txHandler) CompleterStore() lock.Store { return h.s }
+
+// Handle runs fn in a transaction with no record, and commits.
+func (h *txHandler) Handle(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+	return h.run(ctx, d, nil)
+}
+
+// HandleComplete runs fn in a transaction, completes lease's record with
+// value(result) in it, and commits.
+func (h *txHandler) HandleComplete(ctx context.Context, d *amqp.Delivery, lease lock.Lease, value func([]byte) ([]byte, error)) ([]byte, error) {
+	return h.run(ctx, d, func(ctx context.Context, tx pgx.Tx, result []byte) error {
+		v, err := value(result)
+		if err != nil {
+			return err
+		}
+		if len(v) > h.s.cfg.MaxResultSize {
+			return fmt.Errorf("%w: key %q: %d bytes, at most %d allowed", lock.ErrResultTooLarge, lease.Key, len(v), h.s.cfg.MaxResultSize)
+		}
+		return h.s.finish(ctx, tx, lease, "complete", "c", v)
+	})
+}
+
+// run begins a transaction, runs fn in it, then complete (if not nil),
+// and commits.
+func (h *txHandler) run(ctx context.Context, d *amqp.Delivery, complete func(context.Context, pgx.Tx, []byte) error) ([]byte, error) {
+	tx, err := h.s.pool.BeginTx(ctx, h.s.cfg.TxOptions)
+	if err != nil {
+		return nil, fmt.Errorf("pgstore: begin: %w", classify(err))
+	}
+	defer func() {
+		// After a commit this does nothing. After a cancelled context, a
+		// fresh one lets the connection go back to the pool clean.
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
+		defer cancel()
+		_ = tx.Rollback(rctx)
+	}()
+	result, err := h.fn(ctx, tx, d)
+	if err != nil {
+		if tx.Conn().IsClosed() && !errors.Is(err, lock.ErrUnavailable) {
+			// The work's connection is gone (the server restarted, the
+			// backend was terminated): nothing of it committed.
+			return nil, fmt.Errorf("%w: the transaction's connection closed: %w", lock.ErrUnavailable, err)
+		}
+		return nil, err
+	}
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
+	defer cancel()
+	if complete != nil {
+		if err := complete(cctx, tx, result); err != nil {
+			return nil, err
+		}
+	}
+	if err := tx.Commit(cctx); err != nil {
+		return nil, fmt.Errorf("pgstore: commit (its outcome may be unknown: the record tells): %w", classify(err))
+	}
+	return result, nil
+}

@@ -1,0 +1,429 @@
+package pgstore_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/lock"
+	"github.com/amqpidem/amqpidem/pgstore"
+)
+
+// rig is one queue consumed by an amqpidem.Consumer on a pgstore Store, in
+// a schema of its own holding the records and an effects table.
+type rig struct {
+	t      *testing.T
+	pool   *pgxpool.Pool
+	cfg    pgstore.Config
+	store  *pgstore.Store
+	queue  string
+	events chan amqpidem.Event
+	ch     *amqp.Channel
+}
+
+func newRig(t *testing.T) *rig {
+	t.Helper()
+	pool := testenv.PostgresPool(t, 16)
+	cfg := schema(t, pool, pgstore.Config{CleanupInterval: -1})
+	ctx := context.Background()
+	if _, err := pool.Exec(ctx, "CREATE TABLE "+pgx.Identifier{cfg.Schema, "effects"}.Sanitize()+" (op text NOT NULL)"); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := amqp.Dial(testenv.AMQPURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &rig{t: t, pool: pool, cfg: cfg, store: newStore(t, pool, cfg), queue: testenv.Name(t),
+		events: make(chan amqpidem.Event, 100), ch: ch}
+	// As the Consumer declares it: durable, classic, no arguments.
+	if _, err := ch.QueueDeclare(r.queue, true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		for _, q := range []string{r.queue, r.queue + ".dlq"} {
+			_, _ = ch.QueueDelete(q, false, false, false)
+		}
+	})
+	return r
+}
+
+// effects returns the effect rows per operation.
+func (r *rig) effects() map[string]int {
+	r.t.Helper()
+	rows, err := r.pool.Query(context.Background(), "SELECT op, count(*) FROM "+pgx.Identifier{r.cfg.Schema, "effects"}.Sanitize()+" GROUP BY op")
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	got := map[string]int{}
+	var op string
+	var n int
+	if _, err := pgx.ForEachRow(rows, []any{&op, &n}, func() error { got[op] = n; return nil }); err != nil {
+		r.t.Fatal(err)
+	}
+	return got
+}
+
+// insert is the effect: a plain INSERT, not idempotent by itself.
+func (r *rig) insert(ctx context.Context, tx pgx.Tx, op string) error {
+	_, err := tx.Exec(ctx, "INSERT INTO "+pgx.Identifier{r.cfg.Schema, "effects"}.Sanitize()+" (op) VALUES ($1)", op)
+	return err
+}
+
+// run consumes the queue with h until the test ends.
+func (r *rig) run(h amqpidem.Handler, tune func(*amqpidem.ConsumerConfig)) {
+	r.t.Helper()
+	cfg := amqpidem.ConsumerConfig{
+		URL: testenv.AMQPURL(r.t),
+		Config: amqpidem.Config{
+			Queue:            r.queue,
+			LeaseTTL:         3 * time.Second,
+			UnavailableDelay: 100 * time.Millisecond,
+			Backoff:          func() backoff.BackOff { return backoff.NewConstantBackOff(20 * time.Millisecond) },
+			Logger:           slog.New(slog.DiscardHandler),
+			Observer:         amqpidem.ObserverFunc(func(_ context.Context, e amqpidem.Event) { r.events <- e }),
+		},
+	}
+	if tune != nil {
+		tune(&cfg)
+	}
+	c, err := amqpidem.NewConsumer(r.store, cfg, h)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- c.Run(context.Background()) }()
+	r.t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		if err := c.Shutdown(ctx); err != nil {
+			r.t.Errorf("Shutdown: %v", err)
+		}
+		if err := <-done; !errors.Is(err, amqpidem.ErrConsumerClosed) {
+			r.t.Errorf("Run: %v", err)
+		}
+	})
+}
+
+func (r *rig) publish(ids ...string) {
+	r.t.Helper()
+	for _, id := range ids {
+		err := r.ch.PublishWithContext(context.Background(), "", r.queue, false, false,
+			amqp.Publishing{MessageId: id, DeliveryMode: amqp.Persistent, Body: []byte("pay " + id)})
+		if err != nil {
+			r.t.Fatal(err)
+		}
+	}
+}
+
+// wait returns the next n events, failing after 20 s.
+func (r *rig) wait(n int) []amqpidem.Event {
+	r.t.Helper()
+	var got []amqpidem.Event
+	timeout := time.After(20 * time.Second)
+	for len(got) < n {
+		select {
+		case e := <-r.events:
+			got = append(got, e)
+		case <-timeout:
+			r.t.Fatalf("got %d events, want %d: %+v", len(got), n, got)
+		}
+	}
+	return got
+}
+
+// waitFor returns events until one for key has outcome o.
+func (r *rig) waitFor(key string, o amqpidem.Outcome) []amqpidem.Event {
+	r.t.Helper()
+	var got []amqpidem.Event
+	timeout := time.After(20 * time.Second)
+	for {
+		select {
+		case e := <-r.events:
+			got = append(got, e)
+			if e.Key == key && e.Outcome == o {
+				return got
+			}
+		case <-timeout:
+			r.t.Fatalf("no %v event for %q in 20s; got %+v", o, key, got)
+		}
+	}
+}
+
+func outcomes(evs []amqpidem.Event) string {
+	s := ""
+	for _, e := range evs {
+		s += fmt.Sprintf("[%s %v %q] ", e.Key, e.Outcome, e.Reason)
+	}
+	return s
+}
+
+// TestTxHandlerCommitsEffectWithRecord: the effect and the completed record
+// are written by one transaction (the rows share their xmin), and a
+// duplicate runs nothing.
+func TestTxHandlerCommitsEffectWithRecord(t *testing.T) {
+	r := newRig(t)
+	var runs atomic.Int32
+	r.run(r.store.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+		runs.Add(1)
+		return []byte("receipt " + d.MessageId), r.insert(ctx, tx, d.MessageId)
+	}), nil)
+	r.publish("a", "b")
+	r.wait(2)
+	r.publish("a")
+	evs := r.wait(1)
+	if evs[0].Outcome != amqpidem.Duplicate {
+		t.Fatalf("the copy of a: %s, want a duplicate", outcomes(evs))
+	}
+	if got := r.effects(); got["a"] != 1 || got["b"] != 1 || len(got) != 2 || runs.Load() != 2 {
+		t.Fatalf("effects %v after %d runs, want one row each for a and b after 2 runs", got, runs.Load())
+	}
+	var same bool
+	err := r.pool.QueryRow(context.Background(), fmt.Sprintf(
+		`SELECT (SELECT xmin::text FROM %s WHERE op = 'a') = (SELECT xmin::text FROM %s WHERE key = $1 AND state = 'c')`,
+		pgx.Identifier{r.cfg.Schema, "effects"}.Sanitize(), pgx.Identifier{r.cfg.Schema, pgstore.DefaultTable}.Sanitize()),
+		[]byte(amqpidem.StoreKey(r.queue, "a"))).Scan(&same)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !same {
+		t.Fatal("the effect row and the completed record were not written by the same transaction")
+	}
+}
+
+// TestTxHandlerLeaseLostRollsBack: when another consumer takes the key
+// over while the handler runs, the completion's compare-and-set fails and
+// the handler's effect rolls back with it.
+func TestTxHandlerLeaseLostRollsBack(t *testing.T) {
+	r := newRig(t)
+	var runs atomic.Int32
+	table := pgx.Identifier{r.cfg.Schema, pgstore.DefaultTable}.Sanitize()
+	r.run(r.store.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+		if err := r.insert(ctx, tx, d.MessageId); err != nil {
+			return nil, err
+		}
+		if runs.Add(1) == 1 {
+			// Another consumer takes the key over (the lease made to look
+			// expired), then gives it back as if it crashed before doing
+			// anything.
+			bg := context.Background()
+			key := amqpidem.StoreKey(r.queue, d.MessageId)
+			if _, err := r.pool.Exec(bg, "UPDATE "+table+" SET deadline = clock_timestamp() - interval '1 ms' WHERE key = $1", []byte(key)); err != nil {
+				return nil, err
+			}
+			res, err := r.store.Acquire(bg, lock.Request{Key: key})
+			if err != nil || res.Status != lock.Acquired {
+				return nil, fmt.Errorf("takeover: %+v, %v", res, err)
+			}
+			if err := r.store.Release(bg, res.Lease); err != nil {
+				return nil, err
+			}
+		}
+		return nil, nil
+	}), nil)
+	r.publish("x")
+	evs := r.waitFor("x", amqpidem.Completed)
+	if evs[0].Outcome != amqpidem.Abandoned || evs[0].Reason != "lease lost" {
+		t.Fatalf("first execution: %s, want abandoned, lease lost", outcomes(evs))
+	}
+	if got := r.effects(); got["x"] != 1 || runs.Load() != 2 {
+		t.Fatalf("effects %v after %d runs, want 1 row after 2 runs (the first rolled back)", got, runs.Load())
+	}
+}
+
+// TestTxHandlerErrorRollsBack: a handler error rolls its writes back, and
+// the retry writes them once.
+func TestTxHandlerErrorRollsBack(t *testing.T) {
+	r := newRig(t)
+	var runs atomic.Int32
+	r.run(r.store.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+		if err := r.insert(ctx, tx, d.MessageId); err != nil {
+			return nil, err
+		}
+		if runs.Add(1) < 3 {
+			return nil, errors.New("the card network timed out")
+		}
+		return nil, nil
+	}), nil)
+	r.publish("e")
+	evs := r.waitFor("e", amqpidem.Completed)
+	if len(evs) != 3 || evs[0].Outcome != amqpidem.Retried {
+		t.Fatalf("events %s, want two retries then completed", outcomes(evs))
+	}
+	if got := r.effects(); got["e"] != 1 {
+		t.Fatalf("effects %v, want 1 row for e", got)
+	}
+}
+
+// answerLost is a Completer whose commit lands but whose answer is lost:
+// what a connection dropped during COMMIT, after the server committed,
+// looks like.
+type answerLost struct {
+	amqpidem.Completer
+	lost atomic.Int32
+}
+
+func (a *answerLost) HandleComplete(ctx context.Context, d *amqp.Delivery, l lock.Lease, value func([]byte) ([]byte, error)) ([]byte, error) {
+	result, err := a.Completer.HandleComplete(ctx, d, l, value)
+	if err == nil && a.lost.Add(1) == 1 {
+		return nil, fmt.Errorf("%w: connection reset during COMMIT", lock.ErrUnavailable)
+	}
+	return result, err
+}
+
+// TestTxHandlerCommitAnswerLost: a commit whose outcome the consumer does
+// not know is resolved by the record on the redelivery: a duplicate, not a
+// second effect.
+func TestTxHandlerCommitAnswerLost(t *testing.T) {
+	r := newRig(t)
+	var runs atomic.Int32
+	h := &answerLost{Completer: r.store.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+		runs.Add(1)
+		return nil, r.insert(ctx, tx, d.MessageId)
+	}).(amqpidem.Completer)}
+	r.run(h, nil)
+	r.publish("u")
+	evs := r.waitFor("u", amqpidem.Duplicate)
+	if evs[0].Outcome != amqpidem.Abandoned || evs[0].Reason != "store unavailable" {
+		t.Fatalf("events %s, want abandoned (store unavailable), then a duplicate", outcomes(evs))
+	}
+	if got := r.effects(); got["u"] != 1 || runs.Load() != 1 {
+		t.Fatalf("effects %v after %d runs, want 1 row after 1 run", got, runs.Load())
+	}
+}
+
+// TestTxHandlerConnectionKilled: the transaction's backend terminated
+// (pg_terminate_backend) in the middle of the work: nothing commits, the
+// message is requeued, and its next delivery writes the effect once.
+func TestTxHandlerConnectionKilled(t *testing.T) {
+	r := newRig(t)
+	var runs atomic.Int32
+	r.run(r.store.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+		if err := r.insert(ctx, tx, d.MessageId); err != nil {
+			return nil, err
+		}
+		if runs.Add(1) == 1 {
+			pid := tx.Conn().PgConn().PID()
+			if _, err := r.pool.Exec(context.Background(), "SELECT pg_terminate_backend($1)", pid); err != nil {
+				return nil, err
+			}
+		}
+		return nil, r.insert(ctx, tx, d.MessageId+"-second-statement")
+	}), nil)
+	r.publish("k")
+	evs := r.waitFor("k", amqpidem.Completed)
+	if evs[0].Outcome != amqpidem.Abandoned || evs[0].Reason != "store unavailable" {
+		t.Fatalf("events %s, want abandoned (store unavailable), then completed", outcomes(evs))
+	}
+	if got := r.effects(); got["k"] != 1 || got["k-second-statement"] != 1 || runs.Load() != 2 {
+		t.Fatalf("effects %v after %d runs, want one row of each statement after 2 runs", got, runs.Load())
+	}
+}
+
+// TestTxHandlerUnkeyed: a message without a key, under ProcessMissingKey,
+// runs in a transaction with no record.
+func TestTxHandlerUnkeyed(t *testing.T) {
+	r := newRig(t)
+	r.run(r.store.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+		return nil, r.insert(ctx, tx, "unkeyed")
+	}), func(c *amqpidem.ConsumerConfig) { c.MissingKey = amqpidem.ProcessMissingKey })
+	r.publish("", "")
+	evs := r.wait(2)
+	for _, e := range evs {
+		if e.Outcome != amqpidem.Completed {
+			t.Fatalf("events %s, want two completed", outcomes(evs))
+		}
+	}
+	if got := r.effects(); got["unkeyed"] != 2 || rows(t, r.pool, r.cfg) != 0 {
+		t.Fatalf("effects %v, %d records; want 2 rows (no idempotency without a key) and no record", got, rows(t, r.pool, r.cfg))
+	}
+}
+
+// TestTxHandlerResultTooLarge: a result over the limit rolls the effect
+// back and fails the message for good.
+func TestTxHandlerResultTooLarge(t *testing.T) {
+	r := newRig(t)
+	r.run(r.store.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+		return make([]byte, 2000), r.insert(ctx, tx, d.MessageId)
+	}), func(c *amqpidem.ConsumerConfig) { c.MaxResultSize = 1000 })
+	r.publish("big")
+	evs := r.wait(1)
+	if evs[0].Outcome != amqpidem.DeadLettered || evs[0].Reason != "result too large" {
+		t.Fatalf("events %s, want dead-lettered, result too large", outcomes(evs))
+	}
+	if got := r.effects(); len(got) != 0 {
+		t.Fatalf("effects %v, want none (rolled back)", got)
+	}
+}
+
+func TestTxHandlerNeedsItsStore(t *testing.T) {
+	pool := testenv.PostgresPool(t, 2)
+	s := newStore(t, pool, pgstore.Config{CleanupInterval: -1})
+	mem, err := lock.NewMemoryStore(lock.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := s.TxHandler(func(context.Context, pgx.Tx, *amqp.Delivery) ([]byte, error) { return nil, nil })
+	_, err = amqpidem.NewConsumer(mem, amqpidem.ConsumerConfig{URL: "amqp://127.0.0.1:1/", Config: amqpidem.Config{Queue: "q"}}, h)
+	if err == nil {
+		t.Fatal("NewConsumer with a TxHandler of another store: nil error")
+	}
+}
+
+// TestTxHandlerWrap: the transactional form under Wrap, with the caller's
+// own delivery loop.
+func TestTxHandlerWrap(t *testing.T) {
+	r := newRig(t)
+	conn, err := amqp.Dial(testenv.AMQPURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	w, err := amqpidem.Wrap(conn, r.store, amqpidem.Config{Queue: r.queue, Logger: slog.New(slog.DiscardHandler)},
+		r.store.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+			return nil, r.insert(ctx, tx, d.MessageId)
+		}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = w.Shutdown(context.Background()) })
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	msgs, err := ch.Consume(r.queue, "", false, false, false, false, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.publish("w1", "w1")
+	var got []amqpidem.Outcome
+	for range 2 {
+		select {
+		case d := <-msgs:
+			got = append(got, w.Handle(context.Background(), d).Outcome)
+		case <-time.After(10 * time.Second):
+			t.Fatalf("no delivery; outcomes so far %v", got)
+		}
+	}
+	if got[0] != amqpidem.Completed || got[1] != amqpidem.Duplicate {
+		t.Fatalf("outcomes %v, want completed then duplicate", got)
+	}
+	if e := r.effects(); e["w1"] != 1 {
+		t.Fatalf("effects %v, want 1 row", e)
+	}
+}
