@@ -1,0 +1,142 @@
+package amqpidem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// countingStore counts the Complete calls a processor makes itself.
+type countingStore struct {
+	lock.Store
+	completes atomic.Int32
+}
+
+func (s *countingStore) Complete(ctx context.Context, l lock.Lease, v []byte) error {
+	s.completes.Add(1)
+	return s.Store.Complete(ctx, l, v)
+}
+
+// fakeCompleter stands for a transactional handler: work runs, then the
+// record is completed "in the same transaction" (on the inner store, not
+// through the processor's), then after runs (an answer lost, say).
+type fakeCompleter struct {
+	store  lock.Store // what the completion writes to
+	owner  lock.Store // what CompleterStore answers
+	work   func() ([]byte, error)
+	refuse error // returned instead of completing: rolled back
+	after  func(err error) error
+}
+
+func (f *fakeCompleter) Handle(context.Context, *amqp.Delivery) ([]byte, error) { return f.work() }
+func (f *fakeCompleter) CompleterStore() lock.Store                             { return f.owner }
+func (f *fakeCompleter) HandleComplete(ctx context.Context, _ *amqp.Delivery, l lock.Lease, value func([]byte) ([]byte, error)) ([]byte, error) {
+	result, err := f.work()
+	if err == nil && f.refuse != nil {
+		return nil, f.refuse
+	}
+	if err == nil {
+		var v []byte
+		if v, err = value(result); err == nil {
+			err = f.store.Complete(ctx, l, v)
+		}
+	}
+	if f.after != nil {
+		err = f.after(err)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return result, nil
+}
+
+func TestCompleterOutcomes(t *testing.T) {
+	tests := []struct {
+		name       string
+		work       func() ([]byte, error)
+		refuse     error
+		after      func(error) error
+		cfg        Config
+		want       Outcome
+		wantReason string
+		wantDelay  time.Duration
+		wantStatus lock.Status // of the record afterwards
+	}{
+		{name: "committed", work: func() ([]byte, error) { return []byte("r"), nil },
+			want: Completed, wantStatus: lock.Completed},
+		{name: "work fails", work: func() ([]byte, error) { return nil, errors.New("boom") },
+			cfg:  Config{Backoff: constantBackoff(time.Second)},
+			want: Retried, wantReason: "handler error", wantDelay: time.Second, wantStatus: lock.Acquired},
+		{name: "too large", work: func() ([]byte, error) { return make([]byte, 100), nil }, cfg: Config{MaxResultSize: 10},
+			want: DeadLettered, wantReason: "result too large", wantStatus: lock.Failed},
+		{name: "lease lost", work: func() ([]byte, error) { return nil, nil },
+			refuse: fmt.Errorf("complete: %w", lock.ErrLeaseLost),
+			// Not released: the lease belongs to whoever took it over.
+			want: Abandoned, wantReason: "lease lost", wantDelay: MinInProgressDelay, wantStatus: lock.InProgress},
+		{name: "committed, answer lost", work: func() ([]byte, error) { return nil, nil },
+			after: func(error) error { return fmt.Errorf("commit: %w", lock.ErrUnavailable) },
+			want:  Abandoned, wantReason: "store unavailable", wantDelay: DefaultUnavailableDelay, wantStatus: lock.Completed},
+		{name: "not committed, store unreachable", work: func() ([]byte, error) { return nil, fmt.Errorf("begin: %w", lock.ErrUnavailable) },
+			want: Abandoned, wantReason: "store unavailable", wantDelay: DefaultUnavailableDelay, wantStatus: lock.Acquired},
+		{name: "panic", work: func() ([]byte, error) { panic("oops") },
+			cfg:  Config{Backoff: constantBackoff(time.Second)},
+			want: Retried, wantReason: "handler error", wantDelay: time.Second, wantStatus: lock.Acquired},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			mem, err := lock.NewMemoryStore(lock.Config{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			store := &countingStore{Store: mem}
+			h := &fakeCompleter{store: mem, owner: store, work: tc.work, refuse: tc.refuse, after: tc.after}
+			cfg := tc.cfg
+			cfg.Queue = "q"
+			p, err := newProcessor(store, cfg, h)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = p.keeper.Shutdown(context.Background()) })
+			b := &fakeBroker{}
+			d, a := delivery("a", "x")
+			ev := p.process(context.Background(), b, d, nil)
+			if ev.Outcome != tc.want || ev.Reason != tc.wantReason || ev.Delay != tc.wantDelay {
+				t.Fatalf("got %v %q delay %v (err %v), want %v %q delay %v", ev.Outcome, ev.Reason, ev.Delay, ev.Err, tc.want, tc.wantReason, tc.wantDelay)
+			}
+			if a.acks != 1 {
+				t.Fatalf("acks %d, want 1", a.acks)
+			}
+			if n := store.completes.Load(); n != 0 {
+				t.Fatalf("the processor called Complete %d times; a Completer completes the record itself", n)
+			}
+			res, err := mem.Acquire(context.Background(), lock.Request{Key: StoreKey("q", "a"), Fingerprint: fingerprint([]byte("x"))})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Status != tc.wantStatus {
+				t.Fatalf("record afterwards: %v, want %v", res.Status, tc.wantStatus)
+			}
+		})
+	}
+}
+
+func TestCompleterOfAnotherStore(t *testing.T) {
+	a, _ := lock.NewMemoryStore(lock.Config{})
+	b, _ := lock.NewMemoryStore(lock.Config{})
+	h := &fakeCompleter{store: b, owner: b, work: func() ([]byte, error) { return nil, nil }}
+	if _, err := newProcessor(a, Config{Queue: "q"}, h); err == nil {
+		t.Fatal("newProcessor with a Completer of another store: nil error")
+	}
+}
+
+func constantBackoff(d time.Duration) func() backoff.BackOff {
+	return func() backoff.BackOff { return backoff.NewConstantBackOff(d) }
+}
