@@ -7,6 +7,9 @@
 # or zerolog. Those belong to the tests alone (internal/testenv/containers is
 # a module of its own for that reason) and must never reach a user's go.sum.
 #
+# A second module imports pgstore as well: it gets pgx, its driver, and
+# still none of the others.
+#
 # It prints the go.sum line and module counts. `make test` runs it.
 set -euo pipefail
 
@@ -16,35 +19,45 @@ forbidden='testcontainers|docker|moby|pgx|toxiproxy|zerolog'
 
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/check-user-module.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
-
 export GOWORK=off GOFLAGS=-mod=mod
-cd "$tmp"
-go mod init example.com/usermodule >/dev/null 2>&1
-go mod edit -require "$module@v0.0.0" -replace "$module=$root"
-cat >main.go <<GO
-package main
 
-import (
-	_ "$module/amqpidem"
-	_ "$module/heartbeat"
-	_ "$module/lock"
-)
+# check NAME FORBIDDEN PACKAGE...: a fresh module in $tmp/NAME importing the
+# packages must build and have no go.sum line matching FORBIDDEN.
+check() {
+	local name=$1 forbid=$2
+	shift 2
+	local dir="$tmp/$name" pkgs list
+	pkgs=$(printf '%s, ' "$@")
+	pkgs=${pkgs%, }
+	mkdir "$dir"
+	(
+		cd "$dir"
+		go mod init example.com/usermodule >/dev/null 2>&1
+		go mod edit -require "$module@v0.0.0" -replace "$module=$root"
+		{
+			printf 'package main\n\nimport (\n'
+			for p in "$@"; do printf '\t_ "%s/%s"\n' "$module" "$p"; done
+			printf ')\n\nfunc main() {}\n'
+		} >main.go
+		if ! out=$(go mod tidy 2>&1); then
+			printf 'check-user-module: go mod tidy failed in a module importing %s:\n%s\n' "$pkgs" "$out" >&2
+			exit 1
+		fi
+		go build ./...
+		lines=$(wc -l <go.sum | tr -d ' ')
+		modules=$(cut -d' ' -f1 go.sum | sort -u | wc -l | tr -d ' ')
+		if bad=$(cut -d' ' -f1 go.sum | sort -u | grep -E "$forbid"); then
+			printf 'check-user-module: FAIL: a module importing %s has %s go.sum lines (%s modules), including test-only dependencies of %s:\n%s\n' \
+				"$pkgs" "$lines" "$modules" "$module" "$bad" >&2
+			printf 'check-user-module: see which package pulls them in with: go mod why -m <module> (in a module like the one above)\n' >&2
+			exit 1
+		fi
+		list=${forbid//|/, }
+		printf 'check-user-module: ok: a module importing %s has %s go.sum lines (%s modules), none of them %s\n' \
+			"$pkgs" "$lines" "$modules" "$list"
+	)
+}
 
-func main() {}
-GO
-if ! out=$(go mod tidy 2>&1); then
-	printf 'check-user-module: go mod tidy failed in a module importing %s:\n%s\n' "$module" "$out" >&2
-	exit 1
-fi
-go build ./...
-
-lines=$(wc -l <go.sum | tr -d ' ')
-modules=$(cut -d' ' -f1 go.sum | sort -u | wc -l | tr -d ' ')
-if bad=$(cut -d' ' -f1 go.sum | sort -u | grep -E "$forbidden"); then
-	printf 'check-user-module: FAIL: a module importing amqpidem, heartbeat and lock has %s go.sum lines (%s modules), including test-only dependencies of %s:\n%s\n' \
-		"$lines" "$modules" "$module" "$bad" >&2
-	printf 'check-user-module: see which package pulls them in with: go mod why -m <module> (in a module like the one above)\n' >&2
-	exit 1
-fi
-printf 'check-user-module: ok: a module importing amqpidem, heartbeat and lock has %s go.sum lines (%s modules), none of them %s\n' \
-	"$lines" "$modules" "${forbidden//|/, }"
+check core "$forbidden" amqpidem heartbeat lock
+# pgstore's users get pgx, and still none of the tests' dependencies.
+check pgstore "${forbidden/|pgx/}" amqpidem pgstore

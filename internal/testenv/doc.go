@@ -14,7 +14,7 @@
 //
 // # Where the services come from
 //
-// [RedisAddr], [AMQPURL] and [PostgresDSN] look, in this order, at:
+// [RedisAddr], [AMQPURL] and pgenv.DSN look, in this order, at:
 //
 //  1. the environment: REDIS_ADDR (host:port), AMQP_URL (amqp://…) and
 //     PG_DSN (postgres://…). When set, that service is used or the test

@@ -240,3 +240,36 @@ func dialAMQP(url string, timeout time.Duration) error {
 	}
 	return conn.Close()
 }
+
+// Service is a service the tests look for besides Redis and RabbitMQ,
+// found by the same rules as [RedisAddr]: EnvVar if set, else Local if
+// Probe accepts it, else a container of Image (Container names it to the
+// containers program, which prints EnvVar=address), else a failure (a skip
+// under -short without CI=true) that says what to start (Help). Packages
+// that need a driver testenv must not import (so that the tests of every
+// package importing testenv do not bring it into a user's go.sum) declare
+// their Service in a package of their own, such as pgenv.
+type Service struct {
+	Name      string                  // "PostgreSQL"
+	EnvVar    string                  // "PG_DSN"
+	Local     string                  // the local default address or URL
+	Probe     func(addr string) error // nil if the service at addr answers
+	Failure   string                  // what a failed probe means, after the address: ": cannot connect"
+	Container string                  // the containers program's argument: "postgres"
+	Image     string                  // the image it runs
+	Help      string                  // what to start
+
+	found service
+}
+
+// Addr returns where s is. The answer, found or not, is cached for the
+// life of the test binary.
+func (s *Service) Addr(t testing.TB) string {
+	t.Helper()
+	return s.found.get(t, func() (string, string) {
+		return resolve(target{
+			name: s.Name, envVar: s.EnvVar, local: s.Local, probe: s.Probe, failure: s.Failure,
+			service: s.Container, image: s.Image, help: s.Help,
+		}, dockerAvailable)
+	})
+}

@@ -99,14 +99,3 @@ func TestName(t *testing.T) {
 		})
 	}
 }
-
-func TestPostgresPool(t *testing.T) {
-	pool := testenv.PostgresPool(t, 2)
-	var one int
-	if err := pool.QueryRow(context.Background(), "SELECT 1").Scan(&one); err != nil || one != 1 {
-		t.Fatalf("SELECT 1: %d, %v", one, err)
-	}
-	if got := testenv.PostgresDSN(t); got != pool.Config().ConnString() {
-		t.Fatalf("PostgresDSN %q, the pool's %q", got, pool.Config().ConnString())
-	}
-}

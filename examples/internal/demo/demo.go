@@ -69,7 +69,7 @@ type Env struct {
 	Name string
 	// RedisAddr and AMQPURL are where the services were found.
 	RedisAddr, AMQPURL string
-	// Redis is a client for RedisAddr.
+	// Redis is a client for RedisAddr; nil after ConnectBroker.
 	Redis *redis.Client
 	// Conn is a connection to AMQPURL for the self-check's own use
 	// (publishing, reading the dead-letter queue, an RPC server).
@@ -81,11 +81,7 @@ type Env struct {
 // "amqpidem-example-<example>-<time>". Its error says what to start when a
 // service cannot be reached.
 func Connect(ctx context.Context, example string) (*Env, error) {
-	e := &Env{
-		Name:      "amqpidem-example-" + example + "-" + time.Now().UTC().Format("20060102T150405.000000"),
-		RedisAddr: envOr("REDIS_ADDR", DefaultRedisAddr),
-		AMQPURL:   envOr("AMQP_URL", DefaultAMQPURL),
-	}
+	e := newEnv(example)
 
 	redis.SetLogger(quiet{}) // the error below says it all
 	e.Redis = redis.NewClient(&redis.Options{Addr: e.RedisAddr, MaxRetries: 1})
@@ -98,15 +94,41 @@ func Connect(ctx context.Context, example string) (*Env, error) {
 			"  or point REDIS_ADDR=host:port at a running Redis", e.RedisAddr, err)
 	}
 
+	if err := e.dialBroker(); err != nil {
+		e.Redis.Close()
+		return nil, err
+	}
+	return e, nil
+}
+
+// ConnectBroker is Connect without Redis, for an example whose store is
+// elsewhere: Env.Redis stays nil.
+func ConnectBroker(example string) (*Env, error) {
+	e := newEnv(example)
+	if err := e.dialBroker(); err != nil {
+		return nil, err
+	}
+	return e, nil
+}
+
+func newEnv(example string) *Env {
+	return &Env{
+		Name:      "amqpidem-example-" + example + "-" + time.Now().UTC().Format("20060102T150405.000000"),
+		RedisAddr: envOr("REDIS_ADDR", DefaultRedisAddr),
+		AMQPURL:   envOr("AMQP_URL", DefaultAMQPURL),
+	}
+}
+
+// dialBroker sets e.Conn, or says what to start.
+func (e *Env) dialBroker() error {
 	conn, err := Dial(e.AMQPURL, e.Name)
 	if err != nil {
-		e.Redis.Close()
-		return nil, fmt.Errorf("cannot connect to RabbitMQ at %s: %v\n"+
-			"  Start Redis and RabbitMQ with `make services` (from the repository root),\n"+
+		return fmt.Errorf("cannot connect to RabbitMQ at %s: %v\n"+
+			"  Start the services with `make services` (from the repository root),\n"+
 			"  or point AMQP_URL=amqp://user:pass@host:port/ at a running RabbitMQ", redactURL(e.AMQPURL), err)
 	}
 	e.Conn = conn
-	return e, nil
+	return nil
 }
 
 // Start is Connect, then a Redis store under the run's prefix (checked,
@@ -187,7 +209,8 @@ func (e *Env) DrainQueue(queue string) ([]amqp.Delivery, error) {
 }
 
 // Close deletes the run's queues (Name and Name.dlq, plus extra) and its
-// Redis records (keys "Name:*"), and closes the connections. The delay
+// Redis records (keys "Name:*", if it has Redis), and closes the
+// connections. The delay
 // queues amqpidem declares ("Name.delay.<ms>") delete themselves about a
 // minute after their last use. Close is best effort: it returns what
 // failed, for the example to print.
@@ -214,6 +237,9 @@ func (e *Env) Close(extra ...string) error {
 		e.Conn.Close()
 	}
 
+	if e.Redis == nil {
+		return errors.Join(errs...)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	iter := e.Redis.Scan(ctx, 0, e.Name+":*", 500).Iterator()

@@ -20,6 +20,7 @@ var public = map[string]bool{
 	module + "/amqpidem":  true,
 	module + "/lock":      true,
 	module + "/heartbeat": true,
+	module + "/pgstore":   true,
 }
 
 // Check fails t unless file, in the current directory, is a template.
