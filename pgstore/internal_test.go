@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
 	"github.com/amqpidem/amqpidem/lock"
 )
 
@@ -20,7 +21,7 @@ import (
 // token (what Acquire does when an answer is lost) gets the same lease,
 // not a second attempt, and a fresh deadline.
 func TestAcquireRetriedWithSameOwner(t *testing.T) {
-	pool := testenv.PostgresPool(t, 4)
+	pool := pgenv.Pool(t, 4)
 	cfg := Config{Schema: strings.ToLower(testenv.Name(t)), CleanupInterval: -1}
 	ctx := context.Background()
 	if err := Migrate(ctx, pool, cfg); err != nil {

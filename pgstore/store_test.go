@@ -13,6 +13,7 @@ import (
 
 	"github.com/amqpidem/amqpidem/internal/storetest"
 	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
 	"github.com/amqpidem/amqpidem/lock"
 	"github.com/amqpidem/amqpidem/pgstore"
 )
@@ -47,7 +48,7 @@ func newStore(t *testing.T, pool *pgxpool.Pool, cfg pgstore.Config) *pgstore.Sto
 }
 
 func TestConformance(t *testing.T) {
-	pool := testenv.PostgresPool(t, 16)
+	pool := pgenv.Pool(t, 16)
 	base := schema(t, pool, pgstore.Config{})
 	storetest.Run(t, func(t *testing.T, cfg lock.Config) lock.Store {
 		c := base
@@ -61,7 +62,7 @@ func TestConformance(t *testing.T) {
 // expired records every few milliseconds, so that records are lost (and
 // made again) in the middle of the suite's sequences as well.
 func TestConformanceWithCleanup(t *testing.T) {
-	pool := testenv.PostgresPool(t, 16)
+	pool := pgenv.Pool(t, 16)
 	base := schema(t, pool, pgstore.Config{Table: "records_cleaned"})
 	storetest.Run(t, func(t *testing.T, cfg lock.Config) lock.Store {
 		c := base
@@ -73,7 +74,7 @@ func TestConformanceWithCleanup(t *testing.T) {
 }
 
 func TestMigrateConcurrentAndIdempotent(t *testing.T) {
-	pool := testenv.PostgresPool(t, 8)
+	pool := pgenv.Pool(t, 8)
 	cfg := schema(t, pool, pgstore.Config{Table: "twice"})
 	var wg sync.WaitGroup
 	errs := make([]error, 4)
@@ -92,7 +93,7 @@ func TestMigrateConcurrentAndIdempotent(t *testing.T) {
 }
 
 func TestNotMigrated(t *testing.T) {
-	pool := testenv.PostgresPool(t, 4)
+	pool := pgenv.Pool(t, 4)
 	cfg := schema(t, pool, pgstore.Config{})
 	cfg.Table = "never_migrated"
 	s := newStore(t, pool, cfg)
@@ -107,7 +108,7 @@ func TestNotMigrated(t *testing.T) {
 }
 
 func TestCheckWrongFormat(t *testing.T) {
-	pool := testenv.PostgresPool(t, 4)
+	pool := pgenv.Pool(t, 4)
 	cfg := schema(t, pool, pgstore.Config{})
 	if _, err := pool.Exec(context.Background(), "COMMENT ON TABLE "+pgx.Identifier{cfg.Schema, pgstore.DefaultTable}.Sanitize()+" IS 'amqpidem pgstore records, format 99'"); err != nil {
 		t.Fatal(err)
@@ -119,7 +120,7 @@ func TestCheckWrongFormat(t *testing.T) {
 }
 
 func TestMigrationSQLIsPlainSQL(t *testing.T) {
-	pool := testenv.PostgresPool(t, 4)
+	pool := pgenv.Pool(t, 4)
 	cfg := pgstore.Config{Schema: strings.ToLower(testenv.Name(t)), Table: `odd "name"`}
 	sql, err := pgstore.MigrationSQL(cfg)
 	if err != nil {
@@ -178,7 +179,7 @@ func rows(t *testing.T, pool *pgxpool.Pool, cfg pgstore.Config) int {
 }
 
 func TestCleanupDeletesExpiredInBatches(t *testing.T) {
-	pool := testenv.PostgresPool(t, 4)
+	pool := pgenv.Pool(t, 4)
 	cfg := schema(t, pool, pgstore.Config{CleanupInterval: -1, CleanupBatch: 7})
 	s := newStore(t, pool, cfg)
 	ctx := context.Background()
@@ -220,7 +221,7 @@ func TestCleanupDeletesExpiredInBatches(t *testing.T) {
 }
 
 func TestBackgroundCleanupStopsOnClose(t *testing.T) {
-	pool := testenv.PostgresPool(t, 4)
+	pool := pgenv.Pool(t, 4)
 	cfg := schema(t, pool, pgstore.Config{CleanupInterval: 20 * time.Millisecond})
 	s, err := pgstore.New(pool, cfg)
 	if err != nil {
@@ -260,7 +261,7 @@ func TestBackgroundCleanupStopsOnClose(t *testing.T) {
 // again hands out a higher fence (from the clock), as after a lost Redis
 // record.
 func TestFenceAboveDeletedRecord(t *testing.T) {
-	pool := testenv.PostgresPool(t, 4)
+	pool := pgenv.Pool(t, 4)
 	cfg := schema(t, pool, pgstore.Config{CleanupInterval: -1})
 	s := newStore(t, pool, cfg)
 	ctx := context.Background()
@@ -291,7 +292,7 @@ func TestFenceAboveDeletedRecord(t *testing.T) {
 // TestKeysAreBytes: keys are any bytes, as the lock package promises: a
 // NUL byte or invalid UTF-8 is a key like any other.
 func TestKeysAreBytes(t *testing.T) {
-	pool := testenv.PostgresPool(t, 4)
+	pool := pgenv.Pool(t, 4)
 	s := newStore(t, pool, schema(t, pool, pgstore.Config{CleanupInterval: -1}))
 	ctx := context.Background()
 	for _, key := range []string{"a\x00b", "a\x00c", "\xff\xfe", strings.Repeat("k", lock.MaxKeyLen)} {
@@ -312,7 +313,7 @@ func TestKeysAreBytes(t *testing.T) {
 // TestUnavailable: a closed pool (as a database that cannot be reached) is
 // lock.ErrUnavailable, for every call.
 func TestUnavailable(t *testing.T) {
-	pool := testenv.PostgresPool(t, 4)
+	pool := pgenv.Pool(t, 4)
 	cfg := schema(t, pool, pgstore.Config{CleanupInterval: -1})
 	other, err := pgxpool.NewWithConfig(context.Background(), pool.Config())
 	if err != nil {

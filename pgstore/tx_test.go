@@ -16,6 +16,7 @@ import (
 
 	"github.com/amqpidem/amqpidem/amqpidem"
 	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
 	"github.com/amqpidem/amqpidem/lock"
 	"github.com/amqpidem/amqpidem/pgstore"
 )
@@ -34,7 +35,7 @@ type rig struct {
 
 func newRig(t *testing.T) *rig {
 	t.Helper()
-	pool := testenv.PostgresPool(t, 16)
+	pool := pgenv.Pool(t, 16)
 	cfg := schema(t, pool, pgstore.Config{CleanupInterval: -1})
 	ctx := context.Background()
 	if _, err := pool.Exec(ctx, "CREATE TABLE "+pgx.Identifier{cfg.Schema, "effects"}.Sanitize()+" (op text NOT NULL)"); err != nil {
@@ -372,7 +373,7 @@ func TestTxHandlerResultTooLarge(t *testing.T) {
 }
 
 func TestTxHandlerNeedsItsStore(t *testing.T) {
-	pool := testenv.PostgresPool(t, 2)
+	pool := pgenv.Pool(t, 2)
 	s := newStore(t, pool, pgstore.Config{CleanupInterval: -1})
 	mem, err := lock.NewMemoryStore(lock.Config{})
 	if err != nil {
