@@ -3,7 +3,7 @@
 // the record: for effects that live in that database, a message then takes
 // effect exactly once, crashes included.
 //
-//	pool, _ := pgxpool.New(ctx, "postgres://app@db/payments")
+//	pool, _ := pgxpool.New(ctx, "postgres://app@db/payments?pool_max_conns=12") // > Concurrency
 //	_ = pgstore.Migrate(ctx, pool, pgstore.Config{})   // once; or apply pgstore.MigrationSQL
 //	store, _ := pgstore.New(pool, pgstore.Config{})
 //	defer store.Close()
