@@ -162,7 +162,11 @@
 // that keeps the highest fence per key and refuses lower ones rejects those
 // stale writes; the handler then returns ErrStale, and amqpidem discards
 // that execution without counting it. (The re-execution after a crash carries a higher fence, so
-// the fence alone does not absorb it.) The handler's context is cancelled
+// the fence alone does not absorb it.) A Completer (pgstore's TxHandler)
+// closes the window for effects in the store's own database: it writes
+// them in the transaction that completes the record, so both commit or
+// neither does, and a re-execution finds nothing of the first. The
+// handler's context is cancelled
 // when the lease is lost or cannot be confirmed; cancellation is
 // cooperative: a handler that ignores its context runs on, and its result
 // is then refused by the store.
