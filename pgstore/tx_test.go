@@ -428,3 +428,28 @@ func TestTxHandlerWrap(t *testing.T) {
 		t.Fatalf("effects %v, want 1 row", e)
 	}
 }
+
+// TestPlainHandler: the ordinary handler form works on this store too, with
+// the record completed in a statement of its own after the handler.
+func TestPlainHandler(t *testing.T) {
+	r := newRig(t)
+	var runs atomic.Int32
+	r.run(amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+		runs.Add(1)
+		return []byte("ok"), nil
+	}), nil)
+	r.publish("p", "p", "q")
+	evs := r.wait(3)
+	var completed, duplicates int
+	for _, e := range evs {
+		switch e.Outcome {
+		case amqpidem.Completed:
+			completed++
+		case amqpidem.Duplicate:
+			duplicates++
+		}
+	}
+	if completed != 2 || duplicates != 1 || runs.Load() != 2 {
+		t.Fatalf("events %s after %d runs, want 2 completed, 1 duplicate, 2 runs", outcomes(evs), runs.Load())
+	}
+}
