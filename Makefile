@@ -17,7 +17,8 @@ test: services check-user-module
 
 # check-user-module fails if a fresh module importing amqpidem, heartbeat and
 # lock gets testcontainers, the Docker client, pgx, toxiproxy or zerolog in its
-# go.sum, and prints its go.sum line count.
+# go.sum (one importing pgstore too: any of them but pgx), and prints their
+# go.sum line counts.
 check-user-module:
 	bash scripts/check-user-module.sh
 

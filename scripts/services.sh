@@ -6,12 +6,13 @@
 #   bash scripts/services.sh [redis] [rabbitmq] [postgres]   (default: all three)
 #
 # Redis and RabbitMQ serve every integration test (and the demo); PostgreSQL,
-# database "test" with trust authentication, holds the ledger of the test/chaos
-# scenarios. What it checks and how it starts each:
+# database "test" with trust authentication, serves the pgstore tests and
+# example and holds the ledger of the test/chaos scenarios. What it checks and how it starts each:
 #
 #   REDIS_ADDR=host:port     check that Redis instead of 127.0.0.1:6379 (never started)
 #   AMQP_URL=amqp://...      check that RabbitMQ instead of 127.0.0.1:5672 (never started)
-#   CHAOS_PG_DSN=postgres://...  check that PostgreSQL instead of 127.0.0.1:5432 (never started)
+#   PG_DSN=postgres://...    check that PostgreSQL instead of 127.0.0.1:5432 (never started;
+#                            CHAOS_PG_DSN, its older name, is read when PG_DSN is not set)
 #   RABBIT_WAIT=60           seconds to wait for a starting RabbitMQ
 #   REDIS_DIR=dir            where a Redis started by a user other than root keeps
 #                            its files and log (default: $TMPDIR/amqpidem-redis-$UID)
@@ -239,13 +240,15 @@ check_rabbitmq() {
 # ---- PostgreSQL -----------------------------------------------------------
 check_postgres() {
 	local host port i
-	if [[ -n ${CHAOS_PG_DSN:-} ]]; then
-		read -r host port < <(url_hostport "$CHAOS_PG_DSN" 5432)
+	local var=PG_DSN
+	[[ -n ${PG_DSN:-} || -z ${CHAOS_PG_DSN:-} ]] || var=CHAOS_PG_DSN
+	if [[ -n ${!var:-} ]]; then
+		read -r host port < <(url_hostport "${!var}" 5432)
 		if pg_ready "$host" "$port"; then
-			say "PostgreSQL at $host:$port (from CHAOS_PG_DSN) accepts connections"
+			say "PostgreSQL at $host:$port (from $var) accepts connections"
 		else
-			say "PostgreSQL at $host:$port (from CHAOS_PG_DSN) does not accept connections."
-			say "  Start PostgreSQL there, or unset CHAOS_PG_DSN to use 127.0.0.1:5432."
+			say "PostgreSQL at $host:$port (from $var) does not accept connections."
+			say "  Start PostgreSQL there, or unset $var to use 127.0.0.1:5432."
 			failed=1
 		fi
 		return
@@ -276,7 +279,7 @@ check_postgres() {
 			say "  brew services start postgresql@15   (or pg_ctl -D <data dir> start)"
 		fi
 		say "  with trust authentication for 127.0.0.1 and a database named test,"
-		say "  or set CHAOS_PG_DSN=postgres://user@host:port/db, or run: docker compose up -d --wait postgres"
+		say "  or set PG_DSN=postgres://user@host:port/db, or run: docker compose up -d --wait postgres"
 		failed=1
 		return
 	fi
@@ -296,7 +299,7 @@ check_postgres() {
 			}
 		else
 			say "cannot log in as postgres to 127.0.0.1:5432 without a password: $has"
-			say "  the chaos scenarios use postgres://postgres@127.0.0.1:5432/test (trust authentication); set CHAOS_PG_DSN otherwise"
+			say "  the tests use postgres://postgres@127.0.0.1:5432/test (trust authentication); set PG_DSN otherwise"
 			failed=1
 		fi
 	fi
