@@ -41,6 +41,11 @@ func (f *fakeCompleter) CompleterStore() lock.Store                             
 func (f *fakeCompleter) HandleComplete(ctx context.Context, _ *amqp.Delivery, l lock.Lease, value func([]byte) ([]byte, error)) ([]byte, error) {
 	result, err := f.work()
 	if err == nil && f.refuse != nil {
+		// The value made, then the completion refused, as a store's
+		// compare-and-set refuses a lease taken over.
+		if _, err := value(result); err != nil {
+			return nil, err
+		}
 		return nil, f.refuse
 	}
 	if err == nil {

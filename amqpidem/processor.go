@@ -370,8 +370,9 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 // record itself, in the transaction of its effects: it runs c and settles
 // d.
 func (p *processor) runCompleter(ctx, hctx context.Context, b broker, d *amqp.Delivery, ev *Event, c Completer, lease lock.Lease, attempt int, sl *slot, stop func()) {
-	tooLarge := false // value refused the result
+	var valued, tooLarge bool // value was called; it refused the result
 	value := func(result []byte) ([]byte, error) {
+		valued = true
 		if len(result) > p.cfg.MaxResultSize {
 			tooLarge = true
 			return nil, fmt.Errorf("%w: %d bytes, at most %d allowed", lock.ErrResultTooLarge, len(result), p.cfg.MaxResultSize)
@@ -393,12 +394,12 @@ func (p *processor) runCompleter(ctx, hctx context.Context, b broker, d *amqp.De
 	case tooLarge && !IsPermanent(err):
 		stop()
 		p.fail(ctx, b, d, ev, lease, "result too large", err)
-	case errors.Is(err, lock.ErrLeaseLost):
-		// Another owner took the key over: everything rolled back, and the
-		// record decides the next delivery.
+	case valued && errors.Is(err, lock.ErrLeaseLost):
+		// The completion found another owner: everything rolled back, and
+		// the record decides the next delivery.
 		stop()
 		p.requeue(ctx, b, d, ev, Abandoned, "lease lost", MinInProgressDelay, err)
-	case errors.Is(err, lock.ErrUnavailable):
+	case errors.Is(err, lock.ErrUnavailable) && !IsPermanent(err):
 		// Not committed, or committed with the answer lost. In the second
 		// case the record is completed and refuses the release, and the
 		// redelivery is acked as a duplicate.

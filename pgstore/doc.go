@@ -23,15 +23,20 @@
 //     row as read (reading again when another statement changed it
 //     first); Complete, Fail, Release and Cancel lock the row and check
 //     owner and fence; Extend renews all of a heartbeat's leases in one
-//     UPDATE.
+//     UPDATE, skipping a row another transaction holds (that lease is
+//     reported unconfirmed, lock.ErrUnavailable, not lost). A call that
+//     waits for a row more than 2 s (lock_timeout: a transaction stuck in
+//     COMMIT holds it) fails as lock.ErrUnavailable rather than wait on.
 //   - Expiry by the database's clock (clock_timestamp()), never the
 //     client's; the client's clock only estimates Lease.Deadline
 //     conservatively.
 //   - Fencing: each new lease's fence is the higher of the last fence + 1
-//     and the database clock in microseconds, so fences strictly increase
-//     per key, across a record deleted after its retention too, as long as
-//     the database clock does not step back past the deleted record's
-//     last fence.
+//     and the database clock in microseconds, read by the statement that
+//     writes it, so fences strictly increase per key, across a record
+//     deleted after its retention too, as long as the database clock does
+//     not step back past the deleted record's last fence. (Cleanup keeps an
+//     expired record a minute longer, so that even an Acquire stalled
+//     between reading the clock and inserting cannot go below it.)
 //   - Retry-safe: Acquire retries a lost answer with the same owner token
 //     (up to 3 times, about 350 ms) and gets the same lease back; a
 //     retried Complete, Fail, Release or Cancel that finds its own write
@@ -40,9 +45,15 @@
 //     results are limited as in package lock. Every record expires
 //     Retention after its last change (TTL + Retention while a lease is
 //     held); an expired record is treated as absent at once, and deleted
-//     by Cleanup, which the Store runs every CleanupInterval in batches of
-//     CleanupBatch rows with FOR UPDATE SKIP LOCKED: short statements, no
-//     long locks, safe from many processes at once.
+//     (a minute later) by Cleanup, which the Store runs every
+//     CleanupInterval in batches of CleanupBatch rows found through the
+//     index on expires_at, with FOR UPDATE SKIP LOCKED: short statements,
+//     no long locks, safe from many processes at once.
+//   - Names: the functions run with the search_path of the migration, so
+//     a handler that sets its own search_path cannot send the completion
+//     to another table. With an empty Config.Schema, the Store calls them
+//     by their unqualified names: a handler's search_path must still
+//     include their schema (or set Config.Schema).
 //   - Errors: lock.ErrUnavailable when the database could not answer
 //     (connection errors, shutdown, too many connections, a serialization
 //     failure or deadlock, a read-only standby, and a missing table or

@@ -21,23 +21,29 @@ var notMigrated = map[string]bool{"3F000": true, "42P01": true, "42883": true}
 // unavailable reports whether err says the database could not answer now
 // but may later: lock.ErrUnavailable.
 func unavailable(err error) bool {
+	var ce *pgconn.ConnectError
+	if errors.As(err, &ce) {
+		// Whatever the server said (a wrong password, a database that does
+		// not exist yet): no statement ran, and a later call may succeed.
+		return true
+	}
 	var pe *pgconn.PgError
 	if errors.As(err, &pe) {
 		switch c := pe.Code; {
 		case strings.HasPrefix(c, "08"), // connection exception
-			strings.HasPrefix(c, "53"),  // insufficient resources: connections, disk, memory
-			strings.HasPrefix(c, "57P"), // shutdown, crash, cannot connect now
-			c == "40001", c == "40P01",  // serialization failure, deadlock: try again
+			strings.HasPrefix(c, "53"),               // insufficient resources: connections, disk, memory
+			strings.HasPrefix(c, "57"),               // shutdown, crash, cannot connect now, statement timeout
+			strings.HasPrefix(c, "58"),               // system error: I/O
+			c == "40001", c == "40P01", c == "40003", // serialization failure, deadlock, completion unknown
 			c == "55P03", c == "55006", // lock not available, object in use
-			c == "25006", // read-only transaction: a standby
+			c == "25006", c == "25P03", // read-only transaction (a standby), idle-in-transaction timeout
 			notMigrated[c]:
 			return true
 		}
 		return false
 	}
 	var ne net.Error
-	var ce *pgconn.ConnectError
-	return errors.As(err, &ne) || errors.As(err, &ce) ||
+	return errors.As(err, &ne) ||
 		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed) ||
 		errors.Is(err, pgconn.ErrConnClosed) || errors.Is(err, puddle.ErrClosedPool) ||
 		errors.Is(err, context.DeadlineExceeded) || pgconn.Timeout(err) || pgconn.SafeToRetry(err)
@@ -56,10 +62,12 @@ func classify(err error) error {
 	return fmt.Errorf("%w: %w", lock.ErrUnavailable, err)
 }
 
-// notSent reports whether err says the statement never reached the
-// server: a failed connect, or an error pgx knows came before any byte was
-// sent.
-func notSent(err error) bool {
+// answered reports whether err says for sure that the statement did not
+// take effect: it never reached the server (a failed connect, an error
+// pgx knows came before any byte was sent), or the server answered it
+// with an error (the statement, one function call, was rolled back).
+func answered(err error) bool {
 	var ce *pgconn.ConnectError
-	return errors.As(err, &ce) || pgconn.SafeToRetry(err)
+	var pe *pgconn.PgError
+	return errors.As(err, &ce) || pgconn.SafeToRetry(err) || errors.As(err, &pe)
 }

@@ -67,6 +67,9 @@ func TestClassify(t *testing.T) {
 		{&pgconn.PgError{Code: "40001"}, true}, // serialization failure
 		{&pgconn.PgError{Code: "25006"}, true}, // read-only: a standby
 		{&pgconn.PgError{Code: "42P01"}, true}, // not migrated
+		{&pgconn.PgError{Code: "57014"}, true}, // statement timeout
+		{&pgconn.PgError{Code: "25P03"}, true}, // idle-in-transaction timeout
+		{&pgconn.ConnectError{Config: &pgconn.Config{}}, true},
 		{&pgconn.PgError{Code: "23505"}, false},
 		{&pgconn.PgError{Code: "22P02"}, false},
 		{io.EOF, true},
@@ -80,5 +83,46 @@ func TestClassify(t *testing.T) {
 		if got != tc.unavailable {
 			t.Errorf("classify(%v): unavailable %v, want %v", tc.err, got, tc.unavailable)
 		}
+	}
+}
+
+// TestCleanupUsesIndex: the cleanup finds expired records through the index
+// on expires_at, not by reading the whole table (a volatile clock in its
+// condition would forbid the index).
+func TestCleanupUsesIndex(t *testing.T) {
+	pool := pgenv.Pool(t, 2)
+	cfg := Config{Schema: strings.ToLower(testenv.Name(t)), CleanupInterval: -1}
+	ctx := context.Background()
+	if err := Migrate(ctx, pool, cfg); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = pool.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{cfg.Schema}.Sanitize()+" CASCADE") })
+	s, err := New(pool, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	// On an empty table any plan is cheap; make the sequential scan the
+	// last resort, as it is on a big table.
+	if _, err := conn.Exec(ctx, "SET enable_seqscan = off"); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _, _ = conn.Exec(ctx, "RESET enable_seqscan") }()
+	rows, err := conn.Query(ctx, "EXPLAIN "+s.sql.cleanup, 1000, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := strings.Join(lines, "\n")
+	if !strings.Contains(text, "_expires") {
+		t.Fatalf("the cleanup does not use the index on expires_at:\n%s", text)
 	}
 }

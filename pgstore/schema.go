@@ -27,7 +27,15 @@ var tableComment = fmt.Sprintf("amqpidem pgstore records, format %d", formatVers
 //
 // Every time is the server's clock_timestamp(): the real time of the
 // statement, not the start of its transaction, which matters for a
-// completion made at the end of a long handler transaction.
+// completion made at the end of a long handler transaction. A fence is
+// read from the clock inside the statement that writes it ({clockus}), so
+// that no write made in between can have used a later clock.
+//
+// The functions run with the search_path of the migration (so that a
+// handler's SET search_path cannot point them at another table) and a
+// lock_timeout: a record row held by a transaction that does not end (a
+// COMMIT waiting for a synchronous standby, a client gone silent) makes
+// the call fail as unavailable rather than wait without end.
 const migrationSQL = `
 CREATE TABLE IF NOT EXISTS {table} (
 	ns          text        NOT NULL,
@@ -47,7 +55,19 @@ CREATE TABLE IF NOT EXISTS {table} (
 
 CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at);
 
-COMMENT ON TABLE {table} IS {comment};
+-- The format this package reads. A table of another format is not
+-- touched: this release cannot use it.
+DO $do$
+DECLARE
+	found text := obj_description({tableliteral}::regclass, 'pg_class');
+BEGIN
+	IF found IS NULL THEN
+		COMMENT ON TABLE {table} IS {comment};
+	ELSIF found <> {comment} THEN
+		RAISE EXCEPTION 'amqpidem pgstore: table % says "%", this release needs "%"', {tableliteral}, found, {comment};
+	END IF;
+END
+$do$;
 
 -- acquire: take a lease on one key, or say why not. status: 1 acquired,
 -- 2 completed, 3 failed, 4 in progress, 5 conflict (another fingerprint).
@@ -58,28 +78,28 @@ COMMENT ON TABLE {table} IS {comment};
 CREATE OR REPLACE FUNCTION {acquire}(p_ns text, p_key bytea, p_owner text, p_ttl_ms bigint,
 	p_ret_ms bigint, p_fp bytea,
 	OUT status int, OUT fence bigint, OUT attempts int, OUT remaining_ms bigint, OUT value bytea)
-LANGUAGE plpgsql AS $fn$
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET lock_timeout = '{locktimeout}'
+AS $fn$
 DECLARE
 	r      {table}%ROWTYPE;
 	now_ts timestamptz;
-	now_us bigint;
 	ttl    interval := p_ttl_ms * interval '1 millisecond';
 	keep   interval := (p_ttl_ms + p_ret_ms) * interval '1 millisecond';
 BEGIN
 	FOR try IN 1..100 LOOP
 		now_ts := clock_timestamp();
-		-- Fences come from the clock in microseconds, so that a record
-		-- lost and made again hands out a fence above the lost one's.
-		now_us := (extract(epoch FROM now_ts) * 1000000)::bigint;
 		SELECT * INTO r FROM {table} t WHERE t.ns = p_ns AND t.key = p_key;
 		IF NOT FOUND THEN
 			INSERT INTO {table} AS t (ns, key, state, owner, fence, deadline, attempts, fingerprint,
 				value, created_at, ended_at, expires_at)
-			VALUES (p_ns, p_key, 'p', p_owner, now_us, now_ts + ttl, 1, p_fp,
+			VALUES (p_ns, p_key, 'p', p_owner, {clockus}, now_ts + ttl, 1, p_fp,
 				NULL, now_ts, NULL, now_ts + keep)
-			ON CONFLICT (ns, key) DO NOTHING;
+			ON CONFLICT (ns, key) DO NOTHING
+			RETURNING t.fence INTO fence;
 			IF FOUND THEN
-				status := 1; fence := now_us; attempts := 1; remaining_ms := p_ttl_ms;
+				status := 1; attempts := 1; remaining_ms := p_ttl_ms;
 				RETURN;
 			END IF;
 			CONTINUE; -- another Acquire made it first: read it
@@ -88,12 +108,12 @@ BEGIN
 		IF r.expires_at <= now_ts THEN
 			-- Past its retention, not yet deleted: a new record, with a
 			-- fence above the old one's.
-			fence := greatest(r.fence + 1, now_us);
-			UPDATE {table} t SET state = 'p', owner = p_owner, fence = greatest(r.fence + 1, now_us),
+			UPDATE {table} t SET state = 'p', owner = p_owner, fence = greatest(r.fence + 1, {clockus}),
 				deadline = now_ts + ttl, attempts = 1, fingerprint = p_fp, value = NULL,
 				created_at = now_ts, ended_at = NULL, expires_at = now_ts + keep
 			WHERE t.ns = p_ns AND t.key = p_key
-				AND (t.state, t.owner, t.fence, t.attempts, t.expires_at) = (r.state, r.owner, r.fence, r.attempts, r.expires_at);
+				AND (t.state, t.owner, t.fence, t.attempts, t.expires_at) = (r.state, r.owner, r.fence, r.attempts, r.expires_at)
+			RETURNING t.fence INTO fence;
 			IF FOUND THEN
 				status := 1; attempts := 1; remaining_ms := p_ttl_ms;
 				RETURN;
@@ -138,11 +158,11 @@ BEGIN
 
 		-- Released or cancelled by its owner, or its lease expired: a new
 		-- lease, a higher fence, one more attempt.
-		fence := greatest(r.fence + 1, now_us);
-		UPDATE {table} t SET state = 'p', owner = p_owner, fence = greatest(r.fence + 1, now_us),
+		UPDATE {table} t SET state = 'p', owner = p_owner, fence = greatest(r.fence + 1, {clockus}),
 			deadline = now_ts + ttl, attempts = r.attempts + 1, expires_at = now_ts + keep
 		WHERE t.ns = p_ns AND t.key = p_key
-			AND (t.state, t.owner, t.fence, t.attempts, t.expires_at) = (r.state, r.owner, r.fence, r.attempts, r.expires_at);
+			AND (t.state, t.owner, t.fence, t.attempts, t.expires_at) = (r.state, r.owner, r.fence, r.attempts, r.expires_at)
+		RETURNING t.fence INTO fence;
 		IF FOUND THEN
 			status := 1; attempts := r.attempts + 1; remaining_ms := p_ttl_ms;
 			RETURN;
@@ -163,7 +183,10 @@ $fn$;
 CREATE OR REPLACE FUNCTION {finish}(p_ns text, p_key bytea, p_owner text, p_fence bigint,
 	p_state text, p_value bytea, p_ret_ms bigint)
 RETURNS int
-LANGUAGE plpgsql AS $fn$
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET lock_timeout = '{locktimeout}'
+AS $fn$
 DECLARE
 	r      {table}%ROWTYPE;
 	now_ts timestamptz;
@@ -205,12 +228,19 @@ func MigrationSQL(cfg Config) (string, error) {
 		"{finish}", n.finish,
 		"{index}", n.index,
 		"{comment}", "'"+tableComment+"'",
+		"{tableliteral}", "'"+strings.ReplaceAll(n.table, "'", "''")+"'",
+		"{clockus}", "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
+		"{locktimeout}", lockTimeout,
 	).Replace(migrationSQL)
 	if cfg.Schema != "" {
 		sql = "CREATE SCHEMA IF NOT EXISTS " + pgx.Identifier{cfg.Schema}.Sanitize() + ";\n" + sql
 	}
 	return sql, nil
 }
+
+// lockTimeout bounds how long the functions wait for a record row that
+// another transaction holds.
+const lockTimeout = "2s"
 
 // migrateLock is the key of the advisory lock that serializes concurrent
 // migrations (two processes starting at once).

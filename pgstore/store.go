@@ -33,7 +33,7 @@ var _ lock.Store = (*Store)(nil)
 
 // statements are the SQL texts of the Store's calls, for its Config.
 type statements struct {
-	acquire, finish, extend, cleanup, check string
+	acquire, finish, extend, stillHeld, cleanup, check string
 }
 
 // New returns a Store on pool. It does no I/O: the table must exist
@@ -62,18 +62,38 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 		sql: statements{
 			acquire: "SELECT status, fence, attempts, remaining_ms, value FROM " + n.acquire + "($1, $2, $3, $4, $5, $6)",
 			finish:  "SELECT " + n.finish + "($1, $2, $3, $4, $5, $6, $7)",
-			extend: "UPDATE " + n.table + ` AS t
+			// Rows another transaction holds are skipped, not waited for:
+			// one held row must not delay the renewal of all the others.
+			extend: `WITH x AS (
+					SELECT * FROM unnest($2::bytea[], $3::text[], $4::bigint[], $5::bigint[], $6::bigint[])
+						AS x(key, owner, fence, ttl, ret)),
+				held AS (
+					SELECT t.key FROM ` + n.table + ` t JOIN x ON t.ns = $1 AND t.key = x.key
+						AND t.owner = x.owner AND t.fence = x.fence
+					WHERE t.state = 'p' AND t.expires_at > clock_timestamp()
+					FOR UPDATE OF t SKIP LOCKED)
+				UPDATE ` + n.table + ` AS t
 				SET deadline = clock_timestamp() + x.ttl * interval '1 millisecond',
 					expires_at = clock_timestamp() + (x.ttl + x.ret) * interval '1 millisecond'
-				FROM unnest($2::bytea[], $3::text[], $4::bigint[], $5::bigint[], $6::bigint[]) AS x(key, owner, fence, ttl, ret)
-				WHERE t.ns = $1 AND t.key = x.key AND t.owner = x.owner AND t.fence = x.fence
-					AND t.state = 'p' AND t.expires_at > clock_timestamp()
+				FROM x
+				WHERE t.ns = $1 AND t.key = x.key AND t.key IN (SELECT key FROM held)
 				RETURNING t.key, t.owner, t.fence`,
+			// Which of the leases Extend did not renew are still held: their
+			// rows were locked by another transaction (the handler's own
+			// completion, say), not taken over.
+			stillHeld: `SELECT t.key, t.owner, t.fence FROM ` + n.table + ` t
+				JOIN unnest($2::bytea[], $3::text[], $4::bigint[]) AS x(key, owner, fence)
+					ON t.ns = $1 AND t.key = x.key AND t.owner = x.owner AND t.fence = x.fence
+				WHERE t.state = 'p' AND t.expires_at > clock_timestamp()`,
+			// statement_timestamp(), not clock_timestamp(): stable within the
+			// statement, so that the index on expires_at is used. A row
+			// revived since the statement began expires later than that.
+			// $2 is the grace (see cleanupGrace).
 			cleanup: "DELETE FROM " + n.table + ` AS t WHERE (t.ns, t.key) IN (
-					SELECT ns, key FROM ` + n.table + ` WHERE expires_at <= clock_timestamp()
+					SELECT ns, key FROM ` + n.table + ` WHERE expires_at <= statement_timestamp() - $2::interval
 					LIMIT $1 FOR UPDATE SKIP LOCKED)
-				AND t.expires_at <= clock_timestamp()`,
-			check: "SELECT obj_description(to_regclass($1), 'pg_class'), to_regproc($2) IS NOT NULL, to_regproc($3) IS NOT NULL",
+				AND t.expires_at <= statement_timestamp() - $2::interval`,
+			check: "SELECT obj_description(to_regclass($1), 'pg_class'), to_regprocedure($2) IS NOT NULL, to_regprocedure($3) IS NOT NULL",
 		},
 		done: make(chan struct{}),
 	}
@@ -104,7 +124,9 @@ func (s *Store) Check(ctx context.Context) error {
 	n := s.cfg.names()
 	var comment *string
 	var acquire, finish bool
-	err := s.pool.QueryRow(ctx, s.sql.check, n.table, n.acquire, n.finish).Scan(&comment, &acquire, &finish)
+	err := s.pool.QueryRow(ctx, s.sql.check, n.table,
+		n.acquire+"(text, bytea, text, bigint, bigint, bytea)",
+		n.finish+"(text, bytea, text, bigint, text, bytea, bigint)").Scan(&comment, &acquire, &finish)
 	switch {
 	case err != nil:
 		return fmt.Errorf("pgstore: check: %w", classify(err))
@@ -130,8 +152,9 @@ const (
 // statement was sent) may have taken the lease: it is sent again with the
 // same owner token, which the database answers with that same lease (no
 // second attempt counted), up to 3 times over about 350 ms within ctx. An
-// error saying the statement never left (a failed connect) is not retried
-// while no earlier try may have reached the server. If the tries all fail,
+// error saying the statement did not take effect (a failed connect, an
+// error the server answered) is not retried while no earlier try may have
+// reached the server. If the tries all fail,
 // Acquire returns an error wrapping lock.ErrUnavailable, and a lease it
 // may have taken blocks the key for its TTL.
 func (s *Store) Acquire(ctx context.Context, req lock.Request) (lock.Result, error) {
@@ -144,7 +167,7 @@ func (s *Store) Acquire(ctx context.Context, req lock.Request) (lock.Result, err
 	uncertain := false // a try may have reached the server
 	for try := 0; ; try++ {
 		res, err := s.acquire(ctx, req, owner)
-		uncertain = uncertain || (errors.Is(err, lock.ErrUnavailable) && !notSent(err))
+		uncertain = uncertain || (errors.Is(err, lock.ErrUnavailable) && !answered(err))
 		if err == nil || !uncertain || try == acquireRetries || ctx.Err() != nil {
 			return res, err
 		}
@@ -216,31 +239,49 @@ func (s *Store) Extend(ctx context.Context, leases ...lock.Lease) []error {
 	if len(keys) == 0 {
 		return errs
 	}
-	type held struct {
-		key, owner string
-		fence      int64
-	}
-	renewed := make(map[held]bool, len(keys))
-	rows, err := s.pool.Query(ctx, s.sql.extend, s.cfg.Prefix, keys, owners, fences, ttls, rets)
-	if err == nil {
-		var h held
-		var key []byte
-		_, err = pgx.ForEachRow(rows, []any{&key, &h.owner, &h.fence}, func() error {
-			h.key = string(key)
-			renewed[h] = true
-			return nil
-		})
+	renewed, err := s.leases(ctx, s.sql.extend, keys, owners, fences, ttls, rets)
+	var held map[lease]bool
+	if err == nil && len(renewed) < len(keys) {
+		held, err = s.leases(ctx, s.sql.stillHeld, keys, owners, fences)
 	}
 	for i, l := range leases {
+		id := lease{l.Key, l.Owner, l.Fence}
 		switch {
-		case errs[i] != nil:
+		case errs[i] != nil, renewed[id]:
 		case err != nil:
 			errs[i] = fmt.Errorf("pgstore: extend %q: %w", l.Key, classify(err))
-		case !renewed[held{l.Key, l.Owner, l.Fence}]:
+		case held[id]:
+			// Not taken over: its row was busy. The heartbeat tries again.
+			errs[i] = fmt.Errorf("%w: extend %q: its record is locked by another transaction", lock.ErrUnavailable, l.Key)
+		default:
 			errs[i] = fmt.Errorf("%w: extend key %q fence %d", lock.ErrLeaseLost, l.Key, l.Fence)
 		}
 	}
 	return errs
+}
+
+// lease identifies a lease in the rows of a statement.
+type lease struct {
+	key, owner string
+	fence      int64
+}
+
+// leases runs sql, which returns (key, owner, fence) rows, and returns them
+// as a set.
+func (s *Store) leases(ctx context.Context, sql string, args ...any) (map[lease]bool, error) {
+	rows, err := s.pool.Query(ctx, sql, append([]any{s.cfg.Prefix}, args...)...)
+	if err != nil {
+		return nil, err
+	}
+	set := map[lease]bool{}
+	var l lease
+	var key []byte
+	_, err = pgx.ForEachRow(rows, []any{&key, &l.owner, &l.fence}, func() error {
+		l.key = string(key)
+		set[l] = true
+		return nil
+	})
+	return set, err
 }
 
 // Complete stores result and marks the record completed.
@@ -292,8 +333,16 @@ func (s *Store) finish(ctx context.Context, q querier, l lock.Lease, op, state s
 	return nil
 }
 
-// Cleanup deletes the records whose retention has passed, in statements of
-// at most Config.CleanupBatch rows (skipping rows another transaction
+// cleanupGrace is how long after its expiry a record is kept before
+// Cleanup deletes it. An expired record is treated as absent at once; it
+// is kept a while so that its fence still raises the fence of a record
+// made again in its place by an Acquire that read the clock before the
+// record expired and was slow to insert (a stalled backend): the clock
+// alone could then hand out a lower fence.
+var cleanupGrace = time.Minute
+
+// Cleanup deletes the records whose retention has passed (a minute ago or
+// more), in statements of at most Config.CleanupBatch rows (skipping rows another transaction
 // holds), until a statement finds fewer than that or ctx ends. It returns
 // how many it deleted. Expired records are never used whether or not they
 // were deleted; Cleanup only bounds the table. Many processes may run it
@@ -301,7 +350,7 @@ func (s *Store) finish(ctx context.Context, q querier, l lock.Lease, op, state s
 func (s *Store) Cleanup(ctx context.Context) (int64, error) {
 	var total int64
 	for {
-		tag, err := s.pool.Exec(ctx, s.sql.cleanup, s.cfg.CleanupBatch)
+		tag, err := s.pool.Exec(ctx, s.sql.cleanup, s.cfg.CleanupBatch, cleanupGrace)
 		if err != nil {
 			return total, fmt.Errorf("pgstore: cleanup: %w", classify(err))
 		}

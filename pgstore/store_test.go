@@ -62,6 +62,7 @@ func TestConformance(t *testing.T) {
 // expired records every few milliseconds, so that records are lost (and
 // made again) in the middle of the suite's sequences as well.
 func TestConformanceWithCleanup(t *testing.T) {
+	pgstore.SetCleanupGrace(t, 0)
 	pool := pgenv.Pool(t, 16)
 	base := schema(t, pool, pgstore.Config{Table: "records_cleaned"})
 	storetest.Run(t, func(t *testing.T, cfg lock.Config) lock.Store {
@@ -179,6 +180,7 @@ func rows(t *testing.T, pool *pgxpool.Pool, cfg pgstore.Config) int {
 }
 
 func TestCleanupDeletesExpiredInBatches(t *testing.T) {
+	pgstore.SetCleanupGrace(t, 0)
 	pool := pgenv.Pool(t, 4)
 	cfg := schema(t, pool, pgstore.Config{CleanupInterval: -1, CleanupBatch: 7})
 	s := newStore(t, pool, cfg)
@@ -221,12 +223,14 @@ func TestCleanupDeletesExpiredInBatches(t *testing.T) {
 }
 
 func TestBackgroundCleanupStopsOnClose(t *testing.T) {
+	pgstore.SetCleanupGrace(t, 0)
 	pool := pgenv.Pool(t, 4)
 	cfg := schema(t, pool, pgstore.Config{CleanupInterval: 20 * time.Millisecond})
 	s, err := pgstore.New(pool, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(s.Close)
 	ctx := context.Background()
 	res, err := s.Acquire(ctx, lock.Request{Key: "k", Retention: time.Millisecond})
 	if err != nil {
@@ -261,6 +265,7 @@ func TestBackgroundCleanupStopsOnClose(t *testing.T) {
 // again hands out a higher fence (from the clock), as after a lost Redis
 // record.
 func TestFenceAboveDeletedRecord(t *testing.T) {
+	pgstore.SetCleanupGrace(t, 0)
 	pool := pgenv.Pool(t, 4)
 	cfg := schema(t, pool, pgstore.Config{CleanupInterval: -1})
 	s := newStore(t, pool, cfg)
@@ -336,5 +341,103 @@ func TestUnavailable(t *testing.T) {
 	}
 	if err := s.Check(context.Background()); !errors.Is(err, lock.ErrUnavailable) {
 		t.Errorf("Check: %v, want ErrUnavailable", err)
+	}
+}
+
+// TestCleanupKeepsRecentlyExpired: a record is deleted only a while after
+// it expired (it is absent for Acquire at once), so that its fence still
+// counts for a slow Acquire making it again.
+func TestCleanupKeepsRecentlyExpired(t *testing.T) {
+	pool := pgenv.Pool(t, 4)
+	cfg := schema(t, pool, pgstore.Config{CleanupInterval: -1})
+	s := newStore(t, pool, cfg)
+	ctx := context.Background()
+	res, err := s.Acquire(ctx, lock.Request{Key: "k", Retention: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Release(ctx, res.Lease); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(20 * time.Millisecond)
+	if n, err := s.Cleanup(ctx); err != nil || n != 0 {
+		t.Fatalf("Cleanup right after expiry: %d, %v; want 0 deleted (the grace)", n, err)
+	}
+	again, err := s.Acquire(ctx, lock.Request{Key: "k"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if again.Lease.Attempt != 1 || again.Lease.Fence <= res.Lease.Fence {
+		t.Fatalf("after expiry: attempt %d fence %d, want a new record (attempt 1) above fence %d", again.Lease.Attempt, again.Lease.Fence, res.Lease.Fence)
+	}
+}
+
+// lockRow holds the row of key in an open transaction until the test ends,
+// as a TxHandler whose COMMIT hangs (a synchronous standby gone) would.
+func lockRow(t *testing.T, pool *pgxpool.Pool, cfg pgstore.Config, key string) {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback(ctx) })
+	tag, err := tx.Exec(ctx, "SELECT 1 FROM "+pgx.Identifier{cfg.Schema, pgstore.DefaultTable}.Sanitize()+" WHERE key = $1 FOR UPDATE", []byte(key))
+	if err != nil || tag.RowsAffected() != 1 {
+		t.Fatalf("locking %q: %v, %v", key, tag, err)
+	}
+}
+
+// TestLockedRecordIsUnavailable: a record row held by a transaction that
+// does not end makes Acquire and Release fail as unavailable after a
+// bounded wait, and does not hold up the renewal of other leases.
+func TestLockedRecordIsUnavailable(t *testing.T) {
+	pool := pgenv.Pool(t, 8)
+	cfg := schema(t, pool, pgstore.Config{CleanupInterval: -1})
+	s := newStore(t, pool, cfg)
+	ctx := context.Background()
+	stuck, err := s.Acquire(ctx, lock.Request{Key: "stuck", TTL: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	free, err := s.Acquire(ctx, lock.Request{Key: "free"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lockRow(t, pool, cfg, "stuck")
+	time.Sleep(100 * time.Millisecond) // stuck's lease expires: a takeover would update its row
+
+	start := time.Now()
+	errs := s.Extend(ctx, stuck.Lease, free.Lease)
+	if took := time.Since(start); took > time.Second {
+		t.Errorf("Extend waited %v for the locked row", took)
+	}
+	if !errors.Is(errs[0], lock.ErrUnavailable) || errs[1] != nil {
+		t.Fatalf("Extend: %v; want [unavailable (locked, not lost), nil]", errs)
+	}
+
+	start = time.Now()
+	_, err = s.Acquire(ctx, lock.Request{Key: "stuck"})
+	if took := time.Since(start); !errors.Is(err, lock.ErrUnavailable) || took > 10*time.Second {
+		t.Fatalf("Acquire of the locked record: %v after %v; want unavailable within the lock timeout", err, took)
+	}
+	if err := s.Release(ctx, stuck.Lease); !errors.Is(err, lock.ErrUnavailable) {
+		t.Fatalf("Release of the locked record: %v, want unavailable", err)
+	}
+}
+
+// TestMigrateRefusesOtherFormat: Migrate leaves a table of another format
+// alone and says so, and Check refuses it.
+func TestMigrateRefusesOtherFormat(t *testing.T) {
+	pool := pgenv.Pool(t, 4)
+	cfg := schema(t, pool, pgstore.Config{})
+	if _, err := pool.Exec(context.Background(), "COMMENT ON TABLE "+pgx.Identifier{cfg.Schema, pgstore.DefaultTable}.Sanitize()+" IS 'amqpidem pgstore records, format 0'"); err != nil {
+		t.Fatal(err)
+	}
+	if err := pgstore.Migrate(context.Background(), pool, cfg); err == nil || !strings.Contains(err.Error(), "format 0") {
+		t.Fatalf("Migrate over a table of format 0: %v, want an error naming it", err)
+	}
+	if err := newStore(t, pool, cfg).Check(context.Background()); err == nil {
+		t.Fatal("Check of a table of format 0: nil error")
 	}
 }

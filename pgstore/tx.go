@@ -88,6 +88,11 @@ func (h *txHandler) HandleComplete(ctx context.Context, d *amqp.Delivery, lease 
 func (h *txHandler) run(ctx context.Context, d *amqp.Delivery, complete func(context.Context, pgx.Tx, []byte) error) ([]byte, error) {
 	tx, err := h.s.pool.BeginTx(ctx, h.s.cfg.TxOptions)
 	if err != nil {
+		if ctx.Err() != nil {
+			// The handler's context ended (a timeout, the lease lost,
+			// shutdown): amqpidem reads why from the context.
+			return nil, fmt.Errorf("pgstore: begin: %w", err)
+		}
 		return nil, fmt.Errorf("pgstore: begin: %w", classify(err))
 	}
 	defer func() {
@@ -99,9 +104,10 @@ func (h *txHandler) run(ctx context.Context, d *amqp.Delivery, complete func(con
 	}()
 	result, err := h.fn(ctx, tx, d)
 	if err != nil {
-		if tx.Conn().IsClosed() && !errors.Is(err, lock.ErrUnavailable) {
+		if ctx.Err() == nil && tx.Conn().IsClosed() && !amqpidem.IsPermanent(err) && !errors.Is(err, lock.ErrUnavailable) {
 			// The work's connection is gone (the server restarted, the
-			// backend was terminated): nothing of it committed.
+			// backend was terminated), not because its context ended:
+			// nothing of it committed, and the store is the cause.
 			return nil, fmt.Errorf("%w: the transaction's connection closed: %w", lock.ErrUnavailable, err)
 		}
 		return nil, err

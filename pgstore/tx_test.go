@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -455,5 +456,74 @@ func TestPlainHandler(t *testing.T) {
 	}
 	if completed != 2 || duplicates != 1 || runs.Load() != 2 {
 		t.Fatalf("events %s after %d runs, want 2 completed, 1 duplicate, 2 runs", outcomes(evs), runs.Load())
+	}
+}
+
+// TestTxHandlerTimeoutInQuery: a handler timeout that strikes during a
+// query (pgx closes the connection) is a handler timeout, retried with
+// backoff, not a store outage.
+func TestTxHandlerTimeoutInQuery(t *testing.T) {
+	r := newRig(t)
+	r.run(r.store.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+		_, err := tx.Exec(ctx, "SELECT pg_sleep(2)")
+		return nil, err
+	}), func(c *amqpidem.ConsumerConfig) {
+		c.HandlerTimeout = 200 * time.Millisecond
+		c.MaxAttempts = 2
+	})
+	r.publish("slow")
+	evs := r.waitFor("slow", amqpidem.DeadLettered)
+	if evs[0].Outcome != amqpidem.Retried || evs[0].Reason != "handler timeout" || !errors.Is(evs[0].Err, amqpidem.ErrHandlerTimeout) {
+		t.Fatalf("events %s (first error %v), want retried (handler timeout), then dead-lettered", outcomes(evs), evs[0].Err)
+	}
+}
+
+// TestTxHandlerSearchPath: a handler that changes its transaction's
+// search_path, to a schema with a table of the same name even, does not
+// move the record's completion: the functions keep the search_path of the
+// migration.
+func TestTxHandlerSearchPath(t *testing.T) {
+	pool := pgenv.Pool(t, 8)
+	ctx := context.Background()
+	base := strings.ToLower(testenv.Name(t))
+	records, decoy := base+"_records", base+"_tenant"
+	for _, s := range []string{records, decoy} {
+		if _, err := pool.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{s}.Sanitize()); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{s}.Sanitize()+" CASCADE") })
+	}
+	// The records live in the first schema of the pool's search_path;
+	// Config.Schema is empty, as in most programs.
+	pcfg := pool.Config().Copy()
+	pcfg.ConnConfig.RuntimeParams["search_path"] = records
+	local, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(local.Close)
+	cfg := pgstore.Config{CleanupInterval: -1}
+	if err := pgstore.Migrate(ctx, local, cfg); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, "CREATE TABLE "+pgx.Identifier{decoy, pgstore.DefaultTable}.Sanitize()+" (LIKE "+pgx.Identifier{records, pgstore.DefaultTable}.Sanitize()+")"); err != nil {
+		t.Fatal(err)
+	}
+	s := newStore(t, local, cfg)
+	res, err := s.Acquire(ctx, lock.Request{Key: "k"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := s.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+		_, err := tx.Exec(ctx, "SET LOCAL search_path = "+pgx.Identifier{decoy}.Sanitize()+", "+pgx.Identifier{records}.Sanitize())
+		return nil, err
+	}).(amqpidem.Completer)
+	_, err = h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, func(r []byte) ([]byte, error) { return []byte("done"), nil })
+	if err != nil {
+		t.Fatalf("HandleComplete: %v", err)
+	}
+	again, err := s.Acquire(ctx, lock.Request{Key: "k"})
+	if err != nil || again.Status != lock.Completed {
+		t.Fatalf("after the completion: %+v, %v; want completed", again, err)
 	}
 }
