@@ -108,14 +108,6 @@ func (s *RedisStore) Check(ctx context.Context) error {
 	}
 }
 
-// acquireRetries bounds the tries Acquire makes after its first when the
-// store does not answer, and acquireRetryWait is the wait before the first
-// of them (doubled for each next one).
-const (
-	acquireRetries   = 3
-	acquireRetryWait = 50 * time.Millisecond
-)
-
 // Acquire takes a lease on req.Key in one round trip, shared with the
 // concurrent calls of other goroutines.
 //
@@ -137,23 +129,7 @@ func (s *RedisStore) Acquire(ctx context.Context, req Request) (Result, error) {
 		return Result{}, err
 	}
 	owner := NewOwner()
-	wait := acquireRetryWait
-	uncertain := false // a try may have reached the server
-	for try := 0; ; try++ {
-		res, err := s.acquire(ctx, req, owner)
-		uncertain = uncertain || (errors.Is(err, ErrUnavailable) && !notSent(err))
-		if err == nil || !uncertain || try == acquireRetries || ctx.Err() != nil {
-			return res, err
-		}
-		t := time.NewTimer(wait)
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			t.Stop()
-			return res, err
-		}
-		wait *= 2
-	}
+	return RetryAcquire(ctx, func(ctx context.Context) (Result, error) { return s.acquire(ctx, req, owner) }, notSent)
 }
 
 // MaxResultSize is the largest result Complete accepts, in bytes.

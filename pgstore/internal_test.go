@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/amqpidem/amqpidem/internal/testenv"
 	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
@@ -21,18 +22,8 @@ import (
 // token (what Acquire does when an answer is lost) gets the same lease,
 // not a second attempt, and a fresh deadline.
 func TestAcquireRetriedWithSameOwner(t *testing.T) {
-	pool := pgenv.Pool(t, 4)
-	cfg := Config{Schema: strings.ToLower(testenv.Name(t)), CleanupInterval: -1}
+	s := testStore(t, pgenv.Pool(t, 4))
 	ctx := context.Background()
-	if err := Migrate(ctx, pool, cfg); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _, _ = pool.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{cfg.Schema}.Sanitize()+" CASCADE") })
-	s, err := New(pool, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
 	req, err := s.cfg.CheckRequest(lock.Request{Key: "k", TTL: time.Second})
 	if err != nil {
 		t.Fatal(err)
@@ -91,17 +82,8 @@ func TestClassify(t *testing.T) {
 // condition would forbid the index).
 func TestCleanupUsesIndex(t *testing.T) {
 	pool := pgenv.Pool(t, 2)
-	cfg := Config{Schema: strings.ToLower(testenv.Name(t)), CleanupInterval: -1}
+	s := testStore(t, pool)
 	ctx := context.Background()
-	if err := Migrate(ctx, pool, cfg); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _, _ = pool.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{cfg.Schema}.Sanitize()+" CASCADE") })
-	s, err := New(pool, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
 	conn, err := pool.Acquire(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -125,4 +107,21 @@ func TestCleanupUsesIndex(t *testing.T) {
 	if !strings.Contains(text, "_expires") {
 		t.Fatalf("the cleanup does not use the index on expires_at:\n%s", text)
 	}
+}
+
+// testStore is a Store in a schema of the test's own, dropped afterwards.
+func testStore(t *testing.T, pool *pgxpool.Pool) *Store {
+	t.Helper()
+	cfg := Config{Schema: strings.ToLower(testenv.Name(t)), CleanupInterval: -1}
+	ctx := context.Background()
+	if err := Migrate(ctx, pool, cfg); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = pool.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{cfg.Schema}.Sanitize()+" CASCADE") })
+	s, err := New(pool, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Close)
+	return s
 }

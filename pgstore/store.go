@@ -138,14 +138,6 @@ func (s *Store) Check(ctx context.Context) error {
 	return nil
 }
 
-// acquireRetries bounds the tries Acquire makes after its first when the
-// database does not answer, and acquireRetryWait is the wait before the
-// first of them (doubled for each next one): about 350 ms in all.
-const (
-	acquireRetries   = 3
-	acquireRetryWait = 50 * time.Millisecond
-)
-
 // Acquire takes a lease on req.Key in one statement.
 //
 // An Acquire whose answer is lost (the connection broke after the
@@ -154,7 +146,7 @@ const (
 // second attempt counted), up to 3 times over about 350 ms within ctx. An
 // error saying the statement did not take effect (a failed connect, an
 // error the server answered) is not retried while no earlier try may have
-// reached the server. If the tries all fail,
+// reached the server (see lock.RetryAcquire). If the tries all fail,
 // Acquire returns an error wrapping lock.ErrUnavailable, and a lease it
 // may have taken blocks the key for its TTL.
 func (s *Store) Acquire(ctx context.Context, req lock.Request) (lock.Result, error) {
@@ -163,23 +155,7 @@ func (s *Store) Acquire(ctx context.Context, req lock.Request) (lock.Result, err
 		return lock.Result{}, err
 	}
 	owner := lock.NewOwner()
-	wait := acquireRetryWait
-	uncertain := false // a try may have reached the server
-	for try := 0; ; try++ {
-		res, err := s.acquire(ctx, req, owner)
-		uncertain = uncertain || (errors.Is(err, lock.ErrUnavailable) && !answered(err))
-		if err == nil || !uncertain || try == acquireRetries || ctx.Err() != nil {
-			return res, err
-		}
-		t := time.NewTimer(wait)
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			t.Stop()
-			return res, err
-		}
-		wait *= 2
-	}
+	return lock.RetryAcquire(ctx, func(ctx context.Context) (lock.Result, error) { return s.acquire(ctx, req, owner) }, answered)
 }
 
 // acquire runs the acquire function for a checked request and owner token.
