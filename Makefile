@@ -25,14 +25,16 @@ check-user-module:
 # bench runs the lock and heartbeat micro benchmarks, then the end-to-end
 # measurement of test/bench: a bare amqp091-go consumer, amqpidem with
 # unique and with duplicate messages, and the naive SET NX + SET approach, side
-# by side on classic and quorum queues. It ends with "ratio <variant>/bare
-# <queue type> 0.00" lines. About 5-10 minutes; flags go in BENCH_FLAGS, e.g.
+# by side on classic and quorum queues, and on PostgreSQL (pgstore's TxHandler,
+# unique and duplicate, against a hand-written INSERT ON CONFLICT consumer). It
+# ends with "ratio <variant>/bare <queue type> 0.00" lines. About 10 minutes;
+# flags go in BENCH_FLAGS, e.g.
 #   make bench BENCH_FLAGS='-repeats 5 -cpuprofile unique.pprof'
 #   make bench BENCH_FLAGS=-short      # a smoke run of a few seconds
-# REDIS_ADDR and AMQP_URL pick other services than the local defaults.
+# REDIS_ADDR, AMQP_URL and PG_DSN pick other services than the local defaults.
 BENCH_FLAGS ?=
 bench:
-	bash scripts/services.sh redis rabbitmq
+	bash scripts/services.sh
 	go test -run '^$$' -bench . -benchmem -count 1 ./lock/ ./heartbeat/
 	go run ./test/bench $(BENCH_FLAGS)
 

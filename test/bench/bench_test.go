@@ -3,7 +3,9 @@ package main
 import (
 	"bytes"
 	"context"
+	"os"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -13,8 +15,12 @@ import (
 
 // TestShortRun runs the harness in its smoke mode against the real services,
 // so that `make test` notices when the measurement stops working. It checks
-// that every variant settled every message as expected and that the output
-// ends with the ratio lines; it never looks at how fast anything was.
+// that every variant settled every message as expected (the PostgreSQL
+// variants: and left the effect rows they should), that the run removed
+// what it made, and that the output ends with the ratio lines; it never
+// looks at how fast anything was. Without PostgreSQL it fails, as a test
+// without Redis or RabbitMQ does, except under -short without CI=true,
+// where the PostgreSQL variants are left out.
 func TestShortRun(t *testing.T) {
 	var out bytes.Buffer
 	opts, err := parseFlags([]string{"-short"}, &out)
@@ -31,8 +37,24 @@ func TestShortRun(t *testing.T) {
 		t.Fatalf("run: %v", err)
 	}
 
+	if rep.PGSkipped != "" {
+		if testing.Short() && os.Getenv("CI") != "true" {
+			t.Logf("PostgreSQL variants skipped: %s", rep.PGSkipped)
+		} else {
+			t.Errorf("PostgreSQL variants skipped: %s", rep.PGSkipped)
+		}
+	} else {
+		if !slices.Contains(rep.Variants["classic"], pgUnique) || !slices.Contains(rep.Variants["classic"], pgDuplicate) ||
+			!slices.Contains(rep.Variants["classic"], pgNaive) {
+			t.Errorf("classic variants %v lack a PostgreSQL variant", rep.Variants["classic"])
+		}
+		if !rep.PGDropped {
+			t.Errorf("PostgreSQL schema %s not dropped", rep.PGSchema)
+		}
+	}
+
 	for _, qt := range opts.QueueTypes {
-		for _, v := range variants {
+		for _, v := range rep.Variants[qt] {
 			runs := 0
 			for _, r := range rep.Runs {
 				if r.Round == 0 || r.QueueType != qt || r.Variant != v {
@@ -44,6 +66,12 @@ func TestShortRun(t *testing.T) {
 				}
 				if got := r.Unexpected; got != 0 {
 					t.Errorf("%s %s round %d: %d unexpected outcomes (first: %s)", qt, v, r.Round, got, r.FirstUnexpected)
+				}
+				if got, want := r.EffectRows, r.Effects; got != want {
+					t.Errorf("%s %s round %d: %d effect rows, want %d", qt, v, r.Round, got, want)
+				}
+				if v.isPG() && (r.PG == nil || r.PG.Statements < int64(r.N) || r.PG.Committed() < int64(r.N)) {
+					t.Errorf("%s %s round %d: PostgreSQL counts %+v, want at least a statement and a commit per message", qt, v, r.Round, r.PG)
 				}
 			}
 			if got, want := runs, opts.Repeats; got != want {
@@ -77,12 +105,16 @@ func TestShortRun(t *testing.T) {
 	}
 
 	// The output ends with one ratio line per variant and queue type, in
-	// order, two decimals.
+	// order, two decimals: unique, duplicate, naive, then on classic
+	// pg-unique, pg-duplicate, pg-naive.
 	lines := strings.Split(strings.TrimRight(out.String(), "\n"), "\n")
 	var want []string
 	for _, qt := range opts.QueueTypes {
-		for _, v := range []string{"unique", "duplicate", "naive"} {
-			want = append(want, `^ratio `+v+`/bare `+qt+` \d+\.\d\d$`)
+		for _, v := range ratioVariants {
+			if v.isPG() && (qt != "classic" || rep.PGSkipped != "") {
+				continue
+			}
+			want = append(want, `^ratio `+regexp.QuoteMeta(string(v))+`/bare `+qt+` \d+\.\d\d$`)
 		}
 	}
 	if len(lines) < len(want) {
@@ -93,5 +125,18 @@ func TestShortRun(t *testing.T) {
 		if !regexp.MustCompile(pattern).MatchString(tail[i]) {
 			t.Errorf("ratio line %d: got %q, want a match of %s", i+1, tail[i], pattern)
 		}
+	}
+}
+
+// TestPGStartHint checks that a bench without PostgreSQL says what to
+// start: the local default, or the one the DSN names.
+func TestPGStartHint(t *testing.T) {
+	for _, want := range []string{"bash scripts/services.sh postgres", "pg_ctlcluster 15 main start", "docker compose up -d --wait postgres"} {
+		if got := pgStartHint(defaultPGDSN); !strings.Contains(got, want) {
+			t.Errorf("hint for the default DSN lacks %q:\n%s", want, got)
+		}
+	}
+	if got := pgStartHint("postgres://u@127.0.0.1:5433/db"); !strings.Contains(got, "PG_DSN") {
+		t.Errorf("hint for another DSN does not name PG_DSN:\n%s", got)
 	}
 }

@@ -9,3 +9,9 @@ func processCPU() time.Duration { return 0 }
 
 // machineCPU is not measured on this system: it reports 0.
 func machineCPU() time.Duration { return 0 }
+
+// postmasterOf is not known on this system: it reports 0.
+func postmasterOf(int) int { return 0 }
+
+// treeCPU is not measured on this system: it reports 0.
+func treeCPU(int) time.Duration { return 0 }

@@ -45,3 +45,74 @@ func machineCPU() time.Duration {
 	// /proc/stat counts in USER_HZ, 100 per second on every Linux port.
 	return time.Duration(busy) * 10 * time.Millisecond
 }
+
+// procStat reads /proc/<pid>/stat: the parent's pid and the CPU time of
+// the process plus that of its children it has waited for (utime + stime +
+// cutime + cstime). ok is false when it cannot be read.
+func procStat(pid int) (ppid int, cpu time.Duration, ok bool) {
+	data, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0, 0, false
+	}
+	// The command name, in parentheses, may hold spaces: fields start
+	// after its closing parenthesis, at field 3 (state).
+	i := strings.LastIndexByte(string(data), ')')
+	if i < 0 {
+		return 0, 0, false
+	}
+	f := strings.Fields(string(data[i+1:]))
+	if len(f) < 15 {
+		return 0, 0, false
+	}
+	ppid, _ = strconv.Atoi(f[1])
+	var ticks int64
+	for _, s := range f[11:15] { // fields 14-17: utime stime cutime cstime
+		n, _ := strconv.ParseInt(s, 10, 64)
+		ticks += n
+	}
+	// USER_HZ, 100 per second on every Linux port.
+	return ppid, time.Duration(ticks) * 10 * time.Millisecond, true
+}
+
+// postmasterOf is the pid of the PostgreSQL postmaster whose backend has
+// pid backend, if both are processes named postgres visible in this
+// machine's /proc; else 0 (a server in a container or elsewhere).
+func postmasterOf(backend int) int {
+	comm := func(pid int) string {
+		b, _ := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/comm")
+		return strings.TrimSpace(string(b))
+	}
+	ppid, _, ok := procStat(backend)
+	if !ok || ppid <= 1 || comm(backend) != "postgres" || comm(ppid) != "postgres" {
+		return 0
+	}
+	return ppid
+}
+
+// treeCPU is the CPU time of process pid and its children so far,
+// those that ended included (once waited for, as the postmaster does),
+// or 0 when pid is 0 or not readable. One level of children: PostgreSQL's
+// backends and background processes are the postmaster's.
+func treeCPU(pid int) time.Duration {
+	if pid == 0 {
+		return 0
+	}
+	_, total, ok := procStat(pid)
+	if !ok {
+		return 0
+	}
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return 0
+	}
+	for _, e := range entries {
+		child, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		if ppid, cpu, ok := procStat(child); ok && ppid == pid {
+			total += cpu
+		}
+	}
+	return total
+}

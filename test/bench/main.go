@@ -9,27 +9,48 @@
 //	           Redis, so what the store's round trips and Redis's CPU take
 //	           can be read off (not an idempotent setup: one process only)
 //
+// and, on the classic queue, with PostgreSQL (issue 11; see pg.go), each
+// handler's effect one INSERT of a row into an effects table:
+//
+//	pg-unique     amqpidem.Consumer on a pgstore.Store with its TxHandler
+//	              (the effect and the completed record in one transaction),
+//	              every key new
+//	pg-duplicate  the same, every message a duplicate of completed work
+//	pg-naive      a plain consumer: autocommit INSERT INTO idem(key) ... ON
+//	              CONFLICT DO NOTHING, then if inserted the effect in a
+//	              transaction of its own, then ack
+//
 // All use the same prefetch (128) and concurrency (32), on a classic and
-// a quorum queue. Each run drains a queue pre-filled by a confirming
-// publisher; throughput is measured from the first ack to the N-th. N is
-// sized by a calibration so that a bare run lasts -duration. Runs are
+// a quorum queue (the pg variants: classic only). Each run drains a queue
+// pre-filled by a confirming publisher; throughput is measured from the
+// first ack to the N-th. N is sized by a calibration so that a bare run
+// lasts -duration (for the pg variants, so that a pg-naive run does). Runs are
 // repeated in rounds, the order of the variants rotating from round to
 // round, and medians are reported. Then: the latency each message gains at
 // half the bare maximum rate (bare and unique), Redis round trips per
 // message (go-redis hook: Process plus ProcessPipeline calls), and the
-// goroutines and heap of many long handlers in flight.
+// goroutines and heap of many long handlers in flight. For the PostgreSQL
+// variants: statements and committed transactions per message, counted
+// client side by a pgx tracer on each variant's pool, beside the server's
+// pg_stat_database.xact_commit delta.
 //
 // It ends with lines a script can read:
 //
 //	ratio unique/bare classic 0.83
 //
+// (pg-unique, pg-duplicate and pg-naive have such lines too, on classic.)
+//
 // Every figure printed is measured in that run. amqpidem is driven through
 // its public API only (NewConsumer, Observer, lock.NewRedisStore,
-// lock.NewMemoryStore).
+// lock.NewMemoryStore, pgstore.Migrate, pgstore.New, Store.TxHandler).
 //
-// REDIS_ADDR and AMQP_URL name the services (default 127.0.0.1:6379 and
-// amqp://guest:guest@127.0.0.1:5672/). Every queue and Redis key it makes
-// carries a random run id and is deleted before it exits.
+// REDIS_ADDR, AMQP_URL and PG_DSN name the services (default
+// 127.0.0.1:6379, amqp://guest:guest@127.0.0.1:5672/ and
+// postgres://postgres@127.0.0.1:5432/test). Every queue and Redis key it
+// makes carries a random run id and is deleted before it exits, and so is
+// its PostgreSQL schema amqpidem_bench_<run id>. When PostgreSQL does not
+// answer, the bench says what to start and runs without the PostgreSQL
+// variants.
 package main
 
 import (
@@ -70,10 +91,27 @@ type options struct {
 	AMQPURL   string
 	RedisAddr string
 
+	// PG runs the PostgreSQL variants (when PostgreSQL answers).
+	PG    bool
+	PGDSN string
+	// PGConns is MaxConns of each PostgreSQL variant's pool.
+	PGConns int
+	// PGPoolPerRun gives each pg run a pool of its own, every connection
+	// opened before measuring, closed after it (which the server's
+	// xact_commit figure needs); otherwise the pg runs share one pool
+	// that makes its connections as needed.
+	PGPoolPerRun bool
+	// PGSyncCommit sets synchronous_commit in the variants' sessions;
+	// empty: the server's setting.
+	PGSyncCommit string
+
 	Prefetch    int
 	Concurrency int
 	QueueTypes  []string
-	BodySize    int
+	// Variants are those measured (bare always); empty: all. The latency
+	// phase runs only with unique among them.
+	Variants []variant
+	BodySize int
 
 	// Duration is how long a bare run should last; N is sized from it.
 	Duration time.Duration
@@ -106,6 +144,9 @@ func defaultOptions() options {
 	return options{
 		AMQPURL:         envOr("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"),
 		RedisAddr:       envOr("REDIS_ADDR", "127.0.0.1:6379"),
+		PG:              true,
+		PGPoolPerRun:    true,
+		PGDSN:           envOr("PG_DSN", defaultPGDSN),
 		Prefetch:        128,
 		Concurrency:     32,
 		QueueTypes:      []string{"classic", "quorum"},
@@ -170,6 +211,11 @@ func applyShort(o *options, set map[string]bool) {
 	if !set["timeout"] {
 		o.Timeout = short.Timeout
 	}
+	// Making a pool's connections for each pg run took most of their
+	// time in a smoke run.
+	if !set["pg-pool-per-run"] {
+		o.PGPoolPerRun = false
+	}
 }
 
 func parseFlags(args []string, out io.Writer) (options, error) {
@@ -180,6 +226,7 @@ func parseFlags(args []string, out io.Writer) (options, error) {
 	fs.IntVar(&o.Prefetch, "prefetch", o.Prefetch, "QoS prefetch of every consumer")
 	fs.IntVar(&o.Concurrency, "concurrency", o.Concurrency, "handlers at once in every consumer")
 	queues := fs.String("queues", "classic,quorum", "queue types, comma separated")
+	only := fs.String("variants", "", "measure only these variants, comma separated (bare always; duplicate needs unique, pg-duplicate pg-unique; the latency phase needs unique); empty: all")
 	fs.IntVar(&o.BodySize, "body", o.BodySize, "message body size in bytes")
 	fs.DurationVar(&o.Duration, "duration", o.Duration, "how long a bare throughput run should last; sizes N")
 	fs.IntVar(&o.N, "n", o.N, "messages per throughput run; 0 = calibrate from -duration")
@@ -194,13 +241,18 @@ func parseFlags(args []string, out io.Writer) (options, error) {
 	fs.DurationVar(&o.MemLeaseTTL, "mem-lease-ttl", o.MemLeaseTTL, "lease TTL in the memory phase (the heartbeat renews it)")
 	fs.DurationVar(&o.RunTimeout, "run-timeout", o.RunTimeout, "hard limit of one run")
 	fs.DurationVar(&o.Timeout, "timeout", o.Timeout, "hard limit of the whole program")
+	fs.BoolVar(&o.PG, "pg", o.PG, "run the PostgreSQL variants (pg-unique, pg-duplicate, pg-naive) on the classic queue")
+	fs.StringVar(&o.PGDSN, "pg-dsn", o.PGDSN, "PostgreSQL of the pg variants (env PG_DSN)")
+	fs.IntVar(&o.PGConns, "pg-conns", 0, "MaxConns of each pg variant's pool; 0 = -concurrency + 8")
+	fs.BoolVar(&o.PGPoolPerRun, "pg-pool-per-run", o.PGPoolPerRun, "a pool of its own for each pg run, all connections opened before measuring (false: one pool for all, connections made as needed, no server figures; -short: false)")
+	fs.StringVar(&o.PGSyncCommit, "pg-synchronous-commit", "", "synchronous_commit of the pg variants' sessions (empty: the server's)")
 	fs.StringVar(&o.CPUProfile, "cpuprofile", "", "write a CPU profile of an extra run (not in the medians) to this file")
 	fs.StringVar(&o.ProfileVariant, "profile-variant", string(unique), "the variant -cpuprofile profiles: "+variantNames())
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
 	// duplicate replays a round's unique keys: it cannot run alone.
-	if v := variant(o.ProfileVariant); !slices.Contains(variants, v) || v == duplicate {
+	if v := variant(o.ProfileVariant); !slices.Contains(variants, v) || v.replays() {
 		return o, fmt.Errorf("-profile-variant %q: want one of %s", o.ProfileVariant, variantNames())
 	}
 	if fs.NArg() > 0 {
@@ -212,6 +264,16 @@ func parseFlags(args []string, out io.Writer) (options, error) {
 		applyShort(&o, set)
 	}
 	o.QueueTypes = splitList(*queues)
+	for _, name := range splitList(*only) {
+		o.Variants = append(o.Variants, variant(name))
+	}
+	if o.PGConns == 0 {
+		// A TxHandler holds a connection for as long as its handler runs;
+		// Acquire, the outcome calls and the heartbeat need some beside
+		// those (pgstore.New). The report's "pool waits" column shows
+		// whether any acquire had to wait.
+		o.PGConns = o.Concurrency + 8
+	}
 	return o, o.validate()
 }
 
@@ -239,6 +301,10 @@ func (o options) validate() error {
 		return fmt.Errorf("-mem-handlers %d must not be negative", o.MemHandlers)
 	case o.MemHandlers > 0 && o.MemSleep <= o.MemLeaseTTL:
 		return fmt.Errorf("-mem-sleep %v must be longer than -mem-lease-ttl %v so that the heartbeat runs", o.MemSleep, o.MemLeaseTTL)
+	case o.PGConns < 1 || o.PGConns > 1000:
+		return fmt.Errorf("-pg-conns %d must be between 1 and 1000", o.PGConns)
+	case variant(o.ProfileVariant).isPG() && o.CPUProfile != "" && !o.PG:
+		return fmt.Errorf("-profile-variant %s needs the PostgreSQL variants (-pg)", o.ProfileVariant)
 	case o.RunTimeout <= 0 || o.Timeout <= 0:
 		return fmt.Errorf("-run-timeout and -timeout must be positive")
 	}
@@ -247,7 +313,22 @@ func (o options) validate() error {
 			return fmt.Errorf("-queues: %q is not classic or quorum", qt)
 		}
 	}
+	for _, v := range o.Variants {
+		if !slices.Contains(variants, v) {
+			return fmt.Errorf("-variants: %q is not one of %v", v, variants)
+		}
+	}
+	for _, pair := range [][2]variant{{duplicate, unique}, {pgDuplicate, pgUnique}} {
+		if o.measures(pair[0]) && !o.measures(pair[1]) {
+			return fmt.Errorf("-variants: %s replays what %s completed: add %s", pair[0], pair[1], pair[1])
+		}
+	}
 	return nil
+}
+
+// measures says whether variant v is to be measured.
+func (o options) measures(v variant) bool {
+	return len(o.Variants) == 0 || v == bare || slices.Contains(o.Variants, v)
 }
 
 func envOr(name, def string) string {
@@ -271,7 +352,7 @@ func splitList(s string) []string {
 func variantNames() string {
 	var names []string
 	for _, v := range variants {
-		if v != duplicate {
+		if !v.replays() {
 			names = append(names, string(v))
 		}
 	}

@@ -32,14 +32,20 @@ func median(xs []float64) float64 {
 	return (s[len(s)/2-1] + s[len(s)/2]) / 2
 }
 
+// ratioVariants are the variants with a final ratio line, in order:
+// issue 4's three, then issue 11's; memstore's ratio is in the table only.
+var ratioVariants = []variant{unique, duplicate, naive, pgUnique, pgDuplicate, pgNaive}
+
 // ratios are each variant's median throughput over bare's, per queue type,
-// in the order of the final lines.
-func ratios(runs []runResult, queueTypes []string) []ratio {
+// in the order of the final lines, for the variants measured on it.
+func ratios(runs []runResult, queueTypes []string, measured map[string][]variant) []ratio {
 	var out []ratio
 	for _, qt := range queueTypes {
 		b := median(rates(runs, qt, bare))
-		// The issue's three; memstore's ratio is in the table only.
-		for _, v := range []variant{unique, duplicate, naive} {
+		for _, v := range ratioVariants {
+			if !slices.Contains(measured[qt], v) {
+				continue
+			}
 			r := ratio{Variant: v, QueueType: qt}
 			if b > 0 {
 				r.Value = median(rates(runs, qt, v)) / b
@@ -73,7 +79,7 @@ func printReport(out io.Writer, e *env, rep *report) {
 	fmt.Fprintln(tw, "queue\tvariant\tN\tmedian\truns\tvs bare\tredis rt/msg\tclient cpu/msg\tredis cpu/msg\tmachine cpu/msg\t")
 	for _, qt := range o.QueueTypes {
 		b := median(rates(rep.Runs, qt, bare))
-		for _, v := range variants {
+		for _, v := range rep.Variants[qt] {
 			rs := rates(rep.Runs, qt, v)
 			var each []string
 			for _, r := range rs {
@@ -88,7 +94,7 @@ func printReport(out io.Writer, e *env, rep *report) {
 			ccpu := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ClientCPU) })
 			rcpu := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.RedisCPU) })
 			mcpu := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.MachineCPU) })
-			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\t%.2f\t%.1fµs\t%.1fµs\t%.1fµs\t\n", qt, v, rep.N[qt], thousands(m),
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\t%.2f\t%.1fµs\t%.1fµs\t%.1fµs\t\n", qt, v, rep.n(qt, v), thousands(m),
 				strings.Join(each, " "), vs, rt, ccpu/1e3, rcpu/1e3, mcpu/1e3)
 		}
 	}
@@ -96,6 +102,7 @@ func printReport(out io.Writer, e *env, rep *report) {
 	fmt.Fprintln(out, "(redis rt/msg: go-redis Process + ProcessPipeline calls per message; cpu/msg: CPU time of this\n"+
 		" process, of redis-server and of the whole machine (RabbitMQ included; /proc/stat, so other work\n"+
 		" on the machine counts too) while consuming, per message)")
+	printPG(out, e, rep)
 
 	if len(rep.Latency) > 0 {
 		fmt.Fprintf(out, "\n== latency at half the bare median rate: publish -> settled after ack, first %v left out ==\n", o.LatencyWarmup)
@@ -157,4 +164,108 @@ func signedUs(d time.Duration) string {
 		return "-" + us(-d)
 	}
 	return "+" + us(d)
+}
+
+// printPG prints the PostgreSQL variants' table and the targets of issue
+// 11, or why they did not run.
+func printPG(out io.Writer, e *env, rep *report) {
+	const qt = "classic"
+	if rep.PGSkipped != "" {
+		fmt.Fprintf(out, "\n== PostgreSQL variants skipped: %s ==\n", rep.PGSkipped)
+		return
+	}
+	if e.pg == nil || !slices.Contains(rep.Variants[qt], pgUnique) {
+		return
+	}
+	o := e.opts
+	fmt.Fprintf(out, "\n== PostgreSQL variants (%s queue, effect: one INSERT into %s): median of %d run(s); pools of at most %d conns: %s ==\n",
+		qt, e.pg.effects, o.Repeats, e.pg.conns, openedWhen(o.PGPoolPerRun))
+	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "variant\tmedian\tvs bare\tvs pg-naive\tstatements/msg\tcommits/msg\txact_commit Δ/msg\tprepares/run\tpool waits/msg\tpool wait/msg\tpg cpu/msg\tclient cpu/msg\tmachine cpu/msg\teffect rows/msg\t")
+	b := median(rates(rep.Runs, qt, bare))
+	naiveRate := median(rates(rep.Runs, qt, pgNaive))
+	for _, v := range []variant{pgUnique, pgDuplicate, pgNaive} {
+		m := median(rates(rep.Runs, qt, v))
+		vs := func(base float64) string {
+			if base <= 0 {
+				return "-"
+			}
+			return fmt.Sprintf("%.2f", m/base)
+		}
+		pg := func(f func(c *pgCounts) float64) float64 {
+			return perMessage(rep.Runs, qt, v, func(r runResult) float64 {
+				if r.PG == nil {
+					return 0
+				}
+				return f(r.PG)
+			})
+		}
+		xact := "?"
+		if runsOf(rep.Runs, qt, v, func(r runResult) bool { return r.PG != nil && r.PG.XactCommit >= 0 }) {
+			xact = fmt.Sprintf("%.2f", pg(func(c *pgCounts) float64 { return float64(c.XactCommit) }))
+		}
+		var prepares, runs float64
+		for _, r := range rep.Runs {
+			if r.Round > 0 && r.QueueType == qt && r.Variant == v && r.PG != nil {
+				prepares += float64(r.PG.Prepares)
+				runs++
+			}
+		}
+		pgcpu := "?"
+		if e.pg.postmaster != 0 {
+			pgcpu = fmt.Sprintf("%.1fµs", perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.PGCPU) })/1e3)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%.2f\t%.2f\t%s\t%.0f\t%.3f\t%.1fµs\t%s\t%.1fµs\t%.1fµs\t%.2f\t\n", v, thousands(m), vs(b), vs(naiveRate),
+			pg(func(c *pgCounts) float64 { return float64(c.Statements) }),
+			pg(func(c *pgCounts) float64 { return float64(c.Committed()) }),
+			xact, prepares/max(runs, 1),
+			pg(func(c *pgCounts) float64 { return float64(c.Waits) }),
+			pg(func(c *pgCounts) float64 { return float64(c.Wait) })/1e3,
+			pgcpu,
+			perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ClientCPU) })/1e3,
+			perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.MachineCPU) })/1e3,
+			perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.EffectRows) }))
+	}
+	tw.Flush()
+	fmt.Fprintf(out, "(statements/msg: what the variant's pool sent, counted client side by a pgx tracer (Exec, Query,\n"+
+		" QueryRow, batched queries; BEGIN and COMMIT count as statements). commits/msg: transactions committed,\n"+
+		" counted client side: COMMITs answered COMMIT, plus statements that succeeded outside a transaction\n"+
+		" block (autocommit). Both over the life of the run's own pool, its consumer's start and stop included\n"+
+		" (on a shared pool: from the run's start to its end), per message. xact_commit Δ/msg: the server's\n"+
+		" pg_stat_database.xact_commit delta over the same span, for comparison only (\"?\": not measured, with\n"+
+		" -pg-pool-per-run=false): it is per database, so it also counts the start-up of the pool's %d\n"+
+		" connections, this bench's own queries and every other session on the database. prepares/run:\n"+
+		" statements prepared (a round trip each, once per connection and SQL text). pool waits/msg, pool\n"+
+		" wait/msg: pool acquires that found no idle connection while measuring (0: no handler ever waited for\n"+
+		" the pool), and the time they waited. pg cpu/msg: CPU of every PostgreSQL process, other sessions'\n"+
+		" included, while consuming. effect rows/msg: rows in %s for the run's queue)\n",
+		e.pg.conns, pgEffectsTable)
+
+	u, d, n := median(rates(rep.Runs, qt, pgUnique)), median(rates(rep.Runs, qt, pgDuplicate)), naiveRate
+	if n > 0 {
+		fmt.Fprintf(out, "targets of issue 11 (medians of this run, %s):\n", qt)
+		fmt.Fprintf(out, "  pg-unique at least 0.90 of pg-naive's rate:  pg-unique/pg-naive = %.2f  %s\n", u/n, metOrNot(u/n >= 0.9))
+		fmt.Fprintf(out, "  pg-duplicate at least pg-naive's rate:       pg-duplicate/pg-naive = %.2f  %s\n", d/n, metOrNot(d/n >= 1))
+	}
+}
+
+// runsOf says whether qt's measured runs of v exist and all satisfy ok.
+func runsOf(runs []runResult, qt string, v variant, ok func(runResult) bool) bool {
+	found := false
+	for _, r := range runs {
+		if r.Round > 0 && r.QueueType == qt && r.Variant == v {
+			if !ok(r) {
+				return false
+			}
+			found = true
+		}
+	}
+	return found
+}
+
+func metOrNot(met bool) string {
+	if met {
+		return "met"
+	}
+	return "NOT met"
 }

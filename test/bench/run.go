@@ -10,6 +10,7 @@ import (
 	"os"
 	"runtime"
 	"runtime/pprof"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -34,7 +35,11 @@ const (
 )
 
 // variants in the order of the tables.
-var variants = []variant{bare, unique, duplicate, naive, memstore}
+var variants = []variant{bare, unique, duplicate, naive, memstore, pgUnique, pgDuplicate, pgNaive}
+
+// replays says whether v replays the keys another variant completed in
+// the same round, so that it cannot run alone.
+func (v variant) replays() bool { return v == duplicate || v == pgDuplicate }
 
 // Lease and retention of the throughput and latency runs. The lease is
 // amqpidem's default; retention is short so that keys a killed run leaves
@@ -54,18 +59,34 @@ type env struct {
 	rts   *roundTrips
 	admin *redis.Client // cleanup and INFO, not counted
 	body  []byte
+	pg    *pgEnv // nil: no PostgreSQL variants
+	// pgHint says what to start when PostgreSQL did not answer.
+	pgHint string
 }
 
 // report is everything a run measured; bench_test reads it.
 type report struct {
-	Base     string
-	N        map[string]int
+	Base string
+	N    map[string]int
+	// NPG is the messages of each PostgreSQL run: sized so that a
+	// pg-naive run lasts -duration (as N for bare), since at bare's N the
+	// pg runs would take minutes each.
+	NPG int
+	// Variants are the variants measured on each queue type, in table
+	// order.
+	Variants map[string][]variant
 	Runs     []runResult
 	Latency  []latencyResult
 	Memory   *memoryResult
 	Ratios   []ratio
 	Profile  string
 	LeftKeys int // keys of this run still in Redis after cleanup
+	// PGSkipped says why the PostgreSQL variants did not run ("" when
+	// they did); PGSchema is the run's schema, PGDropped whether it was
+	// dropped and checked gone.
+	PGSkipped string
+	PGSchema  string
+	PGDropped bool
 }
 
 // runResult is one throughput run.
@@ -86,6 +107,13 @@ type runResult struct {
 	ClientCPU           time.Duration // this process, while consuming
 	RedisCPU            time.Duration // the Redis server, while consuming
 	MachineCPU          time.Duration // every process on the machine, while consuming
+
+	// The PostgreSQL variants: what the run's pool did over its life,
+	// PostgreSQL's CPU (every process of the server) while consuming, and
+	// the effect rows the run left against those it should have.
+	PG                  *pgCounts
+	PGCPU               time.Duration
+	EffectRows, Effects int
 }
 
 type ratio struct {
@@ -97,7 +125,7 @@ type ratio struct {
 func run(ctx context.Context, opts options, out io.Writer) (rep *report, err error) {
 	started := time.Now()
 	e := &env{opts: opts, out: out, base: "amqpidem-bench-" + randomHex(4), rts: &roundTrips{}}
-	rep = &report{Base: e.base, N: map[string]int{}}
+	rep = &report{Base: e.base, N: map[string]int{}, Variants: map[string][]variant{}}
 	e.body = make([]byte, opts.BodySize)
 	for i := range e.body {
 		e.body[i] = 'a' + byte(i%26)
@@ -129,6 +157,17 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 		}
 		err = errors.Join(err, cerr, kerr)
 	}()
+	if err := e.openPG(ctx, rep); err != nil {
+		return rep, err
+	}
+	if e.pg != nil {
+		defer func() {
+			cctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			err = errors.Join(err, e.pg.close(cctx))
+			rep.PGDropped = e.pg.dropped
+		}()
+	}
 	// Load the scripts once, outside every measurement.
 	check, err := lock.NewRedisStore(e.rdb, lock.Config{Prefix: e.base + "-check"})
 	if err != nil {
@@ -142,6 +181,12 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 		time.Now().Format(time.DateTime), runtime.Version(), runtime.GOOS, runtime.GOARCH, runtime.NumCPU(), runtime.GOMAXPROCS(0))
 	fmt.Fprintf(out, "RabbitMQ %s at %s, Redis %s at %s (go-redis default pool, %d conns)\n",
 		e.brk.version(), redactURL(opts.AMQPURL), redisVersion(ctx, e.admin), opts.RedisAddr, e.rdb.Options().PoolSize)
+	if e.pg != nil {
+		fmt.Fprintf(out, "PostgreSQL %s at %s (pg variants: schema %s, pools of at most %d conns: %s; synchronous_commit %s)\n",
+			e.pg.version, redactDSN(opts.PGDSN), e.pg.schema, e.pg.conns, openedWhen(opts.PGPoolPerRun), e.pg.syncCommit)
+	} else {
+		fmt.Fprintf(out, "PostgreSQL variants skipped: %s\n%s", rep.PGSkipped, e.pgHint)
+	}
 	fmt.Fprintf(out, "prefetch %d, concurrency %d, %d-byte persistent messages, %d round(s), run id %s\n",
 		opts.Prefetch, opts.Concurrency, opts.BodySize, opts.Repeats, e.base)
 	fmt.Fprintf(out, "load average at start: %s (other work on this machine skews single runs; compare ratios)\n\n", loadAvg())
@@ -150,42 +195,64 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 	for _, qt := range opts.QueueTypes {
 		n := opts.N
 		if n == 0 {
-			if n, err = e.calibrate(ctx, qt); err != nil {
+			if n, err = e.calibrate(ctx, qt, bare, opts.CalibrateN); err != nil {
 				return rep, fmt.Errorf("calibration on %s: %w", qt, err)
 			}
 		}
 		rep.N[qt] = n
 	}
+	if e.pg != nil {
+		rep.NPG = opts.N
+		if rep.NPG == 0 {
+			if rep.NPG, err = e.calibrate(ctx, "classic", pgNaive, max(opts.CalibrateN/4, opts.MinN)); err != nil {
+				return rep, fmt.Errorf("calibration of pg-naive: %w", err)
+			}
+		}
+	}
 
 	// 2. Throughput, in rounds; the order of the variants rotates so that
 	// drift hits all alike. duplicate follows unique in each round: it
 	// replays unique's keys, completed by then.
-	units := [][]variant{{bare}, {unique, duplicate}, {naive}, {memstore}}
+	// pg-duplicate likewise follows pg-unique.
+	for _, qt := range opts.QueueTypes {
+		for _, u := range e.units(qt) {
+			rep.Variants[qt] = append(rep.Variants[qt], u...)
+		}
+	}
 	fmt.Fprintf(out, "throughput runs (queue drained from full; rate = (N-1) / time from first to N-th settlement):\n")
 	for round := 1; round <= opts.Repeats; round++ {
 		for _, qt := range opts.QueueTypes {
+			units := e.units(qt)
 			for k := range units {
 				for _, v := range units[(k+round-1)%len(units)] {
-					r, err := e.throughput(ctx, qt, v, round, rep.N[qt], nil)
+					r, err := e.throughput(ctx, qt, v, round, rep.n(qt, v), nil)
 					rep.Runs = append(rep.Runs, r)
 					if err != nil {
 						return rep, fmt.Errorf("round %d, %s %s: %w", round, qt, v, err)
 					}
-					fmt.Fprintf(out, "  round %d %-7s %-9s %9s msg/s  N %d in %v (prefill %v)%s\n", round, qt, v,
-						thousands(r.Rate), r.N, r.Span.Round(time.Millisecond), r.Publish.Round(time.Millisecond), unexpectedNote(r))
+					fmt.Fprintf(out, "  round %d %-7s %-12s %9s msg/s  N %d in %v (prefill %v)%s%s\n", round, qt, v,
+						thousands(r.Rate), r.N, r.Span.Round(time.Millisecond), r.Publish.Round(time.Millisecond), pgNote(r), unexpectedNote(r))
 				}
 			}
 			// The round's records are no longer needed.
 			if err := e.deleteRound(ctx, e.roundPrefix(qt, round)); err != nil {
 				return rep, err
 			}
+			if e.pg != nil && qt == "classic" {
+				if err := e.pg.truncate(ctx); err != nil {
+					return rep, err
+				}
+			}
 		}
 	}
 	fmt.Fprintln(out)
-	rep.Ratios = ratios(rep.Runs, opts.QueueTypes)
+	rep.Ratios = ratios(rep.Runs, opts.QueueTypes, rep.Variants)
 
 	// 3. Latency at half the bare median rate.
 	for _, qt := range opts.QueueTypes {
+		if !opts.measures(unique) {
+			break
+		}
 		rate := 0.5 * median(rates(rep.Runs, qt, bare))
 		for _, v := range []variant{bare, unique} {
 			l, err := e.latency(ctx, qt, v, rate)
@@ -208,7 +275,17 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 	// 5. A CPU profile of one more run, not in the medians.
 	if opts.CPUProfile != "" {
 		qt, v := opts.QueueTypes[0], variant(opts.ProfileVariant)
-		r, err := e.throughput(ctx, qt, v, 0, rep.N[qt], &opts.CPUProfile)
+		if v.isPG() {
+			if e.pg == nil {
+				return rep, fmt.Errorf("-profile-variant %s: %s", v, rep.PGSkipped)
+			}
+			qt = "classic"
+		}
+		n := rep.n(qt, v)
+		if n == 0 {
+			return rep, fmt.Errorf("-profile-variant %s runs on a classic queue: add classic to -queues", v)
+		}
+		r, err := e.throughput(ctx, qt, v, 0, n, &opts.CPUProfile)
 		if err != nil {
 			return rep, fmt.Errorf("profiled run: %w", err)
 		}
@@ -227,6 +304,9 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 		if r.Unexpected > 0 {
 			bad = append(bad, fmt.Sprintf("round %d %s %s: %d unexpected (first: %s)", r.Round, r.QueueType, r.Variant, r.Unexpected, r.FirstUnexpected))
 		}
+		if r.EffectRows != r.Effects {
+			bad = append(bad, fmt.Sprintf("round %d %s %s: %d effect rows, want %d", r.Round, r.QueueType, r.Variant, r.EffectRows, r.Effects))
+		}
 	}
 	if len(bad) > 0 {
 		return rep, fmt.Errorf("runs with unexpected outcomes, figures not valid: %v", bad)
@@ -234,10 +314,18 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 	return rep, nil
 }
 
-// calibrate drains a bare run of CalibrateN messages and sizes N so that a
-// bare run lasts opts.Duration.
-func (e *env) calibrate(ctx context.Context, qt string) (int, error) {
-	r, err := e.throughput(ctx, qt, bare, 0, e.opts.CalibrateN, nil)
+// n is the messages of each run of v on qt.
+func (rep *report) n(qt string, v variant) int {
+	if v.isPG() {
+		return rep.NPG
+	}
+	return rep.N[qt]
+}
+
+// calibrate drains a run of v of calN messages and sizes N so that such a
+// run lasts opts.Duration.
+func (e *env) calibrate(ctx context.Context, qt string, v variant, calN int) (int, error) {
+	r, err := e.throughput(ctx, qt, v, 0, calN, nil)
 	if err != nil {
 		return 0, err
 	}
@@ -246,8 +334,8 @@ func (e *env) calibrate(ctx context.Context, qt string) (int, error) {
 		n = (n + 500) / 1000 * 1000
 	}
 	n = min(max(n, e.opts.MinN), e.opts.MaxN)
-	fmt.Fprintf(e.out, "calibration %-7s bare %9s msg/s over %d messages -> N = %d (bare run ~%v)\n",
-		qt, thousands(r.Rate), r.N, n, e.opts.Duration)
+	fmt.Fprintf(e.out, "calibration %-7s %-8s %9s msg/s over %d messages -> N = %d (%s run ~%v)\n",
+		qt, v, thousands(r.Rate), r.N, n, v, e.opts.Duration)
 	return n, nil
 }
 
@@ -286,10 +374,14 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 	defer func() { err = errors.Join(err, e.brk.remove(queue)) }()
 
 	// unique and duplicate share the round's ids and store prefix:
-	// duplicate replays what unique completed.
+	// duplicate replays what unique completed; so do pg-unique and
+	// pg-duplicate (in their own table).
 	ids := string(v) + "-"
-	if v == unique || v == duplicate {
+	switch v {
+	case unique, duplicate:
 		ids = "m-"
+	case pgUnique, pgDuplicate:
+		ids = "pg-m-"
 	}
 	t0 := time.Now()
 	if err := e.brk.prefill(ctx, queue, ids, n, e.body); err != nil {
@@ -297,8 +389,30 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 	}
 	res.Publish = time.Since(t0)
 
+	// A PostgreSQL variant's pool and store, made (and every connection
+	// opened) before measuring, closed after.
+	var pr *pgRun
+	if v.isPG() {
+		if pr, err = e.pg.open(ctx, v, queue, prefix); err != nil {
+			return res, err
+		}
+		defer func() {
+			cctx, ccancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+			defer ccancel()
+			c, cerr := pr.close(cctx)
+			res.PG = &c
+			if cerr == nil {
+				res.EffectRows, cerr = e.pg.effectRows(cctx, queue)
+			}
+			err = errors.Join(err, cerr)
+		}()
+		if v != pgDuplicate {
+			res.Effects = n
+		}
+	}
+
 	t := newTally(n, nil)
-	cpu0, rcpu0, mcpu0 := processCPU(), redisCPU(ctx, e.admin), machineCPU()
+	cpu0, rcpu0, mcpu0, pcpu0 := processCPU(), redisCPU(ctx, e.admin), machineCPU(), e.pgCPU()
 	rt0 := e.rts.n.Load()
 	if profile != nil {
 		f, err := os.Create(*profile)
@@ -311,14 +425,14 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 		}
 		defer pprof.StopCPUProfile()
 	}
-	c, err := e.start(ctx, qt, v, queue, prefix, t)
+	c, err := e.start(ctx, qt, v, queue, prefix, pr, t)
 	if err != nil {
 		return res, err
 	}
 	werr := t.wait(ctx, e.opts.RunTimeout, c)
 	res.RoundTrips = e.rts.n.Load() - rt0
 	res.ClientCPU, res.RedisCPU = processCPU()-cpu0, redisCPU(ctx, e.admin)-rcpu0
-	res.MachineCPU = machineCPU() - mcpu0
+	res.MachineCPU, res.PGCPU = machineCPU()-mcpu0, e.pgCPU()-pcpu0
 	if profile != nil {
 		pprof.StopCPUProfile()
 	}
@@ -340,8 +454,13 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 	return res, err
 }
 
-// start starts variant v's consumer on queue. prefix names its Redis keys.
-func (e *env) start(ctx context.Context, qt string, v variant, queue, prefix string, t *tally) (consumer, error) {
+// start starts variant v's consumer on queue. prefix names its Redis keys
+// (or pgstore records, or pg-naive keys); pr is a PostgreSQL variant's
+// pool.
+func (e *env) start(ctx context.Context, qt string, v variant, queue, prefix string, pr *pgRun, t *tally) (consumer, error) {
+	if v.isPG() {
+		return e.startPG(ctx, v, pr, queue, prefix, t)
+	}
 	switch v {
 	case bare:
 		return startPlain(ctx, e.opts.AMQPURL, queue, e.opts.Prefetch, e.opts.Concurrency, noop, t)
@@ -369,6 +488,84 @@ func (e *env) start(ctx context.Context, qt string, v variant, queue, prefix str
 		leaseTTL: leaseTTL, retention: retention,
 		handler: noopHandler, want: want,
 	}, t)
+}
+
+// units are the groups of variants of a round on queue type qt, in the
+// order of the first round; a group runs in its order (a duplicate after
+// the unique run it replays).
+func (e *env) units(qt string) [][]variant {
+	all := [][]variant{{bare}, {unique, duplicate}, {naive}, {memstore}}
+	if e.pg != nil && qt == "classic" {
+		all = append(all, []variant{pgUnique, pgDuplicate}, []variant{pgNaive})
+	}
+	var u [][]variant
+	for _, group := range all {
+		var g []variant
+		for _, v := range group {
+			if e.opts.measures(v) {
+				g = append(g, v)
+			}
+		}
+		if len(g) > 0 {
+			u = append(u, g)
+		}
+	}
+	return u
+}
+
+// openPG connects to PostgreSQL for the pg variants, unless they are off or
+// have no classic queue to run on. When PostgreSQL does not answer, it
+// says what to start and the bench goes on without them.
+func (e *env) openPG(ctx context.Context, rep *report) error {
+	switch {
+	case !e.opts.PG:
+		rep.PGSkipped = "-pg=false"
+		return nil
+	case !e.opts.measures(pgUnique) && !e.opts.measures(pgNaive):
+		rep.PGSkipped = "-variants names none of them"
+		return nil
+	case !slices.Contains(e.opts.QueueTypes, "classic"):
+		rep.PGSkipped = "they run on a classic queue, and -queues has none"
+		return nil
+	}
+	p, err := openPG(ctx, e.opts, e.base)
+	if err != nil {
+		var unreachable *pgUnreachable
+		if !errors.As(err, &unreachable) {
+			return err
+		}
+		rep.PGSkipped = err.Error()
+		e.pgHint = pgStartHint(e.opts.PGDSN)
+		return nil
+	}
+	e.pg, rep.PGSchema = p, p.schema
+	return nil
+}
+
+// pgCPU is PostgreSQL's CPU time so far (postmaster and every server
+// process), or 0 when it cannot be read here.
+func (e *env) pgCPU() time.Duration {
+	if e.pg == nil {
+		return 0
+	}
+	return treeCPU(e.pg.postmaster)
+}
+
+// openedWhen says which pool the pg runs have.
+func openedWhen(perRun bool) string {
+	if perRun {
+		return "a new pool each run, all its connections opened before measuring"
+	}
+	return "one pool for all pg runs, connections made as needed while measuring"
+}
+
+// pgNote is a PostgreSQL run's statements and commits per message, for
+// its line.
+func pgNote(r runResult) string {
+	if r.PG == nil || r.N == 0 {
+		return ""
+	}
+	return fmt.Sprintf("  %.2f stmt/msg, %.2f commit/msg", float64(r.PG.Statements)/float64(r.N), float64(r.PG.Committed())/float64(r.N))
 }
 
 // loadAvg is the 1, 5 and 15 minute load averages from /proc/loadavg, or

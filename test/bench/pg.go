@@ -1,0 +1,638 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/lock"
+	"github.com/amqpidem/amqpidem/pgstore"
+)
+
+// The PostgreSQL variants (issue 11), on the classic queue only. Their
+// handler effect is the same plain INSERT of one row into the run's effects
+// table:
+//
+//	pg-unique     amqpidem.Consumer on a pgstore.Store with store.TxHandler:
+//	              the effect and the completed record commit in one
+//	              transaction; every key new
+//	pg-duplicate  the same, every message a duplicate of pg-unique's
+//	              completed work (it replays the round's pg-unique keys)
+//	pg-naive      what a user writes by hand: a plain consumer that does an
+//	              autocommit INSERT INTO idem(key) ... ON CONFLICT DO NOTHING
+//	              and, if it inserted, the effect in a transaction of its
+//	              own, then acks
+const (
+	pgUnique    variant = "pg-unique"
+	pgDuplicate variant = "pg-duplicate"
+	pgNaive     variant = "pg-naive"
+)
+
+// isPG says whether v is one of the PostgreSQL variants.
+func (v variant) isPG() bool { return v == pgUnique || v == pgDuplicate || v == pgNaive }
+
+// defaultPGDSN is the PostgreSQL the bench uses unless PG_DSN or -pg-dsn
+// names another: the one scripts/services.sh and docker-compose.yml start.
+const defaultPGDSN = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+
+// pgStartHint says what to start when the PostgreSQL of dsn does not
+// answer: lines, each ending in a newline.
+func pgStartHint(dsn string) string {
+	hint := "  the bench goes on without pg-unique, pg-duplicate and pg-naive (-pg=false skips them without this message).\n"
+	if dsn != defaultPGDSN {
+		return hint + "  Start the PostgreSQL that PG_DSN or -pg-dsn names, or unset them to use the local default\n" +
+			"  (" + redactDSN(defaultPGDSN) + ").\n"
+	}
+	return hint +
+		"  Start PostgreSQL 15 on 127.0.0.1:5432 with a database \"test\" that the user postgres reaches without a password:\n" +
+		"    bash scripts/services.sh postgres   (as root it runs pg_ctlcluster 15 main start, and createdb test if missing)\n" +
+		"  or: docker compose up -d --wait postgres\n" +
+		"  or point PG_DSN (or -pg-dsn) at another PostgreSQL.\n"
+}
+
+// Names of the tables the run makes, in a schema of its own
+// ("amqpidem_bench_<run id>") that is dropped, with everything in it,
+// before the bench exits.
+const (
+	pgRecordsTable = pgstore.DefaultTable // pgstore's records, made by pgstore.Migrate
+	pgEffectsTable = "effects"            // every variant's handler effect
+	pgIdemTable    = "idem"               // pg-naive's keys
+)
+
+// pgEnv is the PostgreSQL side of a run.
+type pgEnv struct {
+	o      options       // the DSN and session settings of every pool
+	admin  *pgxpool.Pool // schema, TRUNCATE, counts, statistics; not traced
+	schema string
+
+	version    string
+	syncCommit string // synchronous_commit of the variants' sessions
+	postmaster int    // pid of the postmaster, 0 if not readable here
+
+	conns int32 // MaxConns of each variant's pool
+
+	// The pool every pg run shares with -pg-pool-per-run=false, made by
+	// the first; closed by close.
+	shared    *pgxpool.Pool
+	sharedTr  *pgTracer
+	sharedApp string
+
+	records, effects, idem string // quoted, schema-qualified table names
+	effectSQL, idemSQL     string
+
+	dropped bool // the schema was dropped and checked gone
+}
+
+// openPG connects to PostgreSQL and makes the run's schema and tables.
+// base is the run's "amqpidem-bench-<id>"; its id names the schema.
+func openPG(ctx context.Context, o options, base string) (*pgEnv, error) {
+	cfg, err := pgConfig(o, base+"-admin")
+	if err != nil {
+		return nil, err
+	}
+	cfg.MaxConns = 2
+	dctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	admin, err := pgxpool.NewWithConfig(dctx, cfg)
+	if err == nil {
+		err = admin.Ping(dctx)
+		if err != nil {
+			admin.Close()
+		}
+	}
+	if err != nil {
+		return nil, &pgUnreachable{dsn: o.PGDSN, err: err}
+	}
+	p := &pgEnv{
+		o:      o,
+		admin:  admin,
+		schema: strings.ReplaceAll(strings.ReplaceAll(base, "amqpidem-bench-", "amqpidem_bench_"), "-", "_"),
+		conns:  int32(o.PGConns),
+
+		sharedApp: base + "-pg",
+	}
+	q := func(table string) string { return pgx.Identifier{p.schema, table}.Sanitize() }
+	p.records, p.effects, p.idem = q(pgRecordsTable), q(pgEffectsTable), q(pgIdemTable)
+	p.effectSQL = "INSERT INTO " + p.effects + " (msg_id, queue) VALUES ($1, $2)"
+	p.idemSQL = "INSERT INTO " + p.idem + " (key) VALUES ($1) ON CONFLICT DO NOTHING"
+
+	if err := admin.QueryRow(ctx, "SHOW server_version").Scan(&p.version); err != nil {
+		admin.Close()
+		return nil, fmt.Errorf("PostgreSQL: %w", err)
+	}
+	if err := p.setup(ctx, o); err != nil {
+		// Whatever part of the schema was made goes.
+		return nil, errors.Join(err, p.close(context.WithoutCancel(ctx)))
+	}
+	return p, nil
+}
+
+// pgUnreachable is openPG's error when PostgreSQL does not answer: the
+// bench then goes on without the pg variants.
+type pgUnreachable struct {
+	dsn string
+	err error
+}
+
+func (e *pgUnreachable) Error() string {
+	return fmt.Sprintf("PostgreSQL at %s does not answer: %v", redactDSN(e.dsn), e.err)
+}
+
+func (e *pgUnreachable) Unwrap() error { return e.err }
+
+// pgConfig is a pool configuration for o.PGDSN whose sessions say app in
+// pg_stat_activity.
+func pgConfig(o options, app string) (*pgxpool.Config, error) {
+	cfg, err := pgxpool.ParseConfig(o.PGDSN)
+	if err != nil {
+		return nil, fmt.Errorf("-pg-dsn %s: %w", redactDSN(o.PGDSN), err)
+	}
+	cfg.ConnConfig.RuntimeParams["application_name"] = app
+	if o.PGSyncCommit != "" {
+		cfg.ConnConfig.RuntimeParams["synchronous_commit"] = o.PGSyncCommit
+	}
+	cfg.ConnConfig.ConnectTimeout = 5 * time.Second
+	return cfg, nil
+}
+
+func (p *pgEnv) setup(ctx context.Context, o options) error {
+	stmts := []string{
+		"CREATE SCHEMA " + pgx.Identifier{p.schema}.Sanitize(),
+		"CREATE TABLE " + p.effects + " (msg_id text NOT NULL, queue text NOT NULL)",
+		"CREATE TABLE " + p.idem + " (key text PRIMARY KEY)",
+	}
+	for _, s := range stmts {
+		if _, err := p.admin.Exec(ctx, s); err != nil {
+			return fmt.Errorf("PostgreSQL: %s: %w", s, err)
+		}
+	}
+	if err := pgstore.Migrate(ctx, p.admin, p.storeConfig("")); err != nil {
+		return fmt.Errorf("pgstore.Migrate: %w", err)
+	}
+	// What the variants' sessions will run with.
+	cfg, err := pgConfig(o, "amqpidem-bench-probe")
+	if err != nil {
+		return err
+	}
+	conn, err := pgx.ConnectConfig(ctx, cfg.ConnConfig)
+	if err != nil {
+		return fmt.Errorf("PostgreSQL: %w", err)
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	if err := conn.QueryRow(ctx, "SHOW synchronous_commit").Scan(&p.syncCommit); err != nil {
+		return fmt.Errorf("PostgreSQL: %w", err)
+	}
+	var backend int
+	if err := conn.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&backend); err != nil {
+		return fmt.Errorf("PostgreSQL: %w", err)
+	}
+	if isLoopbackDSN(o.PGDSN) {
+		p.postmaster = postmasterOf(backend)
+	}
+	return nil
+}
+
+// storeConfig is the pgstore configuration of a run's prefix: the records
+// of different rounds are apart by their prefix, as in Redis. The
+// background cleanup is off: with a retention of an hour it would find
+// nothing, and the tables are emptied between rounds.
+func (p *pgEnv) storeConfig(prefix string) pgstore.Config {
+	return pgstore.Config{
+		Config:          lock.Config{Prefix: prefix},
+		Schema:          p.schema,
+		Table:           pgRecordsTable,
+		CleanupInterval: -1,
+	}
+}
+
+// truncate empties the run's tables (between rounds: the records,
+// keys and effects are no longer needed).
+func (p *pgEnv) truncate(ctx context.Context) error {
+	_, err := p.admin.Exec(ctx, "TRUNCATE "+p.records+", "+p.idem+", "+p.effects)
+	if err != nil {
+		return fmt.Errorf("PostgreSQL: truncate: %w", err)
+	}
+	return nil
+}
+
+// close drops the run's schema (tables, pgstore's functions) and checks it
+// is gone, then closes the admin pool.
+func (p *pgEnv) close(ctx context.Context) error {
+	defer p.admin.Close()
+	if p.shared != nil {
+		p.shared.Close()
+	}
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if _, err := p.admin.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{p.schema}.Sanitize()+" CASCADE"); err != nil {
+		return fmt.Errorf("PostgreSQL: dropping schema %s: %w", p.schema, err)
+	}
+	var left bool
+	if err := p.admin.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)", p.schema).Scan(&left); err != nil {
+		return fmt.Errorf("PostgreSQL: checking schema %s: %w", p.schema, err)
+	}
+	if left {
+		return fmt.Errorf("PostgreSQL: schema %s still exists after DROP", p.schema)
+	}
+	p.dropped = true
+	return nil
+}
+
+// xactCommit is pg_stat_database.xact_commit of the current database: the
+// transactions committed in it by every session, as far as the sessions
+// have reported them.
+func (p *pgEnv) xactCommit(ctx context.Context) (int64, error) {
+	var n int64
+	err := p.admin.QueryRow(ctx, "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()").Scan(&n)
+	return n, err
+}
+
+// effectRows counts the effect rows a run's handlers inserted.
+func (p *pgEnv) effectRows(ctx context.Context, queue string) (int, error) {
+	var n int
+	err := p.admin.QueryRow(ctx, "SELECT count(*) FROM "+p.effects+" WHERE queue = $1", queue).Scan(&n)
+	return n, err
+}
+
+// pgRun is one throughput run's pool: by default (-pg-pool-per-run) made
+// before the run, every connection opened, traced, closed after it; with
+// -pg-pool-per-run=false (-short) the pool all pg runs share, its
+// connections made as needed.
+type pgRun struct {
+	p     *pgEnv
+	app   string
+	pool  *pgxpool.Pool
+	tr    *pgTracer
+	own   bool           // the run made pool and closes it
+	store *pgstore.Store // pg-unique and pg-duplicate
+
+	xact0 int64
+	xerr  error
+	// The tracer and the pool's acquire figures when measuring starts.
+	tr0    tracerCounts
+	waits0 int64
+	wait0  time.Duration
+}
+
+// errSharedPool is why a run on the shared pool has no server figure: its
+// sessions do not end, so they report their statistics when they like.
+var errSharedPool = errors.New("the pool outlives the run (-pg-pool-per-run=false)")
+
+// newPool makes a traced pool of p.conns connections named app.
+func (p *pgEnv) newPool(ctx context.Context, app string, tr *pgTracer) (*pgxpool.Pool, error) {
+	cfg, err := pgConfig(p.o, app)
+	if err != nil {
+		return nil, err
+	}
+	cfg.MaxConns = p.conns
+	cfg.ConnConfig.Tracer = tr
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("PostgreSQL pool: %w", err)
+	}
+	return pool, nil
+}
+
+// open gives run v a pool and, for the amqpidem variants, a Store on it
+// with prefix. A pool of its own has all its connections opened first, so
+// that none is made while measuring.
+func (p *pgEnv) open(ctx context.Context, v variant, app, prefix string) (r *pgRun, err error) {
+	r = &pgRun{p: p, app: app}
+	if p.o.PGPoolPerRun {
+		r.own, r.tr = true, &pgTracer{}
+		// Before the pool exists: the connections' own start-up
+		// transactions are in the server's figure, as in any run.
+		r.xact0, r.xerr = p.xactCommit(ctx)
+		if r.pool, err = p.newPool(ctx, app, r.tr); err != nil {
+			return nil, err
+		}
+		if err := openAll(ctx, r.pool, p.conns); err != nil {
+			r.pool.Close()
+			return nil, fmt.Errorf("%s pool: %w", v, err)
+		}
+	} else {
+		if p.shared == nil {
+			p.sharedTr = &pgTracer{}
+			if p.shared, err = p.newPool(ctx, p.sharedApp, p.sharedTr); err != nil {
+				return nil, err
+			}
+		}
+		r.pool, r.tr, r.xerr = p.shared, p.sharedTr, errSharedPool
+	}
+	st := r.pool.Stat()
+	r.tr0, r.waits0, r.wait0 = r.tr.counts(), st.EmptyAcquireCount(), st.EmptyAcquireWaitTime()
+	if v == pgUnique || v == pgDuplicate {
+		if r.store, err = pgstore.New(r.pool, p.storeConfig(prefix)); err != nil {
+			if r.own {
+				r.pool.Close()
+			}
+			return nil, err
+		}
+	}
+	return r, nil
+}
+
+// openAll makes pool open n connections, all at once: each Acquire holds
+// its connection until all are made.
+func openAll(ctx context.Context, pool *pgxpool.Pool, n int32) error {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	held := make([]*pgxpool.Conn, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range held {
+		wg.Go(func() { held[i], errs[i] = pool.Acquire(ctx) })
+	}
+	wg.Wait()
+	for _, c := range held {
+		if c != nil {
+			c.Release()
+		}
+	}
+	for _, err := range errs {
+		if err != nil {
+			return fmt.Errorf("opening %d connections: %w", n, err)
+		}
+	}
+	return nil
+}
+
+// pgCounts is what a run's pool did: with a pool of its own, over the
+// pool's life (from before it was made to after its sessions ended); on
+// the shared pool, from the run's start to its end.
+type pgCounts struct {
+	tracerCounts
+	// XactCommit is the pg_stat_database.xact_commit delta over the
+	// pool's life, -1 when not measured (shared pool) or not readable.
+	XactCommit int64
+	// Waits counts the pool acquires that found no idle connection
+	// (with a pool of its own: once every connection was open; on the
+	// shared pool those that made one are included), and Wait the time
+	// they waited.
+	Waits int64
+	Wait  time.Duration
+}
+
+// close closes the store and a pool of the run's own, waits (bounded)
+// until the server has ended the pool's sessions, which report their
+// statistics when they end, and reads what the run did.
+func (r *pgRun) close(ctx context.Context) (pgCounts, error) {
+	if r.store != nil {
+		r.store.Close()
+	}
+	st := r.pool.Stat()
+	c := pgCounts{
+		tracerCounts: r.tr.counts().minus(r.tr0),
+		XactCommit:   -1,
+		Waits:        st.EmptyAcquireCount() - r.waits0,
+		Wait:         st.EmptyAcquireWaitTime() - r.wait0,
+	}
+	if !r.own {
+		return c, nil
+	}
+	r.pool.Close()
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	err := until(ctx, 10*time.Second, func() bool {
+		var n int
+		err := r.p.admin.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", r.app).Scan(&n)
+		return err == nil && n == 0
+	})
+	if err != nil {
+		return c, fmt.Errorf("PostgreSQL: the sessions of %s did not end: %w", r.app, err)
+	}
+	if r.xerr == nil {
+		if x1, err := r.p.xactCommit(ctx); err == nil {
+			c.XactCommit = x1 - r.xact0
+		}
+	}
+	return c, nil
+}
+
+// pgTracer counts, client side, what a pool sends: statements (Exec, Query,
+// QueryRow, batched queries, CopyFrom; BEGIN and COMMIT are statements
+// too), batches, prepares, and the transactions committed: every COMMIT
+// that answered COMMIT, plus every statement (or batch: one implicit
+// transaction) that ran successfully outside a transaction block
+// (autocommit). A connection's transaction status is read before and after
+// each statement. pgconn's own Ping and anything run on pgconn directly
+// are not seen. Safe for concurrent use.
+type pgTracer struct {
+	statements, batches, prepares atomic.Int64
+	commits, autocommits          atomic.Int64
+	rollbacks, errors             atomic.Int64
+}
+
+// tracerCounts is a snapshot of a pgTracer.
+type tracerCounts struct {
+	Statements, Batches, Prepares int64
+	Commits, Autocommits          int64
+	Rollbacks, Errors             int64
+}
+
+// Committed is the transactions committed: explicit COMMITs plus
+// autocommit statements and batches.
+func (c tracerCounts) Committed() int64 { return c.Commits + c.Autocommits }
+
+// minus is c - o, field by field.
+func (c tracerCounts) minus(o tracerCounts) tracerCounts {
+	return tracerCounts{
+		Statements: c.Statements - o.Statements, Batches: c.Batches - o.Batches, Prepares: c.Prepares - o.Prepares,
+		Commits: c.Commits - o.Commits, Autocommits: c.Autocommits - o.Autocommits,
+		Rollbacks: c.Rollbacks - o.Rollbacks, Errors: c.Errors - o.Errors,
+	}
+}
+
+func (t *pgTracer) counts() tracerCounts {
+	return tracerCounts{
+		Statements: t.statements.Load(), Batches: t.batches.Load(), Prepares: t.prepares.Load(),
+		Commits: t.commits.Load(), Autocommits: t.autocommits.Load(),
+		Rollbacks: t.rollbacks.Load(), Errors: t.errors.Load(),
+	}
+}
+
+var (
+	_ pgx.QueryTracer    = (*pgTracer)(nil)
+	_ pgx.BatchTracer    = (*pgTracer)(nil)
+	_ pgx.CopyFromTracer = (*pgTracer)(nil)
+	_ pgx.PrepareTracer  = (*pgTracer)(nil)
+)
+
+// traceState is what a statement's or batch's start leaves for its end.
+type traceState struct {
+	txBefore byte // the connection's transaction status before it: 'I' idle
+	explicit bool // a batch: a query in it was COMMIT or ROLLBACK
+}
+
+type traceKey struct{}
+
+func (t *pgTracer) start(ctx context.Context, conn *pgx.Conn) context.Context {
+	return context.WithValue(ctx, traceKey{}, &traceState{txBefore: conn.PgConn().TxStatus()})
+}
+
+// end counts the transaction a statement or batch ended, if any.
+func (t *pgTracer) end(ctx context.Context, conn *pgx.Conn, tag pgconn.CommandTag, err error) {
+	st, _ := ctx.Value(traceKey{}).(*traceState)
+	if st == nil {
+		return
+	}
+	if err != nil {
+		t.errors.Add(1)
+	}
+	after := conn.PgConn().TxStatus()
+	switch {
+	case st.explicit:
+	case err == nil && tag.String() == "COMMIT" && st.txBefore != 'I':
+		t.commits.Add(1)
+	case tag.String() == "ROLLBACK":
+		t.rollbacks.Add(1)
+	case err == nil && st.txBefore == 'I' && after == 'I':
+		t.autocommits.Add(1)
+	}
+}
+
+func (t *pgTracer) TraceQueryStart(ctx context.Context, conn *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	t.statements.Add(1)
+	return t.start(ctx, conn)
+}
+
+func (t *pgTracer) TraceQueryEnd(ctx context.Context, conn *pgx.Conn, data pgx.TraceQueryEndData) {
+	t.end(ctx, conn, data.CommandTag, data.Err)
+}
+
+func (t *pgTracer) TraceBatchStart(ctx context.Context, conn *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	t.batches.Add(1)
+	return t.start(ctx, conn)
+}
+
+func (t *pgTracer) TraceBatchQuery(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchQueryData) {
+	t.statements.Add(1)
+	switch data.CommandTag.String() {
+	case "COMMIT":
+		if data.Err == nil {
+			t.commits.Add(1)
+		}
+	case "ROLLBACK":
+		t.rollbacks.Add(1)
+	default:
+		return
+	}
+	if st, _ := ctx.Value(traceKey{}).(*traceState); st != nil {
+		st.explicit = true
+	}
+}
+
+func (t *pgTracer) TraceBatchEnd(ctx context.Context, conn *pgx.Conn, data pgx.TraceBatchEndData) {
+	t.end(ctx, conn, pgconn.CommandTag{}, data.Err)
+}
+
+func (t *pgTracer) TraceCopyFromStart(ctx context.Context, conn *pgx.Conn, _ pgx.TraceCopyFromStartData) context.Context {
+	t.statements.Add(1)
+	return t.start(ctx, conn)
+}
+
+func (t *pgTracer) TraceCopyFromEnd(ctx context.Context, conn *pgx.Conn, data pgx.TraceCopyFromEndData) {
+	t.end(ctx, conn, data.CommandTag, data.Err)
+}
+
+func (t *pgTracer) TracePrepareStart(ctx context.Context, _ *pgx.Conn, _ pgx.TracePrepareStartData) context.Context {
+	return ctx
+}
+
+func (t *pgTracer) TracePrepareEnd(_ context.Context, _ *pgx.Conn, data pgx.TracePrepareEndData) {
+	if !data.AlreadyPrepared {
+		t.prepares.Add(1)
+	}
+}
+
+// pgEffect is the handler effect of every PostgreSQL variant: one plain
+// INSERT of a row naming the message and the run's queue.
+func (p *pgEnv) pgEffect(ctx context.Context, q interface {
+	Exec(context.Context, string, ...any) (pgconn.CommandTag, error)
+}, d *amqp.Delivery, queue string) error {
+	_, err := q.Exec(ctx, p.effectSQL, d.MessageId, queue)
+	return err
+}
+
+// pgNaiveHandle is pg-naive's work: an autocommit INSERT of the key into
+// idem, ON CONFLICT DO NOTHING; if a row was inserted, the effect in a
+// transaction of its own. A key already there is a duplicate: acked without
+// running. (Not safe: a crash between the two commits loses the effect for
+// good.)
+func (p *pgEnv) pgNaiveHandle(pool *pgxpool.Pool, prefix, queue string) handleFunc {
+	return func(ctx context.Context, d *amqp.Delivery) error {
+		tag, err := pool.Exec(ctx, p.idemSQL, prefix+d.MessageId)
+		if err != nil {
+			return fmt.Errorf("pg-naive INSERT idem: %w", err)
+		}
+		if tag.RowsAffected() == 0 {
+			return nil
+		}
+		err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return p.pgEffect(ctx, tx, d, queue) })
+		if err != nil {
+			return fmt.Errorf("pg-naive effect: %w", err)
+		}
+		return nil
+	}
+}
+
+// pgTxFunc is pg-unique's and pg-duplicate's work, in the transaction
+// TxHandler begins and commits with the record.
+func (p *pgEnv) pgTxFunc(queue string) pgstore.TxFunc {
+	return func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+		return nil, p.pgEffect(ctx, tx, d, queue)
+	}
+}
+
+// startPG starts variant v's consumer on queue with r's pool.
+func (e *env) startPG(ctx context.Context, v variant, r *pgRun, queue, prefix string, t *tally) (consumer, error) {
+	if v == pgNaive {
+		return startPlain(ctx, e.opts.AMQPURL, queue, e.opts.Prefetch, e.opts.Concurrency,
+			e.pg.pgNaiveHandle(r.pool, prefix+"-naive:", queue), t)
+	}
+	want := amqpidem.Completed
+	if v == pgDuplicate {
+		want = amqpidem.Duplicate
+	}
+	return startIdem(ctx, r.store, idemConfig{
+		url: e.opts.AMQPURL, queue: queue, queueType: "classic",
+		prefetch: e.opts.Prefetch, concurrency: e.opts.Concurrency,
+		leaseTTL: leaseTTL, retention: retention,
+		handler: r.store.TxHandler(e.pg.pgTxFunc(queue)), want: want,
+	}, t)
+}
+
+// redactDSN hides a DSN's password.
+func redactDSN(dsn string) string {
+	cfg, err := pgconn.ParseConfig(dsn)
+	if err != nil {
+		return "(unparsable PostgreSQL DSN)"
+	}
+	return fmt.Sprintf("postgres://%s@%s/%s", cfg.User, net.JoinHostPort(cfg.Host, fmt.Sprint(cfg.Port)), cfg.Database)
+}
+
+// isLoopbackDSN says whether dsn's host is a loopback address or a Unix
+// socket: only then is the server's process readable in this machine's
+// /proc.
+func isLoopbackDSN(dsn string) bool {
+	cfg, err := pgconn.ParseConfig(dsn)
+	if err != nil {
+		return false
+	}
+	if strings.HasPrefix(cfg.Host, "/") || cfg.Host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(cfg.Host)
+	return ip != nil && ip.IsLoopback()
+}
