@@ -71,10 +71,10 @@ $do$;
 
 -- acquire: take a lease on one key, or say why not. status: 1 acquired,
 -- 2 completed, 3 failed, 4 in progress, 5 conflict (another fingerprint).
--- Reads without a lock first: a final record (completed, failed) and a
--- live lease are answered from that read. A write is compare-and-set on
--- the row as read, and the function reads again when another statement
--- changed it first.
+-- Most keys are new: it inserts first. A key that exists is read without
+-- a lock: a final record (completed, failed) and a live lease are answered
+-- from that read. A write to it is compare-and-set on the row as read, and
+-- the function reads again when another statement changed it first.
 CREATE OR REPLACE FUNCTION {acquire}(p_ns text, p_key bytea, p_owner text, p_ttl_ms bigint,
 	p_ret_ms bigint, p_fp bytea,
 	OUT status int, OUT fence bigint, OUT attempts int, OUT remaining_ms bigint, OUT value bytea)
@@ -90,19 +90,19 @@ DECLARE
 BEGIN
 	FOR try IN 1..100 LOOP
 		now_ts := clock_timestamp();
+		INSERT INTO {table} AS t (ns, key, state, owner, fence, deadline, attempts, fingerprint,
+			value, created_at, ended_at, expires_at)
+		VALUES (p_ns, p_key, 'p', p_owner, {clockus}, now_ts + ttl, 1, p_fp,
+			NULL, now_ts, NULL, now_ts + keep)
+		ON CONFLICT (ns, key) DO NOTHING
+		RETURNING t.fence INTO fence;
+		IF FOUND THEN
+			status := 1; attempts := 1; remaining_ms := p_ttl_ms;
+			RETURN;
+		END IF;
 		SELECT * INTO r FROM {table} t WHERE t.ns = p_ns AND t.key = p_key;
 		IF NOT FOUND THEN
-			INSERT INTO {table} AS t (ns, key, state, owner, fence, deadline, attempts, fingerprint,
-				value, created_at, ended_at, expires_at)
-			VALUES (p_ns, p_key, 'p', p_owner, {clockus}, now_ts + ttl, 1, p_fp,
-				NULL, now_ts, NULL, now_ts + keep)
-			ON CONFLICT (ns, key) DO NOTHING
-			RETURNING t.fence INTO fence;
-			IF FOUND THEN
-				status := 1; attempts := 1; remaining_ms := p_ttl_ms;
-				RETURN;
-			END IF;
-			CONTINUE; -- another Acquire made it first: read it
+			CONTINUE; -- deleted since the insert found it: insert again
 		END IF;
 
 		IF r.expires_at <= now_ts THEN
@@ -177,9 +177,9 @@ $fn$;
 -- p_state: 'c' completed, 'f' failed (p_value stored), 'r' released, 'x'
 -- cancelled (attempt taken back, never below 0). Returns 1 when written,
 -- or already written by this same lease (a retried call), 0 when the
--- lease is no longer held. Called in a handler's transaction, it keeps the
--- row locked until that transaction ends: a takeover waits for the
--- outcome.
+-- lease is no longer held. Called in a handler's transaction, its update
+-- keeps the row locked until that transaction ends: a takeover waits for
+-- the outcome.
 CREATE OR REPLACE FUNCTION {finish}(p_ns text, p_key bytea, p_owner text, p_fence bigint,
 	p_state text, p_value bytea, p_ret_ms bigint)
 RETURNS int
@@ -188,26 +188,21 @@ SET search_path FROM CURRENT
 SET lock_timeout = '{locktimeout}'
 AS $fn$
 DECLARE
-	r      {table}%ROWTYPE;
-	now_ts timestamptz;
+	now_ts timestamptz := clock_timestamp();
 BEGIN
-	SELECT * INTO r FROM {table} t WHERE t.ns = p_ns AND t.key = p_key FOR UPDATE;
-	now_ts := clock_timestamp();
-	IF NOT FOUND OR r.expires_at <= now_ts OR r.owner <> p_owner OR r.fence <> p_fence THEN
-		RETURN 0;
-	END IF;
-	IF r.state = p_state THEN
-		RETURN 1; -- a retry of this same call that landed
-	END IF;
-	IF r.state <> 'p' THEN
-		RETURN 0;
-	END IF;
 	UPDATE {table} t SET state = p_state, deadline = NULL,
-		attempts = CASE WHEN p_state = 'x' THEN greatest(r.attempts - 1, 0) ELSE r.attempts END,
-		value = CASE WHEN p_state IN ('c', 'f') THEN p_value ELSE r.value END,
+		attempts = CASE WHEN p_state = 'x' THEN greatest(t.attempts - 1, 0) ELSE t.attempts END,
+		value = CASE WHEN p_state IN ('c', 'f') THEN p_value ELSE t.value END,
 		ended_at = now_ts, expires_at = now_ts + p_ret_ms * interval '1 millisecond'
-	WHERE t.ns = p_ns AND t.key = p_key;
-	RETURN 1;
+	WHERE t.ns = p_ns AND t.key = p_key AND t.owner = p_owner AND t.fence = p_fence
+		AND t.state = 'p' AND t.expires_at > now_ts;
+	IF FOUND THEN
+		RETURN 1;
+	END IF;
+	-- A retry of this same call that landed.
+	PERFORM FROM {table} t WHERE t.ns = p_ns AND t.key = p_key AND t.owner = p_owner
+		AND t.fence = p_fence AND t.state = p_state AND t.expires_at > now_ts;
+	RETURN CASE WHEN FOUND THEN 1 ELSE 0 END;
 END
 $fn$;
 `
