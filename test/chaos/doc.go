@@ -8,8 +8,10 @@
 // cmd/consumer, so that they can be killed and paused; internal/ledger is
 // the sink their handler writes to and the classification of every
 // operation; internal/workload is the message plans and the publisher;
-// internal/worker is the consumer itself. See README.md for what each
-// scenario does and the results of a full run.
+// internal/worker is the consumer itself. Scenarios 11a-11e run the
+// consumers on the PostgreSQL store (pgstore) with a sink that absorbs
+// nothing (pgrun_test.go). See README.md for what each scenario does and
+// the results of a full run.
 //
 // There is nothing to import here: the package holds only tests.
 package chaos

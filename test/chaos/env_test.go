@@ -3,6 +3,7 @@
 package chaos_test
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"math/rand/v2"
@@ -44,22 +45,20 @@ var pgService struct {
 	missing string
 }
 
-// pgDSN returns the DSN of the PostgreSQL that holds the ledgers:
-// CHAOS_PG_DSN, or the local default. When it does not answer, the test
+// pgDSN returns the DSN of the PostgreSQL that holds the ledgers: PG_DSN
+// (as for the other tests), else CHAOS_PG_DSN (its older name), else the
+// local default. When it does not answer, the test
 // fails (skipped under -short without CI=true, as testenv does).
 func pgDSN(t *testing.T) string {
 	t.Helper()
 	pgService.once.Do(func() {
-		dsn := os.Getenv("CHAOS_PG_DSN")
-		if dsn == "" {
-			dsn = defaultPGDSN
-		}
+		dsn := cmp.Or(os.Getenv("PG_DSN"), os.Getenv("CHAOS_PG_DSN"), defaultPGDSN)
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		conn, err := pgx.Connect(ctx, dsn)
 		if err != nil {
 			pgService.missing = fmt.Sprintf("chaos: no PostgreSQL for the ledger at %s: %v\n"+
-				"Start it (pg_ctlcluster 15 main start) or set CHAOS_PG_DSN.", dsn, err)
+				"Start it (pg_ctlcluster 15 main start) or set PG_DSN.", dsn, err)
 			return
 		}
 		_ = conn.Close(ctx)

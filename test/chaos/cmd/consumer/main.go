@@ -1,6 +1,8 @@
 // Command consumer is the chaos suite's consumer process: one
 // amqpidem.Consumer whose handler writes to the run's PostgreSQL ledger and
 // follows the plan in each message (work, fail, crash in a chosen window).
+// With -store-pg it keeps its records in PostgreSQL (pgstore) instead of
+// Redis and inserts its effect in pgstore's transaction.
 // The tests build it once per run and start, kill, pause and restart it.
 //
 //	consumer -name c1 -queue Q -prefix P -schema S \
@@ -60,6 +62,8 @@ func main() {
 	flag.BoolVar(&cfg.AckFailedDuplicates, "ack-failed-duplicates", false, "ack duplicates of failed work instead of dead-lettering them")
 	flag.DurationVar(&cfg.Heartbeat, "heartbeat", 0, "AMQP heartbeat (0: 10s)")
 	flag.DurationVar(&cfg.RedisTimeout, "redis-timeout", 0, "Redis dial/read/write timeout (0: 1s)")
+	flag.StringVar(&cfg.StoreDSN, "store-pg", "", "keep the records in PostgreSQL (pgstore) at this DSN instead of Redis; the handler then inserts its effect in pgstore's transaction")
+	flag.StringVar(&cfg.StoreAppName, "store-app", "", "application_name of the pgstore connections (default <name>-store)")
 	flag.TextVar(&level, "log-level", slog.LevelWarn, "log level of the library's logs on stderr")
 	flag.DurationVar(&grace, "shutdown-timeout", 20*time.Second, "how long in-flight handlers may run on after SIGTERM")
 	flag.Parse()

@@ -285,6 +285,13 @@ func (l *Ledger) Completed(ctx context.Context, opID string, fence int64, consum
 	return nil
 }
 
+// Completions returns how many Completes the store accepted for opID.
+func (l *Ledger) Completions(ctx context.Context, opID string) (int, error) {
+	var n int
+	err := l.pool.QueryRow(ctx, `SELECT count(*) FROM completions WHERE op_id = $1`, opID).Scan(&n)
+	return n, err
+}
+
 // ClaimCrash reports whether the caller is the first to take crash window
 // win for opID; it records the claim either way.
 func (l *Ledger) ClaimCrash(ctx context.Context, opID, win, execID string, fence int64, pid int) (bool, error) {

@@ -4,6 +4,10 @@
 // every execution there, and can kill its own process in a chosen crash
 // window. cmd/consumer runs it as a process; scenarios that neither kill nor
 // pause consumers may run it in the test process.
+//
+// With Config.StoreDSN the worker keeps its records in PostgreSQL
+// (pgstore) instead of Redis, and its handler writes a non-idempotent
+// effect in pgstore's transaction (see pg.go).
 package worker
 
 import (
@@ -18,11 +22,13 @@ import (
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
+	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
 	"github.com/amqpidem/amqpidem/lock"
+	"github.com/amqpidem/amqpidem/pgstore"
 	"github.com/amqpidem/amqpidem/test/chaos/internal/ledger"
 	"github.com/amqpidem/amqpidem/test/chaos/internal/workload"
 )
@@ -85,6 +91,17 @@ type Config struct {
 	AllowCrash bool
 	// Logger receives the library's logs. Nil discards.
 	Logger *slog.Logger
+
+	// StoreDSN, when set, selects the PostgreSQL store (pgstore) at this
+	// DSN instead of Redis (RedisAddr is then unused): the records live in
+	// Schema there, next to the effects table EffectsTable, which the
+	// handler fills in pgstore's transaction (pg.go). Migrate must have
+	// run and the effects table must exist.
+	StoreDSN string
+	// StoreAppName is the application_name of the store's connections, so
+	// that a test can find (and terminate) exactly them. Default Name +
+	// "-store".
+	StoreAppName string
 }
 
 // Worker is one chaos consumer. Run it once; Shutdown stops it and closes
@@ -104,6 +121,10 @@ type Worker struct {
 	// consumer lives for minutes).
 	mu     sync.Mutex
 	leases map[leaseID]*leaseInfo
+
+	// pg mode (Config.StoreDSN): the store and its pool.
+	pgStore *pgstore.Store
+	pgPool  *pgxpool.Pool
 }
 
 type leaseID struct {
@@ -122,6 +143,9 @@ type planRef struct {
 	crash  string
 	op     string
 	execID string
+	// inserted: pg mode: the handler inserted its effect in the
+	// transaction (committed or not).
+	inserted bool
 }
 
 // New connects to the ledger and the store (checking it) and prepares the
@@ -130,8 +154,8 @@ func New(ctx context.Context, cfg Config) (*Worker, error) {
 	switch {
 	case cfg.Name == "":
 		return nil, errors.New("worker: Config.Name is required")
-	case cfg.AMQPURL == "" || cfg.RedisAddr == "" || cfg.PGDSN == "" || cfg.Schema == "":
-		return nil, errors.New("worker: Config.AMQPURL, RedisAddr, PGDSN and Schema are required")
+	case cfg.AMQPURL == "" || (cfg.RedisAddr == "" && cfg.StoreDSN == "") || cfg.PGDSN == "" || cfg.Schema == "":
+		return nil, errors.New("worker: Config.AMQPURL, RedisAddr (or StoreDSN), PGDSN and Schema are required")
 	}
 	if cfg.Heartbeat == 0 {
 		cfg.Heartbeat = DefaultHeartbeat
@@ -204,25 +228,40 @@ func New(ctx context.Context, cfg Config) (*Worker, error) {
 		}
 	}
 
-	w.rdb = redis.NewClient(&redis.Options{
-		Addr:                  cfg.RedisAddr,
-		DialTimeout:           cfg.RedisTimeout,
-		ReadTimeout:           cfg.RedisTimeout,
-		WriteTimeout:          cfg.RedisTimeout,
-		ContextTimeoutEnabled: true,
-	})
-	closers = append(closers, func() { _ = w.rdb.Close() })
-	rs, err := lock.NewRedisStore(w.rdb, lock.Config{
-		Prefix:   cfg.Prefix,
-		LeaseTTL: cfg.StoreLeaseTTL,
-		Logger:   cfg.Logger,
-	})
-	if err != nil {
-		return nil, err
+	var (
+		st      lock.Store
+		handler amqpidem.Handler
+		check   func(context.Context) error
+	)
+	if cfg.StoreDSN != "" {
+		s, h, closePG, err := w.openPG(cctx)
+		if err != nil {
+			return nil, err
+		}
+		closers = append(closers, closePG)
+		st, handler, check = s, h, w.pgStore.Check
+	} else {
+		w.rdb = redis.NewClient(&redis.Options{
+			Addr:                  cfg.RedisAddr,
+			DialTimeout:           cfg.RedisTimeout,
+			ReadTimeout:           cfg.RedisTimeout,
+			WriteTimeout:          cfg.RedisTimeout,
+			ContextTimeoutEnabled: true,
+		})
+		closers = append(closers, func() { _ = w.rdb.Close() })
+		rs, err := lock.NewRedisStore(w.rdb, lock.Config{
+			Prefix:   cfg.Prefix,
+			LeaseTTL: cfg.StoreLeaseTTL,
+			Logger:   cfg.Logger,
+		})
+		if err != nil {
+			return nil, err
+		}
+		st, handler, check = &store{Store: rs, w: w}, amqpidem.HandlerFunc(w.handle), rs.Check
 	}
 
 	hb := cfg.Heartbeat
-	w.consumer, err = amqpidem.NewConsumer(&store{Store: rs, w: w}, amqpidem.ConsumerConfig{
+	w.consumer, err = amqpidem.NewConsumer(st, amqpidem.ConsumerConfig{
 		Config:      acfg,
 		Prefetch:    cfg.Prefetch,
 		Concurrency: cfg.Concurrency,
@@ -242,13 +281,13 @@ func New(ctx context.Context, cfg Config) (*Worker, error) {
 			b.Reset()
 			return b
 		},
-	}, amqpidem.HandlerFunc(w.handle))
+	}, handler)
 	if err != nil {
 		return nil, err
 	}
 	closers = append(closers, func() { _ = w.consumer.Shutdown(context.Background()) })
 
-	if err := rs.Check(cctx); err != nil {
+	if err := check(cctx); err != nil {
 		return nil, err
 	}
 	ok = true
@@ -259,11 +298,17 @@ func New(ctx context.Context, cfg Config) (*Worker, error) {
 func (w *Worker) Run(ctx context.Context) error { return w.consumer.Run(ctx) }
 
 // Shutdown stops consuming (amqpidem.Consumer.Shutdown) and closes the
-// ledger, the Redis client and the event log.
+// ledger, the store's client and the event log.
 func (w *Worker) Shutdown(ctx context.Context) error {
 	err := w.consumer.Shutdown(ctx)
 	w.led.Close()
-	w.rdb.Close()
+	if w.rdb != nil {
+		w.rdb.Close()
+	}
+	if w.pgStore != nil {
+		w.pgStore.Close()
+		w.pgPool.Close()
+	}
 	if w.events != nil {
 		err = errors.Join(err, w.events.close())
 	}

@@ -18,6 +18,16 @@ const (
 	AfterEffect = "after-effect"
 	// AfterComplete: the record is completed; the delivery is not acked.
 	AfterComplete = "after-complete"
+
+	// The windows of a worker on pgstore, whose handler completes the
+	// record in the transaction of its effect (see worker's pg mode).
+
+	// InTx: the effect is inserted, the transaction (effect and completed
+	// record) is not committed yet.
+	InTx = "in-tx"
+	// AfterCommit: the transaction is committed (effect and completed
+	// record together); the delivery is not acked.
+	AfterCommit = "after-commit"
 )
 
 // Plan is what the chaos handler does with one message. It travels as the
