@@ -42,7 +42,9 @@ type Completer interface {
 	Handler
 	// CompleterStore is the store whose records HandleComplete completes.
 	// It must be the store the Consumer or Wrapper was made with;
-	// NewConsumer and Wrap refuse another.
+	// NewConsumer and Wrap refuse another. A program that wraps the store
+	// (to count its calls, say) wraps the Completer too, returning the
+	// wrapped store here.
 	CompleterStore() lock.Store
 	// HandleComplete does the work of d in a transaction and, in that same
 	// transaction, after the work, completes the record of lease with
