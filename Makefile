@@ -54,7 +54,7 @@ demo:
 
 # chaos runs every fault-injection scenario of test/chaos at full size
 # (CHAOS_FULL=1), scenario 6 included (it lowers the broker's consumer
-# timeout for a minute and restores it): about 7.5 minutes. `make test` runs
+# timeout for a minute and restores it): about 10 minutes. `make test` runs
 # the same scenarios at short sizes. CHAOS_RESULTS=file also appends the
 # scenario lines to file.
 chaos: services
