@@ -145,3 +145,18 @@ func TestCompleterOfAnotherStore(t *testing.T) {
 func constantBackoff(d time.Duration) func() backoff.BackOff {
 	return func() backoff.BackOff { return backoff.NewConstantBackOff(d) }
 }
+
+// mapStore is a store of a type that cannot be compared.
+type mapStore struct {
+	lock.Store
+	m map[string]int
+}
+
+func TestCompleterStoreNotComparable(t *testing.T) {
+	mem, _ := lock.NewMemoryStore(lock.Config{})
+	a, b := mapStore{mem, map[string]int{}}, mapStore{mem, map[string]int{}}
+	h := &fakeCompleter{store: mem, owner: b, work: func() ([]byte, error) { return nil, nil }}
+	if _, err := newProcessor(a, Config{Queue: "q"}, h); err == nil {
+		t.Fatal("newProcessor with stores that cannot be compared: nil error, want a refusal (and no panic)")
+	}
+}

@@ -69,7 +69,7 @@ func newProcessor(store lock.Store, cfg Config, h Handler) (processor, error) {
 	if err := cfg.Validate(); err != nil {
 		return processor{}, err
 	}
-	if c, ok := h.(Completer); ok && c.CompleterStore() != store {
+	if c, ok := h.(Completer); ok && !sameStore(c.CompleterStore(), store) {
 		return processor{}, errors.New("amqpidem: the handler completes records in another store than the one given (a Completer's CompleterStore must be the Consumer's or Wrapper's store)")
 	}
 	cfg = cfg.withDefaults()
@@ -92,6 +92,18 @@ func newProcessor(store lock.Store, cfg Config, h Handler) (processor, error) {
 		return processor{}, err
 	}
 	return processor{cfg: cfg, store: store, keeper: keeper, handler: h}, nil
+}
+
+// sameStore reports whether a and b are the same store. Stores of a type
+// that cannot be compared (a struct holding a map, say) are never the same,
+// rather than a panic.
+func sameStore(a, b lock.Store) (same bool) {
+	defer func() {
+		if recover() != nil {
+			same = false
+		}
+	}()
+	return a == b
 }
 
 // cleanUpWhenUnreachable shuts k down, and closes pub's idle channels if
