@@ -76,7 +76,8 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 				SET deadline = clock_timestamp() + x.ttl * interval '1 millisecond',
 					expires_at = clock_timestamp() + (x.ttl + x.ret) * interval '1 millisecond'
 				FROM x
-				WHERE t.ns = $1 AND t.key = x.key AND t.key IN (SELECT key FROM held)
+				WHERE t.ns = $1 AND t.key = x.key AND t.owner = x.owner AND t.fence = x.fence
+					AND t.key IN (SELECT key FROM held)
 				RETURNING t.key, t.owner, t.fence`,
 			// Which of the leases Extend did not renew are still held: their
 			// rows were locked by another transaction (the handler's own

@@ -441,3 +441,24 @@ func TestMigrateRefusesOtherFormat(t *testing.T) {
 		t.Fatal("Check of a table of format 0: nil error")
 	}
 }
+
+// TestExtendStaleAndCurrentLeaseOfOneKey: one batch holding a lease taken
+// over and the lease that took it over renews the second only.
+func TestExtendStaleAndCurrentLeaseOfOneKey(t *testing.T) {
+	pool := pgenv.Pool(t, 4)
+	s := newStore(t, pool, schema(t, pool, pgstore.Config{CleanupInterval: -1}))
+	ctx := context.Background()
+	old, err := s.Acquire(ctx, lock.Request{Key: "k", TTL: 20 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(50 * time.Millisecond)
+	cur, err := s.Acquire(ctx, lock.Request{Key: "k", TTL: time.Minute})
+	if err != nil || cur.Status != lock.Acquired {
+		t.Fatalf("takeover: %+v, %v", cur, err)
+	}
+	errs := s.Extend(ctx, old.Lease, cur.Lease, old.Lease)
+	if !errors.Is(errs[0], lock.ErrLeaseLost) || errs[1] != nil || !errors.Is(errs[2], lock.ErrLeaseLost) {
+		t.Fatalf("Extend(stale, current, stale): %v; want [lost, nil, lost]", errs)
+	}
+}
