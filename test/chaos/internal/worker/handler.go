@@ -19,22 +19,7 @@ import (
 // already wrote: the handler returns success, and the store refuses its
 // Complete.
 func (w *Worker) handle(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
-	info, _ := amqpidem.FromContext(ctx)
-	op := ledger.OpID(info.Key)
-	plan := workload.ParsePlan(d.Body)
-	execID := fmt.Sprintf("%s.%d.%d", w.cfg.Name, w.pid, w.seq.Add(1))
-	acquired := w.attach(info.Key, info.Fence, planRef{crash: plan.Crash, op: op, execID: execID})
-
-	hdr := -1
-	if v, ok := d.Headers[amqpidem.HeaderAttempt]; ok {
-		hdr = headerInt(v)
-	}
-	lctx, cancel := ledgerCtx()
-	err := w.led.Start(lctx, ledger.Execution{
-		ExecID: execID, OpID: op, Consumer: w.cfg.Name, PID: w.pid,
-		Attempt: info.Attempt, Fence: info.Fence, HeaderAttempt: hdr, Acquired: acquired,
-	})
-	cancel()
+	info, op, plan, execID, err := w.start(ctx, d)
 	if err != nil {
 		return nil, err
 	}
@@ -74,7 +59,7 @@ func (w *Worker) handle(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
 		result = "cancelled"
 		return nil, context.Cause(ctx)
 	}
-	lctx, cancel = ledgerCtx()
+	lctx, cancel := ledgerCtx()
 	out, err := w.led.Apply(lctx, op, execID, info.Fence)
 	cancel()
 	if err != nil {
@@ -166,4 +151,27 @@ func headerInt(v any) int {
 		return int(v)
 	}
 	return -2
+}
+
+// start logs the start of an execution of d in the ledger and returns what
+// the handler goes on with: the execution's Info, operation id, plan and
+// execution id.
+func (w *Worker) start(ctx context.Context, d *amqp.Delivery) (amqpidem.Info, string, workload.Plan, string, error) {
+	info, _ := amqpidem.FromContext(ctx)
+	op := ledger.OpID(info.Key)
+	plan := workload.ParsePlan(d.Body)
+	execID := fmt.Sprintf("%s.%d.%d", w.cfg.Name, w.pid, w.seq.Add(1))
+	acquired := w.attach(info.Key, info.Fence, planRef{crash: plan.Crash, op: op, execID: execID})
+
+	hdr := -1
+	if v, ok := d.Headers[amqpidem.HeaderAttempt]; ok {
+		hdr = headerInt(v)
+	}
+	lctx, cancel := ledgerCtx()
+	defer cancel()
+	err := w.led.Start(lctx, ledger.Execution{
+		ExecID: execID, OpID: op, Consumer: w.cfg.Name, PID: w.pid,
+		Attempt: info.Attempt, Fence: info.Fence, HeaderAttempt: hdr, Acquired: acquired,
+	})
+	return info, op, plan, execID, err
 }

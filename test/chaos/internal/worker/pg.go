@@ -101,22 +101,7 @@ func (w *Worker) openPG(ctx context.Context) (lock.Store, amqpidem.Handler, func
 // back is still counted), follows the message's plan, and inserts its
 // effect in tx.
 func (w *Worker) handleTx(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
-	info, _ := amqpidem.FromContext(ctx)
-	op := ledger.OpID(info.Key)
-	plan := workload.ParsePlan(d.Body)
-	execID := fmt.Sprintf("%s.%d.%d", w.cfg.Name, w.pid, w.seq.Add(1))
-	acquired := w.attach(info.Key, info.Fence, planRef{crash: plan.Crash, op: op, execID: execID})
-
-	hdr := -1
-	if v, ok := d.Headers[amqpidem.HeaderAttempt]; ok {
-		hdr = headerInt(v)
-	}
-	lctx, cancel := ledgerCtx()
-	err := w.led.Start(lctx, ledger.Execution{
-		ExecID: execID, OpID: op, Consumer: w.cfg.Name, PID: w.pid,
-		Attempt: info.Attempt, Fence: info.Fence, HeaderAttempt: hdr, Acquired: acquired,
-	})
-	cancel()
+	info, op, plan, execID, err := w.start(ctx, d)
 	if err != nil {
 		return nil, err
 	}
