@@ -30,6 +30,8 @@ type memRecord struct {
 	fingerprint string
 	value       []byte
 	expires     time.Time
+	created     time.Time
+	ended       time.Time // zero until the first outcome
 }
 
 var _ Store = (*MemoryStore)(nil)
@@ -85,7 +87,7 @@ func (m *MemoryStore) Acquire(ctx context.Context, req Request) (Result, error) 
 	now := m.cfg.Now()
 	r := m.get(req.Key, now)
 	if r == nil {
-		r = &memRecord{fingerprint: req.Fingerprint}
+		r = &memRecord{fingerprint: req.Fingerprint, created: now}
 		m.records[req.Key] = r
 	} else {
 		res := Result{Fence: r.fence, Attempts: r.attempts}
@@ -187,7 +189,7 @@ func (m *MemoryStore) finish(ctx context.Context, l Lease, op string, state byte
 	case r == nil || r.state != 'p':
 		return fmt.Errorf("%w: %s key %q fence %d", ErrLeaseLost, op, l.Key, l.Fence)
 	}
-	r.state, r.deadline = state, time.Time{}
+	r.state, r.deadline, r.ended = state, time.Time{}, now
 	switch state {
 	case 'c', 'f':
 		r.value = value
@@ -196,5 +198,56 @@ func (m *MemoryStore) finish(ctx context.Context, l Lease, op string, state byte
 	}
 	r.expires = now.Add(l.Retention)
 	m.wrote(now)
+	return nil
+}
+
+var _ Admin = (*MemoryStore)(nil)
+
+// Inspect returns key's record. Location is "memory".
+func (m *MemoryStore) Inspect(ctx context.Context, key string) (Record, error) {
+	if err := checkKey(key); err != nil {
+		return Record{}, err
+	}
+	if err := ctx.Err(); err != nil {
+		return Record{}, err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	now := m.cfg.Now()
+	r := m.get(key, now)
+	if r == nil {
+		return Record{}, fmt.Errorf("%w: key %q", ErrNotFound, key)
+	}
+	rec := Record{Key: key, State: stateOf(r.state), Owner: r.owner, Fence: r.fence, Attempts: r.attempts,
+		Fingerprint: r.fingerprint, Created: r.created, Ended: r.ended, ExpiresIn: r.expires.Sub(now), Location: "memory"}
+	switch r.state {
+	case 'p':
+		rec.LeaseLeft = max(r.deadline.Sub(now), 0)
+	case 'c':
+		rec.Value = append([]byte(nil), r.value...)
+	case 'f':
+		rec.Error = string(r.value)
+	}
+	return rec, nil
+}
+
+// Forget deletes key's record if it is still in state with fence.
+func (m *MemoryStore) Forget(ctx context.Context, key string, state State, fence int64) error {
+	if err := checkKey(key); err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	r := m.get(key, m.cfg.Now())
+	switch {
+	case r == nil:
+		return fmt.Errorf("%w: key %q", ErrNotFound, key)
+	case r.state != state.Letter() || r.fence != fence:
+		return fmt.Errorf("%w: key %q is no longer %s with fence %d; inspect it again", ErrChanged, key, state, fence)
+	}
+	delete(m.records, key)
 	return nil
 }
