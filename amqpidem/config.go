@@ -220,8 +220,15 @@ type Config struct {
 	// slog.New(slog.DiscardHandler). The store and the heartbeat keeper
 	// log with their own Config.Logger; amqpidem gives the keeper this one.
 	Logger *slog.Logger
-	// Observer is told every outcome, for metrics. Nil: none.
+	// Observer is told every outcome, for metrics. Nil: none. An Observer
+	// that is also a HandlerObserver is told when handlers start and
+	// return; one that is also a StoreObserver, of every store call.
+	// Observers combines several.
 	Observer Observer
+	// Tracer follows each delivery, for distributed tracing: it may give
+	// the handler's context a span and add trace headers to the copies
+	// amqpidem publishes. Nil: none.
+	Tracer Tracer
 }
 
 // Validate reports the first invalid field, by name.

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -166,6 +167,8 @@ type Consumer struct {
 	done     chan struct{}
 	running  chan struct{} // closed when Run starts
 	runOnce  sync.Once
+	// consuming is set while a session consumes (see Ready).
+	consuming atomic.Bool
 
 	// tasks counts the goroutines Run starts: the workers that run the
 	// handlers (of every session, dead or alive), the cleanups of dead
@@ -335,7 +338,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 // checkStore runs the store's Check, if it has one, in the background;
 // ctx bounds it.
 func (c *Consumer) checkStore(ctx context.Context) {
-	s, ok := c.proc.store.(interface{ Check(context.Context) error })
+	s, ok := c.proc.given.(interface{ Check(context.Context) error })
 	if !ok {
 		return
 	}
@@ -479,6 +482,8 @@ func (c *Consumer) session(ctx, base context.Context) error {
 	if err != nil {
 		return c.setupError(stepConsume, err)
 	}
+	c.consuming.Store(true)
+	defer c.consuming.Store(false)
 	c.proc.cfg.Logger.InfoContext(ctx, "amqpidem: consuming", "queue", c.cfg.Queue,
 		"prefetch", c.cfg.Prefetch, "concurrency", c.cfg.Concurrency)
 
@@ -670,4 +675,30 @@ func (c *Consumer) Shutdown(ctx context.Context) error {
 	kctx, cancel := settleContext(ctx)
 	defer cancel()
 	return errors.Join(err, c.proc.keeper.Shutdown(kctx))
+}
+
+// ErrNotReady is what Ready returns, wrapped with the reason, when the
+// Consumer cannot take work now.
+var ErrNotReady = errors.New("amqpidem: not ready")
+
+// Ready reports whether c can take work now: a session with the broker is
+// consuming Queue, and the store answers. The store is pinged within ctx
+// when it has a Ping(context.Context) error method (lock's stores and
+// pgstore's do); a store without one is taken to answer. Ready returns nil
+// or an error wrapping ErrNotReady that says which does not hold; serve it
+// as a readiness check (a Consumer that is reconnecting is alive but not
+// ready). It is cheap: one store round trip.
+func (c *Consumer) Ready(ctx context.Context) error {
+	switch {
+	case c.isStopping():
+		return fmt.Errorf("%w: consumer of %q stopping", ErrNotReady, c.cfg.Queue)
+	case !c.consuming.Load():
+		return fmt.Errorf("%w: not consuming %q (not started, or reconnecting to the broker)", ErrNotReady, c.cfg.Queue)
+	}
+	if s, ok := c.proc.given.(interface{ Ping(context.Context) error }); ok {
+		if err := s.Ping(ctx); err != nil {
+			return fmt.Errorf("%w: store: %w", ErrNotReady, err)
+		}
+	}
+	return nil
 }

@@ -33,7 +33,8 @@ type broker interface {
 // It is shared by Wrapper and Consumer; safe for concurrent use.
 type processor struct {
 	cfg     Config
-	store   lock.Store
+	store   lock.Store // given, wrapped to report its calls to a StoreObserver
+	given   lock.Store // the store as NewConsumer or Wrap was given it
 	keeper  *heartbeat.Keeper
 	handler Handler
 
@@ -87,6 +88,8 @@ var errNotStarted = errors.New("amqpidem: consumer stopping before the handler s
 func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *ticket) (ev Event) {
 	start := time.Now()
 	ev.Queue, ev.Consumer = p.cfg.Queue, p.cfg.ConsumerName
+	ev.Published = publishedAt(d)
+	ctx = p.startTrace(ctx, d)
 	defer func() {
 		ev.Total = time.Since(start)
 		p.report(ctx, ev)
@@ -319,9 +322,7 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 		p.runCompleter(ctx, hctx, b, d, ev, c, lease, attempt, sl, stop)
 		return
 	}
-	t0 := time.Now()
-	result, err := call(hctx, p.handler, handlerDelivery(d))
-	ev.Handler = time.Since(t0)
+	result, err := p.callHandler(hctx, ev, d)
 	sl.free()
 
 	if err == nil && len(result) > p.cfg.MaxResultSize {
@@ -379,9 +380,9 @@ func (p *processor) runCompleter(ctx, hctx context.Context, b broker, d *amqp.De
 		}
 		return encodeResult(d.ReplyTo, result), nil
 	}
-	t0 := time.Now()
-	result, err := recovered(func() ([]byte, error) { return c.HandleComplete(hctx, handlerDelivery(d), lease, value) })
-	ev.Handler = time.Since(t0)
+	result, err := p.timeHandler(hctx, ev, func() ([]byte, error) {
+		return recovered(func() ([]byte, error) { return c.HandleComplete(hctx, handlerDelivery(d), lease, value) })
+	})
 	sl.free()
 	switch {
 	case err == nil:
@@ -595,9 +596,7 @@ func (p *processor) runUnkeyed(ctx context.Context, b broker, d *amqp.Delivery, 
 		hctx, cancel = context.WithTimeoutCause(hctx, p.cfg.HandlerTimeout, ErrHandlerTimeout)
 		defer cancel()
 	}
-	t0 := time.Now()
-	result, err := call(hctx, p.handler, handlerDelivery(d))
-	ev.Handler = time.Since(t0)
+	result, err := p.callHandler(hctx, ev, d)
 	sl.free()
 	if err == nil {
 		if err := p.reply(ctx, b, d, result, ev); err != nil {
@@ -679,6 +678,7 @@ func (p *processor) requeueWith(ctx context.Context, b broker, d *amqp.Delivery,
 	if pending != "" {
 		extra[HeaderDeadLetterPending] = headerText(pending)
 	}
+	p.inject(ctx, extra)
 	if p.sendBack(ctx, b, d, ev, delay, extra) {
 		p.ack(d, ev, o)
 	}
@@ -744,6 +744,7 @@ func (p *processor) deadLetter(ctx context.Context, b broker, d *amqp.Delivery, 
 		HeaderKey:      headerText(ev.Key),
 	})
 	delete(msg.Headers, HeaderDeadLetterPending)
+	p.inject(ctx, msg.Headers)
 	exchange, key := p.cfg.DeadLetterExchange, p.cfg.DeadLetterRoutingKey
 	ownQueue := exchange == "" && key == p.cfg.Queue+".dlq"
 	var err error
@@ -778,12 +779,17 @@ func (p *processor) reply(ctx context.Context, b broker, d *amqp.Delivery, resul
 	}
 	sctx, cancel := settleContext(ctx)
 	defer cancel()
-	err := b.publish(sctx, "", d.ReplyTo, amqp.Publishing{
+	msg := amqp.Publishing{
 		CorrelationId: d.CorrelationId,
 		ContentType:   d.ContentType,
 		Timestamp:     time.Now(),
 		Body:          result,
-	})
+	}
+	if p.cfg.Tracer != nil {
+		msg.Headers = amqp.Table{}
+		p.inject(ctx, msg.Headers)
+	}
+	err := b.publish(sctx, "", d.ReplyTo, msg)
 	if errors.Is(err, ErrUnroutable) {
 		ev.Err = errors.Join(ev.Err, fmt.Errorf("amqpidem: reply to %q dropped: %w", d.ReplyTo, err))
 		return nil
@@ -841,6 +847,28 @@ func (p *processor) report(ctx context.Context, ev Event) {
 	if p.cfg.Observer != nil {
 		p.observe(ctx, ev)
 	}
+	if p.cfg.Tracer != nil {
+		defer p.recoverHook(ctx, "Tracer.End")
+		p.cfg.Tracer.End(ctx, ev)
+	}
+}
+
+// callHandler runs the handler on d, timed into ev.Handler, and tells a
+// HandlerObserver.
+func (p *processor) callHandler(hctx context.Context, ev *Event, d *amqp.Delivery) ([]byte, error) {
+	return p.timeHandler(hctx, ev, func() ([]byte, error) { return call(hctx, p.handler, handlerDelivery(d)) })
+}
+
+// timeHandler runs f, a handler's call that recovers its panics, timed
+// into ev.Handler, and tells a HandlerObserver.
+func (p *processor) timeHandler(hctx context.Context, ev *Event, f func() ([]byte, error)) ([]byte, error) {
+	info, _ := FromContext(hctx)
+	p.handlerStarted(hctx, info)
+	t0 := time.Now()
+	result, err := f()
+	ev.Handler = time.Since(t0)
+	p.handlerEnded(hctx, info)
+	return result, err
 }
 
 // observe tells the Observer of ev; a panic in it is logged, not spread.

@@ -3,6 +3,7 @@ package amqpidem
 import (
 	"context"
 	"fmt"
+	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
@@ -43,6 +44,18 @@ func (p *Publisher) Publish(ctx context.Context, exchange, key string, msg amqp.
 	}
 	if msg.DeliveryMode == 0 {
 		msg.DeliveryMode = amqp.Persistent
+	}
+	now := time.Now()
+	if msg.Timestamp.IsZero() {
+		msg.Timestamp = now
+	}
+	if _, ok := msg.Headers[HeaderTimestampMillis]; !ok {
+		h := make(amqp.Table, len(msg.Headers)+1)
+		for k, v := range msg.Headers {
+			h[k] = v
+		}
+		h[HeaderTimestampMillis] = now.UnixMilli()
+		msg.Headers = h
 	}
 	return p.p.publish(ctx, exchange, key, msg)
 }

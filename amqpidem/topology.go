@@ -110,6 +110,13 @@ func delayQueue(queue, queueType string, d time.Duration) string {
 	return queue + infix + strconv.FormatInt(d.Milliseconds(), 10)
 }
 
+// DelayTier is the delay a requeue asked to wait d actually waits: the
+// delay of the queue "<Queue>.delay.<ms>" (or ".delayq.") it goes
+// through. Delays are rounded to two significant digits of milliseconds,
+// at least 10 ms, so there are at most 90 tiers per decade: a bounded
+// label for metrics.
+func DelayTier(d time.Duration) time.Duration { return delayTier(d) }
+
 // delayTier rounds d to two significant digits of milliseconds (at least
 // 10 ms), so that jittered backoffs share a bounded set of delay queues
 // (at most 90 per decade) while staying within 5% of what was asked.

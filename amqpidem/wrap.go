@@ -87,11 +87,15 @@ func newProcessor(store lock.Store, cfg Config, h Handler) (processor, error) {
 		return processor{}, fmt.Errorf("amqpidem: Config.MaxResultSize %d is above what the store keeps: %d bytes less the %d amqpidem adds (ResultOverhead)",
 			cfg.MaxResultSize, limit, ResultOverhead)
 	}
+	given := store
+	if o, ok := cfg.Observer.(StoreObserver); ok {
+		store = &observedStore{Store: store, queue: cfg.Queue, obs: o, log: cfg.Logger}
+	}
 	keeper, err := heartbeat.New(store, heartbeat.Config{SafetyMargin: cfg.SafetyMargin, Logger: cfg.Logger})
 	if err != nil {
 		return processor{}, err
 	}
-	return processor{cfg: cfg, store: store, keeper: keeper, handler: h}, nil
+	return processor{cfg: cfg, store: store, given: given, keeper: keeper, handler: h}, nil
 }
 
 // sameStore reports whether a and b are the same store. Stores of a type

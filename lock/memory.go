@@ -44,6 +44,9 @@ func NewMemoryStore(cfg Config) (*MemoryStore, error) {
 	return &MemoryStore{cfg: cfg.WithDefaults(), records: make(map[string]*memRecord)}, nil
 }
 
+// Ping answers nil: the store is in memory.
+func (m *MemoryStore) Ping(ctx context.Context) error { return nil }
+
 // MaxResultSize is the largest result Complete accepts, in bytes.
 func (m *MemoryStore) MaxResultSize() int { return m.cfg.MaxResultSize }
 

@@ -1,0 +1,231 @@
+package amqpidem
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"runtime/debug"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// Tracer follows each delivery from the start of its processing to its
+// end, for distributed tracing (package otelamqpidem has one for
+// OpenTelemetry). Set it in Config.Tracer. Its methods are called from
+// the processing goroutines and must be safe for concurrent use; a panic
+// in one is logged, not spread.
+type Tracer interface {
+	// Start is called once per delivery, before its key's record is read.
+	// The context it returns is the delivery's from then on: the store
+	// calls, the handler's context (derived from it), the copies published
+	// and End all get it.
+	Start(ctx context.Context, d *amqp.Delivery) context.Context
+	// Inject adds the trace context of ctx to the headers of a message
+	// amqpidem publishes on the delivery's behalf: a delayed or immediate
+	// requeue, a dead letter, a reply. The copies carry the delivery's
+	// headers already; Inject may overwrite them.
+	Inject(ctx context.Context, headers amqp.Table)
+	// End is called once per Start, after the delivery was settled, with
+	// the Event the Observer gets.
+	End(ctx context.Context, e Event)
+}
+
+// HandlerObserver is an Observer that is also told when a handler starts
+// and returns (for an in-flight gauge). Both are called on the handler's
+// goroutine, with the handler's context and Info.
+type HandlerObserver interface {
+	Observer
+	HandlerStarted(ctx context.Context, info Info)
+	HandlerEnded(ctx context.Context, info Info)
+}
+
+// StoreCall describes one call amqpidem made to its lock.Store.
+type StoreCall struct {
+	Queue string // Config.Queue
+	// Op is "acquire", "extend", "complete", "fail", "release" or
+	// "cancel". A Completer's own completion, in its transaction, is not
+	// a call amqpidem makes and is not reported.
+	Op string
+	// Leases is how many leases the call was about: the batch size of an
+	// extend (the heartbeat renews every held lease in one call), else 1.
+	Leases int
+	// Lost is how many of them the store reported no longer held
+	// (lock.ErrLeaseLost).
+	Lost int
+	// Duration is how long the call took.
+	Duration time.Duration
+	// Err is the call's first error other than lock.ErrLeaseLost (a store
+	// that could not answer, say); nil when it answered.
+	Err error
+}
+
+// StoreObserver is an Observer that is also told of every call amqpidem
+// makes to its store, the heartbeat's renewals included. ObserveStore is
+// called synchronously after the call and must be fast.
+type StoreObserver interface {
+	Observer
+	ObserveStore(ctx context.Context, c StoreCall)
+}
+
+// Observers returns an Observer that tells each of obs, in order, what it
+// is told: Observe, and HandlerStarted, HandlerEnded and ObserveStore to
+// those of obs that implement them. Nil entries are skipped.
+func Observers(obs ...Observer) Observer {
+	var m multiObserver
+	for _, o := range obs {
+		if o != nil {
+			m = append(m, o)
+		}
+	}
+	return m
+}
+
+type multiObserver []Observer
+
+func (m multiObserver) Observe(ctx context.Context, e Event) {
+	for _, o := range m {
+		o.Observe(ctx, e)
+	}
+}
+
+func (m multiObserver) HandlerStarted(ctx context.Context, info Info) {
+	for _, o := range m {
+		if h, ok := o.(HandlerObserver); ok {
+			h.HandlerStarted(ctx, info)
+		}
+	}
+}
+
+func (m multiObserver) HandlerEnded(ctx context.Context, info Info) {
+	for _, o := range m {
+		if h, ok := o.(HandlerObserver); ok {
+			h.HandlerEnded(ctx, info)
+		}
+	}
+}
+
+func (m multiObserver) ObserveStore(ctx context.Context, c StoreCall) {
+	for _, o := range m {
+		if s, ok := o.(StoreObserver); ok {
+			s.ObserveStore(ctx, c)
+		}
+	}
+}
+
+// observedStore reports every call to its store to obs.
+type observedStore struct {
+	lock.Store
+	queue string
+	obs   StoreObserver
+	log   *slog.Logger
+}
+
+func (s *observedStore) report(ctx context.Context, op string, start time.Time, leases int, errs ...error) {
+	c := StoreCall{Queue: s.queue, Op: op, Leases: leases, Duration: time.Since(start)}
+	for _, err := range errs {
+		switch {
+		case err == nil:
+		case errors.Is(err, lock.ErrLeaseLost):
+			c.Lost++
+		case c.Err == nil:
+			c.Err = err
+		}
+	}
+	defer func() {
+		if v := recover(); v != nil {
+			s.log.ErrorContext(ctx, "amqpidem: Observer panicked", "queue", s.queue, "op", op,
+				"panic", v, "stack", string(debug.Stack()))
+		}
+	}()
+	s.obs.ObserveStore(ctx, c)
+}
+
+func (s *observedStore) Acquire(ctx context.Context, req lock.Request) (lock.Result, error) {
+	t := time.Now()
+	res, err := s.Store.Acquire(ctx, req)
+	s.report(ctx, "acquire", t, 1, err)
+	return res, err
+}
+
+func (s *observedStore) Extend(ctx context.Context, leases ...lock.Lease) []error {
+	t := time.Now()
+	errs := s.Store.Extend(ctx, leases...)
+	s.report(ctx, "extend", t, len(leases), errs...)
+	return errs
+}
+
+func (s *observedStore) Complete(ctx context.Context, lease lock.Lease, result []byte) error {
+	t := time.Now()
+	err := s.Store.Complete(ctx, lease, result)
+	s.report(ctx, "complete", t, 1, err)
+	return err
+}
+
+func (s *observedStore) Fail(ctx context.Context, lease lock.Lease, reason string) error {
+	t := time.Now()
+	err := s.Store.Fail(ctx, lease, reason)
+	s.report(ctx, "fail", t, 1, err)
+	return err
+}
+
+func (s *observedStore) Release(ctx context.Context, lease lock.Lease) error {
+	t := time.Now()
+	err := s.Store.Release(ctx, lease)
+	s.report(ctx, "release", t, 1, err)
+	return err
+}
+
+func (s *observedStore) Cancel(ctx context.Context, lease lock.Lease) error {
+	t := time.Now()
+	err := s.Store.Cancel(ctx, lease)
+	s.report(ctx, "cancel", t, 1, err)
+	return err
+}
+
+// startTrace starts the Tracer's follow-up of d, if there is a Tracer.
+func (p *processor) startTrace(ctx context.Context, d *amqp.Delivery) (out context.Context) {
+	if p.cfg.Tracer == nil {
+		return ctx
+	}
+	out = ctx
+	defer p.recoverHook(ctx, "Tracer.Start")
+	if c := p.cfg.Tracer.Start(ctx, d); c != nil {
+		out = c
+	}
+	return out
+}
+
+// inject lets the Tracer add the trace context to h, a copy's headers.
+func (p *processor) inject(ctx context.Context, h amqp.Table) {
+	if p.cfg.Tracer == nil || h == nil {
+		return
+	}
+	defer p.recoverHook(ctx, "Tracer.Inject")
+	p.cfg.Tracer.Inject(ctx, h)
+}
+
+// handlerStarted and handlerEnded tell a HandlerObserver about a handler.
+func (p *processor) handlerStarted(ctx context.Context, info Info) {
+	if h, ok := p.cfg.Observer.(HandlerObserver); ok {
+		defer p.recoverHook(ctx, "Observer.HandlerStarted")
+		h.HandlerStarted(ctx, info)
+	}
+}
+
+func (p *processor) handlerEnded(ctx context.Context, info Info) {
+	if h, ok := p.cfg.Observer.(HandlerObserver); ok {
+		defer p.recoverHook(ctx, "Observer.HandlerEnded")
+		h.HandlerEnded(ctx, info)
+	}
+}
+
+// recoverHook logs a panic of a user's hook (what) rather than spreading it.
+func (p *processor) recoverHook(ctx context.Context, what string) {
+	if v := recover(); v != nil {
+		p.cfg.Logger.ErrorContext(ctx, "amqpidem: "+what+" panicked", "queue", p.cfg.Queue,
+			"panic", v, "stack", string(debug.Stack()))
+	}
+}
