@@ -16,7 +16,11 @@
 // # Guarantees
 //
 // Store is a lock.Store with the Redis store's state machine, answers and
-// limits; it passes the same conformance suite (internal/storetest).
+// limits; it passes the same conformance suite (internal/storetest). It
+// also implements lock.Admin, for operators' tools: Inspect reads a record
+// by key (its Location names the table, namespace and key of the row), and
+// Forget deletes it compare-and-delete on the state and fence Inspect saw,
+// each in one statement.
 //
 //   - Atomic: each call is one statement. Acquire is a PL/pgSQL function
 //     that reads the record and writes it only by compare-and-set on the

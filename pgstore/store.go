@@ -118,6 +118,15 @@ func (s *Store) Close() {
 // MaxResultSize is the largest result Complete accepts, in bytes.
 func (s *Store) MaxResultSize() int { return s.cfg.MaxResultSize }
 
+// Ping checks that the database answers, for a readiness check (see
+// amqpidem.Consumer.Ready): one round trip on a pooled connection.
+func (s *Store) Ping(ctx context.Context) error {
+	if err := s.pool.Ping(ctx); err != nil {
+		return fmt.Errorf("pgstore: ping: %w", classify(err))
+	}
+	return nil
+}
+
 // Check verifies that the database answers and has what Migrate makes for
 // this Store's Config, in the format this package reads. amqpidem's
 // Consumer calls it once when Run starts, and logs what it returns.
