@@ -227,3 +227,14 @@ func acquireStatus(t *testing.T, s lock.Store, queue, key string, want lock.Stat
 		t.Fatalf("record of %q: %v %v, want %v", key, res.Status, err, want)
 	}
 }
+
+func TestStoredResult(t *testing.T) {
+	for _, replyTo := range []string{"", "replies"} {
+		if got := string(StoredResult(encodeResult(replyTo, []byte("receipt")))); got != "receipt" {
+			t.Errorf("reply-to %q: got %q", replyTo, got)
+		}
+	}
+	if got := string(StoredResult([]byte("raw"))); got != "raw" {
+		t.Errorf("a value of another form: got %q", got)
+	}
+}

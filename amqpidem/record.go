@@ -48,6 +48,15 @@ func decodeResult(v []byte, replyTo string) (result []byte, replyOK bool) {
 	return v, false
 }
 
+// StoredResult is the handler's result inside the value of a completed
+// record (lock.Record.Value): amqpidem stores it after at most
+// ResultOverhead bytes of its own. A value amqpidem did not write is
+// returned whole.
+func StoredResult(value []byte) []byte {
+	result, _ := decodeResult(value, "")
+	return result
+}
+
 func replyDigest(replyTo string) []byte {
 	sum := sha256.Sum256([]byte(replyTo))
 	return sum[:replyDigestLen]

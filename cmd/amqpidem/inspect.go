@@ -1,0 +1,222 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// keyFlags name the record of a key: the endpoint (Config.Endpoint,
+// default the queue) and the message key.
+type keyFlags struct {
+	queue    string
+	endpoint string
+}
+
+func (k *keyFlags) add(c *cobra.Command) {
+	c.Flags().StringVarP(&k.queue, "queue", "q", "", "the `queue` whose consumer keeps the record (its Config.Queue)")
+	c.Flags().StringVar(&k.endpoint, "endpoint", "", "the consumer's Config.Endpoint, when it is not the queue")
+}
+
+// storeKey is the store's key of the record of key.
+func (k *keyFlags) storeKey(key string) (string, error) {
+	ep := k.endpoint
+	if ep == "" {
+		ep = k.queue
+	}
+	if ep == "" {
+		return "", withCode(exitUsage, "--queue (or --endpoint) is required: records are kept per queue")
+	}
+	return amqpidem.StoreKey(ep, key), nil
+}
+
+func (k *keyFlags) name() string {
+	if k.endpoint != "" {
+		return k.endpoint
+	}
+	return k.queue
+}
+
+// recordJSON is a record as --json prints it.
+type recordJSON struct {
+	Key             string     `json:"key"`
+	Endpoint        string     `json:"endpoint"`
+	State           string     `json:"state"`
+	Attempts        int        `json:"attempts"`
+	Fence           int64      `json:"fence"`
+	Owner           string     `json:"owner,omitempty"`
+	Live            bool       `json:"live"`
+	LeaseLeftMS     int64      `json:"lease_left_ms"`
+	Created         *time.Time `json:"created,omitempty"`
+	Ended           *time.Time `json:"ended,omitempty"`
+	ExpiresInMS     int64      `json:"expires_in_ms"`
+	Result          *string    `json:"result,omitempty"`
+	ResultBytes     int        `json:"result_bytes,omitempty"`
+	ResultTruncated bool       `json:"result_truncated,omitempty"`
+	Error           string     `json:"error,omitempty"`
+	Location        string     `json:"location"`
+}
+
+func toJSON(k *keyFlags, key string, r lock.Record, maxBytes int) recordJSON {
+	j := recordJSON{Key: key, Endpoint: k.name(), State: string(r.State), Attempts: r.Attempts, Fence: r.Fence,
+		Owner: r.Owner, Live: r.Live(), LeaseLeftMS: r.LeaseLeft.Milliseconds(), Created: timePtr(r.Created),
+		Ended: timePtr(r.Ended), ExpiresInMS: r.ExpiresIn.Milliseconds(), Error: r.Error, Location: r.Location}
+	if r.State == lock.StateCompleted {
+		res := amqpidem.StoredResult(r.Value)
+		text, cut := shown(res, maxBytes)
+		j.Result, j.ResultBytes, j.ResultTruncated = &text, len(res), cut
+	}
+	return j
+}
+
+func newInspect(o *options) *cobra.Command {
+	var k keyFlags
+	maxBytes := 1024
+	c := &cobra.Command{
+		Use:   "inspect KEY --queue QUEUE",
+		Short: "Show the record of an idempotency key",
+		Long: `inspect shows what the store keeps for the message key KEY of a queue's
+consumer: its state (in_progress, completed, failed, released, cancelled),
+attempts, fencing token, the lease's owner and time left, when it was
+created and ended, when it expires, the stored result or error, and
+where it lives in the store.
+
+Exit code 3 when the key has no record (never seen, expired, forgotten).`,
+		Example: `  amqpidem inspect order-1042 --queue orders
+  amqpidem inspect order-1042 --queue orders --json`,
+		Args: exactArgs(1, "one KEY"),
+		RunE: func(c *cobra.Command, args []string) error {
+			skey, err := k.storeKey(args[0])
+			if err != nil {
+				return err
+			}
+			ctx, cancel := callContext(c, o)
+			defer cancel()
+			admin, closeStore, err := o.openStore(ctx)
+			if err != nil {
+				return err
+			}
+			defer closeStore()
+			r, err := admin.Inspect(ctx, skey)
+			if err != nil {
+				return o.storeError(args[0], &k, err)
+			}
+			j := toJSON(&k, args[0], r, maxBytes)
+			if o.json {
+				return printJSON(o.stdout, j)
+			}
+			rows := [][]string{
+				{"key", j.Key},
+				{"endpoint", j.Endpoint},
+				{"state", j.State},
+				{"attempts", strconv.Itoa(j.Attempts)},
+				{"fence", strconv.FormatInt(j.Fence, 10)},
+				{"lease", leaseText(r)},
+				{"created", when(r.Created)},
+				{"ended", when(r.Ended)},
+				{"expires in", r.ExpiresIn.Round(time.Millisecond).String()},
+			}
+			if j.Result != nil {
+				note := fmt.Sprintf(" (%d bytes)", j.ResultBytes)
+				if j.ResultTruncated {
+					note = fmt.Sprintf(" (first %d of %d bytes)", maxBytes, j.ResultBytes)
+				}
+				rows = append(rows, []string{"result", oneLine(*j.Result, maxBytes) + note})
+			}
+			if r.State == lock.StateFailed {
+				rows = append(rows, []string{"error", oneLine(r.Error, maxBytes)})
+			}
+			rows = append(rows, []string{"location", r.Location})
+			table(o.stdout, rows)
+			return nil
+		},
+	}
+	k.add(c)
+	c.Flags().IntVar(&maxBytes, "max-bytes", maxBytes, "show at most this many bytes of a stored result or error")
+	return c
+}
+
+// leaseText describes a record's lease for people.
+func leaseText(r lock.Record) string {
+	switch {
+	case r.Live():
+		return fmt.Sprintf("held, %v left, owner %s", r.LeaseLeft.Round(time.Millisecond), r.Owner)
+	case r.State == lock.StateInProgress:
+		return fmt.Sprintf("expired (owner %s); the next delivery takes it over", r.Owner)
+	}
+	return "none"
+}
+
+func newForget(o *options) *cobra.Command {
+	var k keyFlags
+	var force bool
+	c := &cobra.Command{
+		Use:   "forget KEY --queue QUEUE",
+		Short: "Delete the record of an idempotency key so that its work can run again",
+		Long: `forget deletes the record of the message key KEY, so that the next delivery
+of KEY runs the handler as a first execution. Use it for work that failed
+for good and was fixed, or a completed operation that must run again.
+
+It refuses a record whose lease is live (a consumer may be running the work
+right now; forgetting it lets a second one start) unless --force is given,
+and it deletes only the record it read: if the record changed meanwhile it
+deletes nothing and says so (exit code 4). Exit code 3 when there is no
+record.`,
+		Example: `  amqpidem forget payment-77 --queue payments`,
+		Args:    exactArgs(1, "one KEY"),
+		RunE: func(c *cobra.Command, args []string) error {
+			skey, err := k.storeKey(args[0])
+			if err != nil {
+				return err
+			}
+			ctx, cancel := callContext(c, o)
+			defer cancel()
+			admin, closeStore, err := o.openStore(ctx)
+			if err != nil {
+				return err
+			}
+			defer closeStore()
+			r, err := admin.Inspect(ctx, skey)
+			if err != nil {
+				return o.storeError(args[0], &k, err)
+			}
+			if r.Live() && !force {
+				return withCode(exitRefused, "key %q of %s: a lease is live (%v left, owner %s): a consumer may be running it now; --force forgets it anyway",
+					args[0], k.name(), r.LeaseLeft.Round(time.Millisecond), r.Owner)
+			}
+			if err := admin.Forget(ctx, skey, r.State, r.Fence); err != nil {
+				return o.storeError(args[0], &k, err)
+			}
+			if o.json {
+				return printJSON(o.stdout, struct {
+					Forgot recordJSON `json:"forgot"`
+				}{toJSON(&k, args[0], r, 1024)})
+			}
+			fmt.Fprintf(o.stdout, "forgot the %s record of %q on %s (attempts %d, fence %d): its next delivery runs the handler again\n",
+				r.State, args[0], k.name(), r.Attempts, r.Fence)
+			return nil
+		},
+	}
+	k.add(c)
+	c.Flags().BoolVar(&force, "force", false, "forget a record whose lease is live")
+	return c
+}
+
+// storeError turns a store's error about key into a message and exit code.
+func (o *options) storeError(key string, k *keyFlags, err error) error {
+	switch {
+	case errors.Is(err, lock.ErrNotFound):
+		return withCode(exitNotFound, "key %q of %s: no record in %s (never seen, expired, or forgotten; check --queue, --endpoint and --prefix)", key, k.name(), o.storeName())
+	case errors.Is(err, lock.ErrChanged):
+		return withCode(exitRefused, "key %q of %s: the record changed while this ran; nothing deleted: inspect it again", key, k.name())
+	case errors.Is(err, lock.ErrInvalidKey):
+		return withCode(exitUsage, "key %q: %w", key, err)
+	}
+	return withCode(exitFailed, "%s: %w", o.storeName(), err)
+}

@@ -1,0 +1,152 @@
+// Command amqpidem looks into and repairs what an amqpidem consumer keeps:
+// the record of an idempotency key (inspect, forget) and the dead letters
+// of a queue (dlq list, dlq replay). Run "amqpidem --help" for the
+// commands, "amqpidem <command> --help" for one.
+//
+// Exit codes: 0 done; 1 failed (a service could not be reached, a publish
+// was not confirmed); 2 bad usage; 3 nothing found (no record, no
+// matching dead letter); 4 refused (a live lease without --force, a record
+// that changed meanwhile, dead letters left in place).
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+)
+
+// Exit codes.
+const (
+	exitOK       = 0
+	exitFailed   = 1
+	exitUsage    = 2
+	exitNotFound = 3
+	exitRefused  = 4
+)
+
+// codeError is an error with the exit code it ends the command with.
+type codeError struct {
+	code int
+	err  error
+}
+
+func (e *codeError) Error() string { return e.err.Error() }
+func (e *codeError) Unwrap() error { return e.err }
+
+func withCode(code int, format string, args ...any) error {
+	return &codeError{code: code, err: fmt.Errorf(format, args...)}
+}
+
+// options are the flags every command takes.
+type options struct {
+	redisURL string
+	pgDSN    string
+	pgSchema string
+	pgTable  string
+	prefix   string
+	amqpURL  string
+	json     bool
+	timeout  time.Duration
+
+	stdout, stderr io.Writer
+	progress       bool // stderr is a terminal: show progress
+}
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+// run runs the command line args and returns the exit code.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	o := &options{stdout: stdout, stderr: stderr, progress: isTerminal(stderr)}
+	root := newRoot(o)
+	root.SetArgs(args)
+	root.SetOut(stdout)
+	root.SetErr(stderr)
+	err := root.ExecuteContext(ctx)
+	if err == nil {
+		return exitOK
+	}
+	fmt.Fprintln(stderr, "amqpidem:", err)
+	var ce *codeError
+	if errors.As(err, &ce) {
+		return ce.code
+	}
+	// Cobra's own errors are about the command line: unknown command or
+	// flag, wrong number of arguments.
+	return exitUsage
+}
+
+func newRoot(o *options) *cobra.Command {
+	root := &cobra.Command{
+		Use:   "amqpidem",
+		Short: "Inspect and repair amqpidem's records and dead letters",
+		Long: `amqpidem looks into what amqpidem consumers keep and repairs it:
+the record of an idempotency key in the store (Redis, or PostgreSQL with
+--postgres), and the dead letters of a queue in RabbitMQ.
+
+Services come from flags, else from the environment:
+  AMQPIDEM_REDIS_URL     (default redis://127.0.0.1:6379/0)
+  AMQPIDEM_POSTGRES_DSN  (uses the PostgreSQL store instead of Redis)
+  AMQPIDEM_PREFIX        (the store's lock.Config.Prefix, default amqpidem)
+  AMQPIDEM_AMQP_URL      (default amqp://guest:guest@127.0.0.1:5672/)
+
+Exit codes: 0 done, 1 failed, 2 bad usage, 3 nothing found,
+4 refused or left undone (see the message).`,
+		SilenceUsage:  true,
+		SilenceErrors: true,
+	}
+	root.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
+		return withCode(exitUsage, "%w (see %s --help)", err, c.CommandPath())
+	})
+	f := root.PersistentFlags()
+	f.StringVar(&o.redisURL, "redis", env("AMQPIDEM_REDIS_URL", "redis://127.0.0.1:6379/0"), "Redis `URL` of the store")
+	f.StringVar(&o.pgDSN, "postgres", env("AMQPIDEM_POSTGRES_DSN", ""), "PostgreSQL `DSN` of a pgstore store (instead of Redis)")
+	f.StringVar(&o.pgSchema, "pg-schema", "", "pgstore Config.Schema (default: the search_path)")
+	f.StringVar(&o.pgTable, "pg-table", "", "pgstore Config.Table (default amqpidem_records)")
+	f.StringVar(&o.prefix, "prefix", env("AMQPIDEM_PREFIX", ""), "the store's lock.Config.Prefix (default amqpidem)")
+	f.StringVar(&o.amqpURL, "amqp", env("AMQPIDEM_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"), "RabbitMQ `URL`")
+	f.BoolVar(&o.json, "json", false, "print JSON for scripts instead of text for people")
+	f.DurationVar(&o.timeout, "timeout", 30*time.Second, "give up on a service call after this long")
+
+	root.AddCommand(newInspect(o), newForget(o), newDLQ(o))
+	return root
+}
+
+// env returns the environment variable name, or def when it is empty.
+func env(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}
+
+// exactArgs is cobra.ExactArgs with a usage exit code.
+func exactArgs(n int, what string) cobra.PositionalArgs {
+	return func(c *cobra.Command, args []string) error {
+		if len(args) != n {
+			return withCode(exitUsage, "%s takes %s (see %s --help)", c.CommandPath(), what, c.CommandPath())
+		}
+		return nil
+	}
+}
+
+// isTerminal reports whether w is a character device (a terminal).
+func isTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	if !ok {
+		return false
+	}
+	st, err := f.Stat()
+	return err == nil && st.Mode()&os.ModeCharDevice != 0
+}

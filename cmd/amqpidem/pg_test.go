@@ -1,0 +1,68 @@
+package main_test
+
+import (
+	"context"
+	"encoding/json"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
+	"github.com/amqpidem/amqpidem/lock"
+	"github.com/amqpidem/amqpidem/pgstore"
+)
+
+// The same commands read and forget the records of the PostgreSQL store.
+func TestInspectForgetPostgres(t *testing.T) {
+	pool := pgenv.Pool(t, 4)
+	cfg := pgstore.Config{Schema: strings.ToLower(testenv.Name(t)), CleanupInterval: -1}
+	ctx := context.Background()
+	if err := pgstore.Migrate(ctx, pool, cfg); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{cfg.Schema}.Sanitize()+" CASCADE") })
+	s, err := pgstore.New(pool, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Close)
+	res, err := s.Acquire(ctx, lock.Request{Key: amqpidem.StoreKey("ledger", "pay-9"), TTL: time.Minute})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatalf("Acquire: %v %v", res.Status, err)
+	}
+	if err := s.Fail(ctx, res.Lease, "permanent failure: account closed"); err != nil {
+		t.Fatal(err)
+	}
+
+	cli := func(code int, args ...string) string {
+		t.Helper()
+		cmd := exec.Command(bin, append(args, "--postgres", pgenv.DSN(t), "--pg-schema", cfg.Schema)...)
+		out, err := cmd.Output()
+		got := 0
+		if ee, ok := err.(*exec.ExitError); ok {
+			got = ee.ExitCode()
+		} else if err != nil {
+			t.Fatal(err)
+		}
+		if got != code {
+			t.Fatalf("amqpidem %s: exit %d, want %d\n%s", strings.Join(args, " "), got, code, out)
+		}
+		return string(out)
+	}
+	var rec struct {
+		State, Error, Location string
+		Fence                  int64
+	}
+	out := cli(0, "inspect", "pay-9", "--queue", "ledger", "--json")
+	if err := json.Unmarshal([]byte(out), &rec); err != nil || rec.State != "failed" || rec.Fence != res.Lease.Fence ||
+		rec.Error != "permanent failure: account closed" || !strings.Contains(rec.Location, cfg.Schema) {
+		t.Fatalf("inspect: %v %+v\n%s", err, rec, out)
+	}
+	cli(0, "forget", "pay-9", "--queue", "ledger")
+	cli(3, "inspect", "pay-9", "--queue", "ledger")
+}

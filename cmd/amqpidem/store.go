@@ -1,0 +1,51 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/amqpidem/amqpidem/lock"
+	"github.com/amqpidem/amqpidem/pgstore"
+)
+
+// openStore connects to the store the flags name; close releases it.
+func (o *options) openStore(ctx context.Context) (admin lock.Admin, close func(), err error) {
+	quiet := slog.New(slog.DiscardHandler)
+	if o.pgDSN != "" {
+		pool, err := pgxpool.New(ctx, o.pgDSN)
+		if err != nil {
+			return nil, nil, withCode(exitUsage, "--postgres: %w", err)
+		}
+		cfg := pgstore.Config{Schema: o.pgSchema, Table: o.pgTable, CleanupInterval: -1}
+		cfg.Prefix, cfg.Logger = o.prefix, quiet
+		s, err := pgstore.New(pool, cfg)
+		if err != nil {
+			pool.Close()
+			return nil, nil, withCode(exitUsage, "%w", err)
+		}
+		return s, func() { s.Close(); pool.Close() }, nil
+	}
+	opt, err := redis.ParseURL(o.redisURL)
+	if err != nil {
+		return nil, nil, withCode(exitUsage, "--redis %q: %w", o.redisURL, err)
+	}
+	client := redis.NewClient(opt)
+	s, err := lock.NewRedisStore(client, lock.Config{Prefix: o.prefix, Logger: quiet})
+	if err != nil {
+		client.Close()
+		return nil, nil, withCode(exitUsage, "%w", err)
+	}
+	return s, func() { client.Close() }, nil
+}
+
+// storeName says which store the flags name, for messages.
+func (o *options) storeName() string {
+	if o.pgDSN != "" {
+		return "the PostgreSQL store"
+	}
+	return fmt.Sprintf("Redis at %s", redactURL(o.redisURL))
+}
