@@ -197,7 +197,7 @@ Exit code 3 when the dead-letter queue does not exist.`,
 				}
 				return printJSON(o.stdout, list)
 			}
-			fmt.Fprintf(o.stdout, "%s: %d dead letters", s.queue, s.count)
+			fmt.Fprintf(o.stdout, "%s: %s", s.queue, plural(s.count, "dead letter"))
 			if len(list) < s.count {
 				fmt.Fprintf(o.stdout, ", the first %d shown (--limit)", len(list))
 			}
@@ -221,6 +221,14 @@ Exit code 3 when the dead-letter queue does not exist.`,
 	f.add(c)
 	c.Flags().IntVar(&limit, "limit", limit, "list at most this many")
 	return c
+}
+
+// plural is "n thing", with an s unless n is 1.
+func plural(n int, thing string) string {
+	if n == 1 {
+		return "1 " + thing
+	}
+	return fmt.Sprintf("%d %ss", n, thing)
 }
 
 func orDash(s string) string {
@@ -353,7 +361,7 @@ func (o *options) replay(ctx context.Context, dlq string, k *keyFlags, admin loc
 	case len(out) == 0 && key != "":
 		return withCode(exitNotFound, "no dead letter of key %q in %s", key, dlq)
 	case left > 0:
-		return withCode(exitRefused, "%d dead letters left in %s (see why above)", left, dlq)
+		return withCode(exitRefused, "%s left in %s (see why above)", plural(left, "dead letter"), dlq)
 	}
 	return nil
 }

@@ -114,12 +114,12 @@ func newRig(t *testing.T, concurrency int) *rig {
 				}
 			}
 			if r.broken.Load() {
-				return nil, amqpidem.Permanent(errors.New("card processor rejects the request"))
+				return nil, amqpidem.Permanent(errors.New("card declined"))
 			}
 			r.mu.Lock()
 			r.runs[d.MessageId]++
 			r.mu.Unlock()
-			return []byte("done " + d.MessageId), nil
+			return []byte(`{"receipt":"rcpt-` + d.MessageId + `"}`), nil
 		}))
 	if err != nil {
 		t.Fatal(err)
@@ -221,7 +221,7 @@ func TestDeadLetterListedReplayedExecutedOnce(t *testing.T) {
 		t.Fatalf("dlq list --json: %v\n%s", err, out)
 	}
 	if len(list) != 2 || list[0].Key != "pay-1" || list[0].Reason != "permanent failure" || list[0].OriginalRoutingKey != r.queue ||
-		!strings.Contains(list[0].Error, "card processor rejects") || list[0].Attempts != 1 {
+		!strings.Contains(list[0].Error, "card declined") || list[0].Attempts != 1 {
 		t.Fatalf("dlq list: %+v", list)
 	}
 	if n := r.dlqLen(); n != 2 {
@@ -234,7 +234,7 @@ func TestDeadLetterListedReplayedExecutedOnce(t *testing.T) {
 
 	var rec struct{ State, Error, Location string }
 	out = r.mustCLI(0, "inspect", "pay-1", "--queue", r.queue, "--json")
-	if err := json.Unmarshal([]byte(out), &rec); err != nil || rec.State != "failed" || !strings.Contains(rec.Error, "card processor") ||
+	if err := json.Unmarshal([]byte(out), &rec); err != nil || rec.State != "failed" || !strings.Contains(rec.Error, "card declined") ||
 		!strings.HasPrefix(rec.Location, "redis key "+r.prefix+":{") {
 		t.Fatalf("inspect: %v %+v\n%s", err, rec, out)
 	}
@@ -261,7 +261,7 @@ func TestDeadLetterListedReplayedExecutedOnce(t *testing.T) {
 	}
 	r.mustCLI(3, "dlq", "replay", r.queue, "--key", "pay-1", "--forget") // nothing left of pay-1
 	out = r.mustCLI(0, "inspect", "pay-1", "--queue", r.queue)
-	if !strings.Contains(out, "completed") || !strings.Contains(out, "done pay-1") {
+	if !strings.Contains(out, "completed") || !strings.Contains(out, "rcpt-pay-1") {
 		t.Fatalf("inspect after replay:\n%s", out)
 	}
 	r.mu.Lock()

@@ -1,0 +1,101 @@
+package main_test
+
+import (
+	"os"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+)
+
+// step is one command of the README's transcript and what it printed.
+type step struct {
+	args []string
+	want string
+}
+
+// transcript reads the commands and outputs between the markers of the
+// README's "Operating it" section.
+func transcript(t *testing.T) []step {
+	t.Helper()
+	b, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := string(b)
+	const begin, end = "<!-- transcript: cmd/amqpidem/readme_test.go -->\n```console\n", "```\n<!-- end of transcript -->"
+	i, j := strings.Index(text, begin), strings.Index(text, end)
+	if i < 0 || j < i {
+		t.Fatalf("README.md has no transcript between %q and %q", begin, end)
+	}
+	var steps []step
+	for _, line := range strings.SplitAfter(text[i+len(begin):j], "\n") {
+		if cmd, ok := strings.CutPrefix(line, "$ amqpidem "); ok {
+			steps = append(steps, step{args: strings.Fields(cmd)})
+		} else if len(steps) > 0 {
+			steps[len(steps)-1].want += line
+		}
+	}
+	return steps
+}
+
+var normalizers = []struct {
+	re   *regexp.Regexp
+	with string
+}{
+	{regexp.MustCompile(`\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z`), "<time>"},
+	{regexp.MustCompile(`\{[0-9a-f]{32}\}`), "{<hash>}"},
+	{regexp.MustCompile(`\b[0-9a-f]{32}\b`), "<owner>"},
+	{regexp.MustCompile(`\b\d{13,}\b`), "<fence>"},
+	{regexp.MustCompile(`\b(\d+h)?(\d+m)?\d+(\.\d+)?(ms|s)\b`), "<duration>"},
+	{regexp.MustCompile(`(?m)[ \t]+$`), ""},
+	{regexp.MustCompile(`[ \t]+`), " "},
+}
+
+// normalize hides what differs from run to run (times, fences, owners,
+// hashes) and the alignment of columns.
+func normalize(s string) string {
+	for _, n := range normalizers {
+		s = n.re.ReplaceAllString(s, n.with)
+	}
+	return strings.TrimSpace(s)
+}
+
+// The README's transcript is what the commands print: run it against a
+// consumer whose handler declines payments until the cause is fixed (just
+// before the first replay with --forget).
+func TestReadmeTranscript(t *testing.T) {
+	steps := transcript(t)
+	if len(steps) < 4 {
+		t.Fatalf("the transcript has %d commands", len(steps))
+	}
+	r := newRig(t, 4)
+	r.publish("pay-1042")
+	r.waitOutcomes(amqpidem.DeadLettered, 1)
+	var got strings.Builder
+	failed := false
+	for _, s := range steps {
+		args := make([]string, len(s.args))
+		for i, a := range s.args {
+			args[i] = strings.ReplaceAll(a, "payments", r.queue)
+		}
+		if strings.Contains(strings.Join(args, " "), "--forget") && r.broken.Load() {
+			r.broken.Store(false) // the cause is fixed
+		}
+		stdout, stderr, _ := r.cli(args...)
+		out := strings.ReplaceAll(stdout+stderr, r.prefix, "amqpidem")
+		out = strings.ReplaceAll(out, r.queue, "payments")
+		got.WriteString("$ amqpidem " + strings.Join(s.args, " ") + "\n" + out)
+		if normalize(out) != normalize(s.want) {
+			failed = true
+			t.Errorf("amqpidem %s printed\n%s\nthe README says\n%s", strings.Join(s.args, " "), out, s.want)
+		}
+		if strings.Contains(out, "1 replayed") {
+			r.waitOutcomes(amqpidem.Completed, 1)
+		}
+	}
+	if failed {
+		t.Logf("the whole transcript as it ran now:\n%s", got.String())
+	}
+}
