@@ -25,7 +25,9 @@ func TestInspectForgetPostgres(t *testing.T) {
 	if err := pgstore.Migrate(ctx, pool, cfg); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{cfg.Schema}.Sanitize()+" CASCADE") })
+	t.Cleanup(func() {
+		_, _ = pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{cfg.Schema}.Sanitize()+" CASCADE")
+	})
 	s, err := pgstore.New(pool, cfg)
 	if err != nil {
 		t.Fatal(err)
