@@ -136,6 +136,21 @@
 // HeaderOriginalExchange, HeaderOriginalRoutingKey and HeaderUserID are
 // informational: amqpidem decides nothing from them.
 //
+// # Observing it
+//
+// Config.Observer is told of every processed delivery (an Event: outcome,
+// reason, attempt, fence, durations); one that is also a HandlerObserver is
+// told when handlers start and return, and one that is also a
+// StoreObserver of every store call, the heartbeat's renewals included.
+// Config.Tracer follows each delivery from before its record is read to
+// its settlement: the handler's context and the copies amqpidem publishes
+// (requeues, dead letters, replies) carry what it starts. Packages
+// promamqpidem and otelamqpidem implement them for Prometheus and
+// OpenTelemetry, in packages of their own so that only their users get
+// those dependencies. Consumer.Ready is a readiness check: consuming, and
+// the store answering. The command cmd/amqpidem reads and forgets records
+// (lock.Admin) and lists and replays dead letters.
+//
 // # Guarantees and where exactly-once ends
 //
 // The handler runs at most once at a time per key and endpoint (while

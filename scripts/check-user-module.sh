@@ -8,7 +8,9 @@
 # a module of its own for that reason) and must never reach a user's go.sum.
 #
 # A second module imports pgstore as well: it gets pgx, its driver, and
-# still none of the others.
+# still none of the others. Modules importing the Prometheus or the
+# OpenTelemetry adapter get that adapter's dependencies and none of the
+# other's, nor cobra (the CLI's).
 #
 # It prints the go.sum line and module counts. `make test` runs it.
 set -euo pipefail
@@ -58,6 +60,15 @@ check() {
 	)
 }
 
-check core "$forbidden" amqpidem heartbeat lock
+# The adapters' dependencies reach only the users of the adapter.
+prom='prometheus'
+otel='opentelemetry'
+cli='cobra|pflag'
+check core "$forbidden|$prom|$otel|$cli" amqpidem heartbeat lock
 # pgstore's users get pgx, and still none of the tests' dependencies.
-check pgstore "${forbidden/|pgx/}" amqpidem pgstore
+check pgstore "${forbidden/|pgx/}|$prom|$otel|$cli" amqpidem pgstore
+# promamqpidem's get Prometheus's client, otelamqpidem's OpenTelemetry: the
+# API it imports, and go.sum lines of the SDK its tests use (an application
+# exporting telemetry has an SDK anyway).
+check prometheus "$forbidden|$otel|$cli" amqpidem promamqpidem
+check opentelemetry "$forbidden|$prom|$cli" amqpidem otelamqpidem
