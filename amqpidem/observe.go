@@ -18,18 +18,18 @@ import (
 // the processing goroutines and must be safe for concurrent use; a panic
 // in one is logged, not spread.
 type Tracer interface {
-	// Start is called once per delivery, before its key's record is read.
-	// The context it returns is the delivery's from then on: the store
-	// calls, the handler's context (derived from it), the copies published
-	// and End all get it.
-	Start(ctx context.Context, d *amqp.Delivery) context.Context
+	// Start is called once per delivery of queue (Config.Queue), before
+	// its key's record is read. The context it returns is the delivery's
+	// from then on: the store calls, the handler's context (derived from
+	// it), the copies published and End all get it.
+	Start(ctx context.Context, queue string, d *amqp.Delivery) context.Context
 	// Inject adds the trace context of ctx to the headers of a message
 	// amqpidem publishes on the delivery's behalf: a delayed or immediate
 	// requeue, a dead letter, a reply. The copies carry the delivery's
 	// headers already; Inject may overwrite them.
 	Inject(ctx context.Context, headers amqp.Table)
 	// End is called once per Start, after the delivery was settled, with
-	// the Event the Observer gets.
+	// the Event the Observer gets (before the Observer gets it).
 	End(ctx context.Context, e Event)
 }
 
@@ -55,6 +55,9 @@ type StoreCall struct {
 	// Lost is how many of them the store reported no longer held
 	// (lock.ErrLeaseLost).
 	Lost int
+	// Failed is how many of them got another error (the store did not
+	// answer, say): Leases - Lost - Failed were answered.
+	Failed int
 	// Duration is how long the call took.
 	Duration time.Duration
 	// Err is the call's first error other than lock.ErrLeaseLost (a store
@@ -84,6 +87,21 @@ func Observers(obs ...Observer) Observer {
 }
 
 type multiObserver []Observer
+
+// wantsStore reports whether o wants store calls: an Observers of which
+// none is a StoreObserver does not.
+func wantsStore(o StoreObserver) bool {
+	m, ok := o.(multiObserver)
+	if !ok {
+		return true
+	}
+	for _, o := range m {
+		if _, ok := o.(StoreObserver); ok {
+			return true
+		}
+	}
+	return false
+}
 
 func (m multiObserver) Observe(ctx context.Context, e Event) {
 	for _, o := range m {
@@ -130,8 +148,11 @@ func (s *observedStore) report(ctx context.Context, op string, start time.Time, 
 		case err == nil:
 		case errors.Is(err, lock.ErrLeaseLost):
 			c.Lost++
-		case c.Err == nil:
-			c.Err = err
+		default:
+			c.Failed++
+			if c.Err == nil {
+				c.Err = err
+			}
 		}
 	}
 	defer func() {
@@ -192,7 +213,7 @@ func (p *processor) startTrace(ctx context.Context, d *amqp.Delivery) (out conte
 	}
 	out = ctx
 	defer p.recoverHook(ctx, "Tracer.Start")
-	if c := p.cfg.Tracer.Start(ctx, d); c != nil {
+	if c := p.cfg.Tracer.Start(ctx, p.cfg.Queue, d); c != nil {
 		out = c
 	}
 	return out

@@ -24,7 +24,7 @@ type recTracer struct {
 	inject int
 }
 
-func (r *recTracer) Start(ctx context.Context, d *amqp.Delivery) context.Context {
+func (r *recTracer) Start(ctx context.Context, queue string, d *amqp.Delivery) context.Context {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.starts = append(r.starts, d.MessageId)
@@ -96,9 +96,9 @@ func TestTracerFollowsEachDelivery(t *testing.T) {
 // A Tracer that panics costs its own work, never the delivery's.
 type panicTracer struct{}
 
-func (panicTracer) Start(context.Context, *amqp.Delivery) context.Context { panic("start") }
-func (panicTracer) Inject(context.Context, amqp.Table)                   { panic("inject") }
-func (panicTracer) End(context.Context, Event)                           { panic("end") }
+func (panicTracer) Start(context.Context, string, *amqp.Delivery) context.Context { panic("start") }
+func (panicTracer) Inject(context.Context, amqp.Table)                            { panic("inject") }
+func (panicTracer) End(context.Context, Event)                                    { panic("end") }
 
 func TestTracerPanicIsContained(t *testing.T) {
 	p, store := newTestProcessor(t, Config{Tracer: panicTracer{}, Logger: discard()}, ok("r"))
@@ -198,7 +198,7 @@ func TestStoreObserverCountsLostLeases(t *testing.T) {
 	stale.Fence++
 	s.Extend(context.Background(), res.Lease, stale)
 	last := o.calls[len(o.calls)-1]
-	if last.Op != "extend" || last.Leases != 2 || last.Lost != 1 || last.Err != nil || last.Queue != "q" {
+	if last.Op != "extend" || last.Leases != 2 || last.Lost != 1 || last.Failed != 0 || last.Err != nil || last.Queue != "q" {
 		t.Fatalf("extend call: %+v, want 2 leases, 1 lost, no error", last)
 	}
 }

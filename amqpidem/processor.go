@@ -709,6 +709,7 @@ func (p *processor) sendBack(ctx context.Context, b broker, d *amqp.Delivery, ev
 		sctx, cancel := settleContext(ctx)
 		defer cancel()
 		if err = b.requeue(sctx, p.cfg.Queue, d, 0, extra); err == nil {
+			ev.Delay = 0 // it went straight back
 			return true
 		}
 		ev.Err = errors.Join(ev.Err, err)
@@ -811,7 +812,7 @@ func (p *processor) ack(d *amqp.Delivery, ev *Event, o Outcome) {
 // It is the last resort when no copy can be published: a quorum queue
 // counts the nack against its delivery limit, as it counts a crash.
 func (p *processor) nackRequeue(d *amqp.Delivery, ev *Event, reason string, cause error) {
-	ev.Outcome, ev.Reason = Abandoned, reason
+	ev.Outcome, ev.Reason, ev.Delay = Abandoned, reason, 0
 	ev.Err = errors.Join(ev.Err, cause)
 	if err := d.Nack(false, true); err != nil {
 		ev.Err = errors.Join(ev.Err, fmt.Errorf("amqpidem: nack: %w", err))
@@ -844,13 +845,18 @@ func (p *processor) report(ctx context.Context, ev Event) {
 		}
 		p.cfg.Logger.LogAttrs(ctx, level, "amqpidem: message "+ev.Outcome.String(), attrs...)
 	}
+	if p.cfg.Tracer != nil {
+		p.endTrace(ctx, ev)
+	}
 	if p.cfg.Observer != nil {
 		p.observe(ctx, ev)
 	}
-	if p.cfg.Tracer != nil {
-		defer p.recoverHook(ctx, "Tracer.End")
-		p.cfg.Tracer.End(ctx, ev)
-	}
+}
+
+// endTrace tells the Tracer that the delivery was settled.
+func (p *processor) endTrace(ctx context.Context, ev Event) {
+	defer p.recoverHook(ctx, "Tracer.End")
+	p.cfg.Tracer.End(ctx, ev)
 }
 
 // callHandler runs the handler on d, timed into ev.Handler, and tells a

@@ -88,7 +88,7 @@ func newProcessor(store lock.Store, cfg Config, h Handler) (processor, error) {
 			cfg.MaxResultSize, limit, ResultOverhead)
 	}
 	given := store
-	if o, ok := cfg.Observer.(StoreObserver); ok {
+	if o, ok := cfg.Observer.(StoreObserver); ok && wantsStore(o) {
 		store = &observedStore{Store: store, queue: cfg.Queue, obs: o, log: cfg.Logger}
 	}
 	keeper, err := heartbeat.New(store, heartbeat.Config{SafetyMargin: cfg.SafetyMargin, Logger: cfg.Logger})

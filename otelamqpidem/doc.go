@@ -1,0 +1,110 @@
+// Package otelamqpidem traces and measures amqpidem consumers with
+// OpenTelemetry: a Tracer (amqpidem.Config.Tracer) that gives every
+// delivery a span continuing its producer's trace, a Meter
+// (amqpidem.Config.Observer) that records metrics, and Inject, Extract and
+// HeaderCarrier to carry W3C trace context in AMQP headers.
+//
+// It uses only the OpenTelemetry API: the program picks the SDK and the
+// exporters. Without options, the Tracer, the Meter, Inject and Extract
+// use the global TracerProvider, MeterProvider and TextMapPropagator. The
+// global propagator propagates nothing until the program sets one:
+//
+//	otel.SetTextMapPropagator(propagation.NewCompositeTextMapPropagator(
+//		propagation.TraceContext{}, propagation.Baggage{}))
+//
+// # Producer
+//
+// A producer writes its trace context into the message's headers before
+// publishing; the consumer's span then belongs to the producer's trace:
+//
+//	ctx, span := tracer.Start(ctx, "send orders", trace.WithSpanKind(trace.SpanKindProducer))
+//	defer span.End()
+//	msg := amqp.Publishing{MessageId: orderID, Headers: amqp.Table{}, Body: body}
+//	otelamqpidem.Inject(ctx, msg.Headers)
+//	err := pub.Publish(ctx, "", "orders", msg) // an amqpidem.Publisher
+//
+// # Consumer
+//
+//	meter, err := otelamqpidem.NewMeter()
+//	...
+//	cfg := amqpidem.Config{
+//		Queue:    "orders",
+//		Tracer:   otelamqpidem.NewTracer(),
+//		Observer: meter, // or amqpidem.Observers(meter, others...)
+//	}
+//
+// The handler's context holds the span: trace.SpanFromContext(ctx) gives
+// it, and spans the handler starts from ctx are its children.
+//
+// # The span
+//
+// One span per delivery, of kind Consumer, from the start of the
+// delivery's processing (before its key's record is read) to its
+// settlement (the ack, the requeue or the dead letter, and the reply),
+// as semantic conventions v1.43.0 describe a RabbitMQ "process" span:
+//
+//   - its parent is the message's creation context, read from its headers
+//     with the propagator (a "traceparent" header with the W3C one), and
+//     it links to that context too; when the context given to amqpidem
+//     already holds a span (a Wrapper called under a request's span), that
+//     span is linked. A message without trace headers starts a trace of
+//     its own, under the context's span if any.
+//   - its name is "process {destination}", and messaging.destination.name
+//     is "{exchange}:{routing key}:{queue}", leaving out empty parts (the
+//     default exchange) and the routing key when it is the queue's name:
+//     "process orders-exchange:created:orders".
+//   - attributes from the messaging conventions: messaging.system
+//     "rabbitmq", messaging.operation.name and messaging.operation.type
+//     "process", messaging.destination.name,
+//     messaging.rabbitmq.destination.routing_key,
+//     messaging.rabbitmq.message.delivery_tag, messaging.message.id,
+//     messaging.message.conversation_id (the correlation id),
+//     messaging.message.body.size and messaging.client.id (the consumer's
+//     Config.ConsumerName). server.address and server.port are not set: a
+//     delivery does not say which broker node it came from.
+//   - amqpidem's own (see the Attr constants): amqpidem.queue,
+//     amqpidem.outcome, amqpidem.reason, amqpidem.attempt, amqpidem.fence,
+//     amqpidem.delay, amqpidem.handler.duration, and amqpidem.key only
+//     with WithKeyAttribute (see there why not by default).
+//   - the event's error, if any, as an exception event. The status is
+//     Error, with error.type set to the reason, for the outcomes that need
+//     attention: dead_lettered and abandoned. It stays unset for the
+//     others, a retry included: retrying is the plan working.
+//
+// # Copies
+//
+// The copies amqpidem publishes on a delivery's behalf (delayed and
+// immediate requeues, dead letters, replies) get the trace context of the
+// delivery's span, replacing the producer's: the next delivery of a
+// retried message is a child of the span of the attempt before it, so a
+// message's attempts form a chain in one trace, the time spent in delay
+// queues showing as gaps; a dead letter carries the span of the delivery
+// that gave up on it, and whoever consumes the dead-letter queue, or moves
+// the message back, continues that trace. A message published without
+// trace context joins, on its second attempt, the trace its first one
+// started.
+//
+// # Limits
+//
+//   - Time a delivery waits in the consumer before processing starts (the
+//     prefetch buffer, a free concurrency slot) is not in its span; it is
+//     in amqpidem.end_to_end.duration.
+//   - The span ends once the delivery is settled as far as amqpidem sees:
+//     a Consumer may fold an ack into a multiple ack sent up to 20 ms
+//     later.
+//   - A duplicate's span is short (a record read and an ack): the work it
+//     duplicates is in the span of the delivery that did it, in the same
+//     trace only if the producer published both copies under the same
+//     trace context.
+//   - Deliveries a stopping Consumer hands back unprocessed get no span;
+//     their copies keep the headers they came with.
+//   - Trace headers are whatever the publisher wrote: a publisher can
+//     attach its messages to any trace, and its baggage reaches the
+//     handler's context. Do not make decisions from either.
+//   - amqpidem.end_to_end.duration counts from the message's
+//     amqpidem.HeaderTimestampMillis header (Publisher sets it), else its
+//     AMQP timestamp property, which holds whole seconds: up to a second
+//     off for messages from other publishers. It counts from the first
+//     publishing, requeue delays included, and depends on the publisher's
+//     clock agreeing with the consumer's.
+package otelamqpidem

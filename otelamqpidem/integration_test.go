@@ -1,0 +1,331 @@
+package otelamqpidem_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/lock"
+	"github.com/amqpidem/amqpidem/otelamqpidem"
+)
+
+// handlerSpans keeps the span context each handler execution found in its
+// context, by message id and attempt.
+type handlerSpans struct {
+	mu sync.Mutex
+	sc map[string]trace.SpanContext
+}
+
+func (h *handlerSpans) add(id string, attempt int, sc trace.SpanContext) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.sc == nil {
+		h.sc = make(map[string]trace.SpanContext)
+	}
+	h.sc[fmt.Sprintf("%s/%d", id, attempt)] = sc
+}
+
+func (h *handlerSpans) get(id string, attempt int) trace.SpanContext {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.sc[fmt.Sprintf("%s/%d", id, attempt)]
+}
+
+// processSpan returns the ended process span of message id's attempt.
+func processSpan(rec *tracetest.SpanRecorder, id string, attempt int) sdktrace.ReadOnlySpan {
+	for _, s := range rec.Ended() {
+		a := attrs(s)
+		if a["messaging.message.id"].AsString() == id && a["amqpidem.attempt"].AsInt64() == int64(attempt) {
+			return s
+		}
+	}
+	return nil
+}
+
+// TestIntegrationTrace runs a Consumer with a Tracer and a Meter against
+// the real RabbitMQ and Redis: the consumer's spans continue the
+// producers' traces, and so do a retried message's requeued copy and a
+// dead letter.
+func TestIntegrationTrace(t *testing.T) {
+	url := testenv.AMQPURL(t)
+	rdb := testenv.RedisClient(t)
+	name := testenv.Name(t)
+
+	conn, err := amqp.Dial(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ch.QueueDeclare(name, true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		c, err := amqp.Dial(url)
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		ch, err := c.Channel()
+		if err != nil {
+			return
+		}
+		for _, q := range []string{name, name + ".dlq", name + ".delay.50"} {
+			_, _ = ch.QueueDelete(q, false, false, false)
+		}
+	})
+	t.Cleanup(func() {
+		ctx := context.Background()
+		iter := rdb.Scan(ctx, 0, name+":*", 100).Iterator()
+		for iter.Next(ctx) {
+			rdb.Del(ctx, iter.Val())
+		}
+	})
+	store, err := lock.NewRedisStore(rdb, lock.Config{Prefix: name})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	prop := propagation.TraceContext{}
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+	meter, err := otelamqpidem.NewMeter(otelamqpidem.WithMeterProvider(mp))
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	var seen handlerSpans
+	var flakyRuns int
+	var flakyMu sync.Mutex
+	h := amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+		info, _ := amqpidem.FromContext(ctx)
+		seen.add(d.MessageId, info.Attempt, trace.SpanFromContext(ctx).SpanContext())
+		switch d.Type {
+		case "permanent":
+			return nil, amqpidem.Permanent(errors.New("card declined"))
+		case "flaky":
+			flakyMu.Lock()
+			flakyRuns++
+			n := flakyRuns
+			flakyMu.Unlock()
+			if n == 1 {
+				return nil, errors.New("gateway timeout")
+			}
+		}
+		return []byte("done"), nil
+	})
+	c, err := amqpidem.NewConsumer(store, amqpidem.ConsumerConfig{
+		URL: url,
+		Config: amqpidem.Config{
+			Queue:       name,
+			MaxAttempts: 3,
+			Backoff:     func() backoff.BackOff { return backoff.NewConstantBackOff(50 * time.Millisecond) },
+			Tracer:      otelamqpidem.NewTracer(otelamqpidem.WithTracerProvider(tp), otelamqpidem.WithPropagators(prop)),
+			Observer:    meter,
+		},
+	}, h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- c.Run(context.Background()) }()
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if err := c.Shutdown(ctx); err != nil {
+			t.Errorf("Shutdown: %v", err)
+		}
+		if err := <-done; !errors.Is(err, amqpidem.ErrConsumerClosed) {
+			t.Errorf("Run: got %v, want ErrConsumerClosed", err)
+		}
+	})
+
+	// The producer: one trace per message, its context in the headers.
+	pconn, err := amqp.Dial(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = pconn.Close() })
+	pub := amqpidem.NewPublisher(pconn)
+	t.Cleanup(pub.Close)
+	producer := tp.Tracer("producer")
+	producers := make(map[string]trace.SpanContext)
+	for _, m := range []struct{ id, typ string }{{"ok", ""}, {"perm", "permanent"}, {"flaky", "flaky"}} {
+		ctx, span := producer.Start(context.Background(), "send "+name, trace.WithSpanKind(trace.SpanKindProducer))
+		msg := amqp.Publishing{MessageId: m.id, Type: m.typ, Headers: amqp.Table{}, Body: []byte("pay " + m.id)}
+		otelamqpidem.Inject(ctx, msg.Headers, otelamqpidem.WithPropagators(prop))
+		pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		err := pub.Publish(pctx, "", name, msg)
+		cancel()
+		span.End()
+		if err != nil {
+			t.Fatalf("Publish %s: %v", m.id, err)
+		}
+		producers[m.id] = span.SpanContext()
+	}
+
+	// Wait for the four process spans: ok, perm, flaky twice.
+	want := []struct {
+		id      string
+		attempt int
+	}{{"ok", 1}, {"perm", 1}, {"flaky", 1}, {"flaky", 2}}
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		missing := ""
+		for _, w := range want {
+			if processSpan(rec, w.id, w.attempt) == nil {
+				missing += fmt.Sprintf(" %s/%d", w.id, w.attempt)
+			}
+		}
+		if missing == "" {
+			break
+		}
+		if time.Now().After(deadline) {
+			var got []string
+			for _, s := range rec.Ended() {
+				got = append(got, fmt.Sprintf("%s %v", s.Name(), s.Attributes()))
+			}
+			t.Fatalf("timed out waiting for the process spans of%s; ended spans: %v", missing, got)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+
+	// Each first execution: a Consumer child of its producer's span.
+	for _, id := range []string{"ok", "perm", "flaky"} {
+		s, p := processSpan(rec, id, 1), producers[id]
+		if got, want := s.SpanContext().TraceID(), p.TraceID(); got != want {
+			t.Errorf("%s: trace id: got %v, want the producer's %v", id, got, want)
+		}
+		if got, want := s.Parent().SpanID(), p.SpanID(); got != want {
+			t.Errorf("%s: parent: got %v, want the producer's span %v", id, got, want)
+		}
+		if got, want := s.SpanKind(), trace.SpanKindConsumer; got != want {
+			t.Errorf("%s: kind: got %v, want %v", id, got, want)
+		}
+		if got, want := s.Name(), "process "+name; got != want {
+			t.Errorf("%s: name: got %q, want %q", id, got, want)
+		}
+		if got, want := attrs(s)["amqpidem.queue"].AsString(), name; got != want {
+			t.Errorf("%s: amqpidem.queue: got %q, want %q", id, got, want)
+		}
+		if got, want := seen.get(id, 1), s.SpanContext(); !got.Equal(want) {
+			t.Errorf("%s: the handler's span: got %v, want the process span %v", id, got, want)
+		}
+	}
+	for _, tc := range []struct {
+		id      string
+		attempt int
+		outcome string
+		reason  string
+		status  codes.Code
+	}{
+		{"ok", 1, "completed", "", codes.Unset},
+		{"perm", 1, "dead_lettered", "permanent failure", codes.Error},
+		{"flaky", 1, "retried", "handler error", codes.Unset},
+		{"flaky", 2, "completed", "", codes.Unset},
+	} {
+		s := processSpan(rec, tc.id, tc.attempt)
+		a := attrs(s)
+		if got := a["amqpidem.outcome"].AsString(); got != tc.outcome {
+			t.Errorf("%s/%d: amqpidem.outcome: got %q, want %q", tc.id, tc.attempt, got, tc.outcome)
+		}
+		if got := a["amqpidem.reason"].AsString(); got != tc.reason {
+			t.Errorf("%s/%d: amqpidem.reason: got %q, want %q", tc.id, tc.attempt, got, tc.reason)
+		}
+		if a["amqpidem.fence"].AsInt64() <= 0 {
+			t.Errorf("%s/%d: amqpidem.fence: got %v, want a fencing token", tc.id, tc.attempt, a["amqpidem.fence"].Emit())
+		}
+		if got := s.Status().Code; got != tc.status {
+			t.Errorf("%s/%d: status: got %v, want %v", tc.id, tc.attempt, got, tc.status)
+		}
+	}
+
+	// The retried message's requeued copy continued the trace: its
+	// execution is a child of the first one's span.
+	first, second := processSpan(rec, "flaky", 1), processSpan(rec, "flaky", 2)
+	if got, want := second.SpanContext().TraceID(), producers["flaky"].TraceID(); got != want {
+		t.Errorf("flaky/2: trace id: got %v, want the producer's %v", got, want)
+	}
+	if got, want := second.Parent().SpanID(), first.SpanContext().SpanID(); got != want {
+		t.Errorf("flaky/2: parent: got %v, want the first execution's span %v", got, want)
+	}
+	if got, want := seen.get("flaky", 2).TraceID(), producers["flaky"].TraceID(); got != want {
+		t.Errorf("flaky/2: the handler's trace id: got %v, want %v", got, want)
+	}
+
+	// The dead letter carries the trace of the execution that gave up.
+	var dl amqp.Delivery
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		m, ok, err := ch.Get(name+".dlq", true)
+		if err != nil {
+			t.Fatalf("get %s.dlq: %v", name, err)
+		}
+		if ok {
+			dl = m
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no dead letter")
+		}
+	}
+	if got, want := dl.MessageId, "perm"; got != want {
+		t.Fatalf("dead letter: got message %q, want %q", got, want)
+	}
+	sc := trace.SpanContextFromContext(otelamqpidem.Extract(context.Background(), dl.Headers, otelamqpidem.WithPropagators(prop)))
+	if got, want := sc.TraceID(), producers["perm"].TraceID(); got != want {
+		t.Errorf("dead letter's traceparent: trace id %v, want the producer's %v (headers %v)", got, want, dl.Headers)
+	}
+	if got, want := sc.SpanID(), processSpan(rec, "perm", 1).SpanContext().SpanID(); got != want {
+		t.Errorf("dead letter's traceparent: span id %v, want the dead-lettering span %v", got, want)
+	}
+
+	// The Meter saw the same.
+	ms := collect(t, reader)
+	q := otelamqpidem.AttrQueue.String(name)
+	for _, tc := range []struct {
+		kvs  []attribute.KeyValue
+		want int64
+	}{
+		{[]attribute.KeyValue{q, otelamqpidem.AttrOutcome.String("completed"), otelamqpidem.AttrReason.String("")}, 2},
+		{[]attribute.KeyValue{q, otelamqpidem.AttrOutcome.String("dead_lettered"), otelamqpidem.AttrReason.String("permanent failure")}, 1},
+		{[]attribute.KeyValue{q, otelamqpidem.AttrOutcome.String("retried"), otelamqpidem.AttrReason.String("handler error")}, 1},
+	} {
+		if got, _ := sum(t, ms, "amqpidem.messages", tc.kvs...); got != tc.want {
+			t.Errorf("amqpidem.messages %v: got %d, want %d", tc.kvs, got, tc.want)
+		}
+	}
+	if got, _ := sum(t, ms, "amqpidem.requeues", q, otelamqpidem.AttrOutcome.String("retried"), otelamqpidem.AttrDelayTier.Float64(0.05)); got != 1 {
+		t.Errorf("amqpidem.requeues retried at 0.05 s: got %d, want 1", got)
+	}
+	if got, _ := sum(t, ms, "amqpidem.handlers.in_flight", q); got != 0 {
+		t.Errorf("amqpidem.handlers.in_flight: got %d, want 0", got)
+	}
+	if dp, _ := hist(t, ms, "amqpidem.store.call.duration", q, otelamqpidem.AttrOp.String("acquire"), otelamqpidem.AttrResult.String("ok")); dp.Count != 4 {
+		t.Errorf("amqpidem.store.call.duration acquire ok: got %d calls, want 4", dp.Count)
+	}
+	if dp, _ := hist(t, ms, "amqpidem.end_to_end.duration", q, otelamqpidem.AttrOutcome.String("completed")); dp.Count != 2 {
+		t.Errorf("amqpidem.end_to_end.duration completed: got %d, want 2 (the Publisher's timestamp_in_ms)", dp.Count)
+	}
+}

@@ -1,0 +1,206 @@
+package otelamqpidem
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+)
+
+// Metric attributes. None carries a key or a message id: every one has a
+// bounded set of values.
+const (
+	// AttrOp is the store call: "acquire", "extend", "complete", "fail",
+	// "release" or "cancel" (amqpidem.StoreCall.Op).
+	AttrOp = attribute.Key("amqpidem.op")
+	// AttrResult is how a store call or a lease extension went: "ok",
+	// "lost" or "error" for a call, "renewed", "lost" or "error" for an
+	// extension.
+	AttrResult = attribute.Key("amqpidem.result")
+	// AttrDelayTier is the delay a requeue waits, in seconds: the delay of
+	// the delay queue it goes through (amqpidem.DelayTier).
+	AttrDelayTier = attribute.Key("amqpidem.delay_tier")
+)
+
+// Metric names (see Meter for their units and attributes).
+const (
+	// MetricMessages counts processed deliveries.
+	MetricMessages = "amqpidem.messages"
+	// MetricHandlerDuration is how long handlers ran.
+	MetricHandlerDuration = "amqpidem.handler.duration"
+	// MetricProcessingDuration is how long processing took, from before
+	// the record is read to the settlement.
+	MetricProcessingDuration = "amqpidem.processing.duration"
+	// MetricEndToEndDuration is the time from a message's first publishing
+	// to the settlement of a delivery of it.
+	MetricEndToEndDuration = "amqpidem.end_to_end.duration"
+	// MetricHandlersInFlight is how many handlers are running.
+	MetricHandlersInFlight = "amqpidem.handlers.in_flight"
+	// MetricStoreCallDuration is how long calls to the record store took.
+	MetricStoreCallDuration = "amqpidem.store.call.duration"
+	// MetricLeaseExtensions counts the leases the heartbeat extended, or
+	// tried to.
+	MetricLeaseExtensions = "amqpidem.lease.extensions"
+	// MetricRequeues counts deliveries sent back after a delay.
+	MetricRequeues = "amqpidem.requeues"
+)
+
+// Histogram bucket boundaries, in seconds, given to the SDK as advice (a
+// View can override them).
+var (
+	// handlerBuckets: the messaging conventions' duration buckets, up to
+	// five minutes for long jobs.
+	handlerBuckets = []float64{0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 30, 60, 120, 300}
+	// endToEndBuckets reach an hour: the time since publishing includes
+	// the queue's backlog and every requeue delay.
+	endToEndBuckets = []float64{0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600}
+	// storeBuckets start at half a millisecond: a Redis round trip.
+	storeBuckets = []float64{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10}
+)
+
+// Meter is an amqpidem.Observer that is also a HandlerObserver and a
+// StoreObserver, recording OpenTelemetry metrics:
+//
+//	amqpidem.messages              counter {message}: queue, outcome, reason
+//	amqpidem.handler.duration      histogram s, of deliveries whose handler ran: queue, outcome
+//	amqpidem.processing.duration   histogram s, from the start of processing to settlement: queue, outcome
+//	amqpidem.end_to_end.duration   histogram s, from first publishing to settlement: queue, outcome
+//	amqpidem.handlers.in_flight    up-down counter {handler}: queue
+//	amqpidem.store.call.duration   histogram s: queue, op, result (ok, lost, error)
+//	amqpidem.lease.extensions      counter {lease}, heartbeat renewals: queue, result (renewed, lost, error)
+//	amqpidem.requeues              counter {message}, delayed requeues (busy, retried, abandoned): queue, outcome, delay_tier
+//
+// The attributes are amqpidem.queue, amqpidem.outcome, amqpidem.reason,
+// amqpidem.op, amqpidem.result and amqpidem.delay_tier; no key or message
+// id, so that every metric has a bounded number of series. Set it in
+// amqpidem.Config.Observer, with amqpidem.Observers to combine it with
+// others. A Meter is safe for concurrent use and may serve several
+// Consumers and Wrappers: the queue tells them apart.
+type Meter struct {
+	messages   metric.Int64Counter
+	handler    metric.Float64Histogram
+	processing metric.Float64Histogram
+	endToEnd   metric.Float64Histogram
+	inFlight   metric.Int64UpDownCounter
+	storeCall  metric.Float64Histogram
+	extensions metric.Int64Counter
+	requeues   metric.Int64Counter
+}
+
+var (
+	_ amqpidem.HandlerObserver = (*Meter)(nil)
+	_ amqpidem.StoreObserver   = (*Meter)(nil)
+)
+
+// NewMeter returns a Meter whose instruments come from the MeterProvider
+// of WithMeterProvider, else otel.GetMeterProvider(). It returns the
+// provider's errors creating them.
+func NewMeter(opts ...Option) (*Meter, error) {
+	c := newConfig(opts)
+	mt := c.meterProvider.Meter(scopeName, metric.WithSchemaURL(semconv.SchemaURL))
+	var m Meter
+	var err, e error
+	m.messages, e = mt.Int64Counter(MetricMessages, metric.WithUnit("{message}"),
+		metric.WithDescription("Deliveries processed, by outcome."))
+	err = errors.Join(err, e)
+	m.handler, e = mt.Float64Histogram(MetricHandlerDuration, metric.WithUnit("s"),
+		metric.WithDescription("How long handlers ran, for the deliveries whose handler ran."),
+		metric.WithExplicitBucketBoundaries(handlerBuckets...))
+	err = errors.Join(err, e)
+	m.processing, e = mt.Float64Histogram(MetricProcessingDuration, metric.WithUnit("s"),
+		metric.WithDescription("How long a delivery's processing took, from reading its record to its settlement."),
+		metric.WithExplicitBucketBoundaries(handlerBuckets...))
+	err = errors.Join(err, e)
+	m.endToEnd, e = mt.Float64Histogram(MetricEndToEndDuration, metric.WithUnit("s"),
+		metric.WithDescription("Time from the message's first publishing to the settlement of this delivery, requeue delays included."),
+		metric.WithExplicitBucketBoundaries(endToEndBuckets...))
+	err = errors.Join(err, e)
+	m.inFlight, e = mt.Int64UpDownCounter(MetricHandlersInFlight, metric.WithUnit("{handler}"),
+		metric.WithDescription("Handlers running."))
+	err = errors.Join(err, e)
+	m.storeCall, e = mt.Float64Histogram(MetricStoreCallDuration, metric.WithUnit("s"),
+		metric.WithDescription("How long calls to the record store took."),
+		metric.WithExplicitBucketBoundaries(storeBuckets...))
+	err = errors.Join(err, e)
+	m.extensions, e = mt.Int64Counter(MetricLeaseExtensions, metric.WithUnit("{lease}"),
+		metric.WithDescription("Leases the heartbeat tried to extend, by result."))
+	err = errors.Join(err, e)
+	m.requeues, e = mt.Int64Counter(MetricRequeues, metric.WithUnit("{message}"),
+		metric.WithDescription("Deliveries sent back to their queue after a delay (busy, retried, abandoned), by delay tier in seconds."))
+	err = errors.Join(err, e)
+	if err != nil {
+		return nil, err
+	}
+	return &m, nil
+}
+
+// Observe records e: a message, its processing time, its handler's time
+// if it ran, its time since publishing if known (amqpidem.Event.Published;
+// a negative one, from clocks that disagree, counts as 0) and, for the
+// busy, retried and abandoned outcomes sent back after a delay
+// (amqpidem.Event.Delay), a requeue. A copy sent straight back to its
+// queue (on shutdown, say) is not counted in amqpidem.requeues.
+func (m *Meter) Observe(ctx context.Context, e amqpidem.Event) {
+	queue, outcome := AttrQueue.String(e.Queue), AttrOutcome.String(e.Outcome.String())
+	qo := metric.WithAttributeSet(attribute.NewSet(queue, outcome))
+	m.messages.Add(ctx, 1, metric.WithAttributes(queue, outcome, AttrReason.String(e.Reason)))
+	m.processing.Record(ctx, e.Total.Seconds(), qo)
+	if e.Handler > 0 {
+		m.handler.Record(ctx, e.Handler.Seconds(), qo)
+	}
+	if !e.Published.IsZero() {
+		m.endToEnd.Record(ctx, max(time.Since(e.Published), 0).Seconds(), qo)
+	}
+	if e.Delay > 0 {
+		switch e.Outcome {
+		case amqpidem.Busy, amqpidem.Retried, amqpidem.Abandoned:
+			tier := AttrDelayTier.Float64(amqpidem.DelayTier(e.Delay).Seconds())
+			m.requeues.Add(ctx, 1, metric.WithAttributes(queue, outcome, tier))
+		}
+	}
+}
+
+// HandlerStarted counts a handler in flight.
+func (m *Meter) HandlerStarted(ctx context.Context, info amqpidem.Info) {
+	m.inFlight.Add(ctx, 1, metric.WithAttributes(AttrQueue.String(info.Queue)))
+}
+
+// HandlerEnded counts a handler out of flight.
+func (m *Meter) HandlerEnded(ctx context.Context, info amqpidem.Info) {
+	m.inFlight.Add(ctx, -1, metric.WithAttributes(AttrQueue.String(info.Queue)))
+}
+
+// ObserveStore records c's duration, with result "error" when the store
+// did not answer (c.Err), else "lost" when it reported a lease lost, else
+// "ok". An extend, the heartbeat's renewal of every held lease in one
+// call, also counts each lease in amqpidem.lease.extensions: as "lost",
+// "error" (c.Failed) or "renewed".
+func (m *Meter) ObserveStore(ctx context.Context, c amqpidem.StoreCall) {
+	queue := AttrQueue.String(c.Queue)
+	result := "ok"
+	switch {
+	case c.Err != nil:
+		result = "error"
+	case c.Lost > 0:
+		result = "lost"
+	}
+	m.storeCall.Record(ctx, c.Duration.Seconds(), metric.WithAttributes(queue, AttrOp.String(c.Op), AttrResult.String(result)))
+	if c.Op != "extend" {
+		return
+	}
+	lost := min(max(c.Lost, 0), c.Leases)
+	failed := min(max(c.Failed, 0), c.Leases-lost)
+	for _, n := range []struct {
+		result string
+		count  int
+	}{{"lost", lost}, {"error", failed}, {"renewed", c.Leases - lost - failed}} {
+		if n.count > 0 {
+			m.extensions.Add(ctx, int64(n.count), metric.WithAttributes(queue, AttrResult.String(n.result)))
+		}
+	}
+}

@@ -1,0 +1,266 @@
+package otelamqpidem_test
+
+import (
+	"context"
+	"errors"
+	"math"
+	"testing"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/otelamqpidem"
+)
+
+// newMeter returns a Meter recording into the returned reader.
+func newMeter(t *testing.T) (*otelamqpidem.Meter, *sdkmetric.ManualReader) {
+	t.Helper()
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+	m, err := otelamqpidem.NewMeter(otelamqpidem.WithMeterProvider(mp))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m, reader
+}
+
+// collect returns the metrics of reader by name.
+func collect(t *testing.T, reader *sdkmetric.ManualReader) map[string]metricdata.Metrics {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	if err := reader.Collect(context.Background(), &rm); err != nil {
+		t.Fatal(err)
+	}
+	out := make(map[string]metricdata.Metrics)
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			out[m.Name] = m
+		}
+	}
+	return out
+}
+
+// sum returns the value of the data point of a counter with exactly kvs,
+// and whether there is one.
+func sum(t *testing.T, ms map[string]metricdata.Metrics, name string, kvs ...attribute.KeyValue) (int64, bool) {
+	t.Helper()
+	m, ok := ms[name]
+	if !ok {
+		return 0, false
+	}
+	s, ok := m.Data.(metricdata.Sum[int64])
+	if !ok {
+		t.Fatalf("%s: got %T, want an int64 sum", name, m.Data)
+	}
+	want := attribute.NewSet(kvs...)
+	for _, dp := range s.DataPoints {
+		if dp.Attributes.Equals(&want) {
+			return dp.Value, true
+		}
+	}
+	return 0, false
+}
+
+// hist returns the data point of a histogram with exactly kvs, and whether
+// there is one.
+func hist(t *testing.T, ms map[string]metricdata.Metrics, name string, kvs ...attribute.KeyValue) (metricdata.HistogramDataPoint[float64], bool) {
+	t.Helper()
+	m, ok := ms[name]
+	if !ok {
+		return metricdata.HistogramDataPoint[float64]{}, false
+	}
+	h, ok := m.Data.(metricdata.Histogram[float64])
+	if !ok {
+		t.Fatalf("%s: got %T, want a float64 histogram", name, m.Data)
+	}
+	want := attribute.NewSet(kvs...)
+	for _, dp := range h.DataPoints {
+		if dp.Attributes.Equals(&want) {
+			return dp, true
+		}
+	}
+	return metricdata.HistogramDataPoint[float64]{}, false
+}
+
+var (
+	queue     = otelamqpidem.AttrQueue.String("orders")
+	completed = otelamqpidem.AttrOutcome.String("completed")
+	retried   = otelamqpidem.AttrOutcome.String("retried")
+	busy      = otelamqpidem.AttrOutcome.String("busy")
+	duplicate = otelamqpidem.AttrOutcome.String("duplicate")
+	noReason  = otelamqpidem.AttrReason.String("")
+)
+
+func TestMeterObserve(t *testing.T) {
+	m, reader := newMeter(t)
+	ctx := context.Background()
+	published := time.Now().Add(-3 * time.Second)
+	m.Observe(ctx, amqpidem.Event{Queue: "orders", Key: "k1", Outcome: amqpidem.Completed,
+		Handler: 200 * time.Millisecond, Total: 250 * time.Millisecond, Published: published})
+	m.Observe(ctx, amqpidem.Event{Queue: "orders", Key: "k2", Outcome: amqpidem.Completed,
+		Handler: 100 * time.Millisecond, Total: 150 * time.Millisecond})
+	m.Observe(ctx, amqpidem.Event{Queue: "orders", Key: "k1", Outcome: amqpidem.Duplicate,
+		Total: 5 * time.Millisecond, Published: time.Now().Add(time.Hour)}) // a clock ahead
+	m.Observe(ctx, amqpidem.Event{Queue: "orders", Key: "k3", Outcome: amqpidem.Retried, Reason: "handler error",
+		Handler: time.Second, Total: time.Second, Delay: 1234 * time.Millisecond, Err: errors.New("x")})
+	m.Observe(ctx, amqpidem.Event{Queue: "orders", Key: "k4", Outcome: amqpidem.Busy, Reason: "in progress elsewhere",
+		Delay: 3 * time.Millisecond})
+	m.Observe(ctx, amqpidem.Event{Queue: "orders", Key: "k5", Outcome: amqpidem.Abandoned, Reason: "shutdown"})
+	ms := collect(t, reader)
+
+	for _, tc := range []struct {
+		kvs  []attribute.KeyValue
+		want int64
+	}{
+		{[]attribute.KeyValue{queue, completed, noReason}, 2},
+		{[]attribute.KeyValue{queue, duplicate, noReason}, 1},
+		{[]attribute.KeyValue{queue, retried, otelamqpidem.AttrReason.String("handler error")}, 1},
+		{[]attribute.KeyValue{queue, busy, otelamqpidem.AttrReason.String("in progress elsewhere")}, 1},
+	} {
+		if got, _ := sum(t, ms, "amqpidem.messages", tc.kvs...); got != tc.want {
+			t.Errorf("amqpidem.messages %v: got %d, want %d", tc.kvs, got, tc.want)
+		}
+	}
+
+	dp, _ := hist(t, ms, "amqpidem.handler.duration", queue, completed)
+	if got, want := dp.Count, uint64(2); got != want {
+		t.Errorf("handler.duration count: got %d, want %d", got, want)
+	}
+	if got, want := dp.Sum, 0.3; math.Abs(got-want) > 1e-9 {
+		t.Errorf("handler.duration sum: got %v, want %v", got, want)
+	}
+	if _, ok := hist(t, ms, "amqpidem.handler.duration", queue, duplicate); ok {
+		t.Error("handler.duration recorded for a duplicate, whose handler did not run")
+	}
+	if dp, _ := hist(t, ms, "amqpidem.processing.duration", queue, completed); dp.Count != 2 || math.Abs(dp.Sum-0.4) > 1e-9 {
+		t.Errorf("processing.duration completed: got count %d sum %v, want 2 and 0.4", dp.Count, dp.Sum)
+	}
+	if dp, _ := hist(t, ms, "amqpidem.end_to_end.duration", queue, completed); dp.Count != 1 || dp.Sum < 3 || dp.Sum > 60 {
+		t.Errorf("end_to_end.duration completed: got count %d sum %v, want 1 and about 3", dp.Count, dp.Sum)
+	}
+	if dp, _ := hist(t, ms, "amqpidem.end_to_end.duration", queue, duplicate); dp.Count != 1 || dp.Sum != 0 {
+		t.Errorf("end_to_end.duration from a clock ahead: got count %d sum %v, want 1 and 0", dp.Count, dp.Sum)
+	}
+	if got, want := ms["amqpidem.end_to_end.duration"].Unit, "s"; got != want {
+		t.Errorf("end_to_end.duration unit: got %q, want %q", got, want)
+	}
+
+	for _, tc := range []struct {
+		outcome attribute.KeyValue
+		tier    float64
+	}{
+		{retried, 1.2}, // 1234 ms: the 1200 ms tier
+		{busy, 0.01},   // at least 10 ms
+	} {
+		got, ok := sum(t, ms, "amqpidem.requeues", queue, tc.outcome, otelamqpidem.AttrDelayTier.Float64(tc.tier))
+		if !ok || got != 1 {
+			t.Errorf("amqpidem.requeues %v tier %v: got %d (found %v), want 1", tc.outcome.Value.Emit(), tc.tier, got, ok)
+		}
+	}
+	// The abandoned delivery went straight back: no delayed requeue.
+	if s := ms["amqpidem.requeues"].Data.(metricdata.Sum[int64]); len(s.DataPoints) != 2 {
+		t.Errorf("amqpidem.requeues: got %d series, want 2", len(s.DataPoints))
+	}
+}
+
+func TestMeterNoKeyAttributes(t *testing.T) {
+	m, reader := newMeter(t)
+	ctx := context.Background()
+	m.Observe(ctx, amqpidem.Event{Queue: "orders", Key: "alice@example.com", Outcome: amqpidem.Retried,
+		Handler: time.Millisecond, Published: time.Now(), Delay: time.Second})
+	m.HandlerStarted(ctx, amqpidem.Info{Queue: "orders", Key: "alice@example.com", Attempt: 1, Fence: 1})
+	m.ObserveStore(ctx, amqpidem.StoreCall{Queue: "orders", Op: "extend", Leases: 1, Duration: time.Millisecond})
+	for name, md := range collect(t, reader) {
+		var sets []attribute.Set
+		switch d := md.Data.(type) {
+		case metricdata.Sum[int64]:
+			for _, dp := range d.DataPoints {
+				sets = append(sets, dp.Attributes)
+			}
+		case metricdata.Histogram[float64]:
+			for _, dp := range d.DataPoints {
+				sets = append(sets, dp.Attributes)
+			}
+		default:
+			t.Fatalf("%s: unexpected %T", name, md.Data)
+		}
+		for _, s := range sets {
+			for _, kv := range s.ToSlice() {
+				if kv.Value.Emit() == "alice@example.com" || kv.Key == otelamqpidem.AttrKey {
+					t.Errorf("%s carries the key: %v", name, s.Encoded(attribute.DefaultEncoder()))
+				}
+			}
+		}
+	}
+}
+
+func TestMeterInFlight(t *testing.T) {
+	m, reader := newMeter(t)
+	ctx := context.Background()
+	info := amqpidem.Info{Queue: "orders", Key: "k", Attempt: 1, Fence: 3}
+	m.HandlerStarted(ctx, info)
+	m.HandlerStarted(ctx, info)
+	m.HandlerEnded(ctx, info)
+	ms := collect(t, reader)
+	if got, want := ms["amqpidem.handlers.in_flight"].Data.(metricdata.Sum[int64]).IsMonotonic, false; got != want {
+		t.Errorf("in_flight monotonic: got %v, want %v", got, want)
+	}
+	if got, _ := sum(t, ms, "amqpidem.handlers.in_flight", queue); got != 1 {
+		t.Errorf("in_flight: got %d, want 1", got)
+	}
+	m.HandlerEnded(ctx, info)
+	if got, _ := sum(t, collect(t, reader), "amqpidem.handlers.in_flight", queue); got != 0 {
+		t.Errorf("in_flight after both ended: got %d, want 0", got)
+	}
+}
+
+func TestMeterObserveStore(t *testing.T) {
+	m, reader := newMeter(t)
+	ctx := context.Background()
+	down := errors.New("connection refused")
+	for _, c := range []amqpidem.StoreCall{
+		{Queue: "orders", Op: "acquire", Leases: 1, Duration: 2 * time.Millisecond},
+		{Queue: "orders", Op: "complete", Leases: 1, Lost: 1, Duration: time.Millisecond},
+		{Queue: "orders", Op: "fail", Leases: 1, Failed: 1, Err: down, Duration: time.Second},
+		{Queue: "orders", Op: "extend", Leases: 5, Duration: time.Millisecond},
+		{Queue: "orders", Op: "extend", Leases: 4, Lost: 1, Duration: time.Millisecond},
+		{Queue: "orders", Op: "extend", Leases: 3, Lost: 1, Failed: 2, Err: down, Duration: time.Millisecond},
+		{Queue: "orders", Op: "extend", Leases: 1, Lost: 2, Duration: time.Millisecond}, // more lost than asked: 1
+	} {
+		m.ObserveStore(ctx, c)
+	}
+	ms := collect(t, reader)
+	op, result := otelamqpidem.AttrOp, otelamqpidem.AttrResult
+	for _, tc := range []struct {
+		op, result string
+		count      uint64
+	}{
+		{"acquire", "ok", 1},
+		{"complete", "lost", 1},
+		{"fail", "error", 1},
+		{"extend", "ok", 1},
+		{"extend", "lost", 2},
+		{"extend", "error", 1},
+	} {
+		dp, _ := hist(t, ms, "amqpidem.store.call.duration", queue, op.String(tc.op), result.String(tc.result))
+		if dp.Count != tc.count {
+			t.Errorf("store.call.duration %s %s: got %d, want %d", tc.op, tc.result, dp.Count, tc.count)
+		}
+	}
+	for _, tc := range []struct {
+		result string
+		want   int64
+	}{
+		{"renewed", 5 + 3},
+		{"lost", 1 + 1 + 1},
+		{"error", 2},
+	} {
+		if got, _ := sum(t, ms, "amqpidem.lease.extensions", queue, result.String(tc.result)); got != tc.want {
+			t.Errorf("lease.extensions %s: got %d, want %d", tc.result, got, tc.want)
+		}
+	}
+}
