@@ -16,6 +16,14 @@
 // charged get up to 30 s to finish; any still running then are cancelled
 // and go back to the queue.
 //
+// It serves Prometheus metrics at /metrics (package promamqpidem's, the Go
+// runtime's and the process's) and a readiness check at /readyz (200 while
+// it consumes the queue and Redis answers, else 503 and why) on
+// METRICS_ADDR, default 127.0.0.1:9464: set it to ":9464" for a scraper or
+// probe on another host (a Kubernetes pod's), or to "off" (or empty) to
+// serve neither. Both are served until the consumer has shut down, so
+// /readyz answers 503 during the shutdown.
+//
 // In this repository `go run ./examples/orders` (`make demo`) also compiles
 // selfcheck.go, which runs a self-checking demo of this handler and wiring
 // instead; `go run ./examples/orders/main.go` runs this file alone.
@@ -26,7 +34,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
+	"net"
+	"net/http"
 	"os"
 	"os/signal"
 	"sync"
@@ -34,11 +45,15 @@ import (
 	"time"
 
 	"github.com/lmittmann/tint"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
 	"github.com/amqpidem/amqpidem/lock"
+	"github.com/amqpidem/amqpidem/promamqpidem"
 )
 
 const (
@@ -46,6 +61,9 @@ const (
 	// shutdownGrace is how long the payments being charged get to finish
 	// on SIGINT or SIGTERM.
 	shutdownGrace = 30 * time.Second
+	// defaultMetricsAddr is where /metrics and /readyz are served when
+	// METRICS_ADDR is not set: this host only.
+	defaultMetricsAddr = "127.0.0.1:9464"
 )
 
 func main() {
@@ -73,17 +91,36 @@ func run(log *slog.Logger) error {
 		return err
 	}
 
+	// The metrics: every outcome, handler and store call of the consumer
+	// (promamqpidem), on a registry of this program's own with the Go
+	// runtime's and the process's.
+	metrics := promamqpidem.New(promamqpidem.Options{})
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(metrics, collectors.NewGoCollector(),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	cfg := config(queue, log)
+	cfg.Observer = metrics
+
+	// Listening before the consumer exists: an address in use stops the
+	// program before it takes any message.
+	ln, err := listenMetrics(log)
+	if err != nil {
+		return err
+	}
 	consumer, err := amqpidem.NewConsumer(store, amqpidem.ConsumerConfig{
 		URL:    envOr("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"),
-		Config: config(queue, log),
+		Config: cfg,
 	}, chargeHandler(&logBank{log: log, fence: map[string]int64{}}))
 	if err != nil {
+		if ln != nil {
+			ln.Close()
+		}
 		return err
 	}
 
 	stop, stopSignals := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stopSignals()
-	return serve(stop, consumer, shutdownGrace, log)
+	return serve(stop, consumer, ln, opsHandler(reg, consumer.Ready, log), shutdownGrace, log)
 }
 
 // config is how the payments queue is processed. Every field left out has
@@ -108,8 +145,12 @@ func config(queue string, log *slog.Logger) amqpidem.Config {
 }
 
 // serve runs c until stop is done, then shuts it down, giving the handlers
-// in flight up to grace to finish.
-func serve(stop context.Context, c *amqpidem.Consumer, grace time.Duration, log *slog.Logger) error {
+// in flight up to grace to finish. If ln is not nil, it serves ops on ln
+// meanwhile, until c has shut down.
+func serve(stop context.Context, c *amqpidem.Consumer, ln net.Listener, ops http.Handler, grace time.Duration, log *slog.Logger) error {
+	if ln != nil {
+		defer serveHTTP(ln, ops, log)() // stops serving when serve returns
+	}
 	// Run does not get stop: when Run's context ends, the handlers in flight
 	// are cancelled at once. Shutdown lets them finish first.
 	done := make(chan error, 1)
@@ -133,6 +174,72 @@ func serve(stop context.Context, c *amqpidem.Consumer, grace time.Duration, log 
 		err = errors.Join(err, rerr)
 	}
 	return err
+}
+
+// listenMetrics listens on METRICS_ADDR (default defaultMetricsAddr), where
+// /metrics and /readyz are served; it returns nil when METRICS_ADDR is
+// "off" or set empty.
+func listenMetrics(log *slog.Logger) (net.Listener, error) {
+	addr, set := os.LookupEnv("METRICS_ADDR")
+	switch {
+	case !set:
+		addr = defaultMetricsAddr
+	case addr == "" || addr == "off":
+		log.Info("not serving /metrics and /readyz (METRICS_ADDR is off)")
+		return nil, nil
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("METRICS_ADDR: %w", err)
+	}
+	log.Info("serving /metrics and /readyz", "addr", ln.Addr().String())
+	return ln, nil
+}
+
+// opsHandler serves what reg gathers at /metrics, and at /readyz 200 when
+// ready (Consumer.Ready) returns nil within 2 s, else 503 and its error.
+func opsHandler(reg prometheus.Gatherer, ready func(context.Context) error, log *slog.Logger) http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{
+		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelError),
+	}))
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
+		ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
+		defer cancel()
+		if err := ready(ctx); err != nil {
+			http.Error(w, err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+		io.WriteString(w, "ready\n")
+	})
+	return mux
+}
+
+// serveHTTP serves h on ln until the function it returns is called, which
+// waits up to 5 s for the requests in flight, then closes their
+// connections, and returns once the server has stopped.
+func serveHTTP(ln net.Listener, h http.Handler, log *slog.Logger) (stop func()) {
+	srv := &http.Server{
+		Handler:           h,
+		ReadHeaderTimeout: 5 * time.Second,
+		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+	}
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+			// The consumer goes on without its metrics.
+			log.Error("/metrics and /readyz no longer served", "error", err)
+		}
+	}()
+	return func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := srv.Shutdown(ctx); err != nil {
+			srv.Close()
+		}
+		<-served
+	}
 }
 
 // payment is the message body.

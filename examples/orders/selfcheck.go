@@ -13,6 +13,12 @@
 // summary follows, and the program exits non-zero unless every payment ran
 // exactly as often as its story says. It uses a queue and Redis prefix of
 // its own and deletes them at the end.
+//
+// main.go's /metrics and /readyz are served too, on a free port of
+// 127.0.0.1 (METRICS_ADDR is not read): /readyz must answer 200 while the
+// consumers consume, and the amqpidem_messages_total counters scraped from
+// /metrics at the end must say what the stories say, and agree with the
+// outcomes the consumers reported.
 
 package main
 
@@ -21,8 +27,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"math/rand/v2"
+	"net"
+	"net/http"
 	"slices"
 	"sort"
 	"strings"
@@ -30,10 +39,15 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
 	"github.com/amqpidem/amqpidem/examples/internal/demo"
+	"github.com/amqpidem/amqpidem/promamqpidem"
 )
 
 // init runs the self-check in place of main, and exits.
@@ -90,7 +104,30 @@ func selfCheck(ctx context.Context) (err error) {
 	// Retry after about 100 ms, then 200 ms; the third failure is final.
 	cfg.Backoff = amqpidem.Exponential(100*time.Millisecond, time.Second)
 	cfg.InProgressDelay = 500 * time.Millisecond
-	cfg.Observer = tally
+	// The metrics first: when the tally sees the last outcome, the
+	// counters have it already.
+	metrics := promamqpidem.New(promamqpidem.Options{})
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(metrics)
+	cfg.Observer = amqpidem.Observers(metrics, tally)
+
+	// main.go's /metrics and /readyz, for all three consumers, on a free
+	// port: runs in parallel never collide.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return err
+	}
+	base := "http://" + ln.Addr().String()
+	log.Info("serving /metrics and /readyz", "url", base)
+	var running []*amqpidem.Consumer
+	ready := func(ctx context.Context) error {
+		for _, c := range running {
+			if err := c.Ready(ctx); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
 
 	// The consumers stop when the check is done (or has failed): serve
 	// shuts each down with a grace period, as main does on a signal.
@@ -104,6 +141,11 @@ func selfCheck(ctx context.Context) (err error) {
 		for serr := range serveErrs {
 			err = errors.Join(err, serr)
 		}
+		// serve stopped serving /metrics and /readyz with its consumer.
+		if conn, derr := net.Dial("tcp", ln.Addr().String()); derr == nil {
+			conn.Close()
+			err = errors.Join(err, errors.New("/metrics and /readyz still served after the consumers shut down"))
+		}
 	}()
 	for i := range consumers {
 		c := cfg
@@ -114,13 +156,31 @@ func selfCheck(ctx context.Context) (err error) {
 			Prefetch: 4, // small, so that the work spreads over the consumers
 		}, chargeHandler(ledger.as(c.ConsumerName)))
 		if err != nil {
+			ln.Close()
+			for _, rc := range running { // never run: stops their heartbeats
+				_ = rc.Shutdown(ctx)
+			}
 			return err
 		}
+		running = append(running, consumer)
+	}
+	for i, consumer := range running {
+		clog := log.With("consumer", fmt.Sprintf("orders-%d", i+1))
+		// The first consumer's serve serves /metrics and /readyz.
+		var l net.Listener
+		var ops http.Handler
+		if i == 0 {
+			l, ops = ln, opsHandler(reg, ready, clog)
+		}
 		serving.Go(func() {
-			if err := serve(stop, consumer, 10*time.Second, log.With("consumer", c.ConsumerName)); err != nil {
-				serveErrs <- fmt.Errorf("%s: %w", c.ConsumerName, err)
+			if err := serve(stop, consumer, l, ops, 10*time.Second, clog); err != nil {
+				serveErrs <- fmt.Errorf("orders-%d: %w", i+1, err)
 			}
 		})
+	}
+	// Ready: every consumer consumes the queue, and Redis answers.
+	if err := waitReady(ctx, base); err != nil {
+		return err
 	}
 
 	pub := amqpidem.NewPublisher(env.Conn)
@@ -208,7 +268,100 @@ func selfCheck(ctx context.Context) (err error) {
 	if err != nil {
 		return fmt.Errorf("reading the dead-letter queue: %w", err)
 	}
-	return report(tally, ledger, published, dead)
+	scraped, err := scrape(ctx, base, env.Name)
+	if err != nil {
+		return err
+	}
+	return report(tally, ledger, published, dead, scraped)
+}
+
+// waitReady waits until base's /readyz answers 200.
+func waitReady(ctx context.Context, base string) error {
+	for {
+		status, body, err := get(ctx, base+"/readyz")
+		if err == nil && status == http.StatusOK {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("/readyz: %d %s %v: %w", status, strings.TrimSpace(body), err, context.Cause(ctx))
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// get returns the status and body of a GET of url.
+func get(ctx context.Context, url string) (int, string, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return 0, "", err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, "", err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(body), err
+}
+
+// scraped is what /metrics and /readyz said at the end of the run.
+type scraped struct {
+	readyz   int                // /readyz's status
+	messages map[[2]string]int  // amqpidem_messages_total by outcome and reason
+	outcomes map[string]int     // the same by outcome
+	series   map[string]float64 // a few other series, by name
+}
+
+// scrape reads base's /readyz and the metrics of queue at base's /metrics,
+// as Prometheus would.
+func scrape(ctx context.Context, base, queue string) (scraped, error) {
+	s := scraped{messages: map[[2]string]int{}, outcomes: map[string]int{}, series: map[string]float64{}}
+	status, _, err := get(ctx, base+"/readyz")
+	if err != nil {
+		return s, fmt.Errorf("/readyz: %w", err)
+	}
+	s.readyz = status
+	status, body, err := get(ctx, base+"/metrics")
+	if err == nil && status != http.StatusOK {
+		err = fmt.Errorf("status %d: %s", status, body)
+	}
+	if err != nil {
+		return s, fmt.Errorf("/metrics: %w", err)
+	}
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	families, err := parser.TextToMetricFamilies(strings.NewReader(body))
+	if err != nil {
+		return s, fmt.Errorf("/metrics: %w", err)
+	}
+	label := func(m *dto.Metric, name string) string {
+		for _, l := range m.GetLabel() {
+			if l.GetName() == name {
+				return l.GetValue()
+			}
+		}
+		return ""
+	}
+	for name, f := range families {
+		for _, m := range f.GetMetric() {
+			if label(m, "queue") != queue {
+				continue
+			}
+			switch name {
+			case "amqpidem_messages_total":
+				n := int(m.GetCounter().GetValue())
+				s.messages[[2]string{label(m, "outcome"), label(m, "reason")}] += n
+				s.outcomes[label(m, "outcome")] += n
+			case "amqpidem_requeues_total", "amqpidem_lease_extensions_total":
+				s.series[name+"{"+label(m, "outcome")+label(m, "result")+"}"] += m.GetCounter().GetValue()
+			case "amqpidem_handlers_in_flight":
+				s.series[name] += m.GetGauge().GetValue()
+			case "amqpidem_store_call_duration_seconds":
+				s.series[name+"{"+label(m, "op")+"}"] += float64(m.GetHistogram().GetSampleCount())
+			}
+		}
+	}
+	return s, nil
 }
 
 // demoBank is main.go's bank as the self-check needs it: an in-memory
@@ -290,9 +443,60 @@ func (b *demoBank) record(id string, fence int64, consumer string) (int, error) 
 	return b.runs[id], nil
 }
 
+// checkMetrics compares what /metrics and /readyz said with the stories of
+// the payments, as README's outcome table has them, and with the outcomes
+// the consumers reported (c).
+func checkMetrics(m scraped, c demo.Counts, published int) []string {
+	var problems []string
+	want := func(got, want int, what string) {
+		if got != want {
+			problems = append(problems, fmt.Sprintf("/metrics: %s: %d, want %d", what, got, want))
+		}
+	}
+	completed := payments - 2 // all but the gateway's and the declined
+	// New keys whose handler succeeded: completed, acked.
+	want(m.messages[[2]string{"completed", ""}], completed, `messages_total{outcome="completed",reason=""}`)
+	// Duplicates of completed work: acked without running. Every other
+	// message published (the settled ones are all of them) is one.
+	want(m.outcomes["duplicate"], published-completed-2-1, `messages_total{outcome="duplicate"}`)
+	// The declined card: a permanent failure, dead-lettered at once. The
+	// gateway: retried with backoff, dead-lettered when its attempts are
+	// exhausted.
+	want(m.messages[[2]string{"dead_lettered", "permanent failure"}], 1, `messages_total{outcome="dead_lettered",reason="permanent failure"}`)
+	want(m.messages[[2]string{"dead_lettered", "attempts exhausted"}], 1, `messages_total{outcome="dead_lettered",reason="attempts exhausted"}`)
+	want(m.outcomes["dead_lettered"], 2, `messages_total{outcome="dead_lettered"}`)
+	want(m.messages[[2]string{"retried", "handler error"}], maxAttempts-1, `messages_total{outcome="retried",reason="handler error"}`)
+	want(int(m.series["amqpidem_requeues_total{retried}"]), maxAttempts-1, `requeues_total{outcome="retried"}`)
+	// The late copy of the declined payment: a duplicate of failed work,
+	// acked (AckFailedDuplicate).
+	want(m.messages[[2]string{"dropped", "failed duplicate"}], 1, `messages_total{outcome="dropped",reason="failed duplicate"}`)
+	// Copies that came while their key was being charged: requeued, and
+	// counted as the consumers reported them.
+	for _, o := range []amqpidem.Outcome{amqpidem.Completed, amqpidem.Duplicate, amqpidem.Busy, amqpidem.Retried,
+		amqpidem.DeadLettered, amqpidem.Dropped, amqpidem.Abandoned} {
+		want(m.outcomes[o.String()], c.Total(o), fmt.Sprintf(`messages_total{outcome=%q}, as the consumers reported`, o))
+	}
+	want(int(m.series["amqpidem_store_call_duration_seconds{acquire}"]), len(c.Events()), "acquire calls, one per delivery")
+	if m.series["amqpidem_lease_extensions_total{renewed}"] == 0 {
+		problems = append(problems, "/metrics: no lease renewed, although the slow payment ran four lease TTLs")
+	}
+	want(int(m.series["amqpidem_handlers_in_flight"]), 0, "handlers_in_flight at the end")
+	want(m.readyz, http.StatusOK, "/readyz while consuming")
+	return problems
+}
+
+// outcomeCounts is "completed 38, duplicate 31, ..." in Outcome order.
+func outcomeCounts(n map[string]int) string {
+	var out []string
+	for o := amqpidem.Completed; o <= amqpidem.Abandoned; o++ {
+		out = append(out, fmt.Sprintf("%s %d", o, n[o.String()]))
+	}
+	return strings.Join(out, ", ")
+}
+
 // report prints the summary and returns an error naming every payment that
 // ran other than its story says.
-func report(tally *demo.Tally, b *demoBank, published int, dead []amqp.Delivery) error {
+func report(tally *demo.Tally, b *demoBank, published int, dead []amqp.Delivery, m scraped) error {
 	var problems []string
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -340,6 +544,7 @@ func report(tally *demo.Tally, b *demoBank, published int, dead []amqp.Delivery)
 		if got, want := n(amqpidem.DeadLettered), 2; got != want {
 			problems = append(problems, fmt.Sprintf("%d messages dead-lettered, want %d", got, want))
 		}
+		problems = append(problems, checkMetrics(m, c, published)...)
 		var spread []string
 		for name, k := range b.by {
 			spread = append(spread, fmt.Sprintf("%s %d", name, k))
@@ -362,6 +567,12 @@ func report(tally *demo.Tally, b *demoBank, published int, dead []amqp.Delivery)
 		line("dropped", "%d (late copy of a declined payment)", n(amqpidem.Dropped))
 		line("abandoned", "%d", n(amqpidem.Abandoned))
 		line("slowest charge", "%v (%s; its %v lease was renewed throughout)", b.longest.Round(10*time.Millisecond), slowID, leaseTTL)
+		line("/metrics", "amqpidem_messages_total: %s", outcomeCounts(m.outcomes))
+		line("", "%v lease renewals, %v delayed requeues, %v handlers in flight at the end",
+			m.series["amqpidem_lease_extensions_total{renewed}"],
+			m.series["amqpidem_requeues_total{busy}"]+m.series["amqpidem_requeues_total{retried}"]+m.series["amqpidem_requeues_total{abandoned}"],
+			m.series["amqpidem_handlers_in_flight"])
+		line("/readyz", "%d while consuming", m.readyz)
 	})
 	fmt.Print(out.String())
 

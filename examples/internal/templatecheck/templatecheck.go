@@ -17,10 +17,11 @@ const module = "github.com/amqpidem/amqpidem"
 
 // public are the module's packages a template may import.
 var public = map[string]bool{
-	module + "/amqpidem":  true,
-	module + "/lock":      true,
-	module + "/heartbeat": true,
-	module + "/pgstore":   true,
+	module + "/amqpidem":     true,
+	module + "/lock":         true,
+	module + "/heartbeat":    true,
+	module + "/pgstore":      true,
+	module + "/promamqpidem": true,
 }
 
 // Check fails t unless file, in the current directory, is a template.
