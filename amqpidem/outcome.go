@@ -61,17 +61,23 @@ func (o Outcome) String() string {
 
 // Event describes one processed delivery.
 type Event struct {
-	Queue    string        // Config.Queue
-	Consumer string        // Config.ConsumerName
-	Key      string        // the idempotency key; empty when the message had none
-	Outcome  Outcome       // what became of the delivery
-	Reason   string        // why, for every outcome but Completed and Duplicate ("attempts exhausted", "lease lost", ...)
-	Attempt  int           // the lease's attempt, or the key's attempts so far; zero without a key
-	Fence    int64         // the lease's fencing token, or the key's latest; zero without a key
-	Delay    time.Duration // the requeue delay, for Busy, Retried and Abandoned
-	Handler  time.Duration // how long the handler ran; zero if it did not run
-	Total    time.Duration // the whole processing time, acks included
-	Err      error         // the handler's or the infrastructure's error, if any
+	Queue    string  // Config.Queue
+	Consumer string  // Config.ConsumerName
+	Key      string  // the idempotency key; empty when the message had none
+	Outcome  Outcome // what became of the delivery
+	// Reason says why: always for Busy, Retried, DeadLettered, Dropped and
+	// Abandoned ("attempts exhausted", "lease lost", ...); for Completed
+	// and Duplicate only when something was out of the ordinary ("no
+	// key", "store unavailable, failing open", "reply not re-sent",
+	// "reply given up"). Reasons are fixed strings of amqpidem's (a
+	// bounded set, fit for a metric label), never the handler's error.
+	Reason  string
+	Attempt int           // the lease's attempt, or the key's attempts so far; zero without a key
+	Fence   int64         // the lease's fencing token, or the key's latest; zero without a key
+	Delay   time.Duration // the requeue delay, for Busy, Retried and Abandoned
+	Handler time.Duration // how long the handler ran; zero if it did not run
+	Total   time.Duration // the whole processing time, acks included
+	Err     error         // the handler's or the infrastructure's error, if any
 	// Published is when the message was first published: its
 	// HeaderTimestampMillis header (Publisher and RabbitMQ's
 	// message_timestamp plugin set it), else its timestamp property (whole
