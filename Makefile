@@ -16,9 +16,10 @@ test: services check-user-module
 	go test -race -count=1 -timeout 20m ./...
 
 # check-user-module fails if a fresh module importing amqpidem, heartbeat and
-# lock gets testcontainers, the Docker client, pgx, toxiproxy or zerolog in its
-# go.sum (one importing pgstore too: any of them but pgx), and prints their
-# go.sum line counts.
+# lock gets testcontainers, the Docker client, pgx, toxiproxy, zerolog,
+# Prometheus, OpenTelemetry or cobra in its go.sum (one importing pgstore
+# too: any of them but pgx; promamqpidem or otelamqpidem: any but their
+# own), and prints their go.sum line counts.
 check-user-module:
 	bash scripts/check-user-module.sh
 
