@@ -104,32 +104,50 @@ func wantsStore(o StoreObserver) bool {
 }
 
 func (m multiObserver) Observe(ctx context.Context, e Event) {
-	for _, o := range m {
-		o.Observe(ctx, e)
-	}
+	m.each(func(o Observer) { o.Observe(ctx, e) })
 }
 
 func (m multiObserver) HandlerStarted(ctx context.Context, info Info) {
-	for _, o := range m {
+	m.each(func(o Observer) {
 		if h, ok := o.(HandlerObserver); ok {
 			h.HandlerStarted(ctx, info)
 		}
-	}
+	})
 }
 
 func (m multiObserver) HandlerEnded(ctx context.Context, info Info) {
-	for _, o := range m {
+	m.each(func(o Observer) {
 		if h, ok := o.(HandlerObserver); ok {
 			h.HandlerEnded(ctx, info)
 		}
-	}
+	})
 }
 
 func (m multiObserver) ObserveStore(ctx context.Context, c StoreCall) {
-	for _, o := range m {
+	m.each(func(o Observer) {
 		if s, ok := o.(StoreObserver); ok {
 			s.ObserveStore(ctx, c)
 		}
+	})
+}
+
+// each calls f with every observer of m, even when one of them panics
+// (a gauge kept by a later one must not miss its half of a pair), then
+// panics with the first panic's value, which amqpidem logs.
+func (m multiObserver) each(f func(Observer)) {
+	var first any
+	for _, o := range m {
+		func() {
+			defer func() {
+				if v := recover(); v != nil && first == nil {
+					first = v
+				}
+			}()
+			f(o)
+		}()
+	}
+	if first != nil {
+		panic(first)
 	}
 }
 

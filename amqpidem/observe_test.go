@@ -238,3 +238,21 @@ func TestStoredResult(t *testing.T) {
 		t.Errorf("a value of another form: got %q", got)
 	}
 }
+
+type panicObserver struct{ recObserver }
+
+func (p *panicObserver) HandlerStarted(ctx context.Context, info Info) { panic("started") }
+
+// A panicking member of Observers costs its own work, not the others': a
+// later member still gets both halves of a handler's start and end.
+func TestObserversContainEachPanic(t *testing.T) {
+	bad, good := &panicObserver{}, &recObserver{}
+	p, _ := newTestProcessor(t, Config{Observer: Observers(bad, good), Logger: discard()}, ok("r"))
+	d, _ := delivery("k", "x")
+	if ev := p.process(context.Background(), &fakeBroker{}, d, nil); ev.Outcome != Completed {
+		t.Fatalf("got %v, want completed", ev.Outcome)
+	}
+	if len(good.infos) != 1 || good.running != 0 || good.observed != 1 {
+		t.Fatalf("the second observer: %d starts, %d running, %d events; want 1, 0, 1", len(good.infos), good.running, good.observed)
+	}
+}

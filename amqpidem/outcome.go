@@ -72,9 +72,13 @@ type Event struct {
 	// "reply given up"). Reasons are fixed strings of amqpidem's (a
 	// bounded set, fit for a metric label), never the handler's error.
 	Reason  string
-	Attempt int           // the lease's attempt, or the key's attempts so far; zero without a key
-	Fence   int64         // the lease's fencing token, or the key's latest; zero without a key
-	Delay   time.Duration // the requeue delay, for Busy, Retried and Abandoned
+	Attempt int   // the lease's attempt, or the key's attempts so far; zero without a key
+	Fence   int64 // the lease's fencing token, or the key's latest; zero without a key
+	// Delay is how long the copy waits before it is delivered again, for
+	// Busy, Retried and Abandoned: in its delay queue, or, when that could
+	// not be published to, in this consumer before the copy goes straight
+	// back. Zero when it went back at once (shutdown, a nack).
+	Delay   time.Duration
 	Handler time.Duration // how long the handler ran; zero if it did not run
 	Total   time.Duration // the whole processing time, acks included
 	Err     error         // the handler's or the infrastructure's error, if any

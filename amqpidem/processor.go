@@ -709,8 +709,7 @@ func (p *processor) sendBack(ctx context.Context, b broker, d *amqp.Delivery, ev
 		sctx, cancel := settleContext(ctx)
 		defer cancel()
 		if err = b.requeue(sctx, p.cfg.Queue, d, 0, extra); err == nil {
-			ev.Delay = 0 // it went straight back
-			return true
+			return true // it waited its delay here instead
 		}
 		ev.Err = errors.Join(ev.Err, err)
 	}

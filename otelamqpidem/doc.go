@@ -49,8 +49,10 @@
 //     already holds a span (a Wrapper called under a request's span), that
 //     span is linked. A message without trace headers starts a trace of
 //     its own, under the context's span if any.
-//   - its name is "process {destination}", and messaging.destination.name
-//     is "{exchange}:{routing key}:{queue}", leaving out empty parts (the
+//   - its name is "process {queue}" (not the whole destination: a topic's
+//     routing keys would make too many span names), and
+//     messaging.destination.name is "{exchange}:{routing key}:{queue}",
+//     leaving out empty parts (the
 //     default exchange) and the routing key when it is the queue's name:
 //     "process orders-exchange:created:orders".
 //   - attributes from the messaging conventions: messaging.system

@@ -119,7 +119,7 @@ func (t *Tracer) Start(ctx context.Context, queue string, d *amqp.Delivery) cont
 		attrs = append(attrs, semconv.MessagingMessageConversationID(d.CorrelationId))
 	}
 
-	sctx, span := t.tracer.Start(pctx, spanName(dest),
+	sctx, span := t.tracer.Start(pctx, spanName(queue),
 		trace.WithSpanKind(trace.SpanKindConsumer),
 		trace.WithAttributes(attrs...),
 		trace.WithLinks(links...),
@@ -228,11 +228,12 @@ func destination(exchange, routingKey, queue string) string {
 	return strings.Join(parts, ":")
 }
 
-// spanName is "{messaging.operation.name} {destination}", or the
-// operation alone without a destination.
-func spanName(dest string) string {
-	if dest == "" {
+// spanName is "{messaging.operation.name} {queue}", or the operation alone
+// without a queue. The queue, not the whole destination: a routing key
+// (a topic's, say) can take many values, and span names should not.
+func spanName(queue string) string {
+	if queue == "" {
 		return operation
 	}
-	return operation + " " + dest
+	return operation + " " + queue
 }

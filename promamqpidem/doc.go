@@ -62,11 +62,12 @@
 // holds).
 //
 // requeues_total counts the busy, retried and abandoned deliveries sent
-// back through a delay queue (amqpidem.Event.Delay > 0), by the delay tier
-// they waited in: amqpidem.DelayTier(Event.Delay) in seconds, in the
-// shortest decimal form ("0.25", "1.5", "30"; see DelayTierLabel). A copy
-// sent back at once, as on shutdown or when its delay queue could not be
-// published to, reports no delay and is not counted.
+// back after a delay (amqpidem.Event.Delay > 0), by the delay tier they
+// waited in: amqpidem.DelayTier(Event.Delay) in seconds, in the shortest
+// decimal form ("0.25", "1.5", "30"; see DelayTierLabel). A copy whose
+// delay queue could not be published to waits its delay in the consumer
+// instead and is counted in the same tier; a copy sent back at once (on
+// shutdown, or by a nack) reports no delay and is not counted.
 //
 // # Cardinality
 //
