@@ -256,3 +256,17 @@ func TestObserversContainEachPanic(t *testing.T) {
 		t.Fatalf("the second observer: %d starts, %d running, %d events; want 1, 0, 1", len(good.infos), good.running, good.observed)
 	}
 }
+
+// A dead letter names the endpoint whose record its key has, so that a
+// tool replaying it finds that record.
+func TestDeadLetterNamesEndpoint(t *testing.T) {
+	p, _ := newTestProcessor(t, Config{Endpoint: "ledger"}, func(context.Context, *amqp.Delivery) ([]byte, error) {
+		return nil, Permanent(errors.New("no"))
+	})
+	b := &fakeBroker{}
+	d, _ := delivery("k", "x")
+	p.process(context.Background(), b, d, nil)
+	if len(b.pubs) != 1 || b.pubs[0].msg.Headers[HeaderEndpoint] != "ledger" || b.pubs[0].msg.Headers[HeaderKey] != "k" {
+		t.Fatalf("dead letter: %+v, want endpoint ledger and key k", b.pubs)
+	}
+}

@@ -742,6 +742,7 @@ func (p *processor) deadLetter(ctx context.Context, b broker, d *amqp.Delivery, 
 		HeaderAttempt:  int64(max(ev.Attempt, p.headerAttempt(d))),
 		HeaderConsumer: p.cfg.ConsumerName,
 		HeaderKey:      headerText(ev.Key),
+		HeaderEndpoint: p.cfg.Endpoint,
 	})
 	delete(msg.Headers, HeaderDeadLetterPending)
 	p.inject(ctx, msg.Headers)

@@ -44,8 +44,13 @@ const (
 	HeaderError = "x-amqpidem-error"
 	// HeaderConsumer names the consumer that dead-lettered the message.
 	HeaderConsumer = "x-amqpidem-consumer"
-	// HeaderKey is the idempotency key, on dead letters.
+	// HeaderKey is the idempotency key, on dead letters ("" when the
+	// message had none).
 	HeaderKey = "x-amqpidem-key"
+	// HeaderEndpoint is the Config.Endpoint under which the key's record
+	// is kept, on dead letters: what a tool that replays them needs to find
+	// the record (see StoreKey).
+	HeaderEndpoint = "x-amqpidem-endpoint"
 	// HeaderDeadLetterPending marks a copy requeued because its dead
 	// letter could not be routed: it is dead-lettered again, whatever
 	// the failed-duplicate policy.

@@ -50,6 +50,7 @@ the queue QUEUE.dlq), with the fault headers amqpidem gives them.`,
 type deadLetter struct {
 	Index              int        `json:"index"`
 	Key                string     `json:"key"`
+	Endpoint           string     `json:"endpoint,omitempty"`
 	MessageID          string     `json:"message_id,omitempty"`
 	Reason             string     `json:"reason"`
 	Error              string     `json:"error"`
@@ -67,7 +68,12 @@ func describe(i int, d *amqp.Delivery) deadLetter {
 		Attempts: number(h, amqpidem.HeaderAttempt), OriginalExchange: text(h, amqpidem.HeaderOriginalExchange),
 		OriginalRoutingKey: text(h, amqpidem.HeaderOriginalRoutingKey), Consumer: text(h, amqpidem.HeaderConsumer),
 		BodyBytes: len(d.Body)}
-	dl.Key = text(h, amqpidem.HeaderKey)
+	dl.Endpoint = text(h, amqpidem.HeaderEndpoint)
+	if _, ok := h[amqpidem.HeaderKey]; ok {
+		dl.Key = text(h, amqpidem.HeaderKey)
+	} else {
+		dl.Key = d.MessageId // a dead letter of an older amqpidem: the default key
+	}
 	if t, ok := h[amqpidem.HeaderFirstSeen].(time.Time); ok {
 		dl.FirstSeen = timePtr(t)
 	}
@@ -162,7 +168,11 @@ func newDLQList(o *options) *cobra.Command {
 otherwise): key, reason, attempts, when first seen, the original exchange and
 routing key, and the error. It reads them without acknowledging them and
 gives them all back when done, so they stay in the queue, in order, even if
-list is killed; RabbitMQ marks them redelivered.
+list is killed; RabbitMQ marks them redelivered. On a quorum dead-letter
+queue with a delivery limit (x-delivery-limit; RabbitMQ 4 sets 20 by
+default), each look counts as a delivery of each message read: one looked at
+more often than the limit is dropped. amqpidem's own QUEUE.dlq is classic
+unless Config.DeadLetterQueueArgs says otherwise.
 
 Exit code 3 when the dead-letter queue does not exist.`,
 		Example: `  amqpidem dlq list orders
@@ -253,28 +263,41 @@ func newDLQReplay(o *options) *cobra.Command {
 	var f dlqFlags
 	var k keyFlags
 	var key string
-	var all, forget, dryRun bool
+	var all, forget, dryRun, original bool
 	c := &cobra.Command{
 		Use:   "replay QUEUE (--key KEY | --all) [--forget] [--dry-run]",
-		Short: "Publish dead letters again to where they were first sent",
-		Long: `replay republishes dead letters of QUEUE to their original exchange and
-routing key (the headers amqpidem put on them), with publisher confirms, and
-removes each dead letter only once its copy is confirmed. Killed at any point
-it loses nothing: a dead letter not yet removed stays in the dead-letter
-queue; one republished but not yet removed may be replayed twice, and the
-record makes the second copy a duplicate.
+		Short: "Publish dead letters of QUEUE back to QUEUE",
+		Long: `replay publishes dead letters of QUEUE (in QUEUE.dlq unless --dlq says
+otherwise) back to QUEUE, with publisher confirms, and removes each dead
+letter only once its copy is confirmed. Killed at any point it loses
+nothing: a dead letter not yet removed stays in the dead-letter queue; one
+republished but not yet removed may be replayed twice, and the record makes
+the second copy a duplicate.
 
 A message that failed for good has a failed record: replayed as it is, it
 would be dead-lettered again as a failed duplicate. --forget deletes that
 failed record first (only a failed one, and only if it is still the one
 read), so that the replay runs the handler again: fix the cause first.
-Without --forget such dead letters are left in place and reported.
-Dead letters whose record says completed (the work was done) are left too.
+Without --forget such dead letters are left in place and reported. Left in
+place too, with the reason: dead letters whose record says completed (the
+work was done), those of messages without a usable key or with a key
+conflict (a replay would be dead-lettered again), and those whose copy the
+broker did not take.
+
+Records are looked up under the endpoint the dead letter names (amqpidem
+puts it in a header); --endpoint is for dead letters of amqpidem versions
+that did not, and a dead letter naming another endpoint is left.
+
+The copy goes to QUEUE through the default exchange, not to the exchange the
+message was first published to: that exchange may route it to other queues
+too, whose consumers would see it again. --to-original-exchange publishes
+it to the original exchange and routing key instead.
 
 The header counting attempts is kept: a replayed message starts a fresh
 count, since amqpidem ignores the count of a message that was dead-lettered.
 
-Exit code 3 when no dead letter matched, 4 when some were left in place.`,
+Exit code 3 when no dead letter matched, 4 when some were left in place, 1
+when the run stopped early (what was done is reported first).`,
 		Example: `  amqpidem dlq replay orders --key order-1042 --forget
   amqpidem dlq replay orders --all --forget --dry-run
   amqpidem dlq replay orders --all --forget`,
@@ -291,70 +314,82 @@ Exit code 3 when no dead letter matched, 4 when some were left in place.`,
 				return err
 			}
 			defer closeStore()
-			return o.replay(c.Context(), f.name(args[0]), &k, admin, key, forget, dryRun)
+			r := &replayer{o: o, queue: args[0], k: &k, admin: admin, forget: forget, dryRun: dryRun, original: original}
+			return r.run(c.Context(), f.name(args[0]), key)
 		},
 	}
 	f.add(c)
-	c.Flags().StringVar(&k.endpoint, "endpoint", "", "the consumer's Config.Endpoint, when it is not QUEUE")
+	c.Flags().StringVar(&k.endpoint, "endpoint", "", "the consumer's Config.Endpoint, for dead letters that do not name it")
 	c.Flags().StringVar(&key, "key", "", "replay the dead letters of this message `key` only")
 	c.Flags().BoolVar(&all, "all", false, "replay every dead letter")
 	c.Flags().BoolVar(&forget, "forget", false, "forget a failed record before replaying its message")
 	c.Flags().BoolVar(&dryRun, "dry-run", false, "say what would be done, change nothing")
+	c.Flags().BoolVar(&original, "to-original-exchange", false, "publish to the exchange and routing key the message was first published to")
 	return c
 }
 
-// replay goes once through the dead letters in dlq at the start, replaying
+// replayer replays the dead letters of one queue.
+type replayer struct {
+	o        *options
+	queue    string
+	k        *keyFlags
+	admin    lock.Admin
+	forget   bool
+	dryRun   bool
+	original bool
+	pub      *confirmer
+}
+
+// run goes once through the dead letters in dlq at the start, replaying
 // those that match key (all when key is ""); those not replayed go back
-// to the queue, in order, when the session closes.
-func (o *options) replay(ctx context.Context, dlq string, k *keyFlags, admin lock.Admin, key string, forget, dryRun bool) error {
-	s, err := o.openDLQ(dlq)
+// to the queue, in order, when the session closes. It reports what it did,
+// also when it stops early.
+func (r *replayer) run(ctx context.Context, dlq, key string) error {
+	s, err := r.o.openDLQ(dlq)
 	if err != nil {
 		return err
 	}
 	defer s.close()
-	pub, err := newConfirmer(s.conn)
-	if err != nil {
+	if r.pub, err = newConfirmer(s.conn); err != nil {
 		return err
 	}
 	var out []replayed
-	left, done := 0, 0
-	p := &progress{w: o.stderr, on: o.progress && !o.json, verb: "replaying", total: s.count}
+	left := 0
+	p := &progress{w: r.o.stderr, on: r.o.progress && !r.o.json, verb: "replaying", total: s.count}
+	stop := func(err error) error {
+		p.end()
+		if rerr := r.o.report(out, dlq, r.dryRun); rerr != nil {
+			return rerr
+		}
+		return err
+	}
 	for i := 1; i <= s.count; i++ {
 		if err := ctx.Err(); err != nil {
-			return withCode(exitFailed, "interrupted after %d of %d dead letters (the others stay in %s): %w", i-1, s.count, dlq, err)
+			return stop(withCode(exitFailed, "interrupted after %d of %d dead letters (the others stay in %s): %w", i-1, s.count, dlq, err))
 		}
 		d, ok, err := s.get()
 		if err != nil {
-			return err
+			return stop(err)
 		}
 		if !ok {
 			break
 		}
 		p.step(i)
 		dl := describe(i, &d)
-		msgKey := dl.Key
-		if msgKey == "" {
-			msgKey = d.MessageId
-		}
-		if key != "" && msgKey != key {
+		if key != "" && dl.Key != key {
 			continue // not acked: it goes back when the session closes
 		}
-		r := replayed{deadLetter: dl}
-		r.Action, r.Forgot, r.Why, err = o.replayOne(ctx, pub, &d, k, admin, msgKey, forget, dryRun)
+		res := replayed{deadLetter: dl}
+		res.Action, res.Forgot, res.Why, err = r.one(ctx, &d, dl)
 		if err != nil {
-			p.end()
-			return err
+			return stop(err)
 		}
-		switch r.Action {
-		case "left":
+		if res.Action == "left" {
 			left++
-		default:
-			done++
 		}
-		out = append(out, r)
+		out = append(out, res)
 	}
-	p.end()
-	if err := o.report(out, dlq, dryRun); err != nil {
+	if err := stop(nil); err != nil {
 		return err
 	}
 	switch {
@@ -366,52 +401,85 @@ func (o *options) replay(ctx context.Context, dlq string, k *keyFlags, admin loc
 	return nil
 }
 
-// replayOne replays d unless its record says not to; it returns what it
-// did. An error is one that ends the whole replay.
-func (o *options) replayOne(ctx context.Context, pub *confirmer, d *amqp.Delivery, k *keyFlags, admin lock.Admin, key string, forget, dryRun bool) (action, forgot, why string, err error) {
-	h := d.Headers
-	exchange, rk := text(h, amqpidem.HeaderOriginalExchange), text(h, amqpidem.HeaderOriginalRoutingKey)
-	if _, ok := h[amqpidem.HeaderOriginalRoutingKey]; !ok {
-		return "left", "", "no " + amqpidem.HeaderOriginalRoutingKey + " header: not a dead letter of amqpidem", nil
+// one replays d, whose description is dl, unless it should stay; it
+// returns what it did. An error stops the whole run: the store or the
+// broker cannot be used any more.
+func (r *replayer) one(ctx context.Context, d *amqp.Delivery, dl deadLetter) (action, forgot, why string, err error) {
+	switch dl.Reason {
+	case "missing key", "invalid key":
+		return "left", "", dl.Reason + ": a replay would be dead-lettered again (fix the publisher, or Config.Key or Config.MissingKey)", nil
+	case "key conflict":
+		return "left", "", "key conflict: another payload holds this key's record; a replay cannot run it", nil
 	}
-	if key != "" {
-		skey, err := k.storeKey(key)
-		if err != nil {
-			return "", "", "", err
-		}
-		cctx, cancel := context.WithTimeout(ctx, o.timeout)
-		defer cancel()
-		r, err := admin.Inspect(cctx, skey)
-		switch {
-		case errors.Is(err, lock.ErrNotFound):
-		case err != nil:
-			return "", "", "", withCode(exitFailed, "inspecting key %q: %w", key, err)
-		case r.State == lock.StateCompleted:
-			return "left", "", "record completed: the work was done", nil
-		case r.State == lock.StateFailed && !forget:
-			return "left", "", "record failed: it would be dead-lettered again; fix the cause and use --forget", nil
-		case r.State == lock.StateFailed && dryRun:
-			forgot = "failed"
-		case r.State == lock.StateFailed:
-			if err := admin.Forget(cctx, skey, r.State, r.Fence); err != nil && !errors.Is(err, lock.ErrNotFound) {
-				if errors.Is(err, lock.ErrChanged) {
-					return "left", "", "record changed while replaying; run replay again", nil
-				}
-				return "", "", "", withCode(exitFailed, "forgetting key %q: %w", key, err)
-			}
-			forgot = "failed"
+	endpoint := dl.Endpoint
+	switch {
+	case endpoint != "" && r.k.endpoint != "" && endpoint != r.k.endpoint:
+		return "left", "", fmt.Sprintf("dead-lettered by endpoint %q, not --endpoint %q", endpoint, r.k.endpoint), nil
+	case endpoint == "":
+		endpoint = r.k.name()
+	}
+	if dl.Key != "" {
+		action, forgot, why, err = r.record(ctx, endpoint, dl.Key)
+		if err != nil || action != "" {
+			return action, forgot, why, err
 		}
 	}
-	if dryRun {
+	if r.dryRun {
 		return "would replay", forgot, "", nil
 	}
-	if err := pub.publish(ctx, exchange, rk, replayCopy(d), o.timeout); err != nil {
-		return "", forgot, "", withCode(exitFailed, "republishing the dead letter of key %q to exchange %q routing key %q: %w (it stays in the dead-letter queue)", key, exchange, rk, err)
+	exchange, rk := "", r.queue
+	if r.original {
+		if _, ok := d.Headers[amqpidem.HeaderOriginalRoutingKey]; !ok {
+			return "left", forgot, "no " + amqpidem.HeaderOriginalRoutingKey + " header to replay to", nil
+		}
+		exchange, rk = dl.OriginalExchange, dl.OriginalRoutingKey
+	}
+	if err := r.pub.publish(ctx, exchange, rk, replayCopy(d), r.o.timeout); err != nil {
+		if r.pub.ch.IsClosed() || ctx.Err() != nil {
+			return "", forgot, "", withCode(exitFailed, "republishing the dead letter of key %q: %w (it stays in the dead-letter queue)", dl.Key, err)
+		}
+		return "left", forgot, fmt.Sprintf("the broker did not take the copy for exchange %q routing key %q: %v", exchange, rk, err), nil
 	}
 	if err := d.Ack(false); err != nil {
-		return "", forgot, "", withCode(exitFailed, "removing the dead letter of key %q after its copy was confirmed: %w (it may be replayed again; the record makes that a duplicate)", key, err)
+		return "", forgot, "", withCode(exitFailed, "removing the dead letter of key %q after its copy was confirmed: %w (it may be replayed again; the record makes that a duplicate)", dl.Key, err)
 	}
 	return "replayed", forgot, "", nil
+}
+
+// record decides on the record of key under endpoint: an action and why
+// when the dead letter stays, "" to replay it (after forgetting a failed
+// record, forgot says so).
+func (r *replayer) record(ctx context.Context, endpoint, key string) (action, forgot, why string, err error) {
+	skey := amqpidem.StoreKey(endpoint, key)
+	cctx, cancel := context.WithTimeout(ctx, r.o.timeout)
+	defer cancel()
+	rec, err := r.admin.Inspect(cctx, skey)
+	switch {
+	case errors.Is(err, lock.ErrNotFound):
+		return "", "", "", nil // expired or forgotten: a replay runs it
+	case errors.Is(err, lock.ErrUnavailable) || ctx.Err() != nil:
+		return "", "", "", withCode(exitFailed, "%s: %w", r.o.storeName(), err)
+	case err != nil:
+		return "left", "", fmt.Sprintf("its record cannot be read: %v", err), nil
+	case rec.State == lock.StateCompleted:
+		return "left", "", "record completed: the work was done", nil
+	case rec.State != lock.StateFailed:
+		return "", "", "", nil // in progress, released: a replay waits its turn
+	case !r.forget:
+		return "left", "", "record failed: it would be dead-lettered again; fix the cause and use --forget", nil
+	case r.dryRun:
+		return "", "failed", "", nil
+	}
+	err = r.admin.Forget(cctx, skey, rec.State, rec.Fence)
+	switch {
+	case err == nil, errors.Is(err, lock.ErrNotFound):
+		return "", "failed", "", nil
+	case errors.Is(err, lock.ErrChanged):
+		return "left", "", "record changed while replaying; run replay again", nil
+	case errors.Is(err, lock.ErrUnavailable) || ctx.Err() != nil:
+		return "", "", "", withCode(exitFailed, "%s: %w", r.o.storeName(), err)
+	}
+	return "left", "", fmt.Sprintf("its record cannot be forgotten: %v", err), nil
 }
 
 // replayCopy is what replay publishes for dead letter d: d's properties,

@@ -1,0 +1,89 @@
+package main_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+)
+
+// A replay goes back to the consumer's queue, not through the exchange the
+// message was first published to: a fanout would hand it to every other
+// queue bound there again.
+func TestReplayDoesNotFanOut(t *testing.T) {
+	r := newRig(t, 2)
+	ch, err := r.conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ch.Close()
+	exchange, sibling := r.queue+".fan", r.queue+".sibling"
+	if err := ch.ExchangeDeclare(exchange, "fanout", false, true, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ch.QueueDeclare(sibling, false, true, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if ch, err := r.conn.Channel(); err == nil {
+			_, _ = ch.QueueDelete(sibling, false, false, false)
+			_ = ch.ExchangeDelete(exchange, false, false)
+		}
+	})
+	for _, q := range []string{r.queue, sibling} {
+		if err := ch.QueueBind(q, "", exchange, false, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := r.pub.Publish(context.Background(), exchange, "", amqp.Publishing{MessageId: "fan-1", Body: []byte("x")}); err != nil {
+		t.Fatal(err)
+	}
+	r.waitOutcomes(amqpidem.DeadLettered, 1)
+	r.broken.Store(false)
+	r.mustCLI(0, "dlq", "replay", r.queue, "--key", "fan-1", "--forget")
+	r.waitOutcomes(amqpidem.Completed, 1)
+	q, err := ch.QueueDeclarePassive(sibling, false, true, false, false, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if q.Messages != 1 {
+		t.Fatalf("the sibling queue holds %d messages, want its own first copy alone", q.Messages)
+	}
+}
+
+// Records are found under the endpoint the dead letter names, and dead
+// letters that a replay cannot help are left, with the others replayed.
+func TestReplayEndpointAndLeftovers(t *testing.T) {
+	r := newRigWith(t, 2, func(c *amqpidem.Config) { c.Endpoint = "ledger" })
+	r.publish("pay-5")
+	if err := r.pub.Publish(context.Background(), "", r.queue, amqp.Publishing{MessageId: "", Body: []byte("no key")}); err == nil {
+		t.Fatal("Publisher took a message without a key")
+	}
+	ch, err := r.conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ch.Close()
+	if err := ch.Publish("", r.queue, false, false, amqp.Publishing{Body: []byte("no key")}); err != nil {
+		t.Fatal(err)
+	}
+	r.waitOutcomes(amqpidem.DeadLettered, 2)
+	r.broken.Store(false)
+	out, _, code := r.cli("dlq", "replay", r.queue, "--all", "--forget", "--endpoint", "elsewhere")
+	if code != 4 || !strings.Contains(out, `dead-lettered by endpoint "ledger"`) || !strings.Contains(out, "missing key") {
+		t.Fatalf("replay with another --endpoint: exit %d\n%s", code, out)
+	}
+	out, _, code = r.cli("dlq", "replay", r.queue, "--all", "--forget")
+	if code != 4 || !strings.Contains(out, "1 replayed") || !strings.Contains(out, "missing key") {
+		t.Fatalf("replay: exit %d\n%s", code, out)
+	}
+	r.waitOutcomes(amqpidem.Completed, 1)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.runs["pay-5"] != 1 {
+		t.Fatalf("pay-5 ran %d times after the fix, want 1", r.runs["pay-5"])
+	}
+}
