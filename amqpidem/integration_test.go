@@ -17,6 +17,7 @@ import (
 
 	"github.com/amqpidem/amqpidem/amqpidem"
 	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/internal/testrun"
 	"github.com/amqpidem/amqpidem/lock"
 )
 
@@ -175,18 +176,7 @@ func startConsumerWith(t *testing.T, e *env, store lock.Store, cfg amqpidem.Cons
 	if err != nil {
 		t.Fatal(err)
 	}
-	done := make(chan error, 1)
-	go func() { done <- c.Run(context.Background()) }()
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		if err := c.Shutdown(ctx); err != nil {
-			t.Errorf("Shutdown: %v", err)
-		}
-		if err := <-done; !errors.Is(err, amqpidem.ErrConsumerClosed) {
-			t.Errorf("Run: got %v, want ErrConsumerClosed", err)
-		}
-	})
+	testrun.Consumer(t, c)
 	return c
 }
 

@@ -20,6 +20,7 @@ import (
 
 	"github.com/amqpidem/amqpidem/amqpidem"
 	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/internal/testrun"
 	"github.com/amqpidem/amqpidem/lock"
 	"github.com/amqpidem/amqpidem/otelamqpidem"
 )
@@ -149,18 +150,7 @@ func TestIntegrationTrace(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	done := make(chan error, 1)
-	go func() { done <- c.Run(context.Background()) }()
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		if err := c.Shutdown(ctx); err != nil {
-			t.Errorf("Shutdown: %v", err)
-		}
-		if err := <-done; !errors.Is(err, amqpidem.ErrConsumerClosed) {
-			t.Errorf("Run: got %v, want ErrConsumerClosed", err)
-		}
-	})
+	testrun.Consumer(t, c)
 
 	// The producer: one trace per message, its context in the headers.
 	pconn, err := amqp.Dial(url)

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"strconv"
@@ -92,54 +93,47 @@ Exit code 3 when the key has no record (never seen, expired, forgotten).`,
   amqpidem inspect order-1042 --queue orders --json`,
 		Args: exactArgs(1, "one KEY"),
 		RunE: func(c *cobra.Command, args []string) error {
-			skey, err := k.storeKey(args[0])
-			if err != nil {
-				return err
-			}
-			ctx, cancel := callContext(c, o)
-			defer cancel()
-			admin, closeStore, err := o.openStore(ctx)
-			if err != nil {
-				return err
-			}
-			defer closeStore()
-			r, err := admin.Inspect(ctx, skey)
-			if err != nil {
-				return o.storeError(args[0], &k, err)
-			}
-			j := toJSON(&k, args[0], r, maxBytes)
-			if o.json {
-				return printJSON(o.stdout, j)
-			}
-			rows := [][]string{
-				{"key", j.Key},
-				{"endpoint", j.Endpoint},
-				{"state", j.State},
-				{"attempts", strconv.Itoa(j.Attempts)},
-				{"fence", strconv.FormatInt(j.Fence, 10)},
-				{"lease", leaseText(r)},
-				{"created", when(r.Created)},
-				{"ended", when(r.Ended)},
-				{"expires in", r.ExpiresIn.Round(time.Millisecond).String()},
-			}
-			if j.Result != nil {
-				note := fmt.Sprintf(" (%d bytes)", j.ResultBytes)
-				if j.ResultTruncated {
-					note = fmt.Sprintf(" (first %d of %d bytes)", maxBytes, j.ResultBytes)
-				}
-				rows = append(rows, []string{"result", oneLine(*j.Result, maxBytes) + note})
-			}
-			if r.State == lock.StateFailed {
-				rows = append(rows, []string{"error", oneLine(r.Error, maxBytes)})
-			}
-			rows = append(rows, []string{"location", r.Location})
-			table(o.stdout, rows)
-			return nil
+			return o.withRecord(c, &k, args[0], func(_ context.Context, _ lock.Admin, _ string, r lock.Record) error {
+				return o.printRecord(&k, args[0], r, maxBytes)
+			})
 		},
 	}
 	k.add(c)
 	c.Flags().IntVar(&maxBytes, "max-bytes", maxBytes, "show at most this many bytes of a stored result or error")
 	return c
+}
+
+// printRecord prints r, the record of key, cutting its result or error to
+// maxBytes.
+func (o *options) printRecord(k *keyFlags, key string, r lock.Record, maxBytes int) error {
+	j := toJSON(k, key, r, maxBytes)
+	if o.json {
+		return printJSON(o.stdout, j)
+	}
+	rows := [][]string{
+		{"key", j.Key},
+		{"endpoint", j.Endpoint},
+		{"state", j.State},
+		{"attempts", strconv.Itoa(j.Attempts)},
+		{"fence", strconv.FormatInt(j.Fence, 10)},
+		{"lease", leaseText(r)},
+		{"created", when(r.Created)},
+		{"ended", when(r.Ended)},
+		{"expires in", r.ExpiresIn.Round(time.Millisecond).String()},
+	}
+	if j.Result != nil {
+		note := fmt.Sprintf(" (%d bytes)", j.ResultBytes)
+		if j.ResultTruncated {
+			note = fmt.Sprintf(" (first %d of %d bytes)", maxBytes, j.ResultBytes)
+		}
+		rows = append(rows, []string{"result", oneLine(*j.Result, maxBytes) + note})
+	}
+	if r.State == lock.StateFailed {
+		rows = append(rows, []string{"error", oneLine(r.Error, maxBytes)})
+	}
+	rows = append(rows, []string{"location", r.Location})
+	table(o.stdout, rows)
+	return nil
 }
 
 // leaseText describes a record's lease for people.
@@ -171,41 +165,49 @@ record.`,
 		Example: `  amqpidem forget payment-77 --queue payments`,
 		Args:    exactArgs(1, "one KEY"),
 		RunE: func(c *cobra.Command, args []string) error {
-			skey, err := k.storeKey(args[0])
-			if err != nil {
-				return err
-			}
-			ctx, cancel := callContext(c, o)
-			defer cancel()
-			admin, closeStore, err := o.openStore(ctx)
-			if err != nil {
-				return err
-			}
-			defer closeStore()
-			r, err := admin.Inspect(ctx, skey)
-			if err != nil {
-				return o.storeError(args[0], &k, err)
-			}
-			if r.Live() && !force {
-				return withCode(exitRefused, "key %q of %s: a lease is live (%v left, owner %s): a consumer may be running it now; --force forgets it anyway",
-					args[0], k.name(), r.LeaseLeft.Round(time.Millisecond), r.Owner)
-			}
-			if err := admin.Forget(ctx, skey, r.State, r.Fence); err != nil {
-				return o.storeError(args[0], &k, err)
-			}
-			if o.json {
-				return printJSON(o.stdout, struct {
-					Forgot recordJSON `json:"forgot"`
-				}{toJSON(&k, args[0], r, 1024)})
-			}
-			fmt.Fprintf(o.stdout, "forgot the %s record of %q on %s (attempts %d, fence %d): its next delivery runs the handler again\n",
-				r.State, args[0], k.name(), r.Attempts, r.Fence)
-			return nil
+			return o.withRecord(c, &k, args[0], func(ctx context.Context, admin lock.Admin, skey string, r lock.Record) error {
+				if r.Live() && !force {
+					return withCode(exitRefused, "key %q of %s: a lease is live (%v left, owner %s): a consumer may be running it now; --force forgets it anyway",
+						args[0], k.name(), r.LeaseLeft.Round(time.Millisecond), r.Owner)
+				}
+				if err := admin.Forget(ctx, skey, r.State, r.Fence); err != nil {
+					return o.storeError(args[0], &k, err)
+				}
+				if o.json {
+					return printJSON(o.stdout, struct {
+						Forgot recordJSON `json:"forgot"`
+					}{toJSON(&k, args[0], r, 1024)})
+				}
+				fmt.Fprintf(o.stdout, "forgot the %s record of %q on %s (attempts %d, fence %d): its next delivery runs the handler again\n",
+					r.State, args[0], k.name(), r.Attempts, r.Fence)
+				return nil
+			})
 		},
 	}
 	k.add(c)
 	c.Flags().BoolVar(&force, "force", false, "forget a record whose lease is live")
 	return c
+}
+
+// withRecord opens the store, reads the record of key and calls then with
+// them, within --timeout: how inspect and forget begin.
+func (o *options) withRecord(c *cobra.Command, k *keyFlags, key string, then func(ctx context.Context, admin lock.Admin, skey string, r lock.Record) error) error {
+	skey, err := k.storeKey(key)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := callContext(c, o)
+	defer cancel()
+	admin, closeStore, err := o.openStore(ctx)
+	if err != nil {
+		return err
+	}
+	defer closeStore()
+	r, err := admin.Inspect(ctx, skey)
+	if err != nil {
+		return o.storeError(key, k, err)
+	}
+	return then(ctx, admin, skey, r)
 }
 
 // storeError turns a store's error about key into a message and exit code.

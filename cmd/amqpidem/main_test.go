@@ -22,6 +22,7 @@ import (
 
 	"github.com/amqpidem/amqpidem/amqpidem"
 	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/internal/testrun"
 	"github.com/amqpidem/amqpidem/lock"
 )
 
@@ -134,17 +135,8 @@ func newRigWith(t *testing.T, concurrency int, edit func(*amqpidem.Config)) *rig
 	if err != nil {
 		t.Fatal(err)
 	}
-	done := make(chan error, 1)
-	go func() { done <- c.Run(context.Background()) }()
-	t.Cleanup(func() {
-		close(r.slowDone)
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		if err := c.Shutdown(ctx); err != nil {
-			t.Errorf("Shutdown: %v", err)
-		}
-		<-done
-	})
+	testrun.Consumer(t, c)
+	t.Cleanup(func() { close(r.slowDone) }) // before the Shutdown above
 	return r
 }
 

@@ -18,6 +18,7 @@ import (
 
 	"github.com/amqpidem/amqpidem/amqpidem"
 	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/internal/testrun"
 	"github.com/amqpidem/amqpidem/lock"
 )
 
@@ -84,19 +85,11 @@ func TestDeclinedPaymentReplayedWithCLI(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	done := make(chan error, 1)
-	go func() { done <- c.Run(context.Background()) }()
 	conn, err := amqp.Dial(url)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		if err := c.Shutdown(ctx); err != nil {
-			t.Errorf("Shutdown: %v", err)
-		}
-		<-done
 		if ch, err := conn.Channel(); err == nil {
 			for _, q := range []string{queue, queue + ".dlq"} {
 				_, _ = ch.QueueDelete(q, false, false, false)
@@ -104,6 +97,7 @@ func TestDeclinedPaymentReplayedWithCLI(t *testing.T) {
 		}
 		conn.Close()
 	})
+	testrun.Consumer(t, c) // shut down before the queues are deleted
 	pub := amqpidem.NewPublisher(conn)
 	defer pub.Close()
 	body, _ := json.Marshal(payment{ID: "pay-77", Amount: 1250})
