@@ -16,6 +16,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
@@ -46,14 +47,16 @@ func withCode(code int, format string, args ...any) error {
 
 // options are the flags every command takes.
 type options struct {
-	redisURL string
-	pgDSN    string
-	pgSchema string
-	pgTable  string
-	prefix   string
-	amqpURL  string
-	json     bool
-	timeout  time.Duration
+	redisURL    string
+	redisAddrs  []string
+	redisMaster string
+	pgDSN       string
+	pgSchema    string
+	pgTable     string
+	prefix      string
+	amqpURL     string
+	json        bool
+	timeout     time.Duration
 
 	stdout, stderr io.Writer
 	progress       bool // stderr is a terminal: show progress
@@ -97,6 +100,8 @@ the record of an idempotency key in the store (Redis, or PostgreSQL with
 
 Services come from flags, else from the environment:
   AMQPIDEM_REDIS_URL     (default redis://127.0.0.1:6379/0)
+  AMQPIDEM_REDIS_ADDRS   (a Redis Cluster's nodes, or with
+                         AMQPIDEM_REDIS_MASTER a Sentinel set's)
   AMQPIDEM_POSTGRES_DSN  (uses the PostgreSQL store instead of Redis)
   AMQPIDEM_PREFIX        (the store's lock.Config.Prefix, default amqpidem)
   AMQPIDEM_AMQP_URL      (default amqp://guest:guest@127.0.0.1:5672/)
@@ -111,6 +116,8 @@ Exit codes: 0 done, 1 failed, 2 bad usage, 3 nothing found,
 	})
 	f := root.PersistentFlags()
 	f.StringVar(&o.redisURL, "redis", env("AMQPIDEM_REDIS_URL", "redis://127.0.0.1:6379/0"), "Redis `URL` of the store")
+	f.StringSliceVar(&o.redisAddrs, "redis-addrs", envList("AMQPIDEM_REDIS_ADDRS"), "Redis Cluster nodes, or Sentinels with --redis-master (`host:port,...`); credentials from AMQPIDEM_REDIS_USERNAME and AMQPIDEM_REDIS_PASSWORD")
+	f.StringVar(&o.redisMaster, "redis-master", env("AMQPIDEM_REDIS_MASTER", ""), "the Sentinel master `name`: --redis-addrs are Sentinels")
 	f.StringVar(&o.pgDSN, "postgres", env("AMQPIDEM_POSTGRES_DSN", ""), "PostgreSQL `DSN` of a pgstore store (instead of Redis)")
 	f.StringVar(&o.pgSchema, "pg-schema", "", "pgstore Config.Schema (default: the search_path)")
 	f.StringVar(&o.pgTable, "pg-table", "", "pgstore Config.Table (default amqpidem_records)")
@@ -129,6 +136,14 @@ func env(name, def string) string {
 		return v
 	}
 	return def
+}
+
+// envList splits the environment variable name at commas; nil when empty.
+func envList(name string) []string {
+	if v := os.Getenv(name); v != "" {
+		return strings.Split(v, ",")
+	}
+	return nil
 }
 
 // exactArgs is cobra.ExactArgs with a usage exit code.

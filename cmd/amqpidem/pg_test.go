@@ -68,3 +68,39 @@ func TestInspectForgetPostgres(t *testing.T) {
 	cli(0, "forget", "pay-9", "--queue", "ledger")
 	cli(3, "inspect", "pay-9", "--queue", "ledger")
 }
+
+// The commands read a Redis Cluster's records too (--redis-addrs).
+func TestInspectForgetCluster(t *testing.T) {
+	cluster := testenv.RedisCluster(t)
+	s, err := lock.NewRedisStore(cluster.Client(t), lock.Config{Prefix: "cli-cluster"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	res, err := s.Acquire(ctx, lock.Request{Key: amqpidem.StoreKey("orders", "order-3"), TTL: time.Minute})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatalf("Acquire: %v %v", res.Status, err)
+	}
+	if err := s.Complete(ctx, res.Lease, []byte("done")); err != nil {
+		t.Fatal(err)
+	}
+	flags := []string{"--redis-addrs", strings.Join(cluster.Addrs, ","), "--prefix", "cli-cluster"}
+	run := func(args ...string) (string, int) {
+		out, err := exec.Command(bin, append(args, flags...)...).CombinedOutput()
+		if ee, ok := err.(*exec.ExitError); ok {
+			return string(out), ee.ExitCode()
+		} else if err != nil {
+			t.Fatal(err)
+		}
+		return string(out), 0
+	}
+	if out, code := run("inspect", "order-3", "--queue", "orders"); code != 0 || !strings.Contains(out, "completed") {
+		t.Fatalf("inspect on the cluster: exit %d\n%s", code, out)
+	}
+	if out, code := run("forget", "order-3", "--queue", "orders"); code != 0 {
+		t.Fatalf("forget on the cluster: exit %d\n%s", code, out)
+	}
+	if out, code := run("inspect", "order-3", "--queue", "orders"); code != 3 || !strings.Contains(out, "Redis Cluster at") {
+		t.Fatalf("inspect after forget: exit %d\n%s", code, out)
+	}
+}

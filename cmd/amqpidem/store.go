@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"os"
+	"strings"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
@@ -29,11 +31,22 @@ func (o *options) openStore(ctx context.Context) (admin lock.Admin, close func()
 		}
 		return s, func() { s.Close(); pool.Close() }, nil
 	}
-	opt, err := redis.ParseURL(o.redisURL)
-	if err != nil {
-		return nil, nil, withCode(exitUsage, "--redis %q: %w", o.redisURL, err)
+	var client redis.UniversalClient
+	switch {
+	case len(o.redisAddrs) > 0:
+		// A Cluster, or a Sentinel set with a master name: as the
+		// consumers' redis.UniversalClient would be made.
+		client = redis.NewUniversalClient(&redis.UniversalOptions{Addrs: o.redisAddrs, MasterName: o.redisMaster,
+			Username: os.Getenv("AMQPIDEM_REDIS_USERNAME"), Password: os.Getenv("AMQPIDEM_REDIS_PASSWORD")})
+	case o.redisMaster != "":
+		return nil, nil, withCode(exitUsage, "--redis-master needs the Sentinels' --redis-addrs")
+	default:
+		opt, err := redis.ParseURL(o.redisURL)
+		if err != nil {
+			return nil, nil, withCode(exitUsage, "--redis %q: %w", redactURL(o.redisURL), err)
+		}
+		client = redis.NewClient(opt)
 	}
-	client := redis.NewClient(opt)
 	s, err := lock.NewRedisStore(client, lock.Config{Prefix: o.prefix, Logger: quiet})
 	if err != nil {
 		client.Close()
@@ -44,8 +57,13 @@ func (o *options) openStore(ctx context.Context) (admin lock.Admin, close func()
 
 // storeName says which store the flags name, for messages.
 func (o *options) storeName() string {
-	if o.pgDSN != "" {
+	switch {
+	case o.pgDSN != "":
 		return "the PostgreSQL store"
+	case o.redisMaster != "":
+		return fmt.Sprintf("Redis master %q of the Sentinels at %s", o.redisMaster, strings.Join(o.redisAddrs, ","))
+	case len(o.redisAddrs) > 0:
+		return fmt.Sprintf("Redis Cluster at %s", strings.Join(o.redisAddrs, ","))
 	}
 	return fmt.Sprintf("Redis at %s", redactURL(o.redisURL))
 }
