@@ -1,4 +1,4 @@
-package otelamqpidem_test
+package sdktest_test
 
 import (
 	"context"
