@@ -34,6 +34,10 @@ const batchTimeout = 30 * time.Second
 // pipeline after a network error, which the scripts make safe.
 type batcher struct {
 	client redis.UniversalClient
+	// replicas, when above zero, adds WAIT replicas replicaTimeout to
+	// every pipeline (see Config.Replicas).
+	replicas       int
+	replicaTimeout time.Duration
 
 	noMerge    atomic.Bool  // a merged script call was refused where single ones went through
 	standalone atomic.Int32 // 0 not known yet, 1 a standalone server (merge), 2 not (never merge)
@@ -116,6 +120,9 @@ type group struct {
 	script *redis.Script
 	calls  []*call
 	cmd    *redis.Cmd
+	// unreplicated is set when the pipeline that sent cmd waited for
+	// replicas and fewer acknowledged it than the batcher asks for.
+	unreplicated error
 }
 
 // send runs batch as one pipeline, answers each call, and hands the turn on
@@ -178,6 +185,10 @@ func (b *batcher) exec(ctx context.Context, calls []*call) {
 				c.err = keyError(e)
 				continue
 			}
+			if g.unreplicated != nil {
+				c.err = g.unreplicated
+				continue
+			}
 			c.val = replies[i]
 		}
 	}
@@ -209,6 +220,20 @@ func (b *batcher) merging(ctx context.Context) bool {
 	}
 	b.standalone.Store(2)
 	return false
+}
+
+// unreplicated is the error of the calls of a pipeline whose WAIT
+// answered wait: nil when enough replicas acknowledged its writes.
+func (b *batcher) unreplicated(wait *redis.Cmd) error {
+	n, err := wait.Int64()
+	switch {
+	case err != nil:
+		return fmt.Errorf("%w: waiting for %d replicas: %w", ErrUnavailable, b.replicas, err)
+	case n < int64(b.replicas):
+		return fmt.Errorf("%w: written on the primary, acknowledged by %d of %d replicas within %v (Config.Replicas)",
+			ErrUnavailable, n, b.replicas, b.replicaTimeout)
+	}
+	return nil
 }
 
 // groupCalls makes one script call per call, or, with merge, one per
@@ -243,7 +268,20 @@ func (b *batcher) runGroups(ctx context.Context, groups []*group) {
 			}
 			g.cmd = g.script.EvalSha(ctx, pipe, keys, args...)
 		}
+		var wait *redis.Cmd
+		if b.replicas > 0 {
+			// WAIT waits for this connection's writes, the pipeline's:
+			// a pipeline is sent on one connection (not on a Cluster
+			// client, which NewRedisStore refuses with replicas).
+			wait = pipe.Do(ctx, "WAIT", b.replicas, b.replicaTimeout.Milliseconds())
+		}
 		_, _ = pipe.Exec(ctx) // errors are read per command
+		if wait != nil {
+			err := b.unreplicated(wait)
+			for _, g := range gs {
+				g.unreplicated = err
+			}
+		}
 	}
 	send(groups)
 

@@ -48,7 +48,33 @@ type Config struct {
 	// conservatively on this side. Lease expiry itself is always judged by
 	// the server's clock. Default time.Now.
 	Now func() time.Time
+
+	// Replicas, when above zero, makes every write of a RedisStore wait
+	// until that many replicas have acknowledged it (Redis WAIT, in the
+	// same round trip), at most ReplicaTimeout. A write they did not all
+	// acknowledge in time returns an error wrapping ErrUnavailable (it is
+	// on the primary, maybe not on a replica), so a lease is not used, and
+	// an outcome not counted as stored, before a failover to an
+	// acknowledging replica would keep it. Redis replicates
+	// asynchronously: without it, a failover (Sentinel) can forget leases
+	// and completed records written just before, and their messages run
+	// again. With it, the store is unavailable while fewer replicas than
+	// Replicas answer: set it below the number of replicas to keep
+	// serving with one down. WAIT does not make a write durable on disk,
+	// and a failover to a replica that did not acknowledge still forgets.
+	// Not for a Redis Cluster client (WAIT is per connection and node) or
+	// the other stores: NewRedisStore refuses it there, and MemoryStore
+	// and pgstore refuse it (PostgreSQL's synchronous_standby_names is its
+	// equivalent). Default 0: no wait.
+	Replicas int
+	// ReplicaTimeout bounds the wait for Replicas. It must be shorter
+	// than the client's read timeout (go-redis: 3 s by default). Default
+	// DefaultReplicaTimeout when Replicas is set.
+	ReplicaTimeout time.Duration
 }
+
+// DefaultReplicaTimeout is Config.ReplicaTimeout's default.
+const DefaultReplicaTimeout = time.Second
 
 // Validate reports the first invalid field, by name.
 func (c Config) Validate() error {
@@ -64,6 +90,10 @@ func (c Config) Validate() error {
 		return fmt.Errorf("%w: Config.Retention %v must be zero (default %v) or at least 1ms", ErrInvalidTTL, c.Retention, DefaultRetention)
 	case c.MaxResultSize < 0:
 		return fmt.Errorf("lock: Config.MaxResultSize %d must not be negative", c.MaxResultSize)
+	case c.Replicas < 0:
+		return fmt.Errorf("lock: Config.Replicas %d must not be negative", c.Replicas)
+	case c.ReplicaTimeout < 0 || (c.ReplicaTimeout > 0 && c.ReplicaTimeout < time.Millisecond):
+		return fmt.Errorf("lock: Config.ReplicaTimeout %v must be zero (default %v) or at least 1ms", c.ReplicaTimeout, DefaultReplicaTimeout)
 	}
 	return nil
 }
@@ -88,6 +118,9 @@ func (c Config) WithDefaults() Config {
 	}
 	if c.Now == nil {
 		c.Now = time.Now
+	}
+	if c.Replicas > 0 && c.ReplicaTimeout == 0 {
+		c.ReplicaTimeout = DefaultReplicaTimeout
 	}
 	return c
 }

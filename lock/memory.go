@@ -2,6 +2,7 @@ package lock
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -40,6 +41,9 @@ var _ Store = (*MemoryStore)(nil)
 func NewMemoryStore(cfg Config) (*MemoryStore, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
+	}
+	if cfg.Replicas != 0 {
+		return nil, errors.New("lock: Config.Replicas is for a RedisStore; a MemoryStore has no replicas")
 	}
 	return &MemoryStore{cfg: cfg.WithDefaults(), records: make(map[string]*memRecord)}, nil
 }

@@ -64,7 +64,11 @@ func NewRedisStore(client redis.UniversalClient, cfg Config) (*RedisStore, error
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return &RedisStore{client: client, cfg: cfg.WithDefaults(), batch: batcher{client: client}}, nil
+	if _, cluster := client.(*redis.ClusterClient); cluster && cfg.Replicas > 0 {
+		return nil, errors.New("lock: Config.Replicas is not supported on a Redis Cluster client (WAIT applies to one connection's node)")
+	}
+	cfg = cfg.WithDefaults()
+	return &RedisStore{client: client, cfg: cfg, batch: batcher{client: client, replicas: cfg.Replicas, replicaTimeout: cfg.ReplicaTimeout}}, nil
 }
 
 // Check pings the server, loads the scripts and reads maxmemory-policy on

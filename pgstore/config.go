@@ -77,6 +77,8 @@ func (c Config) Validate() error {
 		return errors.New("pgstore: Config.Table and Config.Schema must not contain a NUL byte")
 	case len(c.Schema) > 63:
 		return fmt.Errorf("pgstore: Config.Schema is %d bytes, at most 63 allowed", len(c.Schema))
+	case c.Replicas != 0:
+		return errors.New("pgstore: Config.Replicas is for the Redis store; PostgreSQL waits for its standbys with synchronous_standby_names and synchronous_commit")
 	case c.CleanupBatch < 0:
 		return fmt.Errorf("pgstore: Config.CleanupBatch %d must not be negative", c.CleanupBatch)
 	}
