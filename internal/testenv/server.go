@@ -226,6 +226,32 @@ func (s *Server) launch(deadline time.Time) error {
 	}
 }
 
+// Pause stops the server with SIGSTOP, as a stalled host would: it takes
+// connections but answers nothing, and a replica applies no more of its
+// master's stream, until Resume. t.Cleanup resumes it. Pausing a stopped
+// server does nothing. Only where SIGSTOP exists (not Windows).
+func (s *Server) Pause() {
+	s.t.Helper()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cmd == nil {
+		return
+	}
+	if err := signalStop(s.cmd.Process, true); err != nil {
+		s.t.Fatalf("testenv: pausing redis-server %s: %v", s.Addr, err)
+	}
+	s.t.Cleanup(s.Resume)
+}
+
+// Resume continues a server that Pause stopped.
+func (s *Server) Resume() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cmd != nil {
+		_ = signalStop(s.cmd.Process, false)
+	}
+}
+
 // kill kills the process, if any, and waits for it. s.mu must be held.
 func (s *Server) kill() {
 	if s.cmd == nil {

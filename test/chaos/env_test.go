@@ -78,17 +78,18 @@ func pgDSN(t *testing.T) string {
 // and the consumer processes it starts. Everything is removed in
 // t.Cleanup.
 type env struct {
-	t      *testing.T
-	name   string
-	dir    string
-	amqp   string
-	dsn    string
-	schema string
-	queue  string
-	led    *ledger.Ledger
-	redis  *testenv.Server
-	pub    *workload.Publisher
-	rng    *rand.Rand
+	t        *testing.T
+	name     string
+	dir      string
+	amqp     string
+	dsn      string
+	schema   string
+	queue    string
+	led      *ledger.Ledger
+	redis    *testenv.Server
+	sentinel *testenv.Sentinel // with envOptions.sentinel
+	pub      *workload.Publisher
+	rng      *rand.Rand
 
 	mu        sync.Mutex
 	procs     []*proc
@@ -102,6 +103,9 @@ type envOptions struct {
 	redisArgs []string
 	// queueArgs declare the queue (the consumers declare it alike).
 	queueArgs amqp.Table
+	// sentinel starts a Redis master with a replica and three Sentinels
+	// (env.sentinel) instead of one server; env.redis is its first master.
+	sentinel bool
 }
 
 func newEnv(t *testing.T, o envOptions) *env {
@@ -164,7 +168,12 @@ func newEnv(t *testing.T, o envOptions) *env {
 	e.led = led
 	t.Cleanup(led.Close)
 
-	e.redis = testenv.RedisServer(t, o.redisArgs...)
+	if o.sentinel {
+		e.sentinel = testenv.RedisSentinel(t)
+		e.redis = e.sentinel.Master
+	} else {
+		e.redis = testenv.RedisServer(t, o.redisArgs...)
+	}
 
 	e.pub, err = workload.Dial(e.amqp, e.name+"-publisher")
 	if err != nil {

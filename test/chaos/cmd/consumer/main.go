@@ -22,6 +22,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
@@ -62,6 +63,10 @@ func main() {
 	flag.BoolVar(&cfg.AckFailedDuplicates, "ack-failed-duplicates", false, "ack duplicates of failed work instead of dead-lettering them")
 	flag.DurationVar(&cfg.Heartbeat, "heartbeat", 0, "AMQP heartbeat (0: 10s)")
 	flag.DurationVar(&cfg.RedisTimeout, "redis-timeout", 0, "Redis dial/read/write timeout (0: 1s)")
+	var sentinels string
+	flag.StringVar(&sentinels, "sentinels", "", "reach Redis through these Sentinels (host:port,...) instead of -redis")
+	flag.StringVar(&cfg.MasterName, "master", "", "the Sentinels' master name")
+	flag.IntVar(&cfg.Replicas, "replicas", 0, "lock Config.Replicas: wait for this many replicas on every write")
 	flag.StringVar(&cfg.StoreDSN, "store-pg", "", "keep the records in PostgreSQL (pgstore) at this DSN instead of Redis; the handler then inserts its effect in pgstore's transaction")
 	flag.StringVar(&cfg.StoreAppName, "store-app", "", "application_name of the pgstore connections (default <name>-store)")
 	flag.TextVar(&level, "log-level", slog.LevelWarn, "log level of the library's logs on stderr")
@@ -71,6 +76,9 @@ func main() {
 	if cfg.Name == "" || cfg.Schema == "" || cfg.Queue == "" {
 		fmt.Fprintln(os.Stderr, "consumer: -name, -schema and -queue are required")
 		os.Exit(2)
+	}
+	if sentinels != "" {
+		cfg.SentinelAddrs = strings.Split(sentinels, ",")
 	}
 	if quorum {
 		cfg.QueueArgs = amqp.Table{"x-queue-type": "quorum"}

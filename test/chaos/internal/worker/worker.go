@@ -86,6 +86,13 @@ type Config struct {
 	// RedisTimeout bounds Redis dials, reads and writes. Default
 	// DefaultRedisTimeout.
 	RedisTimeout time.Duration
+	// SentinelAddrs and MasterName, when set, reach Redis through these
+	// Sentinels (a failover client) instead of RedisAddr.
+	SentinelAddrs []string
+	MasterName    string
+	// Replicas is lock.Config.Replicas, with ReplicaTimeout a third of
+	// RedisTimeout.
+	Replicas int
 	// AllowCrash lets crash windows kill the process. When false (a worker
 	// in a test process) they are ignored.
 	AllowCrash bool
@@ -241,18 +248,31 @@ func New(ctx context.Context, cfg Config) (*Worker, error) {
 		closers = append(closers, closePG)
 		st, handler, check = s, h, w.pgStore.Check
 	} else {
-		w.rdb = redis.NewClient(&redis.Options{
-			Addr:                  cfg.RedisAddr,
-			DialTimeout:           cfg.RedisTimeout,
-			ReadTimeout:           cfg.RedisTimeout,
-			WriteTimeout:          cfg.RedisTimeout,
-			ContextTimeoutEnabled: true,
-		})
+		if len(cfg.SentinelAddrs) > 0 {
+			w.rdb = redis.NewFailoverClient(&redis.FailoverOptions{
+				MasterName:            cfg.MasterName,
+				SentinelAddrs:         cfg.SentinelAddrs,
+				DialTimeout:           cfg.RedisTimeout,
+				ReadTimeout:           cfg.RedisTimeout,
+				WriteTimeout:          cfg.RedisTimeout,
+				ContextTimeoutEnabled: true,
+			})
+		} else {
+			w.rdb = redis.NewClient(&redis.Options{
+				Addr:                  cfg.RedisAddr,
+				DialTimeout:           cfg.RedisTimeout,
+				ReadTimeout:           cfg.RedisTimeout,
+				WriteTimeout:          cfg.RedisTimeout,
+				ContextTimeoutEnabled: true,
+			})
+		}
 		closers = append(closers, func() { _ = w.rdb.Close() })
 		rs, err := lock.NewRedisStore(w.rdb, lock.Config{
-			Prefix:   cfg.Prefix,
-			LeaseTTL: cfg.StoreLeaseTTL,
-			Logger:   cfg.Logger,
+			Prefix:         cfg.Prefix,
+			LeaseTTL:       cfg.StoreLeaseTTL,
+			Logger:         cfg.Logger,
+			Replicas:       cfg.Replicas,
+			ReplicaTimeout: cfg.RedisTimeout / 3,
 		})
 		if err != nil {
 			return nil, err
