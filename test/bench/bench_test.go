@@ -37,6 +37,13 @@ func TestShortRun(t *testing.T) {
 		t.Fatalf("run: %v", err)
 	}
 
+	if rep.WaitSkipped != "" {
+		if os.Getenv("CI") == "true" {
+			t.Errorf("unique-wait skipped: %s", rep.WaitSkipped)
+		} else {
+			t.Logf("unique-wait skipped: %s", rep.WaitSkipped)
+		}
+	}
 	if rep.PGSkipped != "" {
 		if testing.Short() && os.Getenv("CI") != "true" {
 			t.Logf("PostgreSQL variants skipped: %s", rep.PGSkipped)
@@ -111,7 +118,7 @@ func TestShortRun(t *testing.T) {
 	var want []string
 	for _, qt := range opts.QueueTypes {
 		for _, v := range ratioVariants {
-			if v.isPG() && (qt != "classic" || rep.PGSkipped != "") {
+			if v.isPG() && (qt != "classic" || rep.PGSkipped != "") || v == uniqueWait && rep.WaitSkipped != "" {
 				continue
 			}
 			want = append(want, `^ratio `+regexp.QuoteMeta(string(v))+`/bare `+qt+` \d+\.\d\d$`)

@@ -8,6 +8,9 @@
 //	memstore   unique on a lock.MemoryStore: amqpidem's own cost without
 //	           Redis, so what the store's round trips and Redis's CPU take
 //	           can be read off (not an idempotent setup: one process only)
+//	unique-wait  unique with lock.Config.Replicas 1 (issue 13): every write
+//	           waits for a replica of Redis that the bench starts
+//	           (redis-server on PATH; skipped, saying why, without)
 //
 // and, on the classic queue, with PostgreSQL (issue 11; see pg.go), each
 // handler's effect one INSERT of a row into an effects table:

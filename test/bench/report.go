@@ -33,8 +33,9 @@ func median(xs []float64) float64 {
 }
 
 // ratioVariants are the variants with a final ratio line, in order:
-// issue 4's three, then issue 11's; memstore's ratio is in the table only.
-var ratioVariants = []variant{unique, duplicate, naive, pgUnique, pgDuplicate, pgNaive}
+// issue 4's three, issue 13's, then issue 11's; memstore's ratio is in the
+// table only.
+var ratioVariants = []variant{unique, duplicate, naive, uniqueWait, pgUnique, pgDuplicate, pgNaive}
 
 // ratios are each variant's median throughput over bare's, per queue type,
 // in the order of the final lines, for the variants measured on it.
@@ -102,6 +103,11 @@ func printReport(out io.Writer, e *env, rep *report) {
 	fmt.Fprintln(out, "(redis rt/msg: go-redis Process + ProcessPipeline calls per message; cpu/msg: CPU time of this\n"+
 		" process, of redis-server and of the whole machine (RabbitMQ included; /proc/stat, so other work\n"+
 		" on the machine counts too) while consuming, per message)")
+	if rep.WaitSkipped != "" {
+		fmt.Fprintf(out, "\n== unique-wait skipped: %s ==\n", rep.WaitSkipped)
+	} else if e.replica != nil {
+		fmt.Fprintf(out, "(unique-wait: unique with lock.Config.Replicas 1, every write waiting for the replica this run started at %s)\n", e.replica.addr)
+	}
 	printPG(out, e, rep)
 
 	if len(rep.Latency) > 0 {

@@ -32,10 +32,13 @@ const (
 	// memstore is unique on lock.MemoryStore: amqpidem's own cost with
 	// no Redis at all, the ceiling a faster store could approach.
 	memstore variant = "memstore"
+	// uniqueWait is unique with lock.Config.Replicas 1: every write waits
+	// for a replica the bench starts (issue 13).
+	uniqueWait variant = "unique-wait"
 )
 
 // variants in the order of the tables.
-var variants = []variant{bare, unique, duplicate, naive, memstore, pgUnique, pgDuplicate, pgNaive}
+var variants = []variant{bare, unique, duplicate, naive, memstore, uniqueWait, pgUnique, pgDuplicate, pgNaive}
 
 // replays says whether v replays the keys another variant completed in
 // the same round, so that it cannot run alone.
@@ -62,6 +65,9 @@ type env struct {
 	pg    *pgEnv // nil: no PostgreSQL variants
 	// pgHint says what to start when PostgreSQL did not answer.
 	pgHint string
+	// replica is the bench's replica of Redis, for unique-wait; nil when
+	// that variant does not run (see report.WaitSkipped).
+	replica *replica
 }
 
 // report is everything a run measured; bench_test reads it.
@@ -85,8 +91,10 @@ type report struct {
 	// they did); PGSchema is the run's schema, PGDropped whether it was
 	// dropped and checked gone.
 	PGSkipped string
-	PGSchema  string
-	PGDropped bool
+	// WaitSkipped says why unique-wait did not run (no replica), if so.
+	WaitSkipped string
+	PGSchema    string
+	PGDropped   bool
 }
 
 // runResult is one throughput run.
@@ -157,6 +165,13 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 		}
 		err = errors.Join(err, cerr, kerr)
 	}()
+	if e.opts.measures(uniqueWait) {
+		if e.replica, err = startReplica(ctx, opts.RedisAddr); err != nil {
+			rep.WaitSkipped = err.Error()
+		} else {
+			defer e.replica.stop()
+		}
+	}
 	if err := e.openPG(ctx, rep); err != nil {
 		return rep, err
 	}
@@ -470,9 +485,12 @@ func (e *env) start(ctx context.Context, qt string, v variant, queue, prefix str
 	}
 	var store lock.Store
 	var err error
-	if v == memstore {
+	switch v {
+	case memstore:
 		store, err = lock.NewMemoryStore(lock.Config{Prefix: prefix})
-	} else {
+	case uniqueWait:
+		store, err = lock.NewRedisStore(e.rdb, lock.Config{Prefix: prefix, Replicas: 1})
+	default:
 		store, err = lock.NewRedisStore(e.rdb, lock.Config{Prefix: prefix})
 	}
 	if err != nil {
@@ -495,6 +513,9 @@ func (e *env) start(ctx context.Context, qt string, v variant, queue, prefix str
 // the unique run it replays).
 func (e *env) units(qt string) [][]variant {
 	all := [][]variant{{bare}, {unique, duplicate}, {naive}, {memstore}}
+	if e.replica != nil {
+		all = append(all, []variant{uniqueWait})
+	}
 	if e.pg != nil && qt == "classic" {
 		all = append(all, []variant{pgUnique, pgDuplicate}, []variant{pgNaive})
 	}
