@@ -110,7 +110,13 @@
 // (RedisStore.Check warns otherwise) and with persistence (appendonly) if a
 // restart must not forget completed work. A failover to a replica that had
 // not yet received a write can forget it too; Redis replication is
-// asynchronous.
+// asynchronous. Config.Replicas closes that window for the replicas that
+// acknowledged: each write waits (WAIT) until that many replicas have it,
+// and one they do not acknowledge in time is ErrUnavailable, so that no
+// lease is used and no outcome counted before a replica holds it. It
+// costs a round trip's worth of replication per write, and the store is
+// unavailable while fewer replicas answer; it does not help a failover to
+// a replica that did not acknowledge, nor a restart without persistence.
 //
 // go-redis ignores context deadlines unless the client has
 // ContextTimeoutEnabled; otherwise a call can block for ReadTimeout (3 s by
