@@ -51,9 +51,10 @@ type Config struct {
 
 	// Replicas, when above zero, makes every write of a RedisStore wait
 	// until that many replicas have acknowledged it (Redis WAIT, in the
-	// same round trip), at most ReplicaTimeout. A write they did not all
-	// acknowledge in time returns an error wrapping ErrUnavailable (it is
-	// on the primary, maybe not on a replica), so a lease is not used, and
+	// same round trip), at most ReplicaTimeout. When they do not all
+	// acknowledge in time, every call of that round trip returns an error
+	// wrapping ErrUnavailable (its write is on the primary, maybe not on a
+	// replica; a retry finds it and waits again), so a lease is not used, and
 	// an outcome not counted as stored, before a failover to an
 	// acknowledging replica would keep it. Redis replicates
 	// asynchronously: without it, a failover (Sentinel) can forget leases
