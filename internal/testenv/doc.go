@@ -1,7 +1,9 @@
 // Package testenv is the shared infrastructure of the integration tests: it
 // finds the Redis, RabbitMQ and PostgreSQL the tests talk to, starts throwaway
-// redis-server processes, local Redis Clusters and Sentinel setups, and names
-// keys and queues so that tests never collide.
+// redis-server processes, local Redis Clusters and Sentinel setups, and
+// three-node RabbitMQ clusters ([RabbitCluster]: private nodes, cookie and
+// epmd on loopback ports, never the system's node), and names keys and
+// queues so that tests never collide.
 //
 // A typical integration test:
 //
