@@ -407,19 +407,8 @@ func TestConsumer(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
+	testenv.DeleteQueues(t, url, name, name+".dlq")
 	t.Cleanup(func() {
-		c, err := amqp.Dial(url)
-		if err != nil {
-			t.Logf("cleanup: %v", err)
-			return
-		}
-		defer c.Close()
-		for _, queue := range []string{name, name + ".dlq"} {
-			if ch, err := c.Channel(); err == nil {
-				_, _ = ch.QueueDelete(queue, false, false, false)
-				ch.Close()
-			}
-		}
 		ctx := context.Background()
 		iter := rdb.Scan(ctx, 0, name+"*", 100).Iterator()
 		for iter.Next(ctx) {

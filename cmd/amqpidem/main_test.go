@@ -91,20 +91,7 @@ func newRigWith(t *testing.T, concurrency int, edit func(*amqpidem.Config)) *rig
 	if _, err := ch.QueueDeclare(r.queue, true, false, false, false, nil); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() {
-		c, err := amqp.Dial(url)
-		if err != nil {
-			return
-		}
-		defer c.Close()
-		ch, err := c.Channel()
-		if err != nil {
-			return
-		}
-		for _, q := range []string{r.queue, r.queue + ".dlq"} {
-			_, _ = ch.QueueDelete(q, false, false, false)
-		}
-	})
+	testenv.DeleteQueues(t, url, r.queue, r.queue+".dlq")
 	r.pub = amqpidem.NewPublisher(r.conn)
 	t.Cleanup(r.pub.Close)
 	r.broken.Store(true)

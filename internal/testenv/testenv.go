@@ -273,3 +273,25 @@ func (s *Service) Addr(t testing.TB) string {
 		}, dockerAvailable)
 	})
 }
+
+// DeleteQueues deletes the queues named on the broker at url when the test
+// ends, through a connection of its own (the test's may be closed by
+// then). Queues that do not exist are ignored, and so is a broker that
+// cannot be reached then.
+func DeleteQueues(t testing.TB, url string, queues ...string) {
+	t.Cleanup(func() {
+		c, err := amqp.Dial(url)
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		for _, q := range queues {
+			ch, err := c.Channel()
+			if err != nil {
+				return
+			}
+			_, _ = ch.QueueDelete(q, false, false, false)
+			_ = ch.Close()
+		}
+	})
+}

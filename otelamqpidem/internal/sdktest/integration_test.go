@@ -79,20 +79,7 @@ func TestIntegrationTrace(t *testing.T) {
 	if _, err := ch.QueueDeclare(name, true, false, false, false, nil); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() {
-		c, err := amqp.Dial(url)
-		if err != nil {
-			return
-		}
-		defer c.Close()
-		ch, err := c.Channel()
-		if err != nil {
-			return
-		}
-		for _, q := range []string{name, name + ".dlq", name + ".delay.50"} {
-			_, _ = ch.QueueDelete(q, false, false, false)
-		}
-	})
+	testenv.DeleteQueues(t, url, name, name+".dlq", name+".delay.50")
 	t.Cleanup(func() {
 		ctx := context.Background()
 		iter := rdb.Scan(ctx, 0, name+":*", 100).Iterator()
