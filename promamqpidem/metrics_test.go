@@ -408,13 +408,7 @@ func TestConsumer(t *testing.T) {
 	}
 	t.Cleanup(func() { conn.Close() })
 	testenv.DeleteQueues(t, url, name, name+".dlq")
-	t.Cleanup(func() {
-		ctx := context.Background()
-		iter := rdb.Scan(ctx, 0, name+"*", 100).Iterator()
-		for iter.Next(ctx) {
-			rdb.Del(ctx, iter.Val())
-		}
-	})
+	testenv.DeleteKeys(t, rdb, name+"*")
 	store, err := lock.NewRedisStore(rdb, lock.Config{Prefix: name})
 	if err != nil {
 		t.Fatal(err)

@@ -1,6 +1,7 @@
 package testenv
 
 import (
+	"context"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -292,6 +293,18 @@ func DeleteQueues(t testing.TB, url string, queues ...string) {
 			}
 			_, _ = ch.QueueDelete(q, false, false, false)
 			_ = ch.Close()
+		}
+	})
+}
+
+// DeleteKeys deletes the keys of rdb matching pattern (SCAN's glob) when
+// the test ends.
+func DeleteKeys(t testing.TB, rdb *redis.Client, pattern string) {
+	t.Cleanup(func() {
+		ctx := context.Background()
+		iter := rdb.Scan(ctx, 0, pattern, 1000).Iterator()
+		for iter.Next(ctx) {
+			rdb.Del(ctx, iter.Val())
 		}
 	})
 }

@@ -80,13 +80,7 @@ func TestIntegrationTrace(t *testing.T) {
 		t.Fatal(err)
 	}
 	testenv.DeleteQueues(t, url, name, name+".dlq", name+".delay.50")
-	t.Cleanup(func() {
-		ctx := context.Background()
-		iter := rdb.Scan(ctx, 0, name+":*", 100).Iterator()
-		for iter.Next(ctx) {
-			rdb.Del(ctx, iter.Val())
-		}
-	})
+	testenv.DeleteKeys(t, rdb, name+":*")
 	store, err := lock.NewRedisStore(rdb, lock.Config{Prefix: name})
 	if err != nil {
 		t.Fatal(err)
