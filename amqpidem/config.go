@@ -207,6 +207,21 @@ type Config struct {
 	// x-expires, x-overflow and the x-dead-letter-* ones) cannot be
 	// overridden; Validate refuses them. Default none.
 	DelayQueueArgs amqp.Table
+	// DelayInProcess waits out every requeue delay in the consumer instead
+	// of in a delay queue: the delivery stays unacknowledged in its queue
+	// meanwhile (holding one of the prefetch), then a copy is published
+	// straight back to the queue and the delivery acked. No delay queue is
+	// declared and no broker dead-lettering is involved. A consumer that
+	// stops or crashes during the wait leaves the delivery to the broker,
+	// which delivers it again (a quorum queue counts that against its
+	// delivery limit); Shutdown cuts waits short and sends their copies
+	// back at once. Use it on a RabbitMQ cluster whose quorum delay queues
+	// can strand copies when a node fails: RabbitMQ 3.10.8 did so in chaos
+	// scenarios 13 and 14 (README, "Running it at scale"). The cost is
+	// prefetch: a delivery waiting its delay is not being worked on, so
+	// size Prefetch for the retries and busy duplicates waiting at once.
+	// Default false: delay queues.
+	DelayInProcess bool
 
 	// ConsumerName is written into dead letters' headers. Default: host
 	// name and process id.
@@ -269,6 +284,9 @@ func (c Config) Validate() error {
 		return fmt.Errorf("amqpidem: Config.FailedDuplicate %d is not a policy", c.FailedDuplicate)
 	case c.MaxResultSize < 0:
 		return fmt.Errorf("amqpidem: Config.MaxResultSize %d must not be negative", c.MaxResultSize)
+	}
+	if c.DelayInProcess && len(c.DelayQueueArgs) > 0 {
+		return errors.New("amqpidem: Config.DelayQueueArgs has no use with DelayInProcess, which declares no delay queue")
 	}
 	for _, k := range delayArgsOwned {
 		if _, ok := c.DelayQueueArgs[k]; ok {

@@ -32,6 +32,8 @@ func TestConfigValidateNewFields(t *testing.T) {
 		{"owned delay arg", Config{Queue: "q", DelayQueueArgs: amqp.Table{"x-message-ttl": 5}}, `"x-message-ttl"`},
 		{"owned delay arg, dead-lettering", Config{Queue: "q", DelayQueueArgs: amqp.Table{"x-dead-letter-routing-key": "x"}}, "amqpidem sets itself"},
 		{"free delay arg", Config{Queue: "q", DelayQueueArgs: amqp.Table{"x-queue-leader-locator": "balanced"}}, ""},
+		{"delay args in process", Config{Queue: "q", DelayInProcess: true, DelayQueueArgs: amqp.Table{"x-queue-leader-locator": "balanced"}}, "no use with DelayInProcess"},
+		{"delay in process", Config{Queue: "q", DelayInProcess: true}, ""},
 	} {
 		err := tc.cfg.Validate()
 		switch {

@@ -301,3 +301,118 @@ func TestDelayedCopyOfExpiringMessageWaits(t *testing.T) {
 		})
 	}
 }
+
+// inProcessConsumer runs a consumer with Config.DelayInProcess on a new
+// quorum work queue, whose handler fails a key's first execution with
+// every retry delay later; it returns the env, the recorder and the times
+// of the handler's executions.
+func inProcessConsumer(t *testing.T, delay time.Duration) (*env, *recorder, *amqpidem.Consumer, func() []time.Time) {
+	t.Helper()
+	e := newEnv(t, amqp.Table{"x-queue-type": "quorum"})
+	t.Cleanup(func() { deleteQueues(e, delayQueueName(e, "classic"), delayQueueName(e, "quorum")) })
+	rec := &recorder{}
+	var mu sync.Mutex
+	var runs []time.Time
+	h := amqpidem.HandlerFunc(func(_ context.Context, d *amqp.Delivery) ([]byte, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		runs = append(runs, time.Now())
+		if len(runs) == 1 {
+			return nil, errors.New("first try fails")
+		}
+		return []byte("ok"), nil
+	})
+	c := startConsumer(t, e, amqpidem.ConsumerConfig{
+		QueueArgs: amqp.Table{"x-queue-type": "quorum"},
+		Config: amqpidem.Config{
+			MaxAttempts:    3,
+			DelayInProcess: true,
+			Backoff:        func() backoff.BackOff { return backoff.NewConstantBackOff(delay) },
+			Observer:       rec,
+		},
+	}, h)
+	return e, rec, c, func() []time.Time {
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]time.Time(nil), runs...)
+	}
+}
+
+// TestDelayInProcess checks Config.DelayInProcess: a retry waits its delay
+// with the delivery unacked in the work queue, then comes back as a copy
+// published straight to it; no delay queue is declared.
+func TestDelayInProcess(t *testing.T) {
+	e, rec, _, runs := inProcessConsumer(t, retryDelay)
+	e.publish(amqp.Publishing{MessageId: "ip1", Body: []byte("pay 40")})
+	deadline := time.Now().Add(10 * time.Second)
+	for len(runs()) == 0 && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	time.Sleep(retryDelay / 3)
+	// Waiting: held by the consumer, not ready in the queue, not in any
+	// delay queue.
+	q, err := declareOn(t, e, e.queue, nil, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if q.Messages != 0 {
+		t.Errorf("while the retry waits, %d messages are ready in %s, want 0 (the delivery held unacked)", q.Messages, e.queue)
+	}
+	rec.waitFor(t, 3*retryDelay, "the retry completed", func(evs []amqpidem.Event) bool {
+		return count(evs, "ip1", amqpidem.Completed) == 1
+	})
+	got := runs()
+	if len(got) != 2 {
+		t.Fatalf("handler ran %d times, want 2", len(got))
+	}
+	if gap := got[1].Sub(got[0]); gap < retryDelay-100*time.Millisecond {
+		t.Errorf("the retry ran %v after the first try, want at least %v", gap, retryDelay)
+	}
+	for _, qt := range []string{"classic", "quorum"} {
+		if _, err := declareOn(t, e, delayQueueName(e, qt), nil, true); err == nil {
+			t.Errorf("delay queue %q was declared with DelayInProcess", delayQueueName(e, qt))
+		}
+	}
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	for _, ev := range rec.events {
+		if ev.Outcome == amqpidem.Retried && ev.Delay != retryDelay {
+			t.Errorf("retried event: Delay %v, want %v", ev.Delay, retryDelay)
+		}
+	}
+}
+
+// TestDelayInProcessShutdown checks that Shutdown cuts an in-process wait
+// short and sends the copy back to the queue at once: nothing is lost, and
+// the next consumer runs it.
+func TestDelayInProcessShutdown(t *testing.T) {
+	e, rec, c, runs := inProcessConsumer(t, time.Hour)
+	e.publish(amqp.Publishing{MessageId: "ip2", Body: []byte("pay 50")})
+	deadline := time.Now().Add(10 * time.Second)
+	for len(runs()) == 0 && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	time.Sleep(200 * time.Millisecond) // into the wait
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	start := time.Now()
+	if err := c.Shutdown(ctx); err != nil {
+		t.Fatalf("Shutdown: %v", err)
+	}
+	if took := time.Since(start); took > 5*time.Second {
+		t.Errorf("Shutdown took %v with a retry waiting an hour", took)
+	}
+	rec.mu.Lock()
+	n := count(rec.events, "ip2", amqpidem.Retried)
+	rec.mu.Unlock()
+	if n != 1 {
+		t.Errorf("%d retried events, want 1", n)
+	}
+	q, err := declareOn(t, e, e.queue, nil, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if q.Messages != 1 {
+		t.Fatalf("after Shutdown %d messages are ready in %s, want the copy", q.Messages, e.queue)
+	}
+}

@@ -90,6 +90,14 @@
 // when unused, one per delay tier (at most 90 per decade of delays);
 // delete unused ones at will, amqpidem declares them again when needed.
 //
+// That safety is the broker's: on a three-node cluster running RabbitMQ
+// 3.10.8, killing or cutting off the node that leads a quorum delay queue
+// left its copies stuck in it, never dead-lettered back (chaos scenarios
+// 13 and 14; README, "Running it at scale"). Config.DelayInProcess avoids
+// delay queues altogether: the consumer holds the delivery, unacked, for
+// the delay and then publishes the copy straight back, at the cost of
+// prefetch held by waiting deliveries.
+//
 // A message published with an expiration (per-message TTL) keeps it
 // across requeues: the first copy records the deadline in
 // HeaderExpiresAt, copies carry no expiration property (the broker would

@@ -694,7 +694,14 @@ func (p *processor) requeueWith(ctx context.Context, b broker, d *amqp.Delivery,
 // nacked with requeue. A persistent failure so costs one try per message
 // per delay, never a hot loop, and a nack (which a quorum queue counts
 // against its delivery limit) only when nothing can be published at all.
+// With Config.DelayInProcess every delay is waited here.
 func (p *processor) sendBack(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, delay time.Duration, extra amqp.Table) bool {
+	if delay > 0 && p.cfg.DelayInProcess {
+		// Config.DelayInProcess: the delivery waits here, unacked, and
+		// its copy goes straight back.
+		p.sleep(ctx, delay)
+		delay = 0
+	}
 	sctx, cancel := settleContext(ctx)
 	defer cancel()
 	err := b.requeue(sctx, p.cfg.Queue, d, delay, extra)
