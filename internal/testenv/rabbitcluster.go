@@ -99,6 +99,7 @@ type RabbitNode struct {
 	distPort  int
 
 	mu   sync.Mutex
+	cut  string // the cookie of a Partition, until Heal
 	cmd  *exec.Cmd
 	done chan struct{} // closed once cmd has exited and been waited for
 }
@@ -160,7 +161,11 @@ func RabbitCluster(t testing.TB) *Rabbit {
 		}
 		n.logPath = filepath.Join(n.Dir, "node.log")
 		n.pidPath = filepath.Join(n.Dir, "rabbitmq.pid")
-		n.conf = "cluster_name = " + r.Name + "\n"
+		// pause_minority: a node cut off from the majority stops serving
+		// clients (they reconnect elsewhere) until it is back, the
+		// setting RabbitMQ recommends for clusters of three or more.
+		n.conf = "cluster_name = " + r.Name + "\n" +
+			"cluster_partition_handling = pause_minority\n"
 		if i > 0 {
 			// Used at the first boot only, while the database is empty;
 			// later boots rejoin the cluster the database names.
@@ -499,6 +504,68 @@ func (n *RabbitNode) relaunch(deadline time.Time) error {
 	}
 }
 
+// Partition cuts the node off from the other nodes of the cluster: its
+// Erlang distribution takes a cookie of its own and drops its connections
+// to them, so that every connection between it and them, either way, is
+// refused, as if the network between them were cut. Its own clients still
+// reach its AMQP port; with pause_minority (see RabbitCluster) the node
+// soon stops serving them and closes their connections. Heal ends the
+// partition. The test fails if rabbitmqctl cannot run on the node.
+//
+// This is a partition of the Erlang distribution, made on loopback without
+// packet filters; what it does not model is a link that drops packets
+// silently (connections then time out rather than being refused).
+func (n *RabbitNode) Partition() {
+	t := n.r.t
+	t.Helper()
+	n.mu.Lock()
+	n.cut = fmt.Sprintf("partitioned%08x", rand.Uint32())
+	cut := n.cut
+	n.mu.Unlock()
+	expr := fmt.Sprintf("erlang:set_cookie(node(), '%s'), [erlang:disconnect_node(N) || N <- nodes()], ok.", cut)
+	if out, err := n.Rabbitmqctl("eval", expr); err != nil {
+		t.Fatalf("testenv: partitioning RabbitMQ node %s: %v %s", n.Name, err, out)
+	}
+}
+
+// Heal ends a Partition: the node takes the cluster's cookie again and
+// reconnects to the other nodes. It returns once rabbitmqctl
+// cluster_status on the node lists every running node as running (with
+// pause_minority the node resumes serving clients then), failing the test
+// after 60 seconds.
+func (n *RabbitNode) Heal() {
+	t := n.r.t
+	t.Helper()
+	n.mu.Lock()
+	cut := n.cut
+	n.cut = ""
+	n.mu.Unlock()
+	if cut == "" {
+		return
+	}
+	cookie, err := os.ReadFile(filepath.Join(n.r.dir, "home", ".erlang.cookie"))
+	if err != nil {
+		t.Fatalf("testenv: %v", err)
+	}
+	var ping strings.Builder
+	for _, o := range n.r.Nodes {
+		if o != n {
+			fmt.Fprintf(&ping, "net_adm:ping('%s'), ", o.Name)
+		}
+	}
+	expr := fmt.Sprintf("erlang:set_cookie(node(), '%s'), %sok.", cookie, ping.String())
+	start := time.Now()
+	if out, err := n.Rabbitmqctl("--erlang-cookie", cut, "eval", expr); err != nil {
+		t.Fatalf("testenv: healing RabbitMQ node %s: %v %s", n.Name, err, out)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), rabbitNodeStartTimeout)
+	defer cancel()
+	if err := n.r.waitRunning(ctx, n); err != nil {
+		t.Fatalf("testenv: RabbitMQ node %s not back in the cluster after the partition: %v", n.Name, err)
+	}
+	t.Logf("testenv: RabbitMQ node %s rejoined in %v after the partition", n.Name, time.Since(start).Round(time.Millisecond))
+}
+
 // Pid returns the process id of the node's Erlang VM, or 0 if the node is
 // killed.
 func (n *RabbitNode) Pid() int {
@@ -583,10 +650,14 @@ func (r *Rabbit) waitRunning(ctx context.Context, via *RabbitNode) error {
 	})
 }
 
-// live returns the first node whose process runs, or nil.
+// live returns the first node whose process runs and that is not cut off
+// by Partition, or nil.
 func (r *Rabbit) live() *RabbitNode {
 	for _, n := range r.Nodes {
-		if n.running() {
+		n.mu.Lock()
+		ok := n.cmd != nil && n.cut == ""
+		n.mu.Unlock()
+		if ok {
 			return n
 		}
 	}
