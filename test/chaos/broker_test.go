@@ -4,6 +4,7 @@ package chaos_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os/exec"
 	"regexp"
@@ -28,10 +29,29 @@ func rabbitmqctl(args ...string) (string, error) {
 	return string(out), nil
 }
 
+// ctl runs rabbitmqctl against the env's broker: the local one, or a
+// running node of its cluster.
+func (e *env) ctl(args ...string) (string, error) {
+	if e.rabbit == nil {
+		return rabbitmqctl(args...)
+	}
+	var out string
+	err := errors.New("no node of the cluster runs")
+	for _, n := range e.rabbit.Nodes {
+		if n.Pid() == 0 {
+			continue
+		}
+		if out, err = n.Rabbitmqctl(args...); err == nil {
+			return out, nil
+		}
+	}
+	return out, err
+}
+
 // listQueues returns, for every queue of the env (its name or prefixed by
 // it and a dot), the messages ready and unacknowledged.
 func (e *env) listQueues() (map[string][2]int, error) {
-	out, err := rabbitmqctl("list_queues", "-q", "--no-table-headers", "name", "messages", "messages_unacknowledged")
+	out, err := e.ctl("list_queues", "-q", "--no-table-headers", "name", "messages", "messages_unacknowledged")
 	if err != nil {
 		return nil, err
 	}

@@ -88,6 +88,7 @@ type env struct {
 	led      *ledger.Ledger
 	redis    *testenv.Server
 	sentinel *testenv.Sentinel // with envOptions.sentinel
+	rabbit   *testenv.Rabbit   // with envOptions.rabbitCluster
 	pub      *workload.Publisher
 	rng      *rand.Rand
 
@@ -106,6 +107,10 @@ type envOptions struct {
 	// sentinel starts a Redis master with a replica and three Sentinels
 	// (env.sentinel) instead of one server; env.redis is its first master.
 	sentinel bool
+	// rabbitCluster starts a RabbitMQ cluster of three nodes (env.rabbit)
+	// for the scenario; env.amqp is then its first node, where the
+	// publisher connects and the queue is declared.
+	rabbitCluster bool
 }
 
 func newEnv(t *testing.T, o envOptions) *env {
@@ -124,9 +129,15 @@ func newEnv(t *testing.T, o envOptions) *env {
 		t:      t,
 		name:   testenv.Name(t),
 		dir:    t.TempDir(), // CHAOS_KEEP=1: a directory that is kept
-		amqp:   testenv.AMQPURL(t),
 		dsn:    pgDSN(t),
 		starts: map[string]int{},
+	}
+	if o.rabbitCluster {
+		// Its nodes are killed in cleanup, after everything below.
+		e.rabbit = testenv.RabbitCluster(t)
+		e.amqp = e.rabbit.Nodes[0].AMQPURL
+	} else {
+		e.amqp = testenv.AMQPURL(t)
 	}
 	e.queue = e.name
 	if os.Getenv("CHAOS_KEEP") == "1" {
@@ -183,7 +194,9 @@ func newEnv(t *testing.T, o envOptions) *env {
 	if _, err := e.pub.Channel().QueueDeclare(e.queue, true, false, false, false, o.queueArgs); err != nil {
 		t.Fatalf("declare %s: %v", e.queue, err)
 	}
-	t.Cleanup(e.deleteTopology)
+	if e.rabbit == nil { // a cluster goes with its queues
+		t.Cleanup(e.deleteTopology)
+	}
 	t.Cleanup(e.stopProcs)
 	return e
 }

@@ -34,12 +34,12 @@ import (
 
 func main() {
 	var cfg worker.Config
-	var quorum bool
+	var quorum, quorumDLQ bool
 	var deliveryLimit int
 	var level slog.Level
 	var grace time.Duration
 	flag.StringVar(&cfg.Name, "name", "", "consumer and AMQP connection name (required)")
-	flag.StringVar(&cfg.AMQPURL, "amqp", envOr("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"), "AMQP URL")
+	flag.StringVar(&cfg.AMQPURL, "amqp", envOr("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"), "AMQP URL, or the URLs of a cluster's nodes separated by commas (tried in order)")
 	flag.StringVar(&cfg.RedisAddr, "redis", envOr("REDIS_ADDR", "127.0.0.1:6379"), "Redis host:port")
 	flag.StringVar(&cfg.PGDSN, "pg", envOr("CHAOS_PG_DSN", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "PostgreSQL DSN of the ledger")
 	flag.StringVar(&cfg.Schema, "schema", "", "ledger schema (required)")
@@ -57,6 +57,8 @@ func main() {
 	flag.IntVar(&cfg.Concurrency, "concurrency", 0, "handlers at once (0: prefetch)")
 	flag.BoolVar(&quorum, "quorum", false, "declare the queue as a quorum queue")
 	flag.IntVar(&deliveryLimit, "delivery-limit", 0, "quorum queue x-delivery-limit (0: none)")
+	flag.BoolVar(&quorumDLQ, "quorum-dlq", false, "declare the dead-letter queue as a quorum queue")
+	flag.BoolVar(&cfg.DelayInProcess, "delay-in-process", false, "amqpidem Config.DelayInProcess: wait out requeue delays in the consumer")
 	flag.StringVar(&cfg.KeyHeader, "key-header", "", "read the idempotency key from this header instead of message-id")
 	flag.StringVar(&cfg.DeadLetterExchange, "dlx", "", "amqpidem Config.DeadLetterExchange")
 	flag.StringVar(&cfg.DeadLetterRoutingKey, "dlrk", "", "amqpidem Config.DeadLetterRoutingKey")
@@ -79,6 +81,9 @@ func main() {
 	}
 	if sentinels != "" {
 		cfg.SentinelAddrs = strings.Split(sentinels, ",")
+	}
+	if quorumDLQ {
+		cfg.DeadLetterQueueArgs = amqp.Table{"x-queue-type": "quorum"}
 	}
 	if quorum {
 		cfg.QueueArgs = amqp.Table{"x-queue-type": "quorum"}

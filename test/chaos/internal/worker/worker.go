@@ -51,7 +51,9 @@ type Config struct {
 	// prefix of its execution ids. Required.
 	Name string
 	// AMQPURL, RedisAddr, PGDSN are where the broker, the store and the
-	// ledger are; Schema is the ledger's schema. Required.
+	// ledger are; Schema is the ledger's schema. Required. AMQPURL may list
+	// several nodes of a cluster, separated by commas: every dial tries
+	// them in that order and takes the first that answers.
 	AMQPURL, RedisAddr, PGDSN, Schema string
 	// Queue is the queue consumed and Prefix the store's key prefix.
 	// Required.
@@ -78,6 +80,11 @@ type Config struct {
 	KeyHeader string
 	// DeadLetterExchange and DeadLetterRoutingKey are amqpidem.Config's.
 	DeadLetterExchange, DeadLetterRoutingKey string
+	// DeadLetterQueueArgs are amqpidem.Config's (a quorum dead-letter
+	// queue on a cluster).
+	DeadLetterQueueArgs amqp.Table
+	// DelayInProcess is amqpidem.Config's.
+	DelayInProcess bool
 	// AckFailedDuplicates selects amqpidem.AckFailedDuplicate.
 	AckFailedDuplicates bool
 
@@ -209,6 +216,8 @@ func New(ctx context.Context, cfg Config) (*Worker, error) {
 		UnavailableDelay:     cfg.UnavailableDelay,
 		DeadLetterExchange:   cfg.DeadLetterExchange,
 		DeadLetterRoutingKey: cfg.DeadLetterRoutingKey,
+		DeadLetterQueueArgs:  cfg.DeadLetterQueueArgs,
+		DelayInProcess:       cfg.DelayInProcess,
 		ConsumerName:         cfg.Name,
 		Logger:               cfg.Logger,
 	}
@@ -287,11 +296,21 @@ func New(ctx context.Context, cfg Config) (*Worker, error) {
 		Concurrency: cfg.Concurrency,
 		QueueArgs:   cfg.QueueArgs,
 		Dial: func() (*amqp.Connection, error) {
-			return amqp.DialConfig(cfg.AMQPURL, amqp.Config{
-				Heartbeat:  hb,
-				Properties: amqp.Table{"connection_name": cfg.Name},
-				Dial:       amqp.DefaultDial(5 * time.Second),
-			})
+			// The nodes in order: the first is this consumer's own, the
+			// others stand in while it is down.
+			var errs []error
+			for _, url := range strings.Split(cfg.AMQPURL, ",") {
+				conn, err := amqp.DialConfig(url, amqp.Config{
+					Heartbeat:  hb,
+					Properties: amqp.Table{"connection_name": cfg.Name},
+					Dial:       amqp.DefaultDial(5 * time.Second),
+				})
+				if err == nil {
+					return conn, nil
+				}
+				errs = append(errs, err)
+			}
+			return nil, errors.Join(errs...)
 		},
 		Reconnect: func() backoff.BackOff {
 			b := backoff.NewExponentialBackOff()

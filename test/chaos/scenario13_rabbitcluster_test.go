@@ -1,0 +1,274 @@
+//go:build linux
+
+package chaos_test
+
+import (
+	"fmt"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/test/chaos/internal/ledger"
+	"github.com/amqpidem/amqpidem/test/chaos/internal/workload"
+)
+
+// Scenario 13, rabbit-node-kill: a quorum queue on a three-node RabbitMQ
+// cluster, three consumers each connected to a different node (and
+// listing the others to fall back on), and mid-run the node hosting the
+// queue's leader is killed (SIGKILL of its Erlang VM), left down for a
+// while and restarted. The consumers on it reconnect to a live node; the
+// others go on once a new leader is elected. The workload mixes quick
+// operations (some in several copies), flaky ones that go through delayed
+// requeues, and ones that fail for good and are dead-lettered, so that
+// delayed requeues and dead letters are in flight at the kill; their
+// delay queues and the dead-letter queue are quorum queues too.
+//
+// Nothing may be lost or applied twice, no operation may run after it
+// completed, and every permanent failure must reach the dead-letter queue.
+// A failed operation's delivery whose ack the kill lost comes back and is
+// dead-lettered again as a "failed duplicate" (the default policy: an
+// operator rather sees a dead letter twice than never): those are counted
+// apart, as redundant, not as duplicated effects.
+//
+// Each scenario runs twice: with delay queues, and with
+// Config.DelayInProcess. On RabbitMQ 3.10.8 the first strands copies in a
+// quorum delay queue in some runs (its at-least-once dead-lettering does
+// not resume after the leader moves): the operations they carry are
+// counted as stranded and recovered by publishing them again; that is
+// logged as the broker's defect on 3.10 and fails on any other version.
+// In process there is no delay queue, and nothing may be stranded.
+func TestChaos13RabbitNodeKill(t *testing.T) {
+	clusterFault(t, "rabbit-node-kill", "killed", (*testenv.RabbitNode).Kill, (*testenv.RabbitNode).Start)
+}
+
+// Scenario 14, rabbit-partition: as scenario 13, but the node leading the
+// queue is cut off from the two others (RabbitNode.Partition: its Erlang
+// distribution refuses theirs) instead of killed, and healed. Its own
+// clients can still reach it; with pause_minority it stops serving them,
+// and they reconnect to the majority, where a new leader took over.
+func TestChaos14RabbitPartition(t *testing.T) {
+	clusterFault(t, "rabbit-partition", "cut off", (*testenv.RabbitNode).Partition, (*testenv.RabbitNode).Heal)
+}
+
+// clusterFault runs scenarios 13 and 14, once with delayed requeues in
+// quorum delay queues (the default) and once with Config.DelayInProcess.
+func clusterFault(t *testing.T, name, what string, fault, mend func(*testenv.RabbitNode)) {
+	t.Run("delay-queues", func(t *testing.T) { clusterFaultRun(t, name, what, fault, mend, false) })
+	t.Run("in-process", func(t *testing.T) { clusterFaultRun(t, name+"-inprocess", what, fault, mend, true) })
+}
+
+// clusterFaultRun is one run of clusterFault: fault hits the queue
+// leader's node mid-run, mend ends it after 5 s at least.
+func clusterFaultRun(t *testing.T, name, what string, fault, mend func(*testenv.RabbitNode), inProcess bool) {
+	e := newEnv(t, envOptions{rabbitCluster: true, queueArgs: amqp.Table{"x-queue-type": "quorum"}})
+	nOK, nFlaky, nPermanent := pick(1000, 4000), pick(60, 240), pick(20, 80)
+	mk := func(kind string, n int, p workload.Plan) []workload.Op {
+		ops := make([]workload.Op, n)
+		for i := range ops {
+			ops[i] = workload.Op{ID: fmt.Sprintf("%s-%s%d", e.name, kind, i), Plan: p}
+		}
+		return ops
+	}
+	ok := workload.Storm(e.name+"-op", nOK, 3, 100, e.rng)
+	flaky := mk("flaky", nFlaky, workload.Plan{FailUntil: 3, WorkMS: 20})
+	permanent := mk("permanent", nPermanent, workload.Plan{Permanent: true, WorkMS: 20})
+	good := append(append([]workload.Op(nil), ok...), flaky...)
+	e.addOps(ledger.ExpectApply, good)
+	e.addOps(ledger.ExpectDeadLetter, permanent)
+
+	// Published before the consumers start, so that the kill finds them
+	// mid-run; a new publisher publishes the copies after it.
+	e.publishCopies(append(append([]workload.Op(nil), good...), permanent...))
+	// Each consumer's own node first, then the others in turn.
+	nodes := e.rabbit.Nodes
+	for i := range nodes {
+		urls := make([]string, len(nodes))
+		for j := range nodes {
+			urls[j] = nodes[(i+j)%len(nodes)].AMQPURL
+		}
+		flags := []string{"-amqp", strings.Join(urls, ","), "-quorum", "-quorum-dlq",
+			"-lease", "5s", "-max-attempts", "4", "-backoff", "300ms", "-in-progress-delay", "300ms",
+			"-unavailable-delay", "300ms", "-concurrency", "4", "-heartbeat", "2s"}
+		if inProcess {
+			flags = append(flags, "-delay-in-process")
+		}
+		e.consumer(fmt.Sprintf("%s-c%d", e.name, i), flags...)
+	}
+
+	version := brokerVersion(t, e.amqp)
+	leader := e.rabbit.QueueLeader(e.queue)
+	e.waitFor("a fifth of the operations applied", 3*time.Minute,
+		func() bool { return e.applied() >= (nOK+nFlaky)/5 }, nil)
+	appliedAtKill := e.applied()
+	killedAt := time.Now()
+	fault(leader)
+	t.Logf("%s: %s %s, the leader of %s, with %d operations applied", name, what, leader.Name, e.queue, appliedAtKill)
+	// The consumers go on through the two live nodes while it is down,
+	// for 5 s at least.
+	e.waitFor("progress during the fault", 2*time.Minute, func() bool {
+		return time.Since(killedAt) >= 5*time.Second &&
+			(e.applied() >= appliedAtKill+(nOK+nFlaky)/10 || e.applied() >= nOK+nFlaky)
+	}, nil)
+	appliedWhileDown := e.applied() - appliedAtKill
+	downFor := time.Since(killedAt)
+	mend(leader)
+
+	// Until every good operation is applied, or nothing moves for 30 s
+	// while the queue itself is empty: then the operations not applied
+	// are stranded, their copies stuck in a delay queue.
+	stranded, strandedCopies := e.waitApplied(nOK+nFlaky, 4*time.Minute, 30*time.Second)
+	dlq := e.queue + ".dlq"
+	e.waitFor("the dead letters", 2*time.Minute, func() bool {
+		d, _ := e.listQueues()
+		return d[dlq][0] >= nPermanent
+	}, nil)
+
+	// Every good operation again, through a fresh connection (the first
+	// one's node may have been the one killed): each copy is a duplicate
+	// of completed work, acked without running, or, for a stranded
+	// operation, its next attempt.
+	_ = e.pub.Close()
+	var err error
+	e.pub, err = workload.Dial(e.rabbit.Nodes[1].AMQPURL, e.name+"-publisher2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.publishCopies(good)
+	if stranded == 0 {
+		e.waitDrained(4*time.Minute, 2*time.Second)
+	} else { // the stranded copies stay in their delay queues
+		e.waitApplied(nOK+nFlaky, 4*time.Minute, 30*time.Second)
+	}
+	e.terminateAll()
+
+	dls := e.takeAll(dlq, 10*time.Second)
+	counted, redundant := firstDeadLetters(dls)
+	// What was in flight at the fault, from the consumers' events: copies
+	// waiting their delay (in a delay queue: requeued before the fault,
+	// due after it; in process: the event comes at the end of the wait),
+	// and dead letters already in the dead-letter queue.
+	delayed, deadLetters := 0, 0
+	for _, ev := range e.events() {
+		wait := time.Duration(ev.DelayMS) * time.Millisecond
+		start, end := ev.Time, ev.Time.Add(wait)
+		if inProcess {
+			start, end = ev.Time.Add(-wait), ev.Time
+		}
+		switch {
+		case ev.Outcome == "dead_lettered" && ev.Time.Before(killedAt):
+			deadLetters++
+		case wait > 0 && start.Before(killedAt) && end.After(killedAt):
+			delayed++
+		}
+	}
+	r := e.report(name, counted, false)
+	figures := fmt.Sprintf("%s ops=%d applied_at_fault=%d delayed_in_flight=%d dead_letters_in_flight=%d fault_for=%v applied_during_fault=%d reexecuted=%d redundant_dead_letters=%d stranded=%d stranded_copies=%d broker=%s",
+		name, len(good)+len(permanent), appliedAtKill, delayed, deadLetters, downFor.Round(100*time.Millisecond), appliedWhileDown,
+		r.Reexecuted, redundant, stranded, strandedCopies, version)
+	fmt.Println(figures)
+	t.Log(figures)
+	if path := os.Getenv("CHAOS_RESULTS"); path != "" {
+		if f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644); err == nil {
+			fmt.Fprintln(f, figures)
+			f.Close()
+		}
+	}
+	if appliedAtKill >= nOK+nFlaky {
+		t.Errorf("every operation was applied before the fault: it must come mid-run")
+	}
+	if stranded > 0 {
+		msg := fmt.Sprintf("%d operations stranded: %d copies stayed in quorum delay queues after the fault, never dead-lettered back "+
+			"to %s (until the operations were published again)", stranded, strandedCopies, e.queue)
+		if !inProcess && strings.HasPrefix(version, "3.10.") {
+			// Seen on Debian 12's 3.10.8 when the killed node led a
+			// delay queue: the queue's at-least-once dead-lettering does
+			// not resume on the new leader (see README, "Running it at
+			// scale"). A broker defect, reported, not failed here;
+			// anything else lost still fails in report.
+			t.Logf("%s; RabbitMQ %s is known to strand them", msg, version)
+		} else {
+			t.Error(msg)
+		}
+	}
+	if appliedWhileDown == 0 {
+		t.Errorf("nothing was applied while %s was %s: the consumers did not go on through the majority", leader.Name, what)
+	}
+}
+
+// firstDeadLetters counts, per operation, the dead letters that report its
+// failure (their reason is the failure's), and apart from them the
+// redundant ones: copies of an already failed operation dead-lettered
+// again as "failed duplicate". An operation with only redundant dead
+// letters counts once: its first dead letter was never confirmed.
+func firstDeadLetters(dls []deadLetter) (counted map[string]int, redundant int) {
+	first, again := map[string]int{}, map[string]int{}
+	for _, d := range dls {
+		if reason, _ := d.D.Headers[amqpidem.HeaderReason].(string); reason == "failed duplicate" {
+			again[d.Op]++
+		} else {
+			first[d.Op]++
+		}
+	}
+	counted = first
+	for op, n := range again {
+		if first[op] == 0 {
+			counted[op] = 1
+			n--
+		}
+		redundant += n
+	}
+	return counted, redundant
+}
+
+// waitApplied waits until want operations are applied, or until none has
+// been for stall while the work queue holds no message: then it returns
+// how many expected operations are not applied, and how many copies wait
+// in the delay queues. It fails the test after timeout.
+func (e *env) waitApplied(want int, timeout, stall time.Duration) (missing, delayed int) {
+	e.t.Helper()
+	deadline := time.Now().Add(timeout)
+	last, since := -1, time.Now()
+	for {
+		n := e.applied()
+		if n >= want {
+			return 0, 0
+		}
+		if n != last {
+			last, since = n, time.Now()
+		}
+		if time.Since(since) >= stall {
+			depths, err := e.listQueues()
+			if err == nil && depths[e.queue] == [2]int{} {
+				for q, d := range depths {
+					if q != e.queue && !strings.HasSuffix(q, ".dlq") {
+						delayed += d[0] + d[1]
+					}
+				}
+				out, _ := e.ctl("list_queues", "-q", "name", "type", "leader", "messages", "messages_ready", "messages_unacknowledged")
+				e.t.Logf("no progress for %v with %d of %d operations applied, the queue empty; the queues:\n%s", stall, n, want, out)
+				return want - n, delayed
+			}
+		}
+		if time.Now().After(deadline) {
+			e.t.Fatalf("timed out after %v waiting for %d operations applied (applied %d)", timeout, want, n)
+		}
+		time.Sleep(time.Second)
+	}
+}
+
+// brokerVersion returns the version the broker at url reports.
+func brokerVersion(t *testing.T, url string) string {
+	t.Helper()
+	conn, err := amqp.Dial(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	v, _ := conn.Properties["version"].(string)
+	return v
+}
