@@ -71,7 +71,8 @@ const maxSkip = 1 << 16
 // acker is safe for concurrent use. It implements amqp.Acknowledger so
 // that processing code acks a delivery as usual.
 type acker struct {
-	ch amqp.Acknowledger // the channel the deliveries came from
+	ch   amqp.Acknowledger // the channel the deliveries came from
+	dead <-chan struct{}   // closed when that channel died; nil: never known
 
 	mu        sync.Mutex          // guards the fields below
 	next      uint64              // the frontier: the lowest tag not settled

@@ -207,20 +207,28 @@ type Config struct {
 	// x-expires, x-overflow and the x-dead-letter-* ones) cannot be
 	// overridden; Validate refuses them. Default none.
 	DelayQueueArgs amqp.Table
-	// DelayInProcess waits out every requeue delay in the consumer instead
-	// of in a delay queue: the delivery stays unacknowledged in its queue
-	// meanwhile (holding one of the prefetch), then a copy is published
-	// straight back to the queue and the delivery acked. No delay queue is
-	// declared and no broker dead-lettering is involved. A consumer that
-	// stops or crashes during the wait leaves the delivery to the broker,
-	// which delivers it again (a quorum queue counts that against its
-	// delivery limit); Shutdown cuts waits short and sends their copies
-	// back at once. Use it on a RabbitMQ cluster whose quorum delay queues
-	// can strand copies when a node fails: RabbitMQ 3.10.8 did so in chaos
-	// scenarios 13 and 14 (README, "Running it at scale"). The cost is
-	// prefetch: a delivery waiting its delay is not being worked on, so
-	// size Prefetch for the retries and busy duplicates waiting at once.
-	// Default false: delay queues.
+	// DelayInProcess waits out every requeue delay (retries, busy
+	// duplicates, an unavailable store) in the consumer instead of in a
+	// delay queue: the delivery stays unacknowledged in its queue
+	// meanwhile, then a copy is published straight back to the queue and
+	// the delivery acked. No delay queue is declared and no broker
+	// dead-lettering is involved. Use it on a RabbitMQ cluster whose
+	// quorum delay queues can strand copies when a node fails: RabbitMQ
+	// 3.10.8 did so in chaos scenarios 13 and 14 (README, "Running it at
+	// scale").
+	//
+	// A waiting delivery holds one of the Prefetch deliveries the broker
+	// sends, not a handler slot: set Concurrency explicitly and Prefetch
+	// above it by the retries and busy duplicates that may wait at once.
+	// If the delivery's channel closes during the wait (a connection
+	// lost, a node down) the broker delivers it again at once, and no copy
+	// is published; a quorum queue counts that delivery against its
+	// delivery limit. Consumer.Shutdown and Wrapper.Shutdown cut waits
+	// short and send their copies back at once. A Wrapper's Handle blocks
+	// for the wait. Keep delays under the broker's consumer_timeout
+	// (30 minutes by default), past which it closes a channel that holds
+	// an unacknowledged delivery; the default backoff and InProgressDelay
+	// are minutes below it. Default false: delay queues.
 	DelayInProcess bool
 
 	// ConsumerName is written into dead letters' headers. Default: host

@@ -493,6 +493,7 @@ func (c *Consumer) session(ctx, base context.Context) error {
 	// dead is closed when the channel died; sctx ends when the session
 	// does, or when the handlers must stop: it bounds the wait for a slot.
 	dead := make(chan struct{})
+	acks.dead = dead // deliveries held for a delay (DelayInProcess) let go
 	sctx, endSession := context.WithCancel(base)
 	// Every delivery goes to a worker at once; the processor's gate lets
 	// Concurrency of them in at a time, in delivery order. Workers

@@ -13,6 +13,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv"
 )
 
 // retryDelay is the delay of the delayed requeues in these tests; a delay
@@ -308,6 +309,13 @@ func TestDelayedCopyOfExpiringMessageWaits(t *testing.T) {
 // of the handler's executions.
 func inProcessConsumer(t *testing.T, delay time.Duration) (*env, *recorder, *amqpidem.Consumer, func() []time.Time) {
 	t.Helper()
+	return inProcessConsumerDial(t, delay, nil)
+}
+
+// inProcessConsumerDial is inProcessConsumer with a ConsumerConfig.Dial
+// (nil: the env's URL).
+func inProcessConsumerDial(t *testing.T, delay time.Duration, dial func() (*amqp.Connection, error)) (*env, *recorder, *amqpidem.Consumer, func() []time.Time) {
+	t.Helper()
 	e := newEnv(t, amqp.Table{"x-queue-type": "quorum"})
 	t.Cleanup(func() { deleteQueues(e, delayQueueName(e, "classic"), delayQueueName(e, "quorum")) })
 	rec := &recorder{}
@@ -324,6 +332,7 @@ func inProcessConsumer(t *testing.T, delay time.Duration) (*env, *recorder, *amq
 	})
 	c := startConsumer(t, e, amqpidem.ConsumerConfig{
 		QueueArgs: amqp.Table{"x-queue-type": "quorum"},
+		Dial:      dial,
 		Config: amqpidem.Config{
 			MaxAttempts:    3,
 			DelayInProcess: true,
@@ -344,13 +353,9 @@ func inProcessConsumer(t *testing.T, delay time.Duration) (*env, *recorder, *amq
 func TestDelayInProcess(t *testing.T) {
 	e, rec, _, runs := inProcessConsumer(t, retryDelay)
 	e.publish(amqp.Publishing{MessageId: "ip1", Body: []byte("pay 40")})
-	deadline := time.Now().Add(10 * time.Second)
-	for len(runs()) == 0 && time.Now().Before(deadline) {
-		time.Sleep(20 * time.Millisecond)
-	}
+	waitRuns(t, runs, 1)
 	time.Sleep(retryDelay / 3)
-	// Waiting: held by the consumer, not ready in the queue, not in any
-	// delay queue.
+	// Waiting: held by the consumer, not ready in the queue.
 	q, err := declareOn(t, e, e.queue, nil, true)
 	if err != nil {
 		t.Fatal(err)
@@ -388,10 +393,7 @@ func TestDelayInProcess(t *testing.T) {
 func TestDelayInProcessShutdown(t *testing.T) {
 	e, rec, c, runs := inProcessConsumer(t, time.Hour)
 	e.publish(amqp.Publishing{MessageId: "ip2", Body: []byte("pay 50")})
-	deadline := time.Now().Add(10 * time.Second)
-	for len(runs()) == 0 && time.Now().Before(deadline) {
-		time.Sleep(20 * time.Millisecond)
-	}
+	waitRuns(t, runs, 1)
 	time.Sleep(200 * time.Millisecond) // into the wait
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -414,5 +416,105 @@ func TestDelayInProcessShutdown(t *testing.T) {
 	}
 	if q.Messages != 1 {
 		t.Fatalf("after Shutdown %d messages are ready in %s, want the copy", q.Messages, e.queue)
+	}
+}
+
+// waitRuns waits until the handler ran n times.
+func waitRuns(t *testing.T, runs func() []time.Time, n int) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for len(runs()) < n {
+		if time.Now().After(deadline) {
+			t.Fatalf("the handler ran %d times in 10 s, want %d", len(runs()), n)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestDelayInProcessConnectionLost checks that a delivery held for its
+// delay is let go at once when its channel dies: the broker delivers it
+// again, and no copy is published when the wait would have ended (here an
+// hour later, at Shutdown).
+func TestDelayInProcessConnectionLost(t *testing.T) {
+	dl := &connDialer{url: testenv.AMQPURL(t)}
+	dial := dl.dial
+	e, rec, c, runs := inProcessConsumerDial(t, time.Hour, dial)
+	e.publish(amqp.Publishing{MessageId: "ip3", Body: []byte("pay 60")})
+	waitRuns(t, runs, 1)
+	time.Sleep(200 * time.Millisecond) // into the wait
+	dl.conn(0).Close()
+	rec.waitFor(t, 10*time.Second, "the held delivery let go, and its redelivery completed", func(evs []amqpidem.Event) bool {
+		return count(evs, "ip3", amqpidem.Abandoned) == 1 && count(evs, "ip3", amqpidem.Completed) == 1
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := c.Shutdown(ctx); err != nil {
+		t.Fatalf("Shutdown: %v", err)
+	}
+	if n := len(runs()); n != 2 {
+		t.Errorf("the handler ran %d times, want 2", n)
+	}
+	if q, err := declareOn(t, e, e.queue, nil, true); err != nil || q.Messages != 0 {
+		t.Errorf("after Shutdown: %d messages in %s (%v), want none: a copy was published for the let-go delivery", q.Messages, e.queue, err)
+	}
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	for _, ev := range rec.events {
+		if ev.Outcome == amqpidem.Abandoned && !strings.Contains(ev.Reason, "channel closed during the wait") {
+			t.Errorf("abandoned event: reason %q", ev.Reason)
+		}
+	}
+}
+
+// TestDelayInProcessWrapperShutdown checks that Wrapper.Shutdown ends a
+// Handle waiting out a requeue delay at once: the copy goes back to the
+// queue and Shutdown returns without waiting for its context.
+func TestDelayInProcessWrapperShutdown(t *testing.T) {
+	e := newEnv(t, nil)
+	w, err := amqpidem.Wrap(e.conn, e.store, amqpidem.Config{
+		Queue:          e.queue,
+		DelayInProcess: true,
+		Backoff:        func() backoff.BackOff { return backoff.NewConstantBackOff(time.Hour) },
+	}, amqpidem.HandlerFunc(func(context.Context, *amqp.Delivery) ([]byte, error) {
+		return nil, errors.New("fails")
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.publish(amqp.Publishing{MessageId: "ip4", Body: []byte("pay 70")})
+	ch, err := e.conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	msgs, err := ch.Consume(e.queue, "", false, false, false, false, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	handled := make(chan amqpidem.Event, 1)
+	go func() { handled <- w.Handle(context.Background(), <-msgs) }()
+	time.Sleep(500 * time.Millisecond) // into the wait
+	if err := ch.Cancel("", false); err != nil {
+		t.Log(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	start := time.Now()
+	if err := w.Shutdown(ctx); err != nil {
+		t.Fatalf("Shutdown: %v", err)
+	}
+	if took := time.Since(start); took > 5*time.Second {
+		t.Errorf("Shutdown took %v with a Handle waiting an hour", took)
+	}
+	select {
+	case ev := <-handled:
+		if ev.Outcome != amqpidem.Retried {
+			t.Errorf("Handle: outcome %v (%s), want retried", ev.Outcome, ev.Reason)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Handle did not return after Shutdown")
+	}
+	ch.Close()
+	if q, err := declareOn(t, e, e.queue, nil, true); err != nil || q.Messages != 1 {
+		t.Errorf("after Shutdown: %d messages in %s (%v), want the copy", q.Messages, e.queue, err)
 	}
 }

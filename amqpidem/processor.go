@@ -50,6 +50,9 @@ type processor struct {
 	// stopping, when closed, sends deliveries still waiting for a slot
 	// back to their queue unprocessed.
 	stopping <-chan struct{}
+	// wake, when closed, ends the in-process waits of requeue delays (a
+	// Wrapper's Shutdown; a Consumer's stopping does it for a Consumer).
+	wake <-chan struct{}
 }
 
 // isStopping reports whether the consumer began stopping (never, without
@@ -351,6 +354,7 @@ func (p *processor) run(ctx context.Context, b broker, d *amqp.Delivery, ev *Eve
 			if errors.Is(err, lock.ErrLeaseLost) {
 				reason, delay = "lease lost", MinInProgressDelay
 			}
+			stop() // renewing it would only delay its expiry
 			p.requeue(ctx, b, d, ev, Abandoned, reason, delay, err)
 			return
 		}
@@ -698,8 +702,14 @@ func (p *processor) requeueWith(ctx context.Context, b broker, d *amqp.Delivery,
 func (p *processor) sendBack(ctx context.Context, b broker, d *amqp.Delivery, ev *Event, delay time.Duration, extra amqp.Table) bool {
 	if delay > 0 && p.cfg.DelayInProcess {
 		// Config.DelayInProcess: the delivery waits here, unacked, and
-		// its copy goes straight back.
-		p.sleep(ctx, delay)
+		// its copy goes straight back. If its channel dies meanwhile, the
+		// broker has already delivered it again: no copy then.
+		start := time.Now()
+		if !p.hold(ctx, d, delay) {
+			p.nackRequeue(d, ev, ev.Reason+"; channel closed during the wait", nil)
+			return false
+		}
+		ev.Delay = min(delay, time.Since(start)) // less when cut short
 		delay = 0
 	}
 	sctx, cancel := settleContext(ctx)
@@ -732,7 +742,29 @@ func (p *processor) sleep(ctx context.Context, d time.Duration) {
 	case <-t.C:
 	case <-ctx.Done():
 	case <-p.stopping:
+	case <-p.wake:
 	}
+}
+
+// hold is sleep for a delivery held unacked during its delay: it reports
+// false, at once, if the delivery's channel dies meanwhile (the broker
+// then delivers it again), true when the wait ends otherwise.
+func (p *processor) hold(ctx context.Context, d *amqp.Delivery, delay time.Duration) bool {
+	var dead <-chan struct{} // nil, never ready, unless a Consumer's acker says
+	if a, ok := d.Acknowledger.(*acker); ok {
+		dead = a.dead
+	}
+	t := time.NewTimer(delay)
+	defer t.Stop()
+	select {
+	case <-dead:
+		return false
+	case <-t.C:
+	case <-ctx.Done():
+	case <-p.stopping:
+	case <-p.wake:
+	}
+	return true
 }
 
 // deadLetter publishes d with fault headers to the dead-letter target,

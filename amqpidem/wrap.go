@@ -31,6 +31,7 @@ type Wrapper struct {
 	mu       sync.Mutex
 	closed   bool
 	once     sync.Once
+	wake     chan struct{} // closed by Shutdown: ends DelayInProcess waits
 }
 
 // Wrap returns a Wrapper running h for cfg.Queue with store. conn opens the
@@ -53,7 +54,8 @@ func Wrap(conn ChannelOpener, store lock.Store, cfg Config, h Handler) (*Wrapper
 	base, cancel := context.WithCancel(context.Background())
 	pub := newPublisher(conn, proc.cfg.QueueType)
 	pub.delayArgs = proc.cfg.DelayQueueArgs
-	w := &Wrapper{proc: proc, pub: pub, base: base, cancel: cancel}
+	w := &Wrapper{proc: proc, pub: pub, base: base, cancel: cancel, wake: make(chan struct{})}
+	w.proc.wake = w.wake
 	cleanUpWhenUnreachable(w, proc.keeper, w.pub)
 	return w, nil
 }
@@ -172,7 +174,10 @@ func (w *Wrapper) Handle(ctx context.Context, d amqp.Delivery) Event {
 // ctx.Err() if handlers had to be cancelled. Shutdown is idempotent.
 func (w *Wrapper) Shutdown(ctx context.Context) error {
 	w.mu.Lock()
-	w.closed = true
+	if !w.closed {
+		w.closed = true
+		close(w.wake) // requeue delays waited in process end now
+	}
 	w.mu.Unlock()
 	err := waitGroup(ctx, &w.inflight)
 	if err != nil {

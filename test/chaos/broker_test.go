@@ -49,7 +49,8 @@ func (e *env) ctl(args ...string) (string, error) {
 }
 
 // listQueues returns, for every queue of the env (its name or prefixed by
-// it and a dot), the messages ready and unacknowledged.
+// it and a dot), its messages (ready and unacknowledged) and, of those, the
+// unacknowledged.
 func (e *env) listQueues() (map[string][2]int, error) {
 	out, err := e.ctl("list_queues", "-q", "--no-table-headers", "name", "messages", "messages_unacknowledged")
 	if err != nil {

@@ -184,7 +184,7 @@ func clusterFaultRun(t *testing.T, name, what string, fault, mend func(*testenv.
 	if stranded > 0 {
 		msg := fmt.Sprintf("%d operations stranded: %d copies stayed in quorum delay queues after the fault, never dead-lettered back "+
 			"to %s (until the operations were published again)", stranded, strandedCopies, e.queue)
-		if !inProcess && strings.HasPrefix(version, "3.10.") {
+		if !inProcess && strings.HasPrefix(version, "3.10.") && strandedCopies >= stranded {
 			// Seen on Debian 12's 3.10.8 when the killed node led a
 			// delay queue: the queue's at-least-once dead-lettering does
 			// not resume on the new leader (see README, "Running it at
@@ -246,7 +246,7 @@ func (e *env) waitApplied(want int, timeout, stall time.Duration) (missing, dela
 			if err == nil && depths[e.queue] == [2]int{} {
 				for q, d := range depths {
 					if q != e.queue && !strings.HasSuffix(q, ".dlq") {
-						delayed += d[0] + d[1]
+						delayed += d[0] // messages, unacknowledged ones included
 					}
 				}
 				out, _ := e.ctl("list_queues", "-q", "name", "type", "leader", "messages", "messages_ready", "messages_unacknowledged")
