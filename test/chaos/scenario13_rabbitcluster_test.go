@@ -123,26 +123,36 @@ func clusterFaultRun(t *testing.T, name, what string, fault, mend func(*testenv.
 	// are stranded, their copies stuck in a delay queue.
 	stranded, strandedCopies := e.waitApplied(nOK+nFlaky, 4*time.Minute, 30*time.Second)
 	dlq := e.queue + ".dlq"
-	e.waitFor("the dead letters", 2*time.Minute, func() bool {
+	dlqFilled := func() bool {
 		d, _ := e.listQueues()
 		return d[dlq][0] >= nPermanent
-	}, nil)
-
+	}
 	// Every good operation again, through a fresh connection (the first
 	// one's node may have been the one killed): each copy is a duplicate
 	// of completed work, acked without running, or, for a stranded
-	// operation, its next attempt.
+	// operation, its next attempt. When copies were stranded, the
+	// permanent failures go again too: a dead letter whose publish the
+	// fault refused is retried through a delay queue, and may be stranded
+	// with the rest; its operation's record is failed, so its copy is
+	// dead-lettered as a "failed duplicate".
+	again := good
+	if stranded == 0 {
+		e.waitFor("the dead letters", 2*time.Minute, dlqFilled, nil)
+	} else {
+		again = append(append([]workload.Op(nil), good...), permanent...)
+	}
 	_ = e.pub.Close()
 	var err error
 	e.pub, err = workload.Dial(e.rabbit.Nodes[1].AMQPURL, e.name+"-publisher2")
 	if err != nil {
 		t.Fatal(err)
 	}
-	e.publishCopies(good)
+	e.publishCopies(again)
 	if stranded == 0 {
 		e.waitDrained(4*time.Minute, 2*time.Second)
 	} else { // the stranded copies stay in their delay queues
 		e.waitApplied(nOK+nFlaky, 4*time.Minute, 30*time.Second)
+		e.waitFor("the dead letters", 2*time.Minute, dlqFilled, nil)
 	}
 	e.terminateAll()
 
