@@ -6,6 +6,7 @@ import (
 	"os"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -86,7 +87,7 @@ func TestShortRun(t *testing.T) {
 			}
 		}
 	}
-	if got, want := len(rep.Latency), 2*len(opts.QueueTypes); got != want {
+	if got, want := len(rep.Latency), 2*len(opts.QueueTypes)*(1+len(opts.LatencyRates)); got != want {
 		t.Errorf("latency runs: got %d, want %d", got, want)
 	}
 	for _, l := range rep.Latency {
@@ -124,13 +125,27 @@ func TestShortRun(t *testing.T) {
 			want = append(want, `^ratio `+regexp.QuoteMeta(string(v))+`/bare `+qt+` \d+\.\d\d$`)
 		}
 	}
+	// Then issue 14's lines: Redis CPU per unique and duplicate message,
+	// the consumer's CPU ratio, the added p99 at each fixed rate.
+	ratioLines := len(want)
+	for _, qt := range opts.QueueTypes {
+		want = append(want, `^redis_us unique `+qt+` \d+\.\d$`, `^redis_us duplicate `+qt+` \d+\.\d$`,
+			`^consumer_x unique `+qt+` \d+\.\d\d$`)
+		for _, r := range opts.LatencyRates {
+			want = append(want, `^latency_p99_ms `+strconv.FormatFloat(r, 'f', -1, 64)+` `+qt+` -?\d+\.\d( saturated)?$`)
+		}
+	}
 	if len(lines) < len(want) {
 		t.Fatalf("output has %d lines, want at least %d", len(lines), len(want))
 	}
 	tail := lines[len(lines)-len(want):]
 	for i, pattern := range want {
 		if !regexp.MustCompile(pattern).MatchString(tail[i]) {
-			t.Errorf("ratio line %d: got %q, want a match of %s", i+1, tail[i], pattern)
+			kind := "ratio line"
+			if i >= ratioLines {
+				kind = "target line"
+			}
+			t.Errorf("%s %d: got %q, want a match of %s", kind, i+1, tail[i], pattern)
 		}
 	}
 }

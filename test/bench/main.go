@@ -30,7 +30,8 @@
 // lasts -duration (for the pg variants, so that a pg-naive run does). Runs are
 // repeated in rounds, the order of the variants rotating from round to
 // round, and medians are reported. Then: the latency each message gains at
-// half the bare maximum rate (bare and unique), Redis round trips per
+// half the bare maximum rate and at fixed offered rates (-latency-rates,
+// default 1,000 and 5,000 msg/s; bare and unique), Redis round trips per
 // message (go-redis hook: Process plus ProcessPipeline calls), and the
 // goroutines and heap of many long handlers in flight. For the PostgreSQL
 // variants: statements and committed transactions per message, counted
@@ -42,6 +43,16 @@
 //	ratio unique/bare classic 0.83
 //
 // (pg-unique, pg-duplicate and pg-naive have such lines too, on classic.)
+// Then, per queue type, issue 14's figures: Redis CPU per unique and per
+// duplicate message in µs, the consumer's CPU per unique message over the
+// bare consumer's, and the p99 that unique adds over bare, in ms, at each
+// fixed rate (" saturated" when either could not keep up with it):
+//
+//	redis_us unique classic 24.2
+//	redis_us duplicate classic 10.6
+//	consumer_x unique classic 1.44
+//	latency_p99_ms 1000 classic 1.4
+//	latency_p99_ms 5000 classic 3.9
 //
 // Every figure printed is measured in that run. amqpidem is driven through
 // its public API only (NewConsumer, Observer, lock.NewRedisStore,
@@ -64,6 +75,7 @@ import (
 	"os"
 	"os/signal"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -129,6 +141,9 @@ type options struct {
 	// LatencyMaxN caps the messages of a latency run (0: no cap); the rate
 	// stays, the run gets shorter.
 	LatencyMaxN int
+	// LatencyRates are fixed offered rates (msg/s) measured besides half
+	// the bare rate, each for bare and unique (issue 14's 1,000 and 5,000).
+	LatencyRates []float64
 
 	MemHandlers int
 	MemSleep    time.Duration
@@ -161,6 +176,7 @@ func defaultOptions() options {
 		Repeats:         3,
 		LatencyDuration: 5 * time.Second,
 		LatencyWarmup:   500 * time.Millisecond,
+		LatencyRates:    []float64{1000, 5000},
 		MemHandlers:     5000,
 		MemSleep:        3 * time.Second,
 		MemLeaseTTL:     time.Second,
@@ -239,6 +255,7 @@ func parseFlags(args []string, out io.Writer) (options, error) {
 	fs.DurationVar(&o.LatencyDuration, "latency-duration", o.LatencyDuration, "length of each latency run")
 	fs.DurationVar(&o.LatencyWarmup, "latency-warmup", o.LatencyWarmup, "start of each latency run left out of the percentiles")
 	fs.IntVar(&o.LatencyMaxN, "latency-max-n", o.LatencyMaxN, "cap on the messages of a latency run (0: none)")
+	rates := fs.String("latency-rates", "1000,5000", "fixed offered rates (msg/s) of latency runs besides half the bare rate, comma separated (empty: none)")
 	fs.IntVar(&o.MemHandlers, "mem-handlers", o.MemHandlers, "long handlers in flight in the memory phase (0 skips it)")
 	fs.DurationVar(&o.MemSleep, "mem-sleep", o.MemSleep, "how long each memory-phase handler sleeps")
 	fs.DurationVar(&o.MemLeaseTTL, "mem-lease-ttl", o.MemLeaseTTL, "lease TTL in the memory phase (the heartbeat renews it)")
@@ -267,6 +284,14 @@ func parseFlags(args []string, out io.Writer) (options, error) {
 		applyShort(&o, set)
 	}
 	o.QueueTypes = splitList(*queues)
+	o.LatencyRates = nil
+	for _, r := range splitList(*rates) {
+		f, err := strconv.ParseFloat(r, 64)
+		if err != nil || f <= 0 {
+			return o, fmt.Errorf("-latency-rates: %q is not a positive rate", r)
+		}
+		o.LatencyRates = append(o.LatencyRates, f)
+	}
 	for _, name := range splitList(*only) {
 		o.Variants = append(o.Variants, variant(name))
 	}

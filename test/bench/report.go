@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"slices"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -111,25 +112,12 @@ func printReport(out io.Writer, e *env, rep *report) {
 	printPG(out, e, rep)
 
 	if len(rep.Latency) > 0 {
-		fmt.Fprintf(out, "\n== latency at half the bare median rate: publish -> settled after ack, first %v left out ==\n", o.LatencyWarmup)
+		fmt.Fprintf(out, "\n== latency at half the bare median rate and at fixed rates: publish -> settled after ack, first %v left out ==\n", o.LatencyWarmup)
 		tw = tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
 		fmt.Fprintln(tw, "queue\trate msg/s\tbare p50\tbare p99\tunique p50\tunique p99\tadded p50\tadded p99\tsamples\tkept up\t")
-		for _, qt := range o.QueueTypes {
-			var b, u *latencyResult
-			for i := range rep.Latency {
-				l := &rep.Latency[i]
-				if l.QueueType == qt && l.Samples > 0 {
-					switch l.Variant {
-					case bare:
-						b = l
-					case unique:
-						u = l
-					}
-				}
-			}
-			if b == nil || u == nil {
-				continue
-			}
+		for _, pair := range latencyPairs(rep.Latency) {
+			b, u := pair[0], pair[1]
+			qt := b.QueueType
 			kept := func(l *latencyResult) string {
 				if l.saturated() {
 					return "no"
@@ -274,4 +262,65 @@ func metOrNot(met bool) string {
 		return "met"
 	}
 	return "NOT met"
+}
+
+// latencyPairs pairs the bare and unique latency runs of each queue type
+// and rate, in the order they ran; runs without samples are left out.
+func latencyPairs(runs []latencyResult) [][2]*latencyResult {
+	var out [][2]*latencyResult
+	for i := range runs {
+		b := &runs[i]
+		if b.Variant != bare || b.Samples == 0 {
+			continue
+		}
+		for j := range runs {
+			u := &runs[j]
+			if u.Variant == unique && u.QueueType == b.QueueType && u.Rate == b.Rate && u.Samples > 0 {
+				out = append(out, [2]*latencyResult{b, u})
+				break
+			}
+		}
+	}
+	return out
+}
+
+// printTargets prints issue 14's machine-readable lines, after the ratio
+// lines: Redis CPU per unique and duplicate message (µs), the consumer's
+// CPU per unique message over the bare consumer's, and the p99 latency
+// unique adds over bare (ms) at each fixed offered rate. A line is left
+// out where the bench has no figure (a variant not measured, a platform
+// without CPU times); a rate that bare or unique could not keep up with
+// ends its line with "saturated".
+func printTargets(out io.Writer, o options, rep *report) {
+	for _, qt := range o.QueueTypes {
+		for _, v := range []variant{unique, duplicate} {
+			if !slices.Contains(rep.Variants[qt], v) {
+				continue
+			}
+			rcpu := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.RedisCPU) })
+			if rcpu <= 0 {
+				continue
+			}
+			fmt.Fprintf(out, "redis_us %s %s %.1f\n", v, qt, rcpu/1e3)
+		}
+		if slices.Contains(rep.Variants[qt], unique) {
+			cb := perMessage(rep.Runs, qt, bare, func(r runResult) float64 { return float64(r.ClientCPU) })
+			cu := perMessage(rep.Runs, qt, unique, func(r runResult) float64 { return float64(r.ClientCPU) })
+			if cb > 0 {
+				fmt.Fprintf(out, "consumer_x unique %s %.2f\n", qt, cu/cb)
+			}
+		}
+		for _, pair := range latencyPairs(rep.Latency) {
+			b, u := pair[0], pair[1]
+			if b.QueueType != qt || !slices.Contains(o.LatencyRates, b.Rate) {
+				continue
+			}
+			note := ""
+			if b.saturated() || u.saturated() {
+				note = " saturated"
+			}
+			fmt.Fprintf(out, "latency_p99_ms %s %s %.1f%s\n", strconv.FormatFloat(b.Rate, 'f', -1, 64), qt,
+				float64(u.P99-b.P99)/float64(time.Millisecond), note)
+		}
+	}
 }

@@ -263,17 +263,18 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 	fmt.Fprintln(out)
 	rep.Ratios = ratios(rep.Runs, opts.QueueTypes, rep.Variants)
 
-	// 3. Latency at half the bare median rate.
+	// 3. Latency at half the bare median rate, and at the fixed rates.
 	for _, qt := range opts.QueueTypes {
 		if !opts.measures(unique) {
 			break
 		}
-		rate := 0.5 * median(rates(rep.Runs, qt, bare))
-		for _, v := range []variant{bare, unique} {
-			l, err := e.latency(ctx, qt, v, rate)
-			rep.Latency = append(rep.Latency, l)
-			if err != nil {
-				return rep, fmt.Errorf("latency %s %s: %w", qt, v, err)
+		for _, rate := range append([]float64{0.5 * median(rates(rep.Runs, qt, bare))}, opts.LatencyRates...) {
+			for _, v := range []variant{bare, unique} {
+				l, err := e.latency(ctx, qt, v, rate)
+				rep.Latency = append(rep.Latency, l)
+				if err != nil {
+					return rep, fmt.Errorf("latency %s %s at %s msg/s: %w", qt, v, thousands(rate), err)
+				}
 			}
 		}
 	}
@@ -314,6 +315,7 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 	for _, r := range rep.Ratios {
 		fmt.Fprintf(out, "ratio %s/bare %s %.2f\n", r.Variant, r.QueueType, r.Value)
 	}
+	printTargets(out, opts, rep)
 	var bad []string
 	for _, r := range rep.Runs {
 		if r.Unexpected > 0 {

@@ -444,6 +444,19 @@ func (e *env) report(name string, deadLetters map[string]int, storeLostData bool
 	return r
 }
 
+// figures prints a scenario's line of figures, logs it, and appends it to
+// the file CHAOS_RESULTS names, if any.
+func (e *env) figures(line string) {
+	fmt.Println(line)
+	e.t.Log(line)
+	if path := os.Getenv("CHAOS_RESULTS"); path != "" {
+		if f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644); err == nil {
+			fmt.Fprintln(f, line)
+			f.Close()
+		}
+	}
+}
+
 // events reads the event logs of every consumer the scenario started.
 func (e *env) events() []worker.EventRecord {
 	e.t.Helper()

@@ -5,7 +5,6 @@ package chaos_test
 import (
 	"context"
 	"fmt"
-	"os"
 	"testing"
 	"time"
 
@@ -122,14 +121,7 @@ func TestChaos04RedisRestart(t *testing.T) {
 				WHERE x.acquired_at > c.at`)
 			figures := fmt.Sprintf("restart persistence=%s ops=%d completed_before_restart=%d applied_at_restart=%d reexecuted=%d ran_again_after_completion=%d absorbed=%d stale_rejected=%d",
 				tc.name, nOps, completedBefore, appliedAtRestart, r.Reexecuted, rerunAfterDone, r.Absorbed, r.StaleRejected)
-			fmt.Println(figures)
-			t.Log(figures)
-			if path := os.Getenv("CHAOS_RESULTS"); path != "" {
-				if f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644); err == nil {
-					fmt.Fprintln(f, figures)
-					f.Close()
-				}
-			}
+			e.figures(figures)
 		})
 	}
 }

@@ -6,7 +6,6 @@ import (
 	"context"
 	"fmt"
 	"net"
-	"os"
 	"strconv"
 	"strings"
 	"testing"
@@ -96,14 +95,7 @@ func TestChaos12RedisFailover(t *testing.T) {
 			completedBefore := e.count(`SELECT count(DISTINCT op_id) FROM completions WHERE at < $1`, killedAt)
 			figures := fmt.Sprintf("failover replicas=%d ops=%d completed_before_kill=%d applied_at_kill=%d promoted_after=%v reexecuted=%d ran_again_after_completion=%d absorbed=%d stale_rejected=%d",
 				tc.replicas, nOps, completedBefore, appliedAtKill, promotedAfter.Round(100*time.Millisecond), r.Reexecuted, r.AfterComplete, r.Absorbed, r.StaleRejected)
-			fmt.Println(figures)
-			t.Log(figures)
-			if path := os.Getenv("CHAOS_RESULTS"); path != "" {
-				if f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644); err == nil {
-					fmt.Fprintln(f, figures)
-					f.Close()
-				}
-			}
+			e.figures(figures)
 			if completedBefore == 0 || completedBefore >= nOps {
 				t.Errorf("%d of %d operations completed before the kill: the failover must come mid-run", completedBefore, nOps)
 			}

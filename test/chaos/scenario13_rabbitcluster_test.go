@@ -4,7 +4,6 @@ package chaos_test
 
 import (
 	"fmt"
-	"os"
 	"strings"
 	"testing"
 	"time"
@@ -180,14 +179,7 @@ func clusterFaultRun(t *testing.T, name, what string, fault, mend func(*testenv.
 	figures := fmt.Sprintf("%s ops=%d applied_at_fault=%d delayed_in_flight=%d dead_letters_in_flight=%d fault_for=%v applied_during_fault=%d reexecuted=%d redundant_dead_letters=%d stranded=%d stranded_copies=%d broker=%s",
 		name, len(good)+len(permanent), appliedAtKill, delayed, deadLetters, downFor.Round(100*time.Millisecond), appliedWhileDown,
 		r.Reexecuted, redundant, stranded, strandedCopies, version)
-	fmt.Println(figures)
-	t.Log(figures)
-	if path := os.Getenv("CHAOS_RESULTS"); path != "" {
-		if f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644); err == nil {
-			fmt.Fprintln(f, figures)
-			f.Close()
-		}
-	}
+	e.figures(figures)
 	if appliedAtKill >= nOK+nFlaky {
 		t.Errorf("every operation was applied before the fault: it must come mid-run")
 	}
