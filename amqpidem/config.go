@@ -221,9 +221,10 @@ type Config struct {
 	// sends, not a handler slot: set Concurrency explicitly and Prefetch
 	// above it by the retries and busy duplicates that may wait at once.
 	// If the delivery's channel closes during the wait (a connection
-	// lost, a node down) the broker delivers it again at once, and no copy
-	// is published; a quorum queue counts that delivery against its
-	// delivery limit. Consumer.Shutdown and Wrapper.Shutdown cut waits
+	// lost, a node down) the broker delivers it again at once, and a
+	// Consumer publishes no copy (a Wrapper cannot tell: its copy goes out
+	// at the end of the wait, a duplicate); a quorum queue counts that
+	// delivery against its delivery limit. Consumer.Shutdown and Wrapper.Shutdown cut waits
 	// short and send their copies back at once. A Wrapper's Handle blocks
 	// for the wait. Keep delays under the broker's consumer_timeout
 	// (30 minutes by default), past which it closes a channel that holds
