@@ -417,17 +417,7 @@ func (e *env) report(name string, deadLetters map[string]int, storeLostData bool
 	if err != nil {
 		e.t.Fatal(err)
 	}
-	fmt.Println(r.Line())
-	fmt.Println(r.Detail())
-	e.t.Log(r.Line())
-	e.t.Log(r.Detail())
-	if path := os.Getenv("CHAOS_RESULTS"); path != "" {
-		if f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644); err == nil {
-			fmt.Fprintln(f, r.Line())
-			fmt.Fprintln(f, r.Detail())
-			f.Close()
-		}
-	}
+	printFigures(e.t, r.Line(), r.Detail())
 	if r.Lost != 0 {
 		e.t.Errorf("%s: %d operations lost:%s", name, r.Lost, r.Failing(10, ledger.OpStats.Lost))
 	}
@@ -444,14 +434,22 @@ func (e *env) report(name string, deadLetters map[string]int, storeLostData bool
 	return r
 }
 
-// figures prints a scenario's line of figures, logs it, and appends it to
-// the file CHAOS_RESULTS names, if any.
-func (e *env) figures(line string) {
-	fmt.Println(line)
-	e.t.Log(line)
+// figures prints a scenario's line of figures (printFigures).
+func (e *env) figures(line string) { printFigures(e.t, line) }
+
+// printFigures prints lines of a scenario's figures on stdout, logs them,
+// and appends them to the file CHAOS_RESULTS names, if any.
+func printFigures(t *testing.T, lines ...string) {
+	t.Helper()
+	for _, l := range lines {
+		fmt.Println(l)
+		t.Log(l)
+	}
 	if path := os.Getenv("CHAOS_RESULTS"); path != "" {
 		if f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644); err == nil {
-			fmt.Fprintln(f, line)
+			for _, l := range lines {
+				fmt.Fprintln(f, l)
+			}
 			f.Close()
 		}
 	}

@@ -6,7 +6,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"sort"
 	"strings"
 	"testing"
@@ -388,15 +387,7 @@ func (r *pgRun) report(name, extra string) pgReport {
 	p := r.classify(name)
 	r.logf("classified")
 	p.extra = extra
-	line := p.Line()
-	fmt.Println(line)
-	r.t.Log(line)
-	if path := os.Getenv("CHAOS_RESULTS"); path != "" {
-		if f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644); err == nil {
-			fmt.Fprintln(f, line)
-			f.Close()
-		}
-	}
+	printFigures(r.t, p.Line())
 	outcomes := map[string]int{}
 	for _, ev := range r.events() {
 		outcomes[strings.TrimSpace(ev.Outcome+" "+ev.Reason)]++
