@@ -398,6 +398,12 @@ func TestDelayInProcessShutdown(t *testing.T) {
 	shutdownSoon(t, c.Shutdown)
 	rec.mu.Lock()
 	n := count(rec.events, "ip2", amqpidem.Retried)
+	for _, ev := range rec.events {
+		// The wait it had, cut short: not the hour it was to have.
+		if ev.Outcome == amqpidem.Retried && (ev.Delay <= 0 || ev.Delay > time.Minute) {
+			t.Errorf("retried event cut short by Shutdown: Delay %v, want the time it waited", ev.Delay)
+		}
+	}
 	rec.mu.Unlock()
 	if n != 1 {
 		t.Errorf("%d retried events, want 1", n)
@@ -516,4 +522,33 @@ func shutdownSoon(t *testing.T, shutdown func(context.Context) error) {
 	if took := time.Since(start); took > 5*time.Second {
 		t.Errorf("Shutdown took %v with a wait of an hour under way", took)
 	}
+}
+
+// TestDelayInProcessHoldsNoHandlerSlot checks what Config.DelayInProcess
+// documents: a delivery waiting its delay holds one of the prefetch, not
+// a handler slot. With one handler slot, a second message completes while
+// the first waits an hour.
+func TestDelayInProcessHoldsNoHandlerSlot(t *testing.T) {
+	e := newEnv(t, nil)
+	rec := &recorder{}
+	startConsumer(t, e, amqpidem.ConsumerConfig{
+		Prefetch:    4,
+		Concurrency: 1,
+		Config: amqpidem.Config{
+			DelayInProcess: true,
+			Backoff:        func() backoff.BackOff { return backoff.NewConstantBackOff(time.Hour) },
+			Observer:       rec,
+		},
+	}, amqpidem.HandlerFunc(func(_ context.Context, d *amqp.Delivery) ([]byte, error) {
+		if d.MessageId == "waits" {
+			return nil, errors.New("fails, then waits an hour")
+		}
+		return []byte("ok"), nil
+	}))
+	e.publish(amqp.Publishing{MessageId: "waits", Body: []byte("pay 80")})
+	time.Sleep(500 * time.Millisecond) // its handler ran, its wait began
+	e.publish(amqp.Publishing{MessageId: "next", Body: []byte("pay 90")})
+	rec.waitFor(t, 10*time.Second, "the next message completed while the first waits", func(evs []amqpidem.Event) bool {
+		return count(evs, "next", amqpidem.Completed) == 1
+	})
 }
