@@ -736,14 +736,7 @@ func (p *processor) sendBack(ctx context.Context, b broker, d *amqp.Delivery, ev
 
 // sleep waits d, or less if ctx ends or the consumer begins stopping.
 func (p *processor) sleep(ctx context.Context, d time.Duration) {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-	case <-ctx.Done():
-	case <-p.stopping:
-	case <-p.wake:
-	}
+	p.wait(ctx, d, nil)
 }
 
 // hold is sleep for a delivery held unacked during its delay: it reports
@@ -754,7 +747,13 @@ func (p *processor) hold(ctx context.Context, d *amqp.Delivery, delay time.Durat
 	if a, ok := d.Acknowledger.(*acker); ok {
 		dead = a.dead
 	}
-	t := time.NewTimer(delay)
+	return p.wait(ctx, delay, dead)
+}
+
+// wait waits d, or less if ctx ends, the consumer begins stopping or wake
+// is closed; it reports false, at once, if dead is closed first.
+func (p *processor) wait(ctx context.Context, d time.Duration, dead <-chan struct{}) bool {
+	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
 	case <-dead:
