@@ -197,6 +197,12 @@ func clusterFaultRun(t *testing.T, name, what string, fault, mend func(*testenv.
 			t.Error(msg)
 		}
 	}
+	// The consumer on the faulty node lost its connection (killed with
+	// the node, or closed by pause_minority) and came back through
+	// another node, as the figures above show.
+	if n := e.grepAll("connection lost; reconnecting"); n == 0 {
+		t.Errorf("no consumer lost its connection while %s was %s: the fault did not reach the consumer on it", leader.Name, what)
+	}
 	if appliedWhileDown == 0 {
 		t.Errorf("nothing was applied while %s was %s: the consumers did not go on through the majority", leader.Name, what)
 	}
