@@ -41,6 +41,8 @@ type batcher struct {
 
 	noMerge    atomic.Bool  // a merged script call was refused where single ones went through
 	standalone atomic.Int32 // 0 not known yet, 1 a standalone server (merge), 2 not (never merge)
+	redis7     atomic.Bool  // the standalone server is Redis 7.0 or later (SET NX GET, PEXPIRETIME)
+	noNative   atomic.Bool  // tests: every Acquire through the script
 
 	mu      sync.Mutex
 	waiting []*call
@@ -48,7 +50,7 @@ type batcher struct {
 }
 
 type call struct {
-	script *redis.Script
+	script *redis.Script // nil: a native Acquire (see nativeAcquire)
 	keys   []string
 	args   []any
 
@@ -120,6 +122,7 @@ type group struct {
 	script *redis.Script
 	calls  []*call
 	cmd    *redis.Cmd
+	queued []*redis.Cmd // a native group's SET commands, answered QUEUED
 	// unreplicated is set when the pipeline that sent cmd waited for
 	// replicas and fewer acknowledged it than the batcher asks for.
 	unreplicated error
@@ -153,7 +156,7 @@ func (b *batcher) exec(ctx context.Context, calls []*call) {
 
 	var alone []*group
 	for _, g := range groups {
-		if len(g.calls) > 1 && refusedWhole(g.cmd.Err()) {
+		if g.script != nil && len(g.calls) > 1 && refusedWhole(g.cmd.Err()) {
 			for _, c := range g.calls {
 				alone = append(alone, &group{script: g.script, calls: []*call{c}})
 			}
@@ -172,10 +175,7 @@ func (b *batcher) exec(ctx context.Context, calls []*call) {
 	}
 
 	for _, g := range groups {
-		replies, err := g.cmd.Slice()
-		if err == nil && len(replies) != len(g.calls) && len(g.calls) > 0 {
-			err = fmt.Errorf("lock: script answered %d of %d keys", len(replies), len(g.calls))
-		}
+		replies, err := g.replies()
 		for i, c := range g.calls {
 			if err != nil {
 				c.err = classify(err)
@@ -192,6 +192,41 @@ func (b *batcher) exec(ctx context.Context, calls []*call) {
 			c.val = replies[i]
 		}
 	}
+}
+
+// replies returns one reply per call of g, or the error of them all.
+func (g *group) replies() ([]any, error) {
+	replies, err := g.cmd.Slice()
+	if g.script == nil {
+		// A native group's EXEC answers two replies per call: SET's and
+		// PEXPIRETIME's. A transaction refused as a whole (EXECABORT)
+		// is answered with the reason a queued command was refused
+		// (READONLY during a failover, OOM), when there is one.
+		if err != nil {
+			for _, q := range g.queued {
+				if qerr := q.Err(); qerr != nil {
+					return nil, qerr
+				}
+			}
+			return nil, err
+		}
+		if len(replies) != 2*len(g.calls) {
+			return nil, fmt.Errorf("lock: EXEC answered %d replies for %d keys", len(replies), len(g.calls))
+		}
+		out := make([]any, len(g.calls))
+		for i := range out {
+			if e, ok := replies[2*i].(error); ok {
+				out[i] = e
+				continue
+			}
+			out[i] = replies[2*i : 2*i+2]
+		}
+		return out, nil
+	}
+	if err == nil && len(replies) != len(g.calls) && len(g.calls) > 0 {
+		err = fmt.Errorf("lock: script answered %d of %d keys", len(replies), len(g.calls))
+	}
+	return replies, err
 }
 
 // merging reports whether script calls may be merged: only on a
@@ -215,11 +250,35 @@ func (b *batcher) merging(ctx context.Context) bool {
 	case err != nil && isUnavailable(err):
 		return false // ask again next time
 	case err == nil && strings.Contains(info, "redis_mode:standalone"):
+		b.redis7.Store(majorVersion(info) >= 7)
 		b.standalone.Store(1)
 		return true
 	}
 	b.standalone.Store(2)
 	return false
+}
+
+// native reports whether Acquire may take its native path: on a standalone
+// server (see merging) of Redis 7.0 or later.
+func (b *batcher) native(ctx context.Context) bool {
+	return !b.noNative.Load() && b.merging(ctx) && b.redis7.Load()
+}
+
+// majorVersion reads redis_version's major number from INFO server; 0 when
+// it is not there.
+func majorVersion(info string) int {
+	_, v, ok := strings.Cut(info, "redis_version:")
+	if !ok {
+		return 0
+	}
+	n := 0
+	for _, c := range v {
+		if c < '0' || c > '9' {
+			break
+		}
+		n = n*10 + int(c-'0')
+	}
+	return n
 }
 
 // unreplicated is the error of the calls of a pipeline whose WAIT
@@ -260,6 +319,10 @@ func (b *batcher) runGroups(ctx context.Context, groups []*group) {
 	send := func(gs []*group) {
 		pipe := b.client.Pipeline()
 		for _, g := range gs {
+			if g.script == nil {
+				g.queueNative(ctx, pipe)
+				continue
+			}
 			keys := make([]string, 0, len(g.calls))
 			args := make([]any, 0, len(g.calls)*len(g.calls[0].args))
 			for _, c := range g.calls {
@@ -301,4 +364,18 @@ func (b *batcher) runGroups(ctx context.Context, groups []*group) {
 	if len(again) > 0 {
 		send(again)
 	}
+}
+
+// queueNative adds a native group to pipe as one transaction: for each
+// call, SET key record NX PX keep GET and PEXPIRETIME key (see
+// nativeAcquire). MULTI makes each key's two commands see the same
+// record: nothing runs between them.
+func (g *group) queueNative(ctx context.Context, pipe redis.Pipeliner) {
+	pipe.Do(ctx, "MULTI")
+	g.queued = g.queued[:0]
+	for _, c := range g.calls {
+		g.queued = append(g.queued, pipe.Do(ctx, "SET", c.keys[0], c.args[0], "NX", "PX", c.args[1], "GET"))
+		pipe.Do(ctx, "PEXPIRETIME", c.keys[0])
+	}
+	g.cmd = pipe.Do(ctx, "EXEC")
 }

@@ -14,8 +14,8 @@ import (
 	"github.com/amqpidem/amqpidem/internal/testenv"
 )
 
-// pipelineCounter counts the pipelines and single commands that carry
-// scripts.
+// pipelineCounter counts the pipelines that carry script calls or native
+// Acquires, and the records they work on.
 type pipelineCounter struct{ pipelines, scripts atomic.Int64 }
 
 func (h *pipelineCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
@@ -24,12 +24,18 @@ func (h *pipelineCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook 
 }
 func (h *pipelineCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error {
+		store := false
 		for _, cmd := range cmds {
-			if cmd.Name() == "evalsha" {
+			switch cmd.Name() {
+			case "evalsha":
 				h.scripts.Add(int64(cmd.Args()[2].(int))) // records worked on
+				store = true
+			case "pexpiretime": // one per native Acquire
+				h.scripts.Add(1)
+				store = true
 			}
 		}
-		if len(cmds) > 0 && cmds[0].Name() == "evalsha" {
+		if store {
 			h.pipelines.Add(1)
 		}
 		return next(ctx, cmds)
@@ -100,7 +106,7 @@ func TestBatcherCoalescesAndIsolates(t *testing.T) {
 		}
 	}
 	p, c := hook.pipelines.Load(), hook.scripts.Load()
-	t.Logf("%d script calls in %d pipelines", c, p)
+	t.Logf("%d records worked on in %d pipelines", c, p)
 	if c < 2*n-1 || p >= c {
 		t.Fatalf("%d calls in %d pipelines: want them coalesced", c, p)
 	}

@@ -79,16 +79,34 @@
 // # Records in Redis
 //
 // A RedisStore record is one string value: a binary MessagePack sequence
-// (packed by the scripts with cmsgpack) of a format version, 1, then state,
-// owner, fence, lease deadline, attempts, fingerprint, the caller's key,
-// created and ended times and the stored value, in that order
-// (scripts/acquire.lua describes each). It is written with SET ... PX, so
-// record and expiry change in one command. To inspect one, GET it and
-// decode the bytes with any MessagePack decoder; it is not a hash, and
-// HGETALL answers WRONGTYPE. A record of an unknown format version, or of
+// of a format version, then state, owner, fence, lease deadline, attempts,
+// fingerprint, the caller's key, created and ended times and the stored
+// value, in that order (scripts/record.lua describes each). It is written
+// with SET ... PX, so record and expiry change in one command. To inspect
+// one, GET it and decode the bytes with any MessagePack decoder; it is not
+// a hash, and HGETALL answers WRONGTYPE.
+//
+// Format 1 is what the Lua scripts write. Format 2 is what Acquire writes
+// for a key with no record, without a script: one transaction of SET ...
+// NX PX ... GET and PEXPIRETIME, which cannot put the server's time in the
+// value, so the record's created time, lease deadline and first fence are
+// computed from the key's expiry (the server's clock) by Go and the scripts
+// alike; the first script that rewrites the record makes it format 1. The
+// same transaction answers a duplicate of completed or failed work with no
+// script at all, which is what makes duplicates cheap. That native path
+// needs a standalone or Sentinel-managed Redis 7.0 or later; on a Cluster
+// or an older server every Acquire runs the acquire script, with the same
+// answers. Releases of this package before format 2 cannot read format 2
+// records (ErrBadRecord for those keys): upgrade every consumer of a
+// Config.Prefix together. A record of an unknown format version, or of
 // another type (a hash written by an earlier release of this package), is
 // an error for its key alone: other keys in the same call are answered as
 // usual.
+//
+// Forget does not delete a record at once: it leaves a tombstone that
+// keeps the key's fence for one second, which every reader takes for no
+// record, so that a record made again at once still gets a higher fence
+// (a format 2 record's first fence is rounded up to the next millisecond).
 //
 // # Limits
 //

@@ -165,7 +165,7 @@ type lostReplyConn struct {
 const outage = 120 * time.Millisecond
 
 func (c *lostReplyConn) Write(b []byte) (int, error) {
-	if bytes.Contains(bytes.ToLower(b), []byte("evalsha")) && c.armed.CompareAndSwap(true, false) {
+	if acquireWrite(b) && c.armed.CompareAndSwap(true, false) {
 		c.lose = true
 	}
 	return c.Conn.Write(b)
@@ -216,7 +216,7 @@ type stallConn struct {
 }
 
 func (c *stallConn) Write(b []byte) (int, error) {
-	if bytes.Contains(bytes.ToLower(b), []byte("evalsha")) && c.armed.CompareAndSwap(true, false) {
+	if acquireWrite(b) && c.armed.CompareAndSwap(true, false) {
 		c.stall = true
 	}
 	return c.Conn.Write(b)
@@ -309,9 +309,28 @@ func TestRedisMergesOnlyOnAStandaloneServer(t *testing.T) {
 // wantResolved arms the fault of client's connections, acquires a key and
 // checks that the Acquire whose reply was lost resolved to its own lease:
 // attempt 1, in progress for another caller, and able to complete.
+// acquireWrite reports whether b holds an Acquire: a script call, or the
+// native Acquire's transaction.
+func acquireWrite(b []byte) bool {
+	b = bytes.ToLower(b)
+	return bytes.Contains(b, []byte("evalsha")) || bytes.Contains(b, []byte("pexpiretime"))
+}
+
+// wantResolved checks the resolution on both Acquire paths, native and
+// script.
 func wantResolved(t *testing.T, client *redis.Client, armed *atomic.Bool) {
 	t.Helper()
-	s := newRedisStore(t, client, lock.Config{Prefix: testenv.Name(t)})
+	for _, native := range []bool{true, false} {
+		s := newRedisStore(t, client, lock.Config{Prefix: fmt.Sprintf("%s-native-%v", testenv.Name(t), native)})
+		if !native {
+			lock.DisableNative(s)
+		}
+		wantResolvedOn(t, s, armed)
+	}
+}
+
+func wantResolvedOn(t *testing.T, s *lock.RedisStore, armed *atomic.Bool) {
+	t.Helper()
 	ctx := context.Background()
 	if err := s.Check(ctx); err != nil {
 		t.Fatal(err)

@@ -121,11 +121,13 @@ type Lease struct {
 	// Fence is the fencing token. While the key's record exists, each new
 	// lease's fence is strictly higher than the last one's, whatever the
 	// clocks do. It is the higher of the last fence + 1 and the store's
-	// clock in microseconds (Redis TIME; Config.Now for MemoryStore), so
-	// a record that was lost (expired after its retention, evicted,
-	// forgotten by a restart or a failover) and made again still hands
-	// out a higher fence as long as the clock granting the new lease is
-	// past the microsecond the lost fence was granted at. A clock stepped
+	// clock in microseconds (Redis TIME; Config.Now for MemoryStore); a
+	// RedisStore record made without a script starts at the first
+	// microsecond of the millisecond after its creation. So a record that
+	// was lost (expired after its retention, evicted, forgotten by a
+	// restart or a failover) and made again still hands out a higher fence
+	// as long as the clock granting the new lease is past the lost fence
+	// (Admin.Forget keeps the fence a while for that). A clock stepped
 	// back, or a failover to a server whose clock is behind, can break
 	// that. Downstream writes that remember the highest fence they saw can
 	// reject a stale holder.

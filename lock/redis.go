@@ -12,17 +12,22 @@ import (
 )
 
 var (
+	// recordLua reads and writes records; every script that touches one
+	// starts with it.
+	//go:embed scripts/record.lua
+	recordLua string
+
 	//go:embed scripts/acquire.lua
 	acquireLua    string
-	acquireScript = redis.NewScript(acquireLua)
+	acquireScript = redis.NewScript(recordLua + acquireLua)
 
 	//go:embed scripts/extend.lua
 	extendLua    string
-	extendScript = redis.NewScript(extendLua)
+	extendScript = redis.NewScript(recordLua + extendLua)
 
 	//go:embed scripts/finish.lua
 	finishLua    string
-	finishScript = redis.NewScript(finishLua)
+	finishScript = redis.NewScript(recordLua + finishLua)
 )
 
 // Record states as the scripts write them.
@@ -34,17 +39,20 @@ const (
 )
 
 // RedisStore is a Store on Redis: one string value per idempotency key,
-// changed only by Lua scripts so that every transition is one atomic round
-// trip judged by the server's clock. It works with any redis.UniversalClient:
-// a standalone server, a Sentinel failover client or a Cluster client.
+// made by one atomic transaction or a Lua script and changed only by Lua
+// scripts, so that every transition is one atomic round trip judged by the
+// server's clock. It works with any redis.UniversalClient: a standalone
+// server, a Sentinel failover client or a Cluster client.
 //
-// A record is binary: a MessagePack sequence (cmsgpack.pack) of a format
-// version (1), state, owner, fence, lease deadline, attempts, fingerprint,
-// the caller's key, created and ended times (server ms) and the stored
-// value, written with SET ... PX so that record and expiry change in one
-// command (scripts/acquire.lua documents the layout). Inspect one with GET
-// and a MessagePack decoder; HGETALL does not apply. A record of another
-// format version, or an old-style hash, is an error for its key alone.
+// A record is binary: a MessagePack sequence of a format version (1, or 2
+// for a record Acquire made without a script), state, owner, fence, lease
+// deadline, attempts, fingerprint, the caller's key, created and ended
+// times (server ms) and the stored value, written with SET ... PX so that
+// record and expiry change in one command (scripts/record.lua documents
+// the layout; the package doc says when each format is written). Inspect
+// one with GET and a MessagePack decoder; HGETALL does not apply. A record
+// of another format version, or an old-style hash, is an error for its key
+// alone.
 //
 // RedisStore is safe for concurrent use.
 type RedisStore struct {
@@ -157,10 +165,17 @@ func (s *RedisStore) Acquire(ctx context.Context, req Request) (Result, error) {
 // MaxResultSize is the largest result Complete accepts, in bytes.
 func (s *RedisStore) MaxResultSize() int { return s.cfg.MaxResultSize }
 
-// acquire runs the acquire script for a checked request and owner token.
+// acquire takes a lease for a checked request and owner token: natively
+// where it can, with the acquire script where it must.
 func (s *RedisStore) acquire(ctx context.Context, req Request, owner string) (Result, error) {
 	start := s.cfg.Now()
 	rkey := recordKey(s.cfg.Prefix, req.Key)
+	if s.batch.native(ctx) {
+		res, done, err := s.nativeAcquire(ctx, req, owner, rkey, start)
+		if done || err != nil {
+			return res, err
+		}
+	}
 	reply, err := s.batch.run(ctx, acquireScript, []string{rkey},
 		owner, req.TTL.Milliseconds(), req.Retention.Milliseconds(), req.Fingerprint, req.Key)
 	if err != nil {
@@ -179,16 +194,7 @@ func (s *RedisStore) acquire(ctx context.Context, req Request, owner string) (Re
 	res := Result{Status: Status(status), Fence: fence, Attempts: int(attempts)}
 	switch res.Status {
 	case Acquired:
-		res.Lease = Lease{
-			Key:       req.Key,
-			Owner:     owner,
-			Fence:     fence,
-			Attempt:   int(attempts),
-			TTL:       req.TTL,
-			Retention: req.Retention,
-			Deadline:  start.Add(req.TTL),
-			rkey:      rkey,
-		}
+		res.Lease = newLease(req, owner, fence, int(attempts), start, rkey)
 	case Completed:
 		res.Value = []byte(value)
 	case Failed:
@@ -202,6 +208,69 @@ func (s *RedisStore) acquire(ctx context.Context, req Request, owner string) (Re
 		return Result{}, fmt.Errorf("lock: acquire %q: unexpected status %d", req.Key, status)
 	}
 	return res, nil
+}
+
+func newLease(req Request, owner string, fence int64, attempt int, start time.Time, rkey string) Lease {
+	return Lease{
+		Key:       req.Key,
+		Owner:     owner,
+		Fence:     fence,
+		Attempt:   attempt,
+		TTL:       req.TTL,
+		Retention: req.Retention,
+		Deadline:  start.Add(req.TTL),
+		rkey:      rkey,
+	}
+}
+
+// nativeAcquire is Acquire without a script, for the two commonest cases:
+// an absent key, and a completed or failed record (a duplicate). In one
+// transaction, SET rkey <format 2 record> NX PX TTL+retention GET creates
+// the record if there is none and otherwise returns the one there, and
+// PEXPIRETIME reads the key's expiry, from which the server's times and a
+// new record's fence follow (scripts/record.lua). A record in progress,
+// released, cancelled or forgotten needs the server's clock to decide:
+// done is false and the caller runs the acquire script. The decisions
+// are the script's, in the same order: collision, conflict, outcome.
+func (s *RedisStore) nativeAcquire(ctx context.Context, req Request, owner, rkey string, start time.Time) (res Result, done bool, err error) {
+	ttl := req.TTL.Milliseconds()
+	keep := ttl + req.Retention.Milliseconds()
+	reply, err := s.batch.run(ctx, nil, []string{rkey}, newRecord(owner, ttl, keep, req.Fingerprint, req.Key), keep)
+	if err != nil {
+		return Result{}, false, fmt.Errorf("lock: acquire %q: %w", req.Key, classify(err))
+	}
+	vals, _ := reply.([]any)
+	var expireAt int64
+	if len(vals) == 2 {
+		expireAt, _ = vals[1].(int64)
+	}
+	if expireAt == 0 {
+		return Result{}, false, fmt.Errorf("lock: acquire %q: unexpected reply %v", req.Key, vals)
+	}
+	if vals[0] == nil {
+		fence := firstFence(expireAt, keep)
+		return Result{Status: Acquired, Fence: fence, Attempts: 1, Lease: newLease(req, owner, fence, 1, start, rkey)}, true, nil
+	}
+	raw, _ := vals[0].(string)
+	r, err := decodeRecord(raw, expireAt)
+	switch {
+	case err != nil:
+		return Result{}, false, fmt.Errorf("%w: key %q: %w", ErrBadRecord, req.Key, err)
+	case r.key != req.Key:
+		return Result{}, false, fmt.Errorf("%w: key %q", ErrKeyCollision, req.Key)
+	}
+	res = Result{Fence: r.fence, Attempts: int(r.attempts)}
+	switch {
+	case req.Fingerprint != "" && r.fingerprint != "" && r.fingerprint != req.Fingerprint:
+		res.Status = Conflict
+	case r.state == stateCompleted:
+		res.Status, res.Value = Completed, []byte(r.value)
+	case r.state == stateFailed:
+		res.Status, res.Error = Failed, r.value
+	default:
+		return Result{}, false, nil
+	}
+	return res, true, nil
 }
 
 // Extend renews the leases in one pipelined round trip (one per node on a

@@ -13,11 +13,11 @@ import (
 var (
 	//go:embed scripts/inspect.lua
 	inspectLua    string
-	inspectScript = redis.NewScript(inspectLua)
+	inspectScript = redis.NewScript(recordLua + inspectLua)
 
 	//go:embed scripts/forget.lua
 	forgetLua    string
-	forgetScript = redis.NewScript(forgetLua)
+	forgetScript = redis.NewScript(recordLua + forgetLua)
 )
 
 var _ Admin = (*RedisStore)(nil)
@@ -77,7 +77,9 @@ func (s *RedisStore) Inspect(ctx context.Context, key string) (Record, error) {
 }
 
 // Forget deletes key's record if it is still in state with fence, in one
-// atomic script.
+// atomic script. The record becomes a tombstone that lasts one second and
+// keeps only the key and the fence, so that a record made again at once
+// still gets a higher fence; Inspect, Forget and Acquire see no record.
 func (s *RedisStore) Forget(ctx context.Context, key string, state State, fence int64) error {
 	if err := checkKey(key); err != nil {
 		return err

@@ -36,6 +36,18 @@ func TestRedisStore(t *testing.T) {
 	})
 }
 
+// The same suite with every Acquire through the acquire script, as on a
+// Cluster or a Redis older than 7.0: the script path stays a full store on
+// its own, and reads the format 2 records the native path leaves.
+func TestRedisStoreScriptOnly(t *testing.T) {
+	client := testenv.RedisClient(t)
+	storetest.Run(t, func(t *testing.T, cfg lock.Config) lock.Store {
+		s := newRedisStore(t, client, cfg)
+		lock.DisableNative(s)
+		return s
+	})
+}
+
 func TestRedisStoreCluster(t *testing.T) {
 	client := testenv.RedisCluster(t).Client(t)
 	storetest.Run(t, func(t *testing.T, cfg lock.Config) lock.Store {
@@ -349,9 +361,11 @@ func TestRedisRecordsExpire(t *testing.T) {
 	}
 }
 
-// A record is one string, a MessagePack sequence led by format version 1,
-// with its expiry set by the same SET. A record of an unknown version is an
-// error for its key alone, never read as something else.
+// A record is one string, a MessagePack sequence led by its format
+// version, with its expiry set by the same SET: format 2 as the native
+// Acquire writes it, format 1 once a script rewrote it. A record of an
+// unknown version is an error for its key alone, never read as something
+// else.
 func TestRedisRecordFormat(t *testing.T) {
 	client := testenv.RedisClient(t)
 	prefix := testenv.Name(t)
@@ -369,9 +383,26 @@ func TestRedisRecordFormat(t *testing.T) {
 	if typ := client.Type(ctx, rkey).Val(); typ != "string" {
 		t.Fatalf("record type %q, want string", typ)
 	}
+	// Format 2: fence 0, the TTL and the PX in place of the deadline
+	// and the created time; the fence is the first µs after the ms the
+	// key's expiry counts from.
 	raw := []byte(client.Get(ctx, rkey).Val())
+	const ttl, keep = 10_000, 10_000 + 3_600_000
+	v2 := append([]byte{0x02, 0xa1, 'p', 0xd9, 0x20}, res.Lease.Owner...)
+	v2 = append(v2, 0x00, 0xcd, ttl>>8, ttl&0xff, 0x01, 0xa0, 0xa1, 'k', 0xce, 0, keep>>16, keep>>8&0xff, keep&0xff, 0x00, 0xa0)
+	if !bytes.Equal(raw, v2) {
+		t.Fatalf("record %x, want format 2 %x", raw, v2)
+	}
+	expireAt := client.PExpireTime(ctx, rkey).Val().Milliseconds()
+	if want := (expireAt - keep + 1) * 1000; res.Lease.Fence != want {
+		t.Fatalf("format 2 fence %d, want %d from PEXPIRETIME %d", res.Lease.Fence, want, expireAt)
+	}
+	if err := s.Extend(ctx, res.Lease)[0]; err != nil {
+		t.Fatal(err)
+	}
+	raw = []byte(client.Get(ctx, rkey).Val())
 	if len(raw) == 0 || raw[0] != 0x01 {
-		t.Fatalf("record %q: want a msgpack sequence led by version 1", raw)
+		t.Fatalf("record %q after Extend: want a msgpack sequence led by version 1", raw)
 	}
 	// The fence (server µs, about 1.8e15) is packed as a MessagePack
 	// uint64, exact, not as a float: after version 0x01, state "p" (fixstr
@@ -406,20 +437,20 @@ func TestRedisRecordFormat(t *testing.T) {
 	if err != nil || other.Status != lock.Acquired {
 		t.Fatalf("Acquire other: %v %v", other.Status, err)
 	}
-	set(1, 2)
-	if _, err := s.Acquire(ctx, lock.Request{Key: "k"}); !errors.Is(err, lock.ErrBadRecord) || !strings.Contains(err.Error(), "version 2") {
-		t.Fatalf("Acquire of a version 2 record: got %v, want a format error", err)
+	set(1, 3)
+	if _, err := s.Acquire(ctx, lock.Request{Key: "k"}); !errors.Is(err, lock.ErrBadRecord) || !strings.Contains(err.Error(), "version 3") {
+		t.Fatalf("Acquire of a version 3 record: got %v, want a format error", err)
 	}
 	errs := s.Extend(ctx, res.Lease, other.Lease)
 	if errs[0] == nil || errors.Is(errs[0], lock.ErrLeaseLost) || errs[1] != nil {
-		t.Fatalf("Extend of a version 2 record and a good one: %v", errs)
+		t.Fatalf("Extend of a version 3 record and a good one: %v", errs)
 	}
 	for name, err := range map[string]error{
 		"Complete": s.Complete(ctx, res.Lease, nil),
 		"Cancel":   s.Cancel(ctx, res.Lease),
 	} {
-		if err == nil || errors.Is(err, lock.ErrLeaseLost) || !strings.Contains(err.Error(), "version 2") {
-			t.Fatalf("%s of a version 2 record: got %v, want a format error", name, err)
+		if err == nil || errors.Is(err, lock.ErrLeaseLost) || !strings.Contains(err.Error(), "version 3") {
+			t.Fatalf("%s of a version 3 record: got %v, want a format error", name, err)
 		}
 	}
 }

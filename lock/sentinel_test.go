@@ -181,12 +181,16 @@ func countRecords(t *testing.T, srv *testenv.Server, prefix string) int {
 func scriptHashes(t *testing.T) []string {
 	t.Helper()
 	var hashes []string
+	record, err := os.ReadFile("scripts/record.lua")
+	if err != nil {
+		t.Fatal(err)
+	}
 	for _, name := range []string{"acquire", "extend", "finish"} {
 		src, err := os.ReadFile("scripts/" + name + ".lua")
 		if err != nil {
 			t.Fatal(err)
 		}
-		hashes = append(hashes, redis.NewScript(string(src)).Hash())
+		hashes = append(hashes, redis.NewScript(string(record)+string(src)).Hash())
 	}
 	return hashes
 }

@@ -1,4 +1,5 @@
 -- acquire.lua: take leases on idempotency records, each atomically.
+-- (record.lua, put in front of this file, describes a record.)
 -- KEYS[i]  a record; one or more per call
 -- ARGV     five per key, in order:
 --   owner token of the Acquire call, lease TTL ms, retention ms,
@@ -8,16 +9,6 @@
 -- lease, stored value}, or an error for that key alone.
 -- Status: 1 acquired, 2 completed, 3 failed, 4 in progress, 5 conflict, 6 collision.
 -- Time is the server's: TIME, never the client's clock.
---
--- A record is one string value: cmsgpack.pack of, in this order,
---   version (1), state ('p' in progress, 'c' completed, 'f' failed,
---   'r' released, 'x' cancelled: released with its attempt taken back),
---   owner, fence (server µs, see above), lease deadline (ms, 0 when none), attempts, fingerprint,
---   caller's key, created (ms), ended (ms, 0 until an outcome), value.
--- It is written with SET ... PX, so value and expiry change together. The
--- same layout is read and written by extend.lua and finish.lua; keep the
--- three in step. A record of another version, or of another type, is an
--- error for its key.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 -- Fences come from the server's clock in microseconds (about 1.8e15, exact
@@ -26,25 +17,21 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 -- last fence + 1 and the current microsecond.
 local nowus = tonumber(t[1]) * 1000000 + tonumber(t[2])
 
-local function put(key, ms, ...)
-  if ms > 0 then
-    redis.call('SET', key, cmsgpack.pack(...), 'PX', ms)
-  else
-    redis.call('DEL', key) -- expires at once, as PEXPIRE 0 would
-  end
-end
-
 local function acquire(key, owner, ttl, retention, fingerprint, userkey)
+  ttl, retention = tonumber(ttl), tonumber(retention)
   local keep = ttl + retention
-  local raw = redis.call('GET', key)
-  if not raw then
-    put(key, keep, 1, 'p', owner, nowus, now + ttl, 1, fingerprint, userkey, now, 0, '')
-    return {1, nowus, 1, ttl, ''}
+  local r = read(key)
+  if not r or r[2] == 'd' then
+    -- No record, or a forgotten one whose fence is kept a while so that
+    -- a record made again at once still gets a higher fence.
+    local fence = nowus
+    if r then
+      fence = math.max(r[4] + 1, nowus)
+    end
+    put(key, keep, 'p', owner, fence, now + ttl, 1, fingerprint, userkey, now, 0, '')
+    return {1, fence, 1, ttl, ''}
   end
-  local ver, state, o, fence, deadline, attempts, fp, k, created, ended, value = cmsgpack.unpack(raw)
-  if ver ~= 1 then
-    return redis.error_reply('ERR lock: record format version ' .. tostring(ver) .. ' unknown')
-  end
+  local _, state, o, fence, deadline, attempts, fp, k, created, ended, value = unpack(r)
   if k ~= userkey then
     return {6, 0, 0, 0, ''}
   end
@@ -64,7 +51,7 @@ local function acquire(key, owner, ttl, retention, fingerprint, userkey)
       -- network error): the lease is already ours.
       if deadline < now + ttl then
         deadline = now + ttl
-        put(key, keep, ver, state, o, fence, deadline, attempts, fp, k, created, ended, value)
+        put(key, keep, state, o, fence, deadline, attempts, fp, k, created, ended, value)
       end
       return {1, fence, attempts, deadline - now, ''}
     end
@@ -77,21 +64,8 @@ local function acquire(key, owner, ttl, retention, fingerprint, userkey)
   -- a higher fence.
   fence = math.max(fence + 1, nowus)
   attempts = attempts + 1
-  put(key, keep, ver, 'p', owner, fence, now + ttl, attempts, fp, k, created, ended, value)
+  put(key, keep, 'p', owner, fence, now + ttl, attempts, fp, k, created, ended, value)
   return {1, fence, attempts, ttl, ''}
 end
 
-local out = {}
-for i = 1, #KEYS do
-  local a = (i - 1) * 5
-  local ok, res = pcall(acquire, KEYS[i], ARGV[a + 1], tonumber(ARGV[a + 2]),
-    tonumber(ARGV[a + 3]), ARGV[a + 4], ARGV[a + 5])
-  if ok then
-    out[i] = res
-  elseif type(res) == 'table' and res.err then
-    out[i] = res
-  else
-    out[i] = {err = tostring(res)}
-  end
-end
-return out
+return each(5, acquire)

@@ -1,22 +1,32 @@
--- forget.lua: delete one record if it is still the one an operator saw.
--- KEYS[1]  a record (the msgpack string described in acquire.lua)
+-- forget.lua: forget one record if it is still the one an operator saw.
+-- (record.lua, put in front of this file, describes a record.)
+-- KEYS[1]  a record
 -- ARGV     the caller's key, the state letter seen, the fence seen
--- Returns 1 when deleted, 0 when there is no record, -1 when the record
--- is in another state or has another fence (nothing deleted), -2 when the
+-- Returns 1 when forgotten, 0 when there is no record, -1 when the record
+-- is in another state or has another fence (nothing changed), -2 when the
 -- record is another key's (a hash collision).
-local raw = redis.call('GET', KEYS[1])
-if not raw then
-  return 0
+--
+-- A forgotten record is not deleted at once: it becomes a tombstone,
+-- state 'd', that keeps only the key and the fence for tombstoneMs. To
+-- every caller it is no record at all, but a record made again while it
+-- lasts gets a fence above the forgotten one's, even within the same
+-- millisecond (a format 2 record's fence is rounded up to the next ms).
+local tombstoneMs = 1000
+
+local function forget(key, userkey, letter, seen)
+  local r = read(key)
+  if not r or r[2] == 'd' then
+    return 0
+  end
+  local _, state, o, fence, deadline, attempts, fp, k = unpack(r)
+  if k ~= userkey then
+    return -2
+  end
+  if state ~= letter or fence ~= tonumber(seen) then
+    return -1
+  end
+  put(key, tombstoneMs, 'd', '', fence, 0, 0, '', k, 0, 0, '')
+  return 1
 end
-local ver, state, o, fence, deadline, attempts, fp, k = cmsgpack.unpack(raw)
-if ver ~= 1 then
-  return redis.error_reply('ERR lock: record format version ' .. tostring(ver) .. ' unknown')
-end
-if k ~= ARGV[1] then
-  return -2
-end
-if state ~= ARGV[2] or fence ~= tonumber(ARGV[3]) then
-  return -1
-end
-redis.call('DEL', KEYS[1])
-return 1
+
+return each(3, forget)[1]

@@ -1,0 +1,6 @@
+package lock
+
+// DisableNative makes s take every lease through the acquire script, as
+// it does on a Cluster or a server older than Redis 7.0, so that tests can
+// run both paths.
+func DisableNative(s *RedisStore) { s.batch.noNative.Store(true) }

@@ -1,0 +1,80 @@
+-- record.lua: how the scripts read and write a record. RedisStore puts
+-- this file in front of every script that touches records.
+--
+-- A record is one string value: cmsgpack.pack of, in this order,
+--   version, state ('p' in progress, 'c' completed, 'f' failed,
+--   'r' released, 'x' cancelled: released with its attempt taken back,
+--   'd' forgotten: a tombstone, see forget.lua), owner, fence (server µs),
+--   lease deadline (ms, 0 when none), attempts, fingerprint, the caller's
+--   key, created (ms), ended (ms, 0 until an outcome), value.
+-- Format 1 holds every field as named; the scripts write format 1 only.
+-- Format 2 is written by RedisStore's native Acquire of an absent key
+-- (MULTI, SET ... NX PX ... GET, PEXPIRETIME, EXEC: no script), which
+-- cannot put the server's time in the value. It is always state 'p',
+-- attempt 1, with fence 0, the lease TTL (ms) in the deadline field and
+-- TTL + retention, the PX it was written with, in the created field. The
+-- rest follows from the key's expiry, the server's clock:
+--   created = PEXPIRETIME - (TTL + retention)
+--   deadline = created + TTL
+--   fence = (created + 1) * 1000, the first µs after the creating ms
+-- Go computes the same (redis.go: native). A script that rewrites a
+-- format 2 record writes it as format 1 with those values.
+-- A record is written with SET ... PX, so value and expiry change together.
+
+-- fail ends the script's work on one key with an error for that key.
+local function fail(msg)
+  error(redis.error_reply('ERR lock: ' .. msg))
+end
+
+-- read returns the record at key as a table of its eleven fields, in
+-- format 1, or nil when there is none.
+local function read(key)
+  local raw = redis.call('GET', key)
+  if not raw then
+    return nil
+  end
+  local r = {cmsgpack.unpack(raw)}
+  if r[1] == 2 then
+    local exp = redis.call('PEXPIRETIME', key)
+    if exp < 0 then
+      fail('record format version 2 without an expiry')
+    end
+    local created = exp - r[9]
+    r[1], r[4], r[5], r[9] = 1, (created + 1) * 1000, created + r[5], created
+  elseif r[1] ~= 1 then
+    fail('record format version ' .. tostring(r[1]) .. ' unknown')
+  end
+  return r
+end
+
+-- put writes a format 1 record of the given fields to expire in ms, or
+-- deletes it when ms is not above 0 (as PEXPIRE 0 would).
+local function put(key, ms, ...)
+  if ms > 0 then
+    redis.call('SET', key, cmsgpack.pack(1, ...), 'PX', ms)
+  else
+    redis.call('DEL', key)
+  end
+end
+
+-- each runs fn for every key with its n arguments from ARGV, each key
+-- apart: one key's error is that key's reply alone.
+local function each(n, fn)
+  local out = {}
+  for i = 1, #KEYS do
+    local args = {}
+    for j = 1, n do
+      args[j] = ARGV[(i - 1) * n + j]
+    end
+    local ok, res = pcall(fn, KEYS[i], unpack(args))
+    if ok then
+      out[i] = res
+    elseif type(res) == 'table' and res.err then
+      out[i] = res
+    else
+      out[i] = {err = tostring(res)}
+    end
+  end
+  return out
+end
+
