@@ -454,3 +454,50 @@ func TestRedisRecordFormat(t *testing.T) {
 		}
 	}
 }
+
+// A record forgotten and made again at once gets a fence above the
+// forgotten one's even when that fence is ahead of the clock (as a
+// format 2 record's is, by up to a millisecond): Forget keeps it in a
+// tombstone, and Inspect and Forget see no record meanwhile.
+func TestRedisForgetKeepsTheFence(t *testing.T) {
+	client := testenv.RedisClient(t)
+	prefix := testenv.Name(t)
+	s := newRedisStore(t, client, lock.Config{Prefix: prefix})
+	ctx := context.Background()
+	res, err := s.Acquire(ctx, lock.Request{Key: "k"})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatalf("Acquire: %v %v", res.Status, err)
+	}
+	if err := s.Fail(ctx, res.Lease, "no"); err != nil {
+		t.Fatal(err)
+	}
+	// Put the fence an hour ahead, as format 1.
+	ahead := time.Now().Add(time.Hour).UnixMicro()
+	keys := client.Keys(ctx, prefix+":*").Val()
+	if len(keys) != 1 {
+		t.Fatalf("record keys: %v", keys)
+	}
+	err = client.Eval(ctx, `local r = {cmsgpack.unpack(redis.call('GET', KEYS[1]))}
+		r[4] = tonumber(ARGV[1])
+		return redis.call('SET', KEYS[1], cmsgpack.pack(unpack(r)), 'KEEPTTL')`, keys, ahead).Err()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Forget(ctx, "k", lock.StateFailed, ahead); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Inspect(ctx, "k"); !errors.Is(err, lock.ErrNotFound) {
+		t.Fatalf("Inspect after Forget: %v, want ErrNotFound", err)
+	}
+	if err := s.Forget(ctx, "k", lock.StateFailed, ahead); !errors.Is(err, lock.ErrNotFound) {
+		t.Fatalf("Forget after Forget: %v, want ErrNotFound", err)
+	}
+	again, err := s.Acquire(ctx, lock.Request{Key: "k"})
+	if err != nil || again.Status != lock.Acquired || again.Lease.Attempt != 1 || again.Lease.Fence <= ahead {
+		t.Fatalf("Acquire after Forget: %v attempt %d fence %d %v, want attempt 1 and a fence above %d",
+			again.Status, again.Lease.Attempt, again.Lease.Fence, err, ahead)
+	}
+	if pttl := client.PTTL(ctx, keys[0]).Val(); pttl < time.Hour {
+		t.Fatalf("the new record expires in %v, want its own TTL and retention", pttl)
+	}
+}
