@@ -22,29 +22,35 @@
 //
 // # Guarantees
 //
-//   - Atomic: every transition is one Lua script on RedisStore (one locked
-//     section on MemoryStore); there is no read-then-write window.
-//   - Expiry by the server's clock: scripts read Redis TIME. A client
-//     whose clock is wrong can neither steal a live lease nor keep a dead
-//     one. The client's own clock is used only to estimate its lease's
-//     deadline conservatively (Lease.Deadline is never later than the
-//     server's).
+//   - Atomic: every transition is one Lua script or one MULTI transaction
+//     on RedisStore (one locked section on MemoryStore); there is no
+//     read-then-write window. The transaction only creates a record that
+//     does not exist (SET NX) or reads one; every change to an existing
+//     record is a script.
+//   - Expiry by the server's clock: scripts read Redis TIME, and a record
+//     made by the transaction takes its times from the key's expiry, which
+//     the server sets. A client whose clock is wrong can neither steal a
+//     live lease nor keep a dead one. The client's own clock is used only
+//     to estimate its lease's deadline conservatively (Lease.Deadline is
+//     never later than the server's).
 //   - Fencing: while a key's record exists, each new lease's fence is
 //     strictly higher than the last, whatever the clocks do. A new lease's
 //     fence is the higher of the last fence + 1 and the server's clock in
-//     microseconds (Redis TIME), so a record that was lost (expired after
-//     its retention, evicted, forgotten by a restart without persistence
-//     or by a failover) and made again still hands out fences above every
-//     fence of the lost record, as long as the clock of the server
-//     granting the new lease is ahead of the microsecond the lost record's
-//     last fence was granted at. A clock stepped back, or a failover to a
-//     server whose clock is behind, can break that. The last fence is
-//     that microsecond because a key gets fewer than one lease per
-//     microsecond: each lease is a script execution that reads TIME, GETs
-//     and SETs the record, between two leases on a key comes another such
-//     script (Release or Cancel) or a TTL of at least 1 ms, and Redis runs
-//     scripts one at a time. Attempts, unlike fences, restart at 1 with a
-//     new record.
+//     microseconds (Redis TIME); a record made by the transaction starts
+//     at the first microsecond after the millisecond it was made in. So a
+//     record that was lost (expired after its retention, evicted,
+//     forgotten by a restart without persistence or by a failover) and
+//     made again still hands out fences above every fence of the lost
+//     record, as long as the clock of the server granting the new lease is
+//     past the lost record's last fence, which is less than a millisecond
+//     ahead of the clock that granted it: a key gets fewer than one lease
+//     per microsecond (each lease is a script or transaction that reads the
+//     clock, between two leases on a key comes another such call or a TTL
+//     of at least 1 ms, and Redis runs them one at a time), and a first
+//     fence is rounded up by less than a millisecond. Forget keeps the
+//     fence for a second, for a record made again at once. A clock stepped
+//     back, or a failover to a server whose clock is behind, can break
+//     that. Attempts, unlike fences, restart at 1 with a new record.
 //     Extend, Complete, Fail and Release are compare-and-set on owner and
 //     fence: a holder whose lease was taken over gets ErrLeaseLost and
 //     changes nothing.
