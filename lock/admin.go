@@ -134,6 +134,8 @@ type Admin interface {
 	// moved on meanwhile (a failed record retried and completed, say) is
 	// never forgotten by mistake. It returns an error wrapping ErrNotFound
 	// when there is no record, ErrChanged when the record is not the one
-	// seen (nothing deleted).
+	// seen (nothing deleted). RedisStore leaves a tombstone for a second
+	// that keeps only the fence, so that a record made again at once gets
+	// a higher one; to every method it is no record.
 	Forget(ctx context.Context, key string, state State, fence int64) error
 }

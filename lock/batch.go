@@ -2,6 +2,7 @@ package lock
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -42,7 +43,7 @@ type batcher struct {
 	noMerge    atomic.Bool  // a merged script call was refused where single ones went through
 	standalone atomic.Int32 // 0 not known yet, 1 a standalone server (merge), 2 not (never merge)
 	redis7     atomic.Bool  // the standalone server is Redis 7.0 or later (SET NX GET, PEXPIRETIME)
-	noNative   atomic.Bool  // tests: every Acquire through the script
+	noNative   atomic.Bool  // every Acquire through the script: set by tests, or once the server refused the native one
 
 	mu      sync.Mutex
 	waiting []*call
@@ -122,7 +123,7 @@ type group struct {
 	script *redis.Script
 	calls  []*call
 	cmd    *redis.Cmd
-	queued []*redis.Cmd // a native group's SET commands, answered QUEUED
+	queued []*redis.Cmd // a native group's MULTI and the commands it queued
 	// unreplicated is set when the pipeline that sent cmd waited for
 	// replicas and fewer acknowledged it than the batcher asks for.
 	unreplicated error
@@ -201,10 +202,13 @@ func (g *group) replies() ([]any, error) {
 		// A native group's EXEC answers two replies per call: SET's and
 		// PEXPIRETIME's. A transaction refused as a whole (EXECABORT)
 		// is answered with the reason a queued command was refused
-		// (READONLY during a failover, OOM), when there is one.
+		// (READONLY during a failover, OOM, an ACL), when there is one.
+		// A refused MULTI leaves the SETs run one by one, outside a
+		// transaction: a record one of them made is the caller's own, which
+		// the acquire script, run next, finds and answers as such.
 		if err != nil {
 			for _, q := range g.queued {
-				if qerr := q.Err(); qerr != nil {
+				if qerr := q.Err(); qerr != nil && qerr != redis.Nil {
 					return nil, qerr
 				}
 			}
@@ -247,8 +251,8 @@ func (b *batcher) merging(ctx context.Context) bool {
 	}
 	info, err := c.Info(ctx, "server").Result()
 	switch {
-	case err != nil && isUnavailable(err):
-		return false // ask again next time
+	case err != nil && (isUnavailable(err) || errors.Is(err, context.Canceled)):
+		return false // ask again next time (ctx may be a caller's, cancelled)
 	case err == nil && strings.Contains(info, "redis_mode:standalone"):
 		b.redis7.Store(majorVersion(info) >= 7)
 		b.standalone.Store(1)
@@ -371,11 +375,11 @@ func (b *batcher) runGroups(ctx context.Context, groups []*group) {
 // nativeAcquire). MULTI makes each key's two commands see the same
 // record: nothing runs between them.
 func (g *group) queueNative(ctx context.Context, pipe redis.Pipeliner) {
-	pipe.Do(ctx, "MULTI")
-	g.queued = g.queued[:0]
+	g.queued = append(g.queued[:0], pipe.Do(ctx, "MULTI"))
 	for _, c := range g.calls {
-		g.queued = append(g.queued, pipe.Do(ctx, "SET", c.keys[0], c.args[0], "NX", "PX", c.args[1], "GET"))
-		pipe.Do(ctx, "PEXPIRETIME", c.keys[0])
+		g.queued = append(g.queued,
+			pipe.Do(ctx, "SET", c.keys[0], c.args[0], "NX", "PX", c.args[1], "GET"),
+			pipe.Do(ctx, "PEXPIRETIME", c.keys[0]))
 	}
 	g.cmd = pipe.Do(ctx, "EXEC")
 }

@@ -161,3 +161,23 @@ func TestBatcherWaiterGivesUp(t *testing.T) {
 		t.Fatalf("batcher left running=%d waiting=%d", s.batch.running, len(s.batch.waiting))
 	}
 }
+
+// A first Acquire whose context is already cancelled does not make the
+// store give up merging and the native path for good: the server is asked
+// again next time.
+func TestBatcherAsksAgainAfterCancel(t *testing.T) {
+	// ContextTimeoutEnabled: go-redis heeds the context, as lock's doc
+	// advises.
+	client := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr(t), ContextTimeoutEnabled: true})
+	t.Cleanup(func() { client.Close() })
+	s, err := NewRedisStore(client, Config{Prefix: testenv.Name(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cancelled, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, _ = s.Acquire(cancelled, Request{Key: "k"})
+	if !s.batch.merging(context.Background()) || !s.batch.native(context.Background()) {
+		t.Fatal("merging or the native path turned off by a cancelled context")
+	}
+}

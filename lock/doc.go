@@ -13,7 +13,7 @@
 // attempt its Acquire counted, so the next lease has the same attempt
 // number (and a higher fence).
 //
-// Acquire answers one of five things in one atomic round trip: Acquired (a
+// Acquire answers one of five things, atomically: Acquired (a
 // Lease: owner token and fencing token), Completed (the stored result),
 // Failed (the stored error), InProgress (another owner's lease is live, and
 // how long it has left) or Conflict (the key was first seen with a
@@ -80,7 +80,11 @@
 //     only when the server says (INFO server, asked once) that it is a
 //     standalone Redis, not a proxy that might run the call on the shard of
 //     its first key; a merged call refused as a whole (CROSSSLOT) is sent
-//     again one call per key, and merging stops for that store.
+//     again one call per key, and merging stops for that store. The
+//     native Acquire transaction is used on such a server only (Redis 7.0
+//     or later); when one is refused, that Acquire runs the acquire
+//     script, and unless the refusal was of writes (OOM, MISCONF,
+//     NOREPLICAS) every later one does too, with a warning logged once.
 //
 // # Records in Redis
 //

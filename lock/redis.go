@@ -40,8 +40,8 @@ const (
 
 // RedisStore is a Store on Redis: one string value per idempotency key,
 // made by one atomic transaction or a Lua script and changed only by Lua
-// scripts, so that every transition is one atomic round trip judged by the
-// server's clock. It works with any redis.UniversalClient: a standalone
+// scripts, so that every transition is atomic and judged by the server's
+// clock. It works with any redis.UniversalClient: a standalone
 // server, a Sentinel failover client or a Cluster client.
 //
 // A record is binary: a MessagePack sequence of a format version (1, or 2
@@ -139,7 +139,9 @@ func (s *RedisStore) Ping(ctx context.Context) error {
 }
 
 // Acquire takes a lease on req.Key in one round trip, shared with the
-// concurrent calls of other goroutines.
+// concurrent calls of other goroutines, or two when the record is in
+// progress, released or expired (a native transaction, then the acquire
+// script; see the package doc).
 //
 // An Acquire whose reply is lost may have taken the lease: it is sent again
 // with the same owner token, which the script answers with that same lease
@@ -172,8 +174,18 @@ func (s *RedisStore) acquire(ctx context.Context, req Request, owner string) (Re
 	rkey := recordKey(s.cfg.Prefix, req.Key)
 	if s.batch.native(ctx) {
 		res, done, err := s.nativeAcquire(ctx, req, owner, rkey, start)
-		if done || err != nil {
-			return res, err
+		switch {
+		case done:
+			return res, nil
+		case err == nil:
+			// The record needs the server's clock: the script decides.
+		case errors.Is(err, ErrUnavailable), errors.Is(err, ErrBadRecord), errors.Is(err, ErrKeyCollision), ctx.Err() != nil:
+			return Result{}, err
+		default:
+			// The transaction was refused where a script may not be
+			// (a write refused under OOM still lets the script answer
+			// a duplicate; an ACL or a proxy may refuse MULTI).
+			s.nativeRefused(ctx, err)
 		}
 	}
 	reply, err := s.batch.run(ctx, acquireScript, []string{rkey},
@@ -255,7 +267,7 @@ func (s *RedisStore) nativeAcquire(ctx context.Context, req Request, owner, rkey
 	r, err := decodeRecord(raw, expireAt)
 	switch {
 	case err != nil:
-		return Result{}, false, fmt.Errorf("%w: key %q: %w", ErrBadRecord, req.Key, err)
+		return Result{}, false, nil // the script reads it, or says what is wrong with it
 	case r.key != req.Key:
 		return Result{}, false, fmt.Errorf("%w: key %q", ErrKeyCollision, req.Key)
 	}
@@ -271,6 +283,26 @@ func (s *RedisStore) nativeAcquire(ctx context.Context, req Request, owner, rkey
 		return Result{}, false, nil
 	}
 	return res, true, nil
+}
+
+// writeRefusals start the error replies of a server that refuses writes
+// for now (out of memory, a failed snapshot, too few replicas): the native
+// Acquire is refused, the acquire script can still answer a duplicate.
+var writeRefusals = []string{"OOM", "MISCONF", "NOREPLICAS"}
+
+// nativeRefused notes that a native Acquire was refused as a whole. For a
+// reason other than a refusal of writes (an ACL without MULTI, a proxy, a
+// server replaced by an older one), every later Acquire of s runs the
+// acquire script, and that is logged once.
+func (s *RedisStore) nativeRefused(ctx context.Context, err error) {
+	var re redis.Error
+	if errors.As(err, &re) && hasPrefix(re.Error(), writeRefusals) {
+		return
+	}
+	if s.batch.noNative.CompareAndSwap(false, true) {
+		s.cfg.Logger.WarnContext(ctx, "lock: the server refused a native Acquire transaction; every Acquire now runs the acquire script",
+			"error", err)
+	}
 }
 
 // Extend renews the leases in one pipelined round trip (one per node on a

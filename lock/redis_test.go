@@ -501,3 +501,64 @@ func TestRedisForgetKeepsTheFence(t *testing.T) {
 		t.Fatalf("the new record expires in %v, want its own TTL and retention", pttl)
 	}
 }
+
+// A native Acquire transaction the server refuses is answered by the
+// acquire script instead. Refused writes (OOM) leave the native path on, so
+// that duplicates are answered while Redis is full, as the script path
+// always did; a refusal of MULTI itself (an ACL) turns it off for good.
+func TestRedisNativeRefused(t *testing.T) {
+	srv := testenv.RedisServer(t)
+	client := srv.Client(t)
+	ctx := context.Background()
+	s := newRedisStore(t, client, lock.Config{Prefix: "refused"})
+	res, err := s.Acquire(ctx, lock.Request{Key: "done"})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatalf("Acquire: %v %v", res.Status, err)
+	}
+	if err := s.Complete(ctx, res.Lease, []byte("result")); err != nil {
+		t.Fatal(err)
+	}
+
+	// Full: every write refused.
+	if err := client.ConfigSet(ctx, "maxmemory", "1").Err(); err != nil {
+		t.Fatal(err)
+	}
+	dup, err := s.Acquire(ctx, lock.Request{Key: "done"})
+	if err != nil || dup.Status != lock.Completed || string(dup.Value) != "result" {
+		t.Fatalf("duplicate while Redis is full: %v %q %v, want completed", dup.Status, dup.Value, err)
+	}
+	if _, err := s.Acquire(ctx, lock.Request{Key: "new"}); err == nil || !strings.Contains(err.Error(), "OOM") {
+		t.Fatalf("new key while Redis is full: %v, want the OOM error", err)
+	}
+	if err := client.ConfigSet(ctx, "maxmemory", "0").Err(); err != nil {
+		t.Fatal(err)
+	}
+	if !lock.NativeEnabled(s) {
+		t.Fatal("native Acquire turned off by refused writes")
+	}
+
+	// An ACL without MULTI.
+	if err := client.Do(ctx, "ACL", "SETUSER", "nomulti", "on", "nopass", "~*", "+@all", "-multi").Err(); err != nil {
+		t.Fatal(err)
+	}
+	limited := redis.NewClient(&redis.Options{Addr: srv.Addr, Username: "nomulti", Password: "any"})
+	t.Cleanup(func() { limited.Close() })
+	ls := newRedisStore(t, limited, lock.Config{Prefix: "refused"})
+	// MULTI refused, SET runs alone and makes the record: the script
+	// finds it the caller's own.
+	if res, err := ls.Acquire(ctx, lock.Request{Key: "fresh"}); err != nil || res.Status != lock.Acquired || res.Lease.Attempt != 1 {
+		t.Fatalf("new key, MULTI refused: %v attempt %d %v, want acquired, attempt 1", res.Status, res.Lease.Attempt, err)
+	}
+	for i := range 2 {
+		dup, err = ls.Acquire(ctx, lock.Request{Key: "done"})
+		if err != nil || dup.Status != lock.Completed {
+			t.Fatalf("duplicate %d without MULTI: %v %v, want completed", i, dup.Status, err)
+		}
+	}
+	if lock.NativeEnabled(ls) {
+		t.Fatal("native Acquire still on after MULTI was refused")
+	}
+	if res, err := ls.Acquire(ctx, lock.Request{Key: "other"}); err != nil || res.Status != lock.Acquired {
+		t.Fatalf("new key without MULTI: %v %v", res.Status, err)
+	}
+}
