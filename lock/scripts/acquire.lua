@@ -20,18 +20,18 @@ local nowus = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local function acquire(key, owner, ttl, retention, fingerprint, userkey)
   ttl, retention = tonumber(ttl), tonumber(retention)
   local keep = ttl + retention
-  local r = read(key)
-  if not r or r[2] == 'd' then
+  local state, o, fence, deadline, attempts, fp, k, created, ended, value = read(key)
+  if not state or state == 'd' then
     -- No record, or a forgotten one whose fence is kept a while so that
     -- a record made again at once still gets a higher fence.
-    local fence = nowus
-    if r then
-      fence = math.max(r[4] + 1, nowus)
+    if state then
+      fence = math.max(fence + 1, nowus)
+    else
+      fence = nowus
     end
     put(key, keep, 'p', owner, fence, now + ttl, 1, fingerprint, userkey, now, 0, '')
     return {1, fence, 1, ttl, ''}
   end
-  local _, state, o, fence, deadline, attempts, fp, k, created, ended, value = unpack(r)
   if k ~= userkey then
     return {6, 0, 0, 0, ''}
   end

@@ -9,11 +9,10 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 local function extend(key, owner, fence, ttl, retention)
   fence, ttl, retention = tonumber(fence), tonumber(ttl), tonumber(retention)
-  local r = read(key)
-  if not r then
+  local state, o, f, deadline, attempts, fp, k, created, ended, value = read(key)
+  if not state then
     return 0
   end
-  local _, state, o, f, deadline, attempts, fp, k, created, ended, value = unpack(r)
   if state ~= 'p' or o ~= owner or f ~= fence then
     return 0
   end

@@ -14,11 +14,10 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 local function finish(key, owner, fence, state, value, retention)
   fence, retention = tonumber(fence), tonumber(retention)
-  local r = read(key)
-  if not r then
+  local s, o, f, deadline, attempts, fp, k, created, ended, v = read(key)
+  if not s then
     return 0
   end
-  local _, s, o, f, deadline, attempts, fp, k, created, ended, v = unpack(r)
   if o ~= owner or f ~= fence then
     return 0
   end

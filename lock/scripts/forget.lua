@@ -14,11 +14,10 @@
 local tombstoneMs = 1000
 
 local function forget(key, userkey, letter, seen)
-  local r = read(key)
-  if not r or r[2] == 'd' then
+  local state, o, fence, deadline, attempts, fp, k = read(key)
+  if not state or state == 'd' then
     return 0
   end
-  local _, state, o, fence, deadline, attempts, fp, k = unpack(r)
   if k ~= userkey then
     return -2
   end

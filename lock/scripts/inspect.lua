@@ -10,11 +10,10 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 local function inspect(key, userkey)
-  local r = read(key)
-  if not r or r[2] == 'd' then
+  local state, o, fence, deadline, attempts, fp, k, created, ended, value = read(key)
+  if not state or state == 'd' then
     return {}
   end
-  local _, state, o, fence, deadline, attempts, fp, k, created, ended, value = unpack(r)
   if k ~= userkey then
     return {0}
   end

@@ -26,25 +26,26 @@ local function fail(msg)
   error(redis.error_reply('ERR lock: ' .. msg))
 end
 
--- read returns the record at key as a table of its eleven fields, in
--- format 1, or nil when there is none.
+-- read returns the ten fields of the record at key after its version
+-- (state first), in format 1 terms, or nothing when there is none.
 local function read(key)
   local raw = redis.call('GET', key)
   if not raw then
     return nil
   end
-  local r = {cmsgpack.unpack(raw)}
-  if r[1] == 2 then
+  local ver, state, o, fence, deadline, attempts, fp, k, created, ended, value = cmsgpack.unpack(raw)
+  if ver == 2 then
     local exp = redis.call('PEXPIRETIME', key)
     if exp < 0 then
       fail('record format version 2 without an expiry')
     end
-    local created = exp - r[9]
-    r[1], r[4], r[5], r[9] = 1, (created + 1) * 1000, created + r[5], created
-  elseif r[1] ~= 1 then
-    fail('record format version ' .. tostring(r[1]) .. ' unknown')
+    -- created held TTL + retention, deadline the TTL.
+    created = exp - created
+    fence, deadline = (created + 1) * 1000, created + deadline
+  elseif ver ~= 1 then
+    fail('record format version ' .. tostring(ver) .. ' unknown')
   end
-  return r
+  return state, o, fence, deadline, attempts, fp, k, created, ended, value
 end
 
 -- put writes a format 1 record of the given fields to expire in ms, or
@@ -62,11 +63,7 @@ end
 local function each(n, fn)
   local out = {}
   for i = 1, #KEYS do
-    local args = {}
-    for j = 1, n do
-      args[j] = ARGV[(i - 1) * n + j]
-    end
-    local ok, res = pcall(fn, KEYS[i], unpack(args))
+    local ok, res = pcall(fn, KEYS[i], unpack(ARGV, (i - 1) * n + 1, i * n))
     if ok then
       out[i] = res
     elseif type(res) == 'table' and res.err then
@@ -77,4 +74,3 @@ local function each(n, fn)
   end
   return out
 end
-
