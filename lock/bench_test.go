@@ -30,71 +30,52 @@ func BenchmarkRedis(b *testing.B) {
 	var seq atomic.Int64
 	result := []byte("ok")
 
-	b.Run("AcquireComplete", func(b *testing.B) {
-		b.RunParallel(func(pb *testing.PB) {
-			for pb.Next() {
-				key := "u" + strconv.FormatInt(seq.Add(1), 10)
-				res, err := store.Acquire(ctx, lock.Request{Key: key})
-				if err != nil || res.Status != lock.Acquired {
-					b.Fatalf("Acquire: %v %v", res.Status, err)
+	// One message: a new key acquired and completed.
+	unique := func(store *lock.RedisStore) func(*testing.B) {
+		return func(b *testing.B) {
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					key := "u" + strconv.FormatInt(seq.Add(1), 10)
+					res, err := store.Acquire(ctx, lock.Request{Key: key})
+					if err != nil || res.Status != lock.Acquired {
+						b.Fatalf("Acquire: %v %v", res.Status, err)
+					}
+					if err := store.Complete(ctx, res.Lease, result); err != nil {
+						b.Fatal(err)
+					}
 				}
-				if err := store.Complete(ctx, res.Lease, result); err != nil {
-					b.Fatal(err)
-				}
-			}
-		})
-	})
-	b.Run("AcquireDuplicate", func(b *testing.B) {
-		res, err := store.Acquire(ctx, lock.Request{Key: "dup"})
-		if err != nil {
-			b.Fatal(err)
+			})
 		}
-		_ = store.Complete(ctx, res.Lease, result)
-		b.ResetTimer()
-		b.RunParallel(func(pb *testing.PB) {
-			for pb.Next() {
-				res, err := store.Acquire(ctx, lock.Request{Key: "dup"})
-				if err != nil || res.Status != lock.Completed {
-					b.Fatalf("Acquire: %v %v", res.Status, err)
-				}
+	}
+	// One duplicate of a completed message.
+	duplicate := func(store *lock.RedisStore) func(*testing.B) {
+		return func(b *testing.B) {
+			res, err := store.Acquire(ctx, lock.Request{Key: "dup"})
+			if err != nil {
+				b.Fatal(err)
 			}
-		})
-	})
+			_ = store.Complete(ctx, res.Lease, result)
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					res, err := store.Acquire(ctx, lock.Request{Key: "dup"})
+					if err != nil || res.Status != lock.Completed {
+						b.Fatalf("Acquire: %v %v", res.Status, err)
+					}
+				}
+			})
+		}
+	}
 	scripted, err := lock.NewRedisStore(client, lock.Config{Prefix: testenv.Name(b) + "-script", Retention: time.Minute})
 	if err != nil {
 		b.Fatal(err)
 	}
 	lock.DisableNative(scripted)
-	b.Run("ScriptAcquireComplete", func(b *testing.B) {
-		b.RunParallel(func(pb *testing.PB) {
-			for pb.Next() {
-				key := "u" + strconv.FormatInt(seq.Add(1), 10)
-				res, err := scripted.Acquire(ctx, lock.Request{Key: key})
-				if err != nil || res.Status != lock.Acquired {
-					b.Fatalf("Acquire: %v %v", res.Status, err)
-				}
-				if err := scripted.Complete(ctx, res.Lease, result); err != nil {
-					b.Fatal(err)
-				}
-			}
-		})
-	})
-	b.Run("ScriptAcquireDuplicate", func(b *testing.B) {
-		res, err := scripted.Acquire(ctx, lock.Request{Key: "dup"})
-		if err != nil {
-			b.Fatal(err)
-		}
-		_ = scripted.Complete(ctx, res.Lease, result)
-		b.ResetTimer()
-		b.RunParallel(func(pb *testing.PB) {
-			for pb.Next() {
-				res, err := scripted.Acquire(ctx, lock.Request{Key: "dup"})
-				if err != nil || res.Status != lock.Completed {
-					b.Fatalf("Acquire: %v %v", res.Status, err)
-				}
-			}
-		})
-	})
+
+	b.Run("AcquireComplete", unique(store))
+	b.Run("AcquireDuplicate", duplicate(store))
+	b.Run("ScriptAcquireComplete", unique(scripted))
+	b.Run("ScriptAcquireDuplicate", duplicate(scripted))
 	b.Run("RawSetNX", func(b *testing.B) {
 		prefix := testenv.Name(b) + ":"
 		b.RunParallel(func(pb *testing.PB) {
