@@ -480,14 +480,7 @@ func TestDelayInProcessWrapperShutdown(t *testing.T) {
 		t.Fatal(err)
 	}
 	e.publish(amqp.Publishing{MessageId: "ip4", Body: []byte("pay 70")})
-	ch, err := e.conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
-	msgs, err := ch.Consume(e.queue, "", false, false, false, false, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ch, msgs := e.consume()
 	handled := make(chan amqpidem.Event, 1)
 	go func() { handled <- w.Handle(context.Background(), <-msgs) }()
 	time.Sleep(500 * time.Millisecond) // into the wait

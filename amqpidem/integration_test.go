@@ -95,6 +95,21 @@ func (e *env) publish(msg amqp.Publishing) {
 	}
 }
 
+// consume starts a consumer of the work queue on a channel of its own, as a
+// user's delivery loop does around a Wrapper.
+func (e *env) consume() (*amqp.Channel, <-chan amqp.Delivery) {
+	e.t.Helper()
+	ch, err := e.conn.Channel()
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	msgs, err := ch.Consume(e.queue, "", false, false, false, false, nil)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return ch, msgs
+}
+
 // get takes one message from queue q, waiting up to d for it.
 func (e *env) get(q string, d time.Duration) (amqp.Delivery, bool) {
 	e.t.Helper()
@@ -536,14 +551,7 @@ func TestWrapOwnLoopAndReplies(t *testing.T) {
 	}
 
 	// The user's own loop: consume, hand each delivery to the wrapper.
-	ch, err := e.conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
-	msgs, err := ch.Consume(e.queue, "", false, false, false, false, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, msgs := e.consume()
 	var outcomes []amqpidem.Outcome
 	for range 3 {
 		d := <-msgs
