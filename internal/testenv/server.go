@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
@@ -58,8 +57,7 @@ type Server struct {
 	port    int
 
 	mu   sync.Mutex
-	cmd  *exec.Cmd
-	done chan struct{} // closed once cmd has exited and been waited for
+	proc *Process // nil while stopped
 }
 
 // RedisServer starts a standalone redis-server from PATH for this test alone,
@@ -118,7 +116,7 @@ func (s *Server) Start() {
 	s.t.Helper()
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.cmd != nil {
+	if s.proc != nil {
 		return
 	}
 	deadline := time.Now().Add(serverStartTimeout)
@@ -170,40 +168,21 @@ func (s *Server) launchFree(bus bool, deadline time.Time) error {
 // answer as itself: a reply from another process that took the port does not
 // count. s.mu must be held.
 func (s *Server) launch(deadline time.Time) error {
-	logf, err := os.OpenFile(s.logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
-	if err != nil {
-		return err
-	}
-	var offset int64
-	if fi, err := logf.Stat(); err == nil {
-		offset = fi.Size()
-	}
 	var args []string
 	if s.conf != "" {
 		args = append(args, s.conf) // redis-server reads a config file only as its first argument
 	}
 	args = append(args, "--port", strconv.Itoa(s.port))
 	args = append(args, s.args...)
-	fmt.Fprintf(logf, "--- testenv %s: %s %s\n", time.Now().Format(time.RFC3339Nano), s.bin, quoteArgs(args))
-
 	cmd := exec.Command(s.bin, args...)
 	cmd.Dir = s.Dir
-	cmd.Stdout = logf
-	cmd.Stderr = logf
-	cmd.SysProcAttr = sysProcAttr()
-	err = cmd.Start()
-	logf.Close() // the child has its own copy
+	p, err := StartProcess(cmd, s.logPath, "")
 	if err != nil {
 		return err
 	}
-	done := make(chan struct{})
-	go func() {
-		_ = cmd.Wait()
-		close(done)
-	}()
-	s.cmd, s.done = cmd, done
+	s.proc = p
 
-	want := strconv.Itoa(cmd.Process.Pid)
+	want := strconv.Itoa(p.Pid())
 	tick := time.NewTicker(20 * time.Millisecond)
 	defer tick.Stop()
 	for {
@@ -211,12 +190,12 @@ func (s *Server) launch(deadline time.Time) error {
 			return nil
 		}
 		select {
-		case <-done:
-			s.cmd, s.done = nil, nil
-			if strings.Contains(s.logSince(offset), "Address already in use") {
-				return fmt.Errorf("%w: %s: redis-server %v", errPortInUse, s.Addr, cmd.ProcessState)
+		case <-p.Exited():
+			s.proc = nil
+			if strings.Contains(p.Output(), "Address already in use") {
+				return fmt.Errorf("%w: %s: redis-server %v", errPortInUse, s.Addr, p.State())
 			}
-			return fmt.Errorf("redis-server on %s exited: %v", s.Addr, cmd.ProcessState)
+			return fmt.Errorf("redis-server on %s exited: %v", s.Addr, p.State())
 		case <-tick.C:
 		}
 		if time.Now().After(deadline) {
@@ -234,10 +213,10 @@ func (s *Server) Pause() {
 	s.t.Helper()
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.cmd == nil {
+	if s.proc == nil {
 		return
 	}
-	if err := signalStop(s.cmd.Process, true); err != nil {
+	if err := s.proc.Pause(); err != nil {
 		s.t.Fatalf("testenv: pausing redis-server %s: %v", s.Addr, err)
 	}
 	s.t.Cleanup(s.Resume)
@@ -247,54 +226,24 @@ func (s *Server) Pause() {
 func (s *Server) Resume() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.cmd != nil {
-		_ = signalStop(s.cmd.Process, false)
+	if s.proc != nil {
+		_ = s.proc.Resume()
 	}
 }
 
 // kill kills the process, if any, and waits for it. s.mu must be held.
 func (s *Server) kill() {
-	if s.cmd == nil {
-		return
+	if s.proc != nil {
+		s.proc.Kill()
+		s.proc = nil
 	}
-	_ = s.cmd.Process.Kill()
-	<-s.done
-	s.cmd, s.done = nil, nil
 }
 
 func (s *Server) cleanup() {
 	s.Stop()
 	if s.t.Failed() {
-		s.t.Logf("testenv: log of redis-server %s (%s):\n%s", s.Addr, s.logPath, s.logTail())
+		s.t.Logf("testenv: log of redis-server %s (%s):\n%s", s.Addr, s.logPath, LogTail(s.logPath, logTailBytes))
 	}
-}
-
-// logTail returns the last 4 KiB of the server's log.
-func (s *Server) logTail() string {
-	f, err := os.Open(s.logPath)
-	if err != nil {
-		return ""
-	}
-	defer f.Close()
-	if fi, err := f.Stat(); err == nil && fi.Size() > logTailBytes {
-		_, _ = f.Seek(-logTailBytes, io.SeekEnd)
-	}
-	b, _ := io.ReadAll(f)
-	return string(b)
-}
-
-// logSince returns the server's log from offset on.
-func (s *Server) logSince(offset int64) string {
-	f, err := os.Open(s.logPath)
-	if err != nil {
-		return ""
-	}
-	defer f.Close()
-	if _, err := f.Seek(offset, io.SeekStart); err != nil {
-		return ""
-	}
-	b, _ := io.ReadAll(io.LimitReader(f, 1<<20))
-	return string(b)
 }
 
 // poll calls check every interval until it returns nil or ctx ends, and then
