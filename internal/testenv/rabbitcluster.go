@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"math/rand/v2"
 	"net"
 	"os"
@@ -70,9 +69,7 @@ type Rabbit struct {
 	ctlBin   string
 	env      []string // environment of the nodes and of rabbitmqctl
 	epmdPort int
-
-	epmdCmd  *exec.Cmd
-	epmdDone chan struct{}
+	epmd     *Process
 }
 
 // RabbitNode is one node of a [Rabbit] cluster: an Erlang VM running
@@ -99,9 +96,8 @@ type RabbitNode struct {
 	distPort  int
 
 	mu   sync.Mutex
-	cut  string // the cookie of a Partition, until Heal
-	cmd  *exec.Cmd
-	done chan struct{} // closed once cmd has exited and been waited for
+	cut  string   // the cookie of a Partition, until Heal
+	proc *Process // the Erlang VM; nil while killed
 }
 
 // RabbitCluster starts a RabbitMQ cluster of three nodes from the
@@ -247,7 +243,8 @@ func (r *Rabbit) baseEnv() []string {
 	)
 }
 
-// startEpmd starts the cluster's own epmd on a free port of 127.0.0.1.
+// startEpmd starts the cluster's own epmd on a free port of 127.0.0.1, its
+// output in epmd.log.
 func (r *Rabbit) startEpmd(bin string, deadline time.Time) error {
 	var lastErr error
 	for attempt := 1; attempt <= maxPortAttempts && time.Now().Before(deadline); attempt++ {
@@ -257,21 +254,14 @@ func (r *Rabbit) startEpmd(bin string, deadline time.Time) error {
 		}
 		cmd := exec.Command(bin, "-port", strconv.Itoa(port), "-address", "127.0.0.1")
 		cmd.Dir = r.dir
-		cmd.SysProcAttr = sysProcAttr()
-		var out strings.Builder
-		cmd.Stdout, cmd.Stderr = &out, &out
-		if err := cmd.Start(); err != nil {
+		p, err := StartProcess(cmd, filepath.Join(r.dir, "epmd.log"), "")
+		if err != nil {
 			return err
 		}
-		done := make(chan struct{})
-		go func() {
-			_ = cmd.Wait()
-			close(done)
-		}()
 		addr := net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
 		lastErr = poll(context.Background(), 20*time.Millisecond, func() error {
 			select {
-			case <-done:
+			case <-p.Exited():
 				return errEpmdExited
 			default:
 			}
@@ -285,12 +275,11 @@ func (r *Rabbit) startEpmd(bin string, deadline time.Time) error {
 			return c.Close()
 		})
 		if lastErr == nil {
-			r.epmdCmd, r.epmdDone, r.epmdPort = cmd, done, port
+			r.epmd, r.epmdPort = p, port
 			return nil
 		}
-		_ = cmd.Process.Kill()
-		<-done
-		lastErr = fmt.Errorf("epmd on %s: %v: %s", addr, lastErr, strings.TrimSpace(out.String()))
+		p.Kill()
+		lastErr = fmt.Errorf("epmd on %s: %v: %s", addr, lastErr, strings.TrimSpace(p.Output()))
 	}
 	return lastErr
 }
@@ -331,17 +320,6 @@ func (n *RabbitNode) launch(deadline time.Time) error {
 		return err
 	}
 	_ = os.Remove(n.pidPath)
-	logf, err := os.OpenFile(n.logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
-	if err != nil {
-		return err
-	}
-	var offset int64
-	if fi, err := logf.Stat(); err == nil {
-		offset = fi.Size()
-	}
-	fmt.Fprintf(logf, "--- testenv %s: %s as %s, AMQP on 127.0.0.1:%d, distribution on 127.0.0.1:%d\n",
-		time.Now().Format(time.RFC3339Nano), n.serverBin, n.Name, n.amqpPort, n.distPort)
-
 	cmd := exec.Command(n.serverBin)
 	cmd.Dir = n.Dir
 	cmd.Env = append(slices.Clip(n.r.env),
@@ -361,20 +339,12 @@ func (n *RabbitNode) launch(deadline time.Time) error {
 		"RABBITMQ_ALLOW_INPUT=true",
 		"RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS=-noinput -kernel inet_dist_use_interface {127,0,0,1}",
 	)
-	cmd.Stdout = logf
-	cmd.Stderr = logf
-	cmd.SysProcAttr = sysProcAttr()
-	err = cmd.Start()
-	logf.Close() // the child has its own copy
+	p, err := StartProcess(cmd, n.logPath, fmt.Sprintf("%s as %s, AMQP on 127.0.0.1:%d, distribution on 127.0.0.1:%d",
+		n.serverBin, n.Name, n.amqpPort, n.distPort))
 	if err != nil {
 		return err
 	}
-	done := make(chan struct{})
-	go func() {
-		_ = cmd.Wait()
-		close(done)
-	}()
-	n.cmd, n.done = cmd, done
+	n.proc = p
 
 	tick := time.NewTicker(rabbitPollInterval)
 	defer tick.Stop()
@@ -383,14 +353,14 @@ func (n *RabbitNode) launch(deadline time.Time) error {
 			return n.checkPid()
 		}
 		select {
-		case <-done:
-			n.cmd, n.done = nil, nil
-			log := n.logSince(offset)
+		case <-p.Exited():
+			n.proc = nil
+			log := p.Output()
 			if strings.Contains(log, "eaddrinuse") || strings.Contains(log, "could not bind to distribution port") {
 				return fmt.Errorf("%w: rabbitmq-server %s (AMQP port %d, distribution port %d): %v",
-					errPortInUse, n.Name, n.amqpPort, n.distPort, cmd.ProcessState)
+					errPortInUse, n.Name, n.amqpPort, n.distPort, p.State())
 			}
-			return fmt.Errorf("rabbitmq-server %s exited: %v", n.Name, cmd.ProcessState)
+			return fmt.Errorf("rabbitmq-server %s exited: %v", n.Name, p.State())
 		case <-tick.C:
 		}
 		if time.Now().After(deadline) {
@@ -423,8 +393,9 @@ func (n *RabbitNode) checkPid() error {
 		n.kill()
 		return fmt.Errorf("rabbitmq-server %s: %v", n.Name, err)
 	}
+	started := n.proc.Pid()
 	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
-	if err == nil && pid == n.cmd.Process.Pid {
+	if err == nil && pid == started {
 		return nil
 	}
 	n.kill()
@@ -436,7 +407,7 @@ func (n *RabbitNode) checkPid() error {
 		}
 	}
 	return fmt.Errorf("rabbitmq-server %s: the Erlang VM is process %q (%s), not process %d that testenv started and can kill",
-		n.Name, strings.TrimSpace(string(b)), n.pidPath, n.cmd.Process.Pid)
+		n.Name, strings.TrimSpace(string(b)), n.pidPath, started)
 }
 
 // Kill kills the node's Erlang VM with SIGKILL, like a crash or a power
@@ -451,12 +422,10 @@ func (n *RabbitNode) Kill() {
 
 // kill kills the VM, if any, and waits for it. n.mu must be held.
 func (n *RabbitNode) kill() {
-	if n.cmd == nil {
-		return
+	if n.proc != nil {
+		n.proc.Kill()
+		n.proc = nil
 	}
-	_ = n.cmd.Process.Kill()
-	<-n.done
-	n.cmd, n.done = nil, nil
 }
 
 // Start starts a killed node again with the same name, ports and Dir, and
@@ -485,7 +454,7 @@ func (n *RabbitNode) Start() {
 func (n *RabbitNode) relaunch(deadline time.Time) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	if n.cmd != nil {
+	if n.proc != nil {
 		return nil
 	}
 	var prev error
@@ -571,17 +540,17 @@ func (n *RabbitNode) Heal() {
 func (n *RabbitNode) Pid() int {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	if n.cmd == nil {
+	if n.proc == nil {
 		return 0
 	}
-	return n.cmd.Process.Pid
+	return n.proc.Pid()
 }
 
 // running reports whether the node's process runs.
 func (n *RabbitNode) running() bool {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	return n.cmd != nil
+	return n.proc != nil
 }
 
 // Rabbitmqctl runs rabbitmqctl -n <node> args with the cluster's cookie
@@ -655,7 +624,7 @@ func (r *Rabbit) waitRunning(ctx context.Context, via *RabbitNode) error {
 func (r *Rabbit) live() *RabbitNode {
 	for _, n := range r.Nodes {
 		n.mu.Lock()
-		ok := n.cmd != nil && n.cut == ""
+		ok := n.proc != nil && n.cut == ""
 		n.mu.Unlock()
 		if ok {
 			return n
@@ -740,42 +709,15 @@ func (r *Rabbit) cleanup() {
 		wg.Go(n.Kill)
 	}
 	wg.Wait()
-	if r.epmdCmd != nil {
-		_ = r.epmdCmd.Process.Kill()
-		<-r.epmdDone
+	if r.epmd != nil {
+		r.epmd.Kill()
 	}
 	if r.t.Failed() {
 		for _, n := range r.Nodes {
 			r.t.Logf("testenv: log of RabbitMQ node %s (%s), last %d bytes:\n%s",
-				n.Name, n.logPath, rabbitLogTailBytes, tailFile(n.logPath, rabbitLogTailBytes))
+				n.Name, n.logPath, rabbitLogTailBytes, LogTail(n.logPath, rabbitLogTailBytes))
 		}
 	}
-}
-
-// logSince returns the node's log from offset on.
-func (n *RabbitNode) logSince(offset int64) string {
-	f, err := os.Open(n.logPath)
-	if err != nil {
-		return ""
-	}
-	defer f.Close()
-	if _, err := f.Seek(offset, io.SeekStart); err != nil {
-		return ""
-	}
-	b, _ := io.ReadAll(io.LimitReader(f, 1<<20))
-	return string(b)
-}
-
-// tailFile returns the last size bytes of the file at path.
-func tailFile(path string, size int64) string {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return ""
-	}
-	if int64(len(b)) > size {
-		b = b[int64(len(b))-size:]
-	}
-	return string(b)
 }
 
 // rabbitLookPath finds a program of RabbitMQ or Erlang, or ends the test
