@@ -20,6 +20,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/amqpidem/amqpidem/internal/testenv"
 )
 
 // pgServer is a PostgreSQL server private to one test, for the scenario
@@ -49,8 +51,7 @@ type pgServer struct {
 	dsn     string
 
 	mu   sync.Mutex
-	cmd  *exec.Cmd
-	done chan struct{}
+	proc *testenv.Process // the postmaster; nil while stopped
 }
 
 const (
@@ -169,14 +170,6 @@ func freeLoopbackPort() (int, error) {
 // launch starts the postmaster on s.port and waits until it accepts
 // connections. s.mu must not be held.
 func (s *pgServer) launch(deadline time.Time) error {
-	logf, err := os.OpenFile(s.logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
-	if err != nil {
-		return err
-	}
-	var offset int64
-	if fi, err := logf.Stat(); err == nil {
-		offset = fi.Size()
-	}
 	cmd := exec.Command(filepath.Join(s.bin, "postgres"), "-D", s.data, "-p", strconv.Itoa(s.port),
 		"-c", "listen_addresses=127.0.0.1",
 		"-c", "unix_socket_directories="+s.dir,
@@ -191,36 +184,26 @@ func (s *pgServer) launch(deadline time.Time) error {
 		"-c", "fsync=off",
 		"-c", "logging_collector=off")
 	cmd.Dir = s.dir
-	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.SysProcAttr = s.sysProcAttr()
-	err = cmd.Start()
-	logf.Close()
+	p, err := testenv.StartProcess(cmd, s.logPath, "")
 	if err != nil {
 		return err
 	}
-	done := make(chan struct{})
-	go func() {
-		_ = cmd.Wait()
-		close(done)
-	}()
 	s.mu.Lock()
-	s.cmd, s.done = cmd, done
+	s.proc = p
 	s.mu.Unlock()
 
 	for {
 		select {
-		case <-done:
+		case <-p.Exited():
 			s.mu.Lock()
-			s.cmd = nil
+			s.proc = nil
 			s.mu.Unlock()
-			b, _ := os.ReadFile(s.logPath)
-			if int64(len(b)) > offset {
-				b = b[offset:]
-			}
-			if strings.Contains(string(b), "could not bind") || strings.Contains(string(b), "Address already in use") {
+			out := p.Output()
+			if strings.Contains(out, "could not bind") || strings.Contains(out, "Address already in use") {
 				return errPGPortInUse
 			}
-			return fmt.Errorf("postgres exited at start: %v", cmd.ProcessState)
+			return fmt.Errorf("postgres exited at start: %v", p.State())
 		default:
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
@@ -245,10 +228,10 @@ func (s *pgServer) launch(deadline time.Time) error {
 func (s *pgServer) pid() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.cmd == nil {
+	if s.proc == nil {
 		return 0
 	}
-	return s.cmd.Process.Pid
+	return s.proc.Pid()
 }
 
 // stop sends sig to the postmaster (SIGQUIT: pg_ctl's immediate mode,
@@ -257,19 +240,11 @@ func (s *pgServer) pid() int {
 func (s *pgServer) stop(sig syscall.Signal) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.cmd == nil {
+	if s.proc == nil {
 		return
 	}
-	_ = s.cmd.Process.Signal(sig)
-	t := time.NewTimer(pgStopTimeout)
-	defer t.Stop()
-	select {
-	case <-s.done:
-	case <-t.C:
-		_ = s.cmd.Process.Kill()
-		<-s.done
-	}
-	s.cmd = nil
+	_ = s.proc.Stop(sig, pgStopTimeout)
+	s.proc = nil
 }
 
 // restart stops the server with sig, waits down, and starts it again on
@@ -300,8 +275,7 @@ func (s *pgServer) restart(sig syscall.Signal, down time.Duration) {
 
 // logTail returns the end of the server's log.
 func (s *pgServer) logTail() string {
-	b, _ := os.ReadFile(s.logPath)
-	return tail(string(b), 4<<10)
+	return testenv.LogTail(s.logPath, 4<<10)
 }
 
 // cleanup stops the server at once and removes its directory; the log's
