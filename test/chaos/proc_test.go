@@ -3,9 +3,7 @@
 package chaos_test
 
 import (
-	"bytes"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,6 +12,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/amqpidem/amqpidem/internal/testenv"
 )
 
 // The consumer binary is built once per test binary, into a directory
@@ -80,19 +80,14 @@ func consumerBinary(t *testing.T) string {
 
 // proc is one consumer process.
 type proc struct {
-	name   string // logical consumer name (connection_name)
-	cmd    *exec.Cmd
-	stderr string
-	done   chan struct{}
-	state  *os.ProcessState
-
-	mu      sync.Mutex
-	stopped bool // SIGSTOPped
+	name    string // logical consumer name (connection_name)
+	process *testenv.Process
 }
 
 // consumer starts a consumer process named name with the env's services
-// and extra flags. Its output goes to files in the env's directory, its
-// events to <name>.<n>.events.
+// and extra flags. Its output goes to files in the env's directory
+// (<name>.<n>.stdout, and <name>.<n>.stderr after a line with its command
+// line), its events to <name>.<n>.events.
 func (e *env) consumer(name string, extra ...string) *proc {
 	e.t.Helper()
 	consumerBinary(e.t)
@@ -130,29 +125,18 @@ func (e *env) startConsumer(name string, extra ...string) (*proc, error) {
 	if err != nil {
 		return nil, err
 	}
-	stderr, err := os.Create(base + ".stderr")
-	if err != nil {
-		stdout.Close()
-		return nil, err
-	}
-	cmd.Stdout, cmd.Stderr = stdout, stderr
+	cmd.Stdout = stdout
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if buildRace() {
 		// Report races and go on: a race fails the test at cleanup.
 		cmd.Env = append(os.Environ(), "GORACE=halt_on_error=0")
 	}
-	err = cmd.Start()
+	process, err := testenv.StartProcess(cmd, base+".stderr", "")
 	stdout.Close()
-	stderr.Close()
 	if err != nil {
 		return nil, fmt.Errorf("starting consumer %s: %w", name, err)
 	}
-	p := &proc{name: name, cmd: cmd, stderr: base + ".stderr", done: make(chan struct{})}
-	go func() {
-		_ = cmd.Wait()
-		p.state = cmd.ProcessState
-		close(p.done)
-	}()
+	p := &proc{name: name, process: process}
 	e.mu.Lock()
 	e.procs = append(e.procs, p)
 	e.mu.Unlock()
@@ -160,64 +144,31 @@ func (e *env) startConsumer(name string, extra ...string) (*proc, error) {
 }
 
 // pid returns the process id.
-func (p *proc) pid() int { return p.cmd.Process.Pid }
+func (p *proc) pid() int { return p.process.Pid() }
 
 // alive reports whether the process has not exited.
-func (p *proc) alive() bool {
-	select {
-	case <-p.done:
-		return false
-	default:
-		return true
-	}
-}
-
-// signal sends sig unless the process has exited.
-func (p *proc) signal(sig syscall.Signal) {
-	if p.alive() {
-		_ = p.cmd.Process.Signal(sig)
-	}
-}
+func (p *proc) alive() bool { return p.process.Running() }
 
 // kill sends SIGKILL and waits for the process to exit.
-func (p *proc) kill() {
-	p.signal(syscall.SIGKILL)
-	<-p.done
-}
+func (p *proc) kill() { p.process.Kill() }
 
 // pause sends SIGSTOP; resume sends SIGCONT.
-func (p *proc) pause() {
-	p.mu.Lock()
-	p.stopped = true
-	p.mu.Unlock()
-	p.signal(syscall.SIGSTOP)
-}
+func (p *proc) pause() { _ = p.process.Pause() }
 
-func (p *proc) resume() {
-	p.signal(syscall.SIGCONT)
-	p.mu.Lock()
-	p.stopped = false
-	p.mu.Unlock()
-}
+func (p *proc) resume() { _ = p.process.Resume() }
 
 // terminate sends SIGTERM (a graceful Shutdown) and waits up to timeout,
 // then kills. It returns an error unless the process exited by itself with
 // status 0.
 func (p *proc) terminate(timeout time.Duration) error {
 	p.resume()
-	p.signal(syscall.SIGTERM)
-	t := time.NewTimer(timeout)
-	defer t.Stop()
-	select {
-	case <-p.done:
-		if !p.state.Success() {
-			return fmt.Errorf("consumer %s (pid %d) exited with %v after SIGTERM", p.name, p.pid(), p.state)
-		}
-		return nil
-	case <-t.C:
-		p.kill()
+	if err := p.process.Stop(syscall.SIGTERM, timeout); err != nil {
 		return fmt.Errorf("consumer %s (pid %d) did not stop within %v of SIGTERM; killed", p.name, p.pid(), timeout)
 	}
+	if st := p.process.State(); !st.Success() {
+		return fmt.Errorf("consumer %s (pid %d) exited with %v after SIGTERM", p.name, p.pid(), st)
+	}
+	return nil
 }
 
 // exitedWith waits up to timeout for the process to exit by itself and
@@ -226,18 +177,15 @@ func (p *proc) exitedWith(timeout time.Duration) (code int, ok bool) {
 	t := time.NewTimer(timeout)
 	defer t.Stop()
 	select {
-	case <-p.done:
-		return p.state.ExitCode(), true
+	case <-p.process.Exited():
+		return p.process.State().ExitCode(), true
 	case <-t.C:
 		return 0, false
 	}
 }
 
 // output returns the process's stderr so far.
-func (p *proc) output() string {
-	b, _ := os.ReadFile(p.stderr)
-	return string(b)
-}
+func (p *proc) output() string { return p.process.Output() }
 
 // live returns the running processes of the env.
 func (e *env) live() []*proc {
@@ -296,7 +244,7 @@ func (e *env) stopProcs() {
 	}
 	if e.t.Failed() {
 		for _, p := range procs {
-			e.t.Logf("consumer %s (pid %d, %v) stderr:\n%s", p.name, p.pid(), p.state, tail(p.output(), 3<<10))
+			e.t.Logf("consumer %s (pid %d, %v) stderr:\n%s", p.name, p.pid(), p.process.State(), tail(p.output(), 3<<10))
 		}
 	}
 }
@@ -316,13 +264,7 @@ func (e *env) grepAll(sub string) int {
 	e.mu.Unlock()
 	n := 0
 	for _, p := range procs {
-		f, err := os.Open(p.stderr)
-		if err != nil {
-			continue
-		}
-		b, _ := io.ReadAll(f)
-		f.Close()
-		n += bytes.Count(b, []byte(sub))
+		n += strings.Count(p.output(), sub)
 	}
 	return n
 }
