@@ -155,7 +155,7 @@ func TestChaos09Misconfiguration(t *testing.T) {
 			t.Errorf("consumer %v: exited %v with %d, output %q; want exit 2 naming %s", tc.flags, exited, code, tail(out, 400), tc.want)
 			continue
 		}
-		t.Logf("misconfiguration %v: %s", tc.flags, strings.TrimSpace(tail(out, 300)))
+		t.Logf("misconfiguration %v: %s", tc.flags, firstLine(out, tc.want))
 	}
 }
 
