@@ -62,9 +62,15 @@
 // t.TempDir() with its output captured to a log file there. The processes are killed and
 // waited for in t.Cleanup, whether the test passed or not, and their logs are
 // printed when it failed. On Linux they also die with the test binary if it
-// is killed (for example by -timeout) before t.Cleanup runs.
+// is killed (for example by -timeout) before t.Cleanup runs. [RabbitCluster]
+// does the same with its nodes and their epmd. Each of these child
+// processes is a [Process] ([StartProcess]): one child with its output
+// appended to a log, that can be killed, stopped with a signal, paused and
+// resumed, and whose output since its start can be read. Other test
+// packages run their own children the same way, such as the chaos suite's
+// consumers and private PostgreSQL server.
 //
-// Except for [Server.Stop], every function and method here must be called
-// from the goroutine running the test, because it may call t.Fatalf or
-// t.Skipf.
+// Except for [Server.Stop], [RabbitNode.Kill], [Process]'s methods and
+// [LogTail], every function and method here must be called from the
+// goroutine running the test, because it may call t.Fatalf or t.Skipf.
 package testenv

@@ -6,8 +6,8 @@ import (
 )
 
 // sysProcAttr makes a child process die with the test binary, so that a
-// binary killed before t.Cleanup runs (by -timeout, say) leaves no
-// redis-server behind.
+// binary killed before t.Cleanup runs (by -timeout, say) leaves no child
+// behind.
 func sysProcAttr() *syscall.SysProcAttr {
 	return &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 }
