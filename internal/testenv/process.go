@@ -125,8 +125,7 @@ func (p *Process) Stop(sig os.Signal, timeout time.Duration) error {
 }
 
 // Pause stops the process with SIGSTOP, as a stalled host would, until
-// Resume. Only where SIGSTOP exists (not Windows); elsewhere it returns an
-// error.
+// Resume. Only on Linux (proc_linux.go); elsewhere it returns an error.
 func (p *Process) Pause() error { return signalStop(p.cmd.Process, true) }
 
 // Resume continues the process with SIGCONT after Pause.

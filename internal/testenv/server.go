@@ -208,7 +208,7 @@ func (s *Server) launch(deadline time.Time) error {
 // Pause stops the server with SIGSTOP, as a stalled host would: it takes
 // connections but answers nothing, and a replica applies no more of its
 // master's stream, until Resume. t.Cleanup resumes it. Pausing a stopped
-// server does nothing. Only where SIGSTOP exists (not Windows).
+// server does nothing. Only on Linux: elsewhere the test fails.
 func (s *Server) Pause() {
 	s.t.Helper()
 	s.mu.Lock()
