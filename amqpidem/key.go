@@ -2,7 +2,6 @@ package amqpidem
 
 import (
 	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
 
@@ -68,8 +67,15 @@ func BodyHash(d *amqp.Delivery) (string, error) {
 	return "sha256:" + fingerprint(d.Body), nil
 }
 
-// fingerprint identifies a payload for the key-conflict check.
+// fingerprint identifies a payload for the key-conflict check: the first
+// 16 bytes of its SHA-256, in lower-case hex (as hex.EncodeToString
+// writes them, into an array so that the only allocation is the string).
 func fingerprint(body []byte) string {
+	const digits = "0123456789abcdef"
 	sum := sha256.Sum256(body)
-	return hex.EncodeToString(sum[:16])
+	var buf [32]byte
+	for i, b := range sum[:16] {
+		buf[2*i], buf[2*i+1] = digits[b>>4], digits[b&0x0f]
+	}
+	return string(buf[:])
 }

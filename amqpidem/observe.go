@@ -268,3 +268,54 @@ func (p *processor) recoverHook(ctx context.Context, what string) {
 			"panic", v, "stack", string(debug.Stack()))
 	}
 }
+
+// report logs ev and tells the observer.
+func (p *processor) report(ctx context.Context, ev *Event) {
+	level := slog.LevelDebug // completed, duplicate, busy: nothing to look at
+	switch {
+	case ev.Outcome == DeadLettered || ev.Err != nil && ev.Outcome != Retried && ev.Outcome != Abandoned:
+		level = slog.LevelWarn
+	case ev.Outcome == Retried || ev.Outcome == Abandoned || ev.Outcome == Dropped || ev.Err != nil:
+		level = slog.LevelInfo
+	}
+	if p.cfg.Logger.Enabled(ctx, level) {
+		attrs := []slog.Attr{
+			slog.String("queue", ev.Queue), slog.String("consumer", ev.Consumer), slog.String("key", ev.Key),
+			slog.String("outcome", ev.Outcome.String()), slog.Int("attempt", ev.Attempt),
+			slog.Int64("fence", ev.Fence), slog.Duration("handler", ev.Handler), slog.Duration("total", ev.Total),
+		}
+		if ev.Reason != "" {
+			attrs = append(attrs, slog.String("reason", ev.Reason))
+		}
+		if ev.Delay > 0 {
+			attrs = append(attrs, slog.Duration("delay", ev.Delay))
+		}
+		if ev.Err != nil {
+			attrs = append(attrs, slog.Any("error", ev.Err))
+		}
+		p.cfg.Logger.LogAttrs(ctx, level, "amqpidem: message "+ev.Outcome.String(), attrs...)
+	}
+	if p.cfg.Tracer != nil {
+		p.endTrace(ctx, *ev)
+	}
+	if p.cfg.Observer != nil {
+		p.observe(ctx, *ev)
+	}
+}
+
+// endTrace tells the Tracer that the delivery was settled.
+func (p *processor) endTrace(ctx context.Context, ev Event) {
+	defer p.recoverHook(ctx, "Tracer.End")
+	p.cfg.Tracer.End(ctx, ev)
+}
+
+// observe tells the Observer of ev; a panic in it is logged, not spread.
+func (p *processor) observe(ctx context.Context, ev Event) {
+	defer func() {
+		if v := recover(); v != nil {
+			p.cfg.Logger.ErrorContext(ctx, "amqpidem: Observer panicked", "queue", ev.Queue, "key", ev.Key,
+				"panic", v, "stack", string(debug.Stack()))
+		}
+	}()
+	p.cfg.Observer.Observe(ctx, ev)
+}

@@ -205,14 +205,14 @@ func TestStoreObserverCountsLostLeases(t *testing.T) {
 
 func TestPublishedTime(t *testing.T) {
 	d := &amqp.Delivery{Timestamp: time.Unix(1700000000, 0)}
-	if got := publishedAt(d); !got.Equal(time.Unix(1700000000, 0)) {
+	if got := publishedAt(d, ptr(headersOf(d))); !got.Equal(time.Unix(1700000000, 0)) {
 		t.Fatalf("from the timestamp property: %v", got)
 	}
 	d.Headers = amqp.Table{HeaderTimestampMillis: int64(1700000000123)}
-	if got := publishedAt(d); !got.Equal(time.UnixMilli(1700000000123)) {
+	if got := publishedAt(d, ptr(headersOf(d))); !got.Equal(time.UnixMilli(1700000000123)) {
 		t.Fatalf("from the header: %v", got)
 	}
-	if got := publishedAt(&amqp.Delivery{}); !got.IsZero() {
+	if got := publishedAt(&amqp.Delivery{}, &headers{}); !got.IsZero() {
 		t.Fatalf("without either: %v", got)
 	}
 }

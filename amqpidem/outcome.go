@@ -4,8 +4,6 @@ import (
 	"context"
 	"fmt"
 	"time"
-
-	amqp "github.com/rabbitmq/amqp091-go"
 )
 
 // Outcome is what became of one delivery.
@@ -88,19 +86,6 @@ type Event struct {
 	// seconds); zero without either. Copies keep both, so time since
 	// Published includes requeue delays.
 	Published time.Time
-}
-
-// HeaderTimestampMillis is the header holding when a message was
-// published, in Unix milliseconds: Publisher sets it, as RabbitMQ's
-// message_timestamp plugin does.
-const HeaderTimestampMillis = "timestamp_in_ms"
-
-// publishedAt is Event.Published for d.
-func publishedAt(d *amqp.Delivery) time.Time {
-	if ms, ok := headerInt64(d.Headers[HeaderTimestampMillis]); ok && ms > 0 {
-		return time.UnixMilli(ms)
-	}
-	return d.Timestamp
 }
 
 // Observer is told of every processed delivery, for metrics. Observe is

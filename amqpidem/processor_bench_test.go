@@ -17,13 +17,10 @@ import (
 // processor's benchmarks measure the processor and the store.
 type nopBroker struct{}
 
-func (nopBroker) publish(context.Context, string, string, amqp.Publishing) error { return nil }
-func (nopBroker) declare(context.Context, string, amqp.Table, bool) error        { return nil }
-func (nopBroker) forget(string)                                                  {}
-func (nopBroker) requeue(_ context.Context, _ string, d *amqp.Delivery, _ time.Duration, extra amqp.Table) error {
-	_ = copyOf(d, extra) // what the real publisher does before it publishes
-	return nil
-}
+func (nopBroker) publish(context.Context, string, string, amqp.Publishing) error        { return nil }
+func (nopBroker) declare(context.Context, string, amqp.Table, bool) error               { return nil }
+func (nopBroker) forget(string)                                                         {}
+func (nopBroker) requeue(context.Context, string, amqp.Publishing, time.Duration) error { return nil }
 
 // BenchmarkProcess runs one delivery through the processor per op, on
 // lock.MemoryStore with a broker that keeps nothing: the layer's own cost
@@ -55,7 +52,7 @@ func BenchmarkProcess(b *testing.B) {
 			defer func() { _ = p.keeper.Shutdown(context.Background()) }()
 			ctx, br, ack := context.Background(), nopBroker{}, &countChannel{}
 			body := []byte(`{"order":42,"amount_cents":1999}`)
-			headers := amqp.Table{HeaderAttempt: int64(1), HeaderReason: "handler error",
+			table := amqp.Table{HeaderAttempt: int64(1), HeaderReason: "handler error",
 				HeaderTimestampMillis: time.Now().UnixMilli(), "tenant": "acme"}
 			ids := make([]string, b.N)
 			for i := range ids {
@@ -65,7 +62,7 @@ func BenchmarkProcess(b *testing.B) {
 				}
 			}
 			if bc.dup {
-				d := amqp.Delivery{Acknowledger: ack, MessageId: "op-dup", Body: body, Headers: headers}
+				d := amqp.Delivery{Acknowledger: ack, MessageId: "op-dup", Body: body, Headers: table}
 				if ev := p.process(ctx, br, &d, nil); ev.Outcome != Completed {
 					b.Fatalf("first copy: %v %s %v", ev.Outcome, ev.Reason, ev.Err)
 				}
@@ -73,7 +70,7 @@ func BenchmarkProcess(b *testing.B) {
 			b.ReportAllocs()
 			b.ResetTimer()
 			for i := range b.N {
-				d := amqp.Delivery{Acknowledger: ack, MessageId: ids[i], Body: body, Headers: headers}
+				d := amqp.Delivery{Acknowledger: ack, MessageId: ids[i], Body: body, Headers: table}
 				if ev := p.process(ctx, br, &d, nil); ev.Outcome != bc.want {
 					b.Fatalf("%v %s %v, want %v", ev.Outcome, ev.Reason, ev.Err, bc.want)
 				}

@@ -61,13 +61,13 @@ func (b *fakeBroker) publish(ctx context.Context, exchange, key string, msg amqp
 }
 func (b *fakeBroker) declare(context.Context, string, amqp.Table, bool) error { return nil }
 func (b *fakeBroker) forget(string)                                           {}
-func (b *fakeBroker) requeue(ctx context.Context, queue string, d *amqp.Delivery, delay time.Duration, extra amqp.Table) error {
+func (b *fakeBroker) requeue(ctx context.Context, queue string, msg amqp.Publishing, delay time.Duration) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if err := b.fail["requeue"]; err != nil {
 		return err
 	}
-	b.pubs = append(b.pubs, published{key: "requeue", msg: copyOf(d, extra), delay: delay})
+	b.pubs = append(b.pubs, published{key: "requeue", msg: msg, delay: delay})
 	return nil
 }
 

@@ -248,12 +248,11 @@ func (p *publisher) close() {
 	}
 }
 
-// requeue publishes a copy of d to wait delay in its tier's delay queue and
-// then return to queue (or straight back to queue when delay is zero). The
-// delay queue is of the kind p.queueType calls for (see delayQueueArgs).
-// The copy carries no expiration; HeaderExpiresAt keeps the message's.
-func (p *publisher) requeue(ctx context.Context, queue string, d *amqp.Delivery, delay time.Duration, extra amqp.Table) error {
-	msg := copyOf(d, extra)
+// requeue publishes msg, a copy of a delivery, to wait delay in its tier's
+// delay queue and then return to queue (or straight back to queue when
+// delay is zero). The delay queue is of the kind p.queueType calls for
+// (see delayQueueArgs).
+func (p *publisher) requeue(ctx context.Context, queue string, msg amqp.Publishing, delay time.Duration) error {
 	if delay <= 0 {
 		return p.publish(ctx, "", queue, msg)
 	}

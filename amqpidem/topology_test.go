@@ -86,14 +86,14 @@ func TestCopyExpiration(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			d := &amqp.Delivery{Expiration: tc.exp, Headers: tc.headers, Body: []byte("x")}
-			msg := copyAt(d, amqp.Table{HeaderAttempt: int64(1)}, tc.now)
+			msg := copyAt(d, ptr(headersOf(d)), amqp.Table{HeaderAttempt: int64(1)}, tc.now)
 			if msg.Expiration != "" {
 				t.Errorf("copy Expiration: got %q, want none", msg.Expiration)
 			}
 			if got := msg.Headers[HeaderExpiresAt]; !reflect.DeepEqual(got, tc.wantAt) {
 				t.Errorf("copy %s: got %v (%T), want %v (%T)", HeaderExpiresAt, got, got, tc.wantAt, tc.wantAt)
 			}
-			dl := deadLetterOf(d, amqp.Table{HeaderReason: "permanent failure"})
+			dl := deadLetterOf(d, ptr(headersOf(d)), amqp.Table{HeaderReason: "permanent failure"})
 			if dl.Expiration != "" || dl.Headers[HeaderExpiresAt] != nil {
 				t.Errorf("dead letter: Expiration %q, %s %v; want neither", dl.Expiration, HeaderExpiresAt, dl.Headers[HeaderExpiresAt])
 			}
@@ -114,10 +114,11 @@ func TestCopyOfExpirationOverRequeues(t *testing.T) {
 	var gone []bool
 	for i := range 4 {
 		now := t0.Add(time.Duration(i) * 20 * time.Second)
-		msg := copyAt(d, nil, now)
+		msg := copyAt(d, ptr(headersOf(d)), nil, now)
 		got = append(got, msg.Headers[HeaderExpiresAt])
 		d = &amqp.Delivery{Headers: msg.Headers, Body: msg.Body}
-		gone = append(gone, expired(d, now.Add(time.Second)))
+		h := headersOf(d)
+		gone = append(gone, h.expired(now.Add(time.Second)))
 	}
 	at := t0.UnixMilli() + 60_000
 	if want := []any{at, at, at, at}; !reflect.DeepEqual(got, want) {
@@ -134,7 +135,7 @@ func TestCopyOfExpirationOverRequeues(t *testing.T) {
 // TestCopyOfExpirationNow checks copyOf against the clock.
 func TestCopyOfExpirationNow(t *testing.T) {
 	before := time.Now().UnixMilli()
-	msg := copyOf(&amqp.Delivery{Expiration: "5000"}, nil)
+	msg := copyOf(&amqp.Delivery{Expiration: "5000"}, &headers{parsed: true}, nil)
 	after := time.Now().UnixMilli()
 	at, ok := msg.Headers[HeaderExpiresAt].(int64)
 	if !ok || at < before+5000 || at > after+5000 || msg.Expiration != "" {
@@ -174,7 +175,7 @@ func TestCopyForgedHeaders(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			d := &amqp.Delivery{Exchange: "ex", RoutingKey: "rk", UserId: tc.userID, Headers: tc.headers}
-			for _, msg := range []amqp.Publishing{copyOf(d, nil), deadLetterOf(d, nil)} {
+			for _, msg := range []amqp.Publishing{copyOf(d, ptr(headersOf(d)), nil), deadLetterOf(d, ptr(headersOf(d)), nil)} {
 				h := msg.Headers
 				if got := h[HeaderOriginalExchange]; !reflect.DeepEqual(got, tc.wantExchange) {
 					t.Errorf("%s: got %v (%T), want %v", HeaderOriginalExchange, got, got, tc.wantExchange)
@@ -214,3 +215,12 @@ func TestDeclareErrorPreconditionFailed(t *testing.T) {
 		t.Errorf("error for ACCESS_REFUSED: %q", other)
 	}
 }
+
+// headersOf parses d's headers as a processor with the default
+// MaxAttempts does when d arrives.
+func headersOf(d *amqp.Delivery) headers {
+	return parseHeaders(d.Headers, DefaultMaxAttempts)
+}
+
+// ptr returns a pointer to a copy of v.
+func ptr[T any](v T) *T { return &v }

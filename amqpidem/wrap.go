@@ -3,7 +3,6 @@ package amqpidem
 import (
 	"context"
 	"errors"
-	"fmt"
 	"runtime"
 	"sync"
 	"time"
@@ -60,58 +59,6 @@ func Wrap(conn ChannelOpener, store lock.Store, cfg Config, h Handler) (*Wrapper
 	return w, nil
 }
 
-// newProcessor checks the configuration and starts a keeper.
-func newProcessor(store lock.Store, cfg Config, h Handler) (processor, error) {
-	if store == nil {
-		return processor{}, errors.New("amqpidem: nil store")
-	}
-	if h == nil {
-		return processor{}, errors.New("amqpidem: nil handler")
-	}
-	if err := cfg.Validate(); err != nil {
-		return processor{}, err
-	}
-	if c, ok := h.(Completer); ok && !sameStore(c.CompleterStore(), store) {
-		return processor{}, errors.New("amqpidem: the handler completes records in another store than the one given (a Completer's CompleterStore must be the Consumer's or Wrapper's store)")
-	}
-	cfg = cfg.withDefaults()
-	limit, known := lock.DefaultMaxResultSize, false
-	if s, ok := store.(interface{ MaxResultSize() int }); ok {
-		limit, known = s.MaxResultSize(), true
-	}
-	switch {
-	case cfg.MaxResultSize == 0 && limit <= ResultOverhead:
-		return processor{}, fmt.Errorf("amqpidem: the store keeps results of at most %d bytes, not even the %d bytes amqpidem adds", limit, ResultOverhead)
-	case cfg.MaxResultSize == 0:
-		cfg.MaxResultSize = limit - ResultOverhead
-	case known && cfg.MaxResultSize > limit-ResultOverhead:
-		// Complete would refuse such a result after the handler ran.
-		return processor{}, fmt.Errorf("amqpidem: Config.MaxResultSize %d is above what the store keeps: %d bytes less the %d amqpidem adds (ResultOverhead)",
-			cfg.MaxResultSize, limit, ResultOverhead)
-	}
-	given := store
-	if o, ok := cfg.Observer.(StoreObserver); ok && wantsStore(o) {
-		store = &observedStore{Store: store, queue: cfg.Queue, obs: o, log: cfg.Logger}
-	}
-	keeper, err := heartbeat.New(store, heartbeat.Config{SafetyMargin: cfg.SafetyMargin, Logger: cfg.Logger})
-	if err != nil {
-		return processor{}, err
-	}
-	return processor{cfg: cfg, store: store, given: given, keeper: keeper, handler: h}, nil
-}
-
-// sameStore reports whether a and b are the same store. Stores of a type
-// that cannot be compared (a struct holding a map, say) are never the same,
-// rather than a panic.
-func sameStore(a, b lock.Store) (same bool) {
-	defer func() {
-		if recover() != nil {
-			same = false
-		}
-	}()
-	return a == b
-}
-
 // cleanUpWhenUnreachable shuts k down, and closes pub's idle channels if
 // pub is not nil, once owner is garbage: a Wrapper or Consumer dropped
 // without Shutdown must not leave the keeper's goroutines or publish
@@ -152,7 +99,7 @@ func (w *Wrapper) Handle(ctx context.Context, d amqp.Delivery) Event {
 			t.Stop()
 		}
 		ev := Event{Queue: w.proc.cfg.Queue}
-		w.proc.nackRequeue(&d, &ev, "shutdown", errors.New("amqpidem: wrapper shut down"))
+		nackRequeue(&d, &ev, "shutdown", errors.New("amqpidem: wrapper shut down"))
 		return ev
 	}
 	w.inflight.Add(1)

@@ -1,0 +1,235 @@
+package amqpidem
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// flight is one delivery on its way through the processor, from its
+// arrival to its settlement: the delivery, what its headers say (read
+// once: see head), the Event that records what happens to it, and what
+// it holds on the way (a gate slot, a lease, the lease's keep-alive). Its
+// methods are the steps, in this file by the decisions they make and in
+// run.go, settle.go and lease.go by what they do:
+//
+//	arrive    its turn at the gate, its key, the store's lookup
+//	answer    the store's answer: duplicate, busy, conflict, failed, or run
+//	run       the handler under a kept lease, then complete or failed
+//	settle    ack, requeue (after a delay), dead letter, reply
+//
+// A flight lives for one call of processor.process, on its goroutine, and
+// is not safe for concurrent use; that is why it may carry the call's
+// contexts, as an http.Request does.
+type flight struct {
+	p *processor
+	b broker
+	// ctx is the delivery's context: the caller's values and trace span,
+	// done when the handlers must stop (shutdown, forced).
+	ctx context.Context
+	d   *amqp.Delivery
+	// h is what the delivery's headers say: its attempt and publish time
+	// from its arrival on (arrivalHeaders), the rest once head read them.
+	h  headers
+	ev Event
+	// slot is the delivery's hold on a gate slot; none without a gate.
+	slot slot
+	// lease is the lease Acquire granted, once the answer was Acquired.
+	lease lock.Lease
+	// attempt is the execution's attempt once it runs: the record's
+	// count or the message's, whichever is higher.
+	attempt int
+	// hctx is the handler's context once it runs; keep stops the lease's
+	// keep-alive (nil when none runs).
+	hctx context.Context
+	keep func()
+}
+
+// slot is a delivery's hold on one of the gate's slots.
+type slot struct {
+	g    *gate
+	held bool
+}
+
+// free gives the slot back, once; a no-op when none is held.
+func (s *slot) free() {
+	if s.held {
+		s.held = false
+		s.g.release()
+	}
+}
+
+// stopKeep stops the lease's keep-alive, if one runs: renewing a lease
+// whose outcome is being settled would only delay its expiry. It cancels
+// the handler's context.
+func (f *flight) stopKeep() {
+	if f.keep != nil {
+		f.keep()
+		f.keep = nil
+	}
+}
+
+// head returns what the delivery's headers say, in full: it reads them
+// (parseHeaders) the first time a step asks. A duplicate of completed
+// work needs only what arrivalHeaders read, and is spared the rest.
+func (f *flight) head() *headers {
+	if !f.h.parsed {
+		f.h = parseHeaders(f.d.Headers, f.p.cfg.MaxAttempts)
+	}
+	return &f.h
+}
+
+// errNotStarted is the cause given when a delivery goes back to its queue
+// before its handler started.
+var errNotStarted = errors.New("amqpidem: consumer stopping before the handler started")
+
+// arrive takes the delivery through its turn at the gate (t, nil without
+// one), its key and the store's lookup, and settles it by what they say.
+func (f *flight) arrive(t *ticket) {
+	p := f.p
+	key, keyErr := p.key(f.d)
+	f.ev.Key = key
+	if t != nil {
+		if !p.gate.wait(f.ctx, p.stopping, t) {
+			// Stopping before this delivery's turn: back to the queue,
+			// no lease taken, nothing run.
+			f.requeue(Abandoned, "shutdown", 0, cmp.Or(f.ctx.Err(), errNotStarted))
+			return
+		}
+		f.slot = slot{g: p.gate, held: true}
+	}
+	if keyErr != nil {
+		f.noKey(keyErr)
+		return
+	}
+	req := lock.Request{Key: StoreKey(p.cfg.Endpoint, key), TTL: p.cfg.LeaseTTL, Retention: p.cfg.Retention}
+	req.Fingerprint = p.fingerprint(f.d)
+	res, err := p.store.Acquire(f.ctx, req)
+	if err != nil {
+		f.noAnswer(err)
+		return
+	}
+	f.answer(&res)
+}
+
+// answer settles the delivery by the store's answer res: the rows of the
+// outcome table (package documentation) that the record decides.
+func (f *flight) answer(res *lock.Result) {
+	p := f.p
+	f.ev.Attempt, f.ev.Fence = max(res.Attempts, f.h.attempt), res.Fence
+	if res.Status != lock.Acquired {
+		f.slot.free() // nothing to run: later deliveries go on
+	} else {
+		f.lease = res.Lease
+	}
+	switch {
+	case res.Status == lock.Completed: // duplicate of completed work
+		f.duplicate(res.Value)
+	case res.Status == lock.Failed && f.dropFailed(): // duplicate of failed work, acked by policy
+		f.drop(res.Error)
+	case res.Status == lock.Failed: // duplicate of failed work
+		f.deadLetter(f.failedReason(res.Error), errors.New(res.Error))
+	case res.Status == lock.InProgress: // another consumer holds a live lease
+		f.requeue(Busy, "in progress elsewhere", p.busyDelay(res.Remaining), nil)
+	case res.Status == lock.Conflict: // same key, different payload
+		f.deadLetter("key conflict", fmt.Errorf("key %q was first seen with a different payload", f.ev.Key))
+	case res.Status != lock.Acquired:
+		f.requeue(Abandoned, "unexpected store answer", p.cfg.UnavailableDelay, fmt.Errorf("status %v", res.Status))
+	case f.head().expired(time.Now()): // expired: not run, its attempt taken back
+		f.cancel()
+		f.deadLetterExpired()
+	case f.head().pending: // its dead letter is due: failed without running
+		f.slot.free()
+		f.fail(f.pendingReason(), fmt.Errorf("dead letter pending: %s", f.head().pendingText))
+	default: // new key, or a retry: run it
+		f.run()
+	}
+}
+
+// dropFailed reports whether a duplicate of failed work is acked rather
+// than dead-lettered: AckFailedDuplicate says so, and the copy is not
+// pending or redelivered. A redelivered copy may be the first one, whose
+// dead letter was never confirmed; a pending one surely is: it is
+// dead-lettered rather than risk losing it.
+func (f *flight) dropFailed() bool {
+	return f.p.cfg.FailedDuplicate == AckFailedDuplicate && !f.head().pending && !f.d.Redelivered
+}
+
+// failedReason is the reason a duplicate of failed work, whose record
+// holds stored, is dead-lettered with: the header only ever sends a
+// message to the dead-letter queue that the record says failed, and the
+// reason of a pending one comes from the record, not from the header.
+func (f *flight) failedReason(stored string) string {
+	if f.head().pending {
+		return storedReason(stored)
+	}
+	return "failed duplicate"
+}
+
+// pendingReason is the reason a pending copy is failed with when its key
+// is free: the header can only bring a dead letter closer.
+func (f *flight) pendingReason() string {
+	if r := storedReason(f.head().pendingText); r != "failed duplicate" {
+		return r
+	}
+	return "dead letter pending"
+}
+
+// noKey settles a delivery without a usable key: run unkeyed when
+// MissingKey says so (unless expired), else dead-lettered.
+func (f *flight) noKey(err error) {
+	switch {
+	case errors.Is(err, ErrNoKey) && f.p.cfg.MissingKey == ProcessMissingKey && f.head().expired(time.Now()):
+		f.deadLetterExpired()
+	case errors.Is(err, ErrNoKey) && f.p.cfg.MissingKey == ProcessMissingKey:
+		f.runUnkeyed("no key")
+	case errors.Is(err, ErrInvalidKey):
+		f.slot.free()
+		f.deadLetter("invalid key", err)
+	default:
+		f.slot.free()
+		f.deadLetter("missing key", err)
+	}
+}
+
+// noAnswer settles a delivery whose lookup failed with err: the store
+// unreachable (requeued, or run unkeyed with FailOpen), the key refused,
+// the key's record unusable, or a shutdown.
+func (f *flight) noAnswer(err error) {
+	p := f.p
+	if p.cfg.FailOpen && f.ctx.Err() == nil && errors.Is(err, lock.ErrUnavailable) {
+		f.runUnkeyed("store unavailable, failing open")
+		return
+	}
+	f.slot.free()
+	switch {
+	case errors.Is(err, lock.ErrInvalidKey):
+		f.deadLetter("invalid key", err)
+	case f.ctx.Err() != nil:
+		f.requeue(Abandoned, "shutdown", 0, err)
+	case errors.Is(err, lock.ErrBadRecord) || errors.Is(err, lock.ErrKeyCollision):
+		f.recordFault(err)
+	default:
+		f.requeue(Abandoned, "store unavailable", p.cfg.UnavailableDelay, err)
+	}
+}
+
+// recordFault settles a delivery whose key's record cannot be used
+// (lock.ErrBadRecord, lock.ErrKeyCollision): it is not run, unkeyed or
+// otherwise, since the record may say the work is done. It is requeued
+// after UnavailableDelay, counting tries in HeaderAttempt, and dead-lettered
+// once MaxAttempts tries were made.
+func (f *flight) recordFault(err error) {
+	f.ev.Attempt = f.h.attempt + 1
+	if f.ev.Attempt >= f.p.cfg.MaxAttempts {
+		f.deadLetter("record unusable", err)
+		return
+	}
+	f.requeue(Abandoned, "record unusable", f.p.cfg.UnavailableDelay, err)
+}

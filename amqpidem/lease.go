@@ -1,0 +1,131 @@
+package amqpidem
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"time"
+
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// What a flight does with its lease in the store once the handler is done
+// with it (or never started): complete, fail, release, or cancel it.
+
+// complete stores the handler's result, even if the delivery's context
+// was cancelled meanwhile (the work is done), then replies and acks. If
+// it cannot, the delivery is requeued: the lease is held until it expires
+// (store unavailable) or by someone else (lost), so its next delivery
+// waits for it as a busy duplicate.
+func (f *flight) complete(result []byte) {
+	// Complete is compare-and-set on owner and fence: if the lease was
+	// lost, it fails and the result is discarded. If the keeper only could
+	// not confirm the lease but nobody took it over, the result is still
+	// the only one and is kept.
+	value := encodeResult(f.d.ReplyTo, result)
+	err := settle(f.ctx, func(ctx context.Context) error { return f.p.store.Complete(ctx, f.lease, value) })
+	f.stopKeep() // renewing it would only delay its expiry
+	switch {
+	case err == nil:
+		f.replyAndAck(result, Completed)
+	case errors.Is(err, lock.ErrResultTooLarge):
+		// Terminal: storing it again cannot work, and a requeue would run
+		// the handler again once the lease expired.
+		f.fail("result too large", err)
+	case errors.Is(err, lock.ErrLeaseLost):
+		f.requeue(Abandoned, "lease lost", MinInProgressDelay, err)
+	default:
+		f.requeue(Abandoned, "store unavailable", f.p.cfg.UnavailableDelay, err)
+	}
+}
+
+// fail records a terminal failure (reason: cause) and dead-letters the
+// delivery.
+func (f *flight) fail(reason string, cause error) {
+	text := reason + ": " + cause.Error()
+	err := settle(f.ctx, func(ctx context.Context) error { return f.p.store.Fail(ctx, f.lease, text) })
+	switch {
+	case err == nil:
+		f.deadLetter(reason, cause)
+	case errors.Is(err, lock.ErrLeaseLost):
+		// Someone took the key over: its new holder decides.
+		f.requeue(Abandoned, "lease lost", MinInProgressDelay, errors.Join(cause, err))
+	default:
+		// Fail may have landed with its reply lost. The copy goes back
+		// marked pending, so that if the record says failed when it comes
+		// back it is dead-lettered, whatever FailedDuplicate says; if Fail
+		// did not land, the key runs again once the lease expires.
+		f.requeueWith(Abandoned, "store unavailable", f.p.cfg.InProgressDelay, errors.Join(cause, err), pendingMark(text))
+	}
+}
+
+// release gives the lease back so that a retry need not wait for it to
+// expire. A failure only delays that retry by up to the lease TTL.
+func (f *flight) release() {
+	sctx, cancel := settleContext(f.ctx)
+	defer cancel()
+	if err := f.p.store.Release(sctx, f.lease); err != nil && !errors.Is(err, lock.ErrLeaseLost) {
+		f.p.cfg.Logger.WarnContext(f.ctx, "amqpidem: release failed; the retry waits for the lease to expire",
+			"queue", f.p.cfg.Queue, "key", f.lease.Key, "fence", f.lease.Fence, "error", err)
+	}
+}
+
+// cancel gives back a lease whose handler never started (or whose
+// execution does not count: a stale fence), and the attempt it counted,
+// which the Event then no longer counts either. A failure only delays the
+// next delivery by up to the lease TTL, and that attempt stays counted.
+func (f *flight) cancel() {
+	sctx, cancel := settleContext(f.ctx)
+	defer cancel()
+	err := f.p.store.Cancel(sctx, f.lease)
+	if err == nil {
+		f.ev.Attempt = max(f.lease.Attempt-1, f.h.attempt)
+		return
+	}
+	if !errors.Is(err, lock.ErrLeaseLost) {
+		f.p.cfg.Logger.WarnContext(f.ctx, "amqpidem: cancel failed; the next delivery waits for the lease to expire",
+			"queue", f.p.cfg.Queue, "key", f.lease.Key, "fence", f.lease.Fence, "error", err)
+	}
+}
+
+// settle makes a store call that settles a lease (Complete, Fail) even if
+// ctx was cancelled meanwhile, and tries it again for up to settleTimeout
+// while it fails with anything but an answer: nil, lock.ErrLeaseLost or
+// lock.ErrResultTooLarge.
+func settle(ctx context.Context, call func(context.Context) error) error {
+	final := func(err error) bool {
+		return err == nil || errors.Is(err, lock.ErrLeaseLost) || errors.Is(err, lock.ErrResultTooLarge)
+	}
+	err := call(context.WithoutCancel(ctx))
+	if final(err) {
+		return err
+	}
+	sctx, cancel := settleContext(ctx)
+	defer cancel()
+	wait := 20 * time.Millisecond
+	for {
+		select {
+		case <-sctx.Done():
+			return err
+		case <-time.After(wait):
+		}
+		wait = min(2*wait, time.Second)
+		if err = call(sctx); final(err) {
+			return err
+		}
+	}
+}
+
+// failureReasons are the reasons a record's stored error can start with.
+var failureReasons = []string{"permanent failure", "attempts exhausted", "result too large"}
+
+// storedReason is the reason a failed record's error text (or a pending
+// mark's text) gives, or "failed duplicate".
+func storedReason(text string) string {
+	for _, r := range failureReasons {
+		if strings.HasPrefix(text, r+": ") {
+			return r
+		}
+	}
+	return "failed duplicate"
+}

@@ -1,0 +1,235 @@
+package amqpidem
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// run executes the handler under the kept lease and settles the delivery
+// by what the handler returned (completed, or failed).
+func (f *flight) run() {
+	p := f.p
+	// The attempt is the record's, or the message's own count when that is
+	// higher: a record lost (expired, evicted, forgotten by a restart)
+	// restarts its count, the message's copies do not.
+	f.attempt = max(f.lease.Attempt, f.h.attempt+1)
+	f.ev.Attempt = f.attempt
+	if f.attempt > p.cfg.MaxAttempts {
+		f.slot.free()
+		f.fail("attempts exhausted", fmt.Errorf("%d executions started, at most %d allowed (earlier ones crashed or lost their lease)",
+			f.attempt-1, p.cfg.MaxAttempts))
+		return
+	}
+
+	f.hctx, f.keep = p.keeper.Keep(f.ctx, f.lease)
+	if stopping := p.isStopping(); stopping || f.hctx.Err() != nil {
+		// Shut down, or the lease already lost, before the handler
+		// started: this attempt never ran, so it is taken back.
+		cause := context.Cause(f.hctx)
+		f.stopKeep()
+		f.slot.free()
+		f.cancel()
+		if stopping || f.ctx.Err() != nil {
+			f.requeue(Abandoned, "shutdown", 0, cmp.Or(cause, errNotStarted))
+			return
+		}
+		f.requeue(Abandoned, "lease lost", MinInProgressDelay, cause)
+		return
+	}
+	if p.cfg.HandlerTimeout > 0 {
+		var cancel context.CancelFunc
+		f.hctx, cancel = context.WithTimeoutCause(f.hctx, p.cfg.HandlerTimeout, ErrHandlerTimeout)
+		defer cancel()
+	}
+	f.hctx = withInfo(f.hctx, Info{Queue: p.cfg.Queue, Key: f.ev.Key, Attempt: f.attempt, Fence: f.lease.Fence})
+	if c, ok := p.handler.(Completer); ok {
+		f.runCompleter(c)
+		return
+	}
+	result, err := f.timeHandler(func() ([]byte, error) { return call(f.hctx, p.handler, handlerDelivery(f.d)) })
+	f.slot.free()
+	switch {
+	case err == nil && len(result) > p.cfg.MaxResultSize:
+		f.stopKeep()
+		f.fail("result too large", fmt.Errorf("%w: %d bytes, at most %d allowed", lock.ErrResultTooLarge, len(result), p.cfg.MaxResultSize))
+	case err == nil:
+		f.complete(result)
+	default:
+		f.failed(err)
+	}
+}
+
+// runCompleter is run's second half for a Completer, which completes the
+// record itself, in the transaction of its effects: it runs c and settles
+// the delivery.
+func (f *flight) runCompleter(c Completer) {
+	var valued, tooLarge bool // value was called; it refused the result
+	replyTo, limit := f.d.ReplyTo, f.p.cfg.MaxResultSize
+	value := func(result []byte) ([]byte, error) {
+		valued = true
+		if len(result) > limit {
+			tooLarge = true
+			return nil, fmt.Errorf("%w: %d bytes, at most %d allowed", lock.ErrResultTooLarge, len(result), limit)
+		}
+		return encodeResult(replyTo, result), nil
+	}
+	result, err := f.timeHandler(func() ([]byte, error) {
+		return recovered(func() ([]byte, error) { return c.HandleComplete(f.hctx, handlerDelivery(f.d), f.lease, value) })
+	})
+	f.slot.free()
+	switch {
+	case err == nil: // completed in its transaction
+		f.stopKeep()
+		f.replyAndAck(result, Completed)
+	case tooLarge && !IsPermanent(err):
+		f.stopKeep()
+		f.fail("result too large", err)
+	case valued && errors.Is(err, lock.ErrLeaseLost):
+		// The completion found another owner: everything rolled back, and
+		// the record decides the next delivery.
+		f.stopKeep()
+		f.requeue(Abandoned, "lease lost", MinInProgressDelay, err)
+	case errors.Is(err, lock.ErrUnavailable) && !IsPermanent(err):
+		// Not committed, or committed with the answer lost. In the second
+		// case the record is completed and refuses the release, and the
+		// redelivery is acked as a duplicate.
+		f.stopKeep()
+		f.release()
+		f.requeue(Abandoned, "store unavailable", f.p.cfg.UnavailableDelay, err)
+	default:
+		f.failed(err)
+	}
+}
+
+// failed settles the delivery after its handler returned err: lease lost
+// or shutdown, a stale fence, a retry with backoff, or a terminal failure.
+func (f *flight) failed(err error) {
+	stopped := f.hctx.Err() != nil && !IsPermanent(err) && !f.timedOut()
+	switch {
+	case stopped:
+		// The handler was stopped (lease lost or unconfirmed, shutdown):
+		// its failure says nothing about the message.
+		cause := context.Cause(f.hctx)
+		f.stopKeep()
+		f.release()
+		if f.ctx.Err() != nil {
+			f.requeue(Abandoned, "shutdown", 0, cause)
+			return
+		}
+		f.requeue(Abandoned, "lease lost", MinInProgressDelay, cause)
+	case errors.Is(err, ErrStale) && !IsPermanent(err):
+		// The handler's own store saw a newer fence: another execution
+		// of this key got further. This one is no attempt; the record
+		// decides the next delivery (a duplicate once that execution
+		// completed, busy while it runs).
+		f.stopKeep()
+		f.cancel()
+		f.requeue(Abandoned, "stale fence", MinInProgressDelay, err)
+	default:
+		j := f.judge(err)
+		f.stopKeep()
+		if j.retry {
+			f.release()
+			f.requeue(Retried, j.reason, j.delay, j.err)
+			return
+		}
+		f.fail(j.reason, j.err)
+	}
+}
+
+// runUnkeyed runs the handler with no lease and no stored outcome (why
+// says why: no key, or failing open), in the delivery's slot, which it
+// frees when the handler returns, and settles the delivery.
+func (f *flight) runUnkeyed(why string) {
+	p := f.p
+	f.attempt = f.h.attempt + 1
+	f.ev.Attempt = f.attempt
+	if f.attempt > p.cfg.MaxAttempts {
+		f.slot.free()
+		f.deadLetter("attempts exhausted", fmt.Errorf("%d executions started, at most %d allowed", f.attempt-1, p.cfg.MaxAttempts))
+		return
+	}
+	f.hctx = withInfo(f.ctx, Info{Queue: p.cfg.Queue, Attempt: f.attempt})
+	if p.cfg.HandlerTimeout > 0 {
+		var cancel context.CancelFunc
+		f.hctx, cancel = context.WithTimeoutCause(f.hctx, p.cfg.HandlerTimeout, ErrHandlerTimeout)
+		defer cancel()
+	}
+	result, err := f.timeHandler(func() ([]byte, error) { return call(f.hctx, p.handler, handlerDelivery(f.d)) })
+	f.slot.free()
+	switch {
+	case err == nil:
+		if err := f.reply(result); err != nil {
+			// Nothing stored to send again: a retry would run the
+			// handler again, so the reply is lost and logged.
+			f.ev.Err = errors.Join(f.ev.Err, err)
+		}
+		f.ev.Reason = why
+		f.ack(Completed)
+	case f.ctx.Err() != nil && !IsPermanent(err):
+		f.requeue(Abandoned, "shutdown", 0, err)
+	default:
+		j := f.judge(err)
+		if j.retry {
+			f.requeue(Retried, j.reason, j.delay, j.err)
+			return
+		}
+		f.deadLetter(j.reason, j.err)
+	}
+}
+
+// judgement is what a failed execution comes to: retried after delay, or
+// a terminal failure, with the reason and the error to record.
+type judgement struct {
+	reason string
+	err    error
+	retry  bool
+	delay  time.Duration
+}
+
+// judge decides what the handler's error err comes to, by the
+// execution's attempt: a retry with the queue's backoff while attempts
+// are left and the error is not Permanent, else a terminal failure
+// ("permanent failure" or "attempts exhausted"). A handler cut off by
+// HandlerTimeout is a "handler timeout" retry. Call it before the lease's
+// keep-alive stops, which cancels the handler's context.
+func (f *flight) judge(err error) judgement {
+	j := judgement{reason: "handler error", err: err}
+	if f.timedOut() {
+		j.reason = "handler timeout"
+		j.err = fmt.Errorf("%w after %v: %w", ErrHandlerTimeout, f.p.cfg.HandlerTimeout, err)
+	}
+	if !IsPermanent(j.err) && f.attempt < f.p.cfg.MaxAttempts {
+		if delay, ok := f.p.cfg.retryDelay(f.attempt); ok {
+			j.retry, j.delay = true, delay
+			return j
+		}
+	}
+	j.reason = "attempts exhausted"
+	if IsPermanent(j.err) {
+		j.reason = "permanent failure"
+	}
+	return j
+}
+
+// timedOut reports whether HandlerTimeout cut the handler off.
+func (f *flight) timedOut() bool {
+	return errors.Is(context.Cause(f.hctx), ErrHandlerTimeout)
+}
+
+// timeHandler runs h, a handler's call that recovers its panics, timed
+// into the Event, and tells a HandlerObserver.
+func (f *flight) timeHandler(h func() ([]byte, error)) ([]byte, error) {
+	info, _ := FromContext(f.hctx)
+	f.p.handlerStarted(f.hctx, info)
+	t0 := time.Now()
+	result, err := h()
+	f.ev.Handler = time.Since(t0)
+	f.p.handlerEnded(f.hctx, info)
+	return result, err
+}
