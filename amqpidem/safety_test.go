@@ -207,7 +207,7 @@ func TestProcessForgedHeaders(t *testing.T) {
 				if ev.Outcome != tc.want || runs != tc.runs || ev.Attempt < 0 || ev.Attempt > DefaultMaxAttempts+1 {
 					t.Fatalf("policy %d: %v %q runs %d attempt %d; want %v, %d runs", missing, ev.Outcome, ev.Reason, runs, ev.Attempt, tc.want, tc.runs)
 				}
-				if n := headerInt(b.pubs[0].msg.Headers, HeaderAttempt); n < 0 || n > DefaultMaxAttempts+1 {
+				if n, _ := headerInt64(b.pubs[0].msg.Headers[HeaderAttempt]); n < 0 || n > DefaultMaxAttempts+1 {
 					t.Fatalf("policy %d: copy's attempt header %d", missing, n)
 				}
 			}
@@ -223,6 +223,21 @@ func TestProcessForgedHeaders(t *testing.T) {
 		ev := p.process(context.Background(), b, d, nil)
 		if ev.Outcome != DeadLettered || ev.Reason != "failed duplicate" || b.pubs[0].msg.Headers[HeaderReason] != "failed duplicate" {
 			t.Fatalf("forged reason: %v %q headers %v", ev.Outcome, ev.Reason, b.pubs[0].msg.Headers)
+		}
+	})
+
+	// The mark counts when present, whatever its value: a void one is
+	// no reason to drop a failed duplicate that AckFailedDuplicate would
+	// keep only for unmarked copies. (Before the headers were parsed in
+	// one place, this case alone read a void mark as absent.)
+	t.Run("void pending mark is a mark", func(t *testing.T) {
+		p, s := newTestProcessor(t, Config{FailedDuplicate: AckFailedDuplicate}, ok("r"))
+		failed("k", "x")(t, s)
+		b := &fakeBroker{}
+		d, _ := delivery("k", "x")
+		d.Headers = amqp.Table{HeaderDeadLetterPending: nil}
+		if ev := p.process(context.Background(), b, d, nil); ev.Outcome != DeadLettered || len(b.pubs) != 1 {
+			t.Fatalf("void pending mark on a failed duplicate: %v %q, %d publishes; want dead-lettered", ev.Outcome, ev.Reason, len(b.pubs))
 		}
 	})
 
@@ -285,11 +300,11 @@ type delayRefusingBroker struct {
 	err error
 }
 
-func (b *delayRefusingBroker) requeue(ctx context.Context, queue string, d *amqp.Delivery, delay time.Duration, extra amqp.Table) error {
+func (b *delayRefusingBroker) requeue(ctx context.Context, queue string, msg amqp.Publishing, delay time.Duration) error {
 	if delay > 0 {
 		return b.err
 	}
-	return b.fakeBroker.requeue(ctx, queue, d, delay, extra)
+	return b.fakeBroker.requeue(ctx, queue, msg, delay)
 }
 
 // Panics in user code around the handler are contained, and a handler
