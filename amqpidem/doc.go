@@ -23,6 +23,29 @@
 // end Run with an error that says what to fix. A Wrapper publishes on the
 // ChannelOpener given to Wrap: give it a connection of its own too.
 //
+// # A delivery's way through
+//
+// Every delivery, whether Handle or a Consumer's worker took it, goes the
+// same four steps (in the source, each a method of the one value that
+// carries the delivery, flight.go):
+//
+//  1. Arrival: amqpidem's headers are read once, under the rules of
+//     "Headers a publisher can forge" below (headers.go); a Consumer's
+//     delivery waits for its turn at the gate (Concurrency, in delivery
+//     order); its key is taken (Config.Key) and the store looked up
+//     (Acquire): one store call.
+//  2. The store's answer decides, row by row of the table below:
+//     duplicate, busy, conflict, failed, expired or pending, or run.
+//  3. Run: the heartbeat keeps the lease while the handler runs; then
+//     the outcome is stored (Complete, or a Completer's own transaction)
+//     or the failure judged: lease lost, stale fence, retry with
+//     backoff, or a terminal failure (Fail).
+//  4. Settlement, exactly one of: ack (after the reply, if the message
+//     has a ReplyTo), requeue (a copy confirmed by the broker, then an
+//     ack), dead letter (a copy confirmed by the broker, then an ack),
+//     and, only when no copy can be published at all, a nack with
+//     requeue (settle.go).
+//
 // # What happens to a delivery
 //
 //	what happened                          broker                                  record
@@ -136,13 +159,15 @@
 // negative or non-integer value as 0: a forged value can bring a dead
 // letter closer, never postpone one. A dead letter moved back to its
 // queue (it carries HeaderError) starts its count afresh, so that it runs
-// once its record has expired or been removed. HeaderDeadLetterPending
-// only brings a dead letter closer too: a duplicate of failed work is
-// dead-lettered instead of dropped, with the record's reason, and a key
-// that is free is failed and dead-lettered without running.
-// HeaderExpiresAt can only bring an "expired" dead letter closer.
-// HeaderOriginalExchange, HeaderOriginalRoutingKey and HeaderUserID are
-// informational: amqpidem decides nothing from them.
+// once its record has expired or been removed. HeaderDeadLetterPending,
+// present with any value, only brings a dead letter closer too: a
+// duplicate of failed work is dead-lettered instead of dropped, with the
+// record's reason, and a key that is free is failed and dead-lettered
+// without running. HeaderExpiresAt (an integer of any AMQP type) can only
+// bring an "expired" dead letter closer. HeaderReplyTries is read as at
+// most MaxAttempts. HeaderOriginalExchange, HeaderOriginalRoutingKey and
+// HeaderUserID are informational: amqpidem decides nothing from them, and
+// copies carry them only when they are short strings (255 bytes at most).
 //
 // # Observing it
 //
