@@ -209,14 +209,22 @@ func clusterFaultRun(t *testing.T, name, what string, fault, mend func(*testenv.
 }
 
 // firstDeadLetters counts, per operation, the dead letters that report its
-// failure (their reason is the failure's), and apart from them the
-// redundant ones: copies of an already failed operation dead-lettered
-// again as "failed duplicate". An operation with only redundant dead
-// letters counts once: its first dead letter was never confirmed.
+// failure, and apart from them the redundant ones: copies of an already
+// failed operation dead-lettered again from its record, without running.
+// Those are the "failed duplicate" ones (a delivery whose ack the fault
+// lost), and those whose error is the record's stored text, the reason
+// and a colon first (a copy whose first dead letter's confirm the fault
+// lost, requeued marked pending and dead-lettered again with the reason
+// the record gives; a handler's own error never starts so). An operation
+// with only redundant dead letters counts once: its first dead letter was
+// never confirmed. Two dead letters from two executions still count as a
+// duplicate.
 func firstDeadLetters(dls []deadLetter) (counted map[string]int, redundant int) {
 	first, again := map[string]int{}, map[string]int{}
 	for _, d := range dls {
-		if reason, _ := d.D.Headers[amqpidem.HeaderReason].(string); reason == "failed duplicate" {
+		reason, _ := d.D.Headers[amqpidem.HeaderReason].(string)
+		text, _ := d.D.Headers[amqpidem.HeaderError].(string)
+		if reason == "failed duplicate" || strings.HasPrefix(text, reason+": ") {
 			again[d.Op]++
 		} else {
 			first[d.Op]++
