@@ -7,13 +7,16 @@ import (
 	"time"
 )
 
-// Errors of the Admin methods.
+// Errors of the Admin methods, and of Amender.Amend (ErrChanged).
 var (
 	// ErrNotFound means a key has no record: it was never seen, or its
 	// record expired or was forgotten.
 	ErrNotFound = errors.New("lock: no record")
-	// ErrChanged means Forget found the record in another state or with
-	// another fence than the caller saw: nothing was deleted.
+	// ErrChanged means the record is not the one the caller saw: Forget
+	// found it in another state or with another fence (nothing was
+	// deleted); Amend found no completed record with that fence and value
+	// (another writer amended it first, it expired or was forgotten, it is
+	// not completed), and nothing was changed.
 	ErrChanged = errors.New("lock: record changed")
 )
 

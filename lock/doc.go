@@ -3,6 +3,8 @@
 //
 // A record moves, per key:
 //
+//	                                               ┌──────┐ Amend (new value)
+//	                                               ▼      │
 //	absent ──Acquire──▶ in progress ──Complete──▶ completed (result)
 //	                      │    ▲     ──Fail──────▶ failed (error)
 //	       Release/Cancel │    │
@@ -12,6 +14,11 @@
 // Cancel is Release for work that never started: it also takes back the
 // attempt its Acquire counted, so the next lease has the same attempt
 // number (and a higher fence).
+//
+// Amend (Amender: every store of this module) changes the value of a
+// completed record and nothing else: the record stays completed, with
+// the same fence, attempts and expiry. amqpidem's outbox records in it
+// what became of the messages a handler staged.
 //
 // Acquire answers one of five things, atomically: Acquired (a
 // Lease: owner token and fencing token), Completed (the stored result),
@@ -54,10 +61,17 @@
 //     Extend, Complete, Fail and Release are compare-and-set on owner and
 //     fence: a holder whose lease was taken over gets ErrLeaseLost and
 //     changes nothing.
+//   - Amend is compare-and-set on state (completed), fence and value: of
+//     writers that saw the same value, one changes it and the others get
+//     ErrChanged and change nothing, as does a writer whose record
+//     expired, was forgotten or made again meanwhile. It keeps the
+//     record's expiry as the completion set it (SET ... KEEPTTL on
+//     RedisStore): amending never lengthens the idempotency window.
 //   - Retry-safe: go-redis resends a command after a network error. A
 //     resent Acquire that finds its own owner token answers Acquired; a
 //     resent Complete, Fail, Release or Cancel that finds its own write
-//     answers nil (and a resent Cancel takes back no second attempt).
+//     answers nil (and a resent Cancel takes back no second attempt), and
+//     so does a resent Amend that finds its value in the record.
 //     RedisStore.Acquire also tries again itself, with the same owner
 //     token, when a reply does not come (a timeout, a broken connection),
 //     so that a lease taken by a call whose reply was lost is not left
@@ -92,7 +106,8 @@
 // of a format version, then state, owner, fence, lease deadline, attempts,
 // fingerprint, the caller's key, created and ended times and the stored
 // value, in that order (scripts/record.lua describes each). It is written
-// with SET ... PX, so record and expiry change in one command. To inspect
+// with SET ... PX, so record and expiry change in one command, or, by
+// Amend, with SET ... KEEPTTL, which keeps the expiry. To inspect
 // one, GET it and decode the bytes with any MessagePack decoder; it is not
 // a hash, and HGETALL answers WRONGTYPE.
 //

@@ -1,6 +1,7 @@
 package lock
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -204,6 +205,34 @@ func (m *MemoryStore) finish(ctx context.Context, l Lease, op string, state byte
 		r.attempts = max(r.attempts-1, 0)
 	}
 	r.expires = now.Add(l.Retention)
+	m.wrote(now)
+	return nil
+}
+
+// Amend replaces the value of key's completed record with value if its
+// fence is fence and its value is old (see Amender), under the store's
+// lock. The record's expiry and every other field stay as they were.
+func (m *MemoryStore) Amend(ctx context.Context, key string, fence int64, old, value []byte) error {
+	if err := checkKey(key); err != nil {
+		return err
+	}
+	if len(value) > m.cfg.MaxResultSize {
+		return fmt.Errorf("%w: amend key %q: %d bytes, at most %d allowed", ErrResultTooLarge, key, len(value), m.cfg.MaxResultSize)
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	now := m.cfg.Now()
+	r := m.get(key, now)
+	switch {
+	case r != nil && r.state == 'c' && r.fence == fence && bytes.Equal(r.value, value):
+		return nil // a retry of this same call, or the same bytes written by another
+	case r == nil || r.state != 'c' || r.fence != fence || !bytes.Equal(r.value, old):
+		return fmt.Errorf("%w: amend key %q fence %d", ErrChanged, key, fence)
+	}
+	r.value = append([]byte(nil), value...)
 	m.wrote(now)
 	return nil
 }

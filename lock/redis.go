@@ -28,6 +28,10 @@ var (
 	//go:embed scripts/finish.lua
 	finishLua    string
 	finishScript = redis.NewScript(recordLua + finishLua)
+
+	//go:embed scripts/amend.lua
+	amendLua    string
+	amendScript = redis.NewScript(recordLua + amendLua)
 )
 
 // Record states as the scripts write them.
@@ -48,17 +52,17 @@ const (
 // for a record Acquire made without a script), state, owner, fence, lease
 // deadline, attempts, fingerprint, the caller's key, created and ended
 // times (server ms) and the stored value, written with SET ... PX so that
-// record and expiry change in one command (scripts/record.lua documents
-// the layout; the package doc says when each format is written). Inspect
-// one with GET and a MessagePack decoder; HGETALL does not apply. A record
-// of another format version, or an old-style hash, is an error for its key
-// alone.
+// record and expiry change in one command, or with SET ... KEEPTTL by
+// Amend, which keeps the expiry (scripts/record.lua documents the layout;
+// the package doc says when each format is written). Inspect one with GET
+// and a MessagePack decoder; HGETALL does not apply. A record of another
+// format version, or an old-style hash, is an error for its key alone.
 //
 // RedisStore is safe for concurrent use.
 type RedisStore struct {
 	client redis.UniversalClient
 	cfg    Config
-	batch  batcher // Acquire, Complete, Fail and Release calls
+	batch  batcher // Acquire, Complete, Fail, Release, Cancel and Amend calls
 }
 
 var _ Store = (*RedisStore)(nil)
@@ -90,7 +94,7 @@ func (s *RedisStore) Check(ctx context.Context) error {
 		if err := c.Ping(ctx).Err(); err != nil {
 			return fmt.Errorf("lock: redis %s: %w", c.Options().Addr, err)
 		}
-		for _, sc := range []*redis.Script{acquireScript, extendScript, finishScript} {
+		for _, sc := range []*redis.Script{acquireScript, extendScript, finishScript, amendScript} {
 			if err := sc.Load(ctx, c).Err(); err != nil {
 				return fmt.Errorf("lock: redis %s: loading script: %w", c.Options().Addr, err)
 			}
@@ -365,6 +369,42 @@ func (s *RedisStore) finish(ctx context.Context, l Lease, op, state string, valu
 		l.Owner, l.Fence, state, value, l.Retention.Milliseconds())
 	n, _ := reply.(int64)
 	return leaseReply(l, op, int(n), err)
+}
+
+// Amend replaces the value of key's completed record with value if its
+// fence is fence and its value is old (see Amender), in one script call
+// (scripts/amend.lua) that keeps the key's expiry as the completion set
+// it (SET ... KEEPTTL) and writes the record in format 1, as every script
+// does. The call goes through the store's batcher: concurrent Amends share
+// pipelines, and on a standalone server one script call over many keys,
+// each key answered apart. go-redis resends a call whose reply was lost,
+// which the script answers nil once it finds value there.
+func (s *RedisStore) Amend(ctx context.Context, key string, fence int64, old, value []byte) error {
+	if err := checkKey(key); err != nil {
+		return err
+	}
+	if len(value) > s.cfg.MaxResultSize {
+		return fmt.Errorf("%w: amend key %q: %d bytes, at most %d allowed", ErrResultTooLarge, key, len(value), s.cfg.MaxResultSize)
+	}
+	reply, err := s.batch.run(ctx, amendScript, []string{recordKey(s.cfg.Prefix, key)}, key, fence, old, value)
+	return amendReply(key, fence, reply, err)
+}
+
+// amendReply turns the amend script's reply for one key into an error.
+func amendReply(key string, fence int64, reply any, err error) error {
+	if err != nil {
+		return fmt.Errorf("lock: amend %q: %w", key, classify(err))
+	}
+	switch n, ok := reply.(int64); {
+	case !ok:
+	case n == 1:
+		return nil
+	case n == 0:
+		return fmt.Errorf("%w: amend key %q fence %d", ErrChanged, key, fence)
+	case n == -1:
+		return fmt.Errorf("%w: key %q", ErrKeyCollision, key)
+	}
+	return fmt.Errorf("lock: amend %q: unexpected reply %v", key, reply)
 }
 
 // leaseReply turns a compare-and-set script's reply into an error.

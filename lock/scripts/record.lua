@@ -19,7 +19,8 @@
 --   fence = (created + 1) * 1000, the first µs after the creating ms
 -- Go computes the same (redis.go: native). A script that rewrites a
 -- format 2 record writes it as format 1 with those values.
--- A record is written with SET ... PX, so value and expiry change together.
+-- A record is written with SET ... PX, so value and expiry change together,
+-- or, by amend.lua, with SET ... KEEPTTL, which keeps the expiry it had.
 
 -- fail ends the script's work on one key with an error for that key.
 local function fail(msg)
@@ -56,6 +57,12 @@ local function put(key, ms, ...)
   else
     redis.call('DEL', key)
   end
+end
+
+-- rewrite writes a format 1 record of the given fields in place of the one
+-- at key, keeping the key's expiry as it is (KEEPTTL, Redis 6.0 or later).
+local function rewrite(key, ...)
+  redis.call('SET', key, cmsgpack.pack(1, ...), 'KEEPTTL')
 end
 
 -- each runs fn for every key with its n arguments from ARGV, each key
