@@ -20,17 +20,22 @@
 // also implements lock.Admin, for operators' tools: Inspect reads a record
 // by key (its Location names the table, namespace and key of the row), and
 // Forget deletes it compare-and-delete on the state and fence Inspect saw,
-// each in one statement.
+// each in one statement. And it implements lock.Amender, for amqpidem's
+// outbox: Amend changes the value of a completed record, compare-and-set
+// on its fence and value, and nothing else.
 //
 //   - Atomic: each call is one statement. Acquire is a PL/pgSQL function
 //     that reads the record and writes it only by compare-and-set on the
 //     row as read (reading again when another statement changed it
 //     first); Complete, Fail, Release and Cancel lock the row and check
-//     owner and fence; Extend renews all of a heartbeat's leases in one
-//     UPDATE, skipping a row another transaction holds (that lease is
-//     reported unconfirmed, lock.ErrUnavailable, not lost). A call that
-//     waits for a row more than 2 s (lock_timeout: a transaction stuck in
-//     COMMIT holds it) fails as lock.ErrUnavailable rather than wait on.
+//     owner and fence; Amend is one UPDATE of the value column of a
+//     completed row whose fence and value are the ones the caller saw
+//     (expires_at and every other column unchanged); Extend renews all
+//     of a heartbeat's leases in one UPDATE, skipping a row another
+//     transaction holds (that lease is reported unconfirmed,
+//     lock.ErrUnavailable, not lost). A call that waits for a row more
+//     than 2 s (lock_timeout: a transaction stuck in COMMIT holds it)
+//     fails as lock.ErrUnavailable rather than wait on.
 //   - Expiry by the database's clock (clock_timestamp()), never the
 //     client's; the client's clock only estimates Lease.Deadline
 //     conservatively.
@@ -44,7 +49,7 @@
 //   - Retry-safe: Acquire retries a lost answer with the same owner token
 //     (up to 3 times, about 350 ms) and gets the same lease back; a
 //     retried Complete, Fail, Release or Cancel that finds its own write
-//     answers nil.
+//     answers nil, and so does a retried Amend that finds its value.
 //   - Bounded: keys (any bytes, up to lock.MaxKeyLen), fingerprints and
 //     results are limited as in package lock. Every record expires
 //     Retention after its last change (TTL + Retention while a lease is
@@ -62,7 +67,8 @@
 //     (connection errors, shutdown, too many connections, a serialization
 //     failure or deadlock, a read-only standby, and a missing table or
 //     function, whose error says to run Migrate); lock.ErrLeaseLost when
-//     the lease is no longer held.
+//     the lease is no longer held; lock.ErrChanged when Amend finds no
+//     completed record with the fence and value it was given.
 //
 // # The transactional handler
 //

@@ -33,7 +33,7 @@ var _ lock.Store = (*Store)(nil)
 
 // statements are the SQL texts of the Store's calls, for its Config.
 type statements struct {
-	acquire, finish, extend, stillHeld, cleanup, check string
+	acquire, finish, extend, stillHeld, cleanup, check, amend string
 }
 
 // New returns a Store on pool. It does no I/O: the table must exist
@@ -94,6 +94,19 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 					SELECT ns, key FROM ` + n.table + ` WHERE expires_at <= statement_timestamp() - $2::interval
 					LIMIT $1 FOR UPDATE SKIP LOCKED)
 				AND t.expires_at <= statement_timestamp() - $2::interval`,
+			// The now CTE reads the clock once and sets the functions'
+			// lock_timeout for this statement's transaction only, as
+			// forgetSQL does; the UPDATE joins it, so it is set before the
+			// UPDATE can wait for a row. A record that already holds the
+			// new value ($5) matches too, and is written with the same
+			// bytes: the answer of a retried Amend that landed. NULL (a
+			// Complete of a nil result) is the empty value.
+			amend: `WITH now AS (
+					SELECT clock_timestamp() AS ts, set_config('lock_timeout', '` + lockTimeout + `', true) AS lock_timeout)
+				UPDATE ` + n.table + ` AS t SET value = $5::bytea
+				FROM now
+				WHERE t.ns = $1 AND t.key = $2 AND t.state = 'c' AND t.fence = $3 AND t.expires_at > now.ts
+					AND coalesce(t.value, '') IN (coalesce($4::bytea, ''), coalesce($5::bytea, ''))`,
 			check: "SELECT obj_description(to_regclass($1), 'pg_class'), to_regprocedure($2) IS NOT NULL, to_regprocedure($3) IS NOT NULL",
 		},
 		done: make(chan struct{}),
@@ -293,6 +306,37 @@ func (s *Store) Release(ctx context.Context, lease lock.Lease) error {
 // back again.
 func (s *Store) Cancel(ctx context.Context, lease lock.Lease) error {
 	return s.finish(ctx, s.pool, lease, "cancel", "x", nil)
+}
+
+var _ lock.Amender = (*Store)(nil)
+
+// Amend replaces the value of key's completed record with value if its
+// fence is fence and its value is old (see lock.Amender), in one UPDATE
+// that changes the value column alone: state, owner, fence, attempts,
+// times and expires_at stay as the completion wrote them. The row lock
+// makes it compare-and-set: of concurrent Amends from the same old value,
+// the first to commit changes the row and the others, which waited for
+// it, find another value and answer lock.ErrChanged. A record that
+// already holds value is matched and written again with the same bytes,
+// so that a retried Amend whose first answer was lost answers nil. Like
+// Forget, it waits at most 2 s for a row that another transaction holds,
+// then fails as lock.ErrUnavailable. It needs nothing beyond what
+// Migrate made for earlier releases.
+func (s *Store) Amend(ctx context.Context, key string, fence int64, old, value []byte) error {
+	if err := checkKey(s.cfg, key); err != nil {
+		return err
+	}
+	if len(value) > s.cfg.MaxResultSize {
+		return fmt.Errorf("%w: amend key %q: %d bytes, at most %d allowed", lock.ErrResultTooLarge, key, len(value), s.cfg.MaxResultSize)
+	}
+	tag, err := s.pool.Exec(ctx, s.sql.amend, s.cfg.Prefix, []byte(key), fence, old, value)
+	switch {
+	case err != nil:
+		return fmt.Errorf("pgstore: amend %q: %w", key, classify(err))
+	case tag.RowsAffected() != 1:
+		return fmt.Errorf("%w: amend key %q fence %d", lock.ErrChanged, key, fence)
+	}
+	return nil
 }
 
 // querier is what finish runs on: the pool (a statement of its own) or a
