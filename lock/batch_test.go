@@ -2,6 +2,7 @@ package lock
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -179,5 +180,171 @@ func TestBatcherAsksAgainAfterCancel(t *testing.T) {
 	_, _ = s.Acquire(cancelled, Request{Key: "k"})
 	if !s.batch.merging(context.Background()) || !s.batch.native(context.Background()) {
 		t.Fatal("merging or the native path turned off by a cancelled context")
+	}
+}
+
+// amendCounter records the most keys one amend script call carried.
+type amendCounter struct{ most atomic.Int64 }
+
+func (h *amendCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *amendCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return next
+}
+func (h *amendCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		for _, cmd := range cmds {
+			if a := cmd.Args(); cmd.Name() == "evalsha" && a[1] == amendScript.Hash() {
+				if n := int64(a[2].(int)); n > h.most.Load() {
+					h.most.Store(n)
+				}
+			}
+		}
+		return next(ctx, cmds)
+	}
+}
+
+// Amends that wait for a turn together go out as one script call over
+// all their keys, and each key gets its own answer: a record amended, one
+// already holding the value, one of another fence, value or state, none,
+// another key's record (a hash collision) and a key holding a hash are
+// answered apart, and only the first two change.
+func TestBatcherMergesAmends(t *testing.T) {
+	// A server of its own: the test blocks it on purpose.
+	client := testenv.RedisServer(t).Client(t)
+	var hook amendCounter
+	client.AddHook(&hook)
+	s, err := NewRedisStore(client, Config{Prefix: testenv.Name(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	complete := func(key, value string) Lease {
+		t.Helper()
+		res, err := s.Acquire(ctx, Request{Key: key})
+		if err != nil || res.Status != Acquired {
+			t.Fatalf("Acquire(%s): %v %v", key, res.Status, err)
+		}
+		if err := s.Complete(ctx, res.Lease, []byte(value)); err != nil {
+			t.Fatalf("Complete(%s): %v", key, err)
+		}
+		return res.Lease
+	}
+	type amend struct {
+		key          string
+		fence        int64
+		old, value   string
+		want         error  // nil, or the sentinel the answer wraps
+		stored       string // the record's value afterwards, when completed
+		noRecordKept bool   // the key has no record of its own
+	}
+	var cases []amend
+	for i := range 4 {
+		key := fmt.Sprint("ok-", i)
+		l := complete(key, "v0")
+		cases = append(cases, amend{key: key, fence: l.Fence, old: "v0", value: fmt.Sprint("v1-", i), stored: fmt.Sprint("v1-", i)})
+	}
+	l := complete("already", "v1")
+	cases = append(cases, amend{key: "already", fence: l.Fence, old: "v0", value: "v1", stored: "v1"})
+	l = complete("other-fence", "v0")
+	cases = append(cases, amend{key: "other-fence", fence: l.Fence - 1, old: "v0", value: "v1", want: ErrChanged, stored: "v0"})
+	l = complete("other-value", "v2")
+	cases = append(cases, amend{key: "other-value", fence: l.Fence, old: "v0", value: "v1", want: ErrChanged, stored: "v2"})
+	res, err := s.Acquire(ctx, Request{Key: "running"})
+	if err != nil || res.Status != Acquired {
+		t.Fatalf("Acquire(running): %v %v", res.Status, err)
+	}
+	cases = append(cases, amend{key: "running", fence: res.Lease.Fence, old: "", value: "v1", want: ErrChanged})
+	cases = append(cases, amend{key: "absent", fence: l.Fence, old: "v0", value: "v1", want: ErrChanged, noRecordKept: true})
+	// A collision: the record of "ok-0" at the Redis key of "collided".
+	raw, err := client.Get(ctx, recordKey(s.cfg.Prefix, "ok-0")).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := client.Set(ctx, recordKey(s.cfg.Prefix, "collided"), raw, time.Minute).Err(); err != nil {
+		t.Fatal(err)
+	}
+	cases = append(cases, amend{key: "collided", fence: cases[0].fence, old: "v0", value: "v1", want: ErrKeyCollision, noRecordKept: true})
+	// A key holding a hash, as records were before format 1.
+	poisoned := recordKey(s.cfg.Prefix, "poisoned")
+	if err := client.HSet(ctx, poisoned, "s", "c").Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := client.Expire(ctx, poisoned, time.Minute).Err(); err != nil {
+		t.Fatal(err)
+	}
+	cases = append(cases, amend{key: "poisoned", fence: l.Fence, old: "v0", value: "v1", want: ErrBadRecord, noRecordKept: true})
+
+	// Fill every slot with a script that blocks the server for a moment,
+	// so that every Amend waits for a turn, and they all go out together.
+	slow := redis.NewScript(`local t = redis.call('TIME') local stop = tonumber(t[1]) * 1000000 + tonumber(t[2]) + 200000
+		repeat t = redis.call('TIME') until tonumber(t[1]) * 1000000 + tonumber(t[2]) >= stop return {1}`)
+	var slowWG sync.WaitGroup
+	for range maxInFlight {
+		slowWG.Add(1)
+		go func() {
+			defer slowWG.Done()
+			if _, err := s.batch.run(ctx, slow, []string{"slow"}); err != nil {
+				t.Error(err)
+			}
+		}()
+	}
+	waitFor := func(what string, ok func() bool) {
+		t.Helper()
+		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+			s.batch.mu.Lock()
+			done := ok()
+			s.batch.mu.Unlock()
+			if done {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("waiting for %s: timed out", what)
+			}
+		}
+	}
+	waitFor("the slow scripts", func() bool { return s.batch.running == maxInFlight })
+	errs := make([]error, len(cases))
+	var wg sync.WaitGroup
+	for i, c := range cases {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = s.Amend(ctx, c.key, c.fence, []byte(c.old), []byte(c.value))
+		}()
+	}
+	waitFor("the Amends to wait for a turn", func() bool { return len(s.batch.waiting) == len(cases) })
+	wg.Wait()
+	slowWG.Wait()
+
+	if got, want := hook.most.Load(), int64(len(cases)); got != want {
+		t.Fatalf("the largest amend script call carried %d keys, want all %d in one", got, want)
+	}
+	for i, c := range cases {
+		switch {
+		case c.want == nil && errs[i] != nil:
+			t.Errorf("%s: got %v, want nil", c.key, errs[i])
+		case c.want != nil && !errors.Is(errs[i], c.want):
+			t.Errorf("%s: got %v, want %v", c.key, errs[i], c.want)
+		case c.want == ErrChanged && (errors.Is(errs[i], ErrBadRecord) || errors.Is(errs[i], ErrKeyCollision)):
+			t.Errorf("%s: got %v, want ErrChanged alone", c.key, errs[i])
+		}
+		if c.noRecordKept {
+			continue
+		}
+		r, err := s.Inspect(ctx, c.key)
+		switch {
+		case err != nil:
+			t.Errorf("%s afterwards: %v", c.key, err)
+		case c.stored == "" && r.State != StateInProgress:
+			t.Errorf("%s afterwards: %+v, want it still in progress", c.key, r)
+		case c.stored != "" && (r.State != StateCompleted || string(r.Value) != c.stored):
+			t.Errorf("%s afterwards: state %s value %q, want completed with %q", c.key, r.State, r.Value, c.stored)
+		}
+	}
+	if got := client.Get(ctx, recordKey(s.cfg.Prefix, "collided")).Val(); got != raw {
+		t.Error("the collided record changed")
+	}
+	if n, err := client.Exists(ctx, recordKey(s.cfg.Prefix, "absent")).Result(); err != nil || n != 0 {
+		t.Errorf("Amend of an absent key made a record: %d %v", n, err)
 	}
 }

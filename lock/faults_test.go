@@ -63,6 +63,14 @@ func TestRedisUnreachableIsUnavailable(t *testing.T) {
 	if err := s.Complete(context.Background(), l, nil); !errors.Is(err, lock.ErrUnavailable) {
 		t.Fatalf("Complete on a closed port: got %v, want ErrUnavailable", err)
 	}
+	if err := s.Amend(context.Background(), "k", 1, nil, []byte("v")); !errors.Is(err, lock.ErrUnavailable) {
+		t.Fatalf("Amend on a closed port: got %v, want ErrUnavailable", err)
+	}
+	// A value over the limit is refused before any round trip.
+	big := make([]byte, lock.DefaultMaxResultSize+1)
+	if err := s.Amend(context.Background(), "k", 1, nil, big); !errors.Is(err, lock.ErrResultTooLarge) || errors.Is(err, lock.ErrUnavailable) {
+		t.Fatalf("Amend of a value over the limit on a closed port: got %v, want ErrResultTooLarge", err)
+	}
 }
 
 // crossSlotProxy answers CROSSSLOT, without sending it, to any EVALSHA over

@@ -448,6 +448,7 @@ func TestRedisRecordFormat(t *testing.T) {
 	for name, err := range map[string]error{
 		"Complete": s.Complete(ctx, res.Lease, nil),
 		"Cancel":   s.Cancel(ctx, res.Lease),
+		"Amend":    s.Amend(ctx, "k", res.Lease.Fence, nil, []byte("v")),
 	} {
 		if err == nil || errors.Is(err, lock.ErrLeaseLost) || !strings.Contains(err.Error(), "version 3") {
 			t.Fatalf("%s of a version 3 record: got %v, want a format error", name, err)
@@ -560,5 +561,76 @@ func TestRedisNativeRefused(t *testing.T) {
 	}
 	if res, err := ls.Acquire(ctx, lock.Request{Key: "other"}); err != nil || res.Status != lock.Acquired {
 		t.Fatalf("new key without MULTI: %v %v", res.Status, err)
+	}
+}
+
+// Amend rewrites a completed record in format 1 with nothing changed but
+// the value, and keeps the key's expiry to the millisecond (SET ...
+// KEEPTTL): the retention the completion set, not a new one.
+func TestRedisAmendKeepsRecordAndExpiry(t *testing.T) {
+	client := testenv.RedisClient(t)
+	prefix := testenv.Name(t)
+	s := newRedisStore(t, client, lock.Config{Prefix: prefix})
+	ctx := context.Background()
+	res, err := s.Acquire(ctx, lock.Request{Key: "k", Fingerprint: "fp", Retention: time.Hour})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatalf("Acquire: %v %v", res.Status, err)
+	}
+	if err := s.Complete(ctx, res.Lease, []byte("v0")); err != nil {
+		t.Fatal(err)
+	}
+	keys := client.Keys(ctx, prefix+":*").Val()
+	if len(keys) != 1 {
+		t.Fatalf("record keys: %v", keys)
+	}
+	before := client.Get(ctx, keys[0]).Val()
+	expireAt := client.PExpireTime(ctx, keys[0]).Val()
+	time.Sleep(20 * time.Millisecond) // a new expiry would differ
+	if err := s.Amend(ctx, "k", res.Lease.Fence, []byte("v0"), []byte("v1")); err != nil {
+		t.Fatal(err)
+	}
+	after := client.Get(ctx, keys[0]).Val()
+	// The value is last, packed as a 2-byte fixstr (0xa2): all bytes
+	// before it are the same.
+	if len(after) != len(before) || after[0] != 0x01 || after[:len(after)-2] != before[:len(before)-2] || after[len(after)-2:] != "v1" {
+		t.Fatalf("record after Amend %x, want %x with the value v1", after, before)
+	}
+	if got := client.PExpireTime(ctx, keys[0]).Val(); got != expireAt {
+		t.Fatalf("expiry after Amend %v, want %v as the completion set it", got, expireAt)
+	}
+}
+
+// An Amend whose reply was lost is resent by go-redis; the resend finds
+// the value written and answers nil, not ErrChanged.
+func TestRedisAmendRetryAfterLostReply(t *testing.T) {
+	var armed atomic.Bool
+	client := redis.NewClient(&redis.Options{
+		Addr:       testenv.RedisAddr(t),
+		MaxRetries: 3,
+		Dialer:     wrapDialer(func(c net.Conn) net.Conn { return &flakyConn{Conn: c, armed: &armed} }),
+	})
+	t.Cleanup(func() { client.Close() })
+	s := newRedisStore(t, client, lock.Config{Prefix: testenv.Name(t)})
+	ctx := context.Background()
+	if err := s.Check(ctx); err != nil { // loads the scripts
+		t.Fatal(err)
+	}
+	res, err := s.Acquire(ctx, lock.Request{Key: "k"})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatalf("Acquire: %v %v", res.Status, err)
+	}
+	if err := s.Complete(ctx, res.Lease, []byte("v0")); err != nil {
+		t.Fatal(err)
+	}
+	armed.Store(true)
+	if err := s.Amend(ctx, "k", res.Lease.Fence, []byte("v0"), []byte("v1")); err != nil {
+		t.Fatalf("Amend with its reply lost: %v, want nil", err)
+	}
+	if armed.Load() {
+		t.Fatal("the fault was never injected")
+	}
+	dup, err := s.Acquire(ctx, lock.Request{Key: "k"})
+	if err != nil || dup.Status != lock.Completed || string(dup.Value) != "v1" {
+		t.Fatalf("after the retried Amend: %v %q %v, want completed with v1", dup.Status, dup.Value, err)
 	}
 }
