@@ -339,6 +339,9 @@ func TestUnavailable(t *testing.T) {
 	if errs := s.Extend(context.Background(), res.Lease); !errors.Is(errs[0], lock.ErrUnavailable) {
 		t.Errorf("Extend: %v, want ErrUnavailable", errs[0])
 	}
+	if err := s.Amend(context.Background(), "k", res.Lease.Fence, nil, []byte("v")); !errors.Is(err, lock.ErrUnavailable) {
+		t.Errorf("Amend: %v, want ErrUnavailable", err)
+	}
 	if err := s.Check(context.Background()); !errors.Is(err, lock.ErrUnavailable) {
 		t.Errorf("Check: %v, want ErrUnavailable", err)
 	}
@@ -460,5 +463,83 @@ func TestExtendStaleAndCurrentLeaseOfOneKey(t *testing.T) {
 	errs := s.Extend(ctx, old.Lease, cur.Lease, old.Lease)
 	if !errors.Is(errs[0], lock.ErrLeaseLost) || errs[1] != nil || !errors.Is(errs[2], lock.ErrLeaseLost) {
 		t.Fatalf("Extend(stale, current, stale): %v; want [lost, nil, lost]", errs)
+	}
+}
+
+// TestAmendChangesTheValueAlone: Amend updates the value column of the
+// row and nothing else: expires_at stays as the completion set it, to the
+// microsecond.
+func TestAmendChangesTheValueAlone(t *testing.T) {
+	pool := pgenv.Pool(t, 4)
+	cfg := schema(t, pool, pgstore.Config{CleanupInterval: -1})
+	s := newStore(t, pool, cfg)
+	ctx := context.Background()
+	res, err := s.Acquire(ctx, lock.Request{Key: "k", Fingerprint: "fp", Retention: time.Hour})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatalf("Acquire: %+v, %v", res, err)
+	}
+	if err := s.Complete(ctx, res.Lease, []byte("v0")); err != nil {
+		t.Fatal(err)
+	}
+	row := func() (string, []byte) {
+		t.Helper()
+		var rest string
+		var value []byte
+		err := pool.QueryRow(ctx, `SELECT (ns, key, state, owner, fence, deadline, attempts, fingerprint,
+				created_at, ended_at, expires_at)::text, value
+			FROM `+pgx.Identifier{cfg.Schema, pgstore.DefaultTable}.Sanitize()+` WHERE key = $1`, []byte("k")).Scan(&rest, &value)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return rest, value
+	}
+	before, _ := row()
+	time.Sleep(20 * time.Millisecond) // a new expires_at would differ
+	if err := s.Amend(ctx, "k", res.Lease.Fence, []byte("v0"), []byte("v1")); err != nil {
+		t.Fatal(err)
+	}
+	after, value := row()
+	if after != before || string(value) != "v1" {
+		t.Fatalf("row after Amend: %s value %q, want %s value v1", after, value, before)
+	}
+}
+
+// TestAmendLockedRecord: Amend of a row held by a transaction that does
+// not end fails as unavailable after the lock timeout, and the lock
+// timeout does not stay on the connection.
+func TestAmendLockedRecord(t *testing.T) {
+	pool := pgenv.Pool(t, 2) // one for lockRow's transaction, one for the rest
+	cfg := schema(t, pool, pgstore.Config{CleanupInterval: -1})
+	s := newStore(t, pool, cfg)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	var fences []int64
+	for _, key := range []string{"stuck", "free"} {
+		res, err := s.Acquire(ctx, lock.Request{Key: key})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Complete(ctx, res.Lease, []byte("v0")); err != nil {
+			t.Fatal(err)
+		}
+		fences = append(fences, res.Lease.Fence)
+	}
+	lockRow(t, pool, cfg, "stuck")
+	start := time.Now()
+	err := s.Amend(ctx, "stuck", fences[0], []byte("v0"), []byte("v1"))
+	if took := time.Since(start); !errors.Is(err, lock.ErrUnavailable) || took > 10*time.Second {
+		t.Fatalf("Amend of the locked record: %v after %v; want unavailable within the lock timeout", err, took)
+	}
+	// A failed statement rolls its settings back; one that succeeds must
+	// not leave its lock timeout either.
+	if err := s.Amend(ctx, "free", fences[1], []byte("v0"), []byte("v1")); err != nil {
+		t.Fatalf("Amend: %v", err)
+	}
+	var setting, reset string
+	if err := pool.QueryRow(ctx, "SELECT setting, reset_val FROM pg_settings WHERE name = 'lock_timeout'").Scan(&setting, &reset); err != nil {
+		t.Fatal(err)
+	}
+	if setting != reset {
+		t.Fatalf("lock_timeout on the connection after Amend: %s ms, want the session's %s ms", setting, reset)
 	}
 }
