@@ -39,6 +39,9 @@ const (
 	// delivered again when the store or the dead-letter target cannot be
 	// reached.
 	DefaultUnavailableDelay = 5 * time.Second
+	// DefaultMaxStaged is how many messages one execution of a handler
+	// may stage (Stage).
+	DefaultMaxStaged = 100
 )
 
 // MissingKeyPolicy says what to do with a message that has no usable
@@ -177,6 +180,11 @@ type Config struct {
 	// message is requeued after UnavailableDelay and dead-lettered after
 	// MaxAttempts tries. Default false: fail closed, requeue with a delay.
 	FailOpen bool
+	// MaxStaged bounds the messages one execution of the handler may stage
+	// (Stage): past it, Stage returns ErrOutboxFull. The staged messages
+	// and the result together must also fit in what the store keeps in
+	// one record (its MaxResultSize). Default DefaultMaxStaged.
+	MaxStaged int
 	// MaxResultSize limits a handler's result in bytes; a result over it
 	// fails the message terminally ("result too large"). The stored value
 	// is the result plus at most ResultOverhead bytes (which say where a
@@ -293,6 +301,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("amqpidem: Config.FailedDuplicate %d is not a policy", c.FailedDuplicate)
 	case c.MaxResultSize < 0:
 		return fmt.Errorf("amqpidem: Config.MaxResultSize %d must not be negative", c.MaxResultSize)
+	case c.MaxStaged < 0:
+		return fmt.Errorf("amqpidem: Config.MaxStaged %d must not be negative", c.MaxStaged)
 	}
 	if c.DelayInProcess && len(c.DelayQueueArgs) > 0 {
 		return errors.New("amqpidem: Config.DelayQueueArgs has no use with DelayInProcess, which declares no delay queue")
@@ -318,6 +328,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.MaxAttempts == 0 {
 		c.MaxAttempts = DefaultMaxAttempts
+	}
+	if c.MaxStaged == 0 {
+		c.MaxStaged = DefaultMaxStaged
 	}
 	if c.InProgressDelay == 0 {
 		c.InProgressDelay = DefaultInProgressDelay

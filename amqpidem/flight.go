@@ -40,6 +40,9 @@ type flight struct {
 	ev Event
 	// slot is the delivery's hold on a gate slot; none without a gate.
 	slot slot
+	// storeKey is the key of the delivery's record (StoreKey), once it
+	// has one.
+	storeKey string
 	// lease is the lease Acquire granted, once the answer was Acquired.
 	lease lock.Lease
 	// attempt is the execution's attempt once it runs: the record's
@@ -108,7 +111,8 @@ func (f *flight) arrive(t *ticket) {
 		f.noKey(keyErr)
 		return
 	}
-	req := lock.Request{Key: StoreKey(p.cfg.Endpoint, key), TTL: p.cfg.LeaseTTL, Retention: p.cfg.Retention}
+	f.storeKey = StoreKey(p.cfg.Endpoint, key)
+	req := lock.Request{Key: f.storeKey, TTL: p.cfg.LeaseTTL, Retention: p.cfg.Retention}
 	req.Fingerprint = p.fingerprint(f.d)
 	res, err := p.store.Acquire(f.ctx, req)
 	if err != nil {
@@ -130,7 +134,7 @@ func (f *flight) answer(res *lock.Result) {
 	}
 	switch {
 	case res.Status == lock.Completed: // duplicate of completed work
-		f.duplicate(res.Value)
+		f.duplicate(res)
 	case res.Status == lock.Failed && f.dropFailed(): // duplicate of failed work, acked by policy
 		f.drop(res.Error)
 	case res.Status == lock.Failed: // duplicate of failed work

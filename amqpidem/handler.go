@@ -190,14 +190,16 @@ type Info struct {
 	Fence int64
 }
 
-type infoKey struct{}
-
 // FromContext returns the Info of the execution ctx belongs to.
 func FromContext(ctx context.Context) (Info, bool) {
-	i, ok := ctx.Value(infoKey{}).(Info)
-	return i, ok
+	x, ok := ctx.Value(executionKey{}).(*execution)
+	if !ok {
+		return Info{}, false
+	}
+	return x.info, true
 }
 
-func withInfo(ctx context.Context, i Info) context.Context {
-	return context.WithValue(ctx, infoKey{}, i)
+// withExecution returns ctx carrying x: its Info and its outbox.
+func withExecution(ctx context.Context, x *execution) context.Context {
+	return context.WithValue(ctx, executionKey{}, x)
 }

@@ -12,21 +12,26 @@ import (
 // What a flight does with its lease in the store once the handler is done
 // with it (or never started): complete, fail, release, or cancel it.
 
-// complete stores the handler's result, even if the delivery's context
-// was cancelled meanwhile (the work is done), then replies and acks. If
-// it cannot, the delivery is requeued: the lease is held until it expires
-// (store unavailable) or by someone else (lost), so its next delivery
-// waits for it as a busy duplicate.
-func (f *flight) complete(result []byte) {
+// complete stores the handler's result and the messages it staged, even
+// if the delivery's context was cancelled meanwhile (the work is done),
+// then publishes those, replies and acks. If it cannot store them, the
+// delivery is requeued: the lease is held until it expires (store
+// unavailable) or by someone else (lost), so its next delivery waits for
+// it as a busy duplicate.
+func (f *flight) complete(result []byte, staged [][]byte) {
 	// Complete is compare-and-set on owner and fence: if the lease was
 	// lost, it fails and the result is discarded. If the keeper only could
 	// not confirm the lease but nobody took it over, the result is still
 	// the only one and is kept.
-	value := encodeResult(f.d.ReplyTo, result)
+	value := encodeValue(f.d.ReplyTo, result, staged, f.claim())
 	err := settle(f.ctx, func(ctx context.Context) error { return f.p.store.Complete(ctx, f.lease, value) })
 	f.stopKeep() // renewing it would only delay its expiry
 	switch {
 	case err == nil:
+		f.ev.Outbox.Staged = len(staged)
+		if len(staged) > 0 && !f.dispatch(value, f.lease.Fence, true) {
+			return
+		}
 		f.replyAndAck(result, Completed)
 	case errors.Is(err, lock.ErrResultTooLarge):
 		// Terminal: storing it again cannot work, and a requeue would run
@@ -88,13 +93,15 @@ func (f *flight) cancel() {
 	}
 }
 
-// settle makes a store call that settles a lease (Complete, Fail) even if
-// ctx was cancelled meanwhile, and tries it again for up to settleTimeout
-// while it fails with anything but an answer: nil, lock.ErrLeaseLost or
+// settle makes a store call that settles a lease or its record
+// (Complete, Fail, Amend) even if ctx was cancelled meanwhile, and tries
+// it again for up to settleTimeout while it fails with anything but an
+// answer: nil, lock.ErrLeaseLost, lock.ErrChanged or
 // lock.ErrResultTooLarge.
 func settle(ctx context.Context, call func(context.Context) error) error {
 	final := func(err error) bool {
-		return err == nil || errors.Is(err, lock.ErrLeaseLost) || errors.Is(err, lock.ErrResultTooLarge)
+		return err == nil || errors.Is(err, lock.ErrLeaseLost) || errors.Is(err, lock.ErrChanged) ||
+			errors.Is(err, lock.ErrResultTooLarge)
 	}
 	err := call(context.WithoutCancel(ctx))
 	if final(err) {

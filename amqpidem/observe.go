@@ -45,9 +45,10 @@ type HandlerObserver interface {
 // StoreCall describes one call amqpidem made to its lock.Store.
 type StoreCall struct {
 	Queue string // Config.Queue
-	// Op is "acquire", "extend", "complete", "fail", "release" or
-	// "cancel". A Completer's own completion, in its transaction, is not
-	// a call amqpidem makes and is not reported.
+	// Op is "acquire", "extend", "complete", "fail", "release",
+	// "cancel" or "amend" (recording what became of staged messages). A
+	// Completer's own completion, in its transaction, is not a call
+	// amqpidem makes and is not reported.
 	Op string
 	// Leases is how many leases the call was about: the batch size of an
 	// extend (the heartbeat renews every held lease in one call), else 1.
@@ -221,6 +222,19 @@ func (s *observedStore) Cancel(ctx context.Context, lease lock.Lease) error {
 	t := time.Now()
 	err := s.Store.Cancel(ctx, lease)
 	s.report(ctx, "cancel", t, 1, err)
+	return err
+}
+
+// Amend forwards to the store's Amend; the processor calls it only when
+// the store has one.
+func (s *observedStore) Amend(ctx context.Context, key string, fence int64, old, value []byte) error {
+	a, ok := s.Store.(lock.Amender)
+	if !ok {
+		return errors.New("amqpidem: the store cannot amend records (lock.Amender)")
+	}
+	t := time.Now()
+	err := a.Amend(ctx, key, fence, old, value)
+	s.report(ctx, "amend", t, 1, err)
 	return err
 }
 

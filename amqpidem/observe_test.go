@@ -230,7 +230,7 @@ func acquireStatus(t *testing.T, s lock.Store, queue, key string, want lock.Stat
 
 func TestStoredResult(t *testing.T) {
 	for _, replyTo := range []string{"", "replies"} {
-		if got := string(StoredResult(encodeResult(replyTo, []byte("receipt")))); got != "receipt" {
+		if got := string(StoredResult(encodeValue(replyTo, []byte("receipt"), nil, 0))); got != "receipt" {
 			t.Errorf("reply-to %q: got %q", replyTo, got)
 		}
 	}

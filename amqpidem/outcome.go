@@ -80,12 +80,32 @@ type Event struct {
 	Handler time.Duration // how long the handler ran; zero if it did not run
 	Total   time.Duration // the whole processing time, acks included
 	Err     error         // the handler's or the infrastructure's error, if any
+	// Outbox counts what this delivery did with staged messages (Stage).
+	Outbox OutboxCounts
 	// Published is when the message was first published: its
 	// HeaderTimestampMillis header (Publisher and RabbitMQ's
 	// message_timestamp plugin set it), else its timestamp property (whole
 	// seconds); zero without either. Copies keep both, so time since
 	// Published includes requeue delays.
 	Published time.Time
+}
+
+// OutboxCounts is what one delivery did with the messages handlers staged
+// (Stage), in an Event.
+type OutboxCounts struct {
+	// Staged is how many messages the handler staged in this delivery's
+	// execution and had stored with its outcome.
+	Staged int
+	// Published is how many staged messages this delivery published, each
+	// confirmed by the broker: its own execution's, or, for a duplicate,
+	// those an earlier execution stored whose publishing had not ended
+	// (Republished counts those).
+	Published   int
+	Republished int
+	// Returned is how many staged messages this delivery gave up on,
+	// returned or refused by the broker MaxAttempts times; they stay in
+	// the record (OutboxReturned).
+	Returned int
 }
 
 // Observer is told of every processed delivery, for metrics. Observe is

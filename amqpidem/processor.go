@@ -2,6 +2,7 @@ package amqpidem
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"time"
@@ -39,6 +40,12 @@ type processor struct {
 	// userKey is set when Config.Key is the user's: it is called under
 	// recover (the default, MessageID, cannot panic).
 	userKey bool
+	// amender amends records (the outbox's states), through store; nil
+	// when the given store cannot.
+	amender lock.Amender
+	// valueLimit is the most bytes the store keeps in one record's value;
+	// outboxBytes, what staged messages may take of it.
+	valueLimit, outboxBytes int
 
 	// gate, when set, bounds the deliveries being decided or run at once
 	// (a Consumer's Concurrency) and lets them in in delivery order. A
@@ -91,11 +98,16 @@ func newProcessor(store lock.Store, cfg Config, h Handler) (processor, error) {
 	if o, ok := cfg.Observer.(StoreObserver); ok && wantsStore(o) {
 		store = &observedStore{Store: store, queue: cfg.Queue, obs: o, log: cfg.Logger}
 	}
+	var amender lock.Amender
+	if _, ok := given.(lock.Amender); ok {
+		amender, _ = store.(lock.Amender) // an observedStore forwards it
+	}
 	keeper, err := heartbeat.New(store, heartbeat.Config{SafetyMargin: cfg.SafetyMargin, Logger: cfg.Logger})
 	if err != nil {
 		return processor{}, err
 	}
-	return processor{cfg: cfg, store: store, given: given, keeper: keeper, handler: h, userKey: userKey}, nil
+	return processor{cfg: cfg, store: store, given: given, keeper: keeper, handler: h, userKey: userKey,
+		amender: amender, valueLimit: limit, outboxBytes: limit - ResultOverhead - binary.MaxVarintLen32}, nil
 }
 
 // sameStore reports whether a and b are the same store. Stores of a type

@@ -26,7 +26,9 @@ func (nopBroker) requeue(context.Context, string, amqp.Publishing, time.Duration
 // lock.MemoryStore with a broker that keeps nothing: the layer's own cost
 // (allocations, CPU) with no network in the way. unique runs a new key to
 // completion; duplicate answers a key completed before; retry runs a new
-// key whose handler fails (released, requeued with backoff). Each delivery
+// key whose handler fails (released, requeued with backoff); outbox runs a
+// new key whose handler stages one message (stored with the outcome,
+// published, marked published). Each delivery
 // carries the headers a requeued copy has.
 func BenchmarkProcess(b *testing.B) {
 	errBoom := errors.New("boom")
@@ -39,6 +41,9 @@ func BenchmarkProcess(b *testing.B) {
 		{"unique", false, func(context.Context, *amqp.Delivery) ([]byte, error) { return nil, nil }, Completed},
 		{"duplicate", true, func(context.Context, *amqp.Delivery) ([]byte, error) { return nil, nil }, Duplicate},
 		{"retry", false, func(context.Context, *amqp.Delivery) ([]byte, error) { return nil, errBoom }, Retried},
+		{"outbox", false, func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+			return nil, Stage(ctx, "", "next", amqp.Publishing{ContentType: "application/json", Body: d.Body})
+		}, Completed},
 	} {
 		b.Run(bc.name, func(b *testing.B) {
 			store, err := lock.NewMemoryStore(lock.Config{})

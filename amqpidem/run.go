@@ -46,50 +46,71 @@ func (f *flight) run() {
 		f.hctx, cancel = context.WithTimeoutCause(f.hctx, p.cfg.HandlerTimeout, ErrHandlerTimeout)
 		defer cancel()
 	}
-	f.hctx = withInfo(f.hctx, Info{Queue: p.cfg.Queue, Key: f.ev.Key, Attempt: f.attempt, Fence: f.lease.Fence})
+	x := &execution{
+		info:   Info{Queue: p.cfg.Queue, Key: f.ev.Key, Attempt: f.attempt, Fence: f.lease.Fence},
+		outbox: outbox{idBase: f.storeKey, maxMessages: p.cfg.MaxStaged, maxBytes: p.outboxBytes, noStore: p.amender == nil},
+	}
+	f.hctx = withExecution(f.hctx, x)
 	if c, ok := p.handler.(Completer); ok {
-		f.runCompleter(c)
+		f.runCompleter(c, &x.outbox)
 		return
 	}
 	result, err := f.timeHandler(func() ([]byte, error) { return call(f.hctx, p.handler, handlerDelivery(f.d)) })
 	f.slot.free()
+	staged := x.outbox.seal()
 	switch {
 	case err == nil && len(result) > p.cfg.MaxResultSize:
 		f.stopKeep()
 		f.fail("result too large", fmt.Errorf("%w: %d bytes, at most %d allowed", lock.ErrResultTooLarge, len(result), p.cfg.MaxResultSize))
 	case err == nil:
-		f.complete(result)
+		f.complete(result, staged)
 	default:
 		f.failed(err)
 	}
 }
 
 // runCompleter is run's second half for a Completer, which completes the
-// record itself, in the transaction of its effects: it runs c and settles
-// the delivery.
-func (f *flight) runCompleter(c Completer) {
-	var valued, tooLarge bool // value was called; it refused the result
-	replyTo, limit := f.d.ReplyTo, f.p.cfg.MaxResultSize
+// record itself, in the transaction of its effects, with the value
+// amqpidem makes of the result and what the handler staged in o: it runs
+// c and settles the delivery.
+func (f *flight) runCompleter(c Completer, o *outbox) {
+	// What value saw: that it was called, that it refused the result, and
+	// what it returned to be stored. One object, for the closure.
+	var v struct {
+		valued, tooLarge bool
+		stored           []byte
+		staged           int
+	}
+	replyTo, limit, valueLimit, claim := f.d.ReplyTo, f.p.cfg.MaxResultSize, f.p.valueLimit, f.claim()
 	value := func(result []byte) ([]byte, error) {
-		valued = true
-		if len(result) > limit {
-			tooLarge = true
-			return nil, fmt.Errorf("%w: %d bytes, at most %d allowed", lock.ErrResultTooLarge, len(result), limit)
+		v.valued = true
+		staged := o.seal()
+		stored := encodeValue(replyTo, result, staged, claim)
+		if len(result) > limit || len(stored) > valueLimit {
+			v.tooLarge = true
+			return nil, fmt.Errorf("%w: a result of %d bytes (at most %d allowed) and %d staged messages make %d bytes, at most %d allowed",
+				lock.ErrResultTooLarge, len(result), limit, len(staged), len(stored), valueLimit)
 		}
-		return encodeResult(replyTo, result), nil
+		v.stored, v.staged = stored, len(staged)
+		return stored, nil
 	}
 	result, err := f.timeHandler(func() ([]byte, error) {
 		return recovered(func() ([]byte, error) { return c.HandleComplete(f.hctx, handlerDelivery(f.d), f.lease, value) })
 	})
+	o.seal()
 	f.slot.free()
 	switch {
 	case err == nil: // completed in its transaction
 		f.stopKeep()
+		f.ev.Outbox.Staged = v.staged
+		if v.staged > 0 && !f.dispatch(v.stored, f.lease.Fence, true) {
+			return
+		}
 		f.replyAndAck(result, Completed)
-	case tooLarge && !IsPermanent(err):
+	case v.tooLarge && !IsPermanent(err):
 		f.stopKeep()
 		f.fail("result too large", err)
-	case valued && errors.Is(err, lock.ErrLeaseLost):
+	case v.valued && errors.Is(err, lock.ErrLeaseLost):
 		// The completion found another owner: everything rolled back, and
 		// the record decides the next delivery.
 		f.stopKeep()
@@ -154,7 +175,11 @@ func (f *flight) runUnkeyed(why string) {
 		f.deadLetter("attempts exhausted", fmt.Errorf("%d executions started, at most %d allowed", f.attempt-1, p.cfg.MaxAttempts))
 		return
 	}
-	f.hctx = withInfo(f.ctx, Info{Queue: p.cfg.Queue, Attempt: f.attempt})
+	x := &execution{
+		info:   Info{Queue: p.cfg.Queue, Attempt: f.attempt},
+		outbox: outbox{maxMessages: p.cfg.MaxStaged, maxBytes: p.outboxBytes},
+	}
+	f.hctx = withExecution(f.ctx, x)
 	if p.cfg.HandlerTimeout > 0 {
 		var cancel context.CancelFunc
 		f.hctx, cancel = context.WithTimeoutCause(f.hctx, p.cfg.HandlerTimeout, ErrHandlerTimeout)
@@ -162,6 +187,15 @@ func (f *flight) runUnkeyed(why string) {
 	}
 	result, err := f.timeHandler(func() ([]byte, error) { return call(f.hctx, p.handler, handlerDelivery(f.d)) })
 	f.slot.free()
+	staged := x.outbox.seal()
+	if err == nil && len(staged) > 0 {
+		// No record to keep them in: published now, at least once; a
+		// failure is the execution's, retried as a handler error.
+		f.ev.Outbox.Staged = len(staged)
+		if perr := f.publishUnkeyed(staged); perr != nil {
+			err = fmt.Errorf("amqpidem: staged message not published: %w", perr)
+		}
+	}
 	switch {
 	case err == nil:
 		if err := f.reply(result); err != nil {

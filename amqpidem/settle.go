@@ -8,6 +8,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/lock"
 )
 
 // The settle actions: every delivery ends in exactly one of ack (after a
@@ -33,11 +35,15 @@ func (f *flight) drop(stored string) {
 	f.ack(Dropped)
 }
 
-// duplicate settles a duplicate of completed work whose record holds
-// value: the stored reply re-sent (only to the ReplyTo it was made for),
-// then acked.
-func (f *flight) duplicate(value []byte) {
-	result, replyOK := decodeResult(value, f.d.ReplyTo)
+// duplicate settles a duplicate of completed work whose record res
+// answered: the staged messages it holds that were not published yet
+// published (see dispatch), the stored reply re-sent (only to the ReplyTo
+// it was made for), then acked.
+func (f *flight) duplicate(res *lock.Result) {
+	if !f.dispatch(res.Value, res.Fence, false) {
+		return
+	}
+	result, replyOK := decodeResult(res.Value, f.d.ReplyTo)
 	if f.d.ReplyTo != "" && !replyOK {
 		// The result was made for another ReplyTo, or none: a duplicate
 		// does not get to choose where it goes.

@@ -1,0 +1,155 @@
+package amqpidem
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// dispatch publishes the staged messages of value, the stored value of
+// the delivery's completed record (of fence fence), that are not
+// published yet, and records in the record what became of them. It
+// reports whether the delivery may now be settled as completed work (every
+// message published or given up); if not, it has requeued the delivery,
+// whose next copy publishes the rest. own says that this delivery's
+// execution stored value: its messages are published, not re-published,
+// and its claim is its own.
+//
+// A copy that finds messages pending while the execution that stored
+// them still claims them (it publishes them now, or died doing so less
+// than a lease TTL ago) waits as a busy duplicate rather than publish them
+// a second time; an execution that stops trying gives its claim up.
+func (f *flight) dispatch(value []byte, fence int64, own bool) bool {
+	p := f.p
+	v, err := splitValue(value)
+	if err != nil {
+		// Nothing in it can be published; the result stands. Said loudly,
+		// not retried: a damaged record does not mend itself.
+		f.ev.Err = errors.Join(f.ev.Err, err)
+		p.cfg.Logger.ErrorContext(f.ctx, "amqpidem: staged messages unreadable; not published",
+			"queue", p.cfg.Queue, "key", f.ev.Key, "error", err)
+		return true
+	}
+	pending := 0
+	for _, e := range v.outbox {
+		if e.state == OutboxPending {
+			pending++
+		}
+	}
+	if pending == 0 {
+		return true
+	}
+	if left := time.Until(time.UnixMilli(v.claimUntil)); !own && left > 0 {
+		f.requeue(Busy, "outbox being published", p.busyDelay(left), nil)
+		return false
+	}
+	amended := append([]byte(nil), value...)
+	var broken error // a publish failed for want of the broker: stop
+	for i, e := range v.outbox {
+		if e.state != OutboxPending || broken != nil {
+			continue
+		}
+		err := f.publishStaged(e.msg)
+		switch {
+		case err == nil:
+			amended[e.at] = byte(OutboxPublished)
+			pending--
+			f.ev.Outbox.Published++
+			if !own {
+				f.ev.Outbox.Republished++
+			}
+		case errors.Is(err, ErrUnroutable) || errors.Is(err, ErrNotConfirmed) || errors.Is(err, errBadValue):
+			tries := int(e.tries) + 1
+			amended[e.at+1] = byte(min(tries, 255))
+			if tries >= p.cfg.MaxAttempts || errors.Is(err, errBadValue) {
+				amended[e.at] = byte(OutboxReturned)
+				pending--
+				f.ev.Outbox.Returned++
+				p.cfg.Logger.WarnContext(f.ctx, "amqpidem: staged message given up; it stays in the record (amqpidem outbox redrive publishes it again)",
+					"queue", p.cfg.Queue, "key", f.ev.Key, "index", i, "tries", tries, "error", err)
+			}
+			f.ev.Err = errors.Join(f.ev.Err, err)
+		default:
+			broken = err
+			f.ev.Err = errors.Join(f.ev.Err, err)
+		}
+	}
+	if pending > 0 {
+		// The next copy publishes the rest, at once.
+		clear(amended[v.claimAt : v.claimAt+claimLen])
+	}
+	if !bytes.Equal(amended, value) {
+		err := f.amend(value, amended, fence)
+		switch {
+		case errors.Is(err, lock.ErrChanged):
+			// Another delivery recorded its own publishes first: look
+			// again shortly, and publish what is still pending then.
+			f.requeue(Abandoned, "outbox changed", MinInProgressDelay, err)
+			return false
+		case err != nil:
+			// What was published is not recorded: published again later,
+			// a duplicate downstream, never a loss.
+			f.requeue(Abandoned, "store unavailable", p.cfg.UnavailableDelay, err)
+			return false
+		}
+	}
+	if pending == 0 {
+		return true
+	}
+	reason := "outbox not published"
+	if broken == nil {
+		reason = "outbox returned"
+	}
+	f.requeue(Abandoned, reason, p.cfg.UnavailableDelay, nil)
+	return false
+}
+
+// publishStaged publishes one staged message, as encoded, confirmed and
+// mandatory, with the delivery's trace context in its headers.
+func (f *flight) publishStaged(enc []byte) error {
+	exchange, key, msg, _, err := readPublishing(enc)
+	if err != nil {
+		return fmt.Errorf("%w: %w", errBadValue, err)
+	}
+	if f.p.cfg.Tracer != nil {
+		h := make(amqp.Table, len(msg.Headers)+2)
+		for k, v := range msg.Headers {
+			h[k] = v
+		}
+		f.p.inject(f.ctx, h)
+		msg.Headers = h
+	}
+	sctx, cancel := settleContext(f.ctx)
+	defer cancel()
+	return f.b.publish(sctx, exchange, key, msg)
+}
+
+// amend records value as the record's new stored value in place of old,
+// compare-and-set (lock.Amender), retrying for up to settleTimeout while
+// the store does not answer.
+func (f *flight) amend(old, value []byte, fence int64) error {
+	a := f.p.amender
+	if a == nil {
+		return errors.New("amqpidem: the store cannot amend records (lock.Amender): staged messages are not marked published")
+	}
+	return settle(f.ctx, func(ctx context.Context) error { return a.Amend(ctx, f.storeKey, fence, old, value) })
+}
+
+// publishUnkeyed publishes the messages an execution without a record
+// staged, before its delivery is acked; it reports whether all were
+// published, or else returns the first error.
+func (f *flight) publishUnkeyed(staged [][]byte) error {
+	for _, enc := range staged {
+		if err := f.publishStaged(enc); err != nil {
+			return err
+		}
+		f.ev.Outbox.Published++
+	}
+	return nil
+}
