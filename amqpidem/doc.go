@@ -50,8 +50,15 @@
 //
 //	what happened                          broker                                  record
 //	new key, handler succeeded             ack after the record is completed       completed, result stored
+//	handler staged messages (Stage),       each published, confirmed, after the    completed with them; then
+//	succeeded                              record is completed; then ack           marked published
 //	duplicate of completed work            ack; stored reply re-sent, only to the  unchanged
 //	                                       ReplyTo it was made for
+//	duplicate of completed work whose      the rest published (same MessageIds),   marked published
+//	staged messages were not all           then ack; busy while the execution
+//	published                              that stored them may still publish them
+//	staged message returned or refused     requeued, tried again; given up after   marked returned
+//	by the broker                          MaxAttempts tries (logged), then ack
 //	another consumer holds a live lease    delayed requeue until about when that   unchanged
 //	                                       lease would expire (InProgressDelay)
 //	retryable failure, HandlerTimeout      delayed requeue after Backoff(attempt)  lease released, attempts kept
@@ -70,6 +77,21 @@
 //	(wrong type, unknown format)           MaxAttempts tries; never run
 //	shutdown while running                 ctx cancelled, copy back to the queue   lease released
 //	shutdown before the handler started    copy back to the queue                  none, or lease given up, attempt taken back
+//
+// # The outbox
+//
+// Stage adds a message to the handler execution's outbox: it is stored
+// with the handler's outcome, in the same write (a Completer's
+// transaction included), and published, confirmed, after it and before
+// the ack; a copy of the message that finds messages stored but not
+// published publishes them, with the same MessageIds. So nothing staged is
+// published for work whose outcome was not stored, and every staged
+// message is published at least once after it was, with one MessageId
+// however often: exactly once for an amqpidem consumer downstream, which
+// is where exactly-once reaches across a chain of services. The record
+// marks each confirmed message (lock.Amender), so later duplicates publish
+// nothing; StoredOutbox reads them. See Stage, and docs/outbox.md in the
+// repository.
 //
 // # Records belong to an endpoint
 //
