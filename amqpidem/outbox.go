@@ -334,7 +334,12 @@ func encodeValue(replyTo string, result []byte, staged [][]byte, claimUntil int6
 // the claim has passed; a clock ahead or behind only brings that forward
 // or puts it off.
 func (f *flight) claim() int64 {
-	return time.Now().Add(f.lease.TTL).UnixMilli()
+	return claimFrom(time.Now(), f.lease.TTL)
+}
+
+// claimFrom is the claim of messages stored at now under a lease of ttl.
+func claimFrom(now time.Time, ttl time.Duration) int64 {
+	return now.Add(ttl).UnixMilli()
 }
 
 // errBadValue means a stored value of amqpidem's form is damaged.

@@ -81,11 +81,11 @@ func (f *flight) runCompleter(c Completer, o *outbox) {
 		stored           []byte
 		staged           int
 	}
-	replyTo, limit, valueLimit, claim := f.d.ReplyTo, f.p.cfg.MaxResultSize, f.p.valueLimit, f.claim()
+	replyTo, limit, valueLimit, ttl := f.d.ReplyTo, f.p.cfg.MaxResultSize, f.p.valueLimit, f.lease.TTL
 	value := func(result []byte) ([]byte, error) {
 		v.valued = true
 		staged := o.seal()
-		stored := encodeValue(replyTo, result, staged, claim)
+		stored := encodeValue(replyTo, result, staged, claimFrom(time.Now(), ttl))
 		if len(result) > limit || len(stored) > valueLimit {
 			v.tooLarge = true
 			return nil, fmt.Errorf("%w: a result of %d bytes (at most %d allowed) and %d staged messages make %d bytes, at most %d allowed",
