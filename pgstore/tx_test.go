@@ -527,3 +527,53 @@ func TestTxHandlerSearchPath(t *testing.T) {
 		t.Fatalf("after the completion: %+v, %v; want completed", again, err)
 	}
 }
+
+// TestTxHandlerOutbox: a message staged in the transaction is stored with
+// the effect and the record, by the same commit; an execution that rolls
+// back publishes nothing it staged; the committed one's message is
+// published once, confirmed, and the record says so.
+func TestTxHandlerOutbox(t *testing.T) {
+	r := newRig(t)
+	next := r.queue + ".next"
+	if _, err := r.ch.QueueDeclare(next, true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = r.ch.QueueDelete(next, false, false, false) })
+	var runs atomic.Int32
+	r.run(r.store.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+		if err := r.insert(ctx, tx, d.MessageId); err != nil {
+			return nil, err
+		}
+		n := runs.Add(1)
+		if err := amqpidem.Stage(ctx, "", next, amqp.Publishing{Body: []byte(fmt.Sprintf("run %d", n))}); err != nil {
+			return nil, err
+		}
+		if n == 1 {
+			return nil, errors.New("rolled back after staging")
+		}
+		return nil, nil
+	}), nil)
+	r.publish("o")
+	evs := r.waitFor("o", amqpidem.Completed)
+	if last := evs[len(evs)-1]; last.Outbox != (amqpidem.OutboxCounts{Staged: 1, Published: 1}) {
+		t.Fatalf("events %s, outbox %+v", outcomes(evs), last.Outbox)
+	}
+	m, ok, err := r.ch.Get(next, true)
+	if err != nil || !ok || string(m.Body) != "run 2" {
+		t.Fatalf("staged message: %q %v %v; want the committed run's", m.Body, ok, err)
+	}
+	if _, ok, _ := r.ch.Get(next, true); ok {
+		t.Fatal("a second staged message was published")
+	}
+	if got := r.effects(); got["o"] != 1 {
+		t.Fatalf("effects %v, want 1 row for o", got)
+	}
+	res, err := r.store.Acquire(context.Background(), lock.Request{Key: amqpidem.StoreKey(r.queue, "o")})
+	if err != nil || res.Status != lock.Completed {
+		t.Fatal(res.Status, err)
+	}
+	msgs, err := amqpidem.StoredOutbox(res.Value)
+	if err != nil || len(msgs) != 1 || msgs[0].State != amqpidem.OutboxPublished || msgs[0].Msg.MessageId != m.MessageId {
+		t.Fatalf("record's outbox: %+v %v", msgs, err)
+	}
+}
