@@ -2,33 +2,74 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
+// dial connects to RabbitMQ at --amqp.
+func (o *options) dial() (*amqp.Connection, error) {
+	conn, err := amqp.DialConfig(o.amqpURL, amqp.Config{Properties: amqp.Table{"connection_name": "amqpidem cli"}})
+	if err != nil {
+		return nil, withCode(exitFailed, "RabbitMQ at %s: %w", redactURL(o.amqpURL), err)
+	}
+	return conn, nil
+}
+
 // confirmer publishes one message at a time, mandatory, on a channel in
 // confirm mode, and waits for the broker's answer.
 type confirmer struct {
+	conn    *amqp.Connection
 	ch      *amqp.Channel
 	returns chan amqp.Return
+	closes  chan *amqp.Error // the channel's close, with the broker's reason
 }
 
 func newConfirmer(conn *amqp.Connection) (*confirmer, error) {
-	ch, err := conn.Channel()
+	c := &confirmer{conn: conn}
+	return c, c.open()
+}
+
+// open opens the publishing channel, in confirm mode.
+func (c *confirmer) open() error {
+	ch, err := c.conn.Channel()
 	if err != nil {
-		return nil, withCode(exitFailed, "RabbitMQ: opening a publishing channel: %w", err)
+		return withCode(exitFailed, "RabbitMQ: opening a publishing channel: %w", err)
 	}
 	if err := ch.Confirm(false); err != nil {
-		return nil, withCode(exitFailed, "RabbitMQ: confirm mode: %w", err)
+		ch.Close()
+		return withCode(exitFailed, "RabbitMQ: confirm mode: %w", err)
 	}
-	return &confirmer{ch: ch, returns: ch.NotifyReturn(make(chan amqp.Return, 1))}, nil
+	c.ch, c.returns, c.closes = ch, ch.NotifyReturn(make(chan amqp.Return, 1)), ch.NotifyClose(make(chan *amqp.Error, 1))
+	return nil
+}
+
+// errUnroutable means a mandatory message came back: no queue is bound to
+// take it.
+var errUnroutable = errors.New("unroutable")
+
+// channelClosed means the broker closed the publishing channel over a
+// publish (an exchange that does not exist, access refused) while the
+// connection stayed up: the message was not taken, and reopen gives a
+// channel for the next one. Code is the broker's reply code, 0 when it
+// did not say.
+type channelClosed struct {
+	code   int
+	reason string
+}
+
+func (e *channelClosed) Error() string {
+	if e.code == 0 {
+		return "the broker closed the channel"
+	}
+	return fmt.Sprintf("the broker closed the channel: %d %s", e.code, e.reason)
 }
 
 // publish sends msg and returns nil once the broker confirmed it routed
-// to a queue; an error otherwise (returned as unroutable, nacked, or no
-// answer within timeout).
+// to a queue; an error otherwise (returned as unroutable, nacked, the
+// channel closed over it, or no answer within timeout).
 func (c *confirmer) publish(ctx context.Context, exchange, key string, msg amqp.Publishing, timeout time.Duration) error {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
@@ -41,13 +82,37 @@ func (c *confirmer) publish(ctx context.Context, exchange, key string, msg amqp.
 		return fmt.Errorf("no confirm: %w", err)
 	}
 	// A mandatory message no queue took comes back before its confirm.
+	// (returns is closed, and reads as a zero Return, once the channel
+	// is.)
 	select {
-	case r := <-c.returns:
-		return fmt.Errorf("unroutable: %d %s", r.ReplyCode, r.ReplyText)
+	case r, ok := <-c.returns:
+		if ok {
+			return fmt.Errorf("%w: %d %s", errUnroutable, r.ReplyCode, r.ReplyText)
+		}
 	default:
 	}
 	if !acked {
+		if c.ch.IsClosed() && !c.conn.IsClosed() {
+			// A channel the broker closed nacks what it had in flight;
+			// the reason comes on closes, sent before those nacks.
+			select {
+			case e := <-c.closes:
+				if e != nil {
+					return &channelClosed{code: e.Code, reason: e.Reason}
+				}
+			case <-time.After(time.Second):
+			}
+			return &channelClosed{}
+		}
 		return fmt.Errorf("the broker refused it (nack)")
 	}
 	return nil
+}
+
+// reopen replaces a channel the broker closed.
+func (c *confirmer) reopen() error {
+	if !c.ch.IsClosed() {
+		return nil
+	}
+	return c.open()
 }

@@ -124,9 +124,9 @@ type dlqSession struct {
 }
 
 func (o *options) openDLQ(queue string) (*dlqSession, error) {
-	conn, err := amqp.DialConfig(o.amqpURL, amqp.Config{Properties: amqp.Table{"connection_name": "amqpidem cli"}})
+	conn, err := o.dial()
 	if err != nil {
-		return nil, withCode(exitFailed, "RabbitMQ at %s: %w", redactURL(o.amqpURL), err)
+		return nil, err
 	}
 	ch, err := conn.Channel()
 	if err != nil {
