@@ -61,7 +61,11 @@ type recordJSON struct {
 	ResultBytes     int        `json:"result_bytes,omitempty"`
 	ResultTruncated bool       `json:"result_truncated,omitempty"`
 	Error           string     `json:"error,omitempty"`
-	Location        string     `json:"location"`
+	// Outbox is the messages the handler staged with the result, if any;
+	// OutboxError says why they cannot be read.
+	Outbox      []stagedJSON `json:"outbox,omitempty"`
+	OutboxError string       `json:"outbox_error,omitempty"`
+	Location    string       `json:"location"`
 }
 
 func toJSON(k *keyFlags, key string, r lock.Record, maxBytes int) recordJSON {
@@ -72,6 +76,13 @@ func toJSON(k *keyFlags, key string, r lock.Record, maxBytes int) recordJSON {
 		res := amqpidem.StoredResult(r.Value)
 		text, cut := shown(res, maxBytes)
 		j.Result, j.ResultBytes, j.ResultTruncated = &text, len(res), cut
+		msgs, err := amqpidem.StoredOutbox(r.Value)
+		if err != nil {
+			j.OutboxError = err.Error()
+		}
+		for i, m := range msgs {
+			j.Outbox = append(j.Outbox, toStagedJSON(i, m))
+		}
 	}
 	return j
 }
@@ -87,6 +98,13 @@ consumer: its state (in_progress, completed, failed, released, cancelled),
 attempts, fencing token, the lease's owner and time left, when it was
 created and ended, when it expires, the stored result or error, and
 where it lives in the store.
+
+A completed record whose handler staged messages (amqpidem.Stage) shows
+them too: per message its index, state (pending: not confirmed yet, the
+next delivery of the key publishes it; published; returned: given up after
+the broker returned or refused it Config.MaxAttempts times, which "amqpidem
+outbox redrive" publishes again), tries, exchange, routing key, MessageId
+and body size.
 
 Exit code 3 when the key has no record (never seen, expired, forgotten).`,
 		Example: `  amqpidem inspect order-1042 --queue orders
@@ -121,18 +139,31 @@ func (o *options) printRecord(k *keyFlags, key string, r lock.Record, maxBytes i
 		{"ended", when(r.Ended)},
 		{"expires in", r.ExpiresIn.Round(time.Millisecond).String()},
 	}
-	if j.Result != nil {
+	var staged []amqpidem.OutboxMessage
+	switch {
+	case j.OutboxError != "" && j.ResultBytes == 0:
+		rows = append(rows, []string{"result", "unreadable: the stored value is damaged"})
+	case j.Result != nil:
 		note := fmt.Sprintf(" (%d bytes)", j.ResultBytes)
 		if j.ResultTruncated {
 			note = fmt.Sprintf(" (first %d of %d bytes)", maxBytes, j.ResultBytes)
 		}
 		rows = append(rows, []string{"result", oneLine(*j.Result, maxBytes) + note})
 	}
+	if j.OutboxError != "" {
+		rows = append(rows, []string{"outbox", "unreadable: " + oneLine(j.OutboxError, maxBytes)})
+	} else if staged, _ = amqpidem.StoredOutbox(r.Value); len(staged) > 0 {
+		rows = append(rows, []string{"outbox", outboxCounts(staged)})
+	}
 	if r.State == lock.StateFailed {
 		rows = append(rows, []string{"error", oneLine(r.Error, maxBytes)})
 	}
 	rows = append(rows, []string{"location", r.Location})
 	table(o.stdout, rows)
+	if len(staged) > 0 {
+		fmt.Fprintln(o.stdout)
+		stagedTable(o, staged)
+	}
 	return nil
 }
 
@@ -158,8 +189,10 @@ of KEY runs the handler as a first execution. Use it for work that failed
 for good and was fixed, or a completed operation that must run again.
 
 It refuses a record whose lease is live (a consumer may be running the work
-right now; forgetting it lets a second one start) unless --force is given,
-and it deletes only the record it read: if the record changed meanwhile it
+right now; forgetting it lets a second one start), and a completed record
+keeping staged messages not published yet (pending or returned: forgetting
+it drops them; "amqpidem outbox redrive" publishes them), unless --force is
+given, and it deletes only the record it read: if the record changed meanwhile it
 deletes nothing and says so (exit code 4). Exit code 3 when there is no
 record.`,
 		Example: `  amqpidem forget payment-77 --queue payments`,
@@ -169,6 +202,10 @@ record.`,
 				if r.Live() && !force {
 					return withCode(exitRefused, "key %q of %s: a lease is live (%v left, owner %s): a consumer may be running it now; --force forgets it anyway",
 						args[0], k.name(), r.LeaseLeft.Round(time.Millisecond), r.Owner)
+				}
+				if n := unpublished(r); n > 0 && !force {
+					return withCode(exitRefused, "key %q of %s: %s not published yet (pending or returned; see inspect): forgetting the record drops them; amqpidem outbox redrive publishes them; --force forgets anyway",
+						args[0], k.name(), plural(n, "staged message"))
 				}
 				if err := admin.Forget(ctx, skey, r.State, r.Fence); err != nil {
 					return o.storeError(args[0], &k, err)
@@ -185,8 +222,23 @@ record.`,
 		},
 	}
 	k.add(c)
-	c.Flags().BoolVar(&force, "force", false, "forget a record whose lease is live")
+	c.Flags().BoolVar(&force, "force", false, "forget a record whose lease is live, or that keeps staged messages not published")
 	return c
+}
+
+// unpublished counts the staged messages of r not published yet.
+func unpublished(r lock.Record) int {
+	if r.State != lock.StateCompleted {
+		return 0
+	}
+	msgs, _ := amqpidem.StoredOutbox(r.Value)
+	n := 0
+	for _, m := range msgs {
+		if m.State != amqpidem.OutboxPublished {
+			n++
+		}
+	}
+	return n
 }
 
 // withRecord opens the store, reads the record of key and calls then with

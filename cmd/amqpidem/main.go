@@ -1,12 +1,14 @@
 // Command amqpidem looks into and repairs what an amqpidem consumer keeps:
-// the record of an idempotency key (inspect, forget) and the dead letters
-// of a queue (dlq list, dlq replay). Run "amqpidem --help" for the
-// commands, "amqpidem <command> --help" for one.
+// the record of an idempotency key (inspect, forget), the messages its
+// handler staged (outbox redrive) and the dead letters of a queue (dlq
+// list, dlq replay). Run "amqpidem --help" for the commands,
+// "amqpidem <command> --help" for one.
 //
 // Exit codes: 0 done; 1 failed (a service could not be reached, a publish
 // was not confirmed); 2 bad usage; 3 nothing found (no record, no
-// matching dead letter); 4 refused (a live lease without --force, a record
-// that changed meanwhile, dead letters left in place).
+// matching dead letter, no staged message to publish); 4 refused (a live
+// lease without --force, a record that changed meanwhile, dead letters or
+// staged messages left in place).
 package main
 
 import (
@@ -93,10 +95,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 func newRoot(o *options) *cobra.Command {
 	root := &cobra.Command{
 		Use:   "amqpidem",
-		Short: "Inspect and repair amqpidem's records and dead letters",
+		Short: "Inspect and repair amqpidem's records, staged messages and dead letters",
 		Long: `amqpidem looks into what amqpidem consumers keep and repairs it:
 the record of an idempotency key in the store (Redis, or PostgreSQL with
---postgres), and the dead letters of a queue in RabbitMQ.
+--postgres) with the messages its handler staged, and the dead letters of
+a queue in RabbitMQ.
 
 Services come from flags, else from the environment:
   AMQPIDEM_REDIS_URL     (default redis://127.0.0.1:6379/0)
@@ -126,7 +129,7 @@ Exit codes: 0 done, 1 failed, 2 bad usage, 3 nothing found,
 	f.BoolVar(&o.json, "json", false, "print JSON for scripts instead of text for people")
 	f.DurationVar(&o.timeout, "timeout", 30*time.Second, "give up on a service call after this long")
 
-	root.AddCommand(newInspect(o), newForget(o), newDLQ(o))
+	root.AddCommand(newInspect(o), newForget(o), newOutbox(o), newDLQ(o))
 	return root
 }
 

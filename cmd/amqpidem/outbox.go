@@ -1,0 +1,544 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/spf13/cobra"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// stagedJSON is one staged message of a record, as inspect --json prints
+// it.
+type stagedJSON struct {
+	// Index is its place among the messages staged, from 0, as the
+	// consumer's warning and outbox redrive --index number them.
+	Index         int      `json:"index"`
+	State         string   `json:"state"` // pending, published, returned
+	Tries         int      `json:"tries"` // publishes the broker returned or refused
+	Exchange      string   `json:"exchange"`
+	RoutingKey    string   `json:"routing_key"`
+	MessageID     string   `json:"message_id"`
+	ContentType   string   `json:"content_type,omitempty"`
+	CorrelationID string   `json:"correlation_id,omitempty"`
+	Type          string   `json:"type,omitempty"`
+	Headers       []string `json:"headers,omitempty"` // the headers' names, sorted
+	BodyBytes     int      `json:"body_bytes"`
+}
+
+func toStagedJSON(i int, m amqpidem.OutboxMessage) stagedJSON {
+	j := stagedJSON{Index: i, State: m.State.String(), Tries: m.Tries, Exchange: m.Exchange, RoutingKey: m.RoutingKey,
+		MessageID: m.Msg.MessageId, ContentType: m.Msg.ContentType, CorrelationID: m.Msg.CorrelationId, Type: m.Msg.Type,
+		BodyBytes: len(m.Msg.Body)}
+	for k := range m.Msg.Headers {
+		j.Headers = append(j.Headers, k)
+	}
+	slices.Sort(j.Headers)
+	return j
+}
+
+// outboxCounts says how many of msgs are in each state, for people.
+func outboxCounts(msgs []amqpidem.OutboxMessage) string {
+	n := map[amqpidem.OutboxState]int{}
+	for _, m := range msgs {
+		n[m.State]++
+	}
+	return fmt.Sprintf("%s: %d published, %d pending, %d returned", plural(len(msgs), "staged message"),
+		n[amqpidem.OutboxPublished], n[amqpidem.OutboxPending], n[amqpidem.OutboxReturned])
+}
+
+// stagedTable writes the staged messages msgs as inspect shows them.
+func stagedTable(o *options, msgs []amqpidem.OutboxMessage) {
+	rows := [][]string{{"INDEX", "STATE", "TRIES", "EXCHANGE", "ROUTING KEY", "MESSAGE ID", "BYTES"}}
+	for i, m := range msgs {
+		rows = append(rows, []string{strconv.Itoa(i), m.State.String(), strconv.Itoa(m.Tries), oneLine(orDash(m.Exchange), 40),
+			oneLine(orDash(m.RoutingKey), 60), oneLine(orDash(m.Msg.MessageId), 60), strconv.Itoa(len(m.Msg.Body))})
+	}
+	table(o.stdout, rows)
+}
+
+func newOutbox(o *options) *cobra.Command {
+	c := &cobra.Command{
+		Use:   "outbox",
+		Short: "Publish again the messages a handler staged that the broker returned",
+		Long: `outbox works on the messages handlers staged (amqpidem.Stage), which a
+completed record keeps with the result, each in a state: pending (stored,
+not confirmed by the broker yet: the next delivery of its key publishes
+it), published (confirmed), or returned (the broker returned it, no queue
+being bound, or refused it, Config.MaxAttempts times: the consumer logged it
+at warn level, counted it, and publishes it no more).
+
+inspect shows a record's staged messages and their states.`,
+	}
+	c.AddCommand(newRedrive(o))
+	return c
+}
+
+// redriveFlags select the staged messages outbox redrive publishes.
+type redriveFlags struct {
+	indexes []int
+	all     bool // pending ones too
+	force   bool // published ones too
+	dryRun  bool
+}
+
+// allowed reports whether a message in state s may be published again,
+// or why not.
+func (f *redriveFlags) allowed(s amqpidem.OutboxState) (bool, string) {
+	switch s {
+	case amqpidem.OutboxReturned:
+		return true, ""
+	case amqpidem.OutboxPending:
+		if f.all || f.force {
+			return true, ""
+		}
+		return false, "pending: the next delivery of the key publishes it; --all publishes it now"
+	case amqpidem.OutboxPublished:
+		if f.force {
+			return true, ""
+		}
+		return false, "published already; --force publishes it again"
+	}
+	return false, "in state " + s.String()
+}
+
+// redriven is what outbox redrive did with one staged message.
+type redriven struct {
+	Index      int    `json:"index"`
+	State      string `json:"state"` // as read, before redrive
+	Tries      int    `json:"tries"`
+	Exchange   string `json:"exchange"`
+	RoutingKey string `json:"routing_key"`
+	MessageID  string `json:"message_id"`
+	// Action: "redriven" (published, confirmed and marked published in
+	// the record), "would redrive" (--dry-run), "left" (not published;
+	// Why says why), or "published, not marked" (published and
+	// confirmed, but the record could not be amended: Why says why; it
+	// is published again by the next redrive, or by its consumer when
+	// pending).
+	Action string `json:"action"`
+	Why    string `json:"why,omitempty"`
+}
+
+func newRedrive(o *options) *cobra.Command {
+	var k keyFlags
+	var f redriveFlags
+	c := &cobra.Command{
+		Use:   "redrive KEY --queue QUEUE [--index N]... [--all] [--force] [--dry-run]",
+		Short: "Publish again the staged messages of a key that the broker returned",
+		Long: `redrive publishes again messages that a handler staged with the outcome of
+the message key KEY, as the record keeps them, then marks them published
+in the record. Fix the cause first: declare the queue or the binding the
+message was returned for (inspect shows each message's exchange and
+routing key).
+
+By default it publishes every message in state returned. --index N picks
+messages by their index, from 0, as inspect and the consumer's warning
+number them (repeat it, or give a list: --index 0,2). A pending message is
+published only with --all (its consumer publishes it with the next delivery
+of the key; use --all when that delivery is gone), a published one only
+with --force (to send again what downstream lost), and --force without
+--index publishes every staged message.
+
+Each message goes to its exchange and routing key exactly as stored (the
+same MessageId and properties), mandatory, with publisher confirms: an
+amqpidem consumer downstream that already took it sees a duplicate. One the
+broker returns or refuses again is left as it was and reported. Then the
+record is amended, compare-and-set on the value read, so that the messages
+confirmed are marked published; if a consumer changed the record meanwhile,
+redrive reads it again and marks them in what it now holds.
+
+Killed at any point it loses nothing: a message published but not yet
+marked stays returned (or pending), and the next redrive (or, when pending,
+its consumer) publishes it again: a duplicate downstream, never a loss.
+--dry-run says what would be published and changes nothing.
+
+Exit code 3 when the key has no record or there is nothing to publish (no
+staged message in the states selected, an --index the record does not
+have); 4 when the record is not completed, when some messages were left
+(see why), or when the record was replaced meanwhile and could not be
+marked; 1 when RabbitMQ or the store failed (what was done is reported
+first).`,
+		Example: `  amqpidem inspect order-1042 --queue orders
+  amqpidem outbox redrive order-1042 --queue orders --dry-run
+  amqpidem outbox redrive order-1042 --queue orders
+  amqpidem outbox redrive order-1042 --queue orders --index 1 --force`,
+		Args: exactArgs(1, "one KEY"),
+		RunE: func(c *cobra.Command, args []string) error {
+			for _, i := range f.indexes {
+				if i < 0 {
+					return withCode(exitUsage, "--index %d: indexes start at 0", i)
+				}
+			}
+			skey, err := k.storeKey(args[0])
+			if err != nil {
+				return err
+			}
+			ctx, cancel := callContext(c, o)
+			admin, closeStore, err := o.openStore(ctx)
+			cancel()
+			if err != nil {
+				return err
+			}
+			defer closeStore()
+			amender, ok := admin.(lock.Amender)
+			if !ok {
+				return withCode(exitFailed, "%s cannot amend records (lock.Amender)", o.storeName())
+			}
+			r := &redriver{o: o, k: &k, key: args[0], skey: skey, admin: admin, amender: amender, f: &f}
+			return r.run(c.Context())
+		},
+	}
+	k.add(c)
+	c.Flags().IntSliceVar(&f.indexes, "index", nil, "publish the staged message of index `N` (from 0; repeatable)")
+	c.Flags().BoolVar(&f.all, "all", false, "publish pending messages too")
+	c.Flags().BoolVar(&f.force, "force", false, "publish published messages too")
+	c.Flags().BoolVar(&f.dryRun, "dry-run", false, "say what would be published, change nothing")
+	return c
+}
+
+// stagedPublisher publishes one staged message, confirmed. A *leftError
+// means that the broker did not take the message (it is left; the next
+// can be tried); any other error stops the run.
+type stagedPublisher interface {
+	publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error
+}
+
+// leftError says why the broker did not take a message.
+type leftError struct{ why string }
+
+func (e *leftError) Error() string { return e.why }
+
+func left(format string, args ...any) error { return &leftError{fmt.Sprintf(format, args...)} }
+
+// redriver re-drives the staged messages of one record.
+type redriver struct {
+	o       *options
+	k       *keyFlags
+	key     string // the message key
+	skey    string // its store key
+	admin   lock.Admin
+	amender lock.Amender
+	f       *redriveFlags
+	// pub publishes; nil until the first publish, which dials --amqp.
+	pub stagedPublisher
+	// note is said after the summary (a record read again meanwhile).
+	note string
+}
+
+// run reads the record, publishes what is selected, marks what was
+// confirmed, and reports.
+func (r *redriver) run(ctx context.Context) error {
+	rec, msgs, err := r.read(ctx)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if p, ok := r.pub.(*amqpPublisher); ok {
+			p.close()
+		}
+	}()
+	out, err := r.selected(msgs)
+	if err != nil {
+		return err
+	}
+	var published []int // indexes confirmed, to mark
+	var stopped error   // the run stopped early
+	for i := range out {
+		d := &out[i]
+		if d.Action != "" {
+			continue // left: not allowed in its state
+		}
+		if r.f.dryRun {
+			d.Action = "would redrive"
+			continue
+		}
+		if err := ctx.Err(); err != nil {
+			stopped = withCode(exitFailed, "interrupted: %w", err)
+			break
+		}
+		err := r.publish(ctx, msgs[d.Index])
+		var le *leftError
+		switch {
+		case err == nil:
+			d.Action = "published, not marked"
+			published = append(published, d.Index)
+		case errors.As(err, &le):
+			d.Action, d.Why = "left", le.why
+		default:
+			d.Action, d.Why = "left", "not published: the run stopped here"
+			stopped = err
+		}
+		if stopped != nil {
+			break
+		}
+	}
+	// Unmarked, what was published would be published again: harmless,
+	// but mark it even when interrupted.
+	var markErr error
+	if len(published) > 0 {
+		mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.o.timeout)
+		markErr = r.mark(mctx, rec, published)
+		cancel()
+		for i := range out {
+			if out[i].Action != "published, not marked" {
+				continue
+			}
+			if markErr == nil {
+				out[i].Action = "redriven"
+			} else {
+				out[i].Why = markErr.Error()
+			}
+		}
+	}
+	var trimmed []redriven // what was looked at: all but those not reached
+	for _, d := range out {
+		if d.Action != "" {
+			trimmed = append(trimmed, d)
+		}
+	}
+	if err := r.report(trimmed); err != nil {
+		return err
+	}
+	left := 0
+	for _, d := range trimmed {
+		if d.Action == "left" {
+			left++
+		}
+	}
+	switch {
+	case stopped != nil:
+		return stopped
+	case markErr != nil:
+		return markErr
+	case left > 0:
+		return withCode(exitRefused, "%s of key %q left unpublished (see why above)", plural(left, "staged message"), r.key)
+	}
+	return nil
+}
+
+// read reads the record and its staged messages; an error unless it is
+// completed with some.
+func (r *redriver) read(ctx context.Context) (lock.Record, []amqpidem.OutboxMessage, error) {
+	cctx, cancel := context.WithTimeout(ctx, r.o.timeout)
+	defer cancel()
+	rec, err := r.admin.Inspect(cctx, r.skey)
+	if err != nil {
+		return rec, nil, r.o.storeError(r.key, r.k, err)
+	}
+	if rec.State != lock.StateCompleted {
+		why := "only a completed record keeps staged messages"
+		if rec.State == lock.StateInProgress {
+			why = "its handler may be running: once the outcome is stored, its consumer publishes what it staged"
+		}
+		return rec, nil, withCode(exitRefused, "key %q of %s: the record is %s, not completed: %s", r.key, r.k.name(), rec.State, why)
+	}
+	msgs, err := amqpidem.StoredOutbox(rec.Value)
+	switch {
+	case err != nil:
+		return rec, nil, withCode(exitFailed, "key %q of %s: the staged messages cannot be read: %w (%s)", r.key, r.k.name(), err, rec.Location)
+	case len(msgs) == 0:
+		return rec, nil, withCode(exitNotFound, "key %q of %s: its handler staged no messages", r.key, r.k.name())
+	}
+	return rec, msgs, nil
+}
+
+// selected lists the messages --index, --all and --force pick, those
+// named but not allowed in their state already "left".
+func (r *redriver) selected(msgs []amqpidem.OutboxMessage) ([]redriven, error) {
+	describe := func(i int) redriven {
+		m := msgs[i]
+		return redriven{Index: i, State: m.State.String(), Tries: m.Tries, Exchange: m.Exchange, RoutingKey: m.RoutingKey,
+			MessageID: m.Msg.MessageId}
+	}
+	var out []redriven
+	if len(r.f.indexes) == 0 {
+		for i, m := range msgs {
+			if ok, _ := r.f.allowed(m.State); ok {
+				out = append(out, describe(i))
+			}
+		}
+		if len(out) == 0 {
+			return nil, withCode(exitNotFound, "key %q of %s: nothing to redrive: %s (pending ones with --all, published ones with --force)",
+				r.key, r.k.name(), outboxCounts(msgs))
+		}
+		return out, nil
+	}
+	seen := map[int]bool{}
+	for _, i := range r.f.indexes {
+		if i >= len(msgs) {
+			return nil, withCode(exitNotFound, "key %q of %s: no staged message %d: the record has %s (0 to %d)",
+				r.key, r.k.name(), i, plural(len(msgs), "staged message"), len(msgs)-1)
+		}
+		if seen[i] {
+			continue
+		}
+		seen[i] = true
+		d := describe(i)
+		if ok, why := r.f.allowed(msgs[i].State); !ok {
+			d.Action, d.Why = "left", why
+		}
+		out = append(out, d)
+	}
+	slices.SortFunc(out, func(a, b redriven) int { return a.Index - b.Index })
+	return out, nil
+}
+
+// publish publishes m as stored.
+func (r *redriver) publish(ctx context.Context, m amqpidem.OutboxMessage) error {
+	if r.pub == nil {
+		p, err := r.o.dialPublisher()
+		if err != nil {
+			return err
+		}
+		r.pub = p
+	}
+	return r.pub.publish(ctx, m.Exchange, m.RoutingKey, m.Msg)
+}
+
+// maxMarks bounds how often mark reads the record again after another
+// writer changed it first.
+const maxMarks = 5
+
+// mark amends the record rec, whose messages of indexes published were
+// confirmed, so that they are OutboxPublished: compare-and-set on the
+// value read; when another writer (a consumer recording its own
+// publishes) changed it first, on the value the record then holds, as
+// long as it is the same completion (same fence).
+func (r *redriver) mark(ctx context.Context, rec lock.Record, published []int) error {
+	old := rec.Value
+	for try := 1; ; try++ {
+		value := old
+		for _, i := range published {
+			v, err := amqpidem.SetOutboxState(value, i, amqpidem.OutboxPublished)
+			if err != nil {
+				return withCode(exitFailed, "marking staged message %d: %w", i, err)
+			}
+			value = v
+		}
+		if bytes.Equal(value, old) {
+			return nil // marked already, by a consumer that published them too
+		}
+		err := r.amender.Amend(ctx, r.skey, rec.Fence, old, value)
+		switch {
+		case err == nil:
+			return nil
+		case !errors.Is(err, lock.ErrChanged):
+			return withCode(exitFailed, "%s: marking them published: %w (they are published again by the next redrive)", r.o.storeName(), err)
+		case try == maxMarks:
+			return withCode(exitRefused, "the record kept changing while marking them published (%d tries); inspect it, and redrive again", try)
+		}
+		now, err := r.admin.Inspect(ctx, r.skey)
+		switch {
+		case errors.Is(err, lock.ErrNotFound):
+			return withCode(exitRefused, "the record is gone (expired or forgotten) since it was read: nothing to mark")
+		case err != nil:
+			return withCode(exitFailed, "%s: reading the record again: %w (they are published again by the next redrive)", r.o.storeName(), err)
+		case now.State != lock.StateCompleted || now.Fence != rec.Fence:
+			return withCode(exitRefused, "the record was made again since it was read (now %s, fence %d, was %d): nothing to mark", now.State, now.Fence, rec.Fence)
+		}
+		r.note = "the record changed while this ran (a consumer recorded its own publishes): read again, and marked there"
+		old = now.Value
+	}
+}
+
+// report prints what redrive did.
+func (r *redriver) report(out []redriven) error {
+	if r.o.json {
+		if out == nil {
+			out = []redriven{}
+		}
+		return printJSON(r.o.stdout, out)
+	}
+	counts := map[string]int{}
+	rows := [][]string{{"INDEX", "STATE", "TRIES", "EXCHANGE", "ROUTING KEY", "MESSAGE ID", "ACTION", "WHY"}}
+	for _, d := range out {
+		counts[d.Action]++
+		rows = append(rows, []string{strconv.Itoa(d.Index), d.State, strconv.Itoa(d.Tries), oneLine(orDash(d.Exchange), 40),
+			oneLine(orDash(d.RoutingKey), 60), oneLine(orDash(d.MessageID), 60), d.Action, d.Why})
+	}
+	if len(out) > 0 {
+		table(r.o.stdout, rows)
+	}
+	summary := fmt.Sprintf("key %s of %s: %d redriven, %d would redrive, %d left", r.key, r.k.name(),
+		counts["redriven"], counts["would redrive"], counts["left"])
+	if n := counts["published, not marked"]; n > 0 {
+		summary += fmt.Sprintf(", %d published but not marked", n)
+	}
+	fmt.Fprintln(r.o.stdout, summary)
+	if r.note != "" {
+		fmt.Fprintln(r.o.stdout, r.note)
+	}
+	return nil
+}
+
+// amqpPublisher is a stagedPublisher on RabbitMQ.
+type amqpPublisher struct {
+	c       *confirmer
+	timeout time.Duration
+}
+
+// dialPublisher connects to RabbitMQ for outbox redrive.
+func (o *options) dialPublisher() (*amqpPublisher, error) {
+	conn, err := o.dial()
+	if err != nil {
+		return nil, err
+	}
+	c, err := newConfirmer(conn)
+	if err != nil {
+		conn.Close()
+		return nil, err
+	}
+	return &amqpPublisher{c: c, timeout: o.timeout}, nil
+}
+
+func (p *amqpPublisher) publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	err := p.c.publish(ctx, exchange, key, msg, p.timeout)
+	var cc *channelClosed
+	switch {
+	case err == nil:
+		return nil
+	case ctx.Err() != nil || p.c.conn.IsClosed():
+		return withCode(exitFailed, "RabbitMQ: publishing to %s routing key %q: %w (not published)", exchangeName(exchange), key, err)
+	case errors.As(err, &cc):
+		if rerr := p.c.reopen(); rerr != nil {
+			return rerr
+		}
+		if cc.code == amqp.NotFound {
+			return left("%s does not exist (%d %s): declare it, and bind a queue to it for routing key %q", exchangeName(exchange), cc.code, amqpText(cc.reason), key)
+		}
+		return left("%v", err)
+	case errors.Is(err, errUnroutable) && exchange == "":
+		return left("returned again (%v): there is no queue %q", err, key)
+	case errors.Is(err, errUnroutable):
+		return left("returned again (%v): no queue is bound to %s for routing key %q", err, exchangeName(exchange), key)
+	}
+	return left("%v", err)
+}
+
+// close closes the connection.
+func (p *amqpPublisher) close() { p.c.conn.Close() }
+
+// amqpText is the name at the start of a broker's reply text: NOT_FOUND of
+// "NOT_FOUND - no exchange 'x' in vhost '/'".
+func amqpText(reason string) string {
+	name, _, _ := strings.Cut(reason, " ")
+	return name
+}
+
+// exchangeName names an exchange for messages.
+func exchangeName(exchange string) string {
+	if exchange == "" {
+		return "the default exchange"
+	}
+	return fmt.Sprintf("exchange %q", exchange)
+}
