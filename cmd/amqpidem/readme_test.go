@@ -3,10 +3,13 @@ package main_test
 import (
 	"os"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/lock"
 )
 
 // step is one command of the README's transcript and what it printed.
@@ -19,25 +22,38 @@ type step struct {
 // README's "Operating it" section.
 func transcript(t *testing.T) []step {
 	t.Helper()
-	b, err := os.ReadFile("../../README.md")
+	steps, ok := transcriptIn(t, "README.md")
+	if !ok {
+		t.Fatalf("README.md has no transcript between %q and %q", transcriptBegin, transcriptEnd)
+	}
+	return steps
+}
+
+// The markers around a transcript.
+const transcriptBegin, transcriptEnd = "<!-- transcript: cmd/amqpidem/readme_test.go -->\n```console\n", "```\n<!-- end of transcript -->"
+
+// transcriptIn reads the commands and outputs between the markers in the
+// file path of the repository; false when it has none.
+func transcriptIn(t *testing.T, path string) ([]step, bool) {
+	t.Helper()
+	b, err := os.ReadFile("../../" + path)
 	if err != nil {
 		t.Fatal(err)
 	}
 	text := string(b)
-	const begin, end = "<!-- transcript: cmd/amqpidem/readme_test.go -->\n```console\n", "```\n<!-- end of transcript -->"
-	i, j := strings.Index(text, begin), strings.Index(text, end)
+	i, j := strings.Index(text, transcriptBegin), strings.Index(text, transcriptEnd)
 	if i < 0 || j < i {
-		t.Fatalf("README.md has no transcript between %q and %q", begin, end)
+		return nil, false
 	}
 	var steps []step
-	for _, line := range strings.SplitAfter(text[i+len(begin):j], "\n") {
+	for _, line := range strings.SplitAfter(text[i+len(transcriptBegin):j], "\n") {
 		if cmd, ok := strings.CutPrefix(line, "$ amqpidem "); ok {
 			steps = append(steps, step{args: strings.Fields(cmd)})
 		} else if len(steps) > 0 {
 			steps[len(steps)-1].want += line
 		}
 	}
-	return steps
+	return steps, true
 }
 
 var normalizers = []struct {
@@ -93,6 +109,52 @@ func TestReadmeTranscript(t *testing.T) {
 		}
 		if strings.Contains(out, "1 replayed") {
 			r.waitOutcomes(amqpidem.Completed, 1)
+		}
+	}
+	if failed {
+		t.Logf("the whole transcript as it ran now:\n%s", got.String())
+	}
+}
+
+// The transcript of docs/outbox.md is what the commands print: run it
+// against a consumer of the queue orders whose handler stages three
+// messages: one to orders.audit, two to orders.shipping, which does not
+// exist (so the broker returns them) until just before the first redrive
+// that is not a --dry-run.
+func TestOutboxTranscript(t *testing.T) {
+	steps, ok := transcriptIn(t, "docs/outbox.md")
+	if !ok {
+		t.Skipf("docs/outbox.md has no transcript between %q and %q yet", transcriptBegin, transcriptEnd)
+	}
+	prefix := "cli-" + testenv.Name(t)
+	rdb := testenv.RedisClient(t)
+	testenv.DeleteKeys(t, rdb, prefix+":*")
+	store, err := lock.NewRedisStore(rdb, lock.Config{Prefix: prefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := newStagingRig(t, store, []string{"--redis", "redis://" + testenv.RedisAddr(t) + "/0", "--prefix", prefix})
+	r.pay("order-1042", 2)
+	var got strings.Builder
+	failed, fixed := false, false
+	for _, s := range steps {
+		args := make([]string, len(s.args))
+		for i, a := range s.args {
+			args[i] = strings.ReplaceAll(a, "orders", r.queue)
+		}
+		if len(args) > 1 && args[0] == "outbox" && args[1] == "redrive" && !slices.Contains(args, "--dry-run") && !fixed {
+			if _, err := r.ch.QueueDeclare(r.shipping, true, false, false, false, nil); err != nil {
+				t.Fatal(err)
+			}
+			fixed = true
+		}
+		stdout, stderr, _ := r.run(args...)
+		out := strings.ReplaceAll(stdout+stderr, prefix, "amqpidem")
+		out = strings.ReplaceAll(out, r.queue, "orders")
+		got.WriteString("$ amqpidem " + strings.Join(s.args, " ") + "\n" + out)
+		if normalize(out) != normalize(s.want) {
+			failed = true
+			t.Errorf("amqpidem %s printed\n%s\nthe docs say\n%s", strings.Join(s.args, " "), out, s.want)
 		}
 	}
 	if failed {
