@@ -19,6 +19,7 @@
 //	amqpidem_store_call_duration_seconds{queue,op,result}           histogram
 //	amqpidem_lease_extensions_total{queue,result}                   counter
 //	amqpidem_requeues_total{queue,outcome,delay_tier}               counter
+//	amqpidem_outbox_messages_total{queue,result}                    counter
 //
 // messages_total counts every delivery processed, once, by its
 // amqpidem.Outcome in lower case (completed, duplicate, busy, retried,
@@ -69,6 +70,24 @@
 // instead and is counted in the same tier; a copy sent back at once (on
 // shutdown, or by a nack) reports no delay and is not counted.
 //
+// outbox_messages_total counts the messages handlers stage with
+// amqpidem.Stage (amqpidem.Event.Outbox), by result: staged, the messages
+// a handler staged and had stored with its outcome, counted by the
+// delivery whose execution stored them; published, the staged messages a
+// delivery published, each confirmed by the broker; republished, those of
+// the published that an earlier delivery had stored but not finished
+// publishing (its process died, or a publish failed), so that published
+// minus republished went out with the delivery that staged them; returned,
+// the staged messages given up after the broker returned them (no queue
+// bound) or refused them MaxAttempts times, which stay in their record
+// for `amqpidem outbox redrive`. Publishing is at least once: a message
+// whose confirmed publish could not be recorded is published, and
+// counted, again. The messages of a delivery whose process died after
+// storing them are not counted as staged (that delivery is never
+// observed, see Limits), only as republished by the delivery that
+// publishes them: published can exceed staged. A delivery that staged and
+// published nothing adds to no series.
+//
 // # Cardinality
 //
 // No label holds message data: keys, message ids, consumer names and
@@ -77,13 +96,14 @@
 // elsewhere", "handler error", "handler timeout", "permanent failure",
 // "attempts exhausted", "key conflict", "lease lost", "store unavailable",
 // "shutdown", ...), empty for most completed and duplicate deliveries; op
-// has 6 values, result 3. delay_tier is bounded by amqpidem's delay tiers:
-// delays are rounded to two significant digits of milliseconds, so at
-// most 90 tiers per decade of delays; in practice a few per Backoff step
-// (its 10% jitter spreads a step over several tiers) and a few dozen for
-// busy deliveries, which wait about what the holder's lease has left, up
-// to InProgressDelay. Tell consumers in different processes apart with
-// the target's instance label, or with Options.ConstLabels.
+// has 6 values, result 3 (4 in outbox_messages_total). delay_tier is
+// bounded by amqpidem's delay tiers: delays are rounded to two
+// significant digits of milliseconds, so at most 90 tiers per decade of
+// delays; in practice a few per Backoff step (its 10% jitter spreads a
+// step over several tiers) and a few dozen for busy deliveries, which wait
+// about what the holder's lease has left, up to InProgressDelay. Tell
+// consumers in different processes apart with the target's instance
+// label, or with Options.ConstLabels.
 //
 // # Limits
 //
@@ -107,4 +127,5 @@
 //	sum by (queue, reason) (rate(amqpidem_messages_total{outcome="dead_lettered"}[5m]))
 //	histogram_quantile(0.99, sum by (queue, le) (rate(amqpidem_handler_duration_seconds_bucket{outcome="completed"}[5m])))
 //	sum by (queue) (rate(amqpidem_lease_extensions_total{result!="renewed"}[5m])) > 0
+//	sum by (queue) (increase(amqpidem_outbox_messages_total{result="returned"}[15m])) > 0
 package promamqpidem

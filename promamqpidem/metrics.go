@@ -118,6 +118,7 @@ type Metrics struct {
 	storeCalls *prometheus.HistogramVec
 	extensions *prometheus.CounterVec
 	requeues   *prometheus.CounterVec
+	outbox     *prometheus.CounterVec
 	all        []prometheus.Collector
 }
 
@@ -173,8 +174,11 @@ func newMetrics(o Options) *Metrics {
 		requeues: prometheus.NewCounterVec(prometheus.CounterOpts(opts("requeues_total",
 			"Delayed requeues (busy, retried and abandoned deliveries sent back after a delay), by outcome and delay tier in seconds (amqpidem.DelayTier).")),
 			[]string{"queue", "outcome", "delay_tier"}),
+		outbox: prometheus.NewCounterVec(prometheus.CounterOpts(opts("outbox_messages_total",
+			"Messages handlers staged (amqpidem.Stage), by result: staged (stored with the handler's outcome), published (published and confirmed, republished included), republished (published by a later delivery than the one that stored it, after a crash or a failed publish), returned (given up after the broker returned or refused it MaxAttempts times).")),
+			[]string{"queue", "result"}),
 	}
-	m.all = []prometheus.Collector{m.messages, m.handler, m.processing, m.endToEnd, m.inFlight, m.storeCalls, m.extensions, m.requeues}
+	m.all = []prometheus.Collector{m.messages, m.handler, m.processing, m.endToEnd, m.inFlight, m.storeCalls, m.extensions, m.requeues, m.outbox}
 	return m
 }
 
@@ -196,8 +200,11 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 
 // Observe records a processed delivery (amqpidem.Observer): its outcome
 // and reason, its handler and processing durations, its end-to-end
-// duration when it says when it was published, and its requeue delay
-// tier when it was sent back after a delay.
+// duration when it says when it was published, its requeue delay tier
+// when it was sent back after a delay, and what it did with staged
+// messages (amqpidem.Event.Outbox): each count that is not zero is added
+// to outbox_messages_total, so a delivery that staged nothing touches no
+// series of it.
 func (m *Metrics) Observe(_ context.Context, e amqpidem.Event) {
 	outcome := e.Outcome.String()
 	m.messages.WithLabelValues(e.Queue, outcome, e.Reason).Inc()
@@ -213,6 +220,23 @@ func (m *Metrics) Observe(_ context.Context, e amqpidem.Event) {
 		switch e.Outcome {
 		case amqpidem.Busy, amqpidem.Retried, amqpidem.Abandoned:
 			m.requeues.WithLabelValues(e.Queue, outcome, DelayTierLabel(e.Delay)).Inc()
+		}
+	}
+	if e.Outbox != (amqpidem.OutboxCounts{}) {
+		m.observeOutbox(e.Queue, e.Outbox)
+	}
+}
+
+// observeOutbox adds the counts of o that are above zero to
+// outbox_messages_total (a counter cannot go down: a negative count, which
+// amqpidem does not report, is left out too).
+func (m *Metrics) observeOutbox(queue string, o amqpidem.OutboxCounts) {
+	for _, c := range [...]struct {
+		result string
+		n      int
+	}{{"staged", o.Staged}, {"published", o.Published}, {"republished", o.Republished}, {"returned", o.Returned}} {
+		if c.n > 0 {
+			m.outbox.WithLabelValues(queue, c.result).Add(float64(c.n))
 		}
 	}
 }

@@ -174,6 +174,101 @@ func TestObserve(t *testing.T) {
 	lint(t, m)
 }
 
+// What deliveries did with staged messages, added up by result.
+func TestObserveOutbox(t *testing.T) {
+	m := promamqpidem.New(promamqpidem.Options{})
+	ctx := context.Background()
+	for _, e := range []amqpidem.Event{
+		// Staged three, published them.
+		{Outcome: amqpidem.Completed, Outbox: amqpidem.OutboxCounts{Staged: 3, Published: 3}},
+		// Staged two, stored them, published one before a publish failed.
+		{Outcome: amqpidem.Abandoned, Reason: "outbox not published", Err: errors.New("channel closed"),
+			Outbox: amqpidem.OutboxCounts{Staged: 2, Published: 1}},
+		// Its copy, a duplicate, publishes the other.
+		{Outcome: amqpidem.Duplicate, Outbox: amqpidem.OutboxCounts{Published: 1, Republished: 1}},
+		// One returned for the last time, one published.
+		{Outcome: amqpidem.Completed, Outbox: amqpidem.OutboxCounts{Staged: 2, Published: 1, Returned: 1}},
+		// Nothing staged.
+		{Outcome: amqpidem.Completed},
+	} {
+		e.Queue, e.Key = q, "alice@example.com"
+		m.Observe(ctx, e)
+	}
+	for _, c := range []struct {
+		result string
+		want   float64
+	}{
+		{"staged", 3 + 2 + 2},
+		{"published", 3 + 1 + 1 + 1},
+		{"republished", 1},
+		{"returned", 1},
+	} {
+		if got := value(t, m, "amqpidem_outbox_messages_total", "queue", q, "result", c.result); got != c.want {
+			t.Errorf("outbox_messages_total{result=%q}: got %v, want %v", c.result, got, c.want)
+		}
+	}
+	if got, want := testutil.CollectAndCount(m, "amqpidem_outbox_messages_total"), 4; got != want {
+		t.Errorf("outbox_messages_total has %d series, want %d", got, want)
+	}
+	// No label carries the key or the error's text.
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(m)
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		for _, s := range f.GetMetric() {
+			for _, l := range s.GetLabel() {
+				if strings.Contains(l.GetValue(), "alice") || strings.Contains(l.GetValue(), "channel closed") {
+					t.Errorf("%s{%s=%q}: a label carries message data", f.GetName(), l.GetName(), l.GetValue())
+				}
+			}
+		}
+	}
+	lint(t, m)
+}
+
+// A count of zero adds no sample: a delivery that staged nothing makes no
+// series, and one that only published makes only that series.
+func TestObserveOutboxZero(t *testing.T) {
+	m := promamqpidem.New(promamqpidem.Options{})
+	ctx := context.Background()
+	m.Observe(ctx, amqpidem.Event{Queue: q, Outcome: amqpidem.Completed})
+	m.Observe(ctx, amqpidem.Event{Queue: q, Outcome: amqpidem.Duplicate, Outbox: amqpidem.OutboxCounts{}})
+	// Not something amqpidem reports; a counter must not go down (Add
+	// panics), so it is left out too.
+	m.Observe(ctx, amqpidem.Event{Queue: q, Outcome: amqpidem.Completed, Outbox: amqpidem.OutboxCounts{Staged: -1}})
+	if got := testutil.CollectAndCount(m, "amqpidem_outbox_messages_total"); got != 0 {
+		t.Fatalf("outbox_messages_total has %d series after deliveries that staged nothing, want none", got)
+	}
+	m.Observe(ctx, amqpidem.Event{Queue: q, Outcome: amqpidem.Duplicate, Outbox: amqpidem.OutboxCounts{Published: 2, Republished: 2}})
+	if got, want := testutil.CollectAndCount(m, "amqpidem_outbox_messages_total"), 2; got != want {
+		t.Fatalf("outbox_messages_total has %d series, want %d (published and republished)", got, want)
+	}
+	for _, result := range []string{"staged", "returned"} {
+		if s := series(t, m, "amqpidem_outbox_messages_total", "queue", q, "result", result); s != nil {
+			t.Errorf("outbox_messages_total{result=%q}: a sample for a count of zero: %v", result, s)
+		}
+	}
+}
+
+// The whole exposition of outbox_messages_total: name, help, type,
+// labels.
+func TestOutboxMetricText(t *testing.T) {
+	m := promamqpidem.New(promamqpidem.Options{})
+	m.Observe(context.Background(), amqpidem.Event{Queue: q, Outcome: amqpidem.Completed,
+		Outbox: amqpidem.OutboxCounts{Staged: 2, Published: 2}})
+	want := `# HELP amqpidem_outbox_messages_total Messages handlers staged (amqpidem.Stage), by result: staged (stored with the handler's outcome), published (published and confirmed, republished included), republished (published by a later delivery than the one that stored it, after a crash or a failed publish), returned (given up after the broker returned or refused it MaxAttempts times).
+# TYPE amqpidem_outbox_messages_total counter
+amqpidem_outbox_messages_total{queue="orders",result="published"} 2
+amqpidem_outbox_messages_total{queue="orders",result="staged"} 2
+`
+	if err := testutil.CollectAndCompare(m, strings.NewReader(want), "amqpidem_outbox_messages_total"); err != nil {
+		t.Error(err)
+	}
+}
+
 func TestDelayTierLabel(t *testing.T) {
 	for _, c := range []struct {
 		d    time.Duration
@@ -503,6 +598,112 @@ func TestConsumer(t *testing.T) {
 	}
 	if got := testutil.CollectAndCount(m, "amqpidem_requeues_total"); got != 0 {
 		t.Errorf("requeues_total has %d series, want none", got)
+	}
+	lint(t, m)
+}
+
+// The outbox counts of a real Consumer: a message whose handler stages
+// two messages for a bound queue, and one whose staged message no queue
+// is bound to, given up at once (MaxAttempts 1).
+func TestConsumerOutbox(t *testing.T) {
+	url := testenv.AMQPURL(t)
+	rdb := testenv.RedisClient(t)
+	name := testenv.Name(t)
+	conn, err := amqp.Dial(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	testenv.DeleteQueues(t, url, name, name+".dlq", name+".out")
+	testenv.DeleteKeys(t, rdb, name+"*")
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ch.QueueDeclare(name+".out", true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	store, err := lock.NewRedisStore(rdb, lock.Config{Prefix: name})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	m := promamqpidem.New(promamqpidem.Options{})
+	c, err := amqpidem.NewConsumer(store, amqpidem.ConsumerConfig{
+		URL: url,
+		Config: amqpidem.Config{
+			Queue:       name,
+			Observer:    m,
+			MaxAttempts: 1,
+			Retention:   time.Minute,
+			Logger:      slog.New(slog.NewTextHandler(t.Output(), nil)),
+		},
+	}, amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+		to, n := name+".out", 2
+		if string(d.Body) == "nowhere" {
+			to, n = name+".unbound", 1
+		}
+		for i := range n {
+			if err := amqpidem.Stage(ctx, "", to, amqp.Publishing{Body: fmt.Appendf(nil, "%s %d", d.Body, i)}); err != nil {
+				return nil, err
+			}
+		}
+		return []byte("ok"), nil
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	testrun.Consumer(t, c)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for c.Ready(ctx) != nil {
+		select {
+		case <-ctx.Done():
+			t.Fatalf("consumer not ready: %v", c.Ready(context.Background()))
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	pub := amqpidem.NewPublisher(conn)
+	defer pub.Close()
+	for _, id := range []string{"k1", "k2"} {
+		body := "pay"
+		if id == "k2" {
+			body = "nowhere"
+		}
+		if err := pub.Publish(ctx, "", name, amqp.Publishing{MessageId: id, Body: []byte(body)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Observe adds the outbox counts after messages_total: wait for all.
+	want := map[string]float64{"staged": 3, "published": 2, "republished": 0, "returned": 1}
+	for {
+		got := make(map[string]float64)
+		for result := range want {
+			got[result] = value(t, m, "amqpidem_outbox_messages_total", "queue", name, "result", result)
+		}
+		if fmt.Sprint(got) == fmt.Sprint(want) {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("outbox_messages_total by result: got %v, want %v", got, want)
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	if got, want := value(t, m, "amqpidem_messages_total", "queue", name, "outcome", "completed", "reason", ""), 2.0; got != want {
+		t.Errorf("messages_total completed: got %v, want %v", got, want)
+	}
+	if got, want := testutil.CollectAndCount(m, "amqpidem_outbox_messages_total"), 3; got != want {
+		t.Errorf("outbox_messages_total has %d series, want %d", got, want)
+	}
+	// The published ones are there.
+	out, err := ch.QueueDeclarePassive(name+".out", true, false, false, false, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := out.Messages, 2; got != want {
+		t.Errorf("%s.out holds %d messages, want %d", name, got, want)
 	}
 	lint(t, m)
 }
