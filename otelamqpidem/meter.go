@@ -25,6 +25,10 @@ const (
 	// AttrDelayTier is the delay a requeue waits, in seconds: the delay of
 	// the delay queue it goes through (amqpidem.DelayTier).
 	AttrDelayTier = attribute.Key("amqpidem.delay_tier")
+	// AttrOutboxResult is what became of messages handlers staged
+	// (amqpidem.Event.Outbox): "staged", "published", "republished" or
+	// "returned".
+	AttrOutboxResult = attribute.Key("amqpidem.outbox.result")
 )
 
 // Metric names (see Meter for their units and attributes).
@@ -48,6 +52,9 @@ const (
 	MetricLeaseExtensions = "amqpidem.lease.extensions"
 	// MetricRequeues counts deliveries sent back after a delay.
 	MetricRequeues = "amqpidem.requeues"
+	// MetricOutboxMessages counts the messages handlers staged
+	// (amqpidem.Stage), by what became of them.
+	MetricOutboxMessages = "amqpidem.outbox.messages"
 )
 
 // Histogram bucket boundaries, in seconds, given to the SDK as advice (a
@@ -74,10 +81,31 @@ var (
 //	amqpidem.store.call.duration   histogram s: queue, op, result (ok, lost, error)
 //	amqpidem.lease.extensions      counter {lease}, heartbeat renewals: queue, result (renewed, lost, error)
 //	amqpidem.requeues              counter {message}, delayed requeues (busy, retried, abandoned): queue, outcome, delay_tier
+//	amqpidem.outbox.messages       counter {message}, staged messages: queue, outbox.result (staged, published, republished, returned)
 //
 // The attributes are amqpidem.queue, amqpidem.outcome, amqpidem.reason,
-// amqpidem.op, amqpidem.result and amqpidem.delay_tier; no key or message
-// id, so that every metric has a bounded number of series. Set it in
+// amqpidem.op, amqpidem.result, amqpidem.delay_tier and
+// amqpidem.outbox.result; no key or message id, so that every metric has
+// a bounded number of series.
+//
+// amqpidem.outbox.messages adds up amqpidem.Event.Outbox: "staged", the
+// messages a handler staged and had stored with its outcome, counted by
+// the delivery whose execution stored them; "published", the staged
+// messages a delivery published, each confirmed by the broker;
+// "republished", those of the published that an earlier delivery had
+// stored but not finished publishing (its process died, or a publish
+// failed), so that published minus republished went out with the delivery
+// that staged them; "returned", the staged messages given up after the
+// broker returned or refused them MaxAttempts times, which stay in their
+// record. Publishing is at least once: a message whose confirmed publish
+// could not be recorded is published, and counted, again. The messages of
+// a delivery whose process died after storing them are not counted as
+// staged (that delivery is never observed), only as republished by the
+// delivery that publishes them: published can exceed staged. A count of
+// zero adds nothing: a delivery that staged and published nothing records
+// no data point.
+//
+// Set it in
 // amqpidem.Config.Observer, with amqpidem.Observers to combine it with
 // others. A Meter is safe for concurrent use and may serve several
 // Consumers and Wrappers: the queue tells them apart.
@@ -90,6 +118,7 @@ type Meter struct {
 	storeCall  metric.Float64Histogram
 	extensions metric.Int64Counter
 	requeues   metric.Int64Counter
+	outbox     metric.Int64Counter
 }
 
 var (
@@ -133,6 +162,9 @@ func NewMeter(opts ...Option) (*Meter, error) {
 	m.requeues, e = mt.Int64Counter(MetricRequeues, metric.WithUnit("{message}"),
 		metric.WithDescription("Deliveries sent back to their queue after a delay (busy, retried, abandoned), by delay tier in seconds."))
 	err = errors.Join(err, e)
+	m.outbox, e = mt.Int64Counter(MetricOutboxMessages, metric.WithUnit("{message}"),
+		metric.WithDescription("Messages handlers staged (amqpidem.Stage), by result: staged (stored with the handler's outcome), published (published and confirmed, republished included), republished (published by a later delivery than the one that stored it, after a crash or a failed publish), returned (given up after the broker returned or refused it MaxAttempts times)."))
+	err = errors.Join(err, e)
 	if err != nil {
 		return nil, err
 	}
@@ -144,7 +176,8 @@ func NewMeter(opts ...Option) (*Meter, error) {
 // a negative one, from clocks that disagree, counts as 0) and, for the
 // busy, retried and abandoned outcomes sent back after a delay
 // (amqpidem.Event.Delay), a requeue. A copy sent straight back to its
-// queue (on shutdown, say) is not counted in amqpidem.requeues.
+// queue (on shutdown, say) is not counted in amqpidem.requeues. Each
+// count of e.Outbox above zero is added to amqpidem.outbox.messages.
 func (m *Meter) Observe(ctx context.Context, e amqpidem.Event) {
 	queue, outcome := AttrQueue.String(e.Queue), AttrOutcome.String(e.Outcome.String())
 	qo := metric.WithAttributeSet(attribute.NewSet(queue, outcome))
@@ -161,6 +194,23 @@ func (m *Meter) Observe(ctx context.Context, e amqpidem.Event) {
 		case amqpidem.Busy, amqpidem.Retried, amqpidem.Abandoned:
 			tier := AttrDelayTier.Float64(amqpidem.DelayTier(e.Delay).Seconds())
 			m.requeues.Add(ctx, 1, metric.WithAttributes(queue, outcome, tier))
+		}
+	}
+	if e.Outbox != (amqpidem.OutboxCounts{}) {
+		m.observeOutbox(ctx, queue, e.Outbox)
+	}
+}
+
+// observeOutbox adds the counts of o that are above zero to
+// amqpidem.outbox.messages (a counter does not go down: a negative count,
+// which amqpidem does not report, is left out too).
+func (m *Meter) observeOutbox(ctx context.Context, queue attribute.KeyValue, o amqpidem.OutboxCounts) {
+	for _, c := range [...]struct {
+		result string
+		n      int
+	}{{"staged", o.Staged}, {"published", o.Published}, {"republished", o.Republished}, {"returned", o.Returned}} {
+		if c.n > 0 {
+			m.outbox.Add(ctx, int64(c.n), metric.WithAttributes(queue, AttrOutboxResult.String(c.result)))
 		}
 	}
 }

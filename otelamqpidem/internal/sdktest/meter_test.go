@@ -172,6 +172,8 @@ func TestMeterNoKeyAttributes(t *testing.T) {
 	ctx := context.Background()
 	m.Observe(ctx, amqpidem.Event{Queue: "orders", Key: "alice@example.com", Outcome: amqpidem.Retried,
 		Handler: time.Millisecond, Published: time.Now(), Delay: time.Second})
+	m.Observe(ctx, amqpidem.Event{Queue: "orders", Key: "alice@example.com", Outcome: amqpidem.Completed,
+		Outbox: amqpidem.OutboxCounts{Staged: 1, Published: 1, Republished: 1, Returned: 1}})
 	m.HandlerStarted(ctx, amqpidem.Info{Queue: "orders", Key: "alice@example.com", Attempt: 1, Fence: 1})
 	m.ObserveStore(ctx, amqpidem.StoreCall{Queue: "orders", Op: "extend", Leases: 1, Duration: time.Millisecond})
 	for name, md := range collect(t, reader) {
@@ -194,6 +196,90 @@ func TestMeterNoKeyAttributes(t *testing.T) {
 					t.Errorf("%s carries the key: %v", name, s.Encoded(attribute.DefaultEncoder()))
 				}
 			}
+		}
+	}
+}
+
+// What deliveries did with staged messages, added up by result.
+func TestMeterOutbox(t *testing.T) {
+	m, reader := newMeter(t)
+	ctx := context.Background()
+	for _, e := range []amqpidem.Event{
+		// Staged three, published them.
+		{Outcome: amqpidem.Completed, Outbox: amqpidem.OutboxCounts{Staged: 3, Published: 3}},
+		// Staged two, stored them, published one before a publish failed.
+		{Outcome: amqpidem.Abandoned, Reason: "outbox not published", Outbox: amqpidem.OutboxCounts{Staged: 2, Published: 1}},
+		// Its copy, a duplicate, publishes the other.
+		{Outcome: amqpidem.Duplicate, Outbox: amqpidem.OutboxCounts{Published: 1, Republished: 1}},
+		// One returned for the last time, one published.
+		{Outcome: amqpidem.Completed, Outbox: amqpidem.OutboxCounts{Staged: 2, Published: 1, Returned: 1}},
+		// Nothing staged.
+		{Outcome: amqpidem.Completed},
+	} {
+		e.Queue = "orders"
+		m.Observe(ctx, e)
+	}
+	ms := collect(t, reader)
+	for _, tc := range []struct {
+		result string
+		want   int64
+	}{
+		{"staged", 3 + 2 + 2},
+		{"published", 3 + 1 + 1 + 1},
+		{"republished", 1},
+		{"returned", 1},
+	} {
+		got, ok := sum(t, ms, "amqpidem.outbox.messages", queue, otelamqpidem.AttrOutboxResult.String(tc.result))
+		if !ok || got != tc.want {
+			t.Errorf("amqpidem.outbox.messages %s: got %d (found %v), want %d", tc.result, got, ok, tc.want)
+		}
+	}
+	md := ms["amqpidem.outbox.messages"]
+	s, ok := md.Data.(metricdata.Sum[int64])
+	if !ok {
+		t.Fatalf("amqpidem.outbox.messages: got %T, want an int64 sum", md.Data)
+	}
+	if got, want := len(s.DataPoints), 4; got != want {
+		t.Errorf("amqpidem.outbox.messages: got %d series, want %d", got, want)
+	}
+	if !s.IsMonotonic {
+		t.Error("amqpidem.outbox.messages is not monotonic")
+	}
+	if got, want := md.Unit, "{message}"; got != want {
+		t.Errorf("amqpidem.outbox.messages unit: got %q, want %q", got, want)
+	}
+	if got, want := md.Description, "Messages handlers staged (amqpidem.Stage), by result: staged (stored with the handler's outcome), published (published and confirmed, republished included), republished (published by a later delivery than the one that stored it, after a crash or a failed publish), returned (given up after the broker returned or refused it MaxAttempts times)."; got != want {
+		t.Errorf("amqpidem.outbox.messages description: got %q, want %q", got, want)
+	}
+}
+
+// A count of zero records nothing: deliveries that staged nothing make no
+// data point, and one that only published makes only that one.
+func TestMeterOutboxZero(t *testing.T) {
+	m, reader := newMeter(t)
+	ctx := context.Background()
+	m.Observe(ctx, amqpidem.Event{Queue: "orders", Outcome: amqpidem.Completed})
+	m.Observe(ctx, amqpidem.Event{Queue: "orders", Outcome: amqpidem.Duplicate, Outbox: amqpidem.OutboxCounts{}})
+	// Not something amqpidem reports; a counter does not go down.
+	m.Observe(ctx, amqpidem.Event{Queue: "orders", Outcome: amqpidem.Completed, Outbox: amqpidem.OutboxCounts{Staged: -1}})
+	points := func() int {
+		md, ok := collect(t, reader)["amqpidem.outbox.messages"]
+		if !ok {
+			return 0
+		}
+		return len(md.Data.(metricdata.Sum[int64]).DataPoints)
+	}
+	if got := points(); got != 0 {
+		t.Fatalf("amqpidem.outbox.messages: got %d data points after deliveries that staged nothing, want none", got)
+	}
+	m.Observe(ctx, amqpidem.Event{Queue: "orders", Outcome: amqpidem.Duplicate, Outbox: amqpidem.OutboxCounts{Published: 2, Republished: 2}})
+	if got, want := points(), 2; got != want {
+		t.Fatalf("amqpidem.outbox.messages: got %d data points, want %d (published and republished)", got, want)
+	}
+	ms := collect(t, reader)
+	for _, result := range []string{"staged", "returned"} {
+		if v, ok := sum(t, ms, "amqpidem.outbox.messages", queue, otelamqpidem.AttrOutboxResult.String(result)); ok {
+			t.Errorf("amqpidem.outbox.messages %s: a data point (%d) for a count of zero", result, v)
 		}
 	}
 }
