@@ -66,8 +66,12 @@
 //     delivery does not say which broker node it came from.
 //   - amqpidem's own (see the Attr constants): amqpidem.queue,
 //     amqpidem.outcome, amqpidem.reason, amqpidem.attempt, amqpidem.fence,
-//     amqpidem.delay, amqpidem.handler.duration, and amqpidem.key only
-//     with WithKeyAttribute (see there why not by default).
+//     amqpidem.delay, amqpidem.handler.duration; for a delivery that did
+//     something with staged messages (amqpidem.Stage), those of
+//     amqpidem.outbox.staged, amqpidem.outbox.published,
+//     amqpidem.outbox.republished and amqpidem.outbox.returned that are
+//     not zero (amqpidem.Event.Outbox); and amqpidem.key only with
+//     WithKeyAttribute (see there why not by default).
 //   - the event's error, if any, as an exception event. The status is
 //     Error, with error.type set to the reason, for the outcomes that need
 //     attention: dead_lettered and abandoned. It stays unset for the
@@ -85,6 +89,13 @@
 // the message back, continues that trace. A message published without
 // trace context joins, on its second attempt, the trace its first one
 // started.
+//
+// So do the messages a handler stages (amqpidem.Stage): Inject writes the
+// trace context into their headers, over whatever the handler put there
+// under the same names. Each carries the span of the delivery that
+// published it: the one whose handler staged it or, when that one could
+// not finish publishing (its process died, a publish failed), the later
+// delivery of the same message that published it again.
 //
 // # Limits
 //

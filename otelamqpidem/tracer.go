@@ -36,6 +36,22 @@ const (
 	// AttrHandlerDuration is how long the handler ran, in seconds; absent
 	// when it did not run (amqpidem.Event.Handler).
 	AttrHandlerDuration = attribute.Key("amqpidem.handler.duration")
+	// AttrOutboxStaged is how many messages the handler staged and had
+	// stored with its outcome (amqpidem.OutboxCounts.Staged); absent when
+	// none.
+	AttrOutboxStaged = attribute.Key("amqpidem.outbox.staged")
+	// AttrOutboxPublished is how many staged messages the delivery
+	// published, confirmed (amqpidem.OutboxCounts.Published); absent when
+	// none.
+	AttrOutboxPublished = attribute.Key("amqpidem.outbox.published")
+	// AttrOutboxRepublished is how many of those an earlier delivery had
+	// stored but not finished publishing (amqpidem.OutboxCounts.Republished);
+	// absent when none.
+	AttrOutboxRepublished = attribute.Key("amqpidem.outbox.republished")
+	// AttrOutboxReturned is how many staged messages the delivery gave up
+	// on, returned or refused by the broker MaxAttempts times
+	// (amqpidem.OutboxCounts.Returned); absent when none.
+	AttrOutboxReturned = attribute.Key("amqpidem.outbox.returned")
 	// AttrKey is the idempotency key, only with WithKeyAttribute.
 	AttrKey = attribute.Key("amqpidem.key")
 )
@@ -174,6 +190,9 @@ func (t *Tracer) End(ctx context.Context, e amqpidem.Event) {
 	if e.Handler > 0 {
 		attrs = append(attrs, AttrHandlerDuration.Float64(e.Handler.Seconds()))
 	}
+	if o := e.Outbox; o != (amqpidem.OutboxCounts{}) {
+		attrs = appendOutbox(attrs, o)
+	}
 	if t.keyAttribute && e.Key != "" {
 		attrs = append(attrs, AttrKey.String(e.Key))
 	}
@@ -191,6 +210,19 @@ func (t *Tracer) End(ctx context.Context, e amqpidem.Event) {
 		}
 		span.SetStatus(codes.Error, desc)
 	}
+}
+
+// appendOutbox appends to attrs the counts of o that are above zero.
+func appendOutbox(attrs []attribute.KeyValue, o amqpidem.OutboxCounts) []attribute.KeyValue {
+	for _, c := range [...]struct {
+		key attribute.Key
+		n   int
+	}{{AttrOutboxStaged, o.Staged}, {AttrOutboxPublished, o.Published}, {AttrOutboxRepublished, o.Republished}, {AttrOutboxReturned, o.Returned}} {
+		if c.n > 0 {
+			attrs = append(attrs, c.key.Int(c.n))
+		}
+	}
+	return attrs
 }
 
 // failed reports whether o is an outcome whose span has status Error: the

@@ -300,3 +300,153 @@ func TestIntegrationTrace(t *testing.T) {
 		t.Errorf("amqpidem.end_to_end.duration completed: got %d, want 2 (the Publisher's timestamp_in_ms)", dp.Count)
 	}
 }
+
+// TestIntegrationOutboxTrace runs a Consumer with a Tracer and a Meter
+// whose handler stages a message: the staged message, as published, carries
+// the trace context of the delivery's span (over a traceparent the handler
+// put in its headers), and the span and the Meter count it.
+func TestIntegrationOutboxTrace(t *testing.T) {
+	url := testenv.AMQPURL(t)
+	rdb := testenv.RedisClient(t)
+	name := testenv.Name(t)
+
+	conn, err := amqp.Dial(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	testenv.DeleteQueues(t, url, name, name+".dlq", name+".out")
+	if _, err := ch.QueueDeclare(name, true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ch.QueueDeclare(name+".out", true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	testenv.DeleteKeys(t, rdb, name+":*")
+	store, err := lock.NewRedisStore(rdb, lock.Config{Prefix: name})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	prop := propagation.TraceContext{}
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+	meter, err := otelamqpidem.NewMeter(otelamqpidem.WithMeterProvider(mp))
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// A traceparent of another trace, which the delivery's must replace.
+	const stale = "00-11111111111111111111111111111111-2222222222222222-01"
+	h := amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+		msg := amqp.Publishing{Headers: amqp.Table{"traceparent": stale, "tenant": "acme"}, Body: []byte("shipped " + d.MessageId)}
+		return nil, amqpidem.Stage(ctx, "", name+".out", msg)
+	})
+	c, err := amqpidem.NewConsumer(store, amqpidem.ConsumerConfig{
+		URL: url,
+		Config: amqpidem.Config{
+			Queue:    name,
+			Tracer:   otelamqpidem.NewTracer(otelamqpidem.WithTracerProvider(tp), otelamqpidem.WithPropagators(prop)),
+			Observer: meter,
+		},
+	}, h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	testrun.Consumer(t, c)
+
+	pconn, err := amqp.Dial(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = pconn.Close() })
+	pub := amqpidem.NewPublisher(pconn)
+	t.Cleanup(pub.Close)
+	pctx, span := tp.Tracer("producer").Start(context.Background(), "send "+name, trace.WithSpanKind(trace.SpanKindProducer))
+	msg := amqp.Publishing{MessageId: "order-1", Headers: amqp.Table{}, Body: []byte("pay")}
+	otelamqpidem.Inject(pctx, msg.Headers, otelamqpidem.WithPropagators(prop))
+	ctx, cancel := context.WithTimeout(pctx, 10*time.Second)
+	err = pub.Publish(ctx, "", name, msg)
+	cancel()
+	span.End()
+	if err != nil {
+		t.Fatalf("Publish: %v", err)
+	}
+	producer := span.SpanContext()
+
+	// The staged message, published before the delivery's ack.
+	var out amqp.Delivery
+	for deadline := time.Now().Add(15 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		m, ok, err := ch.Get(name+".out", true)
+		if err != nil {
+			t.Fatalf("get %s.out: %v", name, err)
+		}
+		if ok {
+			out = m
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no staged message published")
+		}
+	}
+	// The span ends once the delivery is settled, after the publish.
+	var s sdktrace.ReadOnlySpan
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if s = processSpan(rec, "order-1", 1); s != nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no process span")
+		}
+	}
+	if got, want := s.SpanContext().TraceID(), producer.TraceID(); got != want {
+		t.Fatalf("process span's trace id: got %v, want the producer's %v", got, want)
+	}
+	sc := trace.SpanContextFromContext(otelamqpidem.Extract(context.Background(), out.Headers, otelamqpidem.WithPropagators(prop)))
+	if got, want := sc.TraceID(), s.SpanContext().TraceID(); got != want {
+		t.Errorf("staged message's traceparent: trace id %v, want the delivery's %v (headers %v)", got, want, out.Headers)
+	}
+	if got, want := sc.SpanID(), s.SpanContext().SpanID(); got != want {
+		t.Errorf("staged message's traceparent: span id %v, want the delivery's span %v (headers %v)", got, want, out.Headers)
+	}
+	if got, want := out.Headers["tenant"], "acme"; got != want {
+		t.Errorf("staged message's other header: got %#v, want %q", got, want)
+	}
+	if got, want := string(out.Body), "shipped order-1"; got != want {
+		t.Errorf("staged message's body: got %q, want %q", got, want)
+	}
+
+	a := attrs(s)
+	for k, want := range map[attribute.Key]int64{"amqpidem.outbox.staged": 1, "amqpidem.outbox.published": 1} {
+		if v, ok := a[k]; !ok || v.AsInt64() != want {
+			t.Errorf("attribute %s: got %v (present %v), want %d", k, v.Emit(), ok, want)
+		}
+	}
+	for _, k := range []attribute.Key{"amqpidem.outbox.republished", "amqpidem.outbox.returned"} {
+		if v, ok := a[k]; ok {
+			t.Errorf("attribute %s: got %v, want none", k, v.Emit())
+		}
+	}
+
+	// Observe follows the span's end: wait for the Meter.
+	q := otelamqpidem.AttrQueue.String(name)
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		ms := collect(t, reader)
+		staged, _ := sum(t, ms, "amqpidem.outbox.messages", q, otelamqpidem.AttrOutboxResult.String("staged"))
+		published, _ := sum(t, ms, "amqpidem.outbox.messages", q, otelamqpidem.AttrOutboxResult.String("published"))
+		if staged == 1 && published == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("amqpidem.outbox.messages: got staged %d, published %d, want 1 and 1", staged, published)
+		}
+	}
+}

@@ -228,6 +228,41 @@ func TestTracerOutcomeStatus(t *testing.T) {
 	}
 }
 
+// The outbox counts that are not zero become span attributes.
+func TestTracerOutboxAttributes(t *testing.T) {
+	keys := []attribute.Key{"amqpidem.outbox.staged", "amqpidem.outbox.published", "amqpidem.outbox.republished", "amqpidem.outbox.returned"}
+	for _, tc := range []struct {
+		outbox amqpidem.OutboxCounts
+		want   []int64 // by keys; 0: absent
+	}{
+		{amqpidem.OutboxCounts{}, []int64{0, 0, 0, 0}},
+		{amqpidem.OutboxCounts{Staged: 2, Published: 2}, []int64{2, 2, 0, 0}},
+		{amqpidem.OutboxCounts{Published: 3, Republished: 3}, []int64{0, 3, 3, 0}},
+		{amqpidem.OutboxCounts{Staged: 4, Published: 3, Returned: 1}, []int64{4, 3, 0, 1}},
+		{amqpidem.OutboxCounts{Staged: 1}, []int64{1, 0, 0, 0}},
+		{amqpidem.OutboxCounts{Staged: -1}, []int64{0, 0, 0, 0}}, // not reported by amqpidem
+	} {
+		tr, rec, _ := newTracer(t)
+		ctx := tr.Start(context.Background(), "q", delivery(t))
+		tr.End(ctx, amqpidem.Event{Queue: "q", Outcome: amqpidem.Completed, Attempt: 1, Fence: 1, Outbox: tc.outbox})
+		a := attrs(only(t, rec))
+		for i, k := range keys {
+			v, ok := a[k]
+			switch {
+			case tc.want[i] == 0 && ok:
+				t.Errorf("%+v: attribute %s: got %v, want none", tc.outbox, k, v.Emit())
+			case tc.want[i] != 0 && !ok:
+				t.Errorf("%+v: attribute %s missing, want %d", tc.outbox, k, tc.want[i])
+			case ok && v.AsInt64() != tc.want[i]:
+				t.Errorf("%+v: attribute %s: got %v, want %d", tc.outbox, k, v.Emit(), tc.want[i])
+			}
+		}
+		if got, want := a["amqpidem.outcome"].AsString(), "completed"; got != want {
+			t.Errorf("%+v: amqpidem.outcome: got %q, want %q", tc.outbox, got, want)
+		}
+	}
+}
+
 func TestTracerKeyAttribute(t *testing.T) {
 	for _, with := range []bool{false, true} {
 		var opts []otelamqpidem.Option
