@@ -15,8 +15,9 @@ import (
 // Metric attributes. None carries a key or a message id: every one has a
 // bounded set of values.
 const (
-	// AttrOp is the store call: "acquire", "extend", "complete", "fail",
-	// "release" or "cancel" (amqpidem.StoreCall.Op).
+	// AttrOp is the store call (amqpidem.StoreCall.Op): "acquire",
+	// "extend", "complete", "fail", "release", "cancel" or "amend", which
+	// records what became of staged messages.
 	AttrOp = attribute.Key("amqpidem.op")
 	// AttrResult is how a store call or a lease extension went: "ok",
 	// "lost" or "error" for a call, "renewed", "lost" or "error" for an

@@ -49,11 +49,12 @@
 // process.
 //
 // store_call_duration_seconds times every call amqpidem makes to its
-// lock.Store (op: acquire, extend, complete, fail, release, cancel), the
-// heartbeat's renewals included, by result: error when the store gave an
-// error other than lock.ErrLeaseLost for any of the call's leases (the
-// store unreachable or timing out, but also answers that are errors, such
-// as lock.ErrBadRecord), else lost when it answered that a lease was no
+// lock.Store (op: acquire, extend, complete, fail, release, cancel, and
+// amend, which records what became of staged messages), the heartbeat's
+// renewals included, by result: error when the store gave an error other
+// than lock.ErrLeaseLost for any of the call's leases (the store
+// unreachable or timing out, but also answers that are errors, such as
+// lock.ErrBadRecord), else lost when it answered that a lease was no
 // longer held (lock.ErrLeaseLost), else ok.
 //
 // lease_extensions_total counts the heartbeat's renewals per lease, by
@@ -96,7 +97,7 @@
 // elsewhere", "handler error", "handler timeout", "permanent failure",
 // "attempts exhausted", "key conflict", "lease lost", "store unavailable",
 // "shutdown", ...), empty for most completed and duplicate deliveries; op
-// has 6 values, result 3 (4 in outbox_messages_total). delay_tier is
+// has 7 values, result 3 (4 in outbox_messages_total). delay_tier is
 // bounded by amqpidem's delay tiers: delays are rounded to two
 // significant digits of milliseconds, so at most 90 tiers per decade of
 // delays; in practice a few per Backoff step (its 10% jitter spreads a

@@ -694,6 +694,11 @@ func TestConsumerOutbox(t *testing.T) {
 	if got, want := value(t, m, "amqpidem_messages_total", "queue", name, "outcome", "completed", "reason", ""), 2.0; got != want {
 		t.Errorf("messages_total completed: got %v, want %v", got, want)
 	}
+	// Each delivery recorded what became of its staged messages: k1 both
+	// published, k2 its one returned.
+	if got, want := value(t, m, "amqpidem_store_call_duration_seconds", "queue", name, "op", "amend", "result", "ok"), 2.0; got != want {
+		t.Errorf("store_call_duration_seconds{op=\"amend\"}: got %v calls, want %v", got, want)
+	}
 	if got, want := testutil.CollectAndCount(m, "amqpidem_outbox_messages_total"), 3; got != want {
 		t.Errorf("outbox_messages_total has %d series, want %d", got, want)
 	}

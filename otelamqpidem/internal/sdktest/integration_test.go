@@ -443,6 +443,10 @@ func TestIntegrationOutboxTrace(t *testing.T) {
 		staged, _ := sum(t, ms, "amqpidem.outbox.messages", q, otelamqpidem.AttrOutboxResult.String("staged"))
 		published, _ := sum(t, ms, "amqpidem.outbox.messages", q, otelamqpidem.AttrOutboxResult.String("published"))
 		if staged == 1 && published == 1 {
+			// The record was told it was published.
+			if dp, _ := hist(t, ms, "amqpidem.store.call.duration", q, otelamqpidem.AttrOp.String("amend"), otelamqpidem.AttrResult.String("ok")); dp.Count != 1 {
+				t.Errorf("amqpidem.store.call.duration amend ok: got %d calls, want 1", dp.Count)
+			}
 			break
 		}
 		if time.Now().After(deadline) {
