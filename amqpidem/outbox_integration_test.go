@@ -2,7 +2,9 @@ package amqpidem_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -126,6 +128,18 @@ func TestOutboxRefusedByTheBroker(t *testing.T) {
 		}
 		return n == 3
 	})
+	// Each says why, with the broker's reason: not "unroutable" read off
+	// the returns channel that closed with the channel.
+	rec.mu.Lock()
+	evs := append([]amqpidem.Event(nil), rec.events...)
+	rec.mu.Unlock()
+	for _, ev := range evs {
+		if ev.Key == "no exchange" && ev.Outbox.Returned == 1 {
+			if !errors.Is(ev.Err, amqpidem.ErrNotConfirmed) || !strings.Contains(ev.Err.Error(), "NOT_FOUND") {
+				t.Fatalf("a staged message to a missing exchange given up with %v; want the broker's NOT_FOUND", ev.Err)
+			}
+		}
+	}
 	for _, key := range []string{"no exchange", "user id", "expiration"} {
 		res, err := e.store.Acquire(context.Background(), lock.Request{Key: amqpidem.StoreKey(e.queue, key)})
 		if err != nil {

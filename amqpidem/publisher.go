@@ -46,11 +46,25 @@ type publisher struct {
 	closed   bool
 }
 
-// pubChannel is a confirm-mode channel of a publisher and the channel its
-// basic.returns arrive on.
+// pubChannel is a confirm-mode channel of a publisher, the channel its
+// basic.returns arrive on, and the one that says why the broker closed it.
 type pubChannel struct {
 	ch      *amqp.Channel
 	returns chan amqp.Return
+	closes  chan *amqp.Error
+}
+
+// closeReason says why the broker closed pc's channel (a publish to an
+// exchange that does not exist, a user id or expiration it refuses).
+func (pc *pubChannel) closeReason() string {
+	select {
+	case e, ok := <-pc.closes:
+		if ok && e != nil {
+			return e.Error()
+		}
+	default:
+	}
+	return "channel closed"
 }
 
 // newPublisher returns a publisher opening its channels with conn, for
@@ -116,7 +130,8 @@ func (p *publisher) open() (*pubChannel, error) {
 	}
 	// Buffered: the connection's reader goroutine blocks on a full notify
 	// channel. Returns are drained before each publish.
-	return &pubChannel{ch: ch, returns: ch.NotifyReturn(make(chan amqp.Return, 4))}, nil
+	return &pubChannel{ch: ch, returns: ch.NotifyReturn(make(chan amqp.Return, 4)),
+		closes: ch.NotifyClose(make(chan *amqp.Error, 1))}, nil
 }
 
 // put gives a healthy channel back, or drops a broken one.
@@ -134,8 +149,9 @@ func (p *publisher) put(pc *pubChannel, healthy bool) {
 
 // publish sends msg with mandatory set and waits for the broker's confirm.
 // It returns ErrUnroutable when the broker returned it, ErrNotConfirmed on
-// a nack. When it returns nil the broker has taken responsibility for the
-// message.
+// a nack or when the broker closed the channel over it (an exchange that
+// does not exist, a property it refuses), with the broker's reason. When
+// it returns nil the broker has taken responsibility for the message.
 func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
 	pc, err := p.get(ctx)
 	if err != nil {
@@ -146,7 +162,10 @@ func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.
 
 	for drained := false; !drained; {
 		select {
-		case <-pc.returns: // left over from a publish that timed out
+		case _, ok := <-pc.returns: // left over from a publish that timed out
+			if !ok { // closed with the channel since get looked
+				return fmt.Errorf("amqpidem: publish to %q/%q: %w: %s", exchange, key, amqp.ErrClosed, pc.closeReason())
+			}
 		default:
 			drained = true
 		}
@@ -162,11 +181,17 @@ func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.
 	}
 	healthy = true
 	select {
-	case r := <-pc.returns:
-		return fmt.Errorf("%w: exchange %q routing key %q: %d %s", ErrUnroutable, exchange, key, r.ReplyCode, r.ReplyText)
+	case r, ok := <-pc.returns:
+		if ok {
+			return fmt.Errorf("%w: exchange %q routing key %q: %d %s", ErrUnroutable, exchange, key, r.ReplyCode, r.ReplyText)
+		}
+		// Closed with the channel: nothing was returned.
 	default:
 	}
 	if !acked {
+		if pc.ch.IsClosed() {
+			return fmt.Errorf("%w: exchange %q routing key %q: the broker closed the channel: %s", ErrNotConfirmed, exchange, key, pc.closeReason())
+		}
 		return fmt.Errorf("%w: exchange %q routing key %q", ErrNotConfirmed, exchange, key)
 	}
 	return nil
