@@ -14,7 +14,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
@@ -22,7 +21,6 @@ import (
 	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
 	"github.com/amqpidem/amqpidem/internal/testrun"
 	"github.com/amqpidem/amqpidem/lock"
-	"github.com/amqpidem/amqpidem/pgstore"
 )
 
 // stagingRig is a queue whose amqpidem consumer's handler stages three
@@ -360,20 +358,7 @@ func TestOutboxRedrive(t *testing.T) {
 }
 
 func TestOutboxRedrivePostgres(t *testing.T) {
-	pool := pgenv.Pool(t, 8)
-	cfg := pgstore.Config{Schema: strings.ToLower(testenv.Name(t)), CleanupInterval: -1}
-	ctx := context.Background()
-	if err := pgstore.Migrate(ctx, pool, cfg); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_, _ = pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{cfg.Schema}.Sanitize()+" CASCADE")
-	})
-	store, err := pgstore.New(pool, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(store.Close)
+	store, cfg := pgStore(t, 8)
 	r := newStagingRig(t, store, []string{"--postgres", pgenv.DSN(t), "--pg-schema", cfg.Schema})
 	redriveRoundTrip(t, r)
 }

@@ -17,12 +17,13 @@ import (
 	"github.com/amqpidem/amqpidem/pgstore"
 )
 
-// The same commands read and forget the records of the PostgreSQL store.
-func TestInspectForgetPostgres(t *testing.T) {
-	pool := pgenv.Pool(t, 4)
+// pgStore returns a pgstore.Store in a schema of the test's own, dropped
+// when the test ends, on a pool of conns connections, and its config.
+func pgStore(t *testing.T, conns int32) (*pgstore.Store, pgstore.Config) {
+	t.Helper()
+	pool := pgenv.Pool(t, conns)
 	cfg := pgstore.Config{Schema: strings.ToLower(testenv.Name(t)), CleanupInterval: -1}
-	ctx := context.Background()
-	if err := pgstore.Migrate(ctx, pool, cfg); err != nil {
+	if err := pgstore.Migrate(context.Background(), pool, cfg); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
@@ -33,6 +34,13 @@ func TestInspectForgetPostgres(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(s.Close)
+	return s, cfg
+}
+
+// The same commands read and forget the records of the PostgreSQL store.
+func TestInspectForgetPostgres(t *testing.T) {
+	s, cfg := pgStore(t, 4)
+	ctx := context.Background()
 	res, err := s.Acquire(ctx, lock.Request{Key: amqpidem.StoreKey("ledger", "pay-9"), TTL: time.Minute})
 	if err != nil || res.Status != lock.Acquired {
 		t.Fatalf("Acquire: %v %v", res.Status, err)

@@ -58,15 +58,28 @@ func processSpan(rec *tracetest.SpanRecorder, id string, attempt int) sdktrace.R
 	return nil
 }
 
-// TestIntegrationTrace runs a Consumer with a Tracer and a Meter against
-// the real RabbitMQ and Redis: the consumer's spans continue the
-// producers' traces, and so do a retried message's requeued copy and a
-// dead letter.
-func TestIntegrationTrace(t *testing.T) {
+// rig is what the integration tests share: a queue of their own on the
+// real broker, a RedisStore, and OpenTelemetry SDK providers whose spans
+// and metrics they read back.
+type rig struct {
+	url, name string
+	ch        *amqp.Channel
+	store     *lock.RedisStore
+	prop      propagation.TraceContext
+	rec       *tracetest.SpanRecorder
+	tp        *sdktrace.TracerProvider
+	reader    *sdkmetric.ManualReader
+	meter     *otelamqpidem.Meter
+}
+
+// newRig declares the test's queue, and one more per suffix (its name
+// and the suffix), and deletes them, the dead-letter queue and the
+// store's keys when the test ends.
+func newRig(t *testing.T, suffixes ...string) *rig {
+	t.Helper()
 	url := testenv.AMQPURL(t)
 	rdb := testenv.RedisClient(t)
 	name := testenv.Name(t)
-
 	conn, err := amqp.Dial(url)
 	if err != nil {
 		t.Fatal(err)
@@ -76,16 +89,21 @@ func TestIntegrationTrace(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := ch.QueueDeclare(name, true, false, false, false, nil); err != nil {
-		t.Fatal(err)
+	queues := []string{name}
+	for _, s := range suffixes {
+		queues = append(queues, name+s)
 	}
-	testenv.DeleteQueues(t, url, name, name+".dlq", name+".delay.50")
+	testenv.DeleteQueues(t, url, append(queues, name+".dlq")...)
+	for _, q := range queues {
+		if _, err := ch.QueueDeclare(q, true, false, false, false, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
 	testenv.DeleteKeys(t, rdb, name+":*")
 	store, err := lock.NewRedisStore(rdb, lock.Config{Prefix: name})
 	if err != nil {
 		t.Fatal(err)
 	}
-
 	prop := propagation.TraceContext{}
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
@@ -97,6 +115,18 @@ func TestIntegrationTrace(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+
+	return &rig{url: url, name: name, ch: ch, store: store, prop: prop, rec: rec, tp: tp, reader: reader, meter: meter}
+}
+
+// TestIntegrationTrace runs a Consumer with a Tracer and a Meter against
+// the real RabbitMQ and Redis: the consumer's spans continue the
+// producers' traces, and so do a retried message's requeued copy and a
+// dead letter.
+func TestIntegrationTrace(t *testing.T) {
+	r := newRig(t)
+	testenv.DeleteQueues(t, r.url, r.name+".delay.50")
+	url, name, ch, store, prop, rec, tp, reader, meter := r.url, r.name, r.ch, r.store, r.prop, r.rec, r.tp, r.reader, r.meter
 
 	var seen handlerSpans
 	var flakyRuns int
@@ -306,43 +336,8 @@ func TestIntegrationTrace(t *testing.T) {
 // the trace context of the delivery's span (over a traceparent the handler
 // put in its headers), and the span and the Meter count it.
 func TestIntegrationOutboxTrace(t *testing.T) {
-	url := testenv.AMQPURL(t)
-	rdb := testenv.RedisClient(t)
-	name := testenv.Name(t)
-
-	conn, err := amqp.Dial(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = conn.Close() })
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
-	testenv.DeleteQueues(t, url, name, name+".dlq", name+".out")
-	if _, err := ch.QueueDeclare(name, true, false, false, false, nil); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := ch.QueueDeclare(name+".out", true, false, false, false, nil); err != nil {
-		t.Fatal(err)
-	}
-	testenv.DeleteKeys(t, rdb, name+":*")
-	store, err := lock.NewRedisStore(rdb, lock.Config{Prefix: name})
-	if err != nil {
-		t.Fatal(err)
-	}
-
-	prop := propagation.TraceContext{}
-	rec := tracetest.NewSpanRecorder()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
-	reader := sdkmetric.NewManualReader()
-	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
-	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
-	meter, err := otelamqpidem.NewMeter(otelamqpidem.WithMeterProvider(mp))
-	if err != nil {
-		t.Fatal(err)
-	}
+	r := newRig(t, ".out")
+	url, name, ch, store, prop, rec, tp, reader, meter := r.url, r.name, r.ch, r.store, r.prop, r.rec, r.tp, r.reader, r.meter
 
 	// A traceparent of another trace, which the delivery's must replace.
 	const stale = "00-11111111111111111111111111111111-2222222222222222-01"
