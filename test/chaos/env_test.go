@@ -411,13 +411,19 @@ func (e *env) waitDrained(timeout, quiet time.Duration) {
 // lost data) no execution after an operation completed.
 func (e *env) report(name string, deadLetters map[string]int, storeLostData bool) ledger.Report {
 	e.t.Helper()
+	return e.reportWith(name, "", deadLetters, storeLostData)
+}
+
+// reportWith is report with extra appended to the scenario line.
+func (e *env) reportWith(name, extra string, deadLetters map[string]int, storeLostData bool) ledger.Report {
+	e.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	r, err := e.led.Classify(ctx, name, deadLetters)
 	if err != nil {
 		e.t.Fatal(err)
 	}
-	printFigures(e.t, r.Line(), r.Detail())
+	printFigures(e.t, r.Line()+extra, r.Detail())
 	if r.Lost != 0 {
 		e.t.Errorf("%s: %d operations lost:%s", name, r.Lost, r.Failing(10, ledger.OpStats.Lost))
 	}

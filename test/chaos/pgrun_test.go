@@ -40,6 +40,10 @@ type pgRun struct {
 	cfg  pgstore.Config
 	// start is when the run was set up, for the timings in the log.
 	start time.Time
+	// recordKey, when set, is the key of the record of operation op in
+	// cfg's store (default amqpidem.StoreKey(queue, op)): the outbox
+	// scenarios' stage B keys its records by the staged messages' ids.
+	recordKey func(op string) string
 }
 
 // logf logs with the time since the run was set up.
@@ -278,7 +282,11 @@ SELECT o.op_id, o.expect, coalesce(e.n, 0), coalesce(c.n, 0), coalesce(ac.n, 0)
 		if n == 0 {
 			continue
 		}
-		res, err := store.Acquire(ctx, lock.Request{Key: amqpidem.StoreKey(r.queue, id)})
+		key := amqpidem.StoreKey(r.queue, id)
+		if r.recordKey != nil {
+			key = r.recordKey(id)
+		}
+		res, err := store.Acquire(ctx, lock.Request{Key: key})
 		if err != nil {
 			r.t.Fatalf("reading the record of %s: %v", id, err)
 		}
@@ -335,26 +343,33 @@ func commitUnknown(result string) bool {
 }
 
 // deadLetters returns how many messages wait in the dead-letter queue
-// (which has no consumer), 0 if it was never declared: a passive declare
-// on a connection of its own, cheaper than rabbitmqctl.
+// (which has no consumer), 0 if it was never declared.
 func (r *pgRun) deadLetters() int {
 	r.t.Helper()
-	conn, err := amqp.DialConfig(r.amqp, amqp.Config{Properties: amqp.Table{"connection_name": r.name + "-dlq-check"}})
+	return r.queueMessages(r.queue + ".dlq")
+}
+
+// queueMessages returns how many messages wait in queue (ready ones: the
+// queue's consumers are expected to be gone), 0 if it was never declared:
+// a passive declare on a connection of its own, cheaper than rabbitmqctl.
+func (e *env) queueMessages(queue string) int {
+	e.t.Helper()
+	conn, err := amqp.DialConfig(e.amqp, amqp.Config{Properties: amqp.Table{"connection_name": e.name + "-depth-check"}})
 	if err != nil {
-		r.t.Fatalf("counting dead letters: %v", err)
+		e.t.Fatalf("counting the messages of %s: %v", queue, err)
 	}
 	defer conn.Close()
 	ch, err := conn.Channel()
 	if err != nil {
-		r.t.Fatalf("counting dead letters: %v", err)
+		e.t.Fatalf("counting the messages of %s: %v", queue, err)
 	}
-	q, err := ch.QueueDeclarePassive(r.queue+".dlq", true, false, false, false, nil)
+	q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
 	var ae *amqp.Error
 	if errors.As(err, &ae) && ae.Code == amqp.NotFound {
 		return 0
 	}
 	if err != nil {
-		r.t.Fatalf("counting dead letters: %v", err)
+		e.t.Fatalf("counting the messages of %s: %v", queue, err)
 	}
 	return q.Messages
 }

@@ -13,8 +13,9 @@ import (
 // process died (a crash window, a kill -9) gets a new process under the
 // same name, as a process manager would restart it.
 type supervisor struct {
-	e     *env
-	flags []string
+	e      *env
+	prefix string // slots are named <prefix>-c0 …
+	flags  []string
 
 	mu       sync.Mutex
 	slots    []*proc
@@ -29,7 +30,14 @@ type supervisor struct {
 // they die, until the supervisor is stopped.
 func (e *env) supervise(n int, flags ...string) *supervisor {
 	e.t.Helper()
-	s := &supervisor{e: e, flags: flags, stop: make(chan struct{}), done: make(chan struct{})}
+	return e.superviseAs(e.name, n, flags...)
+}
+
+// superviseAs is supervise with the consumers named <prefix>-c0 …, for a
+// scenario that supervises several groups.
+func (e *env) superviseAs(prefix string, n int, flags ...string) *supervisor {
+	e.t.Helper()
+	s := &supervisor{e: e, prefix: prefix, flags: flags, stop: make(chan struct{}), done: make(chan struct{})}
 	for i := range n {
 		s.slots = append(s.slots, e.consumer(s.slotName(i), flags...))
 	}
@@ -38,7 +46,7 @@ func (e *env) supervise(n int, flags ...string) *supervisor {
 	return s
 }
 
-func (s *supervisor) slotName(i int) string { return fmt.Sprintf("%s-c%d", s.e.name, i) }
+func (s *supervisor) slotName(i int) string { return fmt.Sprintf("%s-c%d", s.prefix, i) }
 
 func (s *supervisor) loop() {
 	defer close(s.done)

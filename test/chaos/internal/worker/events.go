@@ -28,6 +28,12 @@ type EventRecord struct {
 	HandlerMS int64     `json:"handler_ms,omitempty"`
 	TotalMS   int64     `json:"total_ms"`
 	Err       string    `json:"err,omitempty"`
+	// Staged, Published, Republished and Returned are the event's
+	// Outbox counts (amqpidem.OutboxCounts).
+	Staged      int `json:"staged,omitempty"`
+	Published   int `json:"published,omitempty"`
+	Republished int `json:"republished,omitempty"`
+	Returned    int `json:"returned,omitempty"`
 }
 
 // eventLog is an amqpidem.Observer appending every event to a file, one
@@ -54,6 +60,7 @@ func (l *eventLog) Observe(_ context.Context, e amqpidem.Event) {
 		Time: time.Now(), Consumer: l.name, PID: l.pid, Op: ledger.OpID(e.Key),
 		Outcome: e.Outcome.String(), Reason: e.Reason, Attempt: e.Attempt, Fence: e.Fence,
 		DelayMS: e.Delay.Milliseconds(), HandlerMS: e.Handler.Milliseconds(), TotalMS: e.Total.Milliseconds(),
+		Staged: e.Outbox.Staged, Published: e.Outbox.Published, Republished: e.Outbox.Republished, Returned: e.Outbox.Returned,
 	}
 	if e.Err != nil {
 		r.Err = e.Err.Error()

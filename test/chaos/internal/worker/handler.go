@@ -160,8 +160,13 @@ func (w *Worker) start(ctx context.Context, d *amqp.Delivery) (amqpidem.Info, st
 	info, _ := amqpidem.FromContext(ctx)
 	op := ledger.OpID(info.Key)
 	plan := workload.ParsePlan(d.Body)
+	if plan.Origin != nil && plan.Op != "" {
+		// Stage B: the key is the staged message's MessageId; the
+		// ledger knows the operation by the id stage A staged it for.
+		op = plan.Op
+	}
 	execID := fmt.Sprintf("%s.%d.%d", w.cfg.Name, w.pid, w.seq.Add(1))
-	acquired := w.attach(info.Key, info.Fence, planRef{crash: plan.Crash, op: op, execID: execID})
+	acquired := w.attach(info.Key, info.Fence, planRef{crash: plan.Crash, stop: plan.Stop, op: op, execID: execID})
 
 	hdr := -1
 	if v, ok := d.Headers[amqpidem.HeaderAttempt]; ok {

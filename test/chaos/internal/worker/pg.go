@@ -80,7 +80,11 @@ func (w *Worker) openPG(ctx context.Context) (lock.Store, amqpidem.Handler, func
 		pool.Close()
 		return nil, nil, nil, err
 	}
-	c, ok := ps.TxHandler(w.handleTx).(amqpidem.Completer)
+	fn := w.handleTx
+	if w.staging() {
+		fn = w.handleTxStage
+	}
+	c, ok := ps.TxHandler(fn).(amqpidem.Completer)
 	if !ok {
 		ps.Close()
 		pool.Close()
@@ -132,7 +136,7 @@ func (w *Worker) handleTx(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]b
 	}
 	w.markInserted(info.Key, info.Fence)
 	if plan.Stall && info.Attempt == 1 {
-		w.stallTx(ctx, op, execID, plan)
+		w.stallUntilCompleted(ctx, op, execID, plan)
 	}
 	if plan.Crash == workload.InTx {
 		w.crash(op, plan.Crash, execID, info.Fence)
@@ -140,12 +144,13 @@ func (w *Worker) handleTx(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]b
 	return make([]byte, plan.ResultBytes), nil
 }
 
-// stallTx is a stale holder with its transaction open: it waits, ignoring
-// its context, until another execution has committed op (or StallMS
-// passes), gives its context a moment to be cancelled, records whether it
-// was, and returns success, leaving pgstore to complete the record and
-// commit, which must fail: the record has another owner.
-func (w *Worker) stallTx(ctx context.Context, op, execID string, plan workload.Plan) {
+// stallUntilCompleted is a stale holder (with its transaction open, in pg
+// mode; with its message staged, in stage A): it waits, ignoring its
+// context, until another execution has completed op (or StallMS passes),
+// gives its context a moment to be cancelled, and records whether it was.
+// Its handler then returns success, leaving the store to complete the
+// record, which must fail: the record has another owner.
+func (w *Worker) stallUntilCompleted(ctx context.Context, op, execID string, plan workload.Plan) {
 	limit := time.Now().Add(time.Duration(max(plan.StallMS, 1000)) * time.Millisecond)
 	for time.Now().Before(limit) {
 		lctx, cancel := ledgerCtx()
@@ -176,9 +181,10 @@ func (w *Worker) markInserted(key string, fence int64) {
 
 // txCompleter wraps pgstore's Completer: once HandleComplete returned, it
 // logs how the execution ended (committed, or why not), logs a completion
-// in the ledger when it committed, and takes the AfterCommit crash window
-// there (committed, not acked). Its CompleterStore is the worker's store
-// wrapper, the store the Consumer is given.
+// in the ledger when it committed, and takes the AfterCommit crash and
+// stop windows there (committed, not acked; on stage A, not published
+// either). Its CompleterStore is the worker's store wrapper, the store the
+// Consumer is given.
 type txCompleter struct {
 	amqpidem.Completer
 	store lock.Store
@@ -193,7 +199,9 @@ func (c *txCompleter) HandleComplete(ctx context.Context, d *amqp.Delivery, leas
 	done := time.Now()
 	key := messageKey(lease.Key)
 	p := c.w.lookup(key, lease.Fence)
-	defer c.w.untrack(key, lease.Fence)
+	if err != nil || !c.w.staging() { // a stage A worker's Amend still needs it
+		defer c.w.untrack(key, lease.Fence)
+	}
 	lctx, cancel := ledgerCtx()
 	defer cancel()
 	if p.execID != "" { // the handler ran
@@ -204,7 +212,7 @@ func (c *txCompleter) HandleComplete(ctx context.Context, d *amqp.Delivery, leas
 	if err != nil {
 		return res, err
 	}
-	op := ledger.OpID(key)
+	op := cmp.Or(p.op, ledger.OpID(key))
 	for try := 0; ; try++ {
 		lerr := c.w.led.Completed(lctx, op, lease.Fence, c.w.cfg.Name, c.w.pid, done)
 		if lerr == nil {
@@ -218,6 +226,9 @@ func (c *txCompleter) HandleComplete(ctx context.Context, d *amqp.Delivery, leas
 	}
 	if p.crash == workload.AfterCommit {
 		c.w.crash(p.op, p.crash, p.execID, lease.Fence)
+	}
+	if p.stop == workload.AfterCommit {
+		c.w.stopSelf(p.op, p.stop, p.execID, lease.Fence)
 	}
 	return res, nil
 }

@@ -7,10 +7,13 @@
 //
 // With Config.StoreDSN the worker keeps its records in PostgreSQL
 // (pgstore) instead of Redis, and its handler writes a non-idempotent
-// effect in pgstore's transaction (see pg.go).
+// effect in pgstore's transaction (see pg.go). With Config.StageTo it is
+// stage A of a two-stage pipeline: its handler stages a message for stage
+// B (amqpidem.Stage) instead of writing the ledger (see stage.go).
 package worker
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -19,6 +22,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -116,6 +120,14 @@ type Config struct {
 	// that a test can find (and terminate) exactly them. Default Name +
 	// "-store".
 	StoreAppName string
+
+	// StageTo, when set, makes the worker stage A of a two-stage pipeline
+	// (stage.go): its handler does the plan's work and stages one message
+	// per execution (amqpidem.Stage) to exchange StageExchange (empty: the
+	// default exchange) with routing key StageTo, instead of writing the
+	// ledger. Stage B is a worker consuming those messages: it writes the
+	// ledger, keyed by the operation the message's plan names.
+	StageTo, StageExchange string
 }
 
 // Worker is one chaos consumer. Run it once; Shutdown stops it and closes
@@ -130,9 +142,10 @@ type Worker struct {
 	seq      atomic.Int64
 
 	// leases holds, per lease, what the store wrapper and the handler
-	// share. Entries are removed on Complete, Fail and Release; those of
-	// leases lost before Complete stay until the process ends (a chaos
-	// consumer lives for minutes).
+	// share. Entries are removed on Complete (a stage A worker's on the
+	// Amend that records its staged message published), Fail and Release;
+	// those of leases lost before then stay until the process ends (a
+	// chaos consumer lives for minutes).
 	mu     sync.Mutex
 	leases map[leaseID]*leaseInfo
 
@@ -155,6 +168,7 @@ type leaseInfo struct {
 
 type planRef struct {
 	crash  string
+	stop   string // a window where the process stops itself
 	op     string
 	execID string
 	// inserted: pg mode: the handler inserted its effect in the
@@ -286,7 +300,11 @@ func New(ctx context.Context, cfg Config) (*Worker, error) {
 		if err != nil {
 			return nil, err
 		}
-		st, handler, check = &store{Store: rs, w: w}, amqpidem.HandlerFunc(w.handle), rs.Check
+		handler = amqpidem.HandlerFunc(w.handle)
+		if cfg.StageTo != "" {
+			handler = amqpidem.HandlerFunc(w.handleStage)
+		}
+		st, check = &store{Store: rs, w: w}, rs.Check
 	}
 
 	hb := cfg.Heartbeat
@@ -360,6 +378,10 @@ func ledgerCtx() (context.Context, context.CancelFunc) {
 	return context.WithTimeout(context.Background(), ledgerTimeout)
 }
 
+// staging reports whether the worker is stage A of a pipeline
+// (Config.StageTo).
+func (w *Worker) staging() bool { return w.cfg.StageTo != "" }
+
 // track remembers when the Acquire that granted (key, fence) was sent.
 func (w *Worker) track(key string, fence int64, at time.Time) {
 	w.mu.Lock()
@@ -425,6 +447,37 @@ func (w *Worker) crash(op, window, execID string, fence int64) {
 	select {} // the signal is on its way
 }
 
+// stopSelf stops the process (SIGSTOP), once per operation and window
+// (claimed in the ledger as "stop-<window>"), for the test to continue it
+// (SIGCONT) when it chooses; it returns once the process was continued.
+func (w *Worker) stopSelf(op, window, execID string, fence int64) {
+	if !w.cfg.AllowCrash {
+		return
+	}
+	ctx, cancel := ledgerCtx()
+	defer cancel()
+	first, err := w.led.ClaimCrash(ctx, op, StopWindow(window), execID, fence, w.pid)
+	if err != nil {
+		w.cfg.Logger.Error("chaos: cannot claim stop window", "op", op, "window", window, "error", err)
+		return
+	}
+	if !first {
+		return
+	}
+	fmt.Fprintf(os.Stderr, "chaos: %s stopping (SIGSTOP) in window %s of %s, fence %d\n", w.cfg.Name, window, op, fence)
+	if err := syscall.Kill(w.pid, syscall.SIGSTOP); err != nil {
+		w.cfg.Logger.Error("chaos: cannot stop", "op", op, "window", window, "error", err)
+		return
+	}
+	// The signal stops every thread, this one maybe a moment after the
+	// call returned: nothing of the window's next step before that.
+	time.Sleep(100 * time.Millisecond)
+}
+
+// StopWindow is the name under which the ledger's crashes table claims a
+// stop in window (Worker.stopSelf).
+func StopWindow(window string) string { return "stop-" + window }
+
 // messageKey is the message key of a record key made by amqpidem.StoreKey
 // (the endpoint, a NUL byte, the key): the ledger and the handler know
 // operations by message key.
@@ -466,7 +519,7 @@ func (s *store) Complete(ctx context.Context, l lock.Lease, result []byte) error
 		return err
 	}
 	done := time.Now()
-	op := ledger.OpID(messageKey(l.Key))
+	op := cmp.Or(p.op, ledger.OpID(messageKey(l.Key)))
 	lctx, cancel := ledgerCtx()
 	defer cancel()
 	for try := 0; ; try++ {
@@ -483,8 +536,42 @@ func (s *store) Complete(ctx context.Context, l lock.Lease, result []byte) error
 	if p.crash == workload.AfterComplete {
 		s.w.crash(p.op, p.crash, p.execID, l.Fence)
 	}
-	s.w.untrack(messageKey(l.Key), l.Fence)
+	if p.stop == workload.AfterComplete {
+		s.w.stopSelf(p.op, p.stop, p.execID, l.Fence)
+	}
+	if !s.w.staging() { // a stage A worker's Amend still needs it
+		s.w.untrack(messageKey(l.Key), l.Fence)
+	}
 	return nil
+}
+
+// Amend forwards to the store's Amend (lock.Amender), which amqpidem's
+// outbox calls once it has published a completed record's staged
+// messages, to record that they are. A wrapper that did not forward it
+// would leave the Consumer without an outbox (Stage: ErrNoOutbox). The
+// AfterPublish window is before the real call (published and confirmed,
+// not recorded), the AfterAmend window right after it (recorded, not
+// acked); both only in the execution that staged the messages.
+func (s *store) Amend(ctx context.Context, key string, fence int64, old, value []byte) error {
+	a, ok := s.Store.(lock.Amender)
+	if !ok {
+		return errors.New("worker: the store cannot amend records (lock.Amender)")
+	}
+	p := s.w.lookup(messageKey(key), fence)
+	if p.crash == workload.AfterPublish {
+		s.w.crash(p.op, p.crash, p.execID, fence)
+	}
+	if p.stop == workload.AfterPublish {
+		s.w.stopSelf(p.op, p.stop, p.execID, fence)
+	}
+	err := a.Amend(ctx, key, fence, old, value)
+	if err == nil && p.crash == workload.AfterAmend {
+		s.w.crash(p.op, p.crash, p.execID, fence)
+	}
+	if err == nil {
+		s.w.untrack(messageKey(key), fence)
+	}
+	return err
 }
 
 func (s *store) Fail(ctx context.Context, l lock.Lease, reason string) error {

@@ -28,6 +28,19 @@ const (
 	// AfterCommit: the transaction is committed (effect and completed
 	// record together); the delivery is not acked.
 	AfterCommit = "after-commit"
+
+	// The windows of a stage A worker (worker.Config.StageTo), whose
+	// handler stages a message for stage B (amqpidem.Stage). On stage A,
+	// AfterComplete and AfterCommit are "stored, not published": the
+	// record holds the staged message, pending, and the processor
+	// publishes it right after.
+
+	// AfterPublish: the staged message is published and confirmed; the
+	// record does not say so yet (before amqpidem's Amend).
+	AfterPublish = "after-publish"
+	// AfterAmend: the record says the message is published; the delivery
+	// is not acked.
+	AfterAmend = "after-amend"
 )
 
 // Plan is what the chaos handler does with one message. It travels as the
@@ -42,8 +55,14 @@ type Plan struct {
 	// LongUntil, when set, limits WorkMS to the executions whose attempt
 	// is below it; later ones do not work.
 	LongUntil int `json:"long_until,omitempty"`
-	// Crash is a crash window (BeforeEffect, AfterEffect, AfterComplete).
+	// Crash is a crash window (BeforeEffect, AfterEffect, AfterComplete;
+	// InTx and AfterCommit in pg mode; AfterPublish and AfterAmend on
+	// stage A).
 	Crash string `json:"crash,omitempty"`
+	// Stop is a window where the consumer process stops itself (SIGSTOP,
+	// once per operation and window) for the test to continue it: stage
+	// A's AfterComplete, AfterCommit and AfterPublish.
+	Stop string `json:"stop,omitempty"`
 	// FailUntil makes every execution with an attempt below it fail with a
 	// retryable error.
 	FailUntil int `json:"fail_until,omitempty"`
@@ -58,6 +77,26 @@ type Plan struct {
 	// StallMS), then write anyway: a stale holder's late write.
 	Stall   bool `json:"stall,omitempty"`
 	StallMS int  `json:"stall_ms,omitempty"`
+
+	// Next is, for a stage A worker, the plan of the message its handler
+	// stages for stage B (its Op and Origin are set by the handler); nil:
+	// the zero Plan.
+	Next *Plan `json:"next,omitempty"`
+	// StageID is the MessageId a stage A handler sets on the message it
+	// stages; empty: none, and amqpidem derives one from the key.
+	StageID string `json:"stage_id,omitempty"`
+	// Origin, set in the plan a stage A handler stages, names the
+	// execution that staged it. A worker handling a plan with an Origin
+	// takes the operation id from Op, not from the message's key (which
+	// is the staged message's MessageId).
+	Origin *Origin `json:"origin,omitempty"`
+}
+
+// Origin is the stage A execution that staged a message.
+type Origin struct {
+	Exec    string `json:"exec"`
+	Fence   int64  `json:"fence"`
+	Attempt int    `json:"attempt"`
 }
 
 // Work returns how long the execution with the given attempt works.

@@ -29,6 +29,21 @@ func TestParsePlan(t *testing.T) {
 	}
 }
 
+func TestParsePlanStaged(t *testing.T) {
+	p := workload.Plan{Op: "op-1", StageID: "op-1.b", Next: &workload.Plan{WorkMS: 5},
+		Origin: &workload.Origin{Exec: "c1.7.3", Fence: 42, Attempt: 2}}
+	got := workload.ParsePlan(p.Body())
+	if got.Next == nil || *got.Next != *p.Next {
+		t.Fatalf("ParsePlan: Next got %+v, want %+v", got.Next, *p.Next)
+	}
+	if got.Origin == nil || *got.Origin != *p.Origin {
+		t.Fatalf("ParsePlan: Origin got %+v, want %+v", got.Origin, *p.Origin)
+	}
+	if got.Op != p.Op || got.StageID != p.StageID {
+		t.Fatalf("ParsePlan: got op %q stage id %q, want %q %q", got.Op, got.StageID, p.Op, p.StageID)
+	}
+}
+
 func TestPlanWork(t *testing.T) {
 	p := workload.Plan{WorkMS: 500, LongUntil: 3}
 	for attempt, want := range map[int]time.Duration{1: 500 * time.Millisecond, 2: 500 * time.Millisecond, 3: 0, 4: 0} {
