@@ -25,11 +25,13 @@ check-user-module:
 
 # bench runs the lock and heartbeat micro benchmarks, then the end-to-end
 # measurement of test/bench: a bare amqp091-go consumer, amqpidem with
-# unique and with duplicate messages, and the naive SET NX + SET approach, side
+# unique and with duplicate messages, amqpidem whose handler stages one
+# message per message (outbox), and the naive SET NX + SET approach, side
 # by side on classic and quorum queues, and on PostgreSQL (pgstore's TxHandler,
 # unique and duplicate, against a hand-written INSERT ON CONFLICT consumer). It
-# ends with "ratio <variant>/bare <queue type> 0.00" lines. About 10 minutes;
-# flags go in BENCH_FLAGS, e.g.
+# ends with "ratio <variant>/bare <queue type> 0.00" lines, then "ratio
+# outbox/unique <queue type> 0.00". About 10 minutes; flags go in
+# BENCH_FLAGS, e.g.
 #   make bench BENCH_FLAGS='-repeats 5 -cpuprofile unique.pprof'
 #   make bench BENCH_FLAGS=-short      # a smoke run of a few seconds
 # REDIS_ADDR, AMQP_URL and PG_DSN pick other services than the local defaults.

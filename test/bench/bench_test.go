@@ -17,7 +17,8 @@ import (
 // TestShortRun runs the harness in its smoke mode against the real services,
 // so that `make test` notices when the measurement stops working. It checks
 // that every variant settled every message as expected (the PostgreSQL
-// variants: and left the effect rows they should), that the run removed
+// variants: and left the effect rows they should; outbox: and put one
+// staged message per message in its queue), that the run removed
 // what it made, and that the output ends with the ratio lines; it never
 // looks at how fast anything was. Without PostgreSQL it fails, as a test
 // without Redis or RabbitMQ does, except under -short without CI=true,
@@ -78,6 +79,9 @@ func TestShortRun(t *testing.T) {
 				if got, want := r.EffectRows, r.Effects; got != want {
 					t.Errorf("%s %s round %d: %d effect rows, want %d", qt, v, r.Round, got, want)
 				}
+				if got, want := r.Staged, r.N; v == outbox && got != want {
+					t.Errorf("%s %s round %d: %d staged messages reached the outbox queue, want %d", qt, v, r.Round, got, want)
+				}
 				if v.isPG() && (r.PG == nil || r.PG.Statements < int64(r.N) || r.PG.Committed() < int64(r.N)) {
 					t.Errorf("%s %s round %d: PostgreSQL counts %+v, want at least a statement and a commit per message", qt, v, r.Round, r.PG)
 				}
@@ -114,7 +118,7 @@ func TestShortRun(t *testing.T) {
 
 	// The output ends with one ratio line per variant and queue type, in
 	// order, two decimals: unique, duplicate, naive, then on classic
-	// pg-unique, pg-duplicate, pg-naive.
+	// pg-unique, pg-duplicate, pg-naive; then outbox over unique on each.
 	lines := strings.Split(strings.TrimRight(out.String(), "\n"), "\n")
 	var want []string
 	for _, qt := range opts.QueueTypes {
@@ -125,12 +129,15 @@ func TestShortRun(t *testing.T) {
 			want = append(want, `^ratio `+regexp.QuoteMeta(string(v))+`/bare `+qt+` \d+\.\d\d$`)
 		}
 	}
-	// Then issue 14's lines: Redis CPU per unique and duplicate message,
-	// the consumer's CPU ratio, the added p99 at each fixed rate.
+	for _, qt := range opts.QueueTypes {
+		want = append(want, `^ratio outbox/unique `+qt+` \d+\.\d\d$`)
+	}
+	// Then issue 14's lines: Redis CPU per unique, duplicate and outbox
+	// message, the consumer's CPU ratio, the added p99 at each fixed rate.
 	ratioLines := len(want)
 	for _, qt := range opts.QueueTypes {
 		want = append(want, `^redis_us unique `+qt+` \d+\.\d$`, `^redis_us duplicate `+qt+` \d+\.\d$`,
-			`^consumer_x unique `+qt+` \d+\.\d\d$`)
+			`^redis_us outbox `+qt+` \d+\.\d$`, `^consumer_x unique `+qt+` \d+\.\d\d$`)
 		for _, r := range opts.LatencyRates {
 			want = append(want, `^latency_p99_ms `+strconv.FormatFloat(r, 'f', -1, 64)+` `+qt+` -?\d+\.\d( saturated)?$`)
 		}

@@ -63,6 +63,20 @@ func (b *broker) declare(name, qt string) error {
 	return nil
 }
 
+// depth is the number of messages ready in queue name.
+func (b *broker) depth(name string) (int, error) {
+	ch, err := b.conn.Channel()
+	if err != nil {
+		return 0, fmt.Errorf("inspect %s: %w", name, err)
+	}
+	defer ch.Close()
+	q, err := ch.QueueDeclarePassive(name, true, false, false, false, nil)
+	if err != nil {
+		return 0, fmt.Errorf("inspect %s: %w", name, err)
+	}
+	return q.Messages, nil
+}
+
 // remove deletes queue name and the queues amqpidem may have made for it
 // (its dead-letter queue and the delay tier of the default delays). Deleting
 // a queue that does not exist is not an error for RabbitMQ.

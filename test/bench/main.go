@@ -4,6 +4,11 @@
 //	bare       a plain amqp091-go consumer: manual acks, a pool of workers
 //	unique     amqpidem.Consumer on a RedisStore, no-op handler, every key new
 //	duplicate  the same, every message a duplicate of completed work
+//	outbox     unique whose handler stages one message per message
+//	           (amqpidem.Stage, issue 23): stored with the outcome,
+//	           published confirmed to a queue of the run's own, the record
+//	           amended to say so, then the ack (outbox.go says where the
+//	           staged messages go; -outbox-sink whether they are consumed)
 //	naive      SET key NX, no-op handler, SET key done, ack (two round trips)
 //	memstore   unique on a lock.MemoryStore: amqpidem's own cost without
 //	           Redis, so what the store's round trips and Redis's CPU take
@@ -27,9 +32,10 @@
 // a quorum queue (the pg variants: classic only). Each run drains a queue
 // pre-filled by a confirming publisher; throughput is measured from the
 // first ack to the N-th. N is sized by a calibration so that a bare run
-// lasts -duration (for the pg variants, so that a pg-naive run does). Runs are
-// repeated in rounds, the order of the variants rotating from round to
-// round, and medians are reported. Then: the latency each message gains at
+// lasts -duration (for the pg variants, so that a pg-naive run does; for
+// outbox, so that an outbox run does). Runs are repeated in rounds, the
+// order of the variants rotating from round to round, and medians are
+// reported. Then: the latency each message gains at
 // half the bare maximum rate and at fixed offered rates (-latency-rates,
 // default 1,000 and 5,000 msg/s; bare and unique), Redis round trips per
 // message (go-redis hook: Process plus ProcessPipeline calls), and the
@@ -42,14 +48,20 @@
 //
 //	ratio unique/bare classic 0.83
 //
-// (pg-unique, pg-duplicate and pg-naive have such lines too, on classic.)
-// Then, per queue type, issue 14's figures: Redis CPU per unique and per
-// duplicate message in µs, the consumer's CPU per unique message over the
+// (pg-unique, pg-duplicate and pg-naive have such lines too, on classic;
+// outbox's is in the table only.) Then, per queue type measuring both,
+// issue 23's figure, outbox's median rate over unique's:
+//
+//	ratio outbox/unique classic 0.80
+//
+// Then, per queue type, issue 14's figures: Redis CPU per unique, per
+// duplicate and per outbox message in µs, the consumer's CPU per unique message over the
 // bare consumer's, and the p99 that unique adds over bare, in ms, at each
 // fixed rate (" saturated" when either could not keep up with it):
 //
 //	redis_us unique classic 24.2
 //	redis_us duplicate classic 10.6
+//	redis_us outbox classic 30.1
 //	consumer_x unique classic 1.44
 //	latency_p99_ms 1000 classic 1.4
 //	latency_p99_ms 5000 classic 3.9
@@ -127,6 +139,9 @@ type options struct {
 	// phase runs only with unique among them.
 	Variants []variant
 	BodySize int
+	// OutboxSink says whether the outbox variant's staged messages are
+	// consumed while it runs: sinkIdle or sinkConsumed (outbox.go).
+	OutboxSink string
 
 	// Duration is how long a bare run should last; N is sized from it.
 	Duration time.Duration
@@ -169,6 +184,7 @@ func defaultOptions() options {
 		Concurrency:     32,
 		QueueTypes:      []string{"classic", "quorum"},
 		BodySize:        128,
+		OutboxSink:      sinkIdle,
 		Duration:        4 * time.Second,
 		CalibrateN:      20000,
 		MinN:            2000,
@@ -245,8 +261,9 @@ func parseFlags(args []string, out io.Writer) (options, error) {
 	fs.IntVar(&o.Prefetch, "prefetch", o.Prefetch, "QoS prefetch of every consumer")
 	fs.IntVar(&o.Concurrency, "concurrency", o.Concurrency, "handlers at once in every consumer")
 	queues := fs.String("queues", "classic,quorum", "queue types, comma separated")
-	only := fs.String("variants", "", "measure only these variants, comma separated (bare always; duplicate needs unique, pg-duplicate pg-unique; the latency phase needs unique); empty: all")
+	only := fs.String("variants", "", "measure only these variants, comma separated (bare always; duplicate needs unique, pg-duplicate pg-unique; the latency phase and the outbox/unique ratio need unique); empty: all")
 	fs.IntVar(&o.BodySize, "body", o.BodySize, "message body size in bytes")
+	fs.StringVar(&o.OutboxSink, "outbox-sink", o.OutboxSink, "the outbox variant's queue of staged messages: idle (nobody consumes it; deleted after each run) or consumed (a bare consumer drains it while the run is measured, its CPU in the client's)")
 	fs.DurationVar(&o.Duration, "duration", o.Duration, "how long a bare throughput run should last; sizes N")
 	fs.IntVar(&o.N, "n", o.N, "messages per throughput run; 0 = calibrate from -duration")
 	fs.IntVar(&o.CalibrateN, "calibrate-n", o.CalibrateN, "messages of the calibration run")
@@ -329,6 +346,8 @@ func (o options) validate() error {
 		return fmt.Errorf("-mem-handlers %d must not be negative", o.MemHandlers)
 	case o.MemHandlers > 0 && o.MemSleep <= o.MemLeaseTTL:
 		return fmt.Errorf("-mem-sleep %v must be longer than -mem-lease-ttl %v so that the heartbeat runs", o.MemSleep, o.MemLeaseTTL)
+	case o.OutboxSink != sinkIdle && o.OutboxSink != sinkConsumed:
+		return fmt.Errorf("-outbox-sink %q: want %s or %s", o.OutboxSink, sinkIdle, sinkConsumed)
 	case o.PGConns < 1 || o.PGConns > 1000:
 		return fmt.Errorf("-pg-conns %d must be between 1 and 1000", o.PGConns)
 	case variant(o.ProfileVariant).isPG() && o.CPUProfile != "" && !o.PG:

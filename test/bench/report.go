@@ -58,6 +58,27 @@ func ratios(runs []runResult, queueTypes []string, measured map[string][]variant
 	return out
 }
 
+// outboxTarget is issue 23's target: outbox at least this share of
+// unique's rate, on both queue types.
+const outboxTarget = 0.75
+
+// outboxRatios are outbox's median throughput over unique's, per queue
+// type measuring both.
+func outboxRatios(runs []runResult, queueTypes []string, measured map[string][]variant) []ratio {
+	var out []ratio
+	for _, qt := range queueTypes {
+		if !slices.Contains(measured[qt], outbox) || !slices.Contains(measured[qt], unique) {
+			continue
+		}
+		r := ratio{Variant: outbox, QueueType: qt}
+		if u := median(rates(runs, qt, unique)); u > 0 {
+			r.Value = median(rates(runs, qt, outbox)) / u
+		}
+		out = append(out, r)
+	}
+	return out
+}
+
 // perMessage sums a per-run figure over the measured runs of qt and v and
 // divides by their messages.
 func perMessage(runs []runResult, qt string, v variant, f func(runResult) float64) float64 {
@@ -104,6 +125,14 @@ func printReport(out io.Writer, e *env, rep *report) {
 	fmt.Fprintln(out, "(redis rt/msg: go-redis Process + ProcessPipeline calls per message; cpu/msg: CPU time of this\n"+
 		" process, of redis-server and of the whole machine (RabbitMQ included; /proc/stat, so other work\n"+
 		" on the machine counts too) while consuming, per message)")
+	if len(rep.OutboxRatios) > 0 {
+		fmt.Fprintf(out, "(outbox: one staged message of %d bytes per message, to a queue of the run's own, %s)\n",
+			stagedBodySize, sinkText(o.OutboxSink))
+		fmt.Fprintf(out, "target of issue 23 (medians of this run): outbox at least %.2f of unique's rate\n", outboxTarget)
+		for _, r := range rep.OutboxRatios {
+			fmt.Fprintf(out, "  %-7s outbox/unique = %.2f  %s\n", r.QueueType, r.Value, metOrNot(r.Value >= outboxTarget))
+		}
+	}
 	if rep.WaitSkipped != "" {
 		fmt.Fprintf(out, "\n== unique-wait skipped: %s ==\n", rep.WaitSkipped)
 	} else if e.replica != nil {
@@ -285,15 +314,15 @@ func latencyPairs(runs []latencyResult) [][2]*latencyResult {
 }
 
 // printTargets prints issue 14's machine-readable lines, after the ratio
-// lines: Redis CPU per unique and duplicate message (µs), the consumer's
-// CPU per unique message over the bare consumer's, and the p99 latency
-// unique adds over bare (ms) at each fixed offered rate. A line is left
+// lines: Redis CPU per unique, duplicate and outbox message (µs), the
+// consumer's CPU per unique message over the bare consumer's, and the p99
+// latency unique adds over bare (ms) at each fixed offered rate. A line is left
 // out where the bench has no figure (a variant not measured, a platform
 // without CPU times); a rate that bare or unique could not keep up with
 // ends its line with "saturated".
 func printTargets(out io.Writer, o options, rep *report) {
 	for _, qt := range o.QueueTypes {
-		for _, v := range []variant{unique, duplicate} {
+		for _, v := range []variant{unique, duplicate, outbox} {
 			if !slices.Contains(rep.Variants[qt], v) {
 				continue
 			}
@@ -323,4 +352,13 @@ func printTargets(out io.Writer, o options, rep *report) {
 				float64(u.P99-b.P99)/float64(time.Millisecond), note)
 		}
 	}
+}
+
+// sinkText says who consumes the outbox variant's queue of staged
+// messages.
+func sinkText(mode string) string {
+	if mode == sinkConsumed {
+		return "drained while measured by a bare consumer in this process (-outbox-sink consumed)"
+	}
+	return "which nobody consumes; deleted after the run (-outbox-sink idle)"
 }

@@ -35,10 +35,15 @@ const (
 	// uniqueWait is unique with lock.Config.Replicas 1: every write waits
 	// for a replica the bench starts (issue 13).
 	uniqueWait variant = "unique-wait"
+	// outbox is unique whose handler stages one message per message
+	// (issue 23): amqpidem stores it with the outcome, publishes it
+	// confirmed to a queue of the run's own (see outboxSink), amends the
+	// record, then acks.
+	outbox variant = "outbox"
 )
 
 // variants in the order of the tables.
-var variants = []variant{bare, unique, duplicate, naive, memstore, uniqueWait, pgUnique, pgDuplicate, pgNaive}
+var variants = []variant{bare, unique, duplicate, outbox, naive, memstore, uniqueWait, pgUnique, pgDuplicate, pgNaive}
 
 // replays says whether v replays the keys another variant completed in
 // the same round, so that it cannot run alone.
@@ -78,6 +83,11 @@ type report struct {
 	// pg-naive run lasts -duration (as N for bare), since at bare's N the
 	// pg runs would take minutes each.
 	NPG int
+	// NOutbox is the messages of each outbox run per queue type, sized
+	// so that an outbox run lasts -duration: at bare's N, with staged
+	// messages published at a twentieth of bare's rate, one run took
+	// over a minute, close to -run-timeout.
+	NOutbox map[string]int
 	// Variants are the variants measured on each queue type, in table
 	// order.
 	Variants map[string][]variant
@@ -85,8 +95,11 @@ type report struct {
 	Latency  []latencyResult
 	Memory   *memoryResult
 	Ratios   []ratio
-	Profile  string
-	LeftKeys int // keys of this run still in Redis after cleanup
+	// OutboxRatios are outbox's median rate over unique's, per queue
+	// type measuring both (issue 23's figure).
+	OutboxRatios []ratio
+	Profile      string
+	LeftKeys     int // keys of this run still in Redis after cleanup
 	// PGSkipped says why the PostgreSQL variants did not run ("" when
 	// they did); PGSchema is the run's schema, PGDropped whether it was
 	// dropped and checked gone.
@@ -122,6 +135,10 @@ type runResult struct {
 	PG                  *pgCounts
 	PGCPU               time.Duration
 	EffectRows, Effects int
+
+	// Staged is, for outbox, the staged messages that reached the run's
+	// outbox queue (one per message is right).
+	Staged int
 }
 
 type ratio struct {
@@ -133,7 +150,7 @@ type ratio struct {
 func run(ctx context.Context, opts options, out io.Writer) (rep *report, err error) {
 	started := time.Now()
 	e := &env{opts: opts, out: out, base: "amqpidem-bench-" + randomHex(4), rts: &roundTrips{}}
-	rep = &report{Base: e.base, N: map[string]int{}, Variants: map[string][]variant{}}
+	rep = &report{Base: e.base, N: map[string]int{}, NOutbox: map[string]int{}, Variants: map[string][]variant{}}
 	e.body = make([]byte, opts.BodySize)
 	for i := range e.body {
 		e.body[i] = 'a' + byte(i%26)
@@ -215,6 +232,14 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 			}
 		}
 		rep.N[qt] = n
+		if opts.measures(outbox) {
+			if n = opts.N; n == 0 {
+				if n, err = e.calibrate(ctx, qt, outbox, max(opts.CalibrateN/4, opts.MinN)); err != nil {
+					return rep, fmt.Errorf("calibration of outbox on %s: %w", qt, err)
+				}
+			}
+			rep.NOutbox[qt] = n
+		}
 	}
 	if e.pg != nil {
 		rep.NPG = opts.N
@@ -245,8 +270,8 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 					if err != nil {
 						return rep, fmt.Errorf("round %d, %s %s: %w", round, qt, v, err)
 					}
-					fmt.Fprintf(out, "  round %d %-7s %-12s %9s msg/s  N %d in %v (prefill %v)%s%s\n", round, qt, v,
-						thousands(r.Rate), r.N, r.Span.Round(time.Millisecond), r.Publish.Round(time.Millisecond), pgNote(r), unexpectedNote(r))
+					fmt.Fprintf(out, "  round %d %-7s %-12s %9s msg/s  N %d in %v (prefill %v)%s%s%s\n", round, qt, v,
+						thousands(r.Rate), r.N, r.Span.Round(time.Millisecond), r.Publish.Round(time.Millisecond), pgNote(r), stagedNote(r), unexpectedNote(r))
 				}
 			}
 			// The round's records are no longer needed.
@@ -262,6 +287,7 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 	}
 	fmt.Fprintln(out)
 	rep.Ratios = ratios(rep.Runs, opts.QueueTypes, rep.Variants)
+	rep.OutboxRatios = outboxRatios(rep.Runs, opts.QueueTypes, rep.Variants)
 
 	// 3. Latency at half the bare median rate, and at the fixed rates.
 	for _, qt := range opts.QueueTypes {
@@ -315,6 +341,9 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 	for _, r := range rep.Ratios {
 		fmt.Fprintf(out, "ratio %s/bare %s %.2f\n", r.Variant, r.QueueType, r.Value)
 	}
+	for _, r := range rep.OutboxRatios {
+		fmt.Fprintf(out, "ratio outbox/unique %s %.2f\n", r.QueueType, r.Value)
+	}
 	printTargets(out, opts, rep)
 	var bad []string
 	for _, r := range rep.Runs {
@@ -323,6 +352,9 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 		}
 		if r.EffectRows != r.Effects {
 			bad = append(bad, fmt.Sprintf("round %d %s %s: %d effect rows, want %d", r.Round, r.QueueType, r.Variant, r.EffectRows, r.Effects))
+		}
+		if r.Variant == outbox && r.Staged != r.N {
+			bad = append(bad, fmt.Sprintf("round %d %s %s: %d staged messages reached the outbox queue, want %d", r.Round, r.QueueType, r.Variant, r.Staged, r.N))
 		}
 	}
 	if len(bad) > 0 {
@@ -333,8 +365,11 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 
 // n is the messages of each run of v on qt.
 func (rep *report) n(qt string, v variant) int {
-	if v.isPG() {
+	switch {
+	case v.isPG():
 		return rep.NPG
+	case v == outbox:
+		return rep.NOutbox[qt]
 	}
 	return rep.N[qt]
 }
@@ -428,6 +463,21 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 		}
 	}
 
+	// outbox's handler stages to a queue of the run's own (outbox.go).
+	if v == outbox {
+		s, err := e.openSink(ctx, qt, queue, n)
+		if err != nil {
+			return res, err
+		}
+		defer func() {
+			cctx, ccancel := context.WithTimeout(context.WithoutCancel(ctx), 45*time.Second)
+			defer ccancel()
+			staged, serr := s.close(cctx)
+			res.Staged = staged
+			err = errors.Join(err, serr)
+		}()
+	}
+
 	t := newTally(n, nil)
 	cpu0, rcpu0, mcpu0, pcpu0 := processCPU(), redisCPU(ctx, e.admin), machineCPU(), e.pgCPU()
 	rt0 := e.rts.n.Load()
@@ -502,11 +552,15 @@ func (e *env) start(ctx context.Context, qt string, v variant, queue, prefix str
 	if v == duplicate {
 		want = amqpidem.Duplicate
 	}
+	var handler amqpidem.Handler = noopHandler
+	if v == outbox {
+		handler = stagingHandler(outboxSink(queue))
+	}
 	return startIdem(ctx, store, idemConfig{
 		url: e.opts.AMQPURL, queue: queue, queueType: qt,
 		prefetch: e.opts.Prefetch, concurrency: e.opts.Concurrency,
 		leaseTTL: leaseTTL, retention: retention,
-		handler: noopHandler, want: want,
+		handler: handler, want: want,
 	}, t)
 }
 
@@ -514,7 +568,7 @@ func (e *env) start(ctx context.Context, qt string, v variant, queue, prefix str
 // order of the first round; a group runs in its order (a duplicate after
 // the unique run it replays).
 func (e *env) units(qt string) [][]variant {
-	all := [][]variant{{bare}, {unique, duplicate}, {naive}, {memstore}}
+	all := [][]variant{{bare}, {unique, duplicate}, {outbox}, {naive}, {memstore}}
 	if e.replica != nil {
 		all = append(all, []variant{uniqueWait})
 	}
@@ -609,6 +663,15 @@ func randomHex(n int) string {
 	b := make([]byte, n)
 	_, _ = rand.Read(b)
 	return hex.EncodeToString(b)
+}
+
+// stagedNote is, for an outbox run, how many staged messages reached its
+// outbox queue.
+func stagedNote(r runResult) string {
+	if r.Variant != outbox {
+		return ""
+	}
+	return fmt.Sprintf("  %d staged", r.Staged)
 }
 
 func unexpectedNote(r runResult) string {
