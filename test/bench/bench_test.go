@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"os"
+	"path/filepath"
 	"regexp"
 	"slices"
 	"strconv"
@@ -30,6 +31,8 @@ func TestShortRun(t *testing.T) {
 		t.Fatal(err)
 	}
 	opts.AMQPURL, opts.RedisAddr = testenv.AMQPURL(t), testenv.RedisAddr(t)
+	// The profiled run, of outbox, with its step times.
+	opts.CPUProfile, opts.ProfileVariant = filepath.Join(t.TempDir(), "outbox.pprof"), string(outbox)
 
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
@@ -111,6 +114,11 @@ func TestShortRun(t *testing.T) {
 		if m.Unexpected != 0 || m.InFlight == 0 {
 			t.Errorf("memory phase: %d unexpected outcomes, %d in flight when sampled", m.Unexpected, m.InFlight)
 		}
+	}
+	if st := rep.Steps; st == nil {
+		t.Error("the profiled outbox run has no step times")
+	} else if got, want := st.Outboxed, int64(rep.n(opts.QueueTypes[0], outbox)); st.N != want || got != want {
+		t.Errorf("profiled outbox run: step times of %d completed deliveries, %d with staged messages, want %d of both", st.N, got, want)
 	}
 	if rep.LeftKeys != 0 {
 		t.Errorf("%d Redis keys %s* left behind", rep.LeftKeys, rep.Base)

@@ -252,6 +252,8 @@ type idemConfig struct {
 	// want is the outcome every message should have; the tally counts the
 	// others as unexpected.
 	want amqpidem.Outcome
+	// steps, if set, times each delivery's steps (Tracer and Observer).
+	steps *steps
 }
 
 func startIdem(ctx context.Context, store lock.Store, cfg idemConfig, t *tally) (*idem, error) {
@@ -270,6 +272,12 @@ func startIdem(ctx context.Context, store lock.Store, cfg idemConfig, t *tally) 
 		}
 		t.failed(reason)
 	})
+	var observer amqpidem.Observer = obs
+	var tracer amqpidem.Tracer
+	if cfg.steps != nil {
+		cfg.steps.inner = obs
+		observer, tracer = cfg.steps, cfg.steps
+	}
 	c, err := amqpidem.NewConsumer(store, amqpidem.ConsumerConfig{
 		Config: amqpidem.Config{
 			Queue: cfg.queue,
@@ -279,7 +287,8 @@ func startIdem(ctx context.Context, store lock.Store, cfg idemConfig, t *tally) 
 			Endpoint:  "bench",
 			LeaseTTL:  cfg.leaseTTL,
 			Retention: cfg.retention,
-			Observer:  obs,
+			Observer:  observer,
+			Tracer:    tracer,
 		},
 		URL:         cfg.url,
 		Prefetch:    cfg.prefetch,

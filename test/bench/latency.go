@@ -76,7 +76,7 @@ func (e *env) latency(ctx context.Context, qt string, v variant, rate float64) (
 			took[i].Store(at.UnixNano() - sent[i].Load())
 		}
 	})
-	c, err := e.start(ctx, qt, v, queue, prefix, nil, t)
+	c, err := e.start(ctx, qt, v, queue, prefix, nil, t, nil)
 	if err != nil {
 		return res, err
 	}

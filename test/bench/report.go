@@ -180,6 +180,9 @@ func printReport(out io.Writer, e *env, rep *report) {
 	if rep.Profile != "" {
 		fmt.Fprintf(out, "\n%s\n  (go tool pprof -top %s)\n", rep.Profile, o.CPUProfile)
 	}
+	if rep.Steps != nil {
+		rep.Steps.print(out)
+	}
 }
 
 func signedUs(d time.Duration) string {

@@ -99,7 +99,9 @@ type report struct {
 	// type measuring both (issue 23's figure).
 	OutboxRatios []ratio
 	Profile      string
-	LeftKeys     int // keys of this run still in Redis after cleanup
+	// Steps are the profiled run's step times, when it has them.
+	Steps    *stepTimes
+	LeftKeys int // keys of this run still in Redis after cleanup
 	// PGSkipped says why the PostgreSQL variants did not run ("" when
 	// they did); PGSchema is the run's schema, PGDropped whether it was
 	// dropped and checked gone.
@@ -139,6 +141,9 @@ type runResult struct {
 	// Staged is, for outbox, the staged messages that reached the run's
 	// outbox queue (one per message is right).
 	Staged int
+	// Steps are the profiled run's step times (amqpidem variants on Redis
+	// or MemoryStore); nil otherwise.
+	Steps *stepTimes
 }
 
 type ratio struct {
@@ -331,6 +336,7 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 		if err != nil {
 			return rep, fmt.Errorf("profiled run: %w", err)
 		}
+		rep.Steps = r.Steps
 		rep.Profile = fmt.Sprintf("CPU profile of an extra %s run on %s (%s msg/s, N %d, not in the medians): %s",
 			v, qt, thousands(r.Rate), r.N, opts.CPUProfile)
 	}
@@ -492,7 +498,17 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 		}
 		defer pprof.StopCPUProfile()
 	}
-	c, err := e.start(ctx, qt, v, queue, prefix, pr, t)
+	// The profiled run also times each delivery's steps.
+	var st *steps
+	if profile != nil {
+		st = &steps{}
+		defer func() {
+			if r := st.result(qt, v); r.N > 0 {
+				res.Steps = r
+			}
+		}()
+	}
+	c, err := e.start(ctx, qt, v, queue, prefix, pr, t, st)
 	if err != nil {
 		return res, err
 	}
@@ -523,8 +539,9 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 
 // start starts variant v's consumer on queue. prefix names its Redis keys
 // (or pgstore records, or pg-naive keys); pr is a PostgreSQL variant's
-// pool.
-func (e *env) start(ctx context.Context, qt string, v variant, queue, prefix string, pr *pgRun, t *tally) (consumer, error) {
+// pool; st, if set, times the steps of an amqpidem consumer on Redis or
+// MemoryStore.
+func (e *env) start(ctx context.Context, qt string, v variant, queue, prefix string, pr *pgRun, t *tally, st *steps) (consumer, error) {
 	if v.isPG() {
 		return e.startPG(ctx, v, pr, queue, prefix, t)
 	}
@@ -560,7 +577,7 @@ func (e *env) start(ctx context.Context, qt string, v variant, queue, prefix str
 		url: e.opts.AMQPURL, queue: queue, queueType: qt,
 		prefetch: e.opts.Prefetch, concurrency: e.opts.Concurrency,
 		leaseTTL: leaseTTL, retention: retention,
-		handler: handler, want: want,
+		handler: handler, want: want, steps: st,
 	}, t)
 }
 
