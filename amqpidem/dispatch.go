@@ -3,6 +3,7 @@ package amqpidem
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"time"
@@ -21,10 +22,14 @@ import (
 // execution stored value: its messages are published, not re-published,
 // and its claim is its own.
 //
-// A copy that finds messages pending while the execution that stored
-// them still claims them (it publishes them now, or died doing so less
-// than a lease TTL ago) waits as a busy duplicate rather than publish them
-// a second time; an execution that stops trying gives its claim up.
+// Whoever publishes holds the claim: the storing execution from its
+// completion on, for a lease TTL; a copy takes it (compare-and-set,
+// lock.Amender) before it publishes, so that of copies arriving together
+// one publishes and the others wait as busy duplicates, as they do while
+// the claim is held. An execution that stops trying gives its claim up; one
+// whose claim passed before it could publish (stalled, the process
+// paused) publishes nothing and goes back to the queue, for a copy to
+// take the claim.
 func (f *flight) dispatch(value []byte, fence int64, own bool) bool {
 	p := f.p
 	v, err := splitValue(value)
@@ -45,9 +50,22 @@ func (f *flight) dispatch(value []byte, fence int64, own bool) bool {
 	if pending == 0 {
 		return true
 	}
-	if left := time.Until(time.UnixMilli(v.claimUntil)); !own && left > 0 {
+	now := time.Now()
+	left := time.UnixMilli(v.claimUntil).Sub(now)
+	switch {
+	case own && left <= 0:
+		f.requeue(Abandoned, "outbox claim passed", MinInProgressDelay, nil)
+		return false
+	case !own && left > 0:
 		f.requeue(Busy, "outbox being published", p.busyDelay(left), nil)
 		return false
+	case !own:
+		taken := append([]byte(nil), value...)
+		binary.BigEndian.PutUint64(taken[v.claimAt:], uint64(claimFrom(now, p.claimTTL())))
+		if !f.amended(value, taken, fence) {
+			return false
+		}
+		value = taken
 	}
 	amended := append([]byte(nil), value...)
 	var broken error // a publish failed for want of the broker: stop
@@ -84,20 +102,8 @@ func (f *flight) dispatch(value []byte, fence int64, own bool) bool {
 		// The next copy publishes the rest, at once.
 		clear(amended[v.claimAt : v.claimAt+claimLen])
 	}
-	if !bytes.Equal(amended, value) {
-		err := f.amend(value, amended, fence)
-		switch {
-		case errors.Is(err, lock.ErrChanged):
-			// Another delivery recorded its own publishes first: look
-			// again shortly, and publish what is still pending then.
-			f.requeue(Abandoned, "outbox changed", MinInProgressDelay, err)
-			return false
-		case err != nil:
-			// What was published is not recorded: published again later,
-			// a duplicate downstream, never a loss.
-			f.requeue(Abandoned, "store unavailable", p.cfg.UnavailableDelay, err)
-			return false
-		}
+	if !bytes.Equal(amended, value) && !f.amended(value, amended, fence) {
+		return false
 	}
 	if pending == 0 {
 		return true
@@ -128,6 +134,26 @@ func (f *flight) publishStaged(enc []byte) error {
 	sctx, cancel := settleContext(f.ctx)
 	defer cancel()
 	return f.b.publish(sctx, exchange, key, msg)
+}
+
+// amended records value as the record's new stored value in place of old
+// (amend) and reports whether it did; if not, it has requeued the
+// delivery, to look at the record again.
+func (f *flight) amended(old, value []byte, fence int64) bool {
+	err := f.amend(old, value, fence)
+	switch {
+	case err == nil:
+		return true
+	case errors.Is(err, lock.ErrChanged):
+		// Another delivery changed the record first (took the claim,
+		// recorded its publishes): look again shortly.
+		f.requeue(Abandoned, "outbox changed", MinInProgressDelay, err)
+	default:
+		// What was published is not recorded: published again later, a
+		// duplicate downstream, never a loss.
+		f.requeue(Abandoned, "store unavailable", f.p.cfg.UnavailableDelay, err)
+	}
+	return false
 }
 
 // amend records value as the record's new stored value in place of old,

@@ -1,6 +1,7 @@
 package amqpidem
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
@@ -335,6 +336,12 @@ func encodeValue(replyTo string, result []byte, staged [][]byte, claimUntil int6
 // or puts it off.
 func (f *flight) claim() int64 {
 	return claimFrom(time.Now(), f.lease.TTL)
+}
+
+// claimTTL is how long a copy that publishes staged messages claims them:
+// Config.LeaseTTL, else DefaultLeaseTTL.
+func (p *processor) claimTTL() time.Duration {
+	return cmp.Or(p.cfg.LeaseTTL, DefaultLeaseTTL)
 }
 
 // claimFrom is the claim of messages stored at now under a lease of ttl.

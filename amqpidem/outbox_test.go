@@ -584,3 +584,109 @@ func TestOutboxClaim(t *testing.T) {
 		t.Fatalf("copy after the claim: %v %q %+v, %d published", ev.Outcome, ev.Reason, ev.Outbox, len(b.published()))
 	}
 }
+
+// gatedBroker holds every publish to "next" until release is closed, and
+// says on started when the first one began.
+type gatedBroker struct {
+	outboxBroker
+	started chan struct{}
+	release chan struct{}
+	once    sync.Once
+}
+
+func (b *gatedBroker) publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	if key == "next" {
+		b.once.Do(func() { close(b.started) })
+		<-b.release
+	}
+	return b.outboxBroker.publish(ctx, exchange, key, msg)
+}
+
+// storePending completes key's record with one message to "next" pending,
+// claimed until claim: what an execution that died after its completion
+// leaves.
+func storePending(t *testing.T, store lock.Store, key string, claim time.Time) {
+	t.Helper()
+	res, err := store.Acquire(context.Background(), lock.Request{Key: StoreKey("q", key), Fingerprint: fingerprint([]byte("x"))})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatal(res.Status, err)
+	}
+	enc, err := appendPublishing(nil, "", "next", amqp.Publishing{MessageId: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := store.Complete(context.Background(), res.Lease, encodeValue("", nil, [][]byte{enc}, claim.UnixMilli())); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestOutboxCopiesTakeTheClaim: of two copies that find a message pending
+// once the storing execution's claim has passed, the first takes the
+// claim before it publishes, and the second, arriving while it publishes,
+// waits as busy: the message goes out once.
+func TestOutboxCopiesTakeTheClaim(t *testing.T) {
+	p, store := newTestProcessor(t, Config{}, stager(1, nil))
+	storePending(t, store, "a", time.Now().Add(-time.Second))
+	b := &gatedBroker{started: make(chan struct{}), release: make(chan struct{})}
+	first := make(chan Event, 1)
+	go func() {
+		d, _ := delivery("a", "x")
+		first <- p.process(context.Background(), b, d, nil)
+	}()
+	<-b.started
+	second := make(chan Event, 1)
+	go func() {
+		d2, _ := delivery("a", "x")
+		second <- p.process(context.Background(), b, d2, nil)
+	}()
+	var ev Event
+	select {
+	case ev = <-second:
+	case <-time.After(2 * time.Second):
+		close(b.release)
+		t.Fatalf("the second copy is publishing beside the first (it waits for the broker too)")
+	}
+	close(b.release)
+	if ev.Outcome != Busy || ev.Reason != "outbox being published" || ev.Delay < time.Second {
+		t.Fatalf("second copy: %v %q %v; want busy until the first's claim passes", ev.Outcome, ev.Reason, ev.Delay)
+	}
+	if ev := <-first; ev.Outcome != Duplicate || ev.Outbox.Republished != 1 {
+		t.Fatalf("first copy: %v %q %+v %v", ev.Outcome, ev.Reason, ev.Outbox, ev.Err)
+	}
+	if n := len(b.published()); n != 1 {
+		t.Fatalf("published %d times, want once", n)
+	}
+	if states := storedStates(t, store, "a"); fmt.Sprint(states) != "[published]" {
+		t.Fatalf("record: %v", states)
+	}
+}
+
+// slowCompleteStore completes, then takes delay to answer: a process
+// paused between its completion and its publishing.
+type slowCompleteStore struct {
+	*lock.MemoryStore
+	delay time.Duration
+}
+
+func (s *slowCompleteStore) Complete(ctx context.Context, l lock.Lease, v []byte) error {
+	err := s.MemoryStore.Complete(ctx, l, v)
+	time.Sleep(s.delay)
+	return err
+}
+
+// TestOutboxOwnClaimPassed: an execution whose claim passed before it
+// could publish (paused after its completion) publishes nothing and goes
+// back to the queue; its copy takes the claim and publishes, once.
+func TestOutboxOwnClaimPassed(t *testing.T) {
+	store := &slowCompleteStore{MemoryStore: mustMemory(t), delay: 60 * time.Millisecond}
+	p := newProcessorOn(t, store, Config{LeaseTTL: 40 * time.Millisecond, SafetyMargin: 10 * time.Millisecond}, stager(1, nil))
+	b := &outboxBroker{}
+	d, _ := delivery("a", "x")
+	if ev := p.process(context.Background(), b, d, nil); ev.Outcome != Abandoned || ev.Reason != "outbox claim passed" || len(b.published()) != 0 {
+		t.Fatalf("paused execution: %v %q, %d published", ev.Outcome, ev.Reason, len(b.published()))
+	}
+	d2, _ := delivery("a", "x")
+	if ev := p.process(context.Background(), b, d2, nil); ev.Outcome != Duplicate || ev.Outbox.Republished != 1 || len(b.published()) != 1 {
+		t.Fatalf("its copy: %v %q %+v, %d published", ev.Outcome, ev.Reason, ev.Outbox, len(b.published()))
+	}
+}
