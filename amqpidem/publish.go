@@ -16,7 +16,7 @@ import (
 // may not have been taken, so publish it again with the same MessageId,
 // and the consumer runs it once.
 //
-// Publisher is safe for concurrent use; up to 8 publishes are in flight at
+// Publisher is safe for concurrent use; up to 64 publishes are in flight at
 // once, each on a confirm-mode channel of its own. Close it when done.
 type Publisher struct {
 	p *publisher
