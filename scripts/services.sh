@@ -3,11 +3,13 @@
 # services.sh makes sure the services the tests use are up, starting local
 # ones when they are down. It is idempotent: running services are left alone.
 #
-#   bash scripts/services.sh [redis] [rabbitmq] [postgres]   (default: all three)
+#   bash scripts/services.sh [redis] [rabbitmq] [postgres] [dynamodb]   (default: all four)
 #
 # Redis and RabbitMQ serve every integration test (and the demo); PostgreSQL,
 # database "test" with trust authentication, serves the pgstore tests and
-# example and holds the ledger of the test/chaos scenarios. What it checks and how it starts each:
+# example and holds the ledger of the test/chaos scenarios; a DynamoDB-compatible
+# server serves the dynamostore tests (scripts/dynamo.sh builds and starts it,
+# DYNAMODB_ENDPOINT=http://host:port checks another). What it checks and how it starts each:
 #
 #   REDIS_ADDR=host:port     check that Redis instead of 127.0.0.1:6379 (never started)
 #   AMQP_URL=amqp://...      check that RabbitMQ instead of 127.0.0.1:5672 (never started)
@@ -305,16 +307,22 @@ check_postgres() {
 	fi
 }
 
+# ---- DynamoDB -------------------------------------------------------------
+check_dynamodb() {
+	bash "$(dirname "${BASH_SOURCE[0]}")/dynamo.sh" start || failed=1
+}
+
 if [[ $# == 0 ]]; then
-	set -- redis rabbitmq postgres
+	set -- redis rabbitmq postgres dynamodb
 fi
 for s in "$@"; do
 	case $s in
 	redis) check_redis ;;
 	rabbitmq) check_rabbitmq ;;
 	postgres) check_postgres ;;
+	dynamodb) check_dynamodb ;;
 	*)
-		say "unknown service $s: want redis, rabbitmq or postgres"
+		say "unknown service $s: want redis, rabbitmq, postgres or dynamodb"
 		failed=1
 		;;
 	esac

@@ -1,0 +1,171 @@
+#!/usr/bin/env bash
+# shellcheck disable=SC2016 # the bash -c scripts read their arguments as $1 and $2
+# dynamo.sh makes sure a DynamoDB-compatible server answers for the tests,
+# building and starting a local one when none does. It is idempotent: a
+# server that answers is left alone.
+#
+#   bash scripts/dynamo.sh [start]   check, and start one on 127.0.0.1:8000 if needed
+#   bash scripts/dynamo.sh stop      stop the server this script started (its PID file)
+#
+#   DYNAMODB_ENDPOINT=http://host:port   check that server instead (never started)
+#   DYNAMO_DIR=dir                       where the server's binary, log and PID file
+#                                        live (default: ${XDG_CACHE_HOME:-$HOME/.cache}/amqpidem/dynamo)
+#
+# The server is the HTTP server of github.com/truora/minidyn, an open-source
+# in-memory DynamoDB, at the version pinned in scripts/dynamo/go.mod and
+# go.sum, wrapped by scripts/dynamo/main.go. It is built with the go command
+# (from the Go module proxy, or the module cache) into DYNAMO_DIR/bin,
+# keyed by the hash of those files, so a change of the pin builds anew. It
+# runs daemonized (setsid), logging to DYNAMO_DIR/dynamo.log, its PID in
+# DYNAMO_DIR/dynamo.pid. Its data lives in memory: a restart empties it.
+# Amazon's DynamoDB Local is not used here (its licence is not open
+# source); users with Docker can run it instead: docker compose up -d
+# --wait dynamodb (docker-compose.yml), on the same port.
+#
+# "Answers" means a DescribeTable request of the DynamoDB JSON protocol
+# gets ResourceNotFoundException back: something that speaks DynamoDB.
+# Exits non-zero, after saying what to start, if none answers.
+set -uo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+dir=${DYNAMO_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/amqpidem/dynamo}
+log=$dir/dynamo.log
+pidfile=$dir/dynamo.pid
+host=127.0.0.1
+port=8000
+
+say() { printf 'dynamo: %s\n' "$*"; }
+
+# bounded SECS CMD [ARG...]: runs CMD and returns its status, or kills it
+# and returns 124 (as timeout(1) does) once SECS seconds have passed.
+bounded() {
+	local secs=$1 pid i
+	shift
+	"$@" &
+	pid=$!
+	for ((i = 0; i < secs * 10; i++)); do
+		if ! kill -0 "$pid" 2>/dev/null; then
+			wait "$pid"
+			return
+		fi
+		sleep 0.1
+	done
+	kill -KILL "$pid" 2>/dev/null
+	wait "$pid" 2>/dev/null
+	return 124
+}
+
+# dynamo_ready HOST PORT: true if a DynamoDB-compatible server there answers
+# DescribeTable of a table that does not exist with ResourceNotFoundException.
+dynamo_ready() {
+	bounded 5 bash -c '
+		exec 3<>"/dev/tcp/$1/$2" || exit 1
+		body="{\"TableName\":\"amqpidem-probe-no-such-table\"}"
+		printf "POST / HTTP/1.1\r\nHost: %s:%s\r\nContent-Type: application/x-amz-json-1.0\r\nX-Amz-Target: DynamoDB_20120810.DescribeTable\r\nAuthorization: AWS4-HMAC-SHA256 Credential=probe/20200101/us-east-1/dynamodb/aws4_request, SignedHeaders=host, Signature=0\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" "$1" "$2" "${#body}" "$body" >&3
+		reply=""
+		while IFS= read -r -t 4 line <&3; do reply+=$line; done
+		[[ $reply == *ResourceNotFoundException* ]]' _ "$1" "$2" 2>/dev/null
+}
+
+# port_open HOST PORT: true if something accepts TCP connections there.
+port_open() {
+	bounded 3 bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$1" "$2" 2>/dev/null
+}
+
+# endpoint_hostport URL: prints "host port" of http://host:port[/...].
+endpoint_hostport() {
+	local rest=${1#*://}
+	rest=${rest%%/*}
+	local h=${rest%:*} p=${rest##*:}
+	[[ $rest == *:* ]] || p=80
+	h=${h#[}
+	h=${h%]}
+	printf '%s %s\n' "$h" "$p"
+}
+
+# build: builds the pinned server into $dir/bin/<hash>/dynamo-server if it
+# is not there yet, and prints its path.
+build() {
+	local src=$root/scripts/dynamo hash bin
+	hash=$(cat "$src/go.mod" "$src/go.sum" "$src/main.go" | sha256sum | cut -c1-16)
+	bin=$dir/bin/$hash/dynamo-server
+	if [[ ! -x $bin ]]; then
+		if ! command -v go >/dev/null; then
+			say "the go command is not on PATH: cannot build the server" >&2
+			return 1
+		fi
+		say "building the server (github.com/truora/minidyn, pinned in scripts/dynamo/go.mod) into $bin" >&2
+		mkdir -p "$(dirname "$bin")" || return 1
+		(cd "$src" && GOWORK=off GOFLAGS=-mod=readonly bounded 300 go build -o "$bin.tmp" .) >&2 || return 1
+		mv "$bin.tmp" "$bin" || return 1
+	fi
+	printf '%s\n' "$bin"
+}
+
+start() {
+	local h p bin i
+	if [[ -n ${DYNAMODB_ENDPOINT:-} ]]; then
+		read -r h p < <(endpoint_hostport "$DYNAMODB_ENDPOINT")
+		if dynamo_ready "$h" "$p"; then
+			say "DynamoDB at DYNAMODB_ENDPOINT=$DYNAMODB_ENDPOINT answers"
+			return 0
+		fi
+		say "DynamoDB at DYNAMODB_ENDPOINT=$DYNAMODB_ENDPOINT does not answer."
+		say "  Start it there, or unset DYNAMODB_ENDPOINT to use http://$host:$port."
+		return 1
+	fi
+	if dynamo_ready "$host" "$port"; then
+		say "DynamoDB at http://$host:$port answers; leaving it alone"
+		return 0
+	fi
+	if port_open "$host" "$port"; then
+		say "port $host:$port is open but does not answer DynamoDB requests: stop what listens there,"
+		say "  or set DYNAMODB_ENDPOINT=http://host:port to a DynamoDB-compatible server"
+		return 1
+	fi
+	mkdir -p "$dir" || return 1
+	if ! bin=$(build); then
+		say "building the server failed. Start a DynamoDB-compatible server on $host:$port, e.g.:"
+		say "  docker compose up -d --wait dynamodb"
+		say "  or set DYNAMODB_ENDPOINT=http://host:port"
+		return 1
+	fi
+	say "DynamoDB at http://$host:$port is down; starting $bin (log $log)"
+	setsid nohup "$bin" -addr "$host:$port" >>"$log" 2>&1 </dev/null &
+	echo $! >"$pidfile"
+	for ((i = 0; i < 50; i++)); do
+		dynamo_ready "$host" "$port" && break
+		sleep 0.2
+	done
+	if dynamo_ready "$host" "$port"; then
+		say "DynamoDB at http://$host:$port answers (PID $(cat "$pidfile"))"
+		return 0
+	fi
+	say "the server did not answer on $host:$port; the end of $log:"
+	tail -n 20 "$log" 2>/dev/null | sed 's/^/  /'
+	return 1
+}
+
+stop() {
+	local pid
+	if [[ ! -s $pidfile ]]; then
+		say "no PID file at $pidfile: nothing started by this script"
+		return 0
+	fi
+	pid=$(cat "$pidfile")
+	if kill -0 "$pid" 2>/dev/null && [[ $(cat "/proc/$pid/comm" 2>/dev/null || echo dynamo-server) == dynamo-server* ]]; then
+		kill "$pid" && say "stopped PID $pid"
+	else
+		say "PID $pid is not running"
+	fi
+	rm -f "$pidfile"
+}
+
+case ${1:-start} in
+start) start ;;
+stop) stop ;;
+*)
+	say "usage: bash scripts/dynamo.sh [start|stop]"
+	exit 2
+	;;
+esac
