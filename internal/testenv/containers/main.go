@@ -8,17 +8,19 @@
 //
 // Usage, from this directory:
 //
-//	go run . [-timeout 5m] redis|rabbitmq|postgres ...
+//	go run . [-timeout 5m] redis|rabbitmq|postgres|dynamodb ...
 //
 // It starts one container per argument (redis:7.0-alpine with
 // --maxmemory-policy noeviction; rabbitmq:3.13-alpine; postgres:15-alpine
-// with trust authentication and a database named test), waits until each
+// with trust authentication and a database named test;
+// amazon/dynamodb-local:2.5.2 in memory), waits until each
 // is ready, and prints one line per service on standard output, in the
 // order of the arguments:
 //
 //	REDIS_ADDR=127.0.0.1:32768
 //	AMQP_URL=amqp://guest:guest@127.0.0.1:32769/
 //	PG_DSN=postgres://postgres@127.0.0.1:32770/test?sslmode=disable
+//	DYNAMODB_ENDPOINT=http://127.0.0.1:32771
 //
 // Then it keeps the containers until its standard input reaches end of file
 // (Ctrl-D in a terminal) or it receives SIGINT or SIGTERM, removes them and
@@ -106,6 +108,15 @@ var services = map[string]service{
 		},
 		line: func(hp string) string { return "PG_DSN=postgres://postgres@" + hp + "/test?sslmode=disable" },
 	},
+	"dynamodb": {
+		image: "amazon/dynamodb-local:2.5.2",
+		port:  "8000/tcp",
+		opts: []testcontainers.ContainerCustomizer{
+			testcontainers.WithCmd("-jar", "DynamoDBLocal.jar", "-inMemory", "-sharedDb"),
+			testcontainers.WithWaitStrategyAndDeadline(2*time.Minute, wait.ForListeningPort("8000/tcp")),
+		},
+		line: func(hp string) string { return "DYNAMODB_ENDPOINT=http://" + hp },
+	},
 }
 
 func main() {
@@ -115,7 +126,7 @@ func main() {
 func run() int {
 	timeout := flag.Duration("timeout", 5*time.Minute, "bound on pulling and starting all the containers")
 	flag.Usage = func() {
-		fmt.Fprintf(flag.CommandLine.Output(), "usage: go run . [-timeout 5m] redis|rabbitmq|postgres ...\n")
+		fmt.Fprintf(flag.CommandLine.Output(), "usage: go run . [-timeout 5m] redis|rabbitmq|postgres|dynamodb ...\n")
 		flag.PrintDefaults()
 	}
 	flag.Parse()
@@ -125,7 +136,7 @@ func run() int {
 	}
 	for _, name := range flag.Args() {
 		if _, ok := services[name]; !ok {
-			fmt.Fprintf(os.Stderr, "containers: unknown service %q; want redis, rabbitmq or postgres\n", name)
+			fmt.Fprintf(os.Stderr, "containers: unknown service %q; want redis, rabbitmq, postgres or dynamodb\n", name)
 			return exitUsage
 		}
 	}
