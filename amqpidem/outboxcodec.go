@@ -696,3 +696,28 @@ func (d *pubDecoder) field(depth int) (any, *fieldError) {
 	}
 	return v, nil
 }
+
+// MarshalPublishing returns the stored form of msg, to be published to
+// exchange with routing key key: the one amqpidem's outboxes keep (the
+// staged messages of a record, pgstore's producer outbox), versioned and
+// close to AMQP's own encoding, so that every publish of it sends the same
+// message. It refuses, with the field and the reason, what amqp091-go or
+// the broker would refuse (see amqp.Table.Validate).
+func MarshalPublishing(exchange, key string, msg amqp.Publishing) ([]byte, error) {
+	return appendPublishing(nil, exchange, key, msg)
+}
+
+// UnmarshalPublishing reads what MarshalPublishing wrote. It refuses, with
+// the field, the byte offset and the reason, bytes that are not exactly
+// one stored message: truncated, damaged, followed by more bytes, or
+// written by another version.
+func UnmarshalPublishing(b []byte) (exchange, key string, msg amqp.Publishing, err error) {
+	exchange, key, msg, rest, err := readPublishing(b)
+	if err != nil {
+		return "", "", amqp.Publishing{}, err
+	}
+	if len(rest) > 0 {
+		return "", "", amqp.Publishing{}, fmt.Errorf("%w: %d bytes after the message", errBadStoredPublishing, len(rest))
+	}
+	return exchange, key, msg, nil
+}

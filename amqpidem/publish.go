@@ -3,6 +3,7 @@ package amqpidem
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -19,7 +20,8 @@ import (
 // Publisher is safe for concurrent use; up to 64 publishes are in flight at
 // once, each on a confirm-mode channel of its own. Close it when done.
 type Publisher struct {
-	p *publisher
+	p   *publisher
+	own *pubConn // the connection DialPublisher dials, closed by Close; nil for NewPublisher
 }
 
 // NewPublisher returns a Publisher opening its channels with conn (an
@@ -27,6 +29,21 @@ type Publisher struct {
 // apart from the one consuming). It makes no network call.
 func NewPublisher(conn ChannelOpener) *Publisher {
 	return &Publisher{p: newPublisher(conn, queueClassic)}
+}
+
+// DialPublisher returns a Publisher on a connection of its own, dialled
+// with dial when the first publish needs it and again after it closed (a
+// broker restart, a lost network): a long-lived producer, such as a relay,
+// need not watch the connection itself. Close closes that connection. It
+// makes no network call; a dial error is the error of the publish that
+// needed it. connection.blocked notifications (a resource alarm on the
+// broker) are logged to log, or to slog.Default() when log is nil.
+func DialPublisher(dial func() (*amqp.Connection, error), log *slog.Logger) *Publisher {
+	if log == nil {
+		log = slog.Default()
+	}
+	own := newPubConn(dial, log, "")
+	return &Publisher{p: newPublisher(own, queueClassic), own: own}
 }
 
 // Publish sends msg to exchange with routing key key and waits until the
@@ -61,7 +78,11 @@ func (p *Publisher) Publish(ctx context.Context, exchange, key string, msg amqp.
 }
 
 // Close closes the Publisher's channels (those in use once their publish
-// returns). Publishing after Close fails. Close does not close conn.
+// returns). Publishing after Close fails. Close does not close the conn of
+// NewPublisher; it closes the connection DialPublisher dialled.
 func (p *Publisher) Close() {
 	p.p.close()
+	if p.own != nil {
+		p.own.close()
+	}
 }

@@ -61,16 +61,18 @@ type pubChannel struct {
 }
 
 // closeReason says why the broker closed pc's channel (a publish to an
-// exchange that does not exist, a user id or expiration it refuses).
-func (pc *pubChannel) closeReason() string {
+// exchange that does not exist, a user id or expiration it refuses, the
+// connection's end): the *amqp.Error it sent, which the caller may tell
+// apart by its Code, or amqp.ErrClosed when it said nothing.
+func (pc *pubChannel) closeReason() error {
 	select {
 	case e, ok := <-pc.closes:
 		if ok && e != nil {
-			return e.Error()
+			return e
 		}
 	default:
 	}
-	return "channel closed"
+	return amqp.ErrClosed
 }
 
 // newPublisher returns a publisher opening its channels with conn, for
@@ -170,7 +172,7 @@ func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.
 		select {
 		case _, ok := <-pc.returns: // left over from a publish that timed out
 			if !ok { // closed with the channel since get looked
-				return fmt.Errorf("amqpidem: publish to %q/%q: %w: %s", exchange, key, amqp.ErrClosed, pc.closeReason())
+				return fmt.Errorf("amqpidem: publish to %q/%q: channel closed: %w", exchange, key, pc.closeReason())
 			}
 		default:
 			drained = true
@@ -196,7 +198,7 @@ func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.
 	}
 	if !acked {
 		if pc.ch.IsClosed() {
-			return fmt.Errorf("%w: exchange %q routing key %q: the broker closed the channel: %s", ErrNotConfirmed, exchange, key, pc.closeReason())
+			return fmt.Errorf("%w: exchange %q routing key %q: the broker closed the channel: %w", ErrNotConfirmed, exchange, key, pc.closeReason())
 		}
 		return fmt.Errorf("%w: exchange %q routing key %q", ErrNotConfirmed, exchange, key)
 	}
