@@ -1,12 +1,14 @@
 package pgstore
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/lock"
 )
@@ -21,6 +23,9 @@ const (
 	// DefaultCleanupBatch is how many expired records one cleanup
 	// statement deletes at most when Config.CleanupBatch is zero.
 	DefaultCleanupBatch = 1000
+	// DefaultOutboxTable is the producer outbox's table when
+	// Config.OutboxTable is empty.
+	DefaultOutboxTable = "amqpidem_outbox"
 	// maxTableLen leaves room in PostgreSQL's 63-byte identifiers for the
 	// suffixes of the functions and the index ("_acquire", "_expires").
 	maxTableLen = 50
@@ -63,6 +68,17 @@ type Config struct {
 	// most, so that no statement holds many row locks or runs long.
 	// Default DefaultCleanupBatch; negative is an error.
 	CleanupBatch int
+	// OutboxTable is the producer outbox's table (see Outbox), in Schema.
+	// Migrate also creates its indexes "<OutboxTable>_pending",
+	// "<OutboxTable>_ordered" and "<OutboxTable>_sent". At most 50 bytes.
+	// Default DefaultOutboxTable.
+	OutboxTable string
+	// Inject, when set, is called by Outbox.Write with its ctx and the
+	// message's headers (a copy, never nil) before the message is stored:
+	// it writes the writing transaction's trace context into them, so that
+	// the consumer's span joins the producer's trace. The method value
+	// Inject of an otelamqpidem.Tracer fits.
+	Inject func(ctx context.Context, headers amqp.Table)
 }
 
 // Validate reports the first invalid field, by name.
@@ -73,8 +89,12 @@ func (c Config) Validate() error {
 	switch {
 	case len(c.Table) > maxTableLen:
 		return fmt.Errorf("pgstore: Config.Table is %d bytes, at most %d allowed", len(c.Table), maxTableLen)
-	case strings.ContainsRune(c.Table, 0) || strings.ContainsRune(c.Schema, 0):
-		return errors.New("pgstore: Config.Table and Config.Schema must not contain a NUL byte")
+	case len(c.OutboxTable) > maxTableLen:
+		return fmt.Errorf("pgstore: Config.OutboxTable is %d bytes, at most %d allowed", len(c.OutboxTable), maxTableLen)
+	case strings.ContainsRune(c.Table, 0) || strings.ContainsRune(c.Schema, 0) || strings.ContainsRune(c.OutboxTable, 0):
+		return errors.New("pgstore: Config.Table, Config.OutboxTable and Config.Schema must not contain a NUL byte")
+	case c.OutboxTable != "" && c.OutboxTable == c.withDefaults().Table:
+		return fmt.Errorf("pgstore: Config.OutboxTable and Config.Table are both %q: they must be two tables", c.OutboxTable)
 	case len(c.Schema) > 63:
 		return fmt.Errorf("pgstore: Config.Schema is %d bytes, at most 63 allowed", len(c.Schema))
 	case c.Replicas != 0:
@@ -97,6 +117,9 @@ func (c Config) withDefaults() Config {
 	if c.CleanupBatch == 0 {
 		c.CleanupBatch = DefaultCleanupBatch
 	}
+	if c.OutboxTable == "" {
+		c.OutboxTable = DefaultOutboxTable
+	}
 	return c
 }
 
@@ -105,6 +128,11 @@ func (c Config) withDefaults() Config {
 type names struct {
 	table, acquire, finish string
 	index                  string // unqualified, as CREATE INDEX wants it
+
+	outbox                       string // the producer outbox's table
+	outboxPending, outboxOrdered string // its indexes, unqualified
+	outboxSent                   string
+	outboxChannel                string // the NOTIFY channel of Outbox.Write, as pg_notify takes it
 }
 
 func (c Config) names() names {
@@ -119,5 +147,11 @@ func (c Config) names() names {
 		acquire: qual(c.Table + "_acquire"),
 		finish:  qual(c.Table + "_finish"),
 		index:   pgx.Identifier{c.Table + "_expires"}.Sanitize(),
+
+		outbox:        qual(c.OutboxTable),
+		outboxPending: pgx.Identifier{c.OutboxTable + "_pending"}.Sanitize(),
+		outboxOrdered: pgx.Identifier{c.OutboxTable + "_ordered"}.Sanitize(),
+		outboxSent:    pgx.Identifier{c.OutboxTable + "_sent"}.Sanitize(),
+		outboxChannel: c.OutboxTable,
 	}
 }

@@ -207,9 +207,66 @@ END
 $fn$;
 `
 
-// MigrationSQL returns the SQL that Migrate runs for cfg: the table, its
-// index and its two functions, each created only if missing (the
-// functions are replaced). Apply it with your own migration tool if you
+// outboxFormatVersion is the version of the producer outbox table's layout,
+// written in its comment.
+const outboxFormatVersion = 1
+
+// outboxComment marks an outbox table made by this package's migration.
+var outboxComment = fmt.Sprintf("amqpidem pgstore outbox, format %d", outboxFormatVersion)
+
+// outboxSQL is the producer outbox's table (see Outbox), with {outbox},
+// {outboxpending}, {outboxordered}, {outboxsent}, {outboxliteral} and
+// {outboxcomment} replaced.
+//
+// One row per message written. state: 'p' pending (to be published), 's'
+// sent (confirmed by the broker; kept for RelayConfig.Retention), 'd' dead
+// (refused by the broker RelayConfig.MaxAttempts times: an operator lists
+// and re-drives it). A pending row is claimable when due_at has passed: a
+// relay's claim moves due_at to the end of its claim, a refusal to the
+// next try. txid is the writing transaction's id: every row of a
+// transaction older than the oldest one still running is committed or gone
+// for good, which is what ordered relaying waits for.
+//
+// The indexes are partial, on pending rows (the relay's queue, and each
+// order key's head) and sent rows (cleanup): a claim changes no indexed
+// column, so it can be a HOT update.
+const outboxSQL = `
+CREATE TABLE IF NOT EXISTS {outbox} (
+	id         bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+	txid       xid8        NOT NULL DEFAULT pg_current_xact_id(),
+	order_key  text,
+	message_id text        NOT NULL,
+	message    bytea       NOT NULL,
+	state      text        NOT NULL DEFAULT 'p' CHECK (state IN ('p', 's', 'd')),
+	due_at     timestamptz NOT NULL DEFAULT '-infinity',
+	claimed_by text,
+	attempts   integer     NOT NULL DEFAULT 0,
+	last_error text,
+	created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+	sent_at    timestamptz
+);
+
+CREATE INDEX IF NOT EXISTS {outboxpending} ON {outbox} (id) WHERE state = 'p';
+CREATE INDEX IF NOT EXISTS {outboxordered} ON {outbox} (order_key, txid, id) WHERE state = 'p' AND order_key IS NOT NULL;
+CREATE INDEX IF NOT EXISTS {outboxsent} ON {outbox} (sent_at) WHERE state = 's';
+
+DO $do$
+DECLARE
+	found text := obj_description({outboxliteral}::regclass, 'pg_class');
+BEGIN
+	IF found IS NULL THEN
+		COMMENT ON TABLE {outbox} IS {outboxcomment};
+	ELSIF found <> {outboxcomment} THEN
+		RAISE EXCEPTION 'amqpidem pgstore: table % says "%", this release needs "%"', {outboxliteral}, found, {outboxcomment};
+	END IF;
+END
+$do$;
+`
+
+// MigrationSQL returns the SQL that Migrate runs for cfg: the records
+// table, its index and its two functions, and the producer outbox's table
+// and its indexes, each created only if missing (the functions are
+// replaced). Apply it with your own migration tool if you
 // prefer; Check tells whether a database has it.
 func MigrationSQL(cfg Config) (string, error) {
 	if err := cfg.Validate(); err != nil {
@@ -226,7 +283,13 @@ func MigrationSQL(cfg Config) (string, error) {
 		"{tableliteral}", "'"+strings.ReplaceAll(n.table, "'", "''")+"'",
 		"{clockus}", "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
 		"{locktimeout}", lockTimeout,
-	).Replace(migrationSQL)
+		"{outbox}", n.outbox,
+		"{outboxpending}", n.outboxPending,
+		"{outboxordered}", n.outboxOrdered,
+		"{outboxsent}", n.outboxSent,
+		"{outboxliteral}", "'"+strings.ReplaceAll(n.outbox, "'", "''")+"'",
+		"{outboxcomment}", "'"+outboxComment+"'",
+	).Replace(migrationSQL + outboxSQL)
 	if cfg.Schema != "" {
 		sql = "CREATE SCHEMA IF NOT EXISTS " + pgx.Identifier{cfg.Schema}.Sanitize() + ";\n" + sql
 	}

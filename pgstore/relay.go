@@ -1,0 +1,580 @@
+package pgstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+)
+
+// Defaults of RelayConfig.
+const (
+	DefaultRelayBatch          = 128
+	DefaultRelayConcurrency    = 64
+	DefaultRelayClaimTTL       = 30 * time.Second
+	DefaultRelayPublishTimeout = 10 * time.Second
+	DefaultRelayPollInterval   = time.Second
+	DefaultRelayMaxAttempts    = 10
+	DefaultRelayRetryBackoff   = time.Second
+	DefaultRelayMaxBackoff     = 5 * time.Minute
+	DefaultRelayRetention      = time.Hour
+	DefaultRelayCleanup        = time.Minute
+)
+
+// RelayConfig configures a Relay. Only URL (or Dial) is required.
+type RelayConfig struct {
+	// URL is the AMQP URL to dial; Dial, when set, overrides it (for TLS,
+	// or several nodes to fall back on).
+	URL  string
+	Dial func() (*amqp.Connection, error)
+	// Name is the relay's name in its claims (the claimed_by column) and
+	// logs. Default: host name, process id and a random suffix.
+	Name string
+	// Batch is how many rows one claim takes at most. Default
+	// DefaultRelayBatch.
+	Batch int
+	// Concurrency is how many publishes wait for their confirm at once, on
+	// that many confirm-mode channels (at most 64). Default
+	// DefaultRelayConcurrency.
+	Concurrency int
+	// Ordered publishes the messages of one Message.OrderKey one at a
+	// time, in the order of their transactions (then of their writes): a
+	// message only once every earlier one of its key is confirmed or dead,
+	// and only once every transaction older than its own has ended, so
+	// that one committed late is not overtaken. Messages without an
+	// OrderKey are not held back. An order key's messages go out at about
+	// one per claim round (a few milliseconds), and a transaction left open
+	// anywhere in the database holds them back until it ends.
+	Ordered bool
+	// ClaimTTL is how long a claim keeps other relays off the rows it
+	// took: a relay that crashes or stops mid-round leaves its rows to the
+	// others after it. Default DefaultRelayClaimTTL; it must exceed
+	// PublishTimeout.
+	ClaimTTL time.Duration
+	// PublishTimeout bounds the wait for one publish's confirm. Default
+	// DefaultRelayPublishTimeout.
+	PublishTimeout time.Duration
+	// PollInterval is how often the relay looks for rows when no
+	// notification woke it (Outbox.Write notifies at commit; notifications
+	// are lost while the relay's listening connection is down). Default
+	// DefaultRelayPollInterval.
+	PollInterval time.Duration
+	// MaxAttempts is how many times the broker may refuse a message (no
+	// queue bound to take it, a nack, an exchange that does not exist)
+	// before its row is dead: kept for an operator to list and re-drive,
+	// never dropped, never retried again by itself. A lost connection is
+	// not a refusal. Default DefaultRelayMaxAttempts.
+	MaxAttempts int
+	// RetryBackoff is the wait after a message's first refusal, doubled
+	// after each next one up to MaxBackoff; also the first wait after the
+	// broker or the database could not be reached. Defaults
+	// DefaultRelayRetryBackoff and DefaultRelayMaxBackoff.
+	RetryBackoff, MaxBackoff time.Duration
+	// Retention is how long sent rows are kept (to answer "was it sent,
+	// and when?"); negative deletes a row as soon as its publish is
+	// confirmed. Default DefaultRelayRetention.
+	Retention time.Duration
+	// CleanupInterval is how often the relay deletes the sent rows past
+	// Retention, in statements of Config.CleanupBatch rows. Default
+	// DefaultRelayCleanup.
+	CleanupInterval time.Duration
+	// Logger gets the relay's warnings and errors. Default the Outbox's
+	// Config.Logger, or slog.Default().
+	Logger *slog.Logger
+}
+
+// Validate reports the first invalid field, by name.
+func (c RelayConfig) Validate() error {
+	switch {
+	case c.URL == "" && c.Dial == nil:
+		return errors.New("pgstore: RelayConfig.URL is required (or Dial)")
+	case c.Batch < 0, c.Concurrency < 0, c.MaxAttempts < 0:
+		return errors.New("pgstore: RelayConfig.Batch, Concurrency and MaxAttempts must not be negative")
+	case c.Concurrency > 64:
+		return fmt.Errorf("pgstore: RelayConfig.Concurrency %d is above 64, the publisher's channels", c.Concurrency)
+	case c.ClaimTTL < 0, c.PublishTimeout < 0, c.PollInterval < 0, c.RetryBackoff < 0, c.MaxBackoff < 0, c.CleanupInterval < 0:
+		return errors.New("pgstore: RelayConfig durations other than Retention must not be negative")
+	}
+	c = c.withDefaults(nil)
+	if c.ClaimTTL <= c.PublishTimeout {
+		return fmt.Errorf("pgstore: RelayConfig.ClaimTTL %v must exceed PublishTimeout %v", c.ClaimTTL, c.PublishTimeout)
+	}
+	return nil
+}
+
+// withDefaults returns c with every zero field set to its default.
+func (c RelayConfig) withDefaults(log *slog.Logger) RelayConfig {
+	if c.Dial == nil {
+		url := c.URL
+		c.Dial = func() (*amqp.Connection, error) { return amqp.Dial(url) }
+	}
+	if c.Name == "" {
+		host, _ := os.Hostname()
+		c.Name = host + "-" + strconv.Itoa(os.Getpid()) + "-" + strconv.FormatUint(rand.Uint64()&0xffffff, 16)
+	}
+	set := func(d *time.Duration, v time.Duration) {
+		if *d == 0 {
+			*d = v
+		}
+	}
+	if c.Batch == 0 {
+		c.Batch = DefaultRelayBatch
+	}
+	if c.Concurrency == 0 {
+		c.Concurrency = DefaultRelayConcurrency
+	}
+	if c.MaxAttempts == 0 {
+		c.MaxAttempts = DefaultRelayMaxAttempts
+	}
+	set(&c.ClaimTTL, DefaultRelayClaimTTL)
+	set(&c.PublishTimeout, DefaultRelayPublishTimeout)
+	set(&c.PollInterval, DefaultRelayPollInterval)
+	set(&c.RetryBackoff, DefaultRelayRetryBackoff)
+	set(&c.MaxBackoff, DefaultRelayMaxBackoff)
+	set(&c.Retention, DefaultRelayRetention)
+	set(&c.CleanupInterval, DefaultRelayCleanup)
+	if c.Logger == nil {
+		c.Logger = log
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c
+}
+
+// Relay publishes the rows of an Outbox: it claims committed pending rows
+// in ID order, publishes each with amqpidem's Publisher (mandatory,
+// confirmed), and marks a row sent only after the broker's confirm. So a
+// message is published at least once, and more than once only when a
+// relay crashed or lost its connection between the confirm and the mark:
+// every copy carries the row's MessageId, and an amqpidem consumer runs it
+// once. Several relays may run on one table at once: a claim takes rows
+// with FOR UPDATE SKIP LOCKED and keeps them ClaimTTL.
+type Relay struct {
+	o   *Outbox
+	cfg RelayConfig
+	log *slog.Logger
+	pub *amqpidem.Publisher
+	sql relaySQL
+
+	published, refusedN, dead atomic.Uint64
+
+	wake     chan struct{} // a notification or a re-drive: look now
+	stopping chan struct{} // closed by Shutdown
+	stopOnce sync.Once
+	cancel   chan struct{} // closed when Shutdown's ctx ends: publishes give up
+	canOnce  sync.Once
+	done     chan struct{} // closed when Run returns
+	started  atomic.Bool
+}
+
+// relaySQL are a Relay's statements.
+type relaySQL struct {
+	claim, sent, refuse, release, listen string
+}
+
+// NewRelay returns a Relay for o's table. It makes no network call.
+func NewRelay(o *Outbox, cfg RelayConfig) (*Relay, error) {
+	if o == nil {
+		return nil, errors.New("pgstore: nil Outbox")
+	}
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg = cfg.withDefaults(o.cfg.Logger)
+	t := o.n.outbox
+	// Rows of an order key wait for the earlier pending ones of their key,
+	// and for every older transaction to end: one still running may yet
+	// commit an earlier row (a later id is no later commit).
+	eligible := ""
+	if cfg.Ordered {
+		eligible = ` AND (p.order_key IS NULL OR (p.txid < pg_snapshot_xmin(pg_current_snapshot())
+			AND NOT EXISTS (SELECT 1 FROM ` + t + ` q WHERE q.state = 'p' AND q.order_key = p.order_key
+				AND (q.txid, q.id) < (p.txid, p.id))))`
+	}
+	sent := `UPDATE ` + t + ` SET state = 's', sent_at = clock_timestamp(), claimed_by = NULL
+		WHERE id = ANY($1) AND state = 'p'`
+	if cfg.Retention < 0 {
+		sent = `DELETE FROM ` + t + ` WHERE id = ANY($1) AND state = 'p'`
+	}
+	r := &Relay{o: o, cfg: cfg, log: cfg.Logger,
+		pub: amqpidem.DialPublisher(cfg.Dial, cfg.Logger),
+		sql: relaySQL{
+			claim: `WITH c AS (SELECT p.id FROM ` + t + ` p WHERE p.state = 'p' AND p.due_at <= clock_timestamp()` + eligible + `
+					ORDER BY p.id LIMIT $2 FOR UPDATE SKIP LOCKED)
+				UPDATE ` + t + ` t SET claimed_by = $1, due_at = clock_timestamp() + $3 * interval '1 millisecond'
+				FROM c WHERE t.id = c.id
+				RETURNING t.id, t.message, t.attempts`,
+			sent: sent,
+			// A refused row is tried again after its backoff, or is dead
+			// after MaxAttempts refusals. Only the claim's holder writes:
+			// a row another relay claimed since is its business.
+			refuse: `UPDATE ` + t + ` t SET attempts = t.attempts + 1, last_error = x.err, claimed_by = NULL,
+					state = CASE WHEN t.attempts + 1 >= $2 THEN 'd' ELSE 'p' END,
+					due_at = clock_timestamp() + x.wait * interval '1 millisecond'
+				FROM unnest($3::bigint[], $4::text[], $5::bigint[]) AS x(id, err, wait)
+				WHERE t.id = x.id AND t.state = 'p' AND t.claimed_by = $1
+				RETURNING t.state`,
+			release: `UPDATE ` + t + ` SET claimed_by = NULL, due_at = clock_timestamp() + $3 * interval '1 millisecond'
+				WHERE id = ANY($2) AND state = 'p' AND claimed_by = $1`,
+			listen: "LISTEN " + pgx.Identifier{o.n.outboxChannel}.Sanitize(),
+		},
+		wake:     make(chan struct{}, 1),
+		stopping: make(chan struct{}),
+		cancel:   make(chan struct{}),
+		done:     make(chan struct{}),
+	}
+	return r, nil
+}
+
+// Counts returns how many messages the relay published (confirmed), how
+// many publishes the broker refused, and how many rows it moved to dead,
+// since it was made. promamqpidem.NewRelayCollector exports them.
+func (r *Relay) Counts() (published, refused, dead uint64) {
+	return r.published.Load(), r.refusedN.Load(), r.dead.Load()
+}
+
+// Backlog is Outbox.Backlog: the rows waiting and the oldest one's age.
+func (r *Relay) Backlog(ctx context.Context) (rows int64, oldest time.Duration, err error) {
+	return r.o.Backlog(ctx)
+}
+
+// Run relays until Shutdown (then it returns nil) or until ctx ends (then
+// ctx.Err()). Errors of the database or the broker are logged and waited
+// out with backoff, never returned. Run may be called once.
+func (r *Relay) Run(ctx context.Context) error {
+	if !r.started.CompareAndSwap(false, true) {
+		return errors.New("pgstore: Relay.Run called twice")
+	}
+	defer close(r.done)
+	defer r.pub.Close()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() { // Shutdown's ctx ended: stop waiting for confirms
+		select {
+		case <-r.cancel:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		r.listen(ctx)
+	}()
+	defer wg.Wait()
+	defer cancel() // before wg.Wait: stops the listener
+
+	failures := 0 // rounds in a row the database or broker failed
+	nextCleanup := time.Now().Add(r.cfg.CleanupInterval)
+	for {
+		if r.isStopping() {
+			return nil
+		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		n, err := r.round(ctx)
+		var wait time.Duration
+		switch {
+		case err != nil:
+			failures++
+			wait = backoff(r.cfg.RetryBackoff, min(r.cfg.MaxBackoff, 30*time.Second), failures)
+			if ctx.Err() == nil && !r.isStopping() {
+				r.log.Warn("pgstore: relay: "+err.Error(), "relay", r.cfg.Name, "retry_in", wait)
+			}
+		case n == r.cfg.Batch:
+			failures = 0
+			continue // more may be waiting
+		default:
+			failures = 0
+			wait = r.cfg.PollInterval
+		}
+		if r.cfg.Retention >= 0 && time.Now().After(nextCleanup) {
+			nextCleanup = time.Now().Add(r.cfg.CleanupInterval)
+			if _, err := r.o.Cleanup(ctx, r.cfg.Retention, r.o.cfg.CleanupBatch); err != nil && ctx.Err() == nil {
+				r.log.Warn("pgstore: relay: "+err.Error(), "relay", r.cfg.Name)
+			}
+		}
+		wake := r.wake
+		if err != nil {
+			wake = nil // a notification does not end a backoff
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-t.C:
+		case <-wake:
+		case <-r.stopping:
+		case <-ctx.Done():
+		}
+		t.Stop()
+	}
+}
+
+// backoff is base doubled n-1 times, capped at limit, with up to 20%
+// jitter taken off so that relays retrying together spread out.
+func backoff(base, limit time.Duration, n int) time.Duration {
+	d := base
+	for i := 1; i < n && d < limit; i++ {
+		d *= 2
+	}
+	d = min(d, limit)
+	return d - rand.N(d/5+1)
+}
+
+// claimed is a row a round took.
+type claimed struct {
+	id       int64
+	message  []byte
+	attempts int
+	err      error // of its publish
+}
+
+// round claims up to Batch rows, publishes them and records the outcomes.
+// It returns how many rows it claimed, and an error when the database or
+// the broker could not be reached (the rows it could not publish are
+// released, due after a backoff).
+func (r *Relay) round(ctx context.Context) (int, error) {
+	rows, err := r.claim(ctx)
+	if err != nil || len(rows) == 0 {
+		return 0, err
+	}
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, r.cfg.Concurrency)
+	for i := range rows {
+		sem <- struct{}{}
+		wg.Add(1)
+		go func(c *claimed) {
+			defer func() { <-sem; wg.Done() }()
+			c.err = r.publish(ctx, c.message)
+		}(&rows[i])
+	}
+	wg.Wait()
+
+	var sent, unavailable []int64
+	var refusedIDs, waits []int64
+	var reasons []string
+	var brokerErr error
+	for _, c := range rows {
+		switch {
+		case c.err == nil:
+			sent = append(sent, c.id)
+		case refused(c.err):
+			refusedIDs = append(refusedIDs, c.id)
+			reasons = append(reasons, c.err.Error())
+			waits = append(waits, backoff(r.cfg.RetryBackoff, r.cfg.MaxBackoff, c.attempts+1).Milliseconds())
+			r.log.Warn("pgstore: relay: the broker refused a message", "relay", r.cfg.Name, "id", c.id,
+				"attempt", c.attempts+1, "max_attempts", r.cfg.MaxAttempts, "error", c.err)
+		default:
+			unavailable = append(unavailable, c.id)
+			brokerErr = c.err
+		}
+	}
+	r.refusedN.Add(uint64(len(refusedIDs)))
+	// The outcomes are written even when ctx has ended (Shutdown): a
+	// confirmed message left unmarked is published again.
+	mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.PublishTimeout)
+	defer cancel()
+	if len(sent) > 0 {
+		if _, err := r.o.pool.Exec(mctx, r.sql.sent, sent); err != nil {
+			return len(rows), fmt.Errorf("mark %d published rows sent (they will be published again): %w", len(sent), classify(err))
+		}
+		r.published.Add(uint64(len(sent)))
+	}
+	if len(refusedIDs) > 0 {
+		states, err := r.refuse(mctx, refusedIDs, reasons, waits)
+		if err != nil {
+			return len(rows), err
+		}
+		for _, s := range states {
+			if s == "d" {
+				r.dead.Add(1)
+				r.log.Error("pgstore: relay: a message is dead after being refused MaxAttempts times: list it with "+
+					"`amqpidem relay list --state dead`, re-drive it with `amqpidem relay redrive`",
+					"relay", r.cfg.Name, "max_attempts", r.cfg.MaxAttempts)
+			}
+		}
+	}
+	if len(unavailable) > 0 {
+		wait := r.cfg.RetryBackoff.Milliseconds()
+		if _, err := r.o.pool.Exec(mctx, r.sql.release, r.cfg.Name, unavailable, wait); err != nil {
+			r.log.Warn("pgstore: relay: release rows (they wait out the claim): "+classify(err).Error(), "relay", r.cfg.Name)
+		}
+		return len(rows), fmt.Errorf("publish %d of %d messages: %w", len(unavailable), len(rows), brokerErr)
+	}
+	return len(rows), nil
+}
+
+// claim takes up to Batch due rows for ClaimTTL, in ID order.
+func (r *Relay) claim(ctx context.Context) ([]claimed, error) {
+	q, err := r.o.pool.Query(ctx, r.sql.claim, r.cfg.Name, r.cfg.Batch, r.cfg.ClaimTTL.Milliseconds())
+	if err != nil {
+		return nil, fmt.Errorf("claim: %w", classify(err))
+	}
+	var rows []claimed
+	for q.Next() {
+		var c claimed
+		if err := q.Scan(&c.id, &c.message, &c.attempts); err != nil {
+			q.Close()
+			return nil, fmt.Errorf("claim: %w", classify(err))
+		}
+		rows = append(rows, c)
+	}
+	if err := q.Err(); err != nil {
+		return nil, fmt.Errorf("claim: %w", classify(err))
+	}
+	slices.SortFunc(rows, func(a, b claimed) int { return int(min(max(a.id-b.id, -1), 1)) })
+	return rows, nil
+}
+
+// refuse records the broker's refusals and returns the rows' new states.
+func (r *Relay) refuse(ctx context.Context, ids []int64, reasons []string, waits []int64) ([]string, error) {
+	q, err := r.o.pool.Query(ctx, r.sql.refuse, r.cfg.Name, r.cfg.MaxAttempts, ids, reasons, waits)
+	if err != nil {
+		return nil, fmt.Errorf("record %d refusals: %w", len(ids), classify(err))
+	}
+	var states []string
+	for q.Next() {
+		var s string
+		if err := q.Scan(&s); err != nil {
+			q.Close()
+			return nil, fmt.Errorf("record %d refusals: %w", len(ids), classify(err))
+		}
+		states = append(states, s)
+	}
+	if err := q.Err(); err != nil {
+		return nil, fmt.Errorf("record %d refusals: %w", len(ids), classify(err))
+	}
+	return states, nil
+}
+
+// publish decodes a stored message and publishes it, waiting
+// PublishTimeout at most. A message that cannot be decoded is refused.
+func (r *Relay) publish(ctx context.Context, b []byte) error {
+	exchange, key, msg, err := amqpidem.UnmarshalPublishing(b)
+	if err != nil {
+		return fmt.Errorf("%w: %w", errUndecodable, err)
+	}
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.PublishTimeout)
+	defer cancel()
+	return r.pub.Publish(ctx, exchange, key, msg)
+}
+
+// errUndecodable marks a row whose message cannot be read: refused.
+var errUndecodable = errors.New("stored message unreadable")
+
+// refused reports whether err is the broker refusing the message itself
+// (no queue bound to take it, a nack, a channel closed over it: an
+// exchange that does not exist, a property refused), or a row that cannot
+// be read, rather than a connection that failed or ended.
+func refused(err error) bool {
+	switch {
+	case errors.Is(err, errUndecodable), errors.Is(err, amqpidem.ErrUnroutable):
+		return true
+	case !errors.Is(err, amqpidem.ErrNotConfirmed):
+		return false
+	}
+	var ae *amqp.Error
+	if errors.As(err, &ae) {
+		// Channel-level codes are below 500; 320 is the connection's end.
+		return ae.Code < 500 && ae.Code != amqp.ConnectionForced
+	}
+	return true // a plain nack
+}
+
+// listen wakes the relay on each notification of Outbox.Write, on a
+// connection of the pool held for it, until ctx ends. It listens again,
+// after a second, when the connection fails.
+func (r *Relay) listen(ctx context.Context) {
+	for ctx.Err() == nil {
+		err := r.listenOnce(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		r.log.Warn("pgstore: relay: listen for notifications (polling meanwhile): "+err.Error(), "relay", r.cfg.Name)
+		t := time.NewTimer(time.Second)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return
+		}
+	}
+}
+
+// listenOnce listens on one connection until it fails or ctx ends. The
+// connection is closed, not given back to the pool, where it would go on
+// collecting notifications nobody reads.
+func (r *Relay) listenOnce(ctx context.Context) error {
+	c, err := r.o.pool.Acquire(ctx)
+	if err != nil {
+		return classify(err)
+	}
+	defer func() {
+		cctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		_ = c.Conn().Close(cctx)
+		cancel()
+		c.Release()
+	}()
+	if _, err := c.Exec(ctx, r.sql.listen); err != nil {
+		return classify(err)
+	}
+	r.poke() // rows written before the LISTEN sent no notification we saw
+	for {
+		if _, err := c.Conn().WaitForNotification(ctx); err != nil {
+			return classify(err)
+		}
+		r.poke()
+	}
+}
+
+// poke wakes the relay's loop, or leaves it a wake-up if it is busy.
+func (r *Relay) poke() {
+	select {
+	case r.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (r *Relay) isStopping() bool {
+	select {
+	case <-r.stopping:
+		return true
+	default:
+		return false
+	}
+}
+
+// Shutdown stops the relay: it claims nothing more, lets the round in
+// flight finish until ctx ends (then its publishes give up: their rows go
+// back to the table, due again once their claim ends), and waits for Run
+// to return. It returns ctx.Err() if it had to cut the round short.
+// Shutdown is idempotent and may be called before, during or after Run.
+func (r *Relay) Shutdown(ctx context.Context) error {
+	r.stopOnce.Do(func() { close(r.stopping) })
+	if !r.started.Load() {
+		return nil
+	}
+	select {
+	case <-r.done:
+		return nil
+	case <-ctx.Done():
+	}
+	r.canOnce.Do(func() { close(r.cancel) })
+	<-r.done
+	return ctx.Err()
+}

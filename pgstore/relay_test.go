@@ -1,0 +1,510 @@
+package pgstore_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
+	"github.com/amqpidem/amqpidem/pgstore"
+)
+
+// outboxRig is an outbox table in a schema of its own and a queue its
+// messages are routed to (the default exchange, routing key the queue).
+type outboxRig struct {
+	t     *testing.T
+	pool  *pgxpool.Pool
+	cfg   pgstore.Config
+	ob    *pgstore.Outbox
+	queue string
+	ch    *amqp.Channel
+}
+
+func newOutboxRig(t *testing.T) *outboxRig {
+	t.Helper()
+	pool := pgenv.Pool(t, 16)
+	cfg := schema(t, pool, pgstore.Config{CleanupInterval: -1})
+	ob, err := pgstore.NewOutbox(pool, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn, err := amqp.Dial(testenv.AMQPURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &outboxRig{t: t, pool: pool, cfg: cfg, ob: ob, queue: testenv.Name(t), ch: ch}
+	if _, err := ch.QueueDeclare(r.queue, true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { testenv.DeleteQueues(t, testenv.AMQPURL(t), r.queue) })
+	return r
+}
+
+// write writes msgs in one transaction, committed or rolled back, and
+// returns their MessageIds.
+func (r *outboxRig) write(commit bool, msgs ...pgstore.Message) []string {
+	r.t.Helper()
+	ctx := context.Background()
+	tx, err := r.pool.Begin(ctx)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	var ids []string
+	for _, m := range msgs {
+		id, err := r.ob.Write(ctx, tx, m)
+		if err != nil {
+			r.t.Fatalf("Write: %v", err)
+		}
+		ids = append(ids, id)
+	}
+	if commit {
+		if err := tx.Commit(ctx); err != nil {
+			r.t.Fatal(err)
+		}
+	}
+	return ids
+}
+
+// msg is a message to the rig's queue with body body.
+func (r *outboxRig) msg(body string) pgstore.Message {
+	return pgstore.Message{RoutingKey: r.queue, Publishing: amqp.Publishing{Body: []byte(body)}}
+}
+
+// relay starts a Relay on the rig's outbox, shut down in t.Cleanup (and
+// checked to have returned nil).
+func (r *outboxRig) relay(cfg pgstore.RelayConfig) *pgstore.Relay {
+	r.t.Helper()
+	cfg.URL = testenv.AMQPURL(r.t)
+	rl, err := pgstore.NewRelay(r.ob, cfg)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- rl.Run(context.Background()) }()
+	r.t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		if err := rl.Shutdown(ctx); err != nil {
+			r.t.Errorf("Shutdown: %v", err)
+		}
+		if err := <-done; err != nil {
+			r.t.Errorf("Run: %v", err)
+		}
+	})
+	return rl
+}
+
+// take reads deliveries from the queue until n arrived, failing after
+// timeout, then checks for 300 ms that no more come.
+func (r *outboxRig) take(n int, timeout time.Duration) []amqp.Delivery {
+	r.t.Helper()
+	var out []amqp.Delivery
+	deadline := time.Now().Add(timeout)
+	for {
+		d, ok, err := r.ch.Get(r.queue, true)
+		if err != nil {
+			r.t.Fatal(err)
+		}
+		if ok {
+			out = append(out, d)
+			continue
+		}
+		if len(out) >= n {
+			time.Sleep(300 * time.Millisecond)
+			if d, ok, _ := r.ch.Get(r.queue, true); ok {
+				out = append(out, d)
+				continue
+			}
+			return out
+		}
+		if time.Now().After(deadline) {
+			r.t.Fatalf("%d of %d messages arrived in %v", len(out), n, timeout)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// count returns the outbox's rows in state ('p', 's', 'd').
+func (r *outboxRig) count(state string) int {
+	r.t.Helper()
+	var n int
+	err := r.pool.QueryRow(context.Background(), "SELECT count(*) FROM "+
+		pgx.Identifier{r.cfg.Schema, pgstore.DefaultOutboxTable}.Sanitize()+" WHERE state = $1", state).Scan(&n)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	return n
+}
+
+// waitCount waits until count(state) is n.
+func (r *outboxRig) waitCount(state string, n int, timeout time.Duration) {
+	r.t.Helper()
+	deadline := time.Now().Add(timeout)
+	for r.count(state) != n {
+		if time.Now().After(deadline) {
+			r.t.Fatalf("rows in state %q: %d, want %d after %v", state, r.count(state), n, timeout)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestRelayPublishesCommittedOnly: the messages of committed transactions
+// arrive once each, with their MessageIds (the caller's, or the one Write
+// generated) and headers; those of rolled-back ones never do.
+func TestRelayPublishesCommittedOnly(t *testing.T) {
+	r := newOutboxRig(t)
+	var want []string
+	for i := range 20 {
+		commit := i%4 != 3
+		m1, m2 := r.msg(fmt.Sprintf("tx%d-a", i)), r.msg(fmt.Sprintf("tx%d-b", i))
+		m1.Publishing.MessageId = fmt.Sprintf("own-%d", i)
+		m1.Publishing.Headers = amqp.Table{"tenant": "acme"}
+		ids := r.write(commit, m1, m2)
+		if ids[0] != m1.Publishing.MessageId || len(ids[1]) != 32 {
+			t.Fatalf("Write returned ids %q, want the caller's and 32 hex digits", ids)
+		}
+		if commit {
+			want = append(want, ids...)
+		}
+	}
+	r.relay(pgstore.RelayConfig{})
+	got := r.take(len(want), 20*time.Second)
+	seen := map[string]int{}
+	for _, d := range got {
+		seen[d.MessageId]++
+		if strings.HasPrefix(d.MessageId, "own-") && d.Headers["tenant"] != "acme" {
+			t.Errorf("%s: headers %v lost the caller's", d.MessageId, d.Headers)
+		}
+		if _, ok := d.Headers[amqpidem.HeaderTimestampMillis]; !ok || d.DeliveryMode != amqp.Persistent || d.Timestamp.IsZero() {
+			t.Errorf("%s: headers %v, delivery mode %d, timestamp %v: want a publish time, persistent", d.MessageId, d.Headers, d.DeliveryMode, d.Timestamp)
+		}
+		if strings.Contains(string(d.Body), "tx3-") || strings.Contains(string(d.Body), "tx7-") {
+			t.Errorf("a rolled-back message was published: %s", d.Body)
+		}
+	}
+	for _, id := range want {
+		if seen[id] != 1 {
+			t.Errorf("message %s arrived %d times, want once", id, seen[id])
+		}
+	}
+	if len(got) != len(want) {
+		t.Errorf("%d messages arrived, want %d", len(got), len(want))
+	}
+	r.waitCount("s", len(want), 5*time.Second)
+	if n := r.count("p"); n != 0 {
+		t.Errorf("%d rows still pending", n)
+	}
+}
+
+// TestRelayWakesOnCommit: a relay that is idle publishes a row soon after
+// its transaction commits (the notification), well before its poll.
+func TestRelayWakesOnCommit(t *testing.T) {
+	r := newOutboxRig(t)
+	r.relay(pgstore.RelayConfig{PollInterval: time.Hour})
+	time.Sleep(300 * time.Millisecond) // listening
+	r.write(true, r.msg("woken"))
+	if got := r.take(1, 10*time.Second); string(got[0].Body) != "woken" {
+		t.Fatalf("got %q", got[0].Body)
+	}
+}
+
+// TestRelayRefusedGoesDeadAndRedrives: a message no queue takes is tried
+// MaxAttempts times with backoff, then kept dead with the broker's reason;
+// Redrive makes it pending again, and once a queue takes it, it is sent.
+func TestRelayRefusedGoesDeadAndRedrives(t *testing.T) {
+	r := newOutboxRig(t)
+	lost := r.queue + "-later"
+	m := pgstore.Message{RoutingKey: lost, Publishing: amqp.Publishing{MessageId: "refused-1", Body: []byte("x")}}
+	r.write(true, m, r.msg("fine"))
+	rl := r.relay(pgstore.RelayConfig{MaxAttempts: 3, RetryBackoff: 50 * time.Millisecond, PollInterval: 50 * time.Millisecond})
+	r.waitCount("d", 1, 20*time.Second)
+	r.waitCount("s", 1, 5*time.Second)
+	rows, err := r.ob.List(context.Background(), "dead", 0, 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rows) != 1 || rows[0].MessageID != "refused-1" || rows[0].Attempts != 3 || rows[0].RoutingKey != lost ||
+		!strings.Contains(rows[0].LastError, "unroutable") || rows[0].Err != nil {
+		t.Fatalf("dead rows %+v: want refused-1 after 3 attempts, unroutable", rows)
+	}
+	if pub, ref, dead := rl.Counts(); pub != 1 || ref != 3 || dead != 1 {
+		t.Errorf("Counts() = %d, %d, %d, want 1 published, 3 refused, 1 dead", pub, ref, dead)
+	}
+	if n, oldest, err := rl.Backlog(context.Background()); err != nil || n != 0 || oldest != 0 {
+		t.Errorf("Backlog() = %d, %v, %v, want nothing pending", n, oldest, err)
+	}
+	// Dead rows stay dead: nothing retries them by itself.
+	time.Sleep(300 * time.Millisecond)
+	if n := r.count("d"); n != 1 {
+		t.Fatalf("%d dead rows, want 1", n)
+	}
+	if _, err := r.ch.QueueDeclare(lost, true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { testenv.DeleteQueues(t, testenv.AMQPURL(t), lost) })
+	if n, err := r.ob.Redrive(context.Background()); err != nil || n != 1 {
+		t.Fatalf("Redrive() = %d, %v, want 1", n, err)
+	}
+	r.waitCount("s", 2, 10*time.Second)
+	d, ok, err := r.ch.Get(lost, true)
+	if err != nil || !ok || d.MessageId != "refused-1" {
+		t.Fatalf("re-driven message: %v %v %v", d.MessageId, ok, err)
+	}
+}
+
+// TestRelayOrdered: with Ordered, the messages of each order key arrive in
+// the order of their transactions, also when an older transaction commits
+// after a younger one: its message goes first.
+func TestRelayOrdered(t *testing.T) {
+	r := newOutboxRig(t)
+	ctx := context.Background()
+	ordered := func(key, body string) pgstore.Message {
+		m := r.msg(body)
+		m.OrderKey = key
+		return m
+	}
+	// An older transaction writes k0's first message and stays open while
+	// a younger one writes the second and commits.
+	older, err := r.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = older.Rollback(ctx) }()
+	if _, err := r.ob.Write(ctx, older, ordered("k0", "k0-0")); err != nil {
+		t.Fatal(err)
+	}
+	r.write(true, ordered("k0", "k0-1"), r.msg("unordered"))
+	r.relay(pgstore.RelayConfig{Ordered: true, PollInterval: 50 * time.Millisecond})
+	if got := r.take(1, 10*time.Second); string(got[0].Body) != "unordered" {
+		t.Fatalf("while the older transaction is open, got %q, want only the unordered message", got[0].Body)
+	}
+	if err := older.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// Three keys, each written by 10 transactions from 3 writers at once.
+	var wg sync.WaitGroup
+	for w := range 3 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range 10 {
+				for _, k := range []string{"k1", "k2", "k3"} {
+					r.write(true, ordered(k, fmt.Sprintf("%s-w%d-%02d", k, w, i)))
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	got := r.take(2+90, 30*time.Second)
+	// Per key and writer, the numbers must increase; k0-0 comes before k0-1.
+	last := map[string]int{}
+	for _, d := range got {
+		body := string(d.Body)
+		if strings.HasPrefix(body, "k0-") {
+			last["k0"]++
+			if want := fmt.Sprintf("k0-%d", last["k0"]-1); body != want {
+				t.Errorf("k0's message %d is %q, want %q", last["k0"], body, want)
+			}
+			continue
+		}
+		var k string
+		var w, i int
+		if _, err := fmt.Sscanf(strings.ReplaceAll(body, "-", " "), "%s w%d %d", &k, &w, &i); err != nil {
+			t.Fatalf("body %q: %v", body, err)
+		}
+		id := fmt.Sprintf("%s-w%d", k, w)
+		if prev, ok := last[id]; ok && i <= prev {
+			t.Errorf("%s: %d arrived after %d", id, i, prev)
+		}
+		last[id] = i
+	}
+}
+
+// TestRelaysShareTheTable: two relays on one table publish every message,
+// none twice (claims do not overlap), and a row claimed by a relay that
+// then vanished is published once its claim ends.
+func TestRelaysShareTheTable(t *testing.T) {
+	r := newOutboxRig(t)
+	var want []string
+	for i := range 50 {
+		want = append(want, r.write(true, r.msg(fmt.Sprintf("m%d-a", i)), r.msg(fmt.Sprintf("m%d-b", i)))...)
+	}
+	// A relay that claimed a row for 1 s and died.
+	ghost := r.write(true, r.msg("ghost"))
+	if _, err := r.pool.Exec(context.Background(), "UPDATE "+pgx.Identifier{r.cfg.Schema, pgstore.DefaultOutboxTable}.Sanitize()+
+		" SET claimed_by = 'ghost', due_at = clock_timestamp() + interval '1 second' WHERE message_id = $1", ghost[0]); err != nil {
+		t.Fatal(err)
+	}
+	want = append(want, ghost...)
+	r.relay(pgstore.RelayConfig{Batch: 7, Name: "one", PollInterval: 50 * time.Millisecond})
+	r.relay(pgstore.RelayConfig{Batch: 7, Name: "two", PollInterval: 50 * time.Millisecond})
+	got := r.take(len(want), 20*time.Second)
+	seen := map[string]int{}
+	for _, d := range got {
+		seen[d.MessageId]++
+	}
+	for _, id := range want {
+		if seen[id] != 1 {
+			t.Errorf("%s arrived %d times", id, seen[id])
+		}
+	}
+	if len(got) != len(want) {
+		t.Errorf("%d arrived, want %d", len(got), len(want))
+	}
+}
+
+// TestRelayRetention: with a negative Retention a sent row is deleted at
+// once; Cleanup deletes sent rows older than the retention, in batches.
+func TestRelayRetention(t *testing.T) {
+	r := newOutboxRig(t)
+	r.write(true, r.msg("a"), r.msg("b"), r.msg("c"))
+	rl, err := pgstore.NewRelay(r.ob, pgstore.RelayConfig{URL: testenv.AMQPURL(t), Retention: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- rl.Run(context.Background()) }()
+	r.take(3, 10*time.Second)
+	r.waitCount("p", 0, 5*time.Second)
+	if n := r.count("s"); n != 0 {
+		t.Errorf("%d sent rows kept, want none with a negative Retention", n)
+	}
+	if err := rl.Shutdown(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if err := rl.Shutdown(context.Background()); err != nil {
+		t.Fatalf("second Shutdown: %v", err)
+	}
+
+	r.write(true, r.msg("d"), r.msg("e"), r.msg("f"))
+	r.relay(pgstore.RelayConfig{})
+	r.take(3, 10*time.Second)
+	r.waitCount("s", 3, 5*time.Second)
+	if n, err := r.ob.Cleanup(context.Background(), time.Hour, 2); err != nil || n != 0 {
+		t.Fatalf("Cleanup(1h) = %d, %v, want nothing old enough", n, err)
+	}
+	time.Sleep(20 * time.Millisecond)
+	if n, err := r.ob.Cleanup(context.Background(), time.Millisecond, 2); err != nil || n != 3 {
+		t.Fatalf("Cleanup(1ms, batches of 2) = %d, %v, want 3", n, err)
+	}
+}
+
+// TestOutboxWriteRefusesBadMessages: a message the broker would refuse is
+// refused by Write, before the transaction is touched; a bad Config and a
+// List of an unknown state are errors naming what is wrong.
+func TestOutboxWriteRefusesBadMessages(t *testing.T) {
+	r := newOutboxRig(t)
+	ctx := context.Background()
+	tx, err := r.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	bad := r.msg("x")
+	bad.Publishing.Headers = amqp.Table{"f": 1.5i}
+	if _, err := r.ob.Write(ctx, tx, bad); err == nil || !strings.Contains(err.Error(), "f") {
+		t.Fatalf("Write of a complex header = %v, want an error naming the header", err)
+	}
+	// The transaction is still usable.
+	if _, err := r.ob.Write(ctx, tx, r.msg("ok")); err != nil {
+		t.Fatalf("Write after a refused one: %v", err)
+	}
+	if _, err := r.ob.List(ctx, "stuck", 0, 1); err == nil {
+		t.Error("List of an unknown state: no error")
+	}
+	if _, err := pgstore.NewRelay(r.ob, pgstore.RelayConfig{}); err == nil || !strings.Contains(err.Error(), "URL") {
+		t.Errorf("NewRelay without URL = %v, want an error naming URL", err)
+	}
+	if _, err := pgstore.NewRelay(r.ob, pgstore.RelayConfig{URL: "amqp://x", ClaimTTL: time.Second, PublishTimeout: 2 * time.Second}); err == nil {
+		t.Error("NewRelay with ClaimTTL below PublishTimeout: no error")
+	}
+	if _, err := pgstore.NewOutbox(r.pool, pgstore.Config{OutboxTable: "amqpidem_records"}); err == nil {
+		t.Error("NewOutbox with the records table as the outbox: no error")
+	}
+}
+
+// TestOutboxInject: Config.Inject sees Write's ctx and writes headers into
+// the stored message, not into the caller's table.
+func TestOutboxInject(t *testing.T) {
+	r := newOutboxRig(t)
+	type key struct{}
+	cfg := r.cfg
+	cfg.Inject = func(ctx context.Context, h amqp.Table) {
+		if v, ok := ctx.Value(key{}).(string); ok {
+			h["traceparent"] = v
+		}
+	}
+	ob, err := pgstore.NewOutbox(r.pool, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.WithValue(context.Background(), key{}, "00-trace-span-01")
+	tx, err := r.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := r.msg("traced")
+	m.Publishing.Headers = amqp.Table{"a": "b"}
+	if _, err := ob.Write(ctx, tx, m); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if len(m.Publishing.Headers) != 1 {
+		t.Errorf("the caller's headers were changed: %v", m.Publishing.Headers)
+	}
+	r.relay(pgstore.RelayConfig{})
+	d := r.take(1, 10*time.Second)[0]
+	if d.Headers["traceparent"] != "00-trace-span-01" || d.Headers["a"] != "b" {
+		t.Errorf("headers %v: want the injected traceparent and the caller's", d.Headers)
+	}
+}
+
+// TestRelayBrokerDown: while the broker cannot be reached, rows stay
+// pending (nothing is dead), and the relay backs off.
+func TestRelayBrokerDown(t *testing.T) {
+	r := newOutboxRig(t)
+	r.write(true, r.msg("waits"))
+	rl, err := pgstore.NewRelay(r.ob, pgstore.RelayConfig{
+		Dial:         func() (*amqp.Connection, error) { return nil, errors.New("broker down") },
+		RetryBackoff: 20 * time.Millisecond, MaxAttempts: 1,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- rl.Run(context.Background()) }()
+	time.Sleep(500 * time.Millisecond)
+	if err := rl.Shutdown(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if p, d := r.count("p"), r.count("d"); p != 1 || d != 0 {
+		t.Errorf("after a broker outage: %d pending, %d dead, want 1 and 0", p, d)
+	}
+	if _, ref, dead := rl.Counts(); ref != 0 || dead != 0 {
+		t.Errorf("a lost connection counted as %d refusals, %d dead", ref, dead)
+	}
+}
