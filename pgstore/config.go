@@ -70,7 +70,8 @@ type Config struct {
 	CleanupBatch int
 	// OutboxTable is the producer outbox's table (see Outbox), in Schema.
 	// Migrate also creates its indexes "<OutboxTable>_pending",
-	// "<OutboxTable>_ordered" and "<OutboxTable>_sent". At most 50 bytes.
+	// "<OutboxTable>_ordered", "<OutboxTable>_sent" and
+	// "<OutboxTable>_dead". At most 50 bytes.
 	// Default DefaultOutboxTable.
 	OutboxTable string
 	// Inject, when set, is called by Outbox.Write with its ctx and the
@@ -131,8 +132,13 @@ type names struct {
 
 	outbox                       string // the producer outbox's table
 	outboxPending, outboxOrdered string // its indexes, unqualified
-	outboxSent                   string
-	outboxChannel                string // the NOTIFY channel of Outbox.Write, as pg_notify takes it
+	outboxSent, outboxDead       string
+	// outboxChannel is the channel Outbox.Write notifies and a Relay
+	// listens on: the table's name, unqualified (a channel name is one
+	// identifier of at most 63 bytes). Outboxes of the same name in two
+	// schemas share it: a relay then wakes for the other's rows too, and
+	// finds none of its own.
+	outboxChannel string
 }
 
 func (c Config) names() names {
@@ -152,6 +158,7 @@ func (c Config) names() names {
 		outboxPending: pgx.Identifier{c.OutboxTable + "_pending"}.Sanitize(),
 		outboxOrdered: pgx.Identifier{c.OutboxTable + "_ordered"}.Sanitize(),
 		outboxSent:    pgx.Identifier{c.OutboxTable + "_sent"}.Sanitize(),
+		outboxDead:    pgx.Identifier{c.OutboxTable + "_dead"}.Sanitize(),
 		outboxChannel: c.OutboxTable,
 	}
 }

@@ -144,6 +144,10 @@ func (o *Outbox) Write(ctx context.Context, tx pgx.Tx, m Message) (string, error
 // outboxStates maps a row's state to its name and back.
 var outboxStates = map[string]string{"p": "pending", "s": "sent", "d": "dead"}
 
+// ErrOutboxState is the error of List for a state other than "pending",
+// "sent" and "dead".
+var ErrOutboxState = errors.New("pgstore: unknown outbox state")
+
 // stateCode returns the state column's value for the name state.
 func stateCode(state string) (string, error) {
 	for code, name := range outboxStates {
@@ -151,7 +155,7 @@ func stateCode(state string) (string, error) {
 			return code, nil
 		}
 	}
-	return "", fmt.Errorf("pgstore: outbox state %q: want pending, sent or dead", state)
+	return "", fmt.Errorf("%w %q: want pending, sent or dead", ErrOutboxState, state)
 }
 
 // List returns up to limit rows in state ("pending", "sent" or "dead"),
@@ -228,6 +232,16 @@ func (o *Outbox) Backlog(ctx context.Context) (rows int64, oldest time.Duration,
 		return 0, 0, fmt.Errorf("pgstore: outbox backlog: %w", classify(err))
 	}
 	return rows, time.Duration(ms * float64(time.Millisecond)), nil
+}
+
+// Dead returns how many rows are dead: refused by the broker
+// RelayConfig.MaxAttempts times, waiting for an operator (List, Redrive).
+func (o *Outbox) Dead(ctx context.Context) (int64, error) {
+	var n int64
+	if err := o.pool.QueryRow(ctx, `SELECT count(*) FROM `+o.n.outbox+` WHERE state = 'd'`).Scan(&n); err != nil {
+		return 0, fmt.Errorf("pgstore: outbox dead: %w", classify(err))
+	}
+	return n, nil
 }
 
 // Cleanup deletes the sent rows confirmed more than retention ago, in

@@ -215,7 +215,7 @@ const outboxFormatVersion = 1
 var outboxComment = fmt.Sprintf("amqpidem pgstore outbox, format %d", outboxFormatVersion)
 
 // outboxSQL is the producer outbox's table (see Outbox), with {outbox},
-// {outboxpending}, {outboxordered}, {outboxsent}, {outboxliteral} and
+// {outboxpending}, {outboxordered}, {outboxsent}, {outboxdead}, {outboxliteral} and
 // {outboxcomment} replaced.
 //
 // One row per message written. state: 'p' pending (to be published), 's'
@@ -228,8 +228,8 @@ var outboxComment = fmt.Sprintf("amqpidem pgstore outbox, format %d", outboxForm
 // for good, which is what ordered relaying waits for.
 //
 // The indexes are partial, on pending rows (the relay's queue, and each
-// order key's head) and sent rows (cleanup): a claim changes no indexed
-// column, so it can be a HOT update.
+// order key's head), sent rows (cleanup) and dead ones (an operator's
+// list): a claim changes no indexed column, so it can be a HOT update.
 const outboxSQL = `
 CREATE TABLE IF NOT EXISTS {outbox} (
 	id         bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -249,6 +249,7 @@ CREATE TABLE IF NOT EXISTS {outbox} (
 CREATE INDEX IF NOT EXISTS {outboxpending} ON {outbox} (id) WHERE state = 'p';
 CREATE INDEX IF NOT EXISTS {outboxordered} ON {outbox} (order_key, txid, id) WHERE state = 'p' AND order_key IS NOT NULL;
 CREATE INDEX IF NOT EXISTS {outboxsent} ON {outbox} (sent_at) WHERE state = 's';
+CREATE INDEX IF NOT EXISTS {outboxdead} ON {outbox} (id) WHERE state = 'd';
 
 DO $do$
 DECLARE
@@ -287,6 +288,7 @@ func MigrationSQL(cfg Config) (string, error) {
 		"{outboxpending}", n.outboxPending,
 		"{outboxordered}", n.outboxOrdered,
 		"{outboxsent}", n.outboxSent,
+		"{outboxdead}", n.outboxDead,
 		"{outboxliteral}", "'"+strings.ReplaceAll(n.outbox, "'", "''")+"'",
 		"{outboxcomment}", "'"+outboxComment+"'",
 	).Replace(migrationSQL + outboxSQL)

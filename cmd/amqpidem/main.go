@@ -129,7 +129,7 @@ Exit codes: 0 done, 1 failed, 2 bad usage, 3 nothing found,
 	f.BoolVar(&o.json, "json", false, "print JSON for scripts instead of text for people")
 	f.DurationVar(&o.timeout, "timeout", 30*time.Second, "give up on a service call after this long")
 
-	root.AddCommand(newInspect(o), newForget(o), newOutbox(o), newDLQ(o))
+	root.AddCommand(newInspect(o), newForget(o), newOutbox(o), newDLQ(o), newRelay(o))
 	return root
 }
 

@@ -1,0 +1,273 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/spf13/cobra"
+
+	"github.com/amqpidem/amqpidem/pgstore"
+)
+
+// relayOptions are the flags of relay and its subcommands.
+type relayOptions struct {
+	table string // pgstore Config.OutboxTable
+
+	// relay (run)
+	name        string
+	ordered     bool
+	batch       int
+	concurrency int
+	retention   time.Duration
+	maxAttempts int
+
+	// list
+	state string
+	after int64
+	limit int
+
+	// redrive
+	all bool
+}
+
+// rowJSON is one outbox row, as relay list --json prints it.
+type rowJSON struct {
+	ID         int64      `json:"id"`
+	State      string     `json:"state"`
+	MessageID  string     `json:"message_id"`
+	OrderKey   string     `json:"order_key,omitempty"`
+	Exchange   string     `json:"exchange"`
+	RoutingKey string     `json:"routing_key"`
+	Attempts   int        `json:"attempts"`
+	LastError  string     `json:"last_error,omitempty"`
+	CreatedAt  time.Time  `json:"created_at"`
+	SentAt     *time.Time `json:"sent_at,omitempty"`
+	BodyBytes  int        `json:"body_bytes"`
+	Unreadable string     `json:"unreadable,omitempty"`
+}
+
+func newRelay(o *options) *cobra.Command {
+	ro := &relayOptions{}
+	c := &cobra.Command{
+		Use:   "relay",
+		Short: "Publish the messages of pgstore's producer outbox (and list, re-drive them)",
+		Long: `relay runs a pgstore.Relay on the producer outbox of the PostgreSQL
+database --postgres names: it publishes, confirmed and mandatory, the
+messages that transactions wrote with pgstore's Outbox.Write once they
+committed, and marks them sent. Several relays may run at once. It stops on
+SIGINT or SIGTERM, finishing the publishes in flight (for up to 30 s).
+
+A message the broker refuses (no queue bound to take it, an exchange that
+does not exist) is tried again with backoff and, after --max-attempts
+refusals, is dead: "relay list --state dead" shows it with the broker's
+reason, "relay redrive" publishes it again once the cause is fixed.`,
+		Args: exactArgs(0, "no arguments"),
+		RunE: func(c *cobra.Command, _ []string) error { return runRelay(c.Context(), o, ro) },
+	}
+	c.PersistentFlags().StringVar(&ro.table, "outbox-table", "", "pgstore Config.OutboxTable (default amqpidem_outbox)")
+	f := c.Flags()
+	f.StringVar(&ro.name, "name", "", "the relay's name in its claims and logs (default host-pid-random)")
+	f.BoolVar(&ro.ordered, "ordered", false, "publish each order key's messages one at a time, in order (RelayConfig.Ordered)")
+	f.IntVar(&ro.batch, "batch", 0, "rows per claim (default 128)")
+	f.IntVar(&ro.concurrency, "concurrency", 0, "publishes waiting for their confirm at once, at most 64 (default 64)")
+	f.DurationVar(&ro.retention, "retention", 0, "keep sent rows this long; negative deletes them at once (default 1h)")
+	f.IntVar(&ro.maxAttempts, "max-attempts", 0, "refusals before a message is dead (default 10)")
+
+	list := &cobra.Command{
+		Use:   "list",
+		Short: "List the outbox's rows in a state",
+		Long: `list prints the outbox's rows in --state (pending, sent or dead), in the
+order they were written, --limit at a time: --after the last ID shown
+gives the next page.`,
+		Args: exactArgs(0, "no arguments"),
+		RunE: func(c *cobra.Command, _ []string) error { return runRelayList(c.Context(), o, ro) },
+	}
+	list.Flags().StringVar(&ro.state, "state", "dead", "pending, sent or dead")
+	list.Flags().Int64Var(&ro.after, "after", 0, "list the rows after this `ID`")
+	list.Flags().IntVar(&ro.limit, "limit", 100, "list at most this many rows")
+
+	redrive := &cobra.Command{
+		Use:   "redrive [ID...]",
+		Short: "Make dead rows pending again, for a relay to publish",
+		Long: `redrive makes the dead rows with the IDs given (or every dead row, with
+--all) pending again, their attempts reset: a running relay publishes them
+at once. Fix what made the broker refuse them first (bind the queue,
+declare the exchange), or they are dead again after --max-attempts tries.
+Exit code 3 when no row given was dead.`,
+		RunE: func(c *cobra.Command, args []string) error { return runRelayRedrive(c.Context(), o, ro, args) },
+	}
+	redrive.Flags().BoolVar(&ro.all, "all", false, "re-drive every dead row")
+
+	status := &cobra.Command{
+		Use:   "status",
+		Short: "Say how many rows wait, how old the oldest is, and how many are dead",
+		Args:  exactArgs(0, "no arguments"),
+		RunE:  func(c *cobra.Command, _ []string) error { return runRelayStatus(c.Context(), o, ro) },
+	}
+	c.AddCommand(list, redrive, status)
+	return c
+}
+
+// openOutbox connects to the database of --postgres; close releases it.
+func (o *options) openOutbox(ctx context.Context, ro *relayOptions) (*pgstore.Outbox, *pgxpool.Pool, error) {
+	if o.pgDSN == "" {
+		return nil, nil, withCode(exitUsage, "relay needs --postgres (or AMQPIDEM_POSTGRES_DSN): the database of the outbox")
+	}
+	pool, err := pgxpool.New(ctx, o.pgDSN)
+	if err != nil {
+		return nil, nil, withCode(exitUsage, "--postgres: %w", err)
+	}
+	ob, err := pgstore.NewOutbox(pool, pgstore.Config{Schema: o.pgSchema, OutboxTable: ro.table})
+	if err != nil {
+		pool.Close()
+		return nil, nil, withCode(exitUsage, "%w", err)
+	}
+	return ob, pool, nil
+}
+
+func runRelay(ctx context.Context, o *options, ro *relayOptions) error {
+	ob, pool, err := o.openOutbox(ctx, ro)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	log := slog.New(slog.NewTextHandler(o.stderr, nil))
+	r, err := pgstore.NewRelay(ob, pgstore.RelayConfig{URL: o.amqpURL, Name: ro.name, Ordered: ro.ordered,
+		Batch: ro.batch, Concurrency: ro.concurrency, Retention: ro.retention, MaxAttempts: ro.maxAttempts, Logger: log})
+	if err != nil {
+		return withCode(exitUsage, "%w", err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- r.Run(context.WithoutCancel(ctx)) }()
+	log.Info("amqpidem relay: running", "amqp", redactURL(o.amqpURL))
+	select {
+	case err := <-done:
+		return withCode(exitFailed, "%w", err)
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	serr := r.Shutdown(sctx)
+	<-done
+	pub, refused, dead := r.Counts()
+	log.Info("amqpidem relay: stopped", "published", pub, "refused", refused, "dead", dead)
+	if serr != nil {
+		return withCode(exitFailed, "shutdown cut the publishes in flight short (their rows are published again): %w", serr)
+	}
+	return nil
+}
+
+func runRelayList(ctx context.Context, o *options, ro *relayOptions) error {
+	ob, pool, err := o.openOutbox(ctx, ro)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	ctx, cancel := context.WithTimeout(ctx, o.timeout)
+	defer cancel()
+	rows, err := ob.List(ctx, ro.state, ro.after, ro.limit)
+	if err != nil {
+		if errors.Is(err, pgstore.ErrOutboxState) {
+			return withCode(exitUsage, "--state: %w", err)
+		}
+		return withCode(exitFailed, "%w", err)
+	}
+	if o.json {
+		out := make([]rowJSON, 0, len(rows))
+		for _, r := range rows {
+			j := rowJSON{ID: r.ID, State: r.State, MessageID: r.MessageID, OrderKey: r.OrderKey, Exchange: r.Exchange,
+				RoutingKey: r.RoutingKey, Attempts: r.Attempts, LastError: r.LastError, CreatedAt: r.CreatedAt,
+				SentAt: timePtr(r.SentAt), BodyBytes: len(r.Publishing.Body)}
+			if r.Err != nil {
+				j.Unreadable = r.Err.Error()
+			}
+			out = append(out, j)
+		}
+		return printJSON(o.stdout, out)
+	}
+	if len(rows) == 0 {
+		fmt.Fprintf(o.stdout, "no %s rows\n", ro.state)
+		return nil
+	}
+	t := [][]string{{"ID", "MESSAGE ID", "EXCHANGE", "ROUTING KEY", "ATTEMPTS", "CREATED", "LAST ERROR"}}
+	for _, r := range rows {
+		last := r.LastError
+		if r.Err != nil {
+			last = "unreadable: " + r.Err.Error()
+		}
+		t = append(t, []string{strconv.FormatInt(r.ID, 10), oneLine(r.MessageID, 40), oneLine(orDash(r.Exchange), 30),
+			oneLine(orDash(r.RoutingKey), 40), strconv.Itoa(r.Attempts), when(r.CreatedAt), oneLine(orDash(last), 200)})
+	}
+	table(o.stdout, t)
+	if len(rows) == ro.limit {
+		fmt.Fprintf(o.stdout, "more may follow: --after %d\n", rows[len(rows)-1].ID)
+	}
+	return nil
+}
+
+func runRelayRedrive(ctx context.Context, o *options, ro *relayOptions, args []string) error {
+	if ro.all == (len(args) > 0) {
+		return withCode(exitUsage, "relay redrive takes the IDs of dead rows, or --all (see relay list --state dead)")
+	}
+	ids := make([]int64, 0, len(args))
+	for _, a := range args {
+		id, err := strconv.ParseInt(a, 10, 64)
+		if err != nil || id <= 0 {
+			return withCode(exitUsage, "relay redrive: %q is not a row ID", a)
+		}
+		ids = append(ids, id)
+	}
+	ob, pool, err := o.openOutbox(ctx, ro)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	ctx, cancel := context.WithTimeout(ctx, o.timeout)
+	defer cancel()
+	n, err := ob.Redrive(ctx, ids...)
+	if err != nil {
+		return withCode(exitFailed, "%w", err)
+	}
+	if o.json {
+		if err := printJSON(o.stdout, map[string]int64{"redriven": n}); err != nil {
+			return err
+		}
+	} else {
+		fmt.Fprintf(o.stdout, "%s pending again\n", plural(int(n), "dead row"))
+	}
+	if n == 0 {
+		return withCode(exitNotFound, "no dead row to re-drive")
+	}
+	return nil
+}
+
+func runRelayStatus(ctx context.Context, o *options, ro *relayOptions) error {
+	ob, pool, err := o.openOutbox(ctx, ro)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	ctx, cancel := context.WithTimeout(ctx, o.timeout)
+	defer cancel()
+	n, oldest, err := ob.Backlog(ctx)
+	if err != nil {
+		return withCode(exitFailed, "%w", err)
+	}
+	dead, err := ob.Dead(ctx)
+	if err != nil {
+		return withCode(exitFailed, "%w", err)
+	}
+	if o.json {
+		return printJSON(o.stdout, map[string]any{"pending": n, "oldest_pending_seconds": oldest.Seconds(), "dead": dead})
+	}
+	fmt.Fprintf(o.stdout, "pending: %d (oldest %v)\ndead: %d\n", n, oldest.Round(time.Millisecond), dead)
+	if dead > 0 {
+		fmt.Fprintln(o.stdout, "list the dead rows with: amqpidem relay list --state dead")
+	}
+	return nil
+}
