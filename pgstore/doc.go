@@ -99,10 +99,39 @@
 // leases by TTL, the store has one state machine for every handler form
 // and every backend, and a duplicate is answered at once.
 //
+// # The producer outbox
+//
+// Outbox.Write stores a message in the caller's transaction, in the outbox
+// table Migrate creates (Config.OutboxTable), and a Relay publishes the
+// committed rows (mandatory, confirmed by the broker) and marks them sent
+// after the confirm. So:
+//
+//   - a committed transaction's message is published at least once, a
+//     rolled-back one's never; every publish of a row carries the same
+//     MessageId (the caller's, or one Write generates and stores), so an
+//     amqpidem consumer downstream runs it once;
+//   - relays claim pending rows FOR UPDATE SKIP LOCKED, in id order, for
+//     RelayConfig.ClaimTTL: several may run on one table, and a crashed
+//     relay's rows go to the others once its claim ends (a paused one may
+//     publish copies after that: duplicates, with one MessageId);
+//   - rows committed late are not skipped: a claim looks for pending rows,
+//     not past a high-water mark;
+//   - with RelayConfig.Ordered, one Message.OrderKey's messages are
+//     published one at a time, in the order of their transactions, and only
+//     once every older transaction has ended (an open transaction anywhere
+//     in the database holds them back);
+//   - a message the broker refuses is retried with backoff and, after
+//     RelayConfig.MaxAttempts refusals, kept dead for an operator (List,
+//     Redrive), never dropped; a lost connection is not a refusal.
+//
+// docs/relay.md in the repository tells every case, the table and its cost.
+//
 // # Limits
 //
 // Exactly-once covers what the handler writes through tx, in this
-// database. Anything else it does (an HTTP call, a message published, a
+// database, and the messages written with Outbox.Write in a transaction
+// (published at least once, one MessageId each: exactly once for an
+// amqpidem consumer). Anything else it does (an HTTP call, a message published, a
 // write to another database) happens at least once, as with the Redis
 // store: make it idempotent or fence it with amqpidem.FromContext(ctx).Fence.
 //
