@@ -1,6 +1,7 @@
 package pgstore
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -297,9 +298,6 @@ func (r *Relay) Run(ctx context.Context) error {
 			if ctx.Err() == nil && !r.isStopping() {
 				r.log.Warn("pgstore: relay: "+err.Error(), "relay", r.cfg.Name, "retry_in", wait)
 			}
-		case n == r.cfg.Batch:
-			failures = 0
-			continue // more may be waiting
 		default:
 			failures = 0
 			wait = r.cfg.PollInterval
@@ -309,6 +307,9 @@ func (r *Relay) Run(ctx context.Context) error {
 			if _, err := r.o.Cleanup(ctx, r.cfg.Retention, r.o.cfg.CleanupBatch); err != nil && ctx.Err() == nil {
 				r.log.Warn("pgstore: relay: "+err.Error(), "relay", r.cfg.Name)
 			}
+		}
+		if err == nil && n == r.cfg.Batch {
+			continue // a full batch: more may be waiting
 		}
 		wake := r.wake
 		if err != nil {
@@ -437,7 +438,7 @@ func (r *Relay) claim(ctx context.Context) ([]claimed, error) {
 	if err := q.Err(); err != nil {
 		return nil, fmt.Errorf("claim: %w", classify(err))
 	}
-	slices.SortFunc(rows, func(a, b claimed) int { return int(min(max(a.id-b.id, -1), 1)) })
+	slices.SortFunc(rows, func(a, b claimed) int { return cmp.Compare(a.id, b.id) })
 	return rows, nil
 }
 
@@ -560,9 +561,9 @@ func (r *Relay) isStopping() bool {
 }
 
 // Shutdown stops the relay: it claims nothing more, lets the round in
-// flight finish until ctx ends (then its publishes give up: their rows go
-// back to the table, due again once their claim ends), and waits for Run
-// to return. It returns ctx.Err() if it had to cut the round short.
+// flight finish until ctx ends (then its publishes give up: their rows are
+// released, due again after RetryBackoff, or, if the release cannot be
+// written, once their claim ends), and waits for Run to return. It returns ctx.Err() if it had to cut the round short.
 // Shutdown is idempotent and may be called before, during or after Run.
 func (r *Relay) Shutdown(ctx context.Context) error {
 	r.stopOnce.Do(func() { close(r.stopping) })
