@@ -17,11 +17,7 @@ import (
 	"github.com/amqpidem/amqpidem/internal/testenv"
 	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
 	"github.com/amqpidem/amqpidem/pgstore"
-	"github.com/amqpidem/amqpidem/promamqpidem"
 )
-
-// A Relay is what promamqpidem's RelayCollector reads.
-var _ promamqpidem.RelaySource = (*pgstore.Relay)(nil)
 
 // outboxRig is an outbox table in a schema of its own and a queue its
 // messages are routed to (the default exchange, routing key the queue).

@@ -15,7 +15,13 @@ import (
 	"github.com/amqpidem/amqpidem/internal/testenv"
 	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
 	"github.com/amqpidem/amqpidem/pgstore"
+	"github.com/amqpidem/amqpidem/promamqpidem"
 )
+
+// A pgstore.Relay is what promamqpidem's RelayCollector reads. (Asserted
+// here: a test of pgstore importing promamqpidem would put Prometheus in
+// the go.sum of every module importing pgstore.)
+var _ promamqpidem.RelaySource = (*pgstore.Relay)(nil)
 
 // relay runs a relay until SIGTERM, which it survives with exit code 0;
 // relay list, status and redrive show and re-drive what the broker refused.

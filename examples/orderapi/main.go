@@ -4,7 +4,8 @@
 // outbox in the same PostgreSQL transaction: both commit, or neither does
 // (a credit check that fails after both writes rolls both back). A relay
 // running in the same process publishes the committed messages to the
-// queue "order-placed", confirmed, and marks them sent; a crash between
+// queue "order-placed", confirmed, and marks them sent (its figures are at
+// GET /metrics); a crash between
 // the publish and the mark publishes a message again, with the same
 // message-id, which an amqpidem consumer of "order-placed" acks as a
 // duplicate without running it. A client that retries a POST gets the
@@ -40,9 +41,12 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/lmittmann/tint"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/pgstore"
+	"github.com/amqpidem/amqpidem/promamqpidem"
 )
 
 const (
@@ -108,8 +112,12 @@ func (a *app) run(stop context.Context, addr string, listening func(net.Addr)) e
 	if listening != nil {
 		listening(ln.Addr())
 	}
+	// The relay's figures; alert on amqpidem_relay_oldest_pending_seconds.
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(promamqpidem.NewRelayCollector(relay, promamqpidem.Options{}))
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /orders", a.postOrder)
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(ln) }()

@@ -31,6 +31,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"strings"
@@ -262,7 +263,67 @@ func selfCheck(ctx context.Context) (err error) {
 	if err := tally.Wait(ctx, func(c demo.Counts) bool { return c.Total(amqpidem.Duplicate) >= 1 }); err != nil {
 		return fmt.Errorf("waiting for the republished %s to arrive: %w", replayed, err)
 	}
+	// The relay marks a row sent after the confirm, which can come after
+	// the consumer got the message.
+	for {
+		n, _, err := ob.Backlog(ctx)
+		if err != nil {
+			return err
+		}
+		if n == 0 {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%d outbox rows still pending: %w", n, context.Cause(ctx))
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	if err := checkMetrics(ctx, base, len(placed)); err != nil {
+		return err
+	}
 	return check(ctx, pool, schema, placed, refused, shipped, &mu, tally, statuses)
+}
+
+// checkMetrics reads the service's /metrics: its relay published at least
+// one message (the second relay published some of the others), refused
+// none, and none waits.
+func checkMetrics(ctx context.Context, base string, placed int) error {
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, base+"/metrics", nil)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	var b strings.Builder
+	if _, err := io.Copy(&b, resp.Body); err != nil {
+		return err
+	}
+	var published, refused, pending float64
+	for _, line := range strings.Split(b.String(), "\n") {
+		var v float64
+		switch {
+		case scan(line, "amqpidem_relay_published_total ", &v):
+			published = v
+		case scan(line, "amqpidem_relay_refused_total ", &v):
+			refused = v
+		case scan(line, "amqpidem_relay_pending_rows ", &v):
+			pending = v
+		}
+	}
+	if published < 1 || published > float64(placed+1) || refused != 0 || pending != 0 {
+		return fmt.Errorf("/metrics: relay published %v (want 1 to %d), refused %v, pending %v (want 0)", published, placed+1, refused, pending)
+	}
+	return nil
+}
+
+// scan reads the value of a metric line that starts with prefix.
+func scan(line, prefix string, v *float64) bool {
+	if !strings.HasPrefix(line, prefix) {
+		return false
+	}
+	_, err := fmt.Sscan(strings.TrimPrefix(line, prefix), v)
+	return err == nil
 }
 
 // orderCount is how many of the orders 1..i are the customer's.
