@@ -119,7 +119,7 @@
 //   - with RelayConfig.Ordered, one Message.OrderKey's messages are
 //     published one at a time, in the order of their transactions, and only
 //     once every older transaction has ended (an open transaction anywhere
-//     in the database holds them back);
+//     on the server holds them back);
 //   - a message the broker refuses is retried with backoff and, after
 //     RelayConfig.MaxAttempts refusals, kept dead for an operator (List,
 //     Redrive), never dropped; a lost connection is not a refusal.

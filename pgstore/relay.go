@@ -57,7 +57,9 @@ type RelayConfig struct {
 	// that one committed late is not overtaken. Messages without an
 	// OrderKey are not held back. An order key's messages go out at about
 	// one per claim round (a few milliseconds), and a transaction left open
-	// anywhere in the database holds them back until it ends.
+	// anywhere on the server (transaction ids are the cluster's) holds them
+	// back until it ends. Every relay of a table must agree on Ordered: one
+	// without it publishes whatever it claims.
 	Ordered bool
 	// ClaimTTL is how long a claim keeps other relays off the rows it
 	// took: a relay that crashes or stops mid-round leaves its rows to the
