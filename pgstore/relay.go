@@ -63,8 +63,9 @@ type RelayConfig struct {
 	Ordered bool
 	// ClaimTTL is how long a claim keeps other relays off the rows it
 	// took: a relay that crashes or stops mid-round leaves its rows to the
-	// others after it. Default DefaultRelayClaimTTL; it must exceed
-	// PublishTimeout.
+	// others after it. Default DefaultRelayClaimTTL; it must exceed the
+	// longest a round can take, PublishTimeout times Batch/Concurrency
+	// (rounded up).
 	ClaimTTL time.Duration
 	// PublishTimeout bounds the wait for one publish's confirm. Default
 	// DefaultRelayPublishTimeout.
@@ -111,8 +112,13 @@ func (c RelayConfig) Validate() error {
 		return errors.New("pgstore: RelayConfig durations other than Retention must not be negative")
 	}
 	c = c.withDefaults(nil)
-	if c.ClaimTTL <= c.PublishTimeout {
-		return fmt.Errorf("pgstore: RelayConfig.ClaimTTL %v must exceed PublishTimeout %v", c.ClaimTTL, c.PublishTimeout)
+	// A round publishes Batch rows Concurrency at a time, each waiting up
+	// to PublishTimeout: its claim must outlast it, or other relays take
+	// the rows meanwhile and publish them too.
+	waves := time.Duration((c.Batch + c.Concurrency - 1) / c.Concurrency)
+	if c.ClaimTTL <= c.PublishTimeout*waves {
+		return fmt.Errorf("pgstore: RelayConfig.ClaimTTL %v must exceed PublishTimeout %v times Batch/Concurrency (%d/%d, rounded up): "+
+			"a claim must outlast the round that publishes its rows", c.ClaimTTL, c.PublishTimeout, c.Batch, c.Concurrency)
 	}
 	return nil
 }
