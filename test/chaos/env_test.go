@@ -111,6 +111,10 @@ type envOptions struct {
 	// for the scenario; env.amqp is then its first node, where the
 	// publisher connects and the queue is declared.
 	rabbitCluster bool
+	// rabbit is a cluster the caller started (testenv.RabbitCluster) for
+	// several runs: env.amqp is its first node, as with rabbitCluster, and
+	// the run's queues and exchanges are deleted in cleanup.
+	rabbit *testenv.Rabbit
 }
 
 func newEnv(t *testing.T, o envOptions) *env {
@@ -135,6 +139,9 @@ func newEnv(t *testing.T, o envOptions) *env {
 	if o.rabbitCluster {
 		// Its nodes are killed in cleanup, after everything below.
 		e.rabbit = testenv.RabbitCluster(t)
+		e.amqp = e.rabbit.Nodes[0].AMQPURL
+	} else if o.rabbit != nil {
+		e.rabbit = o.rabbit
 		e.amqp = e.rabbit.Nodes[0].AMQPURL
 	} else {
 		e.amqp = testenv.AMQPURL(t)
@@ -194,7 +201,7 @@ func newEnv(t *testing.T, o envOptions) *env {
 	if _, err := e.pub.Channel().QueueDeclare(e.queue, true, false, false, false, o.queueArgs); err != nil {
 		t.Fatalf("declare %s: %v", e.queue, err)
 	}
-	if e.rabbit == nil { // a cluster goes with its queues
+	if e.rabbit == nil || o.rabbit != nil { // a cluster of its own goes with its queues
 		t.Cleanup(e.deleteTopology)
 	}
 	t.Cleanup(e.stopProcs)

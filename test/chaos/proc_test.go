@@ -30,6 +30,9 @@ func TestMain(m *testing.M) {
 	if consumerBin.dir != "" {
 		os.RemoveAll(consumerBin.dir)
 	}
+	if relayBin.dir != "" {
+		os.RemoveAll(relayBin.dir)
+	}
 	os.Exit(code)
 }
 

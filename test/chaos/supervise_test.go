@@ -16,6 +16,7 @@ type supervisor struct {
 	e      *env
 	prefix string // slots are named <prefix>-c0 …
 	flags  []string
+	start  func(name string, flags ...string) (*proc, error)
 
 	mu       sync.Mutex
 	slots    []*proc
@@ -37,9 +38,21 @@ func (e *env) supervise(n int, flags ...string) *supervisor {
 // scenario that supervises several groups.
 func (e *env) superviseAs(prefix string, n int, flags ...string) *supervisor {
 	e.t.Helper()
-	s := &supervisor{e: e, prefix: prefix, flags: flags, stop: make(chan struct{}), done: make(chan struct{})}
+	consumerBinary(e.t)
+	return e.superviseWith(prefix, e.startConsumer, n, flags...)
+}
+
+// superviseWith is superviseAs for processes that start starts (a
+// consumer's or a relay's), with the binary already built.
+func (e *env) superviseWith(prefix string, start func(name string, flags ...string) (*proc, error), n int, flags ...string) *supervisor {
+	e.t.Helper()
+	s := &supervisor{e: e, prefix: prefix, flags: flags, start: start, stop: make(chan struct{}), done: make(chan struct{})}
 	for i := range n {
-		s.slots = append(s.slots, e.consumer(s.slotName(i), flags...))
+		p, err := start(s.slotName(i), flags...)
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		s.slots = append(s.slots, p)
 	}
 	go s.loop()
 	e.t.Cleanup(func() { s.halt() })
@@ -65,7 +78,7 @@ func (s *supervisor) loop() {
 			if p.alive() {
 				continue
 			}
-			np, err := s.e.startConsumer(s.slotName(i), s.flags...)
+			np, err := s.start(s.slotName(i), s.flags...)
 			s.mu.Lock()
 			if err != nil {
 				s.errs = append(s.errs, err)
