@@ -150,6 +150,15 @@ func TestShortRun(t *testing.T) {
 			want = append(want, `^latency_p99_ms `+strconv.FormatFloat(r, 'f', -1, 64)+` `+qt+` -?\d+\.\d( saturated)?$`)
 		}
 	}
+	// Then issue 24's relay lines, with PostgreSQL.
+	if rep.RelaySkipped == "" {
+		if len(rep.Relay) != opts.Repeats || rep.RelayLatency == nil || rep.RelayLatency.Samples == 0 {
+			t.Errorf("relay phase: %d rate runs, latency %+v; want %d runs and samples", len(rep.Relay), rep.RelayLatency, opts.Repeats)
+		}
+		want = append(want, `^relay_msgs_per_s classic \d+$`, `^relay_p99_ms classic \d+\.\d( saturated)?$`)
+	} else if rep.PGSkipped == "" {
+		t.Errorf("relay phase skipped: %s", rep.RelaySkipped)
+	}
 	if len(lines) < len(want) {
 		t.Fatalf("output has %d lines, want at least %d", len(lines), len(want))
 	}

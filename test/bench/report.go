@@ -177,6 +177,7 @@ func printReport(out io.Writer, e *env, rep *report) {
 		fmt.Fprintf(tw, "redis round trips per handler, heartbeat included\t%.2f\n", float64(m.RoundTrips)/float64(max(1, m.Handlers)))
 		tw.Flush()
 	}
+	printRelay(out, o, rep)
 	if rep.Profile != "" {
 		fmt.Fprintf(out, "\n%s\n  (go tool pprof -top %s)\n", rep.Profile, o.CPUProfile)
 	}

@@ -110,6 +110,11 @@ type report struct {
 	WaitSkipped string
 	PGSchema    string
 	PGDropped   bool
+	// Relay are the producer outbox relay's rate runs, RelayLatency its
+	// latency run; RelaySkipped says why they did not run, if so.
+	Relay        []relayRun
+	RelayLatency *relayLatency
+	RelaySkipped string
 }
 
 // runResult is one throughput run.
@@ -310,6 +315,22 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 		}
 	}
 
+	// 3b. The producer outbox's relay.
+	switch {
+	case !opts.Relay:
+		rep.RelaySkipped = "-relay=false"
+	case e.pg == nil:
+		rep.RelaySkipped = "it needs PostgreSQL (" + rep.PGSkipped + ")"
+	case !slices.Contains(opts.QueueTypes, "classic"):
+		rep.RelaySkipped = "it runs on a classic queue, and -queues has none"
+	default:
+		fmt.Fprintf(out, "producer outbox relay runs (rows written up front, then one relay; rate = rows / time until all sent and consumed):\n")
+		if err := e.relayPhase(ctx, rep); err != nil {
+			return rep, err
+		}
+		fmt.Fprintln(out)
+	}
+
 	// 4. Many long handlers in flight.
 	if opts.MemHandlers > 0 {
 		m, err := e.memory(ctx, opts.QueueTypes[0])
@@ -351,6 +372,7 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 		fmt.Fprintf(out, "ratio outbox/unique %s %.2f\n", r.QueueType, r.Value)
 	}
 	printTargets(out, opts, rep)
+	printRelayLines(out, rep)
 	var bad []string
 	for _, r := range rep.Runs {
 		if r.Unexpected > 0 {
