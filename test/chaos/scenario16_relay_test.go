@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -76,6 +77,10 @@ type relayFaults struct {
 	kills, pauses      int
 	pauseMin, pauseMax float64
 }
+
+// relayOrderKeys is how many order keys each writer uses when the relays
+// run with -ordered (CHAOS_RELAY_FLAGS).
+const relayOrderKeys = 8
 
 // relayClaimTTL is the relays' RelayConfig.ClaimTTL in scenario 16.
 const relayClaimTTL = 3 * time.Second
@@ -162,7 +167,8 @@ func relayRun(t *testing.T, rabbit *testenv.Rabbit, f relayFaults) {
 
 	// The writers: 4 goroutines, transactions of 1 to 8 rows with a pause
 	// between them, a fifth rolled back, until nRows rows are committed.
-	w := &relayWriters{ob: ob, pool: pool, exchange: exchange, key: e.queue, target: nRows}
+	ordered := slices.Contains(relayFlags, "-ordered")
+	w := &relayWriters{ob: ob, pool: pool, exchange: exchange, key: e.queue, target: nRows, ordered: ordered}
 	seed := e.rng.Uint64()
 	var wg sync.WaitGroup
 	for i := range 4 {
@@ -224,6 +230,7 @@ func relayRun(t *testing.T, rabbit *testenv.Rabbit, f relayFaults) {
 		}
 		return m
 	}
+	var downAt time.Time
 	var downFor time.Duration
 	deadline := time.Now().Add(pick(3*time.Minute, 8*time.Minute))
 	next := time.Now().Add(500 * time.Millisecond)
@@ -234,17 +241,20 @@ func relayRun(t *testing.T, rabbit *testenv.Rabbit, f relayFaults) {
 		if time.Now().Before(next) {
 			continue
 		}
-		next = time.Now().Add(time.Duration(300+e.rng.IntN(700)) * time.Millisecond)
-		if !writing() && pending() == 0 {
+		next = time.Now().Add(time.Duration(200+e.rng.IntN(500)) * time.Millisecond)
+		if !writing() && pending() == 0 && (downAt.IsZero() || restarts > 0) {
 			break // nothing left to disturb
 		}
-		if restarts == 0 && w.committedRows() >= nRows/2 {
+		switch {
+		case downAt.IsZero() && w.committedRows() >= nRows/2:
 			// The broker node every process dials first, leading the
-			// queue: killed, down 3 s, started again.
+			// queue: killed, and started again 3 s later (the faults on
+			// the relays go on meanwhile).
 			node.Kill()
-			downAt := time.Now()
+			downAt = time.Now()
 			t.Logf("%s: killed RabbitMQ node %s with %d rows committed, %d pending", f.name, node.Name, w.committedRows(), pending())
-			time.Sleep(3 * time.Second)
+			continue
+		case restarts == 0 && !downAt.IsZero() && time.Since(downAt) >= 3*time.Second:
 			node.Start()
 			downFor = time.Since(downAt)
 			restarts++
@@ -261,9 +271,9 @@ func relayRun(t *testing.T, rabbit *testenv.Rabbit, f relayFaults) {
 			continue
 		}
 		// The victim is a relay holding a claim when one is seen within
-		// 2 s (a round lasts milliseconds: look often), else any.
+		// 1 s (a round lasts milliseconds: look often), else any.
 		victim, holding := running[e.rng.IntN(len(running))], false
-		for look := time.Now(); time.Since(look) < 2*time.Second && !holding; time.Sleep(5 * time.Millisecond) {
+		for look := time.Now(); time.Since(look) < time.Second && !holding; time.Sleep(5 * time.Millisecond) {
 			for _, p := range running {
 				if claimHolders()[p.name] {
 					victim, holding = p, true
@@ -322,7 +332,11 @@ func relayRun(t *testing.T, rabbit *testenv.Rabbit, f relayFaults) {
 	elapsed := time.Since(start)
 
 	// The tap: every copy the broker took.
-	copies := e.drainTap(tap, urls)
+	copies, order := e.drainTap(tap, urls)
+	outOfOrder := 0
+	if ordered {
+		outOfOrder = relayOrderViolations(t, order)
+	}
 	rolled := make(map[string]bool, len(rolledBack))
 	for _, id := range rolledBack {
 		rolled[id] = true
@@ -360,6 +374,9 @@ func relayRun(t *testing.T, rabbit *testenv.Rabbit, f relayFaults) {
 	extra := fmt.Sprintf(" phantom=%d rows_committed=%d rows_rolled_back=%d txs_committed=%d txs_rolled_back=%d relays=3 kills=%d kills_holding_claims=%d pauses=%d pauses_holding_claims=%d paused_ms=%d relay_restarts=%d broker_restarts=%d broker_down_ms=%d tap_copies=%d extra_publishes=%d refused=%d max_attempts=%d dead=%d seconds=%.1f",
 		phantom, len(committed), len(rolledBack), w.txs[0], w.txs[1], kills, killsHolding, pauses, pausesHolding, pausedFor.Milliseconds(), relayRestarts,
 		restarts, downFor.Milliseconds(), tapCopies, tapCopies-len(committed), refused, maxAttempts, dead, elapsed.Seconds())
+	if ordered {
+		extra += fmt.Sprintf(" ordered=1 out_of_order=%d", outOfOrder)
+	}
 	e.reportWith(f.name, extra, nil, false)
 
 	if restarts != 1 {
@@ -389,6 +406,9 @@ type relayWriters struct {
 	pool          *pgxpool.Pool
 	exchange, key string
 	target        int
+	// ordered gives each message an OrderKey: its writer and its
+	// transaction's number modulo relayOrderKeys.
+	ordered bool
 
 	mu         sync.Mutex
 	committed  []string
@@ -417,8 +437,12 @@ func (w *relayWriters) run(ctx context.Context, name string, seed uint64, maxGap
 			for j := range ids {
 				ids[j] = fmt.Sprintf("%s-t%d-%d", name, i, j)
 				body := workload.Plan{Op: ids[j], WorkMS: rng.IntN(21)}.Body()
-				if _, err := w.ob.Write(ctx, tx, pgstore.Message{Exchange: w.exchange, RoutingKey: w.key,
-					Publishing: amqp.Publishing{MessageId: ids[j], ContentType: "application/json", Body: body}}); err != nil {
+				m := pgstore.Message{Exchange: w.exchange, RoutingKey: w.key,
+					Publishing: amqp.Publishing{MessageId: ids[j], ContentType: "application/json", Body: body}}
+				if w.ordered {
+					m.OrderKey = fmt.Sprintf("%s-k%d", name, i%relayOrderKeys)
+				}
+				if _, err := w.ob.Write(ctx, tx, m); err != nil {
 					return err
 				}
 			}
@@ -463,7 +487,7 @@ func (w *relayWriters) ids() (committed, rolledBack []string) {
 
 // drainTap takes every message of the tap queue through a running node and
 // returns the copies per MessageId.
-func (e *env) drainTap(tap string, urls []string) map[string]int {
+func (e *env) drainTap(tap string, urls []string) (copies map[string]int, order []string) {
 	e.t.Helper()
 	var conn *amqp.Connection
 	var err error
@@ -491,7 +515,7 @@ func (e *env) drainTap(tap string, urls []string) map[string]int {
 	if err != nil {
 		e.t.Fatal(err)
 	}
-	copies := map[string]int{}
+	copies = map[string]int{}
 	got := 0
 	idle := time.NewTimer(5 * time.Second)
 	defer idle.Stop()
@@ -502,13 +526,14 @@ func (e *env) drainTap(tap string, urls []string) map[string]int {
 				e.t.Fatalf("tap %s: the consumer ended after %d of %d messages", tap, got, q.Messages)
 			}
 			copies[d.MessageId]++
+			order = append(order, d.MessageId)
 			got++
 			idle.Reset(5 * time.Second)
 		case <-idle.C:
 			e.t.Fatalf("tap %s: %d of %d messages after 5 s without one", tap, got, q.Messages)
 		}
 	}
-	return copies
+	return copies, order
 }
 
 // The relay binary is built once per test binary, like the consumer's.
@@ -584,4 +609,47 @@ func (e *env) startRelay(name string, extra ...string) (*proc, error) {
 	e.procs = append(e.procs, p)
 	e.mu.Unlock()
 	return p, nil
+}
+
+// relayOrderViolations checks the order of the tap's first copies under
+// -ordered: within an order key (writer w, transactions t with the same t
+// modulo relayOrderKeys) a writer's transactions commit one after the
+// other, so their messages must first reach the broker in (t, row) order.
+// A later copy (a re-publish) may come anywhere. It reports each message
+// whose first copy came after one of a later transaction or row of its key,
+// and returns how many.
+func relayOrderViolations(t *testing.T, order []string) int {
+	t.Helper()
+	type pos struct{ tx, row int }
+	last := map[string]pos{}
+	seen := map[string]bool{}
+	bad := 0
+	for _, id := range order {
+		if seen[id] {
+			continue
+		}
+		seen[id] = true
+		// <name>-w<w>-t<tx>-<row>
+		i := strings.LastIndex(id, "-w")
+		var w, tx, row int
+		if i < 0 {
+			t.Errorf("tap: message id %q is none of the writers'", id)
+			continue
+		}
+		if _, err := fmt.Sscanf(id[i:], "-w%d-t%d-%d", &w, &tx, &row); err != nil {
+			t.Errorf("tap: message id %q: %v", id, err)
+			continue
+		}
+		key := fmt.Sprintf("w%d-k%d", w, tx%relayOrderKeys)
+		p := pos{tx, row}
+		if prev, ok := last[key]; ok && (p.tx < prev.tx || p.tx == prev.tx && p.row < prev.row) {
+			bad++
+			if bad <= 10 {
+				t.Errorf("order key %s: %s reached the broker after transaction %d row %d", key, id, prev.tx, prev.row)
+			}
+			continue
+		}
+		last[key] = p
+	}
+	return bad
 }
