@@ -373,7 +373,7 @@ func relayRun(t *testing.T, rabbit *testenv.Rabbit, f relayFaults) {
 
 	extra := fmt.Sprintf(" phantom=%d rows_committed=%d rows_rolled_back=%d txs_committed=%d txs_rolled_back=%d relays=3 kills=%d kills_holding_claims=%d pauses=%d pauses_holding_claims=%d paused_ms=%d relay_restarts=%d broker_restarts=%d broker_down_ms=%d tap_copies=%d extra_publishes=%d refused=%d max_attempts=%d dead=%d seconds=%.1f",
 		phantom, len(committed), len(rolledBack), w.txs[0], w.txs[1], kills, killsHolding, pauses, pausesHolding, pausedFor.Milliseconds(), relayRestarts,
-		restarts, downFor.Milliseconds(), tapCopies, tapCopies-len(committed), refused, maxAttempts, dead, elapsed.Seconds())
+		restarts, downFor.Milliseconds(), tapCopies, tapCopies-(len(committed)-lostAtBroker), refused, maxAttempts, dead, elapsed.Seconds())
 	if ordered {
 		extra += fmt.Sprintf(" ordered=1 out_of_order=%d", outOfOrder)
 	}
