@@ -175,7 +175,7 @@ func relayRun(t *testing.T, rabbit *testenv.Rabbit, f relayFaults) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			w.run(ctx, fmt.Sprintf("%s-w%d", e.name, i), seed+uint64(i), pick(1000, 300))
+			w.run(ctx, fmt.Sprintf("%s-w%d", e.name, i), seed+uint64(i), pick(1200, 300))
 		}()
 	}
 	writersDone := make(chan struct{})
@@ -267,25 +267,43 @@ func relayRun(t *testing.T, rabbit *testenv.Rabbit, f relayFaults) {
 				running = append(running, p)
 			}
 		}
-		if len(running) < 2 { // one relay keeps going
+		// The kind of fault further behind its count goes next. A stopped
+		// relay may be killed; one relay is always left running.
+		doKill := kills < f.kills && (pauses >= f.pauses || kills*f.pauses <= pauses*f.kills)
+		candidates := running
+		switch {
+		case doKill && len(running) == 1:
+			candidates = slices.DeleteFunc(slices.Clone(live), func(p *proc) bool { return p == running[0] })
+		case doKill:
+			candidates = live
+		case pauses >= f.pauses || len(running) < 2:
+			continue
+		}
+		if len(candidates) == 0 {
 			continue
 		}
 		// The victim is a relay holding a claim when one is seen within
 		// 1 s (a round lasts milliseconds: look often), else any.
-		victim, holding := running[e.rng.IntN(len(running))], false
+		victim, holding := candidates[e.rng.IntN(len(candidates))], false
 		for look := time.Now(); time.Since(look) < time.Second && !holding; time.Sleep(5 * time.Millisecond) {
-			for _, p := range running {
-				if claimHolders()[p.name] {
+			holders := claimHolders()
+			for _, p := range candidates {
+				if holders[p.name] {
 					victim, holding = p, true
 					break
 				}
 			}
 		}
 		busy := writing() || pending() > 0
-		doKill := kills < f.kills && (pauses >= f.pauses || e.rng.IntN(2) == 0)
-		switch {
-		case doKill:
+		if doKill {
 			victim.kill()
+			for i, pr := range paused {
+				if pr.p == victim {
+					pausedFor += time.Since(pr.since)
+					paused = slices.Delete(paused, i, i+1)
+					break
+				}
+			}
 			kills++
 			if busy {
 				midKills++
@@ -293,17 +311,17 @@ func relayRun(t *testing.T, rabbit *testenv.Rabbit, f relayFaults) {
 			if holding {
 				killsHolding++
 			}
-		case pauses < f.pauses:
-			d := time.Duration((f.pauseMin + e.rng.Float64()*(f.pauseMax-f.pauseMin)) * float64(relayClaimTTL))
-			victim.pause()
-			paused = append(paused, pausedRelay{p: victim, since: time.Now(), until: time.Now().Add(d)})
-			pauses++
-			if busy {
-				midPauses++
-			}
-			if holding {
-				pausesHolding++
-			}
+			continue
+		}
+		d := time.Duration((f.pauseMin + e.rng.Float64()*(f.pauseMax-f.pauseMin)) * float64(relayClaimTTL))
+		victim.pause()
+		paused = append(paused, pausedRelay{p: victim, since: time.Now(), until: time.Now().Add(d)})
+		pauses++
+		if busy {
+			midPauses++
+		}
+		if holding {
+			pausesHolding++
 		}
 	}
 	resumeDue(true)
