@@ -267,15 +267,15 @@ func relayRun(t *testing.T, rabbit *testenv.Rabbit, f relayFaults) {
 				running = append(running, p)
 			}
 		}
-		// The kind of fault further behind its count goes next. A stopped
-		// relay may be killed; one relay is always left running.
+		// The kind of fault further behind its count goes next. A running
+		// relay is killed, or a stopped one when only one runs: one relay
+		// is always left running.
 		doKill := kills < f.kills && (pauses >= f.pauses || kills*f.pauses <= pauses*f.kills)
 		candidates := running
 		switch {
-		case doKill && len(running) == 1:
-			candidates = slices.DeleteFunc(slices.Clone(live), func(p *proc) bool { return p == running[0] })
+		case doKill && len(running) < 2: // a stopped one, sparing the one running
+			candidates = slices.DeleteFunc(slices.Clone(live), func(p *proc) bool { return slices.Contains(running, p) })
 		case doKill:
-			candidates = live
 		case pauses >= f.pauses || len(running) < 2:
 			continue
 		}
