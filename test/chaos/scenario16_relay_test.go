@@ -13,6 +13,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -180,6 +181,11 @@ func relayRun(t *testing.T, rabbit *testenv.Rabbit, f relayFaults) {
 	}
 	writersDone := make(chan struct{})
 	go func() { wg.Wait(); close(writersDone) }()
+	// A run that fails midway stops its writers before their pool closes.
+	t.Cleanup(func() {
+		w.stop.Store(true)
+		<-writersDone
+	})
 	writing := func() bool {
 		select {
 		case <-writersDone:
@@ -427,6 +433,8 @@ type relayWriters struct {
 	// ordered gives each message an OrderKey: its writer and its
 	// transaction's number modulo relayOrderKeys.
 	ordered bool
+	// stop ends the writers after their transaction in flight.
+	stop atomic.Bool
 
 	mu         sync.Mutex
 	committed  []string
@@ -440,7 +448,7 @@ type relayWriters struct {
 func (w *relayWriters) run(ctx context.Context, name string, seed uint64, maxGapMS int) {
 	rng := rand.New(rand.NewPCG(seed, seed>>1|1))
 	for i := 0; ; i++ {
-		if w.committedRows() >= w.target || w.failure() != nil {
+		if w.committedRows() >= w.target || w.failure() != nil || w.stop.Load() {
 			return
 		}
 		n := 1 + rng.IntN(8)
