@@ -76,10 +76,12 @@ type RelayConfig struct {
 	// DefaultRelayPollInterval.
 	PollInterval time.Duration
 	// MaxAttempts is how many times the broker may refuse a message (no
-	// queue bound to take it, a nack, an exchange that does not exist)
-	// before its row is dead: kept for an operator to list and re-drive,
-	// never dropped, never retried again by itself. A lost connection is
-	// not a refusal. Default DefaultRelayMaxAttempts.
+	// queue bound to take it, an exchange that does not exist, a property
+	// it refuses) before its row is dead: kept for an operator to list and
+	// re-drive, never dropped, never retried again by itself. A lost
+	// connection and a nack (the broker cannot take it now: a quorum queue
+	// without a leader, a full queue) are not refusals: the row waits, the
+	// relay backs off. Default DefaultRelayMaxAttempts.
 	MaxAttempts int
 	// RetryBackoff is the wait after a message's first refusal, doubled
 	// after each next one up to MaxBackoff; also the first wait after the
@@ -487,9 +489,13 @@ func (r *Relay) publish(ctx context.Context, b []byte) error {
 var errUndecodable = errors.New("stored message unreadable")
 
 // refused reports whether err is the broker refusing the message itself
-// (no queue bound to take it, a nack, a channel closed over it: an
-// exchange that does not exist, a property refused), or a row that cannot
-// be read, rather than a connection that failed or ended.
+// (no queue bound to take it, a channel closed over it: an exchange that
+// does not exist, a property refused), or a row that cannot be read: what
+// counts toward MaxAttempts. A connection that failed or ended is not; nor
+// is a plain nack, which says the broker could not take the message now (a
+// quorum queue electing a leader, a queue full with reject-publish), not
+// that the message is wrong: counted, it turned rows dead during a node's
+// restart (chaos scenario 16 with -max-attempts 2).
 func refused(err error) bool {
 	switch {
 	case errors.Is(err, errUndecodable), errors.Is(err, amqpidem.ErrUnroutable):
@@ -498,11 +504,8 @@ func refused(err error) bool {
 		return false
 	}
 	var ae *amqp.Error
-	if errors.As(err, &ae) {
-		// Channel-level codes are below 500; 320 is the connection's end.
-		return ae.Code < 500 && ae.Code != amqp.ConnectionForced
-	}
-	return true // a plain nack
+	// Channel-level codes are below 500; 320 is the connection's end.
+	return errors.As(err, &ae) && ae.Code < 500 && ae.Code != amqp.ConnectionForced
 }
 
 // listen wakes the relay on each notification of Outbox.Write, on a

@@ -49,7 +49,7 @@ func NewRelayCollector(src RelaySource, opts Options) *RelayCollector {
 	}
 	return &RelayCollector{src: src,
 		published: desc("published_total", "Messages of the producer outbox the relay published, confirmed by the broker."),
-		refused:   desc("refused_total", "Publishes of the relay the broker refused (no queue bound, a nack, a closed channel)."),
+		refused:   desc("refused_total", "Publishes of the relay the broker refused (no queue bound, an exchange missing, a property refused)."),
 		dead:      desc("dead_total", "Outbox rows the relay moved to dead after MaxAttempts refusals."),
 		pending:   desc("pending_rows", "Outbox rows waiting to be published."),
 		oldest:    desc("oldest_pending_seconds", "Age of the oldest outbox row waiting to be published."),

@@ -39,7 +39,7 @@ amqpidem_relay_pending_rows{service="orders"} 42
 # HELP amqpidem_relay_published_total Messages of the producer outbox the relay published, confirmed by the broker.
 # TYPE amqpidem_relay_published_total counter
 amqpidem_relay_published_total{service="orders"} 7
-# HELP amqpidem_relay_refused_total Publishes of the relay the broker refused (no queue bound, a nack, a closed channel).
+# HELP amqpidem_relay_refused_total Publishes of the relay the broker refused (no queue bound, an exchange missing, a property refused).
 # TYPE amqpidem_relay_refused_total counter
 amqpidem_relay_refused_total{service="orders"} 3
 `
