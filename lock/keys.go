@@ -22,8 +22,8 @@ func recordKey(prefix, key string) string {
 	var sum [sha256.Size]byte
 	digest := h.Sum(sum[:0])
 
-	buf := make([]byte, 0, len(prefix)+3+32)
-	buf = append(buf, prefix...)
+	var stack [maxPrefixLen + 3 + 32]byte // a Config's prefix fits
+	buf := append(stack[:0], prefix...)
 	buf = append(buf, ":{"...)
 	buf = hex.AppendEncode(buf, digest[:16])
 	buf = append(buf, '}')

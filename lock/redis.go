@@ -63,6 +63,7 @@ type RedisStore struct {
 	client redis.UniversalClient
 	cfg    Config
 	batch  batcher // Acquire, Complete, Fail, Release, Cancel and Amend calls
+	ms     msArgs  // TTLs and retentions in ms, boxed
 }
 
 var _ Store = (*RedisStore)(nil)
@@ -192,8 +193,12 @@ func (s *RedisStore) acquire(ctx context.Context, req Request, owner string) (Re
 			s.nativeRefused(ctx, err)
 		}
 	}
-	reply, err := s.batch.run(ctx, acquireScript, []string{rkey},
-		owner, req.TTL.Milliseconds(), req.Retention.Milliseconds(), req.Fingerprint, req.Key)
+	c := getCall(acquireScript, rkey, 5)
+	c.args[0], c.args[1], c.args[2], c.args[3], c.args[4] = owner, s.ms.arg(req.TTL.Milliseconds()),
+		s.ms.arg(req.Retention.Milliseconds()), req.Fingerprint, req.Key
+	s.batch.do(ctx, c)
+	reply, err := c.val, c.err
+	putCall(c)
 	if err != nil {
 		return Result{}, fmt.Errorf("lock: acquire %q: %w", req.Key, classify(err))
 	}
@@ -251,23 +256,24 @@ func newLease(req Request, owner string, fence int64, attempt int, start time.Ti
 func (s *RedisStore) nativeAcquire(ctx context.Context, req Request, owner, rkey string, start time.Time) (res Result, done bool, err error) {
 	ttl := req.TTL.Milliseconds()
 	keep := ttl + req.Retention.Milliseconds()
-	reply, err := s.batch.run(ctx, nil, []string{rkey}, newRecord(owner, ttl, keep, req.Fingerprint, req.Key), keep)
+	c := getCall(nil, rkey, 2)
+	c.rec = appendRecord(c.rec, owner, ttl, keep, req.Fingerprint, req.Key)
+	c.args[0], c.args[1] = c.rec, s.ms.arg(keep)
+	s.batch.do(ctx, c)
+	set, exp, err := c.val, c.exp, c.err
+	putCall(c)
 	if err != nil {
 		return Result{}, false, fmt.Errorf("lock: acquire %q: %w", req.Key, classify(err))
 	}
-	vals, _ := reply.([]any)
-	var expireAt int64
-	if len(vals) == 2 {
-		expireAt, _ = vals[1].(int64)
-	}
+	expireAt, _ := exp.(int64)
 	if expireAt == 0 {
-		return Result{}, false, fmt.Errorf("lock: acquire %q: unexpected reply %v", req.Key, vals)
+		return Result{}, false, fmt.Errorf("lock: acquire %q: unexpected reply %v", req.Key, []any{set, exp})
 	}
-	if vals[0] == nil {
+	if set == nil {
 		fence := firstFence(expireAt, keep)
 		return Result{Status: Acquired, Fence: fence, Attempts: 1, Lease: newLease(req, owner, fence, 1, start, rkey)}, true, nil
 	}
-	raw, _ := vals[0].(string)
+	raw, _ := set.(string)
 	r, err := decodeRecord(raw, expireAt)
 	switch {
 	case err != nil:
@@ -319,7 +325,7 @@ func (s *RedisStore) Extend(ctx context.Context, leases ...Lease) []error {
 		if errs[i] = CheckLease(l); errs[i] != nil {
 			continue
 		}
-		calls = append(calls, &call{script: extendScript, keys: []string{s.keyOf(l)}, args: extendArgs(l)})
+		calls = append(calls, newCall(extendScript, s.keyOf(l), extendArgs(l)...))
 		index = append(index, i)
 	}
 	if len(calls) > 0 {
@@ -361,13 +367,16 @@ func (s *RedisStore) Cancel(ctx context.Context, lease Lease) error {
 	return s.finish(ctx, lease, "cancel", stateCancelled, nil)
 }
 
-func (s *RedisStore) finish(ctx context.Context, l Lease, op, state string, value any) error {
+func (s *RedisStore) finish(ctx context.Context, l Lease, op string, state, value any) error {
 	if err := CheckLease(l); err != nil {
 		return err
 	}
-	reply, err := s.batch.run(ctx, finishScript, []string{s.keyOf(l)},
-		l.Owner, l.Fence, state, value, l.Retention.Milliseconds())
-	n, _ := reply.(int64)
+	c := getCall(finishScript, s.keyOf(l), 5)
+	c.args[0], c.args[1], c.args[2], c.args[3], c.args[4] = l.Owner, l.Fence, state, value, s.ms.arg(l.Retention.Milliseconds())
+	s.batch.do(ctx, c)
+	n, _ := c.val.(int64)
+	err := c.err
+	putCall(c)
 	return leaseReply(l, op, int(n), err)
 }
 
