@@ -1,0 +1,246 @@
+package dynamostore_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/aws/aws-sdk-go-v2/aws"
+	"github.com/aws/aws-sdk-go-v2/service/dynamodb"
+	"github.com/aws/aws-sdk-go-v2/service/dynamodb/types"
+
+	"github.com/amqpidem/amqpidem/dynamostore"
+	"github.com/amqpidem/amqpidem/internal/storetest"
+	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// testSkew is the clock skew the tests allow: their leases expire in tens
+// of milliseconds, and every store of a test shares one clock.
+const testSkew = 5 * time.Millisecond
+
+// newClient returns a client of the tests' DynamoDB, which takes any
+// credentials.
+func newClient(t testing.TB) *dynamodb.Client {
+	t.Helper()
+	ep := testenv.DynamoEndpoint(t)
+	return dynamodb.New(dynamodb.Options{
+		Region:       "us-east-1",
+		BaseEndpoint: aws.String(ep),
+		Credentials: aws.CredentialsProviderFunc(func(context.Context) (aws.Credentials, error) {
+			return aws.Credentials{AccessKeyID: "test", SecretAccessKey: "test", Source: "tests"}, nil
+		}),
+	})
+}
+
+var shared struct {
+	once   sync.Once
+	client *dynamodb.Client
+	table  string
+	err    error
+}
+
+// sharedTable returns a client and a table made once for the test binary,
+// which tests share under prefixes of their own (lock.Config.Prefix).
+func sharedTable(t testing.TB) (*dynamodb.Client, string) {
+	t.Helper()
+	client := newClient(t)
+	shared.once.Do(func() {
+		shared.client, shared.table = client, testenv.Name(t)
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		shared.err = dynamostore.CreateTable(ctx, client, dynamostore.Config{Table: shared.table})
+	})
+	if shared.err != nil {
+		t.Fatalf("CreateTable: %v", shared.err)
+	}
+	return shared.client, shared.table
+}
+
+// newStore returns a store on the shared table with cfg, under a prefix of
+// its own unless cfg names one.
+func newStore(t testing.TB, cfg dynamostore.Config) *dynamostore.Store {
+	t.Helper()
+	client, table := sharedTable(t)
+	cfg.Table = table
+	if cfg.Prefix == "" {
+		cfg.Prefix = testenv.Name(t)
+	}
+	if cfg.MaxClockSkew == 0 {
+		cfg.MaxClockSkew = testSkew
+	}
+	s, err := dynamostore.New(client, cfg)
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	return s
+}
+
+func TestStoreConformance(t *testing.T) {
+	storetest.Run(t, func(t *testing.T, cfg lock.Config) lock.Store {
+		return newStore(t, dynamostore.Config{Config: cfg})
+	})
+}
+
+func TestCheckAndPing(t *testing.T) {
+	s := newStore(t, dynamostore.Config{})
+	ctx := context.Background()
+	if err := s.Check(ctx); err != nil {
+		t.Fatalf("Check: %v", err)
+	}
+	if err := s.Ping(ctx); err != nil {
+		t.Fatalf("Ping: %v", err)
+	}
+}
+
+// clock is a settable clock for Config.Now.
+type clock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func (c *clock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+func (c *clock) set(t time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.t = t
+}
+
+// TestClockSkewDelaysTakeover: an expired lease is taken over only once
+// its deadline is MaxClockSkew past by the taker's clock.
+func TestClockSkewDelaysTakeover(t *testing.T) {
+	holderClock, takerClock := &clock{t: time.Now()}, &clock{}
+	prefix := testenv.Name(t)
+	holder := newStore(t, dynamostore.Config{Config: lock.Config{Prefix: prefix, Now: holderClock.Now}, MaxClockSkew: time.Second})
+	taker := newStore(t, dynamostore.Config{Config: lock.Config{Prefix: prefix, Now: takerClock.Now}, MaxClockSkew: time.Second})
+	ctx := context.Background()
+	res, err := holder.Acquire(ctx, lock.Request{Key: "k", TTL: 2 * time.Second})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatalf("Acquire: %+v, %v", res, err)
+	}
+	deadline := holderClock.Now().Add(2 * time.Second)
+	for _, tc := range []struct {
+		after time.Duration
+		want  lock.Status
+	}{
+		{-time.Millisecond, lock.InProgress},
+		{500 * time.Millisecond, lock.InProgress},         // expired, within the skew
+		{time.Second, lock.InProgress},                    // at the skew's end
+		{time.Second + 2*time.Millisecond, lock.Acquired}, // past it
+	} {
+		takerClock.set(deadline.Add(tc.after))
+		got, err := taker.Acquire(ctx, lock.Request{Key: "k", TTL: 2 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got.Status != tc.want {
+			t.Fatalf("deadline%+v: got %v, want %v (%+v)", tc.after, got.Status, tc.want, got)
+		}
+		if got.Status == lock.InProgress && got.Remaining <= 0 {
+			t.Fatalf("deadline%+v: in progress with %v remaining", tc.after, got.Remaining)
+		}
+		if got.Status == lock.Acquired && (got.Lease.Fence <= res.Lease.Fence || got.Lease.Attempt != 2) {
+			t.Fatalf("takeover: %+v after %+v", got.Lease, res.Lease)
+		}
+	}
+	if err := holder.Complete(ctx, res.Lease, nil); !errors.Is(err, lock.ErrLeaseLost) {
+		t.Fatalf("Complete by the holder after the takeover: got %v, want ErrLeaseLost", err)
+	}
+}
+
+// countingClient counts the UpdateItem calls in flight, and can fail them.
+type countingClient struct {
+	dynamostore.Client
+	mu            sync.Mutex
+	inFlight, max int
+	fail          error
+}
+
+func (c *countingClient) UpdateItem(ctx context.Context, in *dynamodb.UpdateItemInput, opts ...func(*dynamodb.Options)) (*dynamodb.UpdateItemOutput, error) {
+	c.mu.Lock()
+	c.inFlight++
+	c.max = max(c.max, c.inFlight)
+	fail := c.fail
+	c.mu.Unlock()
+	defer func() {
+		c.mu.Lock()
+		c.inFlight--
+		c.mu.Unlock()
+	}()
+	if fail != nil {
+		return nil, fail
+	}
+	time.Sleep(5 * time.Millisecond)
+	return c.Client.UpdateItem(ctx, in, opts...)
+}
+
+func TestExtendBoundedConcurrency(t *testing.T) {
+	client, table := sharedTable(t)
+	cc := &countingClient{Client: client}
+	s, err := dynamostore.New(cc, dynamostore.Config{Table: table, Config: lock.Config{Prefix: testenv.Name(t)}, ExtendConcurrency: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	var leases []lock.Lease
+	for i := range 12 {
+		res, err := s.Acquire(ctx, lock.Request{Key: fmt.Sprint("k", i)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		leases = append(leases, res.Lease)
+	}
+	if err := s.Release(ctx, leases[5]); err != nil {
+		t.Fatal(err)
+	}
+	cc.mu.Lock()
+	cc.max = 0
+	cc.mu.Unlock()
+	for i, err := range s.Extend(ctx, leases...) {
+		if i == 5 {
+			if !errors.Is(err, lock.ErrLeaseLost) {
+				t.Fatalf("Extend of the released lease: got %v, want ErrLeaseLost", err)
+			}
+		} else if err != nil {
+			t.Fatalf("Extend %d: %v", i, err)
+		}
+	}
+	if got, want := cc.max, 3; got > want || got < 2 {
+		t.Fatalf("UpdateItem calls at once: got %d, want up to %d (and more than 1)", got, want)
+	}
+
+	// Throttling is lock.ErrUnavailable, for every call.
+	cc.fail = &types.ProvisionedThroughputExceededException{Message: aws.String("slow down")}
+	if err := s.Extend(ctx, leases[0])[0]; !errors.Is(err, lock.ErrUnavailable) {
+		t.Fatalf("throttled Extend: got %v, want ErrUnavailable", err)
+	}
+	if err := s.Complete(ctx, leases[0], nil); !errors.Is(err, lock.ErrUnavailable) {
+		t.Fatalf("throttled Complete: got %v, want ErrUnavailable", err)
+	}
+	if _, err := s.Acquire(ctx, lock.Request{Key: "new"}); !errors.Is(err, lock.ErrUnavailable) {
+		t.Fatalf("throttled Acquire: got %v, want ErrUnavailable", err)
+	}
+}
+
+func TestMissingTableUnavailable(t *testing.T) {
+	s, err := dynamostore.New(newClient(t), dynamostore.Config{Table: testenv.Name(t) + "-missing"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if _, err := s.Acquire(ctx, lock.Request{Key: "k"}); !errors.Is(err, lock.ErrUnavailable) || !strings.Contains(err.Error(), "CreateTable") {
+		t.Fatalf("Acquire on a missing table: got %v, want ErrUnavailable saying to create it", err)
+	}
+	if err := s.Check(ctx); err == nil {
+		t.Fatal("Check of a missing table: no error")
+	}
+}
