@@ -78,8 +78,9 @@ func (s *Store) Forget(ctx context.Context, key string, state lock.State, fence 
 		return fmt.Errorf("dynamostore: forget %q: state %q is not one of lock's", key, state)
 	}
 	_, nowMs := s.now()
-	u := newUpdate().put(attrState, str(stateForgotten)).put(attrExpires, num(nowMs)).put(attrTTL, s.ttlOf(nowMs)).
-		cond([]string{attrFence}, map[string]types.AttributeValue{
+	// The tombstone: the fence, and nothing else of the record.
+	u := newUpdate().all(s, record{state: stateForgotten, fence: fence, expires: nowMs}).
+		cond(nil, map[string]types.AttributeValue{
 			":seen_st": str(string(letter)), ":seen_fe": num(fence), ":now": num(nowMs),
 		})
 	_, err := s.client.UpdateItem(ctx, &dynamodb.UpdateItemInput{

@@ -160,12 +160,6 @@ func (s *Store) acquire(ctx context.Context, req lock.Request, owner string) (lo
 				":seen_st": seen[attrState], ":seen_fe": seen[attrFence],
 				":seen_dl": seen[attrDeadline], ":seen_ex": seen[attrExpires],
 			})
-			if old.state == stateForgotten {
-				// A tombstone has no deadline.
-				cond = "#st = :seen_st AND #fe = :seen_fe AND #ex = :seen_ex"
-				delete(u.values, ":seen_dl")
-				delete(u.names, "#"+attrDeadline)
-			}
 		}
 		u.all(s, next)
 		_, err := s.client.UpdateItem(ctx, &dynamodb.UpdateItemInput{

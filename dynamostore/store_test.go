@@ -244,3 +244,55 @@ func TestMissingTableUnavailable(t *testing.T) {
 		t.Fatal("Check of a missing table: no error")
 	}
 }
+
+// TestFenceKeptByExpiredItemAndTombstone: the item outlives its record, and
+// Forget leaves a tombstone that keeps the fence, so a record made again
+// gets a higher fence, after Forget even from a clock that is behind the
+// last one.
+func TestFenceKeptByExpiredItemAndTombstone(t *testing.T) {
+	clk, prefix := &clock{t: time.Now()}, testenv.Name(t)
+	s := newStore(t, dynamostore.Config{Config: lock.Config{Prefix: prefix, Now: clk.Now, Retention: time.Second}})
+	ctx := context.Background()
+	first, err := s.Acquire(ctx, lock.Request{Key: "k"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Complete(ctx, first.Lease, []byte("secret")); err != nil {
+		t.Fatal(err)
+	}
+	// The record expires, its item stays.
+	clk.set(clk.Now().Add(2 * time.Second))
+	if _, err := s.Inspect(ctx, "k"); !errors.Is(err, lock.ErrNotFound) {
+		t.Fatalf("Inspect of an expired record: got %v, want ErrNotFound", err)
+	}
+	again, err := s.Acquire(ctx, lock.Request{Key: "k"})
+	if err != nil || again.Status != lock.Acquired || again.Lease.Attempt != 1 || again.Lease.Fence <= first.Lease.Fence {
+		t.Fatalf("after expiry: %+v, %v; want a new record with a fence above %d", again, err, first.Lease.Fence)
+	}
+	if err := s.Complete(ctx, again.Lease, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Forget(ctx, "k", lock.StateCompleted, again.Lease.Fence); err != nil {
+		t.Fatal(err)
+	}
+	// The tombstone keeps the fence and nothing else.
+	client, table := sharedTable(t)
+	out, err := client.GetItem(ctx, &dynamodb.GetItemInput{
+		TableName:      aws.String(table),
+		Key:            map[string]types.AttributeValue{"pk": &types.AttributeValueMemberB{Value: []byte(prefix + "\x00k")}},
+		ConsistentRead: aws.Bool(true),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, _ := out.Item["st"].(*types.AttributeValueMemberS)
+	v, _ := out.Item["v"].(*types.AttributeValueMemberB)
+	if st == nil || st.Value != "d" || v == nil || len(v.Value) != 1 {
+		t.Fatalf("tombstone: %v, want state d and an empty value", out.Item)
+	}
+	clk.set(clk.Now().Add(-time.Minute))
+	third, err := s.Acquire(ctx, lock.Request{Key: "k"})
+	if err != nil || third.Status != lock.Acquired || third.Lease.Attempt != 1 || third.Lease.Fence <= again.Lease.Fence {
+		t.Fatalf("after Forget and a clock stepped back: %+v, %v; want a new record with a fence above %d", third, err, again.Lease.Fence)
+	}
+}
