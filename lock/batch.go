@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -79,7 +80,38 @@ type call struct {
 	argBuf   [9]any // for a script: evalsha, sha, 1, key, args...
 	setArgs  [7]any
 	pexpArgs [2]any
-	rec      []byte // a native Acquire's record (see appendRecord)
+	slots    [5]bytesArg // arguments written by str, int and bytes
+	ref      bytesArg    // an argument of the caller's, by reference
+}
+
+// bytesArg is a command argument kept in its call: go-redis sends an
+// encoding.BinaryMarshaler's bytes as a bulk string, as it sends a string or
+// an integer's digits, and a pointer to one is boxed without an allocation.
+type bytesArg []byte
+
+// MarshalBinary returns the argument's bytes, as sent.
+func (a *bytesArg) MarshalBinary() ([]byte, error) { return *a, nil }
+
+// String returns the argument as text, for hooks that print commands.
+func (a *bytesArg) String() string { return string(*a) }
+
+// str makes s the call's argument i, copied into the call's slot i.
+func (c *call) str(i int, s string) {
+	c.slots[i] = append(c.slots[i][:0], s...)
+	c.args[i] = &c.slots[i]
+}
+
+// int makes n's decimal digits the call's argument i.
+func (c *call) int(i int, n int64) {
+	c.slots[i] = strconv.AppendInt(c.slots[i][:0], n, 10)
+	c.args[i] = &c.slots[i]
+}
+
+// bytes makes b the call's argument i, by reference: b must not change
+// until the call is answered.
+func (c *call) bytes(i int, b []byte) {
+	c.ref = b
+	c.args[i] = &c.ref
 }
 
 // callPool recycles the calls of getCall.
@@ -103,8 +135,8 @@ func newCall(script *redis.Script, key string, args ...any) *call {
 
 // putCall returns a call of getCall to the pool once its answer is read.
 func putCall(c *call) {
-	ready, rec := c.ready, c.rec[:0]
-	*c = call{ready: ready, rec: rec}
+	ready, slots := c.ready, c.slots
+	*c = call{ready: ready, slots: slots}
 	callPool.Put(c)
 }
 
@@ -552,28 +584,4 @@ func queuedErr(cmd *redis.Cmd) error {
 		return err
 	}
 	return nil
-}
-
-// msArgs boxes the millisecond figures of script arguments (lease TTLs,
-// retentions), keeping the last few boxed: most calls pass the same few,
-// which then cost no allocation.
-type msArgs [8]atomic.Pointer[msArg]
-
-type msArg struct {
-	ms  int64
-	arg any
-}
-
-// arg returns ms as a command argument.
-func (a *msArgs) arg(ms int64) any {
-	if ms >= 0 && ms < 256 {
-		return ms // Go boxes these without an allocation
-	}
-	slot := &a[(uint64(ms)*0x9e3779b97f4a7c15)>>61]
-	if p := slot.Load(); p != nil && p.ms == ms {
-		return p.arg
-	}
-	p := &msArg{ms: ms, arg: ms}
-	slot.Store(p)
-	return p.arg
 }

@@ -63,7 +63,6 @@ type RedisStore struct {
 	client redis.UniversalClient
 	cfg    Config
 	batch  batcher // Acquire, Complete, Fail, Release, Cancel and Amend calls
-	ms     msArgs  // TTLs and retentions in ms, boxed
 }
 
 var _ Store = (*RedisStore)(nil)
@@ -194,8 +193,11 @@ func (s *RedisStore) acquire(ctx context.Context, req Request, owner string) (Re
 		}
 	}
 	c := getCall(acquireScript, rkey, 5)
-	c.args[0], c.args[1], c.args[2], c.args[3], c.args[4] = owner, s.ms.arg(req.TTL.Milliseconds()),
-		s.ms.arg(req.Retention.Milliseconds()), req.Fingerprint, req.Key
+	c.str(0, owner)
+	c.int(1, req.TTL.Milliseconds())
+	c.int(2, req.Retention.Milliseconds())
+	c.str(3, req.Fingerprint)
+	c.str(4, req.Key)
 	s.batch.do(ctx, c)
 	reply, err := c.val, c.err
 	putCall(c)
@@ -257,8 +259,9 @@ func (s *RedisStore) nativeAcquire(ctx context.Context, req Request, owner, rkey
 	ttl := req.TTL.Milliseconds()
 	keep := ttl + req.Retention.Milliseconds()
 	c := getCall(nil, rkey, 2)
-	c.rec = appendRecord(c.rec, owner, ttl, keep, req.Fingerprint, req.Key)
-	c.args[0], c.args[1] = c.rec, s.ms.arg(keep)
+	c.slots[0] = appendRecord(c.slots[0][:0], owner, ttl, keep, req.Fingerprint, req.Key)
+	c.args[0] = &c.slots[0]
+	c.int(1, keep)
 	s.batch.do(ctx, c)
 	set, exp, err := c.val, c.exp, c.err
 	putCall(c)
@@ -347,32 +350,42 @@ func (s *RedisStore) Complete(ctx context.Context, lease Lease, result []byte) e
 	if len(result) > s.cfg.MaxResultSize {
 		return fmt.Errorf("%w: key %q: %d bytes, at most %d allowed", ErrResultTooLarge, lease.Key, len(result), s.cfg.MaxResultSize)
 	}
-	return s.finish(ctx, lease, "complete", stateCompleted, result)
+	return s.finish(ctx, lease, "complete", stateCompleted, result, "")
 }
 
 // Fail marks the record failed with reason, cut to MaxResultSize bytes.
 func (s *RedisStore) Fail(ctx context.Context, lease Lease, reason string) error {
-	return s.finish(ctx, lease, "fail", stateFailed, CutText(reason, s.cfg.MaxResultSize))
+	return s.finish(ctx, lease, "fail", stateFailed, nil, CutText(reason, s.cfg.MaxResultSize))
 }
 
 // Release gives the lease up, keeping the attempt count.
 func (s *RedisStore) Release(ctx context.Context, lease Lease) error {
-	return s.finish(ctx, lease, "release", stateReleased, nil)
+	return s.finish(ctx, lease, "release", stateReleased, nil, "")
 }
 
 // Cancel gives the lease up and takes back the attempt its Acquire counted.
 // A retried Cancel that finds its own write answers nil and takes nothing
 // back again.
 func (s *RedisStore) Cancel(ctx context.Context, lease Lease) error {
-	return s.finish(ctx, lease, "cancel", stateCancelled, nil)
+	return s.finish(ctx, lease, "cancel", stateCancelled, nil, "")
 }
 
-func (s *RedisStore) finish(ctx context.Context, l Lease, op string, state, value any) error {
+// finish runs the finish script for l: state, and as the stored value
+// result, or else text (both empty for a release or a cancel).
+func (s *RedisStore) finish(ctx context.Context, l Lease, op string, state any, result []byte, text string) error {
 	if err := CheckLease(l); err != nil {
 		return err
 	}
 	c := getCall(finishScript, s.keyOf(l), 5)
-	c.args[0], c.args[1], c.args[2], c.args[3], c.args[4] = l.Owner, l.Fence, state, value, s.ms.arg(l.Retention.Milliseconds())
+	c.str(0, l.Owner)
+	c.int(1, l.Fence)
+	c.args[2] = state
+	if text != "" {
+		c.args[3] = text
+	} else {
+		c.bytes(3, result)
+	}
+	c.int(4, l.Retention.Milliseconds())
 	s.batch.do(ctx, c)
 	n, _ := c.val.(int64)
 	err := c.err
