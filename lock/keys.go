@@ -33,7 +33,14 @@ func recordKey(prefix, key string) string {
 // NewOwner returns a random 128-bit owner token, 32 hex digits: what a
 // Store puts in Lease.Owner for each Acquire call.
 func NewOwner() string {
+	var b [32]byte
+	newOwner(&b)
+	return string(b[:])
+}
+
+// newOwner writes a new owner token, as NewOwner returns it, into dst.
+func newOwner(dst *[32]byte) {
 	var b [16]byte
 	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails (Go 1.24+).
-	return hex.EncodeToString(b[:])
+	hex.Encode(dst[:], b[:])
 }

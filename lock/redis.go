@@ -164,8 +164,9 @@ func (s *RedisStore) Acquire(ctx context.Context, req Request) (Result, error) {
 	if err != nil {
 		return Result{}, err
 	}
-	owner := NewOwner()
-	return RetryAcquire(ctx, func(ctx context.Context) (Result, error) { return s.acquire(ctx, req, owner) }, notSent)
+	var owner [32]byte // hex digits; a string only in a lease granted
+	newOwner(&owner)
+	return RetryAcquire(ctx, func(ctx context.Context) (Result, error) { return s.acquire(ctx, req, &owner) }, notSent)
 }
 
 // MaxResultSize is the largest result Complete accepts, in bytes.
@@ -173,7 +174,7 @@ func (s *RedisStore) MaxResultSize() int { return s.cfg.MaxResultSize }
 
 // acquire takes a lease for a checked request and owner token: natively
 // where it can, with the acquire script where it must.
-func (s *RedisStore) acquire(ctx context.Context, req Request, owner string) (Result, error) {
+func (s *RedisStore) acquire(ctx context.Context, req Request, owner *[32]byte) (Result, error) {
 	start := s.cfg.Now()
 	rkey := recordKey(s.cfg.Prefix, req.Key)
 	if s.batch.native(ctx) {
@@ -193,7 +194,7 @@ func (s *RedisStore) acquire(ctx context.Context, req Request, owner string) (Re
 		}
 	}
 	c := getCall(acquireScript, rkey, 5)
-	c.str(0, owner)
+	c.str(0, string(owner[:]))
 	c.int(1, req.TTL.Milliseconds())
 	c.int(2, req.Retention.Milliseconds())
 	c.str(3, req.Fingerprint)
@@ -217,7 +218,7 @@ func (s *RedisStore) acquire(ctx context.Context, req Request, owner string) (Re
 	res := Result{Status: Status(status), Fence: fence, Attempts: int(attempts)}
 	switch res.Status {
 	case Acquired:
-		res.Lease = newLease(req, owner, fence, int(attempts), start, rkey)
+		res.Lease = newLease(req, string(owner[:]), fence, int(attempts), start, rkey)
 	case Completed:
 		res.Value = []byte(value)
 	case Failed:
@@ -255,11 +256,11 @@ func newLease(req Request, owner string, fence int64, attempt int, start time.Ti
 // released, cancelled or forgotten needs the server's clock to decide:
 // done is false and the caller runs the acquire script. The decisions
 // are the script's, in the same order: collision, conflict, outcome.
-func (s *RedisStore) nativeAcquire(ctx context.Context, req Request, owner, rkey string, start time.Time) (res Result, done bool, err error) {
+func (s *RedisStore) nativeAcquire(ctx context.Context, req Request, owner *[32]byte, rkey string, start time.Time) (res Result, done bool, err error) {
 	ttl := req.TTL.Milliseconds()
 	keep := ttl + req.Retention.Milliseconds()
 	c := getCall(nil, rkey, 2)
-	c.slots[0] = appendRecord(c.slots[0][:0], owner, ttl, keep, req.Fingerprint, req.Key)
+	c.slots[0] = appendRecord(c.slots[0][:0], string(owner[:]), ttl, keep, req.Fingerprint, req.Key)
 	c.args[0] = &c.slots[0]
 	c.int(1, keep)
 	s.batch.do(ctx, c)
@@ -274,7 +275,7 @@ func (s *RedisStore) nativeAcquire(ctx context.Context, req Request, owner, rkey
 	}
 	if set == nil {
 		fence := firstFence(expireAt, keep)
-		return Result{Status: Acquired, Fence: fence, Attempts: 1, Lease: newLease(req, owner, fence, 1, start, rkey)}, true, nil
+		return Result{Status: Acquired, Fence: fence, Attempts: 1, Lease: newLease(req, string(owner[:]), fence, 1, start, rkey)}, true, nil
 	}
 	raw, _ := set.(string)
 	r, err := decodeRecord(raw, expireAt)
