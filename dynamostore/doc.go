@@ -64,7 +64,8 @@
 //     now": throttling (ProvisionedThroughputExceeded, Throttling,
 //     RequestLimitExceeded), InternalServerError, ServiceUnavailable,
 //     transaction conflicts, a 5xx, a transport error, a missing table
-//     (its error says to create it), and a context that ended. The SDK
+//     (its error says to create it), and a context deadline that passed
+//     (a cancelled context is returned as it is). The SDK
 //     retries some of these itself first (its retryer, 3 attempts by
 //     default), always within the caller's context: heartbeats and
 //     handlers bound it. lock.ErrLeaseLost when the lease is no longer
@@ -127,7 +128,17 @@
 // records of a consumer). Anything else the handler does happens at least
 // once: make it idempotent or fence it with amqpidem.FromContext(ctx).Fence.
 //
-// Tests run against minidyn, an open-source in-memory DynamoDB
-// (scripts/dynamo.sh), and DynamoDB Local where Docker is available; the
-// service itself differs from both in its limits and timing.
+// A consumer needs dynamodb:GetItem, UpdateItem, TransactWriteItems and
+// DescribeTable (Check) on the records table, and what its handler's
+// items need on theirs; CreateTable needs CreateTable, DescribeTable and
+// UpdateTimeToLive.
+//
+// This package's tests run against minidyn (github.com/truora/minidyn, an
+// open-source in-memory DynamoDB that scripts/dynamo.sh builds and starts),
+// and against Amazon's DynamoDB Local where Docker is available. minidyn
+// checks conditions, update expressions and transactions (with their
+// cancellation reasons) as DynamoDB does, but enforces none of the size
+// and count limits above, has no TTL (scripts/dynamo answers its API and
+// deletes nothing), and keeps numbers as 64-bit floats; the service
+// itself differs from both emulators in its limits, throttling and timing.
 package dynamostore
