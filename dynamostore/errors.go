@@ -45,25 +45,20 @@ var maybeAppliedCodes = map[string]bool{
 // isUnavailable reports whether err says DynamoDB could not answer: a
 // transport error, a timeout, a 5xx, or a code of notNowCodes.
 func isUnavailable(err error) bool {
+	var se *smithyhttp.RequestSendError
+	var ne net.Error
 	var ae smithy.APIError
 	var re *smithyhttp.ResponseError
-	var ne net.Error
 	switch {
 	case err == nil:
 		return false
-	case errors.As(err, &ae):
-		if notNowCodes[ae.ErrorCode()] {
-			return true
-		}
-		return errors.As(err, &re) && re.HTTPStatusCode() >= 500
-	case errors.As(err, &re):
-		return re.HTTPStatusCode() >= 500
-	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &ne), errors.Is(err, io.EOF),
-		errors.Is(err, io.ErrUnexpectedEOF), errors.Is(err, net.ErrClosed):
+	case errors.As(err, &se), errors.As(err, &ne), errors.Is(err, context.DeadlineExceeded),
+		errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF), errors.Is(err, net.ErrClosed):
+		return true // the request was not sent, or its answer did not come
+	case errors.As(err, &ae) && notNowCodes[ae.ErrorCode()]:
 		return true
 	}
-	var se *smithyhttp.RequestSendError
-	return errors.As(err, &se)
+	return errors.As(err, &re) && re.HTTPStatusCode() >= 500
 }
 
 // classify wraps err with lock.ErrUnavailable when DynamoDB could not

@@ -5,11 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/http"
 	"strings"
 	"testing"
 
+	"github.com/aws/aws-sdk-go-v2/aws/retry"
 	"github.com/aws/aws-sdk-go-v2/service/dynamodb/types"
 	"github.com/aws/smithy-go"
+	smithyhttp "github.com/aws/smithy-go/transport/http"
 
 	"github.com/amqpidem/amqpidem/lock"
 )
@@ -95,5 +98,28 @@ func TestParseInt(t *testing.T) {
 		if _, err := parseInt(in); err == nil {
 			t.Errorf("parseInt(%q): no error", in)
 		}
+	}
+}
+
+// TestClassifySDKChain: the SDK's own wrapping of a refused connection
+// (an operation error around its retries around a response error of
+// status 0 around the send error) is unavailable.
+func TestClassifySDKChain(t *testing.T) {
+	send := &smithyhttp.RequestSendError{Err: &net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connection refused")}}
+	err := &smithy.OperationError{ServiceID: "DynamoDB", OperationName: "UpdateItem",
+		Err: &retry.MaxAttemptsError{Attempt: 4, Err: &smithyhttp.ResponseError{Response: &smithyhttp.Response{Response: &http.Response{StatusCode: 0}}, Err: send}}}
+	if got := classify(err); !errors.Is(got, lock.ErrUnavailable) {
+		t.Fatalf("classify(%v): not ErrUnavailable", err)
+	}
+	if !answered(err) {
+		t.Fatal("a refused connection: answered false, want true (the request never arrived)")
+	}
+	server := &smithy.OperationError{Err: &smithyhttp.ResponseError{Response: &smithyhttp.Response{Response: &http.Response{StatusCode: 503}}, Err: errors.New("bad gateway")}}
+	if got := classify(server); !errors.Is(got, lock.ErrUnavailable) {
+		t.Fatalf("classify(503): %v, not ErrUnavailable", got)
+	}
+	client := &smithy.OperationError{Err: &smithyhttp.ResponseError{Response: &smithyhttp.Response{Response: &http.Response{StatusCode: 400}}, Err: errors.New("bad request")}}
+	if got := classify(client); errors.Is(got, lock.ErrUnavailable) {
+		t.Fatalf("classify(400): %v, want not ErrUnavailable", got)
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"strings"
 	"sync"
 	"testing"
@@ -294,5 +295,42 @@ func TestFenceKeptByExpiredItemAndTombstone(t *testing.T) {
 	third, err := s.Acquire(ctx, lock.Request{Key: "k"})
 	if err != nil || third.Status != lock.Acquired || third.Lease.Attempt != 1 || third.Lease.Fence <= again.Lease.Fence {
 		t.Fatalf("after Forget and a clock stepped back: %+v, %v; want a new record with a fence above %d", third, err, again.Lease.Fence)
+	}
+}
+
+// TestUnreachableUnavailableWithinContext: a DynamoDB that cannot be
+// reached is lock.ErrUnavailable, the SDK's retries included, within the
+// caller's context.
+func TestUnreachableUnavailableWithinContext(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	_ = l.Close()
+	client := dynamodb.New(dynamodb.Options{
+		Region:       "us-east-1",
+		BaseEndpoint: aws.String("http://" + addr),
+		Credentials: aws.CredentialsProviderFunc(func(context.Context) (aws.Credentials, error) {
+			return aws.Credentials{AccessKeyID: "test", SecretAccessKey: "test"}, nil
+		}),
+	})
+	s, err := dynamostore.New(client, dynamostore.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	start := time.Now()
+	_, err = s.Acquire(ctx, lock.Request{Key: "k"})
+	if !errors.Is(err, lock.ErrUnavailable) {
+		t.Fatalf("Acquire of an unreachable DynamoDB: got %v, want ErrUnavailable", err)
+	}
+	if d := time.Since(start); d > 2*time.Second {
+		t.Fatalf("Acquire took %v with a 1s context", d)
+	}
+	l2 := lock.Lease{Key: "k", Owner: "o", Fence: 1, TTL: time.Second}
+	if err := s.Extend(ctx, l2)[0]; !errors.Is(err, lock.ErrUnavailable) {
+		t.Fatalf("Extend of an unreachable DynamoDB: got %v, want ErrUnavailable", err)
 	}
 }
