@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"strconv"
 	"strings"
 	"sync"
@@ -316,5 +317,45 @@ func TestTxHandlerCancellationReasons(t *testing.T) {
 	_, err = h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same)
 	if err == nil || errors.Is(err, lock.ErrUnavailable) || errors.Is(err, lock.ErrLeaseLost) || !strings.Contains(err.Error(), "ValidationError") {
 		t.Fatalf("reasons [ValidationError None]: got %v, want the handler's error naming it", err)
+	}
+}
+
+// answerLost sends every TransactWriteItems, then loses its answer.
+type answerLost struct{ dynamostore.Client }
+
+func (a *answerLost) TransactWriteItems(ctx context.Context, in *dynamodb.TransactWriteItemsInput, opts ...func(*dynamodb.Options)) (*dynamodb.TransactWriteItemsOutput, error) {
+	if _, err := a.Client.TransactWriteItems(ctx, in, opts...); err != nil {
+		return nil, err
+	}
+	return nil, &net.OpError{Op: "read", Net: "tcp", Err: errors.New("connection reset by peer")}
+}
+
+// TestTxHandlerAnswerLost: a transaction that committed but whose answer
+// was lost is lock.ErrUnavailable, and the record then says it committed:
+// the redelivery is a duplicate, and the effect was applied once.
+func TestTxHandlerAnswerLost(t *testing.T) {
+	client, table := sharedTable(t)
+	s, err := dynamostore.New(&answerLost{client}, dynamostore.Config{Table: table, Config: lock.Config{Prefix: testenv.Name(t)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	effectTable, id := effects(t), testenv.Name(t)
+	ctx := context.Background()
+	res, err := s.Acquire(ctx, lock.Request{Key: "op"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := completer(t, s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
+		bump(tx, effectTable, id)
+		return []byte("r"), nil
+	}))
+	if _, err := h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same); !errors.Is(err, lock.ErrUnavailable) {
+		t.Fatalf("HandleComplete whose answer was lost: got %v, want ErrUnavailable", err)
+	}
+	if got, err := s.Acquire(ctx, lock.Request{Key: "op"}); err != nil || got.Status != lock.Completed || string(got.Value) != "r" {
+		t.Fatalf("the redelivery: %+v, %v; want a duplicate of the committed result", got, err)
+	}
+	if n := count(t, id); n != 1 {
+		t.Fatalf("effect applied %d times, want 1", n)
 	}
 }
