@@ -150,6 +150,8 @@ func TestShortRun(t *testing.T) {
 			want = append(want, `^latency_p99_ms `+strconv.FormatFloat(r, 'f', -1, 64)+` `+qt+` -?\d+\.\d( saturated)?$`)
 		}
 	}
+	// Last, issue 26's allocations per message.
+	want = append(want, `^allocs unique \d+$`, `^allocs duplicate \d+$`)
 	if len(lines) < len(want) {
 		t.Fatalf("output has %d lines, want at least %d", len(lines), len(want))
 	}

@@ -66,6 +66,14 @@
 //	latency_p99_ms 1000 classic 1.4
 //	latency_p99_ms 5000 classic 3.9
 //
+// Last, issue 26's figures: the heap allocations of one message on
+// lock.RedisStore's own path, client side (go-redis included), measured
+// in this process with testing.AllocsPerRun against the same Redis: a new
+// key acquired and completed, and a duplicate's Acquire:
+//
+//	allocs unique 32
+//	allocs duplicate 24
+//
 // Every figure printed is measured in that run. amqpidem is driven through
 // its public API only (NewConsumer, Observer, lock.NewRedisStore,
 // lock.NewMemoryStore, pgstore.Migrate, pgstore.New, Store.TxHandler).

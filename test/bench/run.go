@@ -98,7 +98,9 @@ type report struct {
 	// OutboxRatios are outbox's median rate over unique's, per queue
 	// type measuring both (issue 23's figure).
 	OutboxRatios []ratio
-	Profile      string
+	// Allocs are the allocations per message on lock.RedisStore's path.
+	Allocs  *allocsResult
+	Profile string
 	// Steps are the profiled run's step times, when it has them.
 	Steps    *stepTimes
 	LeftKeys int // keys of this run still in Redis after cleanup
@@ -319,7 +321,12 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 		}
 	}
 
-	// 5. A CPU profile of one more run, not in the medians.
+	// 5. Allocations per message on the store's path (issue 26).
+	if rep.Allocs, err = measureAllocs(ctx, opts.RedisAddr, e.base+"-allocs"); err != nil {
+		return rep, err
+	}
+
+	// 6. A CPU profile of one more run, not in the medians.
 	if opts.CPUProfile != "" {
 		qt, v := opts.QueueTypes[0], variant(opts.ProfileVariant)
 		if v.isPG() {
@@ -351,6 +358,7 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 		fmt.Fprintf(out, "ratio outbox/unique %s %.2f\n", r.QueueType, r.Value)
 	}
 	printTargets(out, opts, rep)
+	printAllocs(out, rep)
 	var bad []string
 	for _, r := range rep.Runs {
 		if r.Unexpected > 0 {
