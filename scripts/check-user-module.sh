@@ -72,6 +72,11 @@ check core "$forbidden|$aws|$prom|$otel|$cli" amqpidem heartbeat lock
 check pgstore "${forbidden/|pgx/}|$aws|$prom|$otel|$cli" amqpidem pgstore
 # dynamostore's get the AWS SDK, and none of the tests' dependencies nor pgx.
 check dynamostore "$forbidden|$prom|$otel|$cli" amqpidem dynamostore
+# ... and they do get it: else the pattern aws, forbidden above, names nothing.
+if ! cut -d' ' -f1 "$tmp/dynamostore/go.sum" | grep -qE "$aws"; then
+	printf 'check-user-module: FAIL: a module importing dynamostore has no go.sum line matching %s: fix the pattern\n' "$aws" >&2
+	exit 1
+fi
 # promamqpidem's get Prometheus's client, otelamqpidem's the OpenTelemetry
 # API, not its SDK (the application picks one; the tests that use it live in
 # otelamqpidem/internal/sdktest for that reason).
