@@ -10,7 +10,9 @@
 // operation; internal/workload is the message plans and the publisher;
 // internal/worker is the consumer itself. Scenarios 11a-11e run the
 // consumers on the PostgreSQL store (pgstore) with a sink that absorbs
-// nothing (pgrun_test.go). See README.md for what each scenario does and
+// nothing (pgrun_test.go); scenarios 17a-17b run them on the DynamoDB
+// store (dynamostore) with a plain item per execution put in its
+// TransactWriteItems (dynrun_test.go). See README.md for what each scenario does and
 // the results of a full run.
 //
 // There is nothing to import here: the package holds only tests.
