@@ -5,7 +5,8 @@
 # go.mod and go.sum.
 CONTAINERS := internal/testenv/containers
 
-# services starts local Redis, RabbitMQ and PostgreSQL if they are down (see
+# services starts local Redis, RabbitMQ and PostgreSQL if they are down, and
+# a DynamoDB-compatible server (minidyn, built by scripts/dynamo.sh) (see
 # scripts/services.sh; with Docker, `docker compose up -d --wait` instead).
 services:
 	bash scripts/services.sh
@@ -28,13 +29,17 @@ check-user-module:
 # unique and with duplicate messages, amqpidem whose handler stages one
 # message per message (outbox), and the naive SET NX + SET approach, side
 # by side on classic and quorum queues, and on PostgreSQL (pgstore's TxHandler,
-# unique and duplicate, against a hand-written INSERT ON CONFLICT consumer). It
-# ends with "ratio <variant>/bare <queue type> 0.00" lines, then "ratio
-# outbox/unique <queue type> 0.00". About 10 minutes; flags go in
+# unique and duplicate, against a hand-written INSERT ON CONFLICT consumer), and
+# on DynamoDB (dynamostore's TxHandler, unique and duplicate, on the server of
+# DYNAMODB_ENDPOINT, default minidyn's 127.0.0.1:8000). It ends with "ratio
+# <variant>/bare <queue type> 0.00" lines, then "ratio outbox/unique <queue
+# type> 0.00", and, after issue 14's and 26's figures, "ratio
+# dynamo-unique/bare classic 0.00" and dynamo-duplicate's. About 10 minutes; flags go in
 # BENCH_FLAGS, e.g.
 #   make bench BENCH_FLAGS='-repeats 5 -cpuprofile unique.pprof'
 #   make bench BENCH_FLAGS=-short      # a smoke run of a few seconds
-# REDIS_ADDR, AMQP_URL and PG_DSN pick other services than the local defaults.
+# REDIS_ADDR, AMQP_URL, PG_DSN and DYNAMODB_ENDPOINT pick other services than
+# the local defaults.
 BENCH_FLAGS ?=
 bench:
 	bash scripts/services.sh
