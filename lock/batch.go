@@ -56,8 +56,7 @@ type batcher struct {
 
 type call struct {
 	script *redis.Script // nil: a native Acquire (see nativeAcquire)
-	key    string        // the record's Redis key
-	keyArg any           // key boxed, once for every command that names it
+	keyArg any           // the record's Redis key, boxed once for every command that names it
 	// args are the script's arguments for key; for a native Acquire the
 	// record and its PX in ms. A call from getCall holds them in argBuf.
 	args []any
@@ -76,8 +75,8 @@ type call struct {
 	// allocates little: the group it opens, when it is the first of one,
 	// and the arguments of its commands.
 	lead     group
-	one      [1]*call
-	argBuf   [9]any // for a script: evalsha, sha, 1, key, args...
+	one      [1]*call // the call alone: a batch or a group of one
+	argBuf   [9]any   // for a script: evalsha, sha, 1, key, args...
 	setArgs  [7]any
 	pexpArgs [2]any
 	slots    [5]bytesArg // arguments written by str, int and bytes
@@ -121,14 +120,14 @@ var callPool = sync.Pool{New: func() any { return &call{ready: make(chan struct{
 // most 5) arguments the caller puts in args (args has length n).
 func getCall(script *redis.Script, key string, n int) *call {
 	c := callPool.Get().(*call)
-	c.script, c.key, c.keyArg = script, key, key
+	c.script, c.keyArg = script, key
 	c.args = c.argBuf[4 : 4+n]
 	return c
 }
 
 // newCall returns a call of script on key with args, not from the pool.
 func newCall(script *redis.Script, key string, args ...any) *call {
-	c := &call{script: script, key: key, keyArg: key, ready: make(chan struct{}, 1)}
+	c := &call{script: script, keyArg: key, ready: make(chan struct{}, 1)}
 	c.args = append(c.argBuf[4:4], args...) // in argBuf when they fit
 	return c
 }
@@ -456,6 +455,7 @@ func (b *batcher) getPipe() *pipe {
 	return &pipe{Pipeliner: b.client.Pipeline()}
 }
 
+// putPipe keeps p for getPipe, emptied, if it can be reused.
 func (b *batcher) putPipe(p *pipe) {
 	clear(p.cmds)
 	p.cmds = p.cmds[:0]
