@@ -35,7 +35,11 @@ import (
 //
 // Their ratios over bare are printed after every other line. No target:
 // an emulator's speed says little of DynamoDB's, whose every request is a
-// network round trip to the service.
+// network round trip to the service. Their N is fixed (-dynamo-n, or -n),
+// not calibrated, and each round has a records table of its own: minidyn
+// copies every table a transaction writes (its rollback snapshot), so its
+// transactions slow down as the tables grow, and a rate measured on a
+// table of thousands of records says even less than one on a fresh table.
 const (
 	dynamoUnique    variant = "dynamo-unique"
 	dynamoDuplicate variant = "dynamo-duplicate"
@@ -55,15 +59,16 @@ const defaultDynamoEndpoint = "http://127.0.0.1:8000"
 // addDynamoFlags adds the DynamoDB variants' flags to fs.
 func addDynamoFlags(fs *flag.FlagSet, o *options) {
 	fs.BoolVar(&o.Dynamo, "dynamo", o.Dynamo, "run the DynamoDB variants (dynamo-unique, dynamo-duplicate) on the classic queue")
+	fs.IntVar(&o.DynamoN, "dynamo-n", o.DynamoN, "messages of each dynamo run (-n, when set, wins); not calibrated")
 	fs.StringVar(&o.DynamoEndpoint, "dynamo-endpoint", envOr("DYNAMODB_ENDPOINT", defaultDynamoEndpoint),
 		"URL of the DynamoDB-compatible server of the dynamo variants (env DYNAMODB_ENDPOINT); any credentials")
 }
 
-// dynEnv is the DynamoDB side of a run: a client and the records table
-// "<run base>-records", deleted by close.
+// dynEnv is the DynamoDB side of a run: a client, and the records tables
+// it made ("<round prefix>-records", one per round), deleted by close.
 type dynEnv struct {
 	client  *dynamodb.Client
-	records string
+	records []string
 }
 
 // dynUnreachable is openDynamo's error when the server does not answer:
@@ -79,7 +84,7 @@ func (e *dynUnreachable) Error() string {
 
 func (e *dynUnreachable) Unwrap() error { return e.err }
 
-// openDynamo makes the client and the run's records table.
+// openDynamo makes the client and checks that the server answers.
 func openDynamo(ctx context.Context, o options, base string) (*dynEnv, error) {
 	conns := o.Concurrency + 8
 	client := dynamodb.New(dynamodb.Options{
@@ -95,10 +100,10 @@ func openDynamo(ctx context.Context, o options, base string) (*dynEnv, error) {
 		// minidyn sends no CRC32 of its answers, which the SDK warns of.
 		DisableValidateResponseChecksum: true,
 	})
-	d := &dynEnv{client: client, records: base + "-records"}
+	d := &dynEnv{client: client}
 	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	if err := dynamostore.CreateTable(cctx, client, dynamostore.Config{Table: d.records}); err != nil {
+	if err := d.createRecords(cctx, base+"-probe"); err != nil {
 		var oe *net.OpError
 		if errors.As(err, &oe) || errors.Is(err, context.DeadlineExceeded) {
 			return nil, &dynUnreachable{endpoint: o.DynamoEndpoint, err: err}
@@ -108,9 +113,26 @@ func openDynamo(ctx context.Context, o options, base string) (*dynEnv, error) {
 	return d, nil
 }
 
-// close deletes the records table.
+// createRecords makes the records table named table, unless it did
+// already, and remembers it for close.
+func (d *dynEnv) createRecords(ctx context.Context, table string) error {
+	if slices.Contains(d.records, table) {
+		return nil
+	}
+	if err := dynamostore.CreateTable(ctx, d.client, dynamostore.Config{Table: table}); err != nil {
+		return err
+	}
+	d.records = append(d.records, table)
+	return nil
+}
+
+// close deletes the records tables.
 func (d *dynEnv) close(ctx context.Context) error {
-	return d.deleteTable(ctx, d.records)
+	var errs []error
+	for _, t := range d.records {
+		errs = append(errs, d.deleteTable(ctx, t))
+	}
+	return errors.Join(errs...)
 }
 
 func (d *dynEnv) deleteTable(ctx context.Context, table string) error {
@@ -130,9 +152,15 @@ type dynRun struct {
 	effects string
 }
 
-// open makes run's store (prefix: the round's) and effects table.
+// open makes a run's store, on the records table of its round (prefix:
+// the round's; dynamo-duplicate replays what dynamo-unique completed
+// there), and its effects table.
 func (d *dynEnv) open(ctx context.Context, queue, prefix string) (*dynRun, error) {
-	s, err := dynamostore.New(d.client, dynamostore.Config{Config: lock.Config{Prefix: prefix}, Table: d.records})
+	table := prefix + "-records"
+	if err := d.createRecords(ctx, table); err != nil {
+		return nil, err
+	}
+	s, err := dynamostore.New(d.client, dynamostore.Config{Config: lock.Config{Prefix: prefix}, Table: table})
 	if err != nil {
 		return nil, err
 	}

@@ -158,6 +158,8 @@ type options struct {
 	// server at DynamoEndpoint (dynamo.go).
 	Dynamo         bool
 	DynamoEndpoint string
+	// DynamoN is the messages of each dynamo run unless N is set.
+	DynamoN int
 
 	Prefetch    int
 	Concurrency int
@@ -208,6 +210,7 @@ func defaultOptions() options {
 		PGPoolPerRun:    true,
 		PGDSN:           envOr("PG_DSN", defaultPGDSN),
 		Dynamo:          true,
+		DynamoN:         1000,
 		Prefetch:        128,
 		Concurrency:     32,
 		QueueTypes:      []string{"classic", "quorum"},

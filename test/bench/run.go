@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -114,8 +115,8 @@ type report struct {
 	WaitSkipped string
 	PGSchema    string
 	PGDropped   bool
-	// NDynamo is the messages of each DynamoDB run, sized so that a
-	// dynamo-unique run lasts -duration; DynamoSkipped says why the
+	// NDynamo is the messages of each DynamoDB run (-dynamo-n, or -n);
+	// DynamoSkipped says why the
 	// DynamoDB variants did not run ("" when they did).
 	NDynamo       int
 	DynamoSkipped string
@@ -244,7 +245,7 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 		fmt.Fprintf(out, "PostgreSQL variants skipped: %s\n%s", rep.PGSkipped, e.pgHint)
 	}
 	if e.dyn != nil {
-		fmt.Fprintf(out, "DynamoDB at %s (dynamo variants: records table %s)\n", opts.DynamoEndpoint, e.dyn.records)
+		fmt.Fprintf(out, "DynamoDB at %s (dynamo variants: a records table per round, %s-*-records)\n", opts.DynamoEndpoint, e.base)
 	} else {
 		fmt.Fprintf(out, "DynamoDB variants skipped: %s\n", rep.DynamoSkipped)
 	}
@@ -280,12 +281,7 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 	}
 
 	if e.dyn != nil {
-		rep.NDynamo = opts.N
-		if rep.NDynamo == 0 {
-			if rep.NDynamo, err = e.calibrate(ctx, "classic", dynamoUnique, max(opts.CalibrateN/10, opts.MinN)); err != nil {
-				return rep, fmt.Errorf("calibration of dynamo-unique: %w", err)
-			}
-		}
+		rep.NDynamo = cmp.Or(opts.N, opts.DynamoN) // not calibrated: see dynamo.go
 	}
 
 	// 2. Throughput, in rounds; the order of the variants rotates so that
