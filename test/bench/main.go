@@ -85,19 +85,20 @@
 // After them, the DynamoDB variants' ratios over bare on classic (no
 // target: an emulator's speed says little of DynamoDB's):
 //
-//	ratio dynamo-unique/bare classic 0.21
-//	ratio dynamo-duplicate/bare classic 0.60
+//	ratio dynamo-unique/bare classic 0.02
+//	ratio dynamo-duplicate/bare classic 0.26
 //
 // Every figure printed is measured in that run. amqpidem is driven through
 // its public API only (NewConsumer, Observer, lock.NewRedisStore,
 // lock.NewMemoryStore, pgstore.Migrate, pgstore.New, Store.TxHandler).
 //
-// REDIS_ADDR, AMQP_URL and PG_DSN name the services (default
-// 127.0.0.1:6379, amqp://guest:guest@127.0.0.1:5672/ and
-// postgres://postgres@127.0.0.1:5432/test). Every queue and Redis key it
-// makes carries a random run id and is deleted before it exits, and so is
-// its PostgreSQL schema amqpidem_bench_<run id>. When PostgreSQL does not
-// answer, the bench says what to start and runs without the PostgreSQL
+// REDIS_ADDR, AMQP_URL, PG_DSN and DYNAMODB_ENDPOINT name the services
+// (default 127.0.0.1:6379, amqp://guest:guest@127.0.0.1:5672/,
+// postgres://postgres@127.0.0.1:5432/test and http://127.0.0.1:8000).
+// Every queue and Redis key it makes carries a random run id and is
+// deleted before it exits, and so are its PostgreSQL schema
+// amqpidem_bench_<run id> and its DynamoDB tables. When PostgreSQL or
+// DynamoDB does not answer, the bench says so and runs without their
 // variants.
 package main
 
