@@ -157,7 +157,7 @@ func TestShortRun(t *testing.T) {
 			want = append(want, `^latency_p99_ms `+strconv.FormatFloat(r, 'f', -1, 64)+` `+qt+` -?\d+\.\d( saturated)?$`)
 		}
 	}
-	// Last, issue 26's allocations per message.
+	// Then issue 26's allocations per message.
 	want = append(want, `^allocs unique \d+$`, `^allocs duplicate \d+$`)
 	// Then issue 25's, on classic, when the DynamoDB variants ran.
 	if rep.DynamoSkipped == "" && slices.Contains(opts.QueueTypes, "classic") {

@@ -74,7 +74,7 @@
 //	latency_p99_ms 1000 classic 1.4
 //	latency_p99_ms 5000 classic 3.9
 //
-// Last, issue 26's figures: the heap allocations of one message on
+// Then issue 26's figures: the heap allocations of one message on
 // lock.RedisStore's own path, client side (go-redis included), measured
 // in this process with testing.AllocsPerRun against the same Redis: a new
 // key acquired and completed, and a duplicate's Acquire:
