@@ -18,9 +18,10 @@ test: services check-user-module
 
 # check-user-module fails if a fresh module importing amqpidem, heartbeat and
 # lock gets testcontainers, the Docker client, pgx, toxiproxy, zerolog,
-# Prometheus, OpenTelemetry or cobra in its go.sum (one importing pgstore
-# too: any of them but pgx; promamqpidem or otelamqpidem: any but their
-# own), and prints their go.sum line counts.
+# Prometheus, OpenTelemetry, cobra or the AWS SDK in its go.sum (one
+# importing pgstore too: any of them but pgx; dynamostore: any but the AWS
+# SDK; promamqpidem or otelamqpidem: any but their own), and prints their
+# go.sum line counts.
 check-user-module:
 	bash scripts/check-user-module.sh
 

@@ -139,6 +139,9 @@
 // checks conditions, update expressions and transactions (with their
 // cancellation reasons) as DynamoDB does, but enforces none of the size
 // and count limits above, has no TTL (scripts/dynamo answers its API and
-// deletes nothing), and keeps numbers as 64-bit floats; the service
-// itself differs from both emulators in its limits, throttling and timing.
+// deletes nothing), and keeps numbers as 64-bit floats; it serves one
+// request at a time and copies every table a transaction writes (its
+// rollback snapshot), so its transactions slow down as the tables grow.
+// The service itself differs from both emulators in its limits,
+// throttling and timing.
 package dynamostore
