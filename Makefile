@@ -5,7 +5,8 @@
 # go.mod and go.sum.
 CONTAINERS := internal/testenv/containers
 
-# services starts local Redis, RabbitMQ and PostgreSQL if they are down (see
+# services starts local Redis, RabbitMQ and PostgreSQL if they are down, and
+# a DynamoDB-compatible server (minidyn, built by scripts/dynamo.sh) (see
 # scripts/services.sh; with Docker, `docker compose up -d --wait` instead).
 services:
 	bash scripts/services.sh
@@ -17,9 +18,10 @@ test: services check-user-module
 
 # check-user-module fails if a fresh module importing amqpidem, heartbeat and
 # lock gets testcontainers, the Docker client, pgx, toxiproxy, zerolog,
-# Prometheus, OpenTelemetry or cobra in its go.sum (one importing pgstore
-# too: any of them but pgx; promamqpidem or otelamqpidem: any but their
-# own), and prints their go.sum line counts.
+# Prometheus, OpenTelemetry, cobra or the AWS SDK in its go.sum (one
+# importing pgstore too: any of them but pgx; dynamostore: any but the AWS
+# SDK; promamqpidem or otelamqpidem: any but their own), and prints their
+# go.sum line counts.
 check-user-module:
 	bash scripts/check-user-module.sh
 
@@ -28,13 +30,17 @@ check-user-module:
 # unique and with duplicate messages, amqpidem whose handler stages one
 # message per message (outbox), and the naive SET NX + SET approach, side
 # by side on classic and quorum queues, and on PostgreSQL (pgstore's TxHandler,
-# unique and duplicate, against a hand-written INSERT ON CONFLICT consumer). It
-# ends with "ratio <variant>/bare <queue type> 0.00" lines, then "ratio
-# outbox/unique <queue type> 0.00". About 10 minutes; flags go in
+# unique and duplicate, against a hand-written INSERT ON CONFLICT consumer), and
+# on DynamoDB (dynamostore's TxHandler, unique and duplicate, on the server of
+# DYNAMODB_ENDPOINT, default minidyn's 127.0.0.1:8000). It ends with "ratio
+# <variant>/bare <queue type> 0.00" lines, then "ratio outbox/unique <queue
+# type> 0.00", and, after issue 14's and 26's figures, "ratio
+# dynamo-unique/bare classic 0.00" and dynamo-duplicate's. About 10 minutes; flags go in
 # BENCH_FLAGS, e.g.
 #   make bench BENCH_FLAGS='-repeats 5 -cpuprofile unique.pprof'
 #   make bench BENCH_FLAGS=-short      # a smoke run of a few seconds
-# REDIS_ADDR, AMQP_URL and PG_DSN pick other services than the local defaults.
+# REDIS_ADDR, AMQP_URL, PG_DSN and DYNAMODB_ENDPOINT pick other services than
+# the local defaults.
 BENCH_FLAGS ?=
 bench:
 	bash scripts/services.sh

@@ -199,7 +199,10 @@ func FromContext(ctx context.Context) (Info, bool) {
 	return x.info, true
 }
 
-// withExecution returns ctx carrying x: its Info and its outbox.
+// withExecution returns ctx carrying x: its Info and its outbox. The
+// context is x itself, made from ctx, so that it costs no allocation of
+// its own.
 func withExecution(ctx context.Context, x *execution) context.Context {
-	return context.WithValue(ctx, executionKey{}, x)
+	x.Context = ctx
+	return x
 }

@@ -83,10 +83,32 @@ func Stage(ctx context.Context, exchange, key string, msg amqp.Publishing) error
 }
 
 // execution is what a handler's context carries: its Info, and the outbox
-// its messages are staged in. One allocation per execution.
+// its messages are staged in. It is that context too (withExecution): one
+// allocation per execution.
 type execution struct {
-	info   Info
-	outbox outbox
+	context.Context // the context the handler's is made from
+	info            Info
+	outbox          outbox
+}
+
+// Value returns x itself for executionKey{}, and otherwise what the
+// context it was made from holds: as context.WithValue's context does.
+func (x *execution) Value(key any) any {
+	if key == (executionKey{}) {
+		return x
+	}
+	return x.Context.Value(key)
+}
+
+// String describes the context as context.WithValue's String does,
+// without printing the execution's fields (which the handler's goroutines
+// may be changing).
+func (x *execution) String() string {
+	parent := fmt.Sprintf("%T", x.Context)
+	if s, ok := x.Context.(fmt.Stringer); ok {
+		parent = s.String()
+	}
+	return parent + ".WithValue(amqpidem.executionKey, *amqpidem.execution)"
 }
 
 type executionKey struct{}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -48,32 +49,123 @@ type batcher struct {
 	mu      sync.Mutex
 	waiting []*call
 	running int
+
+	pipes sync.Pool             // *pipe, see getPipe
+	epoch atomic.Pointer[epoch] // see pipelineCtx
 }
 
 type call struct {
 	script *redis.Script // nil: a native Acquire (see nativeAcquire)
-	keys   []string
-	args   []any
+	keyArg any           // the record's Redis key, boxed once for every command that names it
+	// args are the script's arguments for key; for a native Acquire the
+	// record and its PX in ms. A call from getCall holds them in argBuf.
+	args []any
 
-	ready chan struct{} // closed when answered, or when handed the turn
-	turn  []*call       // set before ready closes: the pipeline this call must send
-	val   any
+	// ready receives one token when the call is answered, or handed the
+	// turn (see do); it is buffered, so that a pooled call reuses it.
+	ready chan struct{}
+	turn  []*call // set before the token: the pipeline this call must send
+	val   any     // the script's reply; a native Acquire's SET reply
+	exp   any     // a native Acquire's PEXPIRETIME reply
 	err   error
+
+	setCmd, pexpCmd *redis.Cmd // a native Acquire's commands, once queued
+
+	// Storage a pooled call brings, so that a call alone in its pipeline
+	// allocates little: the group it opens, when it is the first of one,
+	// and the arguments of its commands.
+	lead     group
+	one      [1]*call // the call alone: a batch or a group of one
+	argBuf   [9]any   // for a script: evalsha, sha, 1, key, args...
+	setArgs  [7]any
+	pexpArgs [2]any
+	slots    [5]bytesArg // arguments written by str, int and bytes
+	ref      bytesArg    // an argument of the caller's, by reference
+}
+
+// bytesArg is a command argument kept in its call: go-redis sends an
+// encoding.BinaryMarshaler's bytes as a bulk string, as it sends a string or
+// an integer's digits, and a pointer to one is boxed without an allocation.
+type bytesArg []byte
+
+// MarshalBinary returns the argument's bytes, as sent.
+func (a *bytesArg) MarshalBinary() ([]byte, error) { return *a, nil }
+
+// String returns the argument as text, for hooks that print commands.
+func (a *bytesArg) String() string { return string(*a) }
+
+// str makes s the call's argument i, copied into the call's slot i.
+func (c *call) str(i int, s string) {
+	c.slots[i] = append(c.slots[i][:0], s...)
+	c.args[i] = &c.slots[i]
+}
+
+// int makes n's decimal digits the call's argument i.
+func (c *call) int(i int, n int64) {
+	c.slots[i] = strconv.AppendInt(c.slots[i][:0], n, 10)
+	c.args[i] = &c.slots[i]
+}
+
+// bytes makes b the call's argument i, by reference: b must not change
+// until the call is answered.
+func (c *call) bytes(i int, b []byte) {
+	c.ref = b
+	c.args[i] = &c.ref
+}
+
+// callPool recycles the calls of getCall.
+var callPool = sync.Pool{New: func() any { return &call{ready: make(chan struct{}, 1)} }}
+
+// getCall returns a call of script on key, from the pool, whose n (at
+// most 5) arguments the caller puts in args (args has length n).
+func getCall(script *redis.Script, key string, n int) *call {
+	c := callPool.Get().(*call)
+	c.script, c.keyArg = script, key
+	c.args = c.argBuf[4 : 4+n]
+	return c
+}
+
+// newCall returns a call of script on key with args, not from the pool.
+func newCall(script *redis.Script, key string, args ...any) *call {
+	c := &call{script: script, keyArg: key, ready: make(chan struct{}, 1)}
+	c.args = append(c.argBuf[4:4], args...) // in argBuf when they fit
+	return c
+}
+
+// putCall returns a call of getCall to the pool once its answer is read.
+func putCall(c *call) {
+	ready, slots := c.ready, c.slots
+	*c = call{ready: ready, slots: slots}
+	callPool.Put(c)
 }
 
 // run sends one script call, possibly with others in one pipeline, and
 // returns its reply. ctx bounds only the wait for a turn.
 func (b *batcher) run(ctx context.Context, script *redis.Script, keys []string, args ...any) (any, error) {
-	c := &call{script: script, keys: keys, args: args, ready: make(chan struct{})}
+	c := newCall(script, keys[0], args...)
+	b.do(ctx, c)
+	return c.val, c.err
+}
+
+// do sends c, possibly with others in one pipeline, and sets its reply;
+// c.err is ctx.Err() when ctx ended before c had a turn (and c was never
+// sent). ctx bounds only the wait for a turn.
+func (b *batcher) do(ctx context.Context, c *call) {
 	b.mu.Lock()
 	if b.running < maxInFlight {
 		b.running++
-		batch := append(b.waiting, c)
+		batch := b.waiting
+		if len(batch) == 0 {
+			c.one[0] = c
+			batch = c.one[:]
+		} else {
+			batch = append(batch, c)
+		}
 		b.waiting = nil
 		b.mu.Unlock()
-		b.send(batch)
+		b.send(batch, c)
 		b.next()
-		return c.val, c.err
+		return
 	}
 	b.waiting = append(b.waiting, c)
 	b.mu.Unlock()
@@ -86,17 +178,17 @@ func (b *batcher) run(ctx context.Context, script *redis.Script, keys []string, 
 			if w == c {
 				b.waiting = append(b.waiting[:i], b.waiting[i+1:]...)
 				b.mu.Unlock()
-				return nil, ctx.Err()
+				c.err = ctx.Err()
+				return
 			}
 		}
 		b.mu.Unlock()
 		<-c.ready // already in a pipeline, or handed one: see it through
 	}
 	if c.turn != nil {
-		b.send(c.turn)
+		b.send(c.turn, c)
 		b.next()
 	}
-	return c.val, c.err
 }
 
 // next hands the finished pipeline's slot, with every waiting call, to the
@@ -111,7 +203,7 @@ func (b *batcher) next() {
 	batch := b.waiting
 	b.waiting = nil
 	batch[0].turn = batch
-	close(batch[0].ready)
+	batch[0].ready <- struct{}{}
 }
 
 // maxKeysPerScript bounds the records one script call works on, so that
@@ -122,24 +214,45 @@ const maxKeysPerScript = 64
 type group struct {
 	script *redis.Script
 	calls  []*call
-	cmd    *redis.Cmd
-	queued []*redis.Cmd // a native group's MULTI and the commands it queued
+	cmd    *redis.Cmd // the script call, or a native group's EXEC
+	multi  *redis.Cmd // a native group's MULTI
 	// unreplicated is set when the pipeline that sent cmd waited for
 	// replicas and fewer acknowledged it than the batcher asks for.
 	unreplicated error
 }
 
-// send runs batch as one pipeline, answers each call, and hands the turn on
-// if a waiter was given it.
-func (b *batcher) send(batch []*call) {
-	ctx, cancel := context.WithTimeout(context.Background(), batchTimeout)
-	defer cancel()
-	b.exec(ctx, batch)
+// send runs batch as one pipeline, answers each call but self (the
+// caller's own), and hands the turn on if a waiter was given it.
+func (b *batcher) send(batch []*call, self *call) {
+	b.exec(b.pipelineCtx(), batch)
 	for _, c := range batch {
-		if c.turn == nil {
-			close(c.ready)
+		if c != self {
+			c.ready <- struct{}{}
 		}
 	}
+}
+
+// epoch is a context that bounds the pipelines sent before until.
+type epoch struct {
+	ctx    context.Context
+	cancel context.CancelFunc // never called: the context ends at its deadline
+	until  time.Time
+}
+
+// pipelineCtx returns the context that bounds a pipeline sent now. No
+// caller's context is used, so that one caller giving up cannot fail the
+// others' calls. It ends batchTimeout after it was made and is shared by
+// the pipelines sent in the first second of it, so that each pipeline
+// gets between batchTimeout-1s and batchTimeout, and a busy store makes one
+// context (and timer) a second instead of one a pipeline.
+func (b *batcher) pipelineCtx() context.Context {
+	now := time.Now()
+	if e := b.epoch.Load(); e != nil && now.Before(e.until) {
+		return e.ctx
+	}
+	ctx, cancel := context.WithDeadline(context.Background(), now.Add(batchTimeout))
+	b.epoch.Store(&epoch{ctx: ctx, cancel: cancel, until: now.Add(time.Second)})
+	return ctx
 }
 
 // exec runs calls as one pipeline and sets each call's val and err. On a
@@ -152,7 +265,8 @@ func (b *batcher) send(batch []*call) {
 // batch-mates decide its answer, and merging stops for this store once a
 // call alone went through where the merged one was refused.
 func (b *batcher) exec(ctx context.Context, calls []*call) {
-	groups := groupCalls(calls, b.merging(ctx))
+	var buf [2]*group
+	groups := groupCalls(buf[:0], calls, b.merging(ctx))
 	b.runGroups(ctx, groups)
 
 	var alone []*group
@@ -182,7 +296,11 @@ func (b *batcher) exec(ctx context.Context, calls []*call) {
 				c.err = classify(err)
 				continue
 			}
-			if e, ok := replies[i].(error); ok {
+			reply := replies[i]
+			if g.script == nil {
+				reply = replies[2*i]
+			}
+			if e, ok := reply.(error); ok {
 				c.err = keyError(e)
 				continue
 			}
@@ -190,25 +308,35 @@ func (b *batcher) exec(ctx context.Context, calls []*call) {
 				c.err = g.unreplicated
 				continue
 			}
-			c.val = replies[i]
+			c.val = reply
+			if g.script == nil {
+				c.exp = replies[2*i+1]
+			}
 		}
 	}
 }
 
-// replies returns one reply per call of g, or the error of them all.
+// replies returns the replies of g's command: one per call, or for a
+// native group two per call, SET's and PEXPIRETIME's; or the error of
+// them all.
 func (g *group) replies() ([]any, error) {
 	replies, err := g.cmd.Slice()
 	if g.script == nil {
-		// A native group's EXEC answers two replies per call: SET's and
-		// PEXPIRETIME's. A transaction refused as a whole (EXECABORT)
-		// is answered with the reason a queued command was refused
-		// (READONLY during a failover, OOM, an ACL), when there is one.
-		// A refused MULTI leaves the SETs run one by one, outside a
-		// transaction: a record one of them made is the caller's own, which
-		// the acquire script, run next, finds and answers as such.
+		// A transaction refused as a whole (EXECABORT) is answered with
+		// the reason a queued command was refused (READONLY during a
+		// failover, OOM, an ACL), when there is one. A refused MULTI
+		// leaves the SETs run one by one, outside a transaction: a record
+		// one of them made is the caller's own, which the acquire script,
+		// run next, finds and answers as such.
 		if err != nil {
-			for _, q := range g.queued {
-				if qerr := q.Err(); qerr != nil && qerr != redis.Nil {
+			if qerr := queuedErr(g.multi); qerr != nil {
+				return nil, qerr
+			}
+			for _, c := range g.calls {
+				if qerr := queuedErr(c.setCmd); qerr != nil {
+					return nil, qerr
+				}
+				if qerr := queuedErr(c.pexpCmd); qerr != nil {
 					return nil, qerr
 				}
 			}
@@ -217,15 +345,7 @@ func (g *group) replies() ([]any, error) {
 		if len(replies) != 2*len(g.calls) {
 			return nil, fmt.Errorf("lock: EXEC answered %d replies for %d keys", len(replies), len(g.calls))
 		}
-		out := make([]any, len(g.calls))
-		for i := range out {
-			if e, ok := replies[2*i].(error); ok {
-				out[i] = e
-				continue
-			}
-			out[i] = replies[2*i : 2*i+2]
-		}
-		return out, nil
+		return replies, nil
 	}
 	if err == nil && len(replies) != len(g.calls) && len(g.calls) > 0 {
 		err = fmt.Errorf("lock: script answered %d of %d keys", len(replies), len(g.calls))
@@ -299,21 +419,49 @@ func (b *batcher) unreplicated(wait *redis.Cmd) error {
 	return nil
 }
 
-// groupCalls makes one script call per call, or, with merge, one per
-// script for up to maxKeysPerScript calls.
-func groupCalls(calls []*call, merge bool) []*group {
-	var groups []*group
+// groupCalls appends to groups one script call per call, or, with merge,
+// one per script for up to maxKeysPerScript calls. A group is kept in the
+// call that opens it.
+func groupCalls(groups []*group, calls []*call, merge bool) []*group {
 	open := map[*redis.Script]*group{}
 	for _, c := range calls {
 		g := open[c.script]
 		if g == nil || !merge || len(g.calls) == maxKeysPerScript {
-			g = &group{script: c.script}
+			c.one[0] = c
+			g = &c.lead
+			*g = group{script: c.script, calls: c.one[:1:1]}
 			groups = append(groups, g)
 			open[c.script] = g
+			continue
 		}
 		g.calls = append(g.calls, c)
 	}
 	return groups
+}
+
+// pipe is a pipeline kept for reuse with the slice its commands are
+// gathered in.
+type pipe struct {
+	redis.Pipeliner
+	cmds []redis.Cmder
+}
+
+// getPipe returns a pipeline of b's client, reused when the client's
+// pipelines are go-redis's own (*redis.Pipeline, empty again after Exec).
+func (b *batcher) getPipe() *pipe {
+	if p, _ := b.pipes.Get().(*pipe); p != nil {
+		return p
+	}
+	return &pipe{Pipeliner: b.client.Pipeline()}
+}
+
+// putPipe keeps p for getPipe, emptied, if it can be reused.
+func (b *batcher) putPipe(p *pipe) {
+	clear(p.cmds)
+	p.cmds = p.cmds[:0]
+	if _, ok := p.Pipeliner.(*redis.Pipeline); ok && p.Len() == 0 {
+		b.pipes.Put(p)
+	}
 }
 
 // runGroups sends groups as one pipeline. A restart or failover may have emptied
@@ -321,28 +469,29 @@ func groupCalls(calls []*call, merge bool) []*group {
 // Cluster) and sends those calls again, still as one pipeline.
 func (b *batcher) runGroups(ctx context.Context, groups []*group) {
 	send := func(gs []*group) {
-		pipe := b.client.Pipeline()
+		p := b.getPipe()
+		cmds := p.cmds
 		for _, g := range gs {
 			if g.script == nil {
-				g.queueNative(ctx, pipe)
+				cmds = g.queueNative(ctx, cmds)
 				continue
 			}
-			keys := make([]string, 0, len(g.calls))
-			args := make([]any, 0, len(g.calls)*len(g.calls[0].args))
-			for _, c := range g.calls {
-				keys = append(keys, c.keys...)
-				args = append(args, c.args...)
-			}
-			g.cmd = g.script.EvalSha(ctx, pipe, keys, args...)
+			g.cmd = redis.NewCmd(ctx, g.evalArgs()...)
+			g.cmd.SetFirstKeyPos(3)
+			cmds = append(cmds, g.cmd)
 		}
 		var wait *redis.Cmd
 		if b.replicas > 0 {
 			// WAIT waits for this connection's writes, the pipeline's:
 			// a pipeline is sent on one connection (not on a Cluster
 			// client, which NewRedisStore refuses with replicas).
-			wait = pipe.Do(ctx, "WAIT", b.replicas, b.replicaTimeout.Milliseconds())
+			wait = redis.NewCmd(ctx, "WAIT", b.replicas, b.replicaTimeout.Milliseconds())
+			cmds = append(cmds, wait)
 		}
-		_, _ = pipe.Exec(ctx) // errors are read per command
+		_ = p.BatchProcess(ctx, cmds...)
+		_, _ = p.Exec(ctx) // errors are read per command
+		p.cmds = cmds
+		b.putPipe(p)
 		if wait != nil {
 			err := b.unreplicated(wait)
 			for _, g := range gs {
@@ -370,16 +519,69 @@ func (b *batcher) runGroups(ctx context.Context, groups []*group) {
 	}
 }
 
-// queueNative adds a native group to pipe as one transaction: for each
+// shaArgs are the store's scripts' SHA1 digests, boxed once.
+var shaArgs = map[*redis.Script]any{
+	acquireScript: acquireScript.Hash(),
+	extendScript:  extendScript.Hash(),
+	finishScript:  finishScript.Hash(),
+	amendScript:   amendScript.Hash(),
+}
+
+// evalArgs returns the arguments of g's EVALSHA: a call alone in its group
+// sends the ones it holds in argBuf.
+func (g *group) evalArgs() []any {
+	sha, ok := shaArgs[g.script]
+	if !ok {
+		sha = g.script.Hash()
+	}
+	if c := g.calls[0]; len(g.calls) == 1 && len(c.args) <= len(c.argBuf)-4 {
+		c.argBuf[0], c.argBuf[1], c.argBuf[2], c.argBuf[3] = "evalsha", sha, 1, c.keyArg
+		return c.argBuf[:4+len(c.args)]
+	}
+	n := 0
+	for _, c := range g.calls {
+		n += len(c.args)
+	}
+	args := make([]any, 3, 3+len(g.calls)+n)
+	args[0], args[1], args[2] = "evalsha", sha, len(g.calls)
+	for _, c := range g.calls {
+		args = append(args, c.keyArg)
+	}
+	for _, c := range g.calls {
+		args = append(args, c.args...)
+	}
+	return args
+}
+
+// The commands of a native group that take no argument.
+var (
+	multiArgs = []any{"MULTI"}
+	execArgs  = []any{"EXEC"}
+)
+
+// queueNative appends a native group to cmds as one transaction: for each
 // call, SET key record NX PX keep GET and PEXPIRETIME key (see
 // nativeAcquire). MULTI makes each key's two commands see the same
 // record: nothing runs between them.
-func (g *group) queueNative(ctx context.Context, pipe redis.Pipeliner) {
-	g.queued = append(g.queued[:0], pipe.Do(ctx, "MULTI"))
+func (g *group) queueNative(ctx context.Context, cmds []redis.Cmder) []redis.Cmder {
+	g.multi = redis.NewCmd(ctx, multiArgs...)
+	cmds = append(cmds, g.multi)
 	for _, c := range g.calls {
-		g.queued = append(g.queued,
-			pipe.Do(ctx, "SET", c.keys[0], c.args[0], "NX", "PX", c.args[1], "GET"),
-			pipe.Do(ctx, "PEXPIRETIME", c.keys[0]))
+		c.setArgs = [7]any{"SET", c.keyArg, c.args[0], "NX", "PX", c.args[1], "GET"}
+		c.pexpArgs = [2]any{"PEXPIRETIME", c.keyArg}
+		c.setCmd = redis.NewCmd(ctx, c.setArgs[:]...)
+		c.pexpCmd = redis.NewCmd(ctx, c.pexpArgs[:]...)
+		cmds = append(cmds, c.setCmd, c.pexpCmd)
 	}
-	g.cmd = pipe.Do(ctx, "EXEC")
+	g.cmd = redis.NewCmd(ctx, execArgs...)
+	return append(cmds, g.cmd)
+}
+
+// queuedErr is the error a queued command of a native group was answered,
+// if any: nil for none or a nil reply.
+func queuedErr(cmd *redis.Cmd) error {
+	if err := cmd.Err(); err != nil && err != redis.Nil {
+		return err
+	}
+	return nil
 }

@@ -22,8 +22,8 @@ func recordKey(prefix, key string) string {
 	var sum [sha256.Size]byte
 	digest := h.Sum(sum[:0])
 
-	buf := make([]byte, 0, len(prefix)+3+32)
-	buf = append(buf, prefix...)
+	var stack [maxPrefixLen + 3 + 32]byte // a Config's prefix fits
+	buf := append(stack[:0], prefix...)
 	buf = append(buf, ":{"...)
 	buf = hex.AppendEncode(buf, digest[:16])
 	buf = append(buf, '}')
@@ -33,7 +33,14 @@ func recordKey(prefix, key string) string {
 // NewOwner returns a random 128-bit owner token, 32 hex digits: what a
 // Store puts in Lease.Owner for each Acquire call.
 func NewOwner() string {
+	var b [32]byte
+	newOwner(&b)
+	return string(b[:])
+}
+
+// newOwner writes a new owner token, as NewOwner returns it, into dst.
+func newOwner(dst *[32]byte) {
 	var b [16]byte
 	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails (Go 1.24+).
-	return hex.EncodeToString(b[:])
+	hex.Encode(dst[:], b[:])
 }

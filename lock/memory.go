@@ -89,7 +89,8 @@ func (m *MemoryStore) Acquire(ctx context.Context, req Request) (Result, error) 
 	if err := ctx.Err(); err != nil {
 		return Result{}, err
 	}
-	owner := NewOwner()
+	var owner [32]byte // as NewOwner's; a string only in a lease granted
+	newOwner(&owner)
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	now := m.cfg.Now()
@@ -114,12 +115,12 @@ func (m *MemoryStore) Acquire(ctx context.Context, req Request) (Result, error) 
 			return res, nil
 		}
 	}
-	r.state, r.owner, r.deadline = 'p', owner, now.Add(req.TTL)
+	r.state, r.owner, r.deadline = 'p', string(owner[:]), now.Add(req.TTL)
 	r.fence = max(r.fence+1, now.UnixMicro()) // as RedisStore: above a lost record's
 	r.attempts++
 	r.expires = r.deadline.Add(req.Retention)
 	m.wrote(now)
-	lease := Lease{Key: req.Key, Owner: owner, Fence: r.fence, Attempt: r.attempts,
+	lease := Lease{Key: req.Key, Owner: r.owner, Fence: r.fence, Attempt: r.attempts,
 		TTL: req.TTL, Retention: req.Retention, Deadline: now.Add(req.TTL)}
 	return Result{Status: Acquired, Lease: lease, Fence: r.fence, Attempts: r.attempts}, nil
 }

@@ -32,7 +32,11 @@ type record struct {
 // written with (TTL + retention, keep) in place of the times the server
 // fills in.
 func newRecord(owner string, ttl, keep int64, fingerprint, key string) []byte {
-	b := make([]byte, 0, 40+len(owner)+len(fingerprint)+len(key))
+	return appendRecord(make([]byte, 0, 40+len(owner)+len(fingerprint)+len(key)), owner, ttl, keep, fingerprint, key)
+}
+
+// appendRecord appends to b the record newRecord packs.
+func appendRecord(b []byte, owner string, ttl, keep int64, fingerprint, key string) []byte {
 	b = appendInt(b, 2)
 	b = appendStr(b, "p")
 	b = appendStr(b, owner)

@@ -164,8 +164,9 @@ func (s *RedisStore) Acquire(ctx context.Context, req Request) (Result, error) {
 	if err != nil {
 		return Result{}, err
 	}
-	owner := NewOwner()
-	return RetryAcquire(ctx, func(ctx context.Context) (Result, error) { return s.acquire(ctx, req, owner) }, notSent)
+	var owner [32]byte // hex digits; a string only in a lease granted
+	newOwner(&owner)
+	return RetryAcquire(ctx, func(ctx context.Context) (Result, error) { return s.acquire(ctx, req, &owner) }, notSent)
 }
 
 // MaxResultSize is the largest result Complete accepts, in bytes.
@@ -173,7 +174,7 @@ func (s *RedisStore) MaxResultSize() int { return s.cfg.MaxResultSize }
 
 // acquire takes a lease for a checked request and owner token: natively
 // where it can, with the acquire script where it must.
-func (s *RedisStore) acquire(ctx context.Context, req Request, owner string) (Result, error) {
+func (s *RedisStore) acquire(ctx context.Context, req Request, owner *[32]byte) (Result, error) {
 	start := s.cfg.Now()
 	rkey := recordKey(s.cfg.Prefix, req.Key)
 	if s.batch.native(ctx) {
@@ -192,8 +193,15 @@ func (s *RedisStore) acquire(ctx context.Context, req Request, owner string) (Re
 			s.nativeRefused(ctx, err)
 		}
 	}
-	reply, err := s.batch.run(ctx, acquireScript, []string{rkey},
-		owner, req.TTL.Milliseconds(), req.Retention.Milliseconds(), req.Fingerprint, req.Key)
+	c := getCall(acquireScript, rkey, 5)
+	c.str(0, string(owner[:]))
+	c.int(1, req.TTL.Milliseconds())
+	c.int(2, req.Retention.Milliseconds())
+	c.str(3, req.Fingerprint)
+	c.str(4, req.Key)
+	s.batch.do(ctx, c)
+	reply, err := c.val, c.err
+	putCall(c)
 	if err != nil {
 		return Result{}, fmt.Errorf("lock: acquire %q: %w", req.Key, classify(err))
 	}
@@ -210,7 +218,7 @@ func (s *RedisStore) acquire(ctx context.Context, req Request, owner string) (Re
 	res := Result{Status: Status(status), Fence: fence, Attempts: int(attempts)}
 	switch res.Status {
 	case Acquired:
-		res.Lease = newLease(req, owner, fence, int(attempts), start, rkey)
+		res.Lease = newLease(req, string(owner[:]), fence, int(attempts), start, rkey)
 	case Completed:
 		res.Value = []byte(value)
 	case Failed:
@@ -248,26 +256,28 @@ func newLease(req Request, owner string, fence int64, attempt int, start time.Ti
 // released, cancelled or forgotten needs the server's clock to decide:
 // done is false and the caller runs the acquire script. The decisions
 // are the script's, in the same order: collision, conflict, outcome.
-func (s *RedisStore) nativeAcquire(ctx context.Context, req Request, owner, rkey string, start time.Time) (res Result, done bool, err error) {
+func (s *RedisStore) nativeAcquire(ctx context.Context, req Request, owner *[32]byte, rkey string, start time.Time) (res Result, done bool, err error) {
 	ttl := req.TTL.Milliseconds()
 	keep := ttl + req.Retention.Milliseconds()
-	reply, err := s.batch.run(ctx, nil, []string{rkey}, newRecord(owner, ttl, keep, req.Fingerprint, req.Key), keep)
+	c := getCall(nil, rkey, 2)
+	c.slots[0] = appendRecord(c.slots[0][:0], string(owner[:]), ttl, keep, req.Fingerprint, req.Key)
+	c.args[0] = &c.slots[0]
+	c.int(1, keep)
+	s.batch.do(ctx, c)
+	set, exp, err := c.val, c.exp, c.err
+	putCall(c)
 	if err != nil {
 		return Result{}, false, fmt.Errorf("lock: acquire %q: %w", req.Key, classify(err))
 	}
-	vals, _ := reply.([]any)
-	var expireAt int64
-	if len(vals) == 2 {
-		expireAt, _ = vals[1].(int64)
-	}
+	expireAt, _ := exp.(int64)
 	if expireAt == 0 {
-		return Result{}, false, fmt.Errorf("lock: acquire %q: unexpected reply %v", req.Key, vals)
+		return Result{}, false, fmt.Errorf("lock: acquire %q: unexpected reply %v", req.Key, []any{set, exp})
 	}
-	if vals[0] == nil {
+	if set == nil {
 		fence := firstFence(expireAt, keep)
-		return Result{Status: Acquired, Fence: fence, Attempts: 1, Lease: newLease(req, owner, fence, 1, start, rkey)}, true, nil
+		return Result{Status: Acquired, Fence: fence, Attempts: 1, Lease: newLease(req, string(owner[:]), fence, 1, start, rkey)}, true, nil
 	}
-	raw, _ := vals[0].(string)
+	raw, _ := set.(string)
 	r, err := decodeRecord(raw, expireAt)
 	switch {
 	case err != nil:
@@ -319,7 +329,7 @@ func (s *RedisStore) Extend(ctx context.Context, leases ...Lease) []error {
 		if errs[i] = CheckLease(l); errs[i] != nil {
 			continue
 		}
-		calls = append(calls, &call{script: extendScript, keys: []string{s.keyOf(l)}, args: extendArgs(l)})
+		calls = append(calls, newCall(extendScript, s.keyOf(l), extendArgs(l)...))
 		index = append(index, i)
 	}
 	if len(calls) > 0 {
@@ -341,33 +351,46 @@ func (s *RedisStore) Complete(ctx context.Context, lease Lease, result []byte) e
 	if len(result) > s.cfg.MaxResultSize {
 		return fmt.Errorf("%w: key %q: %d bytes, at most %d allowed", ErrResultTooLarge, lease.Key, len(result), s.cfg.MaxResultSize)
 	}
-	return s.finish(ctx, lease, "complete", stateCompleted, result)
+	return s.finish(ctx, lease, "complete", stateCompleted, result, "")
 }
 
 // Fail marks the record failed with reason, cut to MaxResultSize bytes.
 func (s *RedisStore) Fail(ctx context.Context, lease Lease, reason string) error {
-	return s.finish(ctx, lease, "fail", stateFailed, CutText(reason, s.cfg.MaxResultSize))
+	return s.finish(ctx, lease, "fail", stateFailed, nil, CutText(reason, s.cfg.MaxResultSize))
 }
 
 // Release gives the lease up, keeping the attempt count.
 func (s *RedisStore) Release(ctx context.Context, lease Lease) error {
-	return s.finish(ctx, lease, "release", stateReleased, nil)
+	return s.finish(ctx, lease, "release", stateReleased, nil, "")
 }
 
 // Cancel gives the lease up and takes back the attempt its Acquire counted.
 // A retried Cancel that finds its own write answers nil and takes nothing
 // back again.
 func (s *RedisStore) Cancel(ctx context.Context, lease Lease) error {
-	return s.finish(ctx, lease, "cancel", stateCancelled, nil)
+	return s.finish(ctx, lease, "cancel", stateCancelled, nil, "")
 }
 
-func (s *RedisStore) finish(ctx context.Context, l Lease, op, state string, value any) error {
+// finish runs the finish script for l: state, and as the stored value
+// result, or else text (both empty for a release or a cancel).
+func (s *RedisStore) finish(ctx context.Context, l Lease, op string, state any, result []byte, text string) error {
 	if err := CheckLease(l); err != nil {
 		return err
 	}
-	reply, err := s.batch.run(ctx, finishScript, []string{s.keyOf(l)},
-		l.Owner, l.Fence, state, value, l.Retention.Milliseconds())
-	n, _ := reply.(int64)
+	c := getCall(finishScript, s.keyOf(l), 5)
+	c.str(0, l.Owner)
+	c.int(1, l.Fence)
+	c.args[2] = state
+	if text != "" {
+		c.args[3] = text
+	} else {
+		c.bytes(3, result)
+	}
+	c.int(4, l.Retention.Milliseconds())
+	s.batch.do(ctx, c)
+	n, _ := c.val.(int64)
+	err := c.err
+	putCall(c)
 	return leaseReply(l, op, int(n), err)
 }
 

@@ -8,7 +8,9 @@
 # a module of its own for that reason) and must never reach a user's go.sum.
 #
 # A second module imports pgstore as well: it gets pgx, its driver, and
-# still none of the others. Modules importing the Prometheus or the
+# still none of the others. A third imports dynamostore: it gets the AWS SDK
+# (aws-sdk-go-v2, smithy-go), which no other module may get, and none of the
+# others either. Modules importing the Prometheus or the
 # OpenTelemetry adapter get that adapter's dependencies and none of the
 # other's, nor cobra (the CLI's).
 #
@@ -18,6 +20,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 module=$(cd "$root" && go list -m)
 forbidden='testcontainers|docker|moby|pgx|toxiproxy|zerolog'
+aws='aws'
 
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/check-user-module.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
@@ -64,11 +67,18 @@ check() {
 prom='prometheus'
 otel='opentelemetry'
 cli='cobra|pflag'
-check core "$forbidden|$prom|$otel|$cli" amqpidem heartbeat lock
+check core "$forbidden|$aws|$prom|$otel|$cli" amqpidem heartbeat lock
 # pgstore's users get pgx, and still none of the tests' dependencies.
-check pgstore "${forbidden/|pgx/}|$prom|$otel|$cli" amqpidem pgstore
+check pgstore "${forbidden/|pgx/}|$aws|$prom|$otel|$cli" amqpidem pgstore
+# dynamostore's get the AWS SDK, and none of the tests' dependencies nor pgx.
+check dynamostore "$forbidden|$prom|$otel|$cli" amqpidem dynamostore
+# ... and they do get it: else the pattern aws, forbidden above, names nothing.
+if ! cut -d' ' -f1 "$tmp/dynamostore/go.sum" | grep -qE "$aws"; then
+	printf 'check-user-module: FAIL: a module importing dynamostore has no go.sum line matching %s: fix the pattern\n' "$aws" >&2
+	exit 1
+fi
 # promamqpidem's get Prometheus's client, otelamqpidem's the OpenTelemetry
 # API, not its SDK (the application picks one; the tests that use it live in
 # otelamqpidem/internal/sdktest for that reason).
-check prometheus "$forbidden|$otel|$cli" amqpidem promamqpidem
-check opentelemetry "$forbidden|$prom|$cli|opentelemetry.io/otel/sdk" amqpidem otelamqpidem
+check prometheus "$forbidden|$aws|$otel|$cli" amqpidem promamqpidem
+check opentelemetry "$forbidden|$aws|$prom|$cli|opentelemetry.io/otel/sdk" amqpidem otelamqpidem

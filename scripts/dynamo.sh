@@ -23,7 +23,8 @@
 # --wait dynamodb (docker-compose.yml), on the same port.
 #
 # "Answers" means a DescribeTable request of the DynamoDB JSON protocol
-# gets ResourceNotFoundException back: something that speaks DynamoDB.
+# gets ResourceNotFoundException, or another error of that protocol (a
+# "__type"), back: something that speaks DynamoDB.
 # Exits non-zero, after saying what to start, if none answers.
 set -uo pipefail
 
@@ -64,7 +65,7 @@ dynamo_ready() {
 		printf "POST / HTTP/1.1\r\nHost: %s:%s\r\nContent-Type: application/x-amz-json-1.0\r\nX-Amz-Target: DynamoDB_20120810.DescribeTable\r\nAuthorization: AWS4-HMAC-SHA256 Credential=probe/20200101/us-east-1/dynamodb/aws4_request, SignedHeaders=host, Signature=0\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" "$1" "$2" "${#body}" "$body" >&3
 		reply=""
 		while IFS= read -r -t 4 line <&3; do reply+=$line; done
-		[[ $reply == *ResourceNotFoundException* ]]' _ "$1" "$2" 2>/dev/null
+		[[ $reply == *ResourceNotFoundException* || $reply == *\"__type\"* ]]' _ "$1" "$2" 2>/dev/null
 }
 
 # port_open HOST PORT: true if something accepts TCP connections there.
@@ -131,7 +132,9 @@ start() {
 		return 1
 	fi
 	say "DynamoDB at http://$host:$port is down; starting $bin (log $log)"
-	setsid nohup "$bin" -addr "$host:$port" >>"$log" 2>&1 </dev/null &
+	local detach=()
+	command -v setsid >/dev/null && detach=(setsid) # not on macOS; nohup alone does there
+	"${detach[@]}" nohup "$bin" -addr "$host:$port" >>"$log" 2>&1 </dev/null &
 	echo $! >"$pidfile"
 	for ((i = 0; i < 50; i++)); do
 		dynamo_ready "$host" "$port" && break

@@ -55,6 +55,7 @@ type options struct {
 	pgDSN       string
 	pgSchema    string
 	pgTable     string
+	dynamo      dynamoOptions
 	prefix      string
 	amqpURL     string
 	json        bool
@@ -98,14 +99,17 @@ func newRoot(o *options) *cobra.Command {
 		Short: "Inspect and repair amqpidem's records, staged messages and dead letters",
 		Long: `amqpidem looks into what amqpidem consumers keep and repairs it:
 the record of an idempotency key in the store (Redis, or PostgreSQL with
---postgres) with the messages its handler staged, and the dead letters of
-a queue in RabbitMQ.
+--postgres, or DynamoDB with --dynamodb-table) with the messages its
+handler staged, and the dead letters of a queue in RabbitMQ.
 
 Services come from flags, else from the environment:
   AMQPIDEM_REDIS_URL     (default redis://127.0.0.1:6379/0)
   AMQPIDEM_REDIS_ADDRS   (a Redis Cluster's nodes, or with
                          AMQPIDEM_REDIS_MASTER a Sentinel set's)
   AMQPIDEM_POSTGRES_DSN  (uses the PostgreSQL store instead of Redis)
+  AMQPIDEM_DYNAMODB_TABLE     (uses the DynamoDB store instead of Redis;
+                              AWS credentials and region as the AWS SDK finds them)
+  AMQPIDEM_DYNAMODB_ENDPOINT  (a local DynamoDB-compatible server)
   AMQPIDEM_PREFIX        (the store's lock.Config.Prefix, default amqpidem)
   AMQPIDEM_AMQP_URL      (default amqp://guest:guest@127.0.0.1:5672/)
 
@@ -124,6 +128,7 @@ Exit codes: 0 done, 1 failed, 2 bad usage, 3 nothing found,
 	f.StringVar(&o.pgDSN, "postgres", env("AMQPIDEM_POSTGRES_DSN", ""), "PostgreSQL `DSN` of a pgstore store (instead of Redis)")
 	f.StringVar(&o.pgSchema, "pg-schema", "", "pgstore Config.Schema (default: the search_path)")
 	f.StringVar(&o.pgTable, "pg-table", "", "pgstore Config.Table (default amqpidem_records)")
+	addDynamoFlags(root, &o.dynamo)
 	f.StringVar(&o.prefix, "prefix", env("AMQPIDEM_PREFIX", ""), "the store's lock.Config.Prefix (default amqpidem)")
 	f.StringVar(&o.amqpURL, "amqp", env("AMQPIDEM_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"), "RabbitMQ `URL`")
 	f.BoolVar(&o.json, "json", false, "print JSON for scripts instead of text for people")

@@ -17,6 +17,9 @@ import (
 // openStore connects to the store the flags name; close releases it.
 func (o *options) openStore(ctx context.Context) (admin lock.Admin, close func(), err error) {
 	quiet := slog.New(slog.DiscardHandler)
+	if o.dynamo.table != "" {
+		return o.openDynamo(ctx)
+	}
 	if o.pgDSN != "" {
 		pool, err := pgxpool.New(ctx, o.pgDSN)
 		if err != nil {
@@ -58,6 +61,8 @@ func (o *options) openStore(ctx context.Context) (admin lock.Admin, close func()
 // storeName says which store the flags name, for messages.
 func (o *options) storeName() string {
 	switch {
+	case o.dynamo.table != "":
+		return o.dynamoName()
 	case o.pgDSN != "":
 		return "the PostgreSQL store"
 	case o.redisMaster != "":

@@ -1,5 +1,5 @@
 // Package testenv is the shared infrastructure of the integration tests: it
-// finds the Redis, RabbitMQ and PostgreSQL the tests talk to, starts throwaway
+// finds the Redis, RabbitMQ, PostgreSQL and DynamoDB the tests talk to, starts throwaway
 // redis-server processes, local Redis Clusters and Sentinel setups, and
 // three-node RabbitMQ clusters ([RabbitCluster]: private nodes, cookie and
 // epmd on loopback ports, never the system's node), and names keys and
@@ -38,6 +38,10 @@
 //     The container is started once per test binary and removed when the
 //     binary exits (the program's standard input closes then), or by
 //     testcontainers' reaper (Ryuk) if the program is killed.
+//
+// [DynamoEndpoint] does the same for DynamoDB: DYNAMODB_ENDPOINT, then
+// http://127.0.0.1:8000 (minidyn from scripts/dynamo.sh, or DynamoDB
+// Local), then amazon/dynamodb-local in a container.
 //
 // The answer, found or not, is cached for the life of the test binary.
 // `make services` (scripts/services.sh) starts the local defaults, and

@@ -125,7 +125,9 @@ func (p *Process) Stop(sig os.Signal, timeout time.Duration) error {
 }
 
 // Pause stops the process with SIGSTOP, as a stalled host would, until
-// Resume. Only on Linux (proc_linux.go); elsewhere it returns an error.
+// Resume, and returns once every thread of it has stopped (so that
+// nothing sent after Pause returns is served before Resume). Only on
+// Linux (proc_linux.go); elsewhere it returns an error.
 func (p *Process) Pause() error { return signalStop(p.cmd.Process, true) }
 
 // Resume continues the process with SIGCONT after Pause.

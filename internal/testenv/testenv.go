@@ -39,13 +39,13 @@ const (
 const (
 	redisHelp = `Start one of:
   make services                  (starts a local redis-server, if Redis is installed)
-  docker compose up -d --wait    (Redis, RabbitMQ and PostgreSQL from docker-compose.yml)
+  docker compose up -d --wait    (Redis, RabbitMQ, PostgreSQL and DynamoDB from docker-compose.yml)
   redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no
 or set REDIS_ADDR=host:port to a running Redis,
 or start a Docker engine (the tests then run ` + redisImage + ` through testcontainers-go).`
 	amqpHelp = `Start one of:
   make services                  (starts a local rabbitmq-server, if RabbitMQ is installed)
-  docker compose up -d --wait    (Redis, RabbitMQ and PostgreSQL from docker-compose.yml)
+  docker compose up -d --wait    (Redis, RabbitMQ, PostgreSQL and DynamoDB from docker-compose.yml)
   rabbitmq-server -detached && rabbitmqctl await_startup
 or set AMQP_URL=amqp://user:pass@host:port/vhost to a running RabbitMQ,
 or start a Docker engine (the tests then run ` + rabbitImage + ` through testcontainers-go).`

@@ -49,6 +49,13 @@ func TestShortRun(t *testing.T) {
 			t.Logf("unique-wait skipped: %s", rep.WaitSkipped)
 		}
 	}
+	if rep.DynamoSkipped != "" {
+		if testing.Short() && os.Getenv("CI") != "true" {
+			t.Logf("DynamoDB variants skipped: %s", rep.DynamoSkipped)
+		} else {
+			t.Errorf("DynamoDB variants skipped: %s", rep.DynamoSkipped)
+		}
+	}
 	if rep.PGSkipped != "" {
 		if testing.Short() && os.Getenv("CI") != "true" {
 			t.Logf("PostgreSQL variants skipped: %s", rep.PGSkipped)
@@ -149,6 +156,12 @@ func TestShortRun(t *testing.T) {
 		for _, r := range opts.LatencyRates {
 			want = append(want, `^latency_p99_ms `+strconv.FormatFloat(r, 'f', -1, 64)+` `+qt+` -?\d+\.\d( saturated)?$`)
 		}
+	}
+	// Then issue 26's allocations per message.
+	want = append(want, `^allocs unique \d+$`, `^allocs duplicate \d+$`)
+	// Then issue 25's, on classic, when the DynamoDB variants ran.
+	if rep.DynamoSkipped == "" && slices.Contains(opts.QueueTypes, "classic") {
+		want = append(want, `^ratio dynamo-unique/bare classic \d+\.\d\d$`, `^ratio dynamo-duplicate/bare classic \d+\.\d\d$`)
 	}
 	// Then issue 24's relay lines, with PostgreSQL.
 	if rep.RelaySkipped == "" {

@@ -28,6 +28,14 @@
 //	              CONFLICT DO NOTHING, then if inserted the effect in a
 //	              transaction of its own, then ack
 //
+// and, on the classic queue, with DynamoDB (issue 25; see dynamo.go), each
+// handler's effect one Put of an item:
+//
+//	dynamo-unique     amqpidem.Consumer on a dynamostore.Store with its
+//	                  TxHandler (the effect and the completed record in one
+//	                  TransactWriteItems), every key new
+//	dynamo-duplicate  the same, every message a duplicate of completed work
+//
 // All use the same prefetch (128) and concurrency (32), on a classic and
 // a quorum queue (the pg variants: classic only). Each run drains a queue
 // pre-filled by a confirming publisher; throughput is measured from the
@@ -66,6 +74,20 @@
 //	latency_p99_ms 1000 classic 1.4
 //	latency_p99_ms 5000 classic 3.9
 //
+// Then issue 26's figures: the heap allocations of one message on
+// lock.RedisStore's own path, client side (go-redis included), measured
+// in this process with testing.AllocsPerRun against the same Redis: a new
+// key acquired and completed, and a duplicate's Acquire:
+//
+//	allocs unique 32
+//	allocs duplicate 24
+//
+// After them, the DynamoDB variants' ratios over bare on classic (no
+// target: an emulator's speed says little of DynamoDB's):
+//
+//	ratio dynamo-unique/bare classic 0.02
+//	ratio dynamo-duplicate/bare classic 0.26
+//
 // Then, with PostgreSQL, issue 24's figures for the producer outbox's
 // relay (pgstore.Relay; relay.go says how each is measured): its rate
 // publishing a full table to a classic queue, and the p99 latency from a
@@ -78,12 +100,13 @@
 // its public API only (NewConsumer, Observer, lock.NewRedisStore,
 // lock.NewMemoryStore, pgstore.Migrate, pgstore.New, Store.TxHandler).
 //
-// REDIS_ADDR, AMQP_URL and PG_DSN name the services (default
-// 127.0.0.1:6379, amqp://guest:guest@127.0.0.1:5672/ and
-// postgres://postgres@127.0.0.1:5432/test). Every queue and Redis key it
-// makes carries a random run id and is deleted before it exits, and so is
-// its PostgreSQL schema amqpidem_bench_<run id>. When PostgreSQL does not
-// answer, the bench says what to start and runs without the PostgreSQL
+// REDIS_ADDR, AMQP_URL, PG_DSN and DYNAMODB_ENDPOINT name the services
+// (default 127.0.0.1:6379, amqp://guest:guest@127.0.0.1:5672/,
+// postgres://postgres@127.0.0.1:5432/test and http://127.0.0.1:8000).
+// Every queue and Redis key it makes carries a random run id and is
+// deleted before it exits, and so are its PostgreSQL schema
+// amqpidem_bench_<run id> and its DynamoDB tables. When PostgreSQL or
+// DynamoDB does not answer, the bench says so and runs without their
 // variants.
 package main
 
@@ -139,6 +162,13 @@ type options struct {
 	// PGSyncCommit sets synchronous_commit in the variants' sessions;
 	// empty: the server's setting.
 	PGSyncCommit string
+
+	// Dynamo runs the DynamoDB variants (when the server answers) on the
+	// server at DynamoEndpoint (dynamo.go).
+	Dynamo         bool
+	DynamoEndpoint string
+	// DynamoN is the messages of each dynamo run unless N is set.
+	DynamoN int
 
 	Prefetch    int
 	Concurrency int
@@ -196,6 +226,8 @@ func defaultOptions() options {
 		PG:              true,
 		PGPoolPerRun:    true,
 		PGDSN:           envOr("PG_DSN", defaultPGDSN),
+		Dynamo:          true,
+		DynamoN:         1000,
 		Prefetch:        128,
 		Concurrency:     32,
 		QueueTypes:      []string{"classic", "quorum"},
@@ -305,6 +337,7 @@ func parseFlags(args []string, out io.Writer) (options, error) {
 	fs.IntVar(&o.PGConns, "pg-conns", 0, "MaxConns of each pg variant's pool; 0 = -concurrency + 8")
 	fs.BoolVar(&o.PGPoolPerRun, "pg-pool-per-run", o.PGPoolPerRun, "a pool of its own for each pg run, all connections opened before measuring (false: one pool for all, connections made as needed, no server figures; -short: false)")
 	fs.StringVar(&o.PGSyncCommit, "pg-synchronous-commit", "", "synchronous_commit of the pg variants' sessions (empty: the server's)")
+	addDynamoFlags(fs, &o)
 	fs.StringVar(&o.CPUProfile, "cpuprofile", "", "write a CPU profile of an extra run (not in the medians) to this file")
 	fs.StringVar(&o.ProfileVariant, "profile-variant", string(unique), "the variant -cpuprofile profiles: "+variantNames())
 	if err := fs.Parse(args); err != nil {
@@ -389,7 +422,7 @@ func (o options) validate() error {
 			return fmt.Errorf("-variants: %q is not one of %v", v, variants)
 		}
 	}
-	for _, pair := range [][2]variant{{duplicate, unique}, {pgDuplicate, pgUnique}} {
+	for _, pair := range [][2]variant{{duplicate, unique}, {pgDuplicate, pgUnique}, {dynamoDuplicate, dynamoUnique}} {
 		if o.measures(pair[0]) && !o.measures(pair[1]) {
 			return fmt.Errorf("-variants: %s replays what %s completed: add %s", pair[0], pair[1], pair[1])
 		}

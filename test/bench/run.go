@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -43,11 +44,11 @@ const (
 )
 
 // variants in the order of the tables.
-var variants = []variant{bare, unique, duplicate, outbox, naive, memstore, uniqueWait, pgUnique, pgDuplicate, pgNaive}
+var variants = []variant{bare, unique, duplicate, outbox, naive, memstore, uniqueWait, pgUnique, pgDuplicate, pgNaive, dynamoUnique, dynamoDuplicate}
 
 // replays says whether v replays the keys another variant completed in
 // the same round, so that it cannot run alone.
-func (v variant) replays() bool { return v == duplicate || v == pgDuplicate }
+func (v variant) replays() bool { return v == duplicate || v == pgDuplicate || v == dynamoDuplicate }
 
 // Lease and retention of the throughput and latency runs. The lease is
 // amqpidem's default; retention is short so that keys a killed run leaves
@@ -70,6 +71,8 @@ type env struct {
 	pg    *pgEnv // nil: no PostgreSQL variants
 	// pgHint says what to start when PostgreSQL did not answer.
 	pgHint string
+	// dyn is the DynamoDB side (dynamo.go); nil: no dynamo variants.
+	dyn *dynEnv
 	// replica is the bench's replica of Redis, for unique-wait; nil when
 	// that variant does not run (see report.WaitSkipped).
 	replica *replica
@@ -98,7 +101,9 @@ type report struct {
 	// OutboxRatios are outbox's median rate over unique's, per queue
 	// type measuring both (issue 23's figure).
 	OutboxRatios []ratio
-	Profile      string
+	// Allocs are the allocations per message on lock.RedisStore's path.
+	Allocs  *allocsResult
+	Profile string
 	// Steps are the profiled run's step times, when it has them.
 	Steps    *stepTimes
 	LeftKeys int // keys of this run still in Redis after cleanup
@@ -110,6 +115,11 @@ type report struct {
 	WaitSkipped string
 	PGSchema    string
 	PGDropped   bool
+	// NDynamo is the messages of each DynamoDB run (-dynamo-n, or -n);
+	// DynamoSkipped says why the
+	// DynamoDB variants did not run ("" when they did).
+	NDynamo       int
+	DynamoSkipped string
 	// Relay are the producer outbox relay's rate runs, RelayLatency its
 	// latency run; RelaySkipped says why they did not run, if so.
 	Relay        []relayRun
@@ -210,6 +220,16 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 			rep.PGDropped = e.pg.dropped
 		}()
 	}
+	if err := e.openDynamoEnv(ctx, rep); err != nil {
+		return rep, err
+	}
+	if e.dyn != nil {
+		defer func() {
+			cctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			err = errors.Join(err, e.dyn.close(cctx))
+		}()
+	}
 	// Load the scripts once, outside every measurement.
 	check, err := lock.NewRedisStore(e.rdb, lock.Config{Prefix: e.base + "-check"})
 	if err != nil {
@@ -228,6 +248,11 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 			e.pg.version, redactDSN(opts.PGDSN), e.pg.schema, e.pg.conns, openedWhen(opts.PGPoolPerRun), e.pg.syncCommit)
 	} else {
 		fmt.Fprintf(out, "PostgreSQL variants skipped: %s\n%s", rep.PGSkipped, e.pgHint)
+	}
+	if e.dyn != nil {
+		fmt.Fprintf(out, "DynamoDB at %s (dynamo variants: a records table per round, %s-*-records)\n", opts.DynamoEndpoint, e.base)
+	} else {
+		fmt.Fprintf(out, "DynamoDB variants skipped: %s\n", rep.DynamoSkipped)
 	}
 	fmt.Fprintf(out, "prefetch %d, concurrency %d, %d-byte persistent messages, %d round(s), run id %s\n",
 		opts.Prefetch, opts.Concurrency, opts.BodySize, opts.Repeats, e.base)
@@ -258,6 +283,10 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 				return rep, fmt.Errorf("calibration of pg-naive: %w", err)
 			}
 		}
+	}
+
+	if e.dyn != nil {
+		rep.NDynamo = cmp.Or(opts.N, opts.DynamoN) // not calibrated: see dynamo.go
 	}
 
 	// 2. Throughput, in rounds; the order of the variants rotates so that
@@ -340,7 +369,12 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 		}
 	}
 
-	// 5. A CPU profile of one more run, not in the medians.
+	// 5. Allocations per message on the store's path (issue 26).
+	if rep.Allocs, err = measureAllocs(ctx, opts.RedisAddr, e.base+"-allocs"); err != nil {
+		return rep, err
+	}
+
+	// 6. A CPU profile of one more run, not in the medians.
 	if opts.CPUProfile != "" {
 		qt, v := opts.QueueTypes[0], variant(opts.ProfileVariant)
 		if v.isPG() {
@@ -372,6 +406,8 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 		fmt.Fprintf(out, "ratio outbox/unique %s %.2f\n", r.QueueType, r.Value)
 	}
 	printTargets(out, opts, rep)
+	printAllocs(out, rep)
+	printDynamoRatios(out, rep)
 	printRelayLines(out, rep)
 	var bad []string
 	for _, r := range rep.Runs {
@@ -396,6 +432,8 @@ func (rep *report) n(qt string, v variant) int {
 	switch {
 	case v.isPG():
 		return rep.NPG
+	case v.isDynamo():
+		return rep.NDynamo
 	case v == outbox:
 		return rep.NOutbox[qt]
 	}
@@ -462,6 +500,8 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 		ids = "m-"
 	case pgUnique, pgDuplicate:
 		ids = "pg-m-"
+	case dynamoUnique, dynamoDuplicate:
+		ids = "dynamo-m-"
 	}
 	t0 := time.Now()
 	if err := e.brk.prefill(ctx, queue, ids, n, e.body); err != nil {
@@ -487,6 +527,27 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 			err = errors.Join(err, cerr)
 		}()
 		if v != pgDuplicate {
+			res.Effects = n
+		}
+	}
+
+	// A DynamoDB variant's store and effects table (dynamo.go).
+	var dr *dynRun
+	if v.isDynamo() {
+		if e.dyn == nil {
+			return res, fmt.Errorf("%s: DynamoDB variants skipped", v)
+		}
+		if dr, err = e.dyn.open(ctx, queue, prefix); err != nil {
+			return res, err
+		}
+		defer func() {
+			cctx, ccancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+			defer ccancel()
+			var cerr error
+			res.EffectRows, cerr = dr.close(cctx)
+			err = errors.Join(err, cerr)
+		}()
+		if v == dynamoUnique {
 			res.Effects = n
 		}
 	}
@@ -530,7 +591,12 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 			}
 		}()
 	}
-	c, err := e.start(ctx, qt, v, queue, prefix, pr, t, st)
+	var c consumer
+	if v.isDynamo() {
+		c, err = e.startDynamo(ctx, v, dr, queue, t)
+	} else {
+		c, err = e.start(ctx, qt, v, queue, prefix, pr, t, st)
+	}
 	if err != nil {
 		return res, err
 	}
@@ -613,6 +679,9 @@ func (e *env) units(qt string) [][]variant {
 	}
 	if e.pg != nil && qt == "classic" {
 		all = append(all, []variant{pgUnique, pgDuplicate}, []variant{pgNaive})
+	}
+	if e.dyn != nil && qt == "classic" {
+		all = append(all, []variant{dynamoUnique, dynamoDuplicate})
 	}
 	var u [][]variant
 	for _, group := range all {

@@ -11,8 +11,11 @@
 // internal/worker is the consumer itself. Scenarios 11a-11e run the
 // consumers on the PostgreSQL store (pgstore) with a sink that absorbs
 // nothing (pgrun_test.go). Scenario 16 runs the producer outbox's relay
-// (pgstore.Relay) as separate processes built from cmd/relay. See
-// README.md for what each scenario does and the results of a full run.
+// (pgstore.Relay) as separate processes built from cmd/relay. Scenarios
+// 17a-17b run the consumers on the DynamoDB store (dynamostore) with a
+// plain item per execution put in its TransactWriteItems (dynrun_test.go).
+// See README.md for what each scenario does and the results of a full
+// run.
 //
 // There is nothing to import here: the package holds only tests.
 package chaos

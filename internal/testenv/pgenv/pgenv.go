@@ -31,7 +31,7 @@ var postgres = &testenv.Service{
 	Image:     "postgres:15-alpine",
 	Help: `Start one of:
   make services                  (starts the local PostgreSQL cluster, if PostgreSQL is installed)
-  docker compose up -d --wait    (Redis, RabbitMQ and PostgreSQL from docker-compose.yml)
+  docker compose up -d --wait    (Redis, RabbitMQ, PostgreSQL and DynamoDB from docker-compose.yml)
   pg_ctlcluster 15 main start    (Debian, Ubuntu; then: createdb -U postgres test)
 or set PG_DSN=postgres://user@host:port/db to a running PostgreSQL,
 or start a Docker engine (the tests then run postgres:15-alpine through testcontainers-go).`,

@@ -2,7 +2,8 @@
 // amqpidem.Consumer whose handler writes to the run's PostgreSQL ledger and
 // follows the plan in each message (work, fail, crash in a chosen window).
 // With -store-pg it keeps its records in PostgreSQL (pgstore) instead of
-// Redis and inserts its effect in pgstore's transaction. With -stage-to it
+// Redis and inserts its effect in pgstore's transaction; with
+// -store-dynamo likewise in DynamoDB (dynamostore). With -stage-to it
 // is stage A of a two-stage pipeline: its handler stages one message per
 // operation for stage B (amqpidem.Stage) instead of writing the ledger.
 // The tests build it once per run and start, kill, pause and restart it.
@@ -73,6 +74,9 @@ func main() {
 	flag.IntVar(&cfg.Replicas, "replicas", 0, "lock Config.Replicas: wait for this many replicas on every write")
 	flag.StringVar(&cfg.StoreDSN, "store-pg", "", "keep the records in PostgreSQL (pgstore) at this DSN instead of Redis; the handler then inserts its effect in pgstore's transaction")
 	flag.StringVar(&cfg.StoreAppName, "store-app", "", "application_name of the pgstore connections (default <name>-store)")
+	flag.StringVar(&cfg.DynamoEndpoint, "store-dynamo", "", "keep the records in DynamoDB (dynamostore) on the server at this endpoint instead of Redis; the handler then puts its effect in dynamostore's transaction")
+	flag.StringVar(&cfg.DynamoTable, "dynamo-table", "", "with -store-dynamo: the records table")
+	flag.StringVar(&cfg.DynamoEffects, "dynamo-effects", "", "with -store-dynamo: the table of the handler's effect items")
 	flag.StringVar(&cfg.StageTo, "stage-to", "", "stage A of a pipeline: stage one message per operation with this routing key (amqpidem.Stage) instead of writing the ledger")
 	flag.StringVar(&cfg.StageExchange, "stage-exchange", "", "the exchange -stage-to's messages are published to (default: the default exchange, -stage-to naming a queue)")
 	flag.TextVar(&level, "log-level", slog.LevelWarn, "log level of the library's logs on stderr")

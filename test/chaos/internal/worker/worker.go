@@ -121,6 +121,14 @@ type Config struct {
 	// "-store".
 	StoreAppName string
 
+	// DynamoEndpoint, when set, selects the DynamoDB store (dynamostore)
+	// on the DynamoDB-compatible server at this endpoint instead of Redis
+	// (RedisAddr is then unused): the records live in DynamoTable
+	// (dynamostore.CreateTable must have made it), and the handler puts
+	// one item per execution in DynamoEffects in dynamostore's
+	// transaction (dynamo.go).
+	DynamoEndpoint, DynamoTable, DynamoEffects string
+
 	// StageTo, when set, makes the worker stage A of a two-stage pipeline
 	// (stage.go): its handler does the plan's work and stages one message
 	// per execution (amqpidem.Stage) to exchange StageExchange (empty: the
@@ -182,8 +190,8 @@ func New(ctx context.Context, cfg Config) (*Worker, error) {
 	switch {
 	case cfg.Name == "":
 		return nil, errors.New("worker: Config.Name is required")
-	case cfg.AMQPURL == "" || (cfg.RedisAddr == "" && cfg.StoreDSN == "") || cfg.PGDSN == "" || cfg.Schema == "":
-		return nil, errors.New("worker: Config.AMQPURL, RedisAddr (or StoreDSN), PGDSN and Schema are required")
+	case cfg.AMQPURL == "" || (cfg.RedisAddr == "" && cfg.StoreDSN == "" && cfg.DynamoEndpoint == "") || cfg.PGDSN == "" || cfg.Schema == "":
+		return nil, errors.New("worker: Config.AMQPURL, RedisAddr (or StoreDSN or DynamoEndpoint), PGDSN and Schema are required")
 	}
 	if cfg.Heartbeat == 0 {
 		cfg.Heartbeat = DefaultHeartbeat
@@ -270,6 +278,12 @@ func New(ctx context.Context, cfg Config) (*Worker, error) {
 		}
 		closers = append(closers, closePG)
 		st, handler, check = s, h, w.pgStore.Check
+	} else if cfg.DynamoEndpoint != "" {
+		s, h, ds, err := w.openDynamo()
+		if err != nil {
+			return nil, err
+		}
+		st, handler, check = s, h, ds.Check
 	} else {
 		if len(cfg.SentinelAddrs) > 0 {
 			w.rdb = redis.NewFailoverClient(&redis.FailoverOptions{

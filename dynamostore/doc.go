@@ -1,0 +1,147 @@
+// Package dynamostore keeps amqpidem's idempotency records in Amazon
+// DynamoDB, and lets a handler write its own DynamoDB items in the same
+// TransactWriteItems that completes the record: for effects that live in
+// DynamoDB, a message then takes effect exactly once, crashes included.
+//
+//	cfg, _ := config.LoadDefaultConfig(ctx)             // github.com/aws/aws-sdk-go-v2/config
+//	client := dynamodb.NewFromConfig(cfg)
+//	_ = dynamostore.CreateTable(ctx, client, dynamostore.Config{}) // once, at deployment
+//	store, _ := dynamostore.New(client, dynamostore.Config{})
+//	h := store.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
+//		tx.Put(&types.Put{
+//			TableName:           aws.String("payments"),
+//			Item:                map[string]types.AttributeValue{"id": &types.AttributeValueMemberS{Value: d.MessageId}},
+//			ConditionExpression: aws.String("attribute_not_exists(id)"),
+//		})
+//		return nil, nil
+//	})
+//	c, _ := amqpidem.NewConsumer(store, amqpidem.ConsumerConfig{...}, h)
+//
+// # The table
+//
+// One table holds the records of every Store that names it (Config.Table,
+// default "amqpidem_records"); Config.Prefix separates them. CreateTable
+// makes it; TableInput is its definition, for CloudFormation or Terraform:
+//
+//	partition key  pk   B   the prefix, a zero byte, then the idempotency key (up to 1089 bytes)
+//	sort key       none
+//	billing        PAY_PER_REQUEST (any mode works)
+//	TTL            on the attribute ttl (Unix seconds)
+//
+// A record is one item. Its other attributes: st (S: the state, one letter
+// as lock.State.Letter writes it, or "d" for a forgotten record), ow (S:
+// the latest lease's owner token), fe (N: its fence), dl (N: its deadline,
+// Unix ms), at (N: leases granted), fp (B: the fingerprint), cr and en (N:
+// created, and ended or 0, Unix ms), ex (N: when the record expires, Unix
+// ms), v (B: the result or error text), ttl. The binary attributes hold a
+// zero byte in front of their bytes, so that none is ever empty.
+//
+// # Guarantees
+//
+// Store is a lock.Store with the Redis store's state machine, answers and
+// limits; it passes the same conformance suite (internal/storetest). It
+// implements lock.Admin (Inspect reads an item with a strongly consistent
+// GetItem; Forget is compare-and-set on state and fence) and lock.Amender
+// (Amend is compare-and-set on state, fence and value, and changes only
+// the value).
+//
+//   - Atomic: every write is one conditional UpdateItem (or, for TxHandler,
+//     one TransactWriteItems) whose ConditionExpression checks what the
+//     writer relies on: a lease's writes check owner, fence, state and that
+//     the record has not expired; Acquire checks the item exactly as it read
+//     it (state, fence, deadline, expiry), and a failed condition returns
+//     the item (ReturnValuesOnConditionCheckFailure), from which Acquire
+//     decides again. A new key or a duplicate costs one request; taking
+//     over an expired or released lease, two.
+//   - Heartbeats: Extend renews each lease with a conditional UpdateItem of
+//     its own, Config.ExtendConcurrency at once, so one lost lease fails
+//     alone. (One TransactWriteItems for all would fail whole.)
+//   - Retry-safe: Acquire resends a lost answer with the same owner token
+//     and gets its own lease back; a retried Complete, Fail, Release or
+//     Cancel that finds its own write answers nil, and so does a retried
+//     Amend that finds its value.
+//   - Errors: lock.ErrUnavailable when DynamoDB did not answer or said "not
+//     now": throttling (ProvisionedThroughputExceeded, Throttling,
+//     RequestLimitExceeded), InternalServerError, ServiceUnavailable,
+//     transaction conflicts, a 5xx, a transport error, a missing table
+//     (its error says to create it), and a context deadline that passed
+//     (a cancelled context is returned as it is). The SDK
+//     retries some of these itself first (its retryer, 3 attempts by
+//     default), always within the caller's context: heartbeats and
+//     handlers bound it. lock.ErrLeaseLost when the lease is no longer
+//     held; lock.ErrBadRecord for an item this store cannot read.
+//
+// # Time: the clocks of the consumers, not of DynamoDB
+//
+// A DynamoDB condition cannot read the server's clock. So a lease's
+// deadline and a record's expiry are written as numbers computed from the
+// writer's clock (Config.Now), and compared with the clock of the process
+// that reads them, in the condition (ex > :now, and a takeover's
+// condition on the deadline it saw). This store therefore assumes that the
+// clocks of all processes sharing a table differ by at most
+// Config.MaxClockSkew (default 1 s; NTP or Amazon Time Sync keeps them
+// within milliseconds). An expired lease is taken over only once its
+// deadline is MaxClockSkew past by the taker's clock, so a holder whose
+// clock is behind by up to that much keeps its lease until its own
+// Lease.Deadline. A clock off by more than that can let a lease be taken
+// over while its holder still believes it holds it: two executions at
+// once, both fenced (the older one's writes are refused), but not undone.
+// Keep the lease TTL well above the skew.
+//
+// Expiry is judged in the conditions, never by the item's absence.
+// DynamoDB's TTL deletes expired items lazily (within days); the ttl
+// attribute is set Config.TTLDelay (default 24 h) after the record's
+// expiry, for cleanup only. An expired item that is still there is no
+// record to every method.
+//
+// # Fences
+//
+// Each new lease's fence is the higher of the last fence + 1 and the
+// taker's clock in microseconds (as the Redis store does with the server's
+// clock), so fences strictly increase per key while its item exists,
+// whatever the clocks do. The item outlives the record: it stays, expired,
+// until TTL deletes it at least TTLDelay later, and Forget leaves a
+// tombstone that keeps the fence. So a record made again after its item
+// was deleted gets a higher fence unless the taker's clock is behind the
+// deleted fence, that is behind by more than TTLDelay (plus the skew).
+//
+// # The transactional handler
+//
+// TxHandler runs the handler's function, which adds its writes (Put,
+// Update, Delete, ConditionCheck) to a Tx, then sends them with the
+// record's completion (conditional on owner, fence and state) in one
+// TransactWriteItems: the effects and the record commit together or not
+// at all. See TxHandler for what a cancelled transaction becomes, and
+// MaxTxItems and MaxTxBytes for the limits.
+//
+// # Limits
+//
+// A record is one item, at most 400 KB: Config.MaxResultSize may not
+// exceed MaxResultSizeLimit (396 KB), and the default is 64 KB
+// (lock.DefaultMaxResultSize). Every write of a record is one write
+// request unit per KB of the item, so large results cost on every
+// heartbeat as well.
+//
+// Exactly-once covers what the handler writes through Tx, in DynamoDB and
+// in the same region (a transaction does not span regions, and global
+// tables replicate it asynchronously: use one region's table for the
+// records of a consumer). Anything else the handler does happens at least
+// once: make it idempotent or fence it with amqpidem.FromContext(ctx).Fence.
+//
+// A consumer needs dynamodb:GetItem, UpdateItem, TransactWriteItems and
+// DescribeTable (Check) on the records table, and what its handler's
+// items need on theirs; CreateTable needs CreateTable, DescribeTable and
+// UpdateTimeToLive.
+//
+// This package's tests run against minidyn (github.com/truora/minidyn, an
+// open-source in-memory DynamoDB that scripts/dynamo.sh builds and starts),
+// and against Amazon's DynamoDB Local where Docker is available. minidyn
+// checks conditions, update expressions and transactions (with their
+// cancellation reasons) as DynamoDB does, but enforces none of the size
+// and count limits above, has no TTL (scripts/dynamo answers its API and
+// deletes nothing), and keeps numbers as 64-bit floats; it serves one
+// request at a time and copies every table a transaction writes (its
+// rollback snapshot), so its transactions slow down as the tables grow.
+// The service itself differs from both emulators in its limits,
+// throttling and timing.
+package dynamostore
