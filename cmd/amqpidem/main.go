@@ -1,12 +1,14 @@
 // Command amqpidem looks into and repairs what an amqpidem consumer keeps:
 // the record of an idempotency key (inspect, forget), the messages its
 // handler staged (outbox redrive) and the dead letters of a queue (dlq
-// list, dlq replay). Run "amqpidem --help" for the commands,
+// list, dlq replay); and it runs the relay of pgstore's producer outbox
+// (relay; relay list, status, redrive). Run "amqpidem --help" for the commands,
 // "amqpidem <command> --help" for one.
 //
 // Exit codes: 0 done; 1 failed (a service could not be reached, a publish
 // was not confirmed); 2 bad usage; 3 nothing found (no record, no
-// matching dead letter, no staged message to publish); 4 refused (a live
+// matching dead letter, no staged message to publish, no dead row to
+// re-drive); 4 refused (a live
 // lease without --force, a record that changed meanwhile, dead letters or
 // staged messages left in place).
 package main
@@ -96,11 +98,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 func newRoot(o *options) *cobra.Command {
 	root := &cobra.Command{
 		Use:   "amqpidem",
-		Short: "Inspect and repair amqpidem's records, staged messages and dead letters",
+		Short: "Inspect and repair amqpidem's records, staged messages and dead letters; relay the producer outbox",
 		Long: `amqpidem looks into what amqpidem consumers keep and repairs it:
 the record of an idempotency key in the store (Redis, or PostgreSQL with
 --postgres, or DynamoDB with --dynamodb-table) with the messages its
-handler staged, and the dead letters of a queue in RabbitMQ.
+handler staged, and the dead letters of a queue in RabbitMQ; and it runs
+the relay of pgstore's producer outbox (relay), and lists and re-drives
+its rows.
 
 Services come from flags, else from the environment:
   AMQPIDEM_REDIS_URL     (default redis://127.0.0.1:6379/0)
