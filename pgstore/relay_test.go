@@ -38,19 +38,8 @@ func newOutboxRig(t *testing.T) *outboxRig {
 	if err != nil {
 		t.Fatal(err)
 	}
-	conn, err := amqp.Dial(testenv.AMQPURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = conn.Close() })
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := &outboxRig{t: t, pool: pool, cfg: cfg, ob: ob, queue: testenv.Name(t), ch: ch}
-	if _, err := ch.QueueDeclare(r.queue, true, false, false, false, nil); err != nil {
-		t.Fatal(err)
-	}
+	r := &outboxRig{t: t, pool: pool, cfg: cfg, ob: ob, queue: testenv.Name(t)}
+	r.ch = queueChannel(t, r.queue)
 	t.Cleanup(func() { testenv.DeleteQueues(t, testenv.AMQPURL(t), r.queue) })
 	return r
 }

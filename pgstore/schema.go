@@ -16,8 +16,9 @@ const formatVersion = 1
 // tableComment marks a table made by this package's migration.
 var tableComment = fmt.Sprintf("amqpidem pgstore records, format %d", formatVersion)
 
-// migrationSQL is the schema, with {table}, {acquire}, {finish}, {index}
-// and {comment} replaced by quoted identifiers and the comment literal.
+// migrationSQL is the schema, with {table}, {acquire}, {finish} and
+// {index} replaced by quoted identifiers, and {checkformat} by the
+// table's formatCheckSQL.
 //
 // One row per (namespace, key). state: 'p' in progress (a lease: owner,
 // fence, deadline), 'c' completed (value: the result), 'f' failed (value:
@@ -57,17 +58,7 @@ CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at);
 
 -- The format this package reads. A table of another format is not
 -- touched: this release cannot use it.
-DO $do$
-DECLARE
-	found text := obj_description({tableliteral}::regclass, 'pg_class');
-BEGIN
-	IF found IS NULL THEN
-		COMMENT ON TABLE {table} IS {comment};
-	ELSIF found <> {comment} THEN
-		RAISE EXCEPTION 'amqpidem pgstore: table % says "%", this release needs "%"', {tableliteral}, found, {comment};
-	END IF;
-END
-$do$;
+{checkformat}
 
 -- acquire: take a lease on one key, or say why not. status: 1 acquired,
 -- 2 completed, 3 failed, 4 in progress, 5 conflict (another fingerprint).
@@ -215,8 +206,8 @@ const outboxFormatVersion = 1
 var outboxComment = fmt.Sprintf("amqpidem pgstore outbox, format %d", outboxFormatVersion)
 
 // outboxSQL is the producer outbox's table (see Outbox), with {outbox},
-// {outboxpending}, {outboxordered}, {outboxsent}, {outboxdead}, {outboxliteral} and
-// {outboxcomment} replaced.
+// {outboxpending}, {outboxordered}, {outboxsent}, {outboxdead} and
+// {checkoutboxformat} replaced.
 //
 // One row per message written. state: 'p' pending (to be published), 's'
 // sent (confirmed by the broker; kept for RelayConfig.Retention), 'd' dead
@@ -251,18 +242,38 @@ CREATE INDEX IF NOT EXISTS {outboxordered} ON {outbox} (order_key, txid, id) WHE
 CREATE INDEX IF NOT EXISTS {outboxsent} ON {outbox} (sent_at) WHERE state = 's';
 CREATE INDEX IF NOT EXISTS {outboxdead} ON {outbox} (id) WHERE state = 'd';
 
-DO $do$
+{checkoutboxformat}
+`
+
+// formatCheckSQL marks the table {table} as of the format {comment} (a
+// string literal), or, when it says another, refuses it: a table of
+// another format is not touched, this release cannot use it.
+const formatCheckSQL = `DO $do$
 DECLARE
-	found text := obj_description({outboxliteral}::regclass, 'pg_class');
+	found text := obj_description({tableliteral}::regclass, 'pg_class');
 BEGIN
 	IF found IS NULL THEN
-		COMMENT ON TABLE {outbox} IS {outboxcomment};
-	ELSIF found <> {outboxcomment} THEN
-		RAISE EXCEPTION 'amqpidem pgstore: table % says "%", this release needs "%"', {outboxliteral}, found, {outboxcomment};
+		COMMENT ON TABLE {table} IS {comment};
+	ELSIF found <> {comment} THEN
+		RAISE EXCEPTION 'amqpidem pgstore: table % says "%", this release needs "%"', {tableliteral}, found, {comment};
 	END IF;
 END
-$do$;
-`
+$do$;`
+
+// formatCheck is formatCheckSQL for the quoted, qualified table and the
+// comment text.
+func formatCheck(table, comment string) string {
+	return strings.NewReplacer(
+		"{table}", table,
+		"{tableliteral}", literal(table),
+		"{comment}", literal(comment),
+	).Replace(formatCheckSQL)
+}
+
+// literal quotes s as an SQL string literal.
+func literal(s string) string {
+	return "'" + strings.ReplaceAll(s, "'", "''") + "'"
+}
 
 // MigrationSQL returns the SQL that Migrate runs for cfg: the records
 // table, its index and its two functions, and the producer outbox's table
@@ -280,8 +291,7 @@ func MigrationSQL(cfg Config) (string, error) {
 		"{acquire}", n.acquire,
 		"{finish}", n.finish,
 		"{index}", n.index,
-		"{comment}", "'"+tableComment+"'",
-		"{tableliteral}", "'"+strings.ReplaceAll(n.table, "'", "''")+"'",
+		"{checkformat}", formatCheck(n.table, tableComment),
 		"{clockus}", "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
 		"{locktimeout}", lockTimeout,
 		"{outbox}", n.outbox,
@@ -289,8 +299,7 @@ func MigrationSQL(cfg Config) (string, error) {
 		"{outboxordered}", n.outboxOrdered,
 		"{outboxsent}", n.outboxSent,
 		"{outboxdead}", n.outboxDead,
-		"{outboxliteral}", "'"+strings.ReplaceAll(n.outbox, "'", "''")+"'",
-		"{outboxcomment}", "'"+outboxComment+"'",
+		"{checkoutboxformat}", formatCheck(n.outbox, outboxComment),
 	).Replace(migrationSQL + outboxSQL)
 	if cfg.Schema != "" {
 		sql = "CREATE SCHEMA IF NOT EXISTS " + pgx.Identifier{cfg.Schema}.Sanitize() + ";\n" + sql

@@ -34,14 +34,11 @@ type rig struct {
 	ch     *amqp.Channel
 }
 
-func newRig(t *testing.T) *rig {
+// queueChannel returns a channel on a connection of the test's own, closed
+// in t.Cleanup, after declaring queue as the Consumer declares it:
+// durable, classic, no arguments.
+func queueChannel(t *testing.T, queue string) *amqp.Channel {
 	t.Helper()
-	pool := pgenv.Pool(t, 16)
-	cfg := schema(t, pool, pgstore.Config{CleanupInterval: -1})
-	ctx := context.Background()
-	if _, err := pool.Exec(ctx, "CREATE TABLE "+pgx.Identifier{cfg.Schema, "effects"}.Sanitize()+" (op text NOT NULL)"); err != nil {
-		t.Fatal(err)
-	}
 	conn, err := amqp.Dial(testenv.AMQPURL(t))
 	if err != nil {
 		t.Fatal(err)
@@ -51,15 +48,26 @@ func newRig(t *testing.T) *rig {
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := &rig{t: t, pool: pool, cfg: cfg, store: newStore(t, pool, cfg), queue: testenv.Name(t),
-		events: make(chan amqpidem.Event, 100), ch: ch}
-	// As the Consumer declares it: durable, classic, no arguments.
-	if _, err := ch.QueueDeclare(r.queue, true, false, false, false, nil); err != nil {
+	if _, err := ch.QueueDeclare(queue, true, false, false, false, nil); err != nil {
 		t.Fatal(err)
 	}
+	return ch
+}
+
+func newRig(t *testing.T) *rig {
+	t.Helper()
+	pool := pgenv.Pool(t, 16)
+	cfg := schema(t, pool, pgstore.Config{CleanupInterval: -1})
+	ctx := context.Background()
+	if _, err := pool.Exec(ctx, "CREATE TABLE "+pgx.Identifier{cfg.Schema, "effects"}.Sanitize()+" (op text NOT NULL)"); err != nil {
+		t.Fatal(err)
+	}
+	r := &rig{t: t, pool: pool, cfg: cfg, store: newStore(t, pool, cfg), queue: testenv.Name(t),
+		events: make(chan amqpidem.Event, 100)}
+	r.ch = queueChannel(t, r.queue)
 	t.Cleanup(func() {
 		for _, q := range []string{r.queue, r.queue + ".dlq"} {
-			_, _ = ch.QueueDelete(q, false, false, false)
+			_, _ = r.ch.QueueDelete(q, false, false, false)
 		}
 	})
 	return r

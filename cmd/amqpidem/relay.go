@@ -130,6 +130,19 @@ func (o *options) openOutbox(ctx context.Context, ro *relayOptions) (*pgstore.Ou
 	return ob, pool, nil
 }
 
+// withOutbox runs fn with the outbox of --postgres and a context bounded
+// by --timeout, then releases the connections.
+func (o *options) withOutbox(ctx context.Context, ro *relayOptions, fn func(ctx context.Context, ob *pgstore.Outbox) error) error {
+	ob, pool, err := o.openOutbox(ctx, ro)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	ctx, cancel := context.WithTimeout(ctx, o.timeout)
+	defer cancel()
+	return fn(ctx, ob)
+}
+
 func runRelay(ctx context.Context, o *options, ro *relayOptions) error {
 	ob, pool, err := o.openOutbox(ctx, ro)
 	if err != nil {
@@ -163,51 +176,46 @@ func runRelay(ctx context.Context, o *options, ro *relayOptions) error {
 }
 
 func runRelayList(ctx context.Context, o *options, ro *relayOptions) error {
-	ob, pool, err := o.openOutbox(ctx, ro)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	ctx, cancel := context.WithTimeout(ctx, o.timeout)
-	defer cancel()
-	rows, err := ob.List(ctx, ro.state, ro.after, ro.limit)
-	if err != nil {
-		if errors.Is(err, pgstore.ErrOutboxState) {
-			return withCode(exitUsage, "--state: %w", err)
-		}
-		return withCode(exitFailed, "%w", err)
-	}
-	if o.json {
-		out := make([]rowJSON, 0, len(rows))
-		for _, r := range rows {
-			j := rowJSON{ID: r.ID, State: r.State, MessageID: r.MessageID, OrderKey: r.OrderKey, Exchange: r.Exchange,
-				RoutingKey: r.RoutingKey, Attempts: r.Attempts, LastError: r.LastError, CreatedAt: r.CreatedAt,
-				SentAt: timePtr(r.SentAt), BodyBytes: len(r.Publishing.Body)}
-			if r.Err != nil {
-				j.Unreadable = r.Err.Error()
+	return o.withOutbox(ctx, ro, func(ctx context.Context, ob *pgstore.Outbox) error {
+		rows, err := ob.List(ctx, ro.state, ro.after, ro.limit)
+		if err != nil {
+			if errors.Is(err, pgstore.ErrOutboxState) {
+				return withCode(exitUsage, "--state: %w", err)
 			}
-			out = append(out, j)
+			return withCode(exitFailed, "%w", err)
 		}
-		return printJSON(o.stdout, out)
-	}
-	if len(rows) == 0 {
-		fmt.Fprintf(o.stdout, "no %s rows\n", ro.state)
+		if o.json {
+			out := make([]rowJSON, 0, len(rows))
+			for _, r := range rows {
+				j := rowJSON{ID: r.ID, State: r.State, MessageID: r.MessageID, OrderKey: r.OrderKey, Exchange: r.Exchange,
+					RoutingKey: r.RoutingKey, Attempts: r.Attempts, LastError: r.LastError, CreatedAt: r.CreatedAt,
+					SentAt: timePtr(r.SentAt), BodyBytes: len(r.Publishing.Body)}
+				if r.Err != nil {
+					j.Unreadable = r.Err.Error()
+				}
+				out = append(out, j)
+			}
+			return printJSON(o.stdout, out)
+		}
+		if len(rows) == 0 {
+			fmt.Fprintf(o.stdout, "no %s rows\n", ro.state)
+			return nil
+		}
+		t := [][]string{{"ID", "MESSAGE ID", "EXCHANGE", "ROUTING KEY", "ATTEMPTS", "CREATED", "LAST ERROR"}}
+		for _, r := range rows {
+			last := r.LastError
+			if r.Err != nil {
+				last = "unreadable: " + r.Err.Error()
+			}
+			t = append(t, []string{strconv.FormatInt(r.ID, 10), oneLine(r.MessageID, 40), oneLine(orDash(r.Exchange), 30),
+				oneLine(orDash(r.RoutingKey), 40), strconv.Itoa(r.Attempts), when(r.CreatedAt), oneLine(orDash(last), 200)})
+		}
+		table(o.stdout, t)
+		if len(rows) == ro.limit {
+			fmt.Fprintf(o.stdout, "more may follow: --after %d\n", rows[len(rows)-1].ID)
+		}
 		return nil
-	}
-	t := [][]string{{"ID", "MESSAGE ID", "EXCHANGE", "ROUTING KEY", "ATTEMPTS", "CREATED", "LAST ERROR"}}
-	for _, r := range rows {
-		last := r.LastError
-		if r.Err != nil {
-			last = "unreadable: " + r.Err.Error()
-		}
-		t = append(t, []string{strconv.FormatInt(r.ID, 10), oneLine(r.MessageID, 40), oneLine(orDash(r.Exchange), 30),
-			oneLine(orDash(r.RoutingKey), 40), strconv.Itoa(r.Attempts), when(r.CreatedAt), oneLine(orDash(last), 200)})
-	}
-	table(o.stdout, t)
-	if len(rows) == ro.limit {
-		fmt.Fprintf(o.stdout, "more may follow: --after %d\n", rows[len(rows)-1].ID)
-	}
-	return nil
+	})
 }
 
 func runRelayRedrive(ctx context.Context, o *options, ro *relayOptions, args []string) error {
@@ -222,16 +230,15 @@ func runRelayRedrive(ctx context.Context, o *options, ro *relayOptions, args []s
 		}
 		ids = append(ids, id)
 	}
-	ob, pool, err := o.openOutbox(ctx, ro)
+	var n int64
+	err := o.withOutbox(ctx, ro, func(ctx context.Context, ob *pgstore.Outbox) (err error) {
+		if n, err = ob.Redrive(ctx, ids...); err != nil {
+			return withCode(exitFailed, "%w", err)
+		}
+		return nil
+	})
 	if err != nil {
 		return err
-	}
-	defer pool.Close()
-	ctx, cancel := context.WithTimeout(ctx, o.timeout)
-	defer cancel()
-	n, err := ob.Redrive(ctx, ids...)
-	if err != nil {
-		return withCode(exitFailed, "%w", err)
 	}
 	if o.json {
 		if err := printJSON(o.stdout, map[string]int64{"redriven": n}); err != nil {
@@ -247,27 +254,22 @@ func runRelayRedrive(ctx context.Context, o *options, ro *relayOptions, args []s
 }
 
 func runRelayStatus(ctx context.Context, o *options, ro *relayOptions) error {
-	ob, pool, err := o.openOutbox(ctx, ro)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	ctx, cancel := context.WithTimeout(ctx, o.timeout)
-	defer cancel()
-	n, oldest, err := ob.Backlog(ctx)
-	if err != nil {
-		return withCode(exitFailed, "%w", err)
-	}
-	dead, err := ob.Dead(ctx)
-	if err != nil {
-		return withCode(exitFailed, "%w", err)
-	}
-	if o.json {
-		return printJSON(o.stdout, map[string]any{"pending": n, "oldest_pending_seconds": oldest.Seconds(), "dead": dead})
-	}
-	fmt.Fprintf(o.stdout, "pending: %d (oldest %v)\ndead: %d\n", n, oldest.Round(time.Millisecond), dead)
-	if dead > 0 {
-		fmt.Fprintln(o.stdout, "list the dead rows with: amqpidem relay list --state dead")
-	}
-	return nil
+	return o.withOutbox(ctx, ro, func(ctx context.Context, ob *pgstore.Outbox) error {
+		n, oldest, err := ob.Backlog(ctx)
+		if err != nil {
+			return withCode(exitFailed, "%w", err)
+		}
+		dead, err := ob.Dead(ctx)
+		if err != nil {
+			return withCode(exitFailed, "%w", err)
+		}
+		if o.json {
+			return printJSON(o.stdout, map[string]any{"pending": n, "oldest_pending_seconds": oldest.Seconds(), "dead": dead})
+		}
+		fmt.Fprintf(o.stdout, "pending: %d (oldest %v)\ndead: %d\n", n, oldest.Round(time.Millisecond), dead)
+		if dead > 0 {
+			fmt.Fprintln(o.stdout, "list the dead rows with: amqpidem relay list --state dead")
+		}
+		return nil
+	})
 }

@@ -135,6 +135,10 @@ func TestRelayCommand(t *testing.T) {
 		t.Fatalf("list:\n%s", out)
 	}
 	cli(2, "relay", "list", "--state", "stuck")
+	if out, err := exec.Command(bin, "relay", "redrive", "--all").CombinedOutput(); err == nil ||
+		err.(*exec.ExitError).ExitCode() != 2 || !strings.Contains(string(out), "--postgres") {
+		t.Fatalf("relay redrive without --postgres: %v\n%s", err, out)
+	}
 	cli(2, "relay", "redrive")
 	cli(2, "relay", "redrive", "x1")
 	if _, err := ch.QueueDeclare(queue+"-later", true, false, false, false, nil); err != nil {
