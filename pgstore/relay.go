@@ -237,7 +237,7 @@ func NewRelay(o *Outbox, cfg RelayConfig) (*Relay, error) {
 					due_at = clock_timestamp() + x.wait * interval '1 millisecond'
 				FROM unnest($3::bigint[], $4::text[], $5::bigint[]) AS x(id, err, wait)
 				WHERE t.id = x.id AND t.state = 'p' AND t.claimed_by = $1
-				RETURNING t.state`,
+				RETURNING t.id, t.state`,
 			release: `UPDATE ` + t + ` SET claimed_by = NULL, due_at = clock_timestamp() + $3 * interval '1 millisecond'
 				WHERE id = ANY($2) AND state = 'p' AND claimed_by = $1`,
 			listen: "LISTEN " + pgx.Identifier{o.n.outboxChannel}.Sanitize(),
@@ -407,17 +407,15 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 		r.published.Add(uint64(len(sent)))
 	}
 	if len(refusedIDs) > 0 {
-		states, err := r.refuse(mctx, refusedIDs, reasons, waits)
+		dead, err := r.refuse(mctx, refusedIDs, reasons, waits)
 		if err != nil {
 			return len(rows), err
 		}
-		for _, s := range states {
-			if s == "d" {
-				r.dead.Add(1)
-				r.log.Error("pgstore: relay: a message is dead after being refused MaxAttempts times: list it with "+
-					"`amqpidem relay list --state dead`, re-drive it with `amqpidem relay redrive`",
-					"relay", r.cfg.Name, "max_attempts", r.cfg.MaxAttempts)
-			}
+		for _, id := range dead {
+			r.dead.Add(1)
+			r.log.Error("pgstore: relay: a message is dead after being refused MaxAttempts times: list it with "+
+				"`amqpidem relay list --state dead`, re-drive it with `amqpidem relay redrive`",
+				"relay", r.cfg.Name, "id", id, "max_attempts", r.cfg.MaxAttempts)
 		}
 	}
 	if len(unavailable) > 0 {
@@ -452,25 +450,29 @@ func (r *Relay) claim(ctx context.Context) ([]claimed, error) {
 	return rows, nil
 }
 
-// refuse records the broker's refusals and returns the rows' new states.
-func (r *Relay) refuse(ctx context.Context, ids []int64, reasons []string, waits []int64) ([]string, error) {
+// refuse records the broker's refusals and returns the IDs of the rows
+// that are dead now.
+func (r *Relay) refuse(ctx context.Context, ids []int64, reasons []string, waits []int64) ([]int64, error) {
 	q, err := r.o.pool.Query(ctx, r.sql.refuse, r.cfg.Name, r.cfg.MaxAttempts, ids, reasons, waits)
 	if err != nil {
 		return nil, fmt.Errorf("record %d refusals: %w", len(ids), classify(err))
 	}
-	var states []string
+	var dead []int64
 	for q.Next() {
-		var s string
-		if err := q.Scan(&s); err != nil {
+		var id int64
+		var state string
+		if err := q.Scan(&id, &state); err != nil {
 			q.Close()
 			return nil, fmt.Errorf("record %d refusals: %w", len(ids), classify(err))
 		}
-		states = append(states, s)
+		if state == "d" {
+			dead = append(dead, id)
+		}
 	}
 	if err := q.Err(); err != nil {
 		return nil, fmt.Errorf("record %d refusals: %w", len(ids), classify(err))
 	}
-	return states, nil
+	return dead, nil
 }
 
 // publish decodes a stored message and publishes it, waiting
