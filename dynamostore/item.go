@@ -130,18 +130,17 @@ func decode(key string, item map[string]types.AttributeValue) (record, error) {
 	r.state = getS(attrState)
 	r.fence = getN(attrFence)
 	r.expires = getN(attrExpires)
-	if r.state == stateForgotten {
-		return r, err
+	if r.state != stateForgotten { // a tombstone keeps only these
+		r.owner = getS(attrOwner)
+		r.deadline = getN(attrDeadline)
+		r.attempts = getN(attrAttempts)
+		r.fingerprint = string(getB(attrFingerprint))
+		r.created = getN(attrCreated)
+		r.ended = getN(attrEnded)
+		r.value = getB(attrValue)
 	}
-	r.owner = getS(attrOwner)
-	r.deadline = getN(attrDeadline)
-	r.attempts = getN(attrAttempts)
-	r.fingerprint = string(getB(attrFingerprint))
-	r.created = getN(attrCreated)
-	r.ended = getN(attrEnded)
-	r.value = getB(attrValue)
 	switch {
-	case err != nil:
+	case err != nil, r.state == stateForgotten:
 	case len(r.state) != 1 || lock.StateOf(r.state[0]).Letter() == 0:
 		err = fmt.Errorf("state %q unknown", r.state)
 	}
