@@ -16,27 +16,33 @@ import (
 	"github.com/amqpidem/amqpidem/internal/testenv"
 )
 
-// The consumer binary is built once per test binary, into a directory
-// removed by TestMain.
-var consumerBin struct {
+// program is a command of cmd/ built once per test binary (with -race when
+// buildRace says so) into a temporary directory that TestMain removes.
+type program struct {
+	pkg  string // such as "./cmd/consumer"
 	once sync.Once
 	dir  string
-	path string
+	path string // set once built
 	err  error
 }
 
+// The programs the scenarios run as processes.
+var (
+	consumerBin = &program{pkg: "./cmd/consumer"}
+	relayBin    = &program{pkg: "./cmd/relay"}
+)
+
 func TestMain(m *testing.M) {
 	code := m.Run()
-	if consumerBin.dir != "" {
-		os.RemoveAll(consumerBin.dir)
-	}
-	if relayBin.dir != "" {
-		os.RemoveAll(relayBin.dir)
+	for _, p := range []*program{consumerBin, relayBin} {
+		if p.dir != "" {
+			os.RemoveAll(p.dir)
+		}
 	}
 	os.Exit(code)
 }
 
-// buildRace says whether the consumer is built with the race detector:
+// buildRace says whether the programs are built with the race detector:
 // when the tests are (make test), unless CHAOS_RACE=0; always with
 // CHAOS_RACE=1.
 func buildRace() bool {
@@ -49,36 +55,42 @@ func buildRace() bool {
 	return raceEnabled
 }
 
-// consumerBinary returns the path of the consumer program, building it on
-// first use.
-func consumerBinary(t *testing.T) string {
+// build returns the path of p's binary, building it on first use; a
+// failed build fails t.
+func (p *program) build(t *testing.T) string {
 	t.Helper()
-	consumerBin.once.Do(func() {
+	p.once.Do(func() {
 		dir, err := os.MkdirTemp("", "amqpidem-chaos-")
 		if err != nil {
-			consumerBin.err = err
+			p.err = err
 			return
 		}
-		consumerBin.dir = dir
-		path := filepath.Join(dir, "consumer")
+		p.dir = dir
+		path := filepath.Join(dir, filepath.Base(p.pkg))
 		args := []string{"build", "-o", path}
 		if buildRace() {
 			args = append(args, "-race")
 		}
-		args = append(args, "./cmd/consumer")
+		args = append(args, p.pkg)
 		// go test puts its own go command first on PATH.
-		cmd := exec.Command("go", args...)
-		out, err := cmd.CombinedOutput()
+		out, err := exec.Command("go", args...).CombinedOutput()
 		if err != nil {
-			consumerBin.err = fmt.Errorf("go %s: %v\n%s", strings.Join(args, " "), err, out)
+			p.err = fmt.Errorf("go %s: %v\n%s", strings.Join(args, " "), err, out)
 			return
 		}
-		consumerBin.path = path
+		p.path = path
 	})
-	if consumerBin.err != nil {
-		t.Fatalf("building the consumer: %v", consumerBin.err)
+	if p.err != nil {
+		t.Fatalf("building %s: %v", p.pkg, p.err)
 	}
-	return consumerBin.path
+	return p.path
+}
+
+// consumerBinary returns the path of the consumer program, building it on
+// first use.
+func consumerBinary(t *testing.T) string {
+	t.Helper()
+	return consumerBin.build(t)
 }
 
 // proc is one consumer process.

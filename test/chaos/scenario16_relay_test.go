@@ -565,42 +565,10 @@ func (e *env) drainTap(tap string, urls []string) (copies map[string]int, order 
 	return copies, order
 }
 
-// The relay binary is built once per test binary, like the consumer's.
-var relayBin struct {
-	once sync.Once
-	dir  string
-	path string
-	err  error
-}
-
-// relayBinary returns the path of cmd/relay, building it on first use
-// (with -race when the consumer is).
+// relayBinary returns the path of cmd/relay, building it on first use.
 func relayBinary(t *testing.T) string {
 	t.Helper()
-	relayBin.once.Do(func() {
-		dir, err := os.MkdirTemp("", "amqpidem-chaos-relay-")
-		if err != nil {
-			relayBin.err = err
-			return
-		}
-		relayBin.dir = dir
-		path := filepath.Join(dir, "relay")
-		args := []string{"build", "-o", path}
-		if buildRace() {
-			args = append(args, "-race")
-		}
-		args = append(args, "./cmd/relay")
-		out, err := exec.Command("go", args...).CombinedOutput()
-		if err != nil {
-			relayBin.err = fmt.Errorf("go %s: %v\n%s", strings.Join(args, " "), err, out)
-			return
-		}
-		relayBin.path = path
-	})
-	if relayBin.err != nil {
-		t.Fatalf("building the relay: %v", relayBin.err)
-	}
-	return relayBin.path
+	return relayBin.build(t)
 }
 
 // startRelay starts a relay process named name on the env's outbox (its
