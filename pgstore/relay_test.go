@@ -497,3 +497,30 @@ func TestRelayBrokerDown(t *testing.T) {
 		t.Errorf("a lost connection counted as %d refusals, %d dead", ref, dead)
 	}
 }
+
+// TestRelayCleansUpUnderLoad: the relay deletes sent rows past Retention
+// while full batches keep it busy, not only once the table is drained.
+func TestRelayCleansUpUnderLoad(t *testing.T) {
+	r := newOutboxRig(t)
+	const n = 300
+	msgs := make([]pgstore.Message, n)
+	for i := range msgs {
+		msgs[i] = r.msg(fmt.Sprint(i))
+	}
+	r.write(true, msgs...)
+	r.relay(pgstore.RelayConfig{Batch: 1, Concurrency: 1, Retention: time.Millisecond, CleanupInterval: 10 * time.Millisecond})
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		pending, sent := r.count("p"), r.count("s")
+		if pending == 0 {
+			t.Fatalf("every row was sent before any sent row was deleted (%d sent rows kept)", sent)
+		}
+		if pending+sent < n {
+			return // deleted while rows were still pending
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after 20 s: %d pending, %d sent, none deleted", pending, sent)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
