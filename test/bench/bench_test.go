@@ -172,6 +172,14 @@ func TestShortRun(t *testing.T) {
 	} else if rep.PGSkipped == "" {
 		t.Errorf("relay phase skipped: %s", rep.RelaySkipped)
 	}
+	// Then issue 26's PostgreSQL lines.
+	if rep.PGSkipped == "" {
+		want = append(want, `^ratio pg-unique/pg-naive classic \d+\.\d\d$`)
+		if !rep.PGCPU {
+			t.Error("PostgreSQL's CPU was not measured: its postmaster is not readable here")
+		}
+		want = append(want, `^pg_cpu_us pg-unique classic \d+\.\d$`, `^pg_cpu_us pg-naive classic \d+\.\d$`)
+	}
 	if len(lines) < len(want) {
 		t.Fatalf("output has %d lines, want at least %d", len(lines), len(want))
 	}

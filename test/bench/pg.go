@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -611,6 +613,30 @@ func (e *env) startPG(ctx context.Context, v variant, r *pgRun, queue, prefix st
 		leaseTTL: leaseTTL, retention: retention,
 		handler: r.store.TxHandler(e.pg.pgTxFunc(queue)), want: want,
 	}, t)
+}
+
+// printPGLines prints issue 26's PostgreSQL lines, last: pg-unique's
+// median rate over pg-naive's, and each one's PostgreSQL CPU per message
+// in µs (every server process, as in the table; left out where the
+// server's processes are not readable here). None when either variant
+// did not run.
+func printPGLines(out io.Writer, rep *report) {
+	measured := rep.Variants["classic"]
+	if !slices.Contains(measured, pgUnique) || !slices.Contains(measured, pgNaive) {
+		return
+	}
+	r := 0.0
+	if n := median(rates(rep.Runs, "classic", pgNaive)); n > 0 {
+		r = median(rates(rep.Runs, "classic", pgUnique)) / n
+	}
+	fmt.Fprintf(out, "ratio pg-unique/pg-naive classic %.2f\n", r)
+	if !rep.PGCPU {
+		return
+	}
+	for _, v := range []variant{pgUnique, pgNaive} {
+		cpu := perMessage(rep.Runs, "classic", v, func(r runResult) float64 { return float64(r.PGCPU) })
+		fmt.Fprintf(out, "pg_cpu_us %s classic %.1f\n", v, cpu/1e3)
+	}
 }
 
 // redactDSN hides a DSN's password.

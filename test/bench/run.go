@@ -115,6 +115,9 @@ type report struct {
 	WaitSkipped string
 	PGSchema    string
 	PGDropped   bool
+	// PGCPU says whether the PostgreSQL server's processes were readable
+	// here, so that its CPU per message was measured.
+	PGCPU bool
 	// NDynamo is the messages of each DynamoDB run (-dynamo-n, or -n);
 	// DynamoSkipped says why the
 	// DynamoDB variants did not run ("" when they did).
@@ -409,6 +412,7 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 	printAllocs(out, rep)
 	printDynamoRatios(out, rep)
 	printRelayLines(out, rep)
+	printPGLines(out, rep)
 	var bad []string
 	for _, r := range rep.Runs {
 		if r.Unexpected > 0 {
@@ -723,7 +727,7 @@ func (e *env) openPG(ctx context.Context, rep *report) error {
 		e.pgHint = pgStartHint(e.opts.PGDSN)
 		return nil
 	}
-	e.pg, rep.PGSchema = p, p.schema
+	e.pg, rep.PGSchema, rep.PGCPU = p, p.schema, p.postmaster != 0
 	return nil
 }
 
