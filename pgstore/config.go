@@ -45,7 +45,7 @@ type Config struct {
 	// Migrate creates it if it does not exist.
 	Schema string
 	// Table is the records table. Migrate also creates the functions
-	// "<Table>_acquire" and "<Table>_finish" and the index
+	// "<Table>_acquire", "<Table>_finish" and "<Table>_finish_tx" and the index
 	// "<Table>_expires" in the same schema. At most 50 bytes. Default
 	// DefaultTable.
 	Table string
@@ -128,6 +128,7 @@ func (c Config) withDefaults() Config {
 // creates.
 type names struct {
 	table, acquire, finish string
+	finishTx               string // finish, raising where finish answers 0
 	index                  string // unqualified, as CREATE INDEX wants it
 
 	outbox                       string // the producer outbox's table
@@ -149,10 +150,11 @@ func (c Config) names() names {
 		return pgx.Identifier{c.Schema, name}.Sanitize()
 	}
 	return names{
-		table:   qual(c.Table),
-		acquire: qual(c.Table + "_acquire"),
-		finish:  qual(c.Table + "_finish"),
-		index:   pgx.Identifier{c.Table + "_expires"}.Sanitize(),
+		table:    qual(c.Table),
+		acquire:  qual(c.Table + "_acquire"),
+		finish:   qual(c.Table + "_finish"),
+		finishTx: qual(c.Table + "_finish_tx"),
+		index:    pgx.Identifier{c.Table + "_expires"}.Sanitize(),
 
 		outbox:        qual(c.OutboxTable),
 		outboxPending: pgx.Identifier{c.OutboxTable + "_pending"}.Sanitize(),

@@ -87,6 +87,15 @@
 //     reads the record: completed (a duplicate, acked) or not (it runs
 //     again, since the effects rolled back with it).
 //
+// The completion and the COMMIT go to the server together, in one round
+// trip: the completion is the function <Table>_finish_tx, which raises
+// (SQLSTATE AQ001) where the lease is no longer held, so that the server
+// skips the COMMIT sent after it and the transaction rolls back. A new
+// message costs four round trips: Acquire, BEGIN, the handler's
+// statements, completion with COMMIT. A database migrated by a release
+// without that function makes TxHandler's completion fail as unavailable
+// (nothing commits; the message waits) and Check say to run Migrate.
+//
 // # The lease model, and why
 //
 // A lease is a row with a deadline, renewed by package heartbeat: one

@@ -196,6 +196,26 @@ BEGIN
 	RETURN CASE WHEN FOUND THEN 1 ELSE 0 END;
 END
 $fn$;
+
+-- finish_tx: finish, for a call sent together with the COMMIT of the
+-- transaction it runs in (TxHandler sends both in one round trip): where
+-- finish answers 0 (the lease is no longer held) it raises SQLSTATE AQ001
+-- instead, so that the transaction is aborted and the COMMIT after it
+-- rolls back. (An answer of 0 would let that COMMIT commit the handler's
+-- writes without the record.)
+CREATE OR REPLACE FUNCTION {finishtx}(p_ns text, p_key bytea, p_owner text, p_fence bigint,
+	p_state text, p_value bytea, p_ret_ms bigint)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $fn$
+BEGIN
+	IF {finish}(p_ns, p_key, p_owner, p_fence, p_state, p_value, p_ret_ms) <> 1 THEN
+		RAISE EXCEPTION 'amqpidem: the lease is no longer held (key %, fence %)', encode(p_key, 'escape'), p_fence
+			USING ERRCODE = '{leaselost}';
+	END IF;
+END
+$fn$;
 `
 
 // outboxFormatVersion is the version of the producer outbox table's layout,
@@ -276,7 +296,7 @@ func literal(s string) string {
 }
 
 // MigrationSQL returns the SQL that Migrate runs for cfg: the records
-// table, its index and its two functions, and the producer outbox's table
+// table, its index and its three functions, and the producer outbox's table
 // and its indexes, each created only if missing (the functions are
 // replaced). Apply it with your own migration tool if you
 // prefer; Check tells whether a database has it.
@@ -290,6 +310,8 @@ func MigrationSQL(cfg Config) (string, error) {
 		"{table}", n.table,
 		"{acquire}", n.acquire,
 		"{finish}", n.finish,
+		"{finishtx}", n.finishTx,
+		"{leaselost}", leaseLostCode,
 		"{index}", n.index,
 		"{checkformat}", formatCheck(n.table, tableComment),
 		"{clockus}", "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
@@ -306,6 +328,10 @@ func MigrationSQL(cfg Config) (string, error) {
 	}
 	return sql, nil
 }
+
+// leaseLostCode is the SQLSTATE finish_tx raises when the lease is
+// no longer held.
+const leaseLostCode = "AQ001"
 
 // lockTimeout bounds how long the functions wait for a record row that
 // another transaction holds.

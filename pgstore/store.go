@@ -1,6 +1,7 @@
 package pgstore
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -8,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/amqpidem/amqpidem/lock"
@@ -33,7 +35,7 @@ var _ lock.Store = (*Store)(nil)
 
 // statements are the SQL texts of the Store's calls, for its Config.
 type statements struct {
-	acquire, finish, extend, stillHeld, cleanup, check, amend string
+	acquire, finish, finishTx, extend, stillHeld, cleanup, check, amend string
 }
 
 // New returns a Store on pool. It does no I/O: the table must exist
@@ -62,6 +64,8 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 		sql: statements{
 			acquire: "SELECT status, fence, attempts, remaining_ms, value FROM " + n.acquire + "($1, $2, $3, $4, $5, $6)",
 			finish:  "SELECT " + n.finish + "($1, $2, $3, $4, $5, $6, $7)",
+			// finish_tx answers nothing: it raises where finish answers 0.
+			finishTx: "SELECT " + n.finishTx + "($1, $2, $3, $4, $5, $6, $7)",
 			// Rows another transaction holds are skipped, not waited for:
 			// one held row must not delay the renewal of all the others.
 			extend: `WITH x AS (
@@ -107,7 +111,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 				FROM now
 				WHERE t.ns = $1 AND t.key = $2 AND t.state = 'c' AND t.fence = $3 AND t.expires_at > now.ts
 					AND coalesce(t.value, '') IN (coalesce($4::bytea, ''), coalesce($5::bytea, ''))`,
-			check: "SELECT obj_description(to_regclass($1), 'pg_class'), to_regprocedure($2) IS NOT NULL, to_regprocedure($3) IS NOT NULL",
+			check: "SELECT obj_description(to_regclass($1), 'pg_class'), to_regprocedure($2) IS NOT NULL, to_regprocedure($3) IS NOT NULL, to_regprocedure($4) IS NOT NULL",
 		},
 		done: make(chan struct{}),
 	}
@@ -146,14 +150,15 @@ func (s *Store) Ping(ctx context.Context) error {
 func (s *Store) Check(ctx context.Context) error {
 	n := s.cfg.names()
 	var comment *string
-	var acquire, finish bool
+	var acquire, finish, finishTx bool
+	finishArgs := "(text, bytea, text, bigint, text, bytea, bigint)"
 	err := s.pool.QueryRow(ctx, s.sql.check, n.table,
 		n.acquire+"(text, bytea, text, bigint, bigint, bytea)",
-		n.finish+"(text, bytea, text, bigint, text, bytea, bigint)").Scan(&comment, &acquire, &finish)
+		n.finish+finishArgs, n.finishTx+finishArgs).Scan(&comment, &acquire, &finish, &finishTx)
 	switch {
 	case err != nil:
 		return fmt.Errorf("pgstore: check: %w", classify(err))
-	case comment == nil || !acquire || !finish:
+	case comment == nil || !acquire || !finish || !finishTx:
 		return fmt.Errorf("pgstore: table %s or its functions are missing: run pgstore.Migrate, or apply pgstore.MigrationSQL, with this Config", n.table)
 	case *comment != tableComment:
 		return fmt.Errorf("pgstore: table %s says %q, this package reads %q: run pgstore.Migrate with this release", n.table, *comment, tableComment)
@@ -359,6 +364,37 @@ func (s *Store) finish(ctx context.Context, q querier, l lock.Lease, op, state s
 		return fmt.Errorf("pgstore: %s %q: %w", op, l.Key, classify(err))
 	case n != 1:
 		return fmt.Errorf("%w: %s key %q fence %d", lock.ErrLeaseLost, op, l.Key, l.Fence)
+	}
+	return nil
+}
+
+// finishTx completes l's record in tx and commits tx, in one round trip:
+// finish_tx, which raises (leaseLostCode) where finish would answer 0, and
+// COMMIT, which the server skips once finish_tx raised. So tx's writes
+// commit with the completed record or not at all, as with two round trips.
+func (s *Store) finishTx(ctx context.Context, tx pgx.Tx, l lock.Lease, value []byte) error {
+	if err := lock.CheckLease(l); err != nil {
+		return err
+	}
+	b := &pgx.Batch{}
+	b.Queue(s.sql.finishTx, s.cfg.Prefix, []byte(l.Key), l.Owner, l.Fence, "c", value, l.Retention.Milliseconds())
+	b.Queue("COMMIT")
+	br := tx.SendBatch(ctx, b)
+	_, ferr := br.Exec()
+	tag, cerr := br.Exec()
+	err := cmp.Or(ferr, cerr, br.Close())
+	var pe *pgconn.PgError
+	switch {
+	case ferr != nil && errors.As(ferr, &pe) && pe.Code == leaseLostCode:
+		return fmt.Errorf("%w: complete key %q fence %d", lock.ErrLeaseLost, l.Key, l.Fence)
+	case ferr != nil && errors.As(ferr, &pe):
+		// The server refused finish_tx (not migrated, say): the COMMIT
+		// was skipped, nothing committed.
+		return fmt.Errorf("pgstore: complete %q: %w", l.Key, classify(ferr))
+	case err != nil:
+		return fmt.Errorf("pgstore: commit (its outcome may be unknown: the record tells): %w", classify(err))
+	case tag.String() != "COMMIT":
+		return fmt.Errorf("pgstore: commit of %q answered %q: nothing committed", l.Key, tag.String())
 	}
 	return nil
 }

@@ -65,11 +65,11 @@ func (h *txHandler) CompleterStore() lock.Store { return h.s }
 
 // Handle runs fn in a transaction with no record, and commits.
 func (h *txHandler) Handle(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
-	return h.run(ctx, d, nil)
+	return h.run(ctx, d, commitOnly)
 }
 
-// HandleComplete runs fn in a transaction, completes lease's record with
-// value(result) in it, and commits.
+// HandleComplete runs fn in a transaction, then completes lease's record
+// with value(result) and commits, both in one round trip (see finishTx).
 func (h *txHandler) HandleComplete(ctx context.Context, d *amqp.Delivery, lease lock.Lease, value func([]byte) ([]byte, error)) ([]byte, error) {
 	return h.run(ctx, d, func(ctx context.Context, tx pgx.Tx, result []byte) error {
 		v, err := value(result)
@@ -79,14 +79,31 @@ func (h *txHandler) HandleComplete(ctx context.Context, d *amqp.Delivery, lease 
 		if len(v) > h.s.cfg.MaxResultSize {
 			return fmt.Errorf("%w: key %q: %d bytes, at most %d allowed", lock.ErrResultTooLarge, lease.Key, len(v), h.s.cfg.MaxResultSize)
 		}
-		return h.s.finish(ctx, tx, lease, "complete", "c", v)
+		return h.s.finishTx(ctx, tx, lease, v)
 	})
 }
 
-// run begins a transaction, runs fn in it, then complete (if not nil),
-// and commits.
-func (h *txHandler) run(ctx context.Context, d *amqp.Delivery, complete func(context.Context, pgx.Tx, []byte) error) ([]byte, error) {
-	tx, err := h.s.pool.BeginTx(ctx, h.s.cfg.TxOptions)
+// commitOnly is run's commit for a transaction with no record.
+func commitOnly(ctx context.Context, tx pgx.Tx, _ []byte) error {
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("pgstore: commit (its outcome may be unknown: the record tells): %w", classify(err))
+	}
+	return nil
+}
+
+// run begins a transaction on a connection of the pool, runs fn in it,
+// then commit, which must end the transaction, with COMMIT when it
+// returns nil. Anything else is rolled back.
+func (h *txHandler) run(ctx context.Context, d *amqp.Delivery, commit func(context.Context, pgx.Tx, []byte) error) ([]byte, error) {
+	// A connection of its own rather than pool.BeginTx: finishTx commits
+	// with a statement the pgx.Tx does not see, after which that Tx would
+	// send a ROLLBACK of its own to give the connection back.
+	conn, err := h.s.pool.Acquire(ctx)
+	var tx pgx.Tx
+	if err == nil {
+		defer conn.Release()
+		tx, err = conn.BeginTx(ctx, h.s.cfg.TxOptions)
+	}
 	if err != nil {
 		if ctx.Err() != nil {
 			// The handler's context ended (a timeout, the lease lost,
@@ -95,9 +112,14 @@ func (h *txHandler) run(ctx context.Context, d *amqp.Delivery, complete func(con
 		}
 		return nil, fmt.Errorf("pgstore: begin: %w", classify(err))
 	}
+	committed := false
 	defer func() {
-		// After a commit this does nothing. After a cancelled context, a
-		// fresh one lets the connection go back to the pool clean.
+		if committed {
+			return
+		}
+		// After a cancelled context, a fresh one lets the connection go
+		// back to the pool clean (Release closes one left in a
+		// transaction).
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
 		defer cancel()
 		_ = tx.Rollback(rctx)
@@ -112,15 +134,13 @@ func (h *txHandler) run(ctx context.Context, d *amqp.Delivery, complete func(con
 		}
 		return nil, err
 	}
+	// The record and the commit run even when ctx ended meanwhile: the
+	// record's compare-and-set decides whether the work counts.
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
 	defer cancel()
-	if complete != nil {
-		if err := complete(cctx, tx, result); err != nil {
-			return nil, err
-		}
+	if err := commit(cctx, tx, result); err != nil {
+		return nil, err
 	}
-	if err := tx.Commit(cctx); err != nil {
-		return nil, fmt.Errorf("pgstore: commit (its outcome may be unknown: the record tells): %w", classify(err))
-	}
+	committed = true
 	return result, nil
 }

@@ -585,3 +585,48 @@ func TestTxHandlerOutbox(t *testing.T) {
 		t.Fatalf("record's outbox: %+v %v", msgs, err)
 	}
 }
+
+// TestTxHandlerNotMigratedForFinishTx: on a database migrated by a release
+// without <table>_finish_tx, TxHandler's completion commits nothing and
+// says to migrate (unavailable: the message waits), Check says so too, and
+// after Migrate the same lease completes with its effect once.
+func TestTxHandlerNotMigratedForFinishTx(t *testing.T) {
+	r := newRig(t)
+	ctx := context.Background()
+	drop := "DROP FUNCTION " + pgx.Identifier{r.cfg.Schema, pgstore.DefaultTable + "_finish_tx"}.Sanitize()
+	if _, err := r.pool.Exec(ctx, drop); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.store.Check(ctx); err == nil || !strings.Contains(err.Error(), "run pgstore.Migrate") {
+		t.Fatalf("Check: got %v, want an error saying to run pgstore.Migrate", err)
+	}
+	h := r.store.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+		return nil, r.insert(ctx, tx, d.MessageId)
+	}).(amqpidem.Completer)
+	res, err := r.store.Acquire(ctx, lock.Request{Key: "m"})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatalf("Acquire: %+v, %v", res, err)
+	}
+	same := func(b []byte) ([]byte, error) { return b, nil }
+	d := &amqp.Delivery{MessageId: "m"}
+	_, err = h.HandleComplete(ctx, d, res.Lease, same)
+	if !errors.Is(err, lock.ErrUnavailable) || !strings.Contains(err.Error(), "pgstore.Migrate") {
+		t.Fatalf("HandleComplete without finish_tx: got %v, want lock.ErrUnavailable saying to migrate", err)
+	}
+	if got := r.effects(); got["m"] != 0 {
+		t.Fatalf("effects %v after a completion that could not run, want none", got)
+	}
+	if err := pgstore.Migrate(ctx, r.pool, r.cfg); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.HandleComplete(ctx, d, res.Lease, same); err != nil {
+		t.Fatalf("HandleComplete after Migrate: %v", err)
+	}
+	if got := r.effects(); got["m"] != 1 {
+		t.Fatalf("effects %v, want 1 row for m", got)
+	}
+	again, err := r.store.Acquire(ctx, lock.Request{Key: "m"})
+	if err != nil || again.Status != lock.Completed {
+		t.Fatalf("Acquire after the completion: %+v, %v, want completed", again, err)
+	}
+}

@@ -432,6 +432,7 @@ func (r *pgRun) close(ctx context.Context) (pgCounts, error) {
 // are not seen. Safe for concurrent use.
 type pgTracer struct {
 	statements, batches, prepares atomic.Int64
+	batched                       atomic.Int64 // statements sent in batches
 	commits, autocommits          atomic.Int64
 	rollbacks, errors             atomic.Int64
 }
@@ -439,9 +440,14 @@ type pgTracer struct {
 // tracerCounts is a snapshot of a pgTracer.
 type tracerCounts struct {
 	Statements, Batches, Prepares int64
+	Batched                       int64
 	Commits, Autocommits          int64
 	Rollbacks, Errors             int64
 }
+
+// RoundTrips is the round trips the statements took: one per statement
+// sent alone, one per batch (prepares not counted).
+func (c tracerCounts) RoundTrips() int64 { return c.Statements - c.Batched + c.Batches }
 
 // Committed is the transactions committed: explicit COMMITs plus
 // autocommit statements and batches.
@@ -451,6 +457,7 @@ func (c tracerCounts) Committed() int64 { return c.Commits + c.Autocommits }
 func (c tracerCounts) minus(o tracerCounts) tracerCounts {
 	return tracerCounts{
 		Statements: c.Statements - o.Statements, Batches: c.Batches - o.Batches, Prepares: c.Prepares - o.Prepares,
+		Batched: c.Batched - o.Batched,
 		Commits: c.Commits - o.Commits, Autocommits: c.Autocommits - o.Autocommits,
 		Rollbacks: c.Rollbacks - o.Rollbacks, Errors: c.Errors - o.Errors,
 	}
@@ -459,6 +466,7 @@ func (c tracerCounts) minus(o tracerCounts) tracerCounts {
 func (t *pgTracer) counts() tracerCounts {
 	return tracerCounts{
 		Statements: t.statements.Load(), Batches: t.batches.Load(), Prepares: t.prepares.Load(),
+		Batched: t.batched.Load(),
 		Commits: t.commits.Load(), Autocommits: t.autocommits.Load(),
 		Rollbacks: t.rollbacks.Load(), Errors: t.errors.Load(),
 	}
@@ -520,6 +528,7 @@ func (t *pgTracer) TraceBatchStart(ctx context.Context, conn *pgx.Conn, _ pgx.Tr
 
 func (t *pgTracer) TraceBatchQuery(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchQueryData) {
 	t.statements.Add(1)
+	t.batched.Add(1)
 	switch data.CommandTag.String() {
 	case "COMMIT":
 		if data.Err == nil {

@@ -208,7 +208,7 @@ func printPG(out io.Writer, e *env, rep *report) {
 	fmt.Fprintf(out, "\n== PostgreSQL variants (%s queue, effect: one INSERT into %s): median of %d run(s); pools of at most %d conns: %s ==\n",
 		qt, e.pg.effects, o.Repeats, e.pg.conns, openedWhen(o.PGPoolPerRun))
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "variant\tmedian\tvs bare\tvs pg-naive\tstatements/msg\tcommits/msg\txact_commit Δ/msg\tprepares/run\tpool waits/msg\tpool wait/msg\tpg cpu/msg\tclient cpu/msg\tmachine cpu/msg\teffect rows/msg\t")
+	fmt.Fprintln(tw, "variant\tmedian\tvs bare\tvs pg-naive\tstatements/msg\tround trips/msg\tcommits/msg\txact_commit Δ/msg\tprepares/run\tpool waits/msg\tpool wait/msg\tpg cpu/msg\tclient cpu/msg\tmachine cpu/msg\teffect rows/msg\t")
 	b := median(rates(rep.Runs, qt, bare))
 	naiveRate := median(rates(rep.Runs, qt, pgNaive))
 	for _, v := range []variant{pgUnique, pgDuplicate, pgNaive} {
@@ -242,8 +242,9 @@ func printPG(out io.Writer, e *env, rep *report) {
 		if e.pg.postmaster != 0 {
 			pgcpu = fmt.Sprintf("%.1fµs", perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.PGCPU) })/1e3)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%.2f\t%.2f\t%s\t%.0f\t%.3f\t%.1fµs\t%s\t%.1fµs\t%.1fµs\t%.2f\t\n", v, thousands(m), vs(b), vs(naiveRate),
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%.2f\t%.2f\t%.2f\t%s\t%.0f\t%.3f\t%.1fµs\t%s\t%.1fµs\t%.1fµs\t%.2f\t\n", v, thousands(m), vs(b), vs(naiveRate),
 			pg(func(c *pgCounts) float64 { return float64(c.Statements) }),
+			pg(func(c *pgCounts) float64 { return float64(c.RoundTrips()) }),
 			pg(func(c *pgCounts) float64 { return float64(c.Committed()) }),
 			xact, prepares/max(runs, 1),
 			pg(func(c *pgCounts) float64 { return float64(c.Waits) }),
@@ -255,7 +256,8 @@ func printPG(out io.Writer, e *env, rep *report) {
 	}
 	tw.Flush()
 	fmt.Fprintf(out, "(statements/msg: what the variant's pool sent, counted client side by a pgx tracer (Exec, Query,\n"+
-		" QueryRow, batched queries; BEGIN and COMMIT count as statements). commits/msg: transactions committed,\n"+
+		" QueryRow, batched queries; BEGIN and COMMIT count as statements). round trips/msg: one per statement\n"+
+		" sent alone, one per batch of statements (prepares not counted). commits/msg: transactions committed,\n"+
 		" counted client side: COMMITs answered COMMIT, plus statements that succeeded outside a transaction\n"+
 		" block (autocommit). Both over the life of the run's own pool, its consumer's start and stop included\n"+
 		" (on a shared pool: from the run's start to its end), per message. xact_commit Δ/msg: the server's\n"+
