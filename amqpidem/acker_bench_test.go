@@ -44,7 +44,7 @@ func BenchmarkAckerSlowFrontier(b *testing.B) {
 			var tail time.Duration
 			kept := 0
 			for range b.N {
-				a := newAcker(&countChannel{})
+				a := newAcker(&countChannel{}, 0)
 				tag := uint64(2)
 				for ; tag <= uint64(n-n/10)+1; tag++ {
 					_ = a.Ack(tag, false)
@@ -72,7 +72,7 @@ func BenchmarkAckerSlowFrontier(b *testing.B) {
 func BenchmarkAckerInOrder(b *testing.B) {
 	b.Run("serial", func(b *testing.B) {
 		b.ReportAllocs()
-		a := newAcker(&countChannel{})
+		a := newAcker(&countChannel{}, 0)
 		for i := range b.N {
 			_ = a.Ack(uint64(i)+1, false)
 		}
@@ -84,7 +84,7 @@ func BenchmarkAckerInOrder(b *testing.B) {
 		// numbers; tags past the last full window are acked in order.
 		perm := [32]uint64{7, 30, 2, 19, 11, 0, 25, 14, 3, 28, 21, 9, 16, 31, 5, 23,
 			12, 1, 27, 18, 8, 29, 4, 15, 22, 10, 26, 6, 20, 13, 24, 17}
-		a := newAcker(&countChannel{})
+		a := newAcker(&countChannel{}, 0)
 		full := b.N / 32 * 32
 		for i := range b.N {
 			tag := uint64(i) + 1
@@ -97,7 +97,7 @@ func BenchmarkAckerInOrder(b *testing.B) {
 	})
 	b.Run("parallel", func(b *testing.B) {
 		b.ReportAllocs()
-		a := newAcker(&countChannel{})
+		a := newAcker(&countChannel{}, 0)
 		var next atomic.Uint64
 		b.RunParallel(func(pb *testing.PB) {
 			for pb.Next() {

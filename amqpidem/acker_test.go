@@ -76,7 +76,7 @@ func (f *fakeChannel) Reject(tag uint64, requeue bool) error { return f.Nack(tag
 
 func TestAckerFoldsInOrderAcks(t *testing.T) {
 	f := newFakeChannel(3)
-	a := newAcker(f)
+	a := newAcker(f, 0)
 	_ = a.Ack(2, false) // held: 1 is not settled
 	_ = a.Ack(3, false)
 	if len(f.frames) != 0 {
@@ -132,7 +132,7 @@ func waitUnacked(t *testing.T, f *fakeChannel, n int) {
 // within ackFlush, or at once when ackBatch are held.
 func TestAckerBatchesInOrderAcks(t *testing.T) {
 	f := newFakeChannel(ackBatch + 10)
-	a := newAcker(f)
+	a := newAcker(f, 0)
 	for tag := uint64(1); tag <= 10; tag++ {
 		_ = a.Ack(tag, false)
 	}
@@ -162,9 +162,31 @@ func TestAckerBatchesInOrderAcks(t *testing.T) {
 	}
 }
 
+// With a small prefetch count, a batch is half of it: the acks go out
+// while the broker still has credit, rather than after ackFlush with all
+// the consumer's deliveries acked and none coming.
+func TestAckerBatchFollowsPrefetch(t *testing.T) {
+	const prefetch = 8
+	f := newFakeChannel(prefetch)
+	a := newAcker(f, prefetch)
+	for tag := uint64(1); tag <= prefetch/2; tag++ {
+		_ = a.Ack(tag, false)
+	}
+	f.mu.Lock()
+	frames := append([]string(nil), f.frames...)
+	f.mu.Unlock()
+	if want := fmt.Sprintf("ack %d true", prefetch/2); len(frames) == 0 || frames[len(frames)-1] != want {
+		t.Fatalf("after %d in-order acks with prefetch %d: frames %v, want %q at once", prefetch/2, prefetch, frames, want)
+	}
+	a.flush()
+	if n, problems := f.left(); n != prefetch/2 || len(problems) != 0 {
+		t.Fatalf("unacked %d (want the %d never acked), problems %v", n, prefetch/2, problems)
+	}
+}
+
 func TestAckerNeverCoversANack(t *testing.T) {
 	f := newFakeChannel(3)
-	a := newAcker(f)
+	a := newAcker(f, 0)
 	_ = a.Ack(3, false)
 	_ = a.Nack(2, false, true)
 	_ = a.Ack(1, false)
@@ -179,7 +201,7 @@ func TestAckerNeverCoversANack(t *testing.T) {
 
 func TestAckerDoesNotHoldForever(t *testing.T) {
 	f := newFakeChannel(5)
-	a := newAcker(f)
+	a := newAcker(f, 0)
 	for tag := uint64(2); tag <= 5; tag++ {
 		_ = a.Ack(tag, false) // 1 is a long job
 	}
@@ -196,7 +218,7 @@ func TestAckerDoesNotHoldForever(t *testing.T) {
 // keep the quick ones after it unacked until it ends.
 func TestAckerHoldsAboveAGapForAckHoldOnly(t *testing.T) {
 	f := newFakeChannel(5)
-	a := newAcker(f)
+	a := newAcker(f, 0)
 	_ = a.Ack(1, false) // in order: held up to ackFlush
 	_ = a.Ack(3, false) // 2 is a long job
 	waitFrames(t, f, 1) // 1 went out after ackFlush
@@ -212,7 +234,7 @@ func TestAckerHoldsAboveAGapForAckHoldOnly(t *testing.T) {
 
 func TestAckerBoundsHeldAcks(t *testing.T) {
 	f := newFakeChannel(ackHeldMax + 2)
-	a := newAcker(f)
+	a := newAcker(f, 0)
 	for tag := uint64(2); tag <= ackHeldMax+2; tag++ {
 		_ = a.Ack(tag, false)
 	}
@@ -234,7 +256,7 @@ func TestAckerConcurrent(t *testing.T) {
 		t.Run(fmt.Sprint("shuffled within ", window), func(t *testing.T) {
 			const n = 5000
 			f := newFakeChannel(n)
-			a := newAcker(f)
+			a := newAcker(f, 0)
 			tags := make([]uint64, 0, n)
 			for start := 0; start < n; start += window {
 				for _, i := range rand.Perm(min(window, n-start)) {
@@ -287,7 +309,7 @@ func TestAckerForgetsTagsSettledAboveASlowOne(t *testing.T) {
 	isSlow := func(tag uint64) bool { return tag == slow[0] || tag == slow[1] || tag == slow[2] }
 	f := newFakeChannel(n)
 	f.quick = true
-	a := newAcker(f)
+	a := newAcker(f, 0)
 	// Settled out of order within windows of 32, as handlers finishing
 	// around the same time are, and delivered as the broker does: no more
 	// than prefetch unacked. The acker remembers the unsettled tags (3+31
@@ -358,7 +380,7 @@ func waitBroker(t *testing.T, f *fakeChannel, ok func(unacked int) bool) {
 // returned.
 func TestAckerWritesAnAckOfASettledTagAtOnce(t *testing.T) {
 	f := newFakeChannel(2)
-	a := newAcker(f)
+	a := newAcker(f, 0)
 	_ = a.Nack(1, false, true)
 	if err := a.Ack(1, false); err == nil {
 		t.Fatalf("ack of a nacked tag: no error; frames %v", f.frames)
@@ -378,7 +400,7 @@ func TestAckerWritesAnAckOfASettledTagAtOnce(t *testing.T) {
 // tags skipped over.
 func TestAckerWritesAnAckFarAboveAtOnce(t *testing.T) {
 	f := newFakeChannel(1)
-	a := newAcker(f)
+	a := newAcker(f, 0)
 	const far = 1 << 40
 	if err := a.Ack(far, false); err == nil {
 		t.Fatalf("ack of tag %d: no error; frames %v", uint64(far), f.frames)

@@ -55,7 +55,7 @@ func (c *Consumer) session(ctx, base context.Context) error {
 
 	// Acks go through acks, which folds them into multiple acks on this
 	// channel; what it holds is sent once the handlers are done.
-	acks := newAcker(ch)
+	acks := newAcker(ch, c.cfg.Prefetch)
 	// dead is closed when the channel died; sctx ends when the session
 	// does, or when the handlers must stop: it bounds the wait for a slot.
 	dead := make(chan struct{})
