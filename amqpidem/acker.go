@@ -9,19 +9,19 @@ import (
 
 // ackHold bounds how long an ack above a gap may be held back waiting to be
 // folded into a multiple ack, and ackHeldMax how many may be held (at
-// most the prefetch count). ackFlush is how long acks the frontier has
-// passed wait for more to join them in one frame, unless a batch of them
-// is held by then: half the prefetch count, at most ackBatch, so that
-// acks go out while the broker still has credit to deliver more.
+// most half the prefetch count, so that a long job at the frontier leaves
+// the broker credit for the quick messages after it). ackFlush is how long
+// acks the frontier has passed wait for more to join them in one frame,
+// unless a batch of them is held by then: half the prefetch count, at most
+// ackBatch, so that acks go out while the broker still has credit to
+// deliver more.
 //
 // Bigger batches (64 rather than 32 at a prefetch of 128, 2 ms rather
 // than 1) cut ack frames on quorum queues, where the broker's cost is per
-// frame: with one Redis pipeline in flight (lock's maxInFlight), duplicates
-// went from 0.87-0.89 of a bare consumer's rate to 1.07-1.19 (make bench,
-// issue 26).
+// frame (issue 26).
 const (
 	ackHold    = 20 * time.Millisecond
-	ackHeldMax = 128
+	ackHeldMax = 64
 	ackFlush   = 2 * time.Millisecond
 	ackBatch   = 64
 )
@@ -112,7 +112,7 @@ func newAcker(ch amqp.Acknowledger, prefetch int) *acker {
 	a := &acker{ch: ch, next: 1, unsettled: make(map[uint64]struct{}), batch: ackBatch, heldMax: ackHeldMax}
 	if prefetch > 0 {
 		a.batch = max(1, min(ackBatch, prefetch/2))
-		a.heldMax = min(ackHeldMax, prefetch)
+		a.heldMax = max(1, min(ackHeldMax, prefetch/2))
 	}
 	a.idle = sync.NewCond(&a.mu)
 	return a

@@ -247,6 +247,26 @@ func TestAckerBoundsHeldAcks(t *testing.T) {
 	a.flush()
 }
 
+// A long job at the frontier with a small prefetch count: the acks of the
+// quick messages after it go out once half the prefetch is held, at once,
+// not after ackHold, so that the broker has credit to deliver more.
+func TestAckerHeldAcksLeaveCredit(t *testing.T) {
+	const prefetch = 8
+	f := newFakeChannel(prefetch)
+	a := newAcker(f, prefetch)
+	for tag := uint64(2); tag <= prefetch/2+2; tag++ {
+		_ = a.Ack(tag, false) // 1 is a long job
+	}
+	f.mu.Lock()
+	n := len(f.unacked)
+	f.mu.Unlock()
+	if want := prefetch - (prefetch/2 + 1); n != want {
+		t.Fatalf("%d acks above the gap with prefetch %d: %d unacked at once, want %d (the frontier and the tags never acked)",
+			prefetch/2+1, prefetch, n, want)
+	}
+	a.flush()
+}
+
 // Many goroutines settle tags out of order: every tag is settled once and
 // nacks are never covered by an ack. When the disorder is local, as with
 // handlers finishing around the same time, the acks fold into far fewer
