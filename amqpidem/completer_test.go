@@ -160,3 +160,65 @@ func TestCompleterStoreNotComparable(t *testing.T) {
 		t.Fatal("newProcessor with stores that cannot be compared: nil error, want a refusal (and no panic)")
 	}
 }
+
+// fakeTaker is a fakeCompleter that takes its leases itself, counting the
+// calls and the deliveries they were for.
+type fakeTaker struct {
+	*fakeCompleter
+	takes atomic.Int32
+	seen  *amqp.Delivery
+}
+
+func (f *fakeTaker) AcquireLease(ctx context.Context, req lock.Request, d *amqp.Delivery) (lock.Result, error) {
+	f.takes.Add(1)
+	f.seen = d
+	return f.store.Acquire(ctx, req)
+}
+
+// observedCalls records the store calls a StoreObserver is told of.
+type observedCalls struct {
+	ObserverFunc
+	ops []string
+}
+
+func (o *observedCalls) ObserveStore(_ context.Context, c StoreCall) { o.ops = append(o.ops, c.Op) }
+
+// TestLeaseTakerAcquires: a LeaseTaker's AcquireLease takes the place of
+// the store's Acquire, is given the delivery, and is reported to a
+// StoreObserver as the store's acquire.
+func TestLeaseTakerAcquires(t *testing.T) {
+	mem, err := lock.NewMemoryStore(lock.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	acquires := &acquireCounter{Store: mem}
+	h := &fakeTaker{fakeCompleter: &fakeCompleter{store: mem, owner: acquires, work: func() ([]byte, error) { return nil, nil }}}
+	obs := &observedCalls{ObserverFunc: func(context.Context, Event) {}}
+	p, err := newProcessor(acquires, Config{Queue: "q", Observer: obs}, h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.keeper.Shutdown(context.Background()) })
+	d, a := delivery("a", "x")
+	if ev := p.process(context.Background(), &fakeBroker{}, d, nil); ev.Outcome != Completed || a.acks != 1 {
+		t.Fatalf("got %v (err %v), %d acks; want completed, acked", ev.Outcome, ev.Err, a.acks)
+	}
+	if h.takes.Load() != 1 || acquires.n.Load() != 0 || h.seen == nil || h.seen.MessageId != "a" {
+		t.Fatalf("AcquireLease called %d times (delivery %v), the store's Acquire %d; want the taker's, once, with the delivery",
+			h.takes.Load(), h.seen, acquires.n.Load())
+	}
+	if len(obs.ops) == 0 || obs.ops[0] != "acquire" {
+		t.Fatalf("store calls observed %v, want the taken lease reported as an acquire first", obs.ops)
+	}
+}
+
+// acquireCounter counts the Acquire calls made through it.
+type acquireCounter struct {
+	lock.Store
+	n atomic.Int32
+}
+
+func (s *acquireCounter) Acquire(ctx context.Context, req lock.Request) (lock.Result, error) {
+	s.n.Add(1)
+	return s.Store.Acquire(ctx, req)
+}

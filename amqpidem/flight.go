@@ -114,7 +114,7 @@ func (f *flight) arrive(t *ticket) {
 	f.storeKey = StoreKey(p.cfg.Endpoint, key)
 	req := lock.Request{Key: f.storeKey, TTL: p.cfg.LeaseTTL, Retention: p.cfg.Retention}
 	req.Fingerprint = p.fingerprint(f.d)
-	res, err := p.store.Acquire(f.ctx, req)
+	res, err := p.acquire(f.ctx, req, f.d)
 	if err != nil {
 		f.noAnswer(err)
 		return

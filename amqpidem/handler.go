@@ -64,6 +64,22 @@ type Completer interface {
 	HandleComplete(ctx context.Context, d *amqp.Delivery, lease lock.Lease, value func(result []byte) ([]byte, error)) ([]byte, error)
 }
 
+// A LeaseTaker is a Completer that takes the lease of a delivery itself,
+// so that the transaction HandleComplete then runs in can hold the lease
+// from the start: one commit per message instead of two (pgstore's
+// TxHandler). For each delivery with a key, amqpidem calls AcquireLease in
+// place of the store's Acquire. Its answer means what Acquire's does, and
+// the lease it grants is ended as any other: by HandleComplete, or by the
+// store's Complete, Fail, Release or Cancel, one of which amqpidem always
+// calls. A program that wraps the Completer without forwarding
+// AcquireLease gets the store's Acquire, with the same guarantees.
+type LeaseTaker interface {
+	Completer
+	// AcquireLease answers as CompleterStore().Acquire(ctx, req) does; d
+	// is the delivery the lease is for (whether it was redelivered, say).
+	AcquireLease(ctx context.Context, req lock.Request, d *amqp.Delivery) (lock.Result, error)
+}
+
 // HandlerFunc adapts a function to Handler.
 type HandlerFunc func(ctx context.Context, d *amqp.Delivery) ([]byte, error)
 

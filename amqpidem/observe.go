@@ -190,6 +190,12 @@ func (s *observedStore) Acquire(ctx context.Context, req lock.Request) (lock.Res
 	return res, err
 }
 
+// taken reports a lease a LeaseTaker took (start: when it began) as the
+// store's "acquire".
+func (s *observedStore) taken(ctx context.Context, start time.Time, err error) {
+	s.report(ctx, "acquire", start, 1, err)
+}
+
 func (s *observedStore) Extend(ctx context.Context, leases ...lock.Lease) []error {
 	t := time.Now()
 	errs := s.Store.Extend(ctx, leases...)

@@ -37,6 +37,8 @@ type processor struct {
 	given   lock.Store // the store as NewConsumer or Wrap was given it
 	keeper  *heartbeat.Keeper
 	handler Handler
+	// taker is handler when it takes its leases itself (LeaseTaker).
+	taker LeaseTaker
 	// userKey is set when Config.Key is the user's: it is called under
 	// recover (the default, MessageID, cannot panic).
 	userKey bool
@@ -106,8 +108,24 @@ func newProcessor(store lock.Store, cfg Config, h Handler) (processor, error) {
 	if err != nil {
 		return processor{}, err
 	}
-	return processor{cfg: cfg, store: store, given: given, keeper: keeper, handler: h, userKey: userKey,
+	taker, _ := h.(LeaseTaker)
+	return processor{cfg: cfg, store: store, given: given, keeper: keeper, handler: h, taker: taker, userKey: userKey,
 		amender: amender, valueLimit: limit, outboxBytes: limit - ResultOverhead - binary.MaxVarintLen32}, nil
+}
+
+// acquire takes the lease of d for req: from the handler when it is a
+// LeaseTaker (reported to a StoreObserver as the store's acquire), else
+// from the store.
+func (p *processor) acquire(ctx context.Context, req lock.Request, d *amqp.Delivery) (lock.Result, error) {
+	if p.taker == nil {
+		return p.store.Acquire(ctx, req)
+	}
+	start := time.Now()
+	res, err := p.taker.AcquireLease(ctx, req, d)
+	if o, ok := p.store.(*observedStore); ok {
+		o.taken(ctx, start, err)
+	}
+	return res, err
 }
 
 // sameStore reports whether a and b are the same store. Stores of a type

@@ -58,6 +58,14 @@ type Config struct {
 	// and runs into the same failure again. Keep such handlers short, or
 	// use READ COMMITTED with explicit row locks (SELECT ... FOR UPDATE).
 	TxOptions pgx.TxOptions
+	// RowLeases makes TxHandler take every lease as Acquire does, a record
+	// row committed before its handler runs, rather than holding the
+	// lease of a first delivery in the handler's transaction (see "Leases
+	// held by transactions" in the package documentation): every
+	// execution is counted before it runs, one that crashes on a first
+	// delivery included, and the heartbeat renews the lease however long
+	// the transaction stays idle, for one more commit per message.
+	RowLeases bool
 	// CleanupInterval is how often the Store deletes the records whose
 	// retention has passed, in batches of CleanupBatch, from a goroutine
 	// that Close stops. Default DefaultCleanupInterval; negative turns the
@@ -129,6 +137,8 @@ func (c Config) withDefaults() Config {
 type names struct {
 	table, acquire, finish string
 	finishTx               string // finish, raising where finish answers 0
+	acquireHeld            string // a lease held by the caller's transaction
+	finishHeld             string // its outcome
 	index                  string // unqualified, as CREATE INDEX wants it
 
 	outbox                       string // the producer outbox's table
@@ -154,7 +164,10 @@ func (c Config) names() names {
 		acquire:  qual(c.Table + "_acquire"),
 		finish:   qual(c.Table + "_finish"),
 		finishTx: qual(c.Table + "_finish_tx"),
-		index:    pgx.Identifier{c.Table + "_expires"}.Sanitize(),
+
+		acquireHeld: qual(c.Table + "_acquire_held"),
+		finishHeld:  qual(c.Table + "_finish_held"),
+		index:       pgx.Identifier{c.Table + "_expires"}.Sanitize(),
 
 		outbox:        qual(c.OutboxTable),
 		outboxPending: pgx.Identifier{c.OutboxTable + "_pending"}.Sanitize(),

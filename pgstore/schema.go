@@ -79,6 +79,23 @@ DECLARE
 	ttl    interval := p_ttl_ms * interval '1 millisecond';
 	keep   interval := (p_ttl_ms + p_ret_ms) * interval '1 millisecond';
 BEGIN
+	IF NOT pg_try_advisory_xact_lock({heldlock}) THEN
+		-- A transaction holds the key's lease (acquire_held): busy, unless
+		-- the record already tells how the key ended.
+		SELECT * INTO r FROM {table} t WHERE t.ns = p_ns AND t.key = p_key;
+		fence := coalesce(r.fence, 0); attempts := coalesce(r.attempts, 0); remaining_ms := p_ttl_ms;
+		status := 4;
+		IF FOUND AND r.expires_at > clock_timestamp() AND r.state IN ('c', 'f') THEN
+			remaining_ms := 0;
+			IF length(p_fp) > 0 AND length(r.fingerprint) > 0 AND r.fingerprint <> p_fp THEN
+				status := 5;
+				RETURN;
+			END IF;
+			status := CASE r.state WHEN 'c' THEN 2 ELSE 3 END;
+			value := r.value;
+		END IF;
+		RETURN;
+	END IF;
 	FOR try IN 1..100 LOOP
 		now_ts := clock_timestamp();
 		INSERT INTO {table} AS t (ns, key, state, owner, fence, deadline, attempts, fingerprint,
@@ -161,6 +178,91 @@ BEGIN
 	END LOOP;
 	RAISE EXCEPTION 'amqpidem: the record changed under 100 acquires in a row'
 		USING ERRCODE = '40001';
+END
+$fn$;
+
+-- acquire_held: take a lease on one key that the calling transaction
+-- holds, for TxHandler: the transaction-level advisory lock of the key
+-- ({heldlock}) is the lease, and nothing is written until the outcome
+-- (finish_held), which commits with the handler's writes. status as for
+-- acquire, and 6 when the key has a record that counts attempts (released,
+-- cancelled, or a lease that expired): the caller ends this transaction
+-- and takes the lease with acquire instead. On 1 it sets the transaction's
+-- idle_in_transaction_session_timeout to the TTL: a holder that stops
+-- talking to the server (paused, cut off) loses its session, its
+-- transaction and the lock with them. The fence is taken from the clock,
+-- above an expired record's.
+CREATE OR REPLACE FUNCTION {acquireheld}(p_ns text, p_key bytea, p_ttl_ms bigint, p_fp bytea,
+	OUT status int, OUT fence bigint, OUT attempts int, OUT remaining_ms bigint, OUT value bytea)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $fn$
+DECLARE
+	r {table}%ROWTYPE;
+BEGIN
+	fence := 0; attempts := 0; remaining_ms := p_ttl_ms;
+	IF NOT pg_try_advisory_xact_lock({heldlock}) THEN
+		status := 4;
+		RETURN;
+	END IF;
+	SELECT * INTO r FROM {table} t WHERE t.ns = p_ns AND t.key = p_key;
+	IF NOT FOUND OR r.expires_at <= clock_timestamp() THEN
+		PERFORM set_config('idle_in_transaction_session_timeout', p_ttl_ms::text, true);
+		status := 1; attempts := 1;
+		fence := greatest(coalesce(r.fence + 1, 0), {clockus});
+		RETURN;
+	END IF;
+	fence := r.fence; attempts := r.attempts; remaining_ms := 0;
+	IF length(p_fp) > 0 AND length(r.fingerprint) > 0 AND r.fingerprint <> p_fp THEN
+		status := 5;
+	ELSIF r.state IN ('c', 'f') THEN
+		status := CASE r.state WHEN 'c' THEN 2 ELSE 3 END;
+		value := r.value;
+	ELSIF r.state = 'p' AND r.deadline > clock_timestamp() THEN
+		status := 4;
+		remaining_ms := greatest(ceil(extract(epoch FROM r.deadline - clock_timestamp()) * 1000)::bigint, 1);
+	ELSE
+		status := 6;
+	END IF;
+END
+$fn$;
+
+-- finish_held: write the outcome of a lease acquire_held granted (p_state:
+-- 'c' completed, 'f' failed, 'r' released), first attempt, as a new
+-- record, in the transaction that holds the lease (the lock is the
+-- caller's already) or, once that transaction ended without it, in one of
+-- its own, if the lock is free and no live record is there. Raises
+-- SQLSTATE {leaselost} where it writes nothing, so that a COMMIT sent with
+-- it rolls back; a retry of a call that landed finds its own record.
+CREATE OR REPLACE FUNCTION {finishheld}(p_ns text, p_key bytea, p_owner text, p_fence bigint,
+	p_state text, p_value bytea, p_ret_ms bigint, p_fp bytea)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET lock_timeout = '{locktimeout}'
+AS $fn$
+DECLARE
+	now_ts timestamptz := clock_timestamp();
+BEGIN
+	IF pg_try_advisory_xact_lock({heldlock}) THEN
+		INSERT INTO {table} AS t (ns, key, state, owner, fence, deadline, attempts, fingerprint,
+			value, created_at, ended_at, expires_at)
+		VALUES (p_ns, p_key, p_state, p_owner, p_fence, NULL, 1, p_fp,
+			p_value, now_ts, now_ts, now_ts + p_ret_ms * interval '1 millisecond')
+		ON CONFLICT (ns, key) DO UPDATE SET state = excluded.state, owner = excluded.owner,
+			fence = excluded.fence, deadline = NULL, attempts = 1, fingerprint = excluded.fingerprint,
+			value = excluded.value, created_at = now_ts, ended_at = now_ts, expires_at = excluded.expires_at
+		WHERE t.expires_at <= now_ts AND t.fence < p_fence;
+		IF FOUND THEN
+			RETURN;
+		END IF;
+	END IF;
+	PERFORM FROM {table} t WHERE t.ns = p_ns AND t.key = p_key AND t.owner = p_owner
+		AND t.fence = p_fence AND t.state = p_state AND t.expires_at > now_ts;
+	IF NOT FOUND THEN
+		RAISE EXCEPTION 'amqpidem: the lease is no longer held (key %, fence %)', encode(p_key, 'escape'), p_fence
+			USING ERRCODE = '{leaselost}';
+	END IF;
 END
 $fn$;
 
@@ -311,6 +413,9 @@ func MigrationSQL(cfg Config) (string, error) {
 		"{acquire}", n.acquire,
 		"{finish}", n.finish,
 		"{finishtx}", n.finishTx,
+		"{acquireheld}", n.acquireHeld,
+		"{finishheld}", n.finishHeld,
+		"{heldlock}", heldLock,
 		"{leaselost}", leaseLostCode,
 		"{index}", n.index,
 		"{checkformat}", formatCheck(n.table, tableComment),
@@ -328,6 +433,13 @@ func MigrationSQL(cfg Config) (string, error) {
 	}
 	return sql, nil
 }
+
+// heldLock is the SQL of the key of a record's transaction-level advisory
+// lock (acquire_held), in the functions of the key p_key of namespace p_ns:
+// the two-int form, whose first half ("amqi") keeps it apart from other
+// programs' advisory locks. Two keys whose hashes meet only wait for
+// each other (a busy answer), never share a lease: the record decides.
+const heldLock = "1634562409, hashtext(p_ns || ':' || encode(p_key, 'hex'))"
 
 // leaseLostCode is the SQLSTATE finish_tx raises when the lease is
 // no longer held.

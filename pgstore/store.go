@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -26,6 +27,8 @@ type Store struct {
 	pool *pgxpool.Pool
 	cfg  Config
 	sql  statements
+	// held are the transactions holding leases (held.go), by owner token.
+	held sync.Map
 
 	stop context.CancelFunc // called by Close: ends the cleanup goroutine
 	done chan struct{}      // closed when the cleanup goroutine has ended
@@ -36,6 +39,7 @@ var _ lock.Store = (*Store)(nil)
 // statements are the SQL texts of the Store's calls, for its Config.
 type statements struct {
 	acquire, finish, finishTx, extend, stillHeld, cleanup, check, amend string
+	begin, acquireHeld, finishHeld                                      string
 }
 
 // New returns a Store on pool. It does no I/O: the table must exist
@@ -66,6 +70,10 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 			finish:  "SELECT " + n.finish + "($1, $2, $3, $4, $5, $6, $7)",
 			// finish_tx answers nothing: it raises where finish answers 0.
 			finishTx: "SELECT " + n.finishTx + "($1, $2, $3, $4, $5, $6, $7)",
+			// A lease held by a transaction (held.go).
+			begin:       beginSQL(cfg.TxOptions),
+			acquireHeld: "SELECT status, fence, attempts, remaining_ms, value FROM " + n.acquireHeld + "($1, $2, $3, $4)",
+			finishHeld:  "SELECT " + n.finishHeld + "($1, $2, $3, $4, $5, $6, $7, $8)",
 			// Rows another transaction holds are skipped, not waited for:
 			// one held row must not delay the renewal of all the others.
 			extend: `WITH x AS (
@@ -111,7 +119,8 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 				FROM now
 				WHERE t.ns = $1 AND t.key = $2 AND t.state = 'c' AND t.fence = $3 AND t.expires_at > now.ts
 					AND coalesce(t.value, '') IN (coalesce($4::bytea, ''), coalesce($5::bytea, ''))`,
-			check: "SELECT obj_description(to_regclass($1), 'pg_class'), to_regprocedure($2) IS NOT NULL, to_regprocedure($3) IS NOT NULL, to_regprocedure($4) IS NOT NULL",
+			check: `SELECT obj_description(to_regclass($1), 'pg_class'), to_regprocedure($2) IS NOT NULL AND to_regprocedure($3) IS NOT NULL
+				AND to_regprocedure($4) IS NOT NULL AND to_regprocedure($5) IS NOT NULL AND to_regprocedure($6) IS NOT NULL`,
 		},
 		done: make(chan struct{}),
 	}
@@ -150,15 +159,17 @@ func (s *Store) Ping(ctx context.Context) error {
 func (s *Store) Check(ctx context.Context) error {
 	n := s.cfg.names()
 	var comment *string
-	var acquire, finish, finishTx bool
+	var functions bool
 	finishArgs := "(text, bytea, text, bigint, text, bytea, bigint)"
 	err := s.pool.QueryRow(ctx, s.sql.check, n.table,
 		n.acquire+"(text, bytea, text, bigint, bigint, bytea)",
-		n.finish+finishArgs, n.finishTx+finishArgs).Scan(&comment, &acquire, &finish, &finishTx)
+		n.finish+finishArgs, n.finishTx+finishArgs,
+		n.acquireHeld+"(text, bytea, bigint, bytea)",
+		n.finishHeld+"(text, bytea, text, bigint, text, bytea, bigint, bytea)").Scan(&comment, &functions)
 	switch {
 	case err != nil:
 		return fmt.Errorf("pgstore: check: %w", classify(err))
-	case comment == nil || !acquire || !finish || !finishTx:
+	case comment == nil || !functions:
 		return fmt.Errorf("pgstore: table %s or its functions are missing: run pgstore.Migrate, or apply pgstore.MigrationSQL, with this Config", n.table)
 	case *comment != tableComment:
 		return fmt.Errorf("pgstore: table %s says %q, this package reads %q: run pgstore.Migrate with this release", n.table, *comment, tableComment)
@@ -198,6 +209,12 @@ func (s *Store) acquire(ctx context.Context, req lock.Request, owner string) (lo
 	if err != nil {
 		return lock.Result{}, fmt.Errorf("pgstore: acquire %q: %w", req.Key, classify(err))
 	}
+	return s.result(req, status, fence, attempts, remaining, value, owner, start)
+}
+
+// result is the lock.Result of an acquire function's answer to req, its
+// lease owned by owner, the call having begun at start.
+func (s *Store) result(req lock.Request, status int, fence int64, attempts int, remaining int64, value []byte, owner string, start time.Time) (lock.Result, error) {
 	res := lock.Result{Status: lock.Status(status), Fence: fence, Attempts: attempts}
 	switch res.Status {
 	case lock.Acquired:
@@ -224,14 +241,16 @@ func (s *Store) acquire(ctx context.Context, req lock.Request, owner string) (lo
 	return res, nil
 }
 
-// Extend renews the leases in one statement.
+// Extend renews the leases in one statement. A lease held by a
+// transaction (TxHandler) needs no renewal: it lasts as long as its
+// transaction, which the server ends once it sat idle for the lease's TTL.
 func (s *Store) Extend(ctx context.Context, leases ...lock.Lease) []error {
 	errs := make([]error, len(leases))
 	var keys [][]byte
 	var owners []string
 	var fences, ttls, rets []int64
 	for i, l := range leases {
-		if errs[i] = lock.CheckLease(l); errs[i] != nil {
+		if errs[i] = lock.CheckLease(l); errs[i] != nil || isHeld(l) {
 			continue
 		}
 		keys = append(keys, []byte(l.Key))
@@ -251,7 +270,7 @@ func (s *Store) Extend(ctx context.Context, leases ...lock.Lease) []error {
 	for i, l := range leases {
 		id := lease{l.Key, l.Owner, l.Fence}
 		switch {
-		case errs[i] != nil, renewed[id]:
+		case errs[i] != nil, renewed[id], isHeld(l):
 		case err != nil:
 			errs[i] = fmt.Errorf("pgstore: extend %q: %w", l.Key, classify(err))
 		case held[id]:
@@ -293,16 +312,26 @@ func (s *Store) Complete(ctx context.Context, lease lock.Lease, result []byte) e
 	if len(result) > s.cfg.MaxResultSize {
 		return fmt.Errorf("%w: key %q: %d bytes, at most %d allowed", lock.ErrResultTooLarge, lease.Key, len(result), s.cfg.MaxResultSize)
 	}
+	if isHeld(lease) {
+		return s.endHeld(ctx, lease, "complete", "c", result)
+	}
 	return s.finish(ctx, s.pool, lease, "complete", "c", result)
 }
 
 // Fail marks the record failed with reason, cut to MaxResultSize bytes.
 func (s *Store) Fail(ctx context.Context, lease lock.Lease, reason string) error {
-	return s.finish(ctx, s.pool, lease, "fail", "f", []byte(lock.CutText(reason, s.cfg.MaxResultSize)))
+	value := []byte(lock.CutText(reason, s.cfg.MaxResultSize))
+	if isHeld(lease) {
+		return s.endHeld(ctx, lease, "fail", "f", value)
+	}
+	return s.finish(ctx, s.pool, lease, "fail", "f", value)
 }
 
 // Release gives the lease up, keeping the attempt count.
 func (s *Store) Release(ctx context.Context, lease lock.Lease) error {
+	if isHeld(lease) {
+		return s.endHeld(ctx, lease, "release", "r", nil)
+	}
 	return s.finish(ctx, s.pool, lease, "release", "r", nil)
 }
 
@@ -310,6 +339,9 @@ func (s *Store) Release(ctx context.Context, lease lock.Lease) error {
 // A retried Cancel that finds its own write answers nil and takes nothing
 // back again.
 func (s *Store) Cancel(ctx context.Context, lease lock.Lease) error {
+	if isHeld(lease) {
+		return s.endHeld(ctx, lease, "cancel", "x", nil)
+	}
 	return s.finish(ctx, s.pool, lease, "cancel", "x", nil)
 }
 

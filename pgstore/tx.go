@@ -58,7 +58,19 @@ type txHandler struct {
 	fn TxFunc
 }
 
-var _ amqpidem.Completer = (*txHandler)(nil)
+var _ amqpidem.LeaseTaker = (*txHandler)(nil)
+
+// AcquireLease takes d's lease (amqpidem.LeaseTaker): held by the
+// transaction that HandleComplete then runs fn in, or, for a redelivered
+// message, a key whose record counts attempts and with Config.RowLeases,
+// by a record row as Acquire takes it. See "Leases held by transactions"
+// in the package documentation.
+func (h *txHandler) AcquireLease(ctx context.Context, req lock.Request, d *amqp.Delivery) (lock.Result, error) {
+	if d.Redelivered || h.s.cfg.RowLeases {
+		return h.s.Acquire(ctx, req)
+	}
+	return h.s.acquireHeld(ctx, req)
+}
 
 // CompleterStore returns the Store the handler writes records to.
 func (h *txHandler) CompleterStore() lock.Store { return h.s }
@@ -70,17 +82,79 @@ func (h *txHandler) Handle(ctx context.Context, d *amqp.Delivery) ([]byte, error
 
 // HandleComplete runs fn in a transaction, then completes lease's record
 // with value(result) and commits, both in one round trip (see finishTx).
+// For a lease held by a transaction, fn runs in that one (see
+// completeHeld).
 func (h *txHandler) HandleComplete(ctx context.Context, d *amqp.Delivery, lease lock.Lease, value func([]byte) ([]byte, error)) ([]byte, error) {
+	if isHeld(lease) {
+		return h.completeHeld(ctx, d, lease, value)
+	}
 	return h.run(ctx, d, func(ctx context.Context, tx pgx.Tx, result []byte) error {
-		v, err := value(result)
+		v, err := h.stored(lease, result, value)
 		if err != nil {
 			return err
 		}
-		if len(v) > h.s.cfg.MaxResultSize {
-			return fmt.Errorf("%w: key %q: %d bytes, at most %d allowed", lock.ErrResultTooLarge, lease.Key, len(v), h.s.cfg.MaxResultSize)
-		}
 		return h.s.finishTx(ctx, tx, lease, v)
 	})
+}
+
+// stored is the value to store for result: value(result), within the
+// Store's MaxResultSize.
+func (h *txHandler) stored(lease lock.Lease, result []byte, value func([]byte) ([]byte, error)) ([]byte, error) {
+	v, err := value(result)
+	if err != nil {
+		return nil, err
+	}
+	if len(v) > h.s.cfg.MaxResultSize {
+		return nil, fmt.Errorf("%w: key %q: %d bytes, at most %d allowed", lock.ErrResultTooLarge, lease.Key, len(v), h.s.cfg.MaxResultSize)
+	}
+	return v, nil
+}
+
+// completeHeld runs fn in the transaction that holds lease, from the
+// handler's savepoint, then writes the completed record and commits, in
+// one round trip (commitHeld). When fn fails, or its result cannot be
+// stored, the transaction is kept for the call that ends the lease next
+// (Fail, Release, Cancel: amqpidem makes one), which rolls back to the
+// savepoint and writes that outcome under the same lease.
+func (h *txHandler) completeHeld(ctx context.Context, d *amqp.Delivery, lease lock.Lease, value func([]byte) ([]byte, error)) ([]byte, error) {
+	ht := h.s.takeHeld(lease.Owner)
+	if ht == nil {
+		return nil, fmt.Errorf("%w: key %q: the transaction holding the lease ended before the handler ran", lock.ErrUnavailable, lease.Key)
+	}
+	kept := false
+	defer func() {
+		if !kept { // fn failed or panicked: the next call ends it
+			h.s.putHeld(lease, ht)
+		}
+	}()
+	result, err := h.fn(ctx, ht.tx, d)
+	if err != nil {
+		return nil, h.fnError(ctx, ht.tx, err)
+	}
+	v, err := h.stored(lease, result, value)
+	if err != nil {
+		return nil, err
+	}
+	kept = true
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
+	defer cancel()
+	err = h.s.commitHeld(cctx, ht, lease, "complete", "c", v)
+	h.s.endConn(ht.conn)
+	if err != nil {
+		return nil, err
+	}
+	return result, nil
+}
+
+// fnError is the error fn's error err comes to: lock.ErrUnavailable when
+// the transaction's connection is gone (the server restarted, the backend
+// was terminated) and not because ctx ended, since nothing of it committed
+// and the store is the cause; err as it is otherwise.
+func (h *txHandler) fnError(ctx context.Context, tx pgx.Tx, err error) error {
+	if ctx.Err() == nil && tx.Conn().IsClosed() && !amqpidem.IsPermanent(err) && !errors.Is(err, lock.ErrUnavailable) {
+		return fmt.Errorf("%w: the transaction's connection closed: %w", lock.ErrUnavailable, err)
+	}
+	return err
 }
 
 // commitOnly is run's commit for a transaction with no record.
@@ -126,13 +200,7 @@ func (h *txHandler) run(ctx context.Context, d *amqp.Delivery, commit func(conte
 	}()
 	result, err := h.fn(ctx, tx, d)
 	if err != nil {
-		if ctx.Err() == nil && tx.Conn().IsClosed() && !amqpidem.IsPermanent(err) && !errors.Is(err, lock.ErrUnavailable) {
-			// The work's connection is gone (the server restarted, the
-			// backend was terminated), not because its context ended:
-			// nothing of it committed, and the store is the cause.
-			return nil, fmt.Errorf("%w: the transaction's connection closed: %w", lock.ErrUnavailable, err)
-		}
-		return nil, err
+		return nil, h.fnError(ctx, tx, err)
 	}
 	// The record and the commit run even when ctx ended meanwhile: the
 	// record's compare-and-set decides whether the work counts.

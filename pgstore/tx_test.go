@@ -56,8 +56,16 @@ func queueChannel(t *testing.T, queue string) *amqp.Channel {
 
 func newRig(t *testing.T) *rig {
 	t.Helper()
+	return newRigWith(t, pgstore.Config{})
+}
+
+// newRigWith is newRig with the Store's Config base (its Schema and
+// CleanupInterval set by the rig).
+func newRigWith(t *testing.T, base pgstore.Config) *rig {
+	t.Helper()
 	pool := pgenv.Pool(t, 16)
-	cfg := schema(t, pool, pgstore.Config{CleanupInterval: -1})
+	base.CleanupInterval = -1
+	cfg := schema(t, pool, base)
 	ctx := context.Background()
 	if _, err := pool.Exec(ctx, "CREATE TABLE "+pgx.Identifier{cfg.Schema, "effects"}.Sanitize()+" (op text NOT NULL)"); err != nil {
 		t.Fatal(err)
@@ -218,9 +226,11 @@ func TestTxHandlerCommitsEffectWithRecord(t *testing.T) {
 
 // TestTxHandlerLeaseLostRollsBack: when another consumer takes the key
 // over while the handler runs, the completion's compare-and-set fails and
-// the handler's effect rolls back with it.
+// the handler's effect rolls back with it. (A lease held by a transaction
+// is taken over only once the server ended that transaction:
+// TestHeldLeasePausedHolderLosesIt.)
 func TestTxHandlerLeaseLostRollsBack(t *testing.T) {
-	r := newRig(t)
+	r := newRigWith(t, pgstore.Config{RowLeases: true})
 	var runs atomic.Int32
 	table := pgx.Identifier{r.cfg.Schema, pgstore.DefaultTable}.Sanitize()
 	r.run(r.store.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
