@@ -45,7 +45,8 @@ type Config struct {
 	// Migrate creates it if it does not exist.
 	Schema string
 	// Table is the records table. Migrate also creates the functions
-	// "<Table>_acquire", "<Table>_finish" and "<Table>_finish_tx" and the index
+	// "<Table>_acquire", "<Table>_finish", "<Table>_finish_tx",
+	// "<Table>_acquire_held" and "<Table>_finish_held" and the index
 	// "<Table>_expires" in the same schema. At most 50 bytes. Default
 	// DefaultTable.
 	Table string

@@ -72,11 +72,11 @@
 //
 // # The transactional handler
 //
-// TxHandler begins a transaction, runs the handler's function in it, then,
-// in the same transaction, completes the record with compare-and-set on
-// owner and fence, and commits. The completion locks the record's row, so
-// a consumer that would take the key over waits for the commit and then
-// finds the record completed. So:
+// TxHandler runs the handler's function in a transaction and, in the same
+// transaction, writes the completed record (compare-and-set on the lease),
+// then commits. The completion locks the record's row, so a consumer that
+// would take the key over waits for the commit and then finds the record
+// completed. So:
 //
 //   - a crash or a lost connection before the commit rolls back the
 //     effects and leaves the lease, which expires: the next delivery runs
@@ -88,25 +88,60 @@
 //     again, since the effects rolled back with it).
 //
 // The completion and the COMMIT go to the server together, in one round
-// trip: the completion is the function <Table>_finish_tx, which raises
-// (SQLSTATE AQ001) where the lease is no longer held, so that the server
-// skips the COMMIT sent after it and the transaction rolls back. A new
-// message costs four round trips: Acquire, BEGIN, the handler's
-// statements, completion with COMMIT. A database migrated by a release
-// without that function makes TxHandler's completion fail as unavailable
-// (nothing commits; the message waits) and Check say to run Migrate.
+// trip: the completion raises (SQLSTATE AQ001) where the lease is no
+// longer held, so that the server skips the COMMIT sent after it and the
+// transaction rolls back. A database migrated by an earlier release lacks
+// the functions TxHandler uses: its completion fails as unavailable
+// (nothing commits; the message waits) and Check says to run Migrate.
 //
-// # The lease model, and why
+// # Leases held by transactions
 //
-// A lease is a row with a deadline, renewed by package heartbeat: one
-// UPDATE per heartbeat tick for all the leases of a consumer. The
-// alternative, the row lock of a transaction held open from Acquire to
-// commit, needs no heartbeat, but a duplicate delivery would wait on that
-// lock instead of being told "in progress" and requeued, every lease would
-// hold a connection even while the handler does not touch the database,
-// and the non-transactional handlers would need a transaction too. With
-// leases by TTL, the store has one state machine for every handler form
-// and every backend, and a duplicate is answered at once.
+// A lease is a record row with a deadline, renewed by package heartbeat
+// (one UPDATE per tick for all of a consumer's leases), for every handler
+// form: that is what Acquire takes. TxHandler takes the lease of a first
+// delivery (a message not redelivered by the broker) differently, because
+// its transaction will be open anyway: in one round trip it begins the
+// handler's transaction and calls <Table>_acquire_held, which takes the
+// key's transaction-level advisory lock (pg_try_advisory_xact_lock) and
+// reads the record. The lock is the lease; nothing is written until the
+// outcome, which <Table>_finish_held writes as a new record in the same
+// transaction as the handler's effects. A new message then costs one
+// commit instead of two, and four round trips (BEGIN with the acquire, a
+// SAVEPOINT that begins the handler's pgx.Tx, the handler's statements,
+// completion with COMMIT), and writes about half the WAL.
+//
+//   - A duplicate is answered at once: the advisory lock is tried, never
+//     waited for (busy: requeued with InProgressDelay), and Acquire tries
+//     it too, so a record-row lease and a held one exclude each other.
+//     A completed or failed record is answered as with Acquire.
+//   - A holder that stops talking to the server loses its lease: the
+//     transaction's idle_in_transaction_session_timeout is the lease's
+//     TTL, after which the server ends its session, and the transaction
+//     and the lock with it; its work, resumed, commits nothing. The
+//     heartbeat has nothing to renew (Extend answers nil for such a
+//     lease), and a handler that keeps its transaction idle longer than
+//     the TTL (a slow call elsewhere in the middle of it) loses its
+//     session the same way: the attempt is then recorded (released, one
+//     attempt), and its retry takes a record-row lease, which the
+//     heartbeat renews.
+//   - An execution is counted when its outcome is written, not before it
+//     starts: an attempt that crashes the consumer on a first delivery is
+//     not counted. Its redelivery is marked redelivered by the broker, and
+//     a redelivered message, or a key whose record counts attempts
+//     (released, cancelled, or a lease that expired), takes a record-row
+//     lease, counted before the handler runs: a message that crashes its
+//     consumer reaches Config.MaxAttempts one execution later than with
+//     record-row leases only.
+//   - Fences come from the same clock as Acquire's, above any earlier
+//     record's; the handler's amqpidem.FromContext gives the lease's fence
+//     as usual.
+//   - The lease holds a pooled connection from the acquire to the commit,
+//     as the handler's transaction did already; a failed handler's
+//     outcome (release, failure) is written after a rollback to the
+//     savepoint, under the same lock.
+//
+// Config.RowLeases turns this off: every lease is a record row, as for the
+// other handler forms.
 //
 // # The producer outbox
 //
@@ -145,7 +180,8 @@
 // store: make it idempotent or fence it with amqpidem.FromContext(ctx).Fence.
 //
 // A TxHandler holds one pooled connection and an open transaction for as
-// long as the handler runs. Size the pool above the number of handlers that
+// long as the handler runs (and, with a lease held by its transaction,
+// from the acquire on). Size the pool above the number of handlers that
 // can run at once (ConsumerConfig.Concurrency, over every consumer sharing
 // it): leases are renewed through the same pool, and a pool whose every
 // connection is held by a handler cannot renew them. Long transactions
@@ -153,16 +189,19 @@
 // handlers that run for minutes out of the transaction (the plain
 // handler form works on this store too, with Complete in its own
 // statement). Under REPEATABLE READ or SERIALIZABLE (Config.TxOptions), a
-// handler that runs longer than a heartbeat interval fails at its
-// completion with a serialization failure, because the heartbeat changed
-// the record after the transaction's snapshot: use READ COMMITTED (the
-// default) for such handlers.
+// handler on a record-row lease that runs longer than a heartbeat interval
+// fails at its completion with a serialization failure, because the
+// heartbeat changed the record after the transaction's snapshot: use READ
+// COMMITTED (the default) for such handlers.
 //
 // A lease is not a mutex: the store refuses a stale holder's record
 // writes, and TxHandler rolls its transactional effects back, but work a
 // paused holder does outside the transaction is not undone.
 //
 // The records table is written on every message: plan for its write
-// volume (one insert and one or two updates per unique message, an index
-// on expires_at), and keep autovacuum on.
+// volume (one insert per unique message with a held lease, else an insert
+// and one or two updates; an index on expires_at), and keep autovacuum
+// on. A server where a statement can block on sending to a stalled client
+// (a result larger than the socket buffers) does not count that time as
+// idle: such a holder keeps its held lease until TCP gives up on it.
 package pgstore

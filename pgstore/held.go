@@ -23,6 +23,10 @@ import (
 // (HandleComplete, Complete, Fail, Release or Cancel) the transaction waits
 // in Store.held, under the lease's owner token.
 
+// errTxEnded says that the handler ended the transaction that held its
+// lease (a COMMIT or ROLLBACK statement of its own).
+var errTxEnded = errors.New("the handler ended the transaction holding the lease; nothing written")
+
 // heldMark is the first byte of the owner token of a lease held by a
 // transaction; other owner tokens are hex digits.
 const heldMark = 't'
@@ -34,8 +38,8 @@ const savepoint = "amqpidem_handler"
 // heldTx is a transaction that holds a lease.
 type heldTx struct {
 	conn *pgxpool.Conn
-	tx   pgx.Tx // the handler's, begun with SAVEPOINT
-	fp   []byte // the request's fingerprint, for the record
+	tx   *handlerTx // the handler's
+	fp   []byte     // the request's fingerprint, for the record
 	// guard ends the transaction if nothing took it within the lease's
 	// TTL (a bug: amqpidem always ends the leases it gets).
 	guard *time.Timer
@@ -45,10 +49,10 @@ type heldTx struct {
 func isHeld(l lock.Lease) bool { return l.Owner != "" && l.Owner[0] == heldMark }
 
 // acquireHeld takes a lease on req.Key held by a transaction that it begins
-// (with Config.TxOptions): one round trip (BEGIN and acquire_held) when the
-// key is busy or answered by its record, two when it is taken (SAVEPOINT
-// begins the handler's pgx.Tx). A key whose record counts attempts is
-// taken by Acquire instead. Its failures are not retried: a transaction
+// (with Config.TxOptions), in one round trip: BEGIN, acquire_held, and the
+// SAVEPOINT the handler's work begins at. A key that is busy or answered by
+// its record costs one more, the ROLLBACK; a key whose record counts
+// attempts is taken by Acquire instead. Its failures are not retried: a transaction
 // whose outcome is unknown ended with its connection, holding nothing.
 func (s *Store) acquireHeld(ctx context.Context, req lock.Request) (lock.Result, error) {
 	req, err := s.cfg.CheckRequest(req)
@@ -66,10 +70,12 @@ func (s *Store) acquireHeld(ctx context.Context, req lock.Request) (lock.Result,
 	b := &pgx.Batch{}
 	b.Queue(s.sql.begin)
 	b.Queue(s.sql.acquireHeld, s.cfg.Prefix, []byte(req.Key), req.TTL.Milliseconds(), []byte(req.Fingerprint))
+	b.Queue("SAVEPOINT " + savepoint)
 	br := conn.SendBatch(ctx, b)
 	_, berr := br.Exec()
 	qerr := br.QueryRow().Scan(&status, &fence, &attempts, &remaining, &value)
-	if err := cmp.Or(berr, qerr, br.Close()); err != nil {
+	_, serr := br.Exec()
+	if err := cmp.Or(berr, qerr, serr, br.Close()); err != nil {
 		s.endConn(conn)
 		return lock.Result{}, fmt.Errorf("pgstore: acquire %q: %w", req.Key, classify(err))
 	}
@@ -80,11 +86,6 @@ func (s *Store) acquireHeld(ctx context.Context, req lock.Request) (lock.Result,
 		}
 		return s.result(req, status, fence, attempts, remaining, value, "", start)
 	}
-	tx, err := conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: "SAVEPOINT " + savepoint})
-	if err != nil {
-		s.endConn(conn)
-		return lock.Result{}, fmt.Errorf("pgstore: acquire %q: %w", req.Key, classify(err))
-	}
 	owner := lock.NewOwner()
 	owner = string(heldMark) + owner[1:]
 	res, err := s.result(req, status, fence, attempts, remaining, value, owner, start)
@@ -92,7 +93,7 @@ func (s *Store) acquireHeld(ctx context.Context, req lock.Request) (lock.Result,
 		s.endConn(conn)
 		return res, err
 	}
-	s.putHeld(res.Lease, &heldTx{conn: conn, tx: tx, fp: []byte(req.Fingerprint)})
+	s.putHeld(res.Lease, &heldTx{conn: conn, tx: &handlerTx{conn: conn.Conn()}, fp: []byte(req.Fingerprint)})
 	return res, nil
 }
 
@@ -152,18 +153,19 @@ func (s *Store) endHeld(ctx context.Context, l lock.Lease, op, state string, val
 		}
 		return nil
 	}
-	var fp []byte
+	fp := []byte{}
 	if h != nil {
 		fp = h.fp
 		err := s.commitHeld(ctx, h, l, op, state, value)
 		closed := h.conn.Conn().IsClosed()
 		s.endConn(h.conn)
-		if err == nil || errors.Is(err, lock.ErrLeaseLost) || !closed {
+		if err == nil || errors.Is(err, lock.ErrLeaseLost) || !closed && !errors.Is(err, errTxEnded) {
 			return err
 		}
 		// The connection closed (the server ended an idle holder's
-		// session, say): nothing of it committed, or this same outcome
-		// did, which finish_held alone finds.
+		// session, say), or the handler ended the transaction: nothing of
+		// it committed, or this same outcome did, which finish_held alone
+		// finds.
 	}
 	_, err := s.pool.Exec(ctx, s.sql.finishHeld, s.cfg.Prefix, []byte(l.Key), l.Owner, l.Fence, state, value,
 		l.Retention.Milliseconds(), fp)
@@ -176,6 +178,12 @@ func (s *Store) endHeld(ctx context.Context, l lock.Lease, op, state string, val
 func (s *Store) commitHeld(ctx context.Context, h *heldTx, l lock.Lease, op, state string, value []byte) error {
 	if err := lock.CheckLease(l); err != nil {
 		return err
+	}
+	if h.conn.Conn().PgConn().TxStatus() == 'I' {
+		// Ended by a statement of the handler's own (COMMIT, ROLLBACK):
+		// the lock went with it, and the outcome must not be written
+		// outside the transaction of the effects.
+		return fmt.Errorf("pgstore: %s %q: %w", op, l.Key, errTxEnded)
 	}
 	b := &pgx.Batch{}
 	if state != "c" {

@@ -398,7 +398,7 @@ func literal(s string) string {
 }
 
 // MigrationSQL returns the SQL that Migrate runs for cfg: the records
-// table, its index and its three functions, and the producer outbox's table
+// table, its index and its functions, and the producer outbox's table
 // and its indexes, each created only if missing (the functions are
 // replaced). Apply it with your own migration tool if you
 // prefer; Check tells whether a database has it.
