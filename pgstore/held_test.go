@@ -483,3 +483,24 @@ func TestHeldLeaseHandlerTx(t *testing.T) {
 	}
 	r.idle()
 }
+
+// TestHeldLeaseClose: Close rolls back the transactions holding leases
+// that nothing ended, and gives their connections back.
+func TestHeldLeaseClose(t *testing.T) {
+	r := newRig(t)
+	s, err := pgstore.New(r.pool, r.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := s.TxHandler(nil).(amqpidem.LeaseTaker).AcquireLease(context.Background(), lock.Request{Key: "closed"}, &amqp.Delivery{})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatalf("AcquireLease: %+v, %v", res, err)
+	}
+	if n := r.pool.Stat().AcquiredConns(); n != 1 {
+		t.Fatalf("%d connections acquired while the lease is held, want 1", n)
+	}
+	s.Close()
+	if n := r.pool.Stat().AcquiredConns(); n != 0 {
+		t.Fatalf("%d connections acquired after Close, want 0", n)
+	}
+}

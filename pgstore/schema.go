@@ -183,7 +183,7 @@ $fn$;
 
 -- acquire_held: take a lease on one key that the calling transaction
 -- holds, for TxHandler: the transaction-level advisory lock of the key
--- ({heldlock}) is the lease, and nothing is written until the outcome
+-- is the lease, and nothing is written until the outcome
 -- (finish_held), which commits with the handler's writes. status as for
 -- acquire, and 6 when the key has a record that counts attempts (released,
 -- cancelled, or a lease that expired): the caller ends this transaction
@@ -415,7 +415,7 @@ func MigrationSQL(cfg Config) (string, error) {
 		"{finishtx}", n.finishTx,
 		"{acquireheld}", n.acquireHeld,
 		"{finishheld}", n.finishHeld,
-		"{heldlock}", heldLock,
+		"{heldlock}", heldLock(n.table),
 		"{leaselost}", leaseLostCode,
 		"{index}", n.index,
 		"{checkformat}", formatCheck(n.table, tableComment),
@@ -435,11 +435,14 @@ func MigrationSQL(cfg Config) (string, error) {
 }
 
 // heldLock is the SQL of the key of a record's transaction-level advisory
-// lock (acquire_held), in the functions of the key p_key of namespace p_ns:
-// the two-int form, whose first half ("amqi") keeps it apart from other
-// programs' advisory locks. Two keys whose hashes meet only wait for
-// each other (a busy answer), never share a lease: the record decides.
-const heldLock = "1634562409, hashtext(p_ns || ':' || encode(p_key, 'hex'))"
+// lock (acquire_held), in the functions of table, of the key p_key of
+// namespace p_ns: the two-int form, whose first half ("amqi") keeps it
+// apart from other programs' advisory locks, and a hash of the table, the
+// namespace and the key. Two keys whose hashes meet only wait for each
+// other (a busy answer), never share a lease: the record decides.
+func heldLock(table string) string {
+	return "1634562409, hashtext(" + literal(table+":") + " || p_ns || ':' || encode(p_key, 'hex'))"
+}
 
 // leaseLostCode is the SQLSTATE finish_tx raises when the lease is
 // no longer held.

@@ -134,11 +134,19 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 	return s, nil
 }
 
-// Close stops the background cleanup and waits for it. It does not close
-// the pool; the Store must not be used after Close.
+// Close stops the background cleanup and waits for it, and rolls back the
+// transactions holding leases that no call has ended yet (their handlers
+// did not start, or failed and were not settled). It does not close the
+// pool; the Store must not be used after Close.
 func (s *Store) Close() {
 	s.stop()
 	<-s.done
+	s.held.Range(func(owner, _ any) bool {
+		if h := s.takeHeld(owner.(string)); h != nil {
+			s.endConn(h.conn)
+		}
+		return true
+	})
 }
 
 // MaxResultSize is the largest result Complete accepts, in bytes.
