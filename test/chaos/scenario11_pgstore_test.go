@@ -164,12 +164,32 @@ func TestChaos11PGCrashWindows(t *testing.T) {
 // three lease TTLs. B takes the operations over (a higher fence) and
 // commits them. A is continued: its handlers return success, and pgstore's
 // compare-and-set on owner and fence must refuse A's completion, rolling
-// A's effect back with it (stale_rolled_back counts them).
-func TestChaos11PGSigstop(t *testing.T) {
+// A's effect back with it (stale_rolled_back counts them). This is the
+// record-row lease (-row-leases); TestChaos11PGSigstopHeld is the lease
+// held by the transaction.
+func TestChaos11PGSigstop(t *testing.T) { pgSigstop(t, false) }
+
+// Scenario 11c with the lease held by the handler's transaction: the
+// same run, but A's transactions are ended by the server (idle for the
+// lease's TTL) while A is stopped: none is open when B has committed, and
+// A's handlers, continued, fail to commit (stale_rolled_back counts them).
+func TestChaos11PGSigstopHeld(t *testing.T) { pgSigstop(t, true) }
+
+// pgSigstop is scenario 11c, with leases held by the transactions when held
+// is set, else record-row leases.
+func pgSigstop(t *testing.T, held bool) {
 	r, _ := newPGRun(t, false)
-	const ttl = time.Second
+	ttl := time.Second
+	if held {
+		// Long enough for the test to see A's transactions open before
+		// the server ends them (it polls every 200 ms).
+		ttl = 3 * time.Second
+	}
 	nVictims, nOther := pick(3, 10), pick(100, 1000)
 	flags := append(append([]string(nil), pgFlags...), "-lease", ttl.String(), "-heartbeat", "30s")
+	if !held {
+		flags = append(flags, "-row-leases")
+	}
 
 	victims := make([]workload.Op, nVictims)
 	for i := range victims {
@@ -215,13 +235,20 @@ func TestChaos11PGSigstop(t *testing.T) {
 	r.logf("A's stale handlers ended")
 	r.settle(nVictims+nOther, 3*time.Minute, time.Second)
 	r.terminateAll()
+	// A record-row lease's stale completion is refused by the
+	// compare-and-set; a held one's transaction is gone with its session.
+	stale := "failed after-effect lease-lost:%"
+	name, wantOpen := "pg-sigstop", nVictims
+	if held {
+		stale, name, wantOpen = "failed after-effect %", "pg-sigstop-held", 0
+	}
 	staleRolledBack := r.count(`SELECT count(*) FROM executions WHERE consumer = $1 AND op_id LIKE '%victim%'
-		AND result LIKE 'failed after-effect lease-lost:%'`, nameA)
-	p := r.report("pg-sigstop", fmt.Sprintf(" stale_rolled_back=%d open_tx_at_takeover=%d stopped_ms=%d",
+		AND result LIKE $2`, nameA, stale)
+	p := r.report(name, fmt.Sprintf(" stale_rolled_back=%d open_tx_at_takeover=%d stopped_ms=%d",
 		staleRolledBack, openAtTakeover, stopped.Milliseconds()))
 
-	if openAtTakeover != nVictims {
-		t.Errorf("A had %d transactions open when B had committed the victims, want %d", openAtTakeover, nVictims)
+	if openAtTakeover != wantOpen {
+		t.Errorf("A had %d transactions open when B had committed the victims, want %d", openAtTakeover, wantOpen)
 	}
 	if staleRolledBack != nVictims {
 		t.Errorf("stale transactions rolled back by the compare-and-set: got %d, want %d", staleRolledBack, nVictims)

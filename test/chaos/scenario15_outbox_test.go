@@ -873,10 +873,15 @@ func (o *outboxRun) sigstop(name string, stopWindows []string) {
 	o.logf("consumers stopped")
 	f := o.examine()
 	o.logf("examined")
+	// Refused: by the compare-and-set of a record-row lease, or, for a
+	// lease held by pgstore's transaction, because the server ended the
+	// stopped holder's idle session (its transaction, lock and staged
+	// messages with it).
 	staleStaged := 0
 	for _, x := range f.execs {
 		if x.consumer == nameV && strings.Contains(x.op, "victim") &&
-			(strings.HasPrefix(x.result, "staged") || strings.HasPrefix(x.result, "failed after-effect lease-lost")) {
+			(strings.HasPrefix(x.result, "staged") || strings.HasPrefix(x.result, "failed after-effect lease-lost") ||
+				strings.HasPrefix(x.result, "failed after-effect unavailable") && strings.Contains(x.result, "idle-in-transaction timeout")) {
 			staleStaged++
 		}
 	}

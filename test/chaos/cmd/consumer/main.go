@@ -74,6 +74,7 @@ func main() {
 	flag.IntVar(&cfg.Replicas, "replicas", 0, "lock Config.Replicas: wait for this many replicas on every write")
 	flag.StringVar(&cfg.StoreDSN, "store-pg", "", "keep the records in PostgreSQL (pgstore) at this DSN instead of Redis; the handler then inserts its effect in pgstore's transaction")
 	flag.StringVar(&cfg.StoreAppName, "store-app", "", "application_name of the pgstore connections (default <name>-store)")
+	flag.BoolVar(&cfg.RowLeases, "row-leases", false, "with -store-pg: pgstore Config.RowLeases (every lease a record row, none held by the handler's transaction)")
 	flag.StringVar(&cfg.DynamoEndpoint, "store-dynamo", "", "keep the records in DynamoDB (dynamostore) on the server at this endpoint instead of Redis; the handler then puts its effect in dynamostore's transaction")
 	flag.StringVar(&cfg.DynamoTable, "dynamo-table", "", "with -store-dynamo: the records table")
 	flag.StringVar(&cfg.DynamoEffects, "dynamo-effects", "", "with -store-dynamo: the table of the handler's effect items")

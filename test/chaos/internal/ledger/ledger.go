@@ -292,6 +292,15 @@ func (l *Ledger) Completions(ctx context.Context, opID string) (int, error) {
 	return n, err
 }
 
+// FirstExecution reports whether execID is the first execution of opID
+// the ledger logged.
+func (l *Ledger) FirstExecution(ctx context.Context, opID, execID string) (bool, error) {
+	var first bool
+	err := l.pool.QueryRow(ctx, `SELECT NOT EXISTS (SELECT FROM executions WHERE op_id = $1 AND seq < (
+		SELECT seq FROM executions WHERE exec_id = $2))`, opID, execID).Scan(&first)
+	return first, err
+}
+
 // ClaimCrash reports whether the caller is the first to take crash window
 // win for opID; it records the claim either way.
 func (l *Ledger) ClaimCrash(ctx context.Context, opID, win, execID string, fence int64, pid int) (bool, error) {

@@ -75,6 +75,7 @@ func (w *Worker) openPG(ctx context.Context) (lock.Store, amqpidem.Handler, func
 	}
 	scfg := StoreConfig(cfg.Prefix, cfg.Schema, cfg.StoreLeaseTTL)
 	scfg.Logger = cfg.Logger
+	scfg.RowLeases = cfg.RowLeases
 	ps, err := pgstore.New(pool, scfg)
 	if err != nil {
 		pool.Close()
@@ -135,13 +136,28 @@ func (w *Worker) handleTx(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]b
 		return nil, err
 	}
 	w.markInserted(info.Key, info.Fence)
-	if plan.Stall && info.Attempt == 1 {
+	if plan.Stall && w.firstExecution(op, execID, info.Attempt) {
 		w.stallUntilCompleted(ctx, op, execID, plan)
 	}
 	if plan.Crash == workload.InTx {
 		w.crash(op, plan.Crash, execID, info.Fence)
 	}
 	return make([]byte, plan.ResultBytes), nil
+}
+
+// firstExecution reports whether execID is the first execution of op,
+// the one a Stall plan makes a stale holder: by the ledger, since a lease
+// held by a transaction that the server ended counted no attempt, so the
+// execution taking over may be attempt 1 too; by attempt if the ledger
+// does not answer.
+func (w *Worker) firstExecution(op, execID string, attempt int) bool {
+	lctx, cancel := ledgerCtx()
+	defer cancel()
+	first, err := w.led.FirstExecution(lctx, op, execID)
+	if err != nil {
+		return attempt == 1
+	}
+	return first
 }
 
 // stallUntilCompleted is a stale holder (with its transaction open, in pg
@@ -192,6 +208,23 @@ type txCompleter struct {
 }
 
 func (c *txCompleter) CompleterStore() lock.Store { return c.store }
+
+// AcquireLease takes the lease as the wrapped Completer does when it is an
+// amqpidem.LeaseTaker (pgstore's lease held by the transaction), tracked
+// as the store wrapper's Acquire tracks its leases; else through the
+// store wrapper.
+func (c *txCompleter) AcquireLease(ctx context.Context, req lock.Request, d *amqp.Delivery) (lock.Result, error) {
+	t, ok := c.Completer.(amqpidem.LeaseTaker)
+	if !ok {
+		return c.store.Acquire(ctx, req)
+	}
+	at := time.Now()
+	res, err := t.AcquireLease(ctx, req, d)
+	if err == nil && res.Status == lock.Acquired {
+		c.w.track(messageKey(req.Key), res.Lease.Fence, at)
+	}
+	return res, err
+}
 
 func (c *txCompleter) HandleComplete(ctx context.Context, d *amqp.Delivery, lease lock.Lease,
 	value func([]byte) ([]byte, error)) ([]byte, error) {

@@ -84,7 +84,7 @@ func (w *Worker) stageWork(ctx context.Context, info amqpidem.Info, op, execID s
 	// is this handler's effect.
 	w.markInserted(info.Key, info.Fence)
 	switch {
-	case plan.Stall && info.Attempt == 1:
+	case plan.Stall && w.firstExecution(op, execID, info.Attempt):
 		w.stallUntilCompleted(ctx, op, execID, plan)
 		return "staged, stalled", make([]byte, plan.ResultBytes), nil
 	case plan.Permanent:

@@ -120,6 +120,9 @@ type Config struct {
 	// that a test can find (and terminate) exactly them. Default Name +
 	// "-store".
 	StoreAppName string
+	// RowLeases is pgstore.Config.RowLeases: every lease a record row,
+	// none held by the handler's transaction.
+	RowLeases bool
 
 	// DynamoEndpoint, when set, selects the DynamoDB store (dynamostore)
 	// on the DynamoDB-compatible server at this endpoint instead of Redis
