@@ -33,7 +33,9 @@
 //     "Headers a publisher can forge" below (headers.go); a Consumer's
 //     delivery waits for its turn at the gate (Concurrency, in delivery
 //     order); its key is taken (Config.Key) and the store looked up
-//     (Acquire): one store call.
+//     (Acquire): one store call. A handler that is a LeaseTaker
+//     (pgstore's TxHandler) takes the lease itself instead, in the
+//     transaction its work then runs in.
 //  2. The store's answer decides, row by row of the table below:
 //     duplicate, busy, conflict, failed, expired or pending, or run.
 //  3. Run: the heartbeat keeps the lease while the handler runs; then
