@@ -122,6 +122,31 @@ func TestHeldLeaseOneCommit(t *testing.T) {
 	if err != nil || again.Status != lock.Completed || string(again.Value) != "done" {
 		t.Fatalf("AcquireLease after completion: %+v, %v; want completed with its value", again, err)
 	}
+	// A duplicate is answered from the record even while another
+	// consumer's acquire holds the key's lock: it is not made busy.
+	tx, err := r.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock(1634562409, hashtext($1 || $2 || ':' || encode($3, 'hex')))",
+		pgx.Identifier{r.cfg.Schema, pgstore.DefaultTable}.Sanitize()+":", lock.DefaultPrefix, []byte(key)); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := h.AcquireLease(ctx, lock.Request{Key: key}, &amqp.Delivery{}); err != nil || got.Status != lock.Completed {
+		t.Fatalf("AcquireLease of a completed key while its lock is held: %+v, %v; want completed", got, err)
+	}
+	if got, err := r.store.Acquire(ctx, lock.Request{Key: key}); err != nil || got.Status != lock.Completed {
+		t.Fatalf("Acquire of a completed key while its lock is held: %+v, %v; want completed", got, err)
+	}
+	if got, err := h.AcquireLease(ctx, lock.Request{Key: "other-" + key}, &amqp.Delivery{}); err != nil || got.Status != lock.Acquired {
+		t.Fatalf("AcquireLease of another key: %+v, %v; want acquired", got, err)
+	} else if err := r.store.Cancel(ctx, got.Lease); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
 	r.idle()
 }
 

@@ -200,30 +200,35 @@ AS $fn$
 DECLARE
 	r {table}%ROWTYPE;
 BEGIN
-	fence := 0; attempts := 0; remaining_ms := p_ttl_ms;
-	IF NOT pg_try_advisory_xact_lock({heldlock}) THEN
-		status := 4;
-		RETURN;
-	END IF;
-	SELECT * INTO r FROM {table} t WHERE t.ns = p_ns AND t.key = p_key;
-	IF NOT FOUND OR r.expires_at <= clock_timestamp() THEN
-		PERFORM set_config('idle_in_transaction_session_timeout', p_ttl_ms::text, true);
-		status := 1; attempts := 1;
-		fence := greatest(coalesce(r.fence + 1, 0), {clockus});
-		RETURN;
-	END IF;
-	fence := r.fence; attempts := r.attempts; remaining_ms := 0;
-	IF length(p_fp) > 0 AND length(r.fingerprint) > 0 AND r.fingerprint <> p_fp THEN
-		status := 5;
-	ELSIF r.state IN ('c', 'f') THEN
-		status := CASE r.state WHEN 'c' THEN 2 ELSE 3 END;
-		value := r.value;
-	ELSIF r.state = 'p' AND r.deadline > clock_timestamp() THEN
-		status := 4;
-		remaining_ms := greatest(ceil(extract(epoch FROM r.deadline - clock_timestamp()) * 1000)::bigint, 1);
-	ELSE
-		status := 6;
-	END IF;
+	-- The record first, without the lock: a duplicate of finished work is
+	-- answered without making anyone busy. Then the lock, and the record
+	-- again (another holder may have finished in between).
+	FOR try IN 1..2 LOOP
+		fence := 0; attempts := 0; remaining_ms := p_ttl_ms;
+		SELECT * INTO r FROM {table} t WHERE t.ns = p_ns AND t.key = p_key;
+		IF FOUND AND r.expires_at > clock_timestamp() THEN
+			fence := r.fence; attempts := r.attempts; remaining_ms := 0;
+			IF length(p_fp) > 0 AND length(r.fingerprint) > 0 AND r.fingerprint <> p_fp THEN
+				status := 5;
+			ELSIF r.state IN ('c', 'f') THEN
+				status := CASE r.state WHEN 'c' THEN 2 ELSE 3 END;
+				value := r.value;
+			ELSIF r.state = 'p' AND r.deadline > clock_timestamp() THEN
+				status := 4;
+				remaining_ms := greatest(ceil(extract(epoch FROM r.deadline - clock_timestamp()) * 1000)::bigint, 1);
+			ELSE
+				status := 6;
+			END IF;
+			RETURN;
+		END IF;
+		IF try = 1 AND NOT pg_try_advisory_xact_lock({heldlock}) THEN
+			status := 4;
+			RETURN;
+		END IF;
+	END LOOP;
+	PERFORM set_config('idle_in_transaction_session_timeout', p_ttl_ms::text, true);
+	status := 1; attempts := 1;
+	fence := greatest(coalesce(r.fence + 1, 0), {clockus});
 END
 $fn$;
 
