@@ -106,25 +106,28 @@
 // reads the record. The lock is the lease; nothing is written until the
 // outcome, which <Table>_finish_held writes as a new record in the same
 // transaction as the handler's effects. A new message then costs one
-// commit instead of two, and four round trips (BEGIN with the acquire, a
-// SAVEPOINT that begins the handler's pgx.Tx, the handler's statements,
-// completion with COMMIT), and writes 6 WAL records of about 480 bytes
-// instead of 10 of about 800.
+// commit instead of two, and three round trips instead of four (BEGIN, the
+// acquire and the SAVEPOINT the handler's work begins at; the handler's
+// statements; completion with COMMIT), and writes 6 WAL records of about
+// 480 bytes instead of 10 of about 800.
 //
 //   - A duplicate is answered at once: the advisory lock is tried, never
 //     waited for (busy: requeued with InProgressDelay), and Acquire tries
 //     it too, so a record-row lease and a held one exclude each other.
 //     A completed or failed record is answered as with Acquire.
-//   - A holder that stops talking to the server loses its lease: the
+//   - A holder that leaves its transaction idle loses its lease: the
 //     transaction's idle_in_transaction_session_timeout is the lease's
 //     TTL, after which the server ends its session, and the transaction
 //     and the lock with it; its work, resumed, commits nothing. The
 //     heartbeat has nothing to renew (Extend answers nil for such a
-//     lease), and a handler that keeps its transaction idle longer than
-//     the TTL (a slow call elsewhere in the middle of it) loses its
+//     lease), so the handler's context is not cancelled then: its next
+//     statement fails. A handler that keeps its transaction idle longer
+//     than the TTL (a slow call elsewhere in the middle of it) loses its
 //     session the same way: the attempt is then recorded (released, one
 //     attempt), and its retry takes a record-row lease, which the
-//     heartbeat renews.
+//     heartbeat renews. A holder that vanishes in the middle of a
+//     statement, or whose COMMIT waits for a synchronous standby, is not
+//     idle: it keeps the lock until the server notices (TCP keepalives).
 //   - An execution is counted when its outcome is written, not before it
 //     starts: an attempt that crashes the consumer on a first delivery is
 //     not counted. Its redelivery is marked redelivered by the broker, and
@@ -141,8 +144,17 @@
 //     outcome (release, failure) is written after a rollback to the
 //     savepoint, under the same lock.
 //
-// Config.RowLeases turns this off: every lease is a record row, as for the
-// other handler forms.
+// Only under READ COMMITTED (Config.TxOptions, and the server's default
+// when it sets no level): under a higher level, the acquire's snapshot may
+// be older than the lock and miss a lease committed just before, so
+// TxHandler takes record-row leases. While a lease is held this way, the
+// key has no record: Inspect finds none. On a database not migrated by
+// this release (no <Table>_acquire_held), TxHandler takes record-row leases
+// until Migrate runs. Never run an earlier release's Migrate after this
+// one's: its acquire would not see leases held by transactions (effects in
+// this database would still commit once, but two handlers could run at
+// once). Config.RowLeases turns leases held by transactions off: every
+// lease is a record row, as for the other handler forms.
 //
 // # The producer outbox
 //

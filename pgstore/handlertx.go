@@ -67,10 +67,13 @@ func (t *handlerTx) Rollback(ctx context.Context) error {
 	if t.closed {
 		return pgx.ErrTxClosed
 	}
-	t.closed = true
-	if _, err := t.conn.Exec(ctx, "ROLLBACK TO SAVEPOINT "+savepoint); err != nil {
+	// Not cut short by ctx: a rollback the handler asked for is made.
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
+	defer cancel()
+	if _, err := t.conn.Exec(rctx, "ROLLBACK TO SAVEPOINT "+savepoint); err != nil {
 		return fmt.Errorf("pgstore: rollback of the handler's work: %w", err)
 	}
+	t.closed = true
 	return nil
 }
 

@@ -25,7 +25,7 @@ import (
 
 // errTxEnded says that the handler ended the transaction that held its
 // lease (a COMMIT or ROLLBACK statement of its own).
-var errTxEnded = errors.New("the handler ended the transaction holding the lease; nothing written")
+var errTxEnded = errors.New("the handler ended the transaction holding the lease (a COMMIT or ROLLBACK of its own)")
 
 // heldMark is the first byte of the owner token of a lease held by a
 // transaction; other owner tokens are hex digits.
@@ -35,11 +35,14 @@ const heldMark = 't'
 // outcome other than completed is written after rolling back to it.
 const savepoint = "amqpidem_handler"
 
-// heldTx is a transaction that holds a lease.
+// heldTx is a transaction that holds a lease, or, with no conn, what is
+// left of one whose completion failed: the fingerprint, for the outcome
+// written next.
 type heldTx struct {
 	conn *pgxpool.Conn
 	tx   *handlerTx // the handler's
 	fp   []byte     // the request's fingerprint, for the record
+	xid  string     // the transaction's id (pg_current_xact_id)
 	// guard ends the transaction if nothing took it within the lease's
 	// TTL (a bug: amqpidem always ends the leases it gets).
 	guard *time.Timer
@@ -67,16 +70,24 @@ func (s *Store) acquireHeld(ctx context.Context, req lock.Request) (lock.Result,
 	var status, attempts int
 	var fence, remaining int64
 	var value []byte
+	var xid *string
 	b := &pgx.Batch{}
 	b.Queue(s.sql.begin)
 	b.Queue(s.sql.acquireHeld, s.cfg.Prefix, []byte(req.Key), req.TTL.Milliseconds(), []byte(req.Fingerprint))
 	b.Queue("SAVEPOINT " + savepoint)
 	br := conn.SendBatch(ctx, b)
 	_, berr := br.Exec()
-	qerr := br.QueryRow().Scan(&status, &fence, &attempts, &remaining, &value)
+	qerr := br.QueryRow().Scan(&status, &fence, &attempts, &remaining, &value, &xid)
 	_, serr := br.Exec()
 	if err := cmp.Or(berr, qerr, serr, br.Close()); err != nil {
 		s.endConn(conn)
+		var pe *pgconn.PgError
+		if errors.As(err, &pe) && notMigrated[pe.Code] {
+			// Not migrated for this release yet (a rolling upgrade):
+			// the record-row lease of the earlier one, while Check says
+			// to run Migrate.
+			return s.Acquire(ctx, req)
+		}
 		return lock.Result{}, fmt.Errorf("pgstore: acquire %q: %w", req.Key, classify(err))
 	}
 	if status != int(lock.Acquired) {
@@ -93,7 +104,11 @@ func (s *Store) acquireHeld(ctx context.Context, req lock.Request) (lock.Result,
 		s.endConn(conn)
 		return res, err
 	}
-	s.putHeld(res.Lease, &heldTx{conn: conn, tx: &handlerTx{conn: conn.Conn()}, fp: []byte(req.Fingerprint)})
+	h := &heldTx{conn: conn, tx: &handlerTx{conn: conn.Conn()}, fp: []byte(req.Fingerprint)}
+	if xid != nil {
+		h.xid = *xid
+	}
+	s.putHeld(res.Lease, h)
 	return res, nil
 }
 
@@ -105,13 +120,19 @@ const statusCounted = 6
 // until the guard ends it after l's TTL.
 func (s *Store) putHeld(l lock.Lease, h *heldTx) {
 	h.guard = time.AfterFunc(l.TTL, func() {
-		if s.held.CompareAndDelete(l.Owner, h) {
+		if s.held.CompareAndDelete(l.Owner, h) && h.conn != nil {
 			s.cfg.Logger.Warn("pgstore: a lease held by a transaction was not ended within its TTL; rolled back",
 				"key", l.Key, "fence", l.Fence)
 			s.endConn(h.conn)
 		}
 	})
 	s.held.Store(l.Owner, h)
+	if s.closed.Load() {
+		// Close has run: nothing may stay held (see Close).
+		if h := s.takeHeld(l.Owner); h != nil && h.conn != nil {
+			h.conn.Release()
+		}
+	}
 }
 
 // takeHeld returns the transaction holding the lease of owner and forgets
@@ -148,7 +169,7 @@ func (s *Store) endConn(conn *pgxpool.Conn) {
 func (s *Store) endHeld(ctx context.Context, l lock.Lease, op, state string, value []byte) error {
 	h := s.takeHeld(l.Owner)
 	if state == "x" {
-		if h != nil {
+		if h != nil && h.conn != nil {
 			s.endConn(h.conn)
 		}
 		return nil
@@ -156,6 +177,8 @@ func (s *Store) endHeld(ctx context.Context, l lock.Lease, op, state string, val
 	fp := []byte{}
 	if h != nil {
 		fp = h.fp
+	}
+	if h != nil && h.conn != nil {
 		err := s.commitHeld(ctx, h, l, op, state, value)
 		closed := h.conn.Conn().IsClosed()
 		s.endConn(h.conn)
@@ -180,9 +203,19 @@ func (s *Store) commitHeld(ctx context.Context, h *heldTx, l lock.Lease, op, sta
 		return err
 	}
 	if h.conn.Conn().PgConn().TxStatus() == 'I' {
-		// Ended by a statement of the handler's own (COMMIT, ROLLBACK):
-		// the lock went with it, and the outcome must not be written
-		// outside the transaction of the effects.
+		// Ended by a statement of the handler's own (COMMIT, ROLLBACK),
+		// and the lock with it. A completion is written only if the
+		// handler's writes committed: else they would be lost, and if
+		// they did, running it again would repeat them.
+		if state == "c" {
+			var status string
+			err := h.conn.QueryRow(ctx, "SELECT pg_xact_status($1::xid8)", h.xid).Scan(&status)
+			if err == nil && status == "committed" {
+				_, err := h.conn.Exec(ctx, s.sql.finishHeld, s.cfg.Prefix, []byte(l.Key), l.Owner, l.Fence, state, value,
+					l.Retention.Milliseconds(), h.fp)
+				return s.heldError(op, l, err)
+			}
+		}
 		return fmt.Errorf("pgstore: %s %q: %w", op, l.Key, errTxEnded)
 	}
 	b := &pgx.Batch{}

@@ -187,19 +187,29 @@ $fn$;
 -- (finish_held), which commits with the handler's writes. status as for
 -- acquire, and 6 when the key has a record that counts attempts (released,
 -- cancelled, or a lease that expired): the caller ends this transaction
--- and takes the lease with acquire instead. On 1 it sets the transaction's
+-- and takes the lease with acquire instead (also under an isolation level
+-- above READ COMMITTED). On 1 it sets the transaction's
 -- idle_in_transaction_session_timeout to the TTL: a holder that stops
 -- talking to the server (paused, cut off) loses its session, its
 -- transaction and the lock with them. The fence is taken from the clock,
--- above an expired record's.
+-- above an expired record's; xid is the transaction's id, by which the
+-- caller can tell whether the handler committed it on its own.
 CREATE OR REPLACE FUNCTION {acquireheld}(p_ns text, p_key bytea, p_ttl_ms bigint, p_fp bytea,
-	OUT status int, OUT fence bigint, OUT attempts int, OUT remaining_ms bigint, OUT value bytea)
+	OUT status int, OUT fence bigint, OUT attempts int, OUT remaining_ms bigint, OUT value bytea,
+	OUT xid text)
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $fn$
 DECLARE
 	r {table}%ROWTYPE;
 BEGIN
+	fence := 0; attempts := 0; remaining_ms := p_ttl_ms;
+	IF current_setting('transaction_isolation') <> 'read committed' THEN
+		-- A snapshot older than the lock could miss a lease taken and
+		-- committed just before it: a record-row lease instead.
+		status := 6;
+		RETURN;
+	END IF;
 	-- The record first, without the lock: a duplicate of finished work is
 	-- answered without making anyone busy. Then the lock, and the record
 	-- again (another holder may have finished in between).
@@ -229,6 +239,7 @@ BEGIN
 	PERFORM set_config('idle_in_transaction_session_timeout', p_ttl_ms::text, true);
 	status := 1; attempts := 1;
 	fence := greatest(coalesce(r.fence + 1, 0), {clockus});
+	xid := pg_current_xact_id()::text;
 END
 $fn$;
 

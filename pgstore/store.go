@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -27,8 +28,10 @@ type Store struct {
 	pool *pgxpool.Pool
 	cfg  Config
 	sql  statements
-	// held are the transactions holding leases (held.go), by owner token.
-	held sync.Map
+	// held are the transactions holding leases (held.go), by owner token;
+	// closed is set by Close, after which none is kept.
+	held   sync.Map
+	closed atomic.Bool
 
 	stop context.CancelFunc // called by Close: ends the cleanup goroutine
 	done chan struct{}      // closed when the cleanup goroutine has ended
@@ -72,7 +75,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 			finishTx: "SELECT " + n.finishTx + "($1, $2, $3, $4, $5, $6, $7)",
 			// A lease held by a transaction (held.go).
 			begin:       beginSQL(cfg.TxOptions),
-			acquireHeld: "SELECT status, fence, attempts, remaining_ms, value FROM " + n.acquireHeld + "($1, $2, $3, $4)",
+			acquireHeld: "SELECT status, fence, attempts, remaining_ms, value, xid FROM " + n.acquireHeld + "($1, $2, $3, $4)",
 			finishHeld:  "SELECT " + n.finishHeld + "($1, $2, $3, $4, $5, $6, $7, $8)",
 			// Rows another transaction holds are skipped, not waited for:
 			// one held row must not delay the renewal of all the others.
@@ -141,9 +144,10 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 func (s *Store) Close() {
 	s.stop()
 	<-s.done
+	s.closed.Store(true)
 	s.held.Range(func(owner, _ any) bool {
-		if h := s.takeHeld(owner.(string)); h != nil {
-			s.endConn(h.conn)
+		if h := s.takeHeld(owner.(string)); h != nil && h.conn != nil {
+			h.conn.Release() // the pool closes a connection left in a transaction
 		}
 		return true
 	})

@@ -16,9 +16,12 @@ import (
 // TxFunc does the work of one message in tx, a transaction of the Store's
 // pool, and returns the result to store (and to send to ReplyTo) or an
 // error, as amqpidem.Handler does. It must not commit or roll back tx:
-// TxHandler does, after writing the record in it. ctx is the handler's
-// context (cancelled when the lease is lost, with amqpidem.FromContext
-// giving the key, attempt and fence); run tx's statements with it.
+// TxHandler does, after writing the record in it. (When tx holds the lease
+// itself, see "Leases held by transactions" in the package documentation,
+// tx.Commit is refused and tx.Rollback undoes fn's writes only.) ctx is the
+// handler's context (cancelled when a record-row lease is lost, with
+// amqpidem.FromContext giving the key, attempt and fence); run tx's
+// statements with it.
 type TxFunc func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error)
 
 // commitTimeout bounds writing the record and committing, which run even
@@ -141,6 +144,11 @@ func (h *txHandler) completeHeld(ctx context.Context, d *amqp.Delivery, lease lo
 	err = h.s.commitHeld(cctx, ht, lease, "complete", "c", v)
 	h.s.endConn(ht.conn)
 	if err != nil {
+		if !errors.Is(err, lock.ErrLeaseLost) {
+			// amqpidem releases the lease next: its record keeps the
+			// fingerprint.
+			h.s.putHeld(lease, &heldTx{fp: ht.fp})
+		}
 		return nil, err
 	}
 	return result, nil
