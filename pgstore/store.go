@@ -324,26 +324,16 @@ func (s *Store) Complete(ctx context.Context, lease lock.Lease, result []byte) e
 	if len(result) > s.cfg.MaxResultSize {
 		return fmt.Errorf("%w: key %q: %d bytes, at most %d allowed", lock.ErrResultTooLarge, lease.Key, len(result), s.cfg.MaxResultSize)
 	}
-	if isHeld(lease) {
-		return s.endHeld(ctx, lease, "complete", "c", result)
-	}
 	return s.finish(ctx, s.pool, lease, "complete", "c", result)
 }
 
 // Fail marks the record failed with reason, cut to MaxResultSize bytes.
 func (s *Store) Fail(ctx context.Context, lease lock.Lease, reason string) error {
-	value := []byte(lock.CutText(reason, s.cfg.MaxResultSize))
-	if isHeld(lease) {
-		return s.endHeld(ctx, lease, "fail", "f", value)
-	}
-	return s.finish(ctx, s.pool, lease, "fail", "f", value)
+	return s.finish(ctx, s.pool, lease, "fail", "f", []byte(lock.CutText(reason, s.cfg.MaxResultSize)))
 }
 
 // Release gives the lease up, keeping the attempt count.
 func (s *Store) Release(ctx context.Context, lease lock.Lease) error {
-	if isHeld(lease) {
-		return s.endHeld(ctx, lease, "release", "r", nil)
-	}
 	return s.finish(ctx, s.pool, lease, "release", "r", nil)
 }
 
@@ -351,9 +341,6 @@ func (s *Store) Release(ctx context.Context, lease lock.Lease) error {
 // A retried Cancel that finds its own write answers nil and takes nothing
 // back again.
 func (s *Store) Cancel(ctx context.Context, lease lock.Lease) error {
-	if isHeld(lease) {
-		return s.endHeld(ctx, lease, "cancel", "x", nil)
-	}
 	return s.finish(ctx, s.pool, lease, "cancel", "x", nil)
 }
 
@@ -395,10 +382,13 @@ type querier interface {
 }
 
 // finish runs the finish function on q: compare-and-set on owner and
-// fence.
+// fence. A lease held by a transaction is ended by endHeld instead.
 func (s *Store) finish(ctx context.Context, q querier, l lock.Lease, op, state string, value []byte) error {
 	if err := lock.CheckLease(l); err != nil {
 		return err
+	}
+	if isHeld(l) {
+		return s.endHeld(ctx, l, op, state, value)
 	}
 	var n int
 	err := q.QueryRow(ctx, s.sql.finish, s.cfg.Prefix, []byte(l.Key), l.Owner, l.Fence, state, value,
