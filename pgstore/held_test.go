@@ -332,29 +332,34 @@ func TestHeldLeaseGuard(t *testing.T) {
 	}
 }
 
-// TestHeldLeaseRedeliveredTakesARow: a redelivered message (its first
-// delivery may have crashed the consumer) and, with Config.RowLeases,
-// every message, takes a record-row lease: the execution is counted before
-// it runs.
-func TestHeldLeaseRedeliveredTakesARow(t *testing.T) {
-	r := newRig(t)
+// TestHeldLeaseRowLeases: a redelivered message (its first delivery may
+// have crashed the consumer), every message with Config.RowLeases, and
+// every message under an isolation level above READ COMMITTED (a snapshot
+// older than the lock could miss a lease committed just before it) take a
+// record-row lease: the execution is counted before it runs.
+func TestHeldLeaseRowLeases(t *testing.T) {
 	ctx := context.Background()
-	res, err := r.taker(nil).AcquireLease(ctx, lock.Request{Key: "redelivered"}, &amqp.Delivery{Redelivered: true})
-	if err != nil || res.Status != lock.Acquired {
-		t.Fatalf("AcquireLease: %+v, %v", res, err)
+	for _, c := range []struct {
+		name string
+		cfg  pgstore.Config
+		d    amqp.Delivery
+	}{
+		{name: "redelivered", d: amqp.Delivery{Redelivered: true}},
+		{name: "RowLeases", cfg: pgstore.Config{RowLeases: true}},
+		{name: "repeatable read", cfg: pgstore.Config{TxOptions: pgx.TxOptions{IsoLevel: pgx.RepeatableRead}}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			r := newRigWith(t, c.cfg)
+			res, err := r.taker(nil).AcquireLease(ctx, lock.Request{Key: "k"}, &c.d)
+			if err != nil || res.Status != lock.Acquired {
+				t.Fatalf("AcquireLease: %+v, %v", res, err)
+			}
+			if rec := r.record("k"); rec == nil || rec.state != "p" || rec.attempts != 1 {
+				t.Fatalf("record %+v, want a lease row counting attempt 1", rec)
+			}
+			r.idle()
+		})
 	}
-	if rec := r.record("redelivered"); rec == nil || rec.state != "p" || rec.attempts != 1 {
-		t.Fatalf("record %+v, want a lease row counting attempt 1", rec)
-	}
-	rows := newRigWith(t, pgstore.Config{RowLeases: true})
-	res, err = rows.taker(nil).AcquireLease(ctx, lock.Request{Key: "rows"}, &amqp.Delivery{})
-	if err != nil || res.Status != lock.Acquired {
-		t.Fatalf("AcquireLease with RowLeases: %+v, %v", res, err)
-	}
-	if rec := rows.record("rows"); rec == nil || rec.state != "p" {
-		t.Fatalf("record %+v with RowLeases, want a lease row", rec)
-	}
-	r.idle()
 }
 
 // TestHeldLeaseRespectsRowLease: a live record-row lease makes a held
@@ -517,23 +522,6 @@ func TestHeldLeaseHandlerTx(t *testing.T) {
 	})
 	if err != nil || r.effects()["committed"] != 1 || r.record("committed") == nil || r.record("committed").state != "c" {
 		t.Fatalf("committed by the handler: %v, effects %v, record %+v; want its write once and a completed record", err, r.effects(), r.record("committed"))
-	}
-	r.idle()
-}
-
-// TestHeldLeaseIsolation: under an isolation level above READ COMMITTED
-// (Config.TxOptions, or the server's default), TxHandler takes record-row
-// leases: a snapshot older than the lock could miss a lease committed just
-// before it.
-func TestHeldLeaseIsolation(t *testing.T) {
-	r := newRigWith(t, pgstore.Config{TxOptions: pgx.TxOptions{IsoLevel: pgx.RepeatableRead}})
-	ctx := context.Background()
-	res, err := r.taker(nil).AcquireLease(ctx, lock.Request{Key: "rr"}, &amqp.Delivery{})
-	if err != nil || res.Status != lock.Acquired {
-		t.Fatalf("AcquireLease: %+v, %v", res, err)
-	}
-	if rec := r.record("rr"); rec == nil || rec.state != "p" {
-		t.Fatalf("record %+v under REPEATABLE READ, want a lease row", rec)
 	}
 	r.idle()
 }

@@ -124,9 +124,9 @@ func (h *txHandler) completeHeld(ctx context.Context, d *amqp.Delivery, lease lo
 	if ht == nil {
 		return nil, fmt.Errorf("%w: key %q: the transaction holding the lease ended before the handler ran", lock.ErrUnavailable, lease.Key)
 	}
-	kept := false
+	committing := false
 	defer func() {
-		if !kept { // fn failed or panicked: the next call ends it
+		if !committing { // fn failed or panicked: the next call ends it
 			h.s.putHeld(lease, ht)
 		}
 	}()
@@ -138,7 +138,7 @@ func (h *txHandler) completeHeld(ctx context.Context, d *amqp.Delivery, lease lo
 	if err != nil {
 		return nil, err
 	}
-	kept = true
+	committing = true
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
 	defer cancel()
 	err = h.s.commitHeld(cctx, ht, lease, "complete", "c", v)
