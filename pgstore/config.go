@@ -45,8 +45,8 @@ type Config struct {
 	// Migrate creates it if it does not exist.
 	Schema string
 	// Table is the records table. Migrate also creates the functions
-	// "<Table>_acquire", "<Table>_finish", "<Table>_finish_tx",
-	// "<Table>_acquire_held" and "<Table>_finish_held" and the index
+	// "<Table>_acquire", "<Table>_finish", "<Table>_finish_tx" and
+	// "<Table>_finish_held" and the index
 	// "<Table>_expires" in the same schema. At most 50 bytes. Default
 	// DefaultTable.
 	Table string
@@ -138,7 +138,7 @@ func (c Config) withDefaults() Config {
 type names struct {
 	table, acquire, finish string
 	finishTx               string // finish, raising where finish answers 0
-	acquireHeld            string // a lease held by the caller's transaction
+	acquireHeld            string // the previous release's, which Migrate drops
 	finishHeld             string // its outcome
 	index                  string // unqualified, as CREATE INDEX wants it
 

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
@@ -16,10 +17,11 @@ import (
 )
 
 // A lease held by a transaction (TxHandler's AcquireLease, see the package
-// documentation): acquire_held takes the key's transaction-level advisory
+// documentation): acquireHeld takes the key's transaction-level advisory
 // lock in a transaction that stays open on one pooled connection until the
-// lease ends, and the record is written once, with the outcome, by
-// finish_held. Between AcquireLease and the call that ends the lease
+// lease ends, and the record is written once, with the outcome, by a plain
+// INSERT in that transaction (commitHeld), or by finish_held once the
+// transaction ended without it (endHeld). Between AcquireLease and the call that ends the lease
 // (HandleComplete, Complete, Fail, Release or Cancel) the transaction waits
 // in Store.held, under the lease's owner token.
 
@@ -43,6 +45,8 @@ type heldTx struct {
 	tx   *handlerTx // the handler's
 	fp   []byte     // the request's fingerprint, for the record
 	xid  string     // the transaction's id (pg_current_xact_id)
+	// insert is heldSQL.insert, for the outcome.
+	insert string
 	// guard ends the transaction if nothing took it within the lease's
 	// TTL (a bug: amqpidem always ends the leases it gets).
 	guard *time.Timer
@@ -52,43 +56,69 @@ type heldTx struct {
 func isHeld(l lock.Lease) bool { return l.Owner != "" && l.Owner[0] == heldMark }
 
 // acquireHeld takes a lease on req.Key held by a transaction that it begins
-// (with Config.TxOptions), in one round trip: BEGIN, acquire_held, and the
-// SAVEPOINT the handler's work begins at. A key that is busy or answered by
-// its record costs one more, the ROLLBACK; a key whose record counts
-// attempts is taken by Acquire instead. Its failures are not retried: a transaction
-// whose outcome is unknown ended with its connection, holding nothing.
+// (with Config.TxOptions), in one round trip: BEGIN, the key's advisory
+// lock, the record, and the SAVEPOINT the handler's work begins at
+// (heldStatements). A key that is busy or answered by its record costs one
+// more, the ROLLBACK; a key whose record counts attempts is taken by
+// Acquire instead, and so is every key while the database has no
+// finish_held (not migrated by this release). Its failures are not
+// retried: a transaction whose outcome is unknown ended with its
+// connection, holding nothing.
 func (s *Store) acquireHeld(ctx context.Context, req lock.Request) (lock.Result, error) {
 	req, err := s.cfg.CheckRequest(req)
 	if err != nil {
 		return lock.Result{}, err
+	}
+	if lvl := s.cfg.TxOptions.IsoLevel; lvl != "" && lvl != pgx.ReadCommitted {
+		// Known here: see the isolation check below.
+		return s.Acquire(ctx, req)
+	}
+	hs, err := s.heldStatements(ctx)
+	if err != nil {
+		return lock.Result{}, fmt.Errorf("pgstore: acquire %q: %w", req.Key, classify(err))
+	}
+	if hs == nil {
+		return s.Acquire(ctx, req)
 	}
 	start := s.cfg.Now()
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
 		return lock.Result{}, fmt.Errorf("pgstore: acquire %q: %w", req.Key, classify(err))
 	}
-	var status, attempts int
-	var fence, remaining int64
-	var value []byte
-	var xid *string
+	var (
+		locked, readCommitted *bool
+		xid                   *string
+		rec                   heldRecord
+	)
+	key := []byte(req.Key)
 	b := &pgx.Batch{}
 	b.Queue(s.sql.begin)
-	b.Queue(s.sql.acquireHeld, s.cfg.Prefix, []byte(req.Key), req.TTL.Milliseconds(), []byte(req.Fingerprint))
+	b.Queue(hs.lock, s.cfg.Prefix, key, strconv.FormatInt(req.TTL.Milliseconds(), 10))
+	b.Queue(hs.read, s.cfg.Prefix, key)
 	b.Queue("SAVEPOINT " + savepoint)
 	br := conn.SendBatch(ctx, b)
 	_, berr := br.Exec()
-	qerr := br.QueryRow().Scan(&status, &fence, &attempts, &remaining, &value, &xid)
+	lerr := br.QueryRow().Scan(&locked, &xid, &readCommitted)
+	rerr := br.QueryRow().Scan(&rec.state, &rec.fence, &rec.attempts, &rec.value, &rec.fp, &rec.live, &rec.remaining, &rec.clock)
 	_, serr := br.Exec()
-	if err := cmp.Or(berr, qerr, serr, br.Close()); err != nil {
+	if err := cmp.Or(berr, lerr, rerr, serr, br.Close()); err != nil {
 		s.endConn(conn)
 		var pe *pgconn.PgError
 		if errors.As(err, &pe) && notMigrated[pe.Code] {
-			// Not migrated for this release yet (a rolling upgrade):
-			// the record-row lease of the earlier one, while Check says
-			// to run Migrate.
+			// The table went away since heldStatements found it: ask
+			// again next time; Acquire says what is missing.
+			s.heldSQL.Store(nil)
 			return s.Acquire(ctx, req)
 		}
 		return lock.Result{}, fmt.Errorf("pgstore: acquire %q: %w", req.Key, classify(err))
+	}
+	// Under a level above READ COMMITTED (the server's default, when
+	// Config.TxOptions sets none), the transaction's snapshot is the
+	// lock's statement's: the record read after the lock could miss a
+	// lease committed just before it. A record-row lease instead.
+	status, fence, attempts, remaining, value := rec.status(req, locked != nil && *locked)
+	if readCommitted == nil || !*readCommitted {
+		status = statusCounted
 	}
 	if status != int(lock.Acquired) {
 		s.endConn(conn)
@@ -104,7 +134,7 @@ func (s *Store) acquireHeld(ctx context.Context, req lock.Request) (lock.Result,
 		s.endConn(conn)
 		return res, err
 	}
-	h := &heldTx{conn: conn, tx: &handlerTx{conn: conn.Conn()}, fp: []byte(req.Fingerprint)}
+	h := &heldTx{conn: conn, tx: &handlerTx{conn: conn.Conn()}, fp: []byte(req.Fingerprint), insert: hs.insert}
 	if xid != nil {
 		h.xid = *xid
 	}
@@ -112,9 +142,132 @@ func (s *Store) acquireHeld(ctx context.Context, req lock.Request) (lock.Result,
 	return res, nil
 }
 
-// statusCounted is acquire_held's answer for a key whose record counts
-// attempts: Acquire takes it.
+// heldRecord is the key's record as acquireHeld reads it after the lock,
+// every field nil when there is none. live: not past its retention;
+// remaining: of a lease's deadline, ms; clock: the server's clock, µs,
+// a new lease's fence.
+type heldRecord struct {
+	state     *string
+	fence     *int64
+	attempts  *int
+	value, fp []byte
+	live      *bool
+	remaining *int64
+	clock     int64
+}
+
+// status is acquireHeld's answer for the record r, with locked telling
+// whether this transaction holds the key's advisory lock: as Acquire
+// answers (lock.Status), or statusCounted where Acquire must take the key:
+// its record counts attempts (released, cancelled, a lease past its
+// deadline), or is past its retention and not yet deleted (a new record
+// replaces it, which finish_held's INSERT cannot).
+func (r heldRecord) status(req lock.Request, locked bool) (status int, fence int64, attempts int, remaining int64, value []byte) {
+	switch {
+	case r.state == nil && locked:
+		return int(lock.Acquired), r.clock, 1, req.TTL.Milliseconds(), nil
+	case r.state == nil || !*r.live && !locked:
+		// Another transaction holds the lock.
+		return int(lock.InProgress), 0, 0, req.TTL.Milliseconds(), nil
+	case !*r.live:
+		return statusCounted, 0, 0, 0, nil
+	}
+	fence, attempts = *r.fence, *r.attempts
+	switch {
+	case len(req.Fingerprint) > 0 && len(r.fp) > 0 && string(r.fp) != req.Fingerprint:
+		return int(lock.Conflict), fence, attempts, 0, nil
+	case *r.state == "c":
+		return int(lock.Completed), fence, attempts, 0, r.value
+	case *r.state == "f":
+		return int(lock.Failed), fence, attempts, 0, r.value
+	case *r.state == "p" && r.remaining != nil && *r.remaining > 0:
+		return int(lock.InProgress), fence, attempts, *r.remaining, nil
+	}
+	return statusCounted, fence, attempts, 0, nil
+}
+
+// statusCounted is heldRecord.status's answer for a key that Acquire
+// takes.
 const statusCounted = 6
+
+// heldSQL are the statements of leases held by transactions, on the
+// records table named in full (schema included), so that a handler's SET
+// search_path cannot point them at another table.
+type heldSQL struct {
+	// lock answers whether the transaction took the key's advisory lock
+	// (NULL: not tried, a live record is there), then the transaction's
+	// id when it did, and whether its isolation is READ COMMITTED. With
+	// the lock it sets the transaction's idle_in_transaction_session_timeout
+	// to the lease's TTL: a holder that stops talking to the server
+	// (paused, cut off) loses its session, its transaction and the lock
+	// with them.
+	lock string
+	// read is the record, read after the lock by a statement of its own
+	// (a snapshot of its own, under READ COMMITTED): another holder may
+	// have finished in between. One row, NULLs when there is none.
+	read string
+	// insert writes the outcome as a new record (see commitHeld).
+	insert string
+}
+
+// heldRetry is how long acquireHeld takes record-row leases after finding
+// the database not migrated by this release, before it looks again.
+const heldRetry = time.Minute
+
+// heldStatements returns the statements of leases held by transactions,
+// or nil while the database lacks what they need (the table, and
+// finish_held, which comes with the Acquire that tries the key's advisory
+// lock): then every lease is a record row. The table's full name is asked
+// of the server once, on the pool's search_path, the one Migrate made the
+// functions with.
+func (s *Store) heldStatements(ctx context.Context) (*heldSQL, error) {
+	if hs := s.heldSQL.Load(); hs != nil {
+		return hs, nil
+	}
+	if t := s.heldMissing.Load(); t != 0 && time.Since(time.Unix(0, t)) < heldRetry {
+		return nil, nil
+	}
+	n := s.cfg.names()
+	var table *string
+	var migrated bool
+	err := s.pool.QueryRow(ctx, `SELECT format('%I.%I', n.nspname, c.relname), to_regprocedure($2) IS NOT NULL
+		FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1)`,
+		n.table, n.finishHeld+finishHeldArgs).Scan(&table, &migrated)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows) || err == nil && (table == nil || !migrated):
+		s.heldMissing.Store(time.Now().UnixNano())
+		return nil, nil
+	case err != nil:
+		return nil, err
+	}
+	hs := newHeldSQL(*table, heldLock(n.table, "$1::text", "$2::bytea"))
+	s.heldSQL.Store(hs)
+	return hs, nil
+}
+
+// newHeldSQL returns the statements of leases held by transactions on the
+// records table (its full name, quoted), with lockKey the SQL of the key's
+// advisory lock of $1 (namespace) and $2 (key), the one the functions try.
+func newHeldSQL(table, lockKey string) *heldSQL {
+	return &heldSQL{
+		// A subquery of its own, so that the lock is tried once (a
+		// volatile expression is not pulled up into the outer query).
+		lock: `SELECT s.locked, CASE WHEN s.locked THEN pg_current_xact_id()::text END,
+				current_setting('transaction_isolation') = 'read committed'
+			FROM (SELECT CASE WHEN EXISTS (SELECT FROM ` + table + ` t
+					WHERE t.ns = $1 AND t.key = $2 AND t.expires_at > clock_timestamp()) THEN NULL
+				WHEN pg_try_advisory_xact_lock(` + lockKey + `)
+					THEN set_config('idle_in_transaction_session_timeout', $3::text, true) IS NOT NULL
+				ELSE false END AS locked) s`,
+		read: `SELECT t.state, t.fence, t.attempts, t.value, t.fingerprint, t.expires_at > clock_timestamp(),
+				ceil(extract(epoch FROM t.deadline - clock_timestamp()) * 1000)::bigint, ` + clockUS + `
+			FROM (SELECT) one LEFT JOIN ` + table + ` t ON t.ns = $1 AND t.key = $2`,
+		insert: `INSERT INTO ` + table + ` (ns, key, state, owner, fence, deadline, attempts, fingerprint,
+				value, created_at, ended_at, expires_at)
+			VALUES ($1, $2, $3, $4, $5, NULL, 1, $6, $7, clock_timestamp(), clock_timestamp(),
+				clock_timestamp() + $8::bigint * interval '1 millisecond')`,
+	}
+}
 
 // putHeld keeps h, the transaction holding l, until a call takes it, or
 // until the guard ends it after l's TTL.
@@ -195,9 +348,13 @@ func (s *Store) endHeld(ctx context.Context, l lock.Lease, op, state string, val
 	return s.heldError(op, l, err)
 }
 
-// commitHeld writes l's outcome in h and commits: finish_held and COMMIT in
-// one round trip, after a rollback to the handler's savepoint unless the
-// outcome is completed. The caller gives h's connection back (endConn).
+// commitHeld writes l's outcome in h and commits: the record's INSERT and
+// COMMIT in one round trip, after a rollback to the handler's savepoint
+// unless the outcome is completed. The key's lock is h's since the
+// acquire, which found no record: nobody else can have written one
+// (Acquire tries the lock too), and the INSERT, with no ON CONFLICT,
+// would fail if someone had. The caller gives h's connection back
+// (endConn).
 func (s *Store) commitHeld(ctx context.Context, h *heldTx, l lock.Lease, op, state string, value []byte) error {
 	if err := lock.CheckLease(l); err != nil {
 		return err
@@ -222,8 +379,7 @@ func (s *Store) commitHeld(ctx context.Context, h *heldTx, l lock.Lease, op, sta
 	if state != "c" {
 		b.Queue("ROLLBACK TO SAVEPOINT " + savepoint)
 	}
-	b.Queue(s.sql.finishHeld, s.cfg.Prefix, []byte(l.Key), l.Owner, l.Fence, state, value,
-		l.Retention.Milliseconds(), h.fp)
+	b.Queue(h.insert, s.cfg.Prefix, []byte(l.Key), state, l.Owner, l.Fence, h.fp, value, l.Retention.Milliseconds())
 	b.Queue("COMMIT")
 	br := h.conn.SendBatch(ctx, b)
 	var rerr error
@@ -239,14 +395,23 @@ func (s *Store) commitHeld(ctx context.Context, h *heldTx, l lock.Lease, op, sta
 		return fmt.Errorf("pgstore: commit of %q answered %q: nothing committed", l.Key, tag.String())
 	case err == nil:
 		return nil
+	case ferr != nil && errors.As(ferr, &pe) && pe.Code == uniqueViolation:
+		// A record is there that this lease did not write: someone wrote
+		// it without the key's lock (an earlier release's Migrate ran
+		// after this one's, say). The COMMIT was skipped, nothing
+		// committed.
+		return fmt.Errorf("%w: %s key %q fence %d: %s", lock.ErrLeaseLost, op, l.Key, l.Fence, pe.Message)
 	case cmp.Or(rerr, ferr) != nil && errors.As(cmp.Or(rerr, ferr), &pe):
-		// The server refused the outcome (the lease lost, the schema not
-		// migrated): the COMMIT was skipped, nothing committed.
+		// The server refused the outcome (the schema changed under it,
+		// say): the COMMIT was skipped, nothing committed.
 		return s.heldError(op, l, cmp.Or(rerr, ferr))
 	default:
 		return fmt.Errorf("pgstore: commit (its outcome may be unknown: the record tells): %w", classify(err))
 	}
 }
+
+// uniqueViolation is the SQLSTATE of an INSERT that found its key taken.
+const uniqueViolation = "23505"
 
 // heldError is the error of finish_held's answer err for the call op of l:
 // nil, lock.ErrLeaseLost where it raised leaseLostCode, else classified.

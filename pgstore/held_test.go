@@ -527,12 +527,12 @@ func TestHeldLeaseHandlerTx(t *testing.T) {
 }
 
 // TestHeldLeaseNotMigrated: on a database migrated by an earlier release
-// (no <table>_acquire_held), TxHandler takes record-row leases, and Check
+// (no <table>_finish_held), TxHandler takes record-row leases, and Check
 // says to run Migrate.
 func TestHeldLeaseNotMigrated(t *testing.T) {
 	r := newRig(t)
 	ctx := context.Background()
-	fn := pgx.Identifier{r.cfg.Schema, pgstore.DefaultTable + "_acquire_held"}.Sanitize()
+	fn := pgx.Identifier{r.cfg.Schema, pgstore.DefaultTable + "_finish_held"}.Sanitize()
 	if _, err := r.pool.Exec(ctx, "DROP FUNCTION "+fn); err != nil {
 		t.Fatal(err)
 	}
@@ -545,6 +545,9 @@ func TestHeldLeaseNotMigrated(t *testing.T) {
 	res, err := h.AcquireLease(ctx, lock.Request{Key: "old"}, &amqp.Delivery{})
 	if err != nil || res.Status != lock.Acquired {
 		t.Fatalf("AcquireLease: %+v, %v; want a record-row lease", res, err)
+	}
+	if rec := r.record("old"); rec == nil || rec.state != "p" {
+		t.Fatalf("record %+v after AcquireLease, want a record-row lease (in progress)", rec)
 	}
 	if _, err := h.HandleComplete(ctx, &amqp.Delivery{MessageId: "old"}, res.Lease, same); err != nil {
 		t.Fatalf("HandleComplete: %v", err)
@@ -572,4 +575,56 @@ func TestHeldLeaseClose(t *testing.T) {
 	}
 	s.Close()
 	r.idle() // the pool closes the connection in the background
+}
+
+// TestHeldLeaseRecordInTheWay: a record that a held lease did not write
+// (written without the key's lock, which no call of this package does)
+// makes the completion fail as a lost lease, and the handler's writes
+// roll back with it; a record past its retention, not yet deleted, makes
+// the acquire take a record-row lease, which replaces it.
+func TestHeldLeaseRecordInTheWay(t *testing.T) {
+	r := newRig(t)
+	ctx := context.Background()
+	table := pgx.Identifier{r.cfg.Schema, pgstore.DefaultTable}.Sanitize()
+	write := func(key string, expires string) {
+		t.Helper()
+		_, err := r.pool.Exec(ctx, "INSERT INTO "+table+` (ns, key, state, owner, fence, attempts, fingerprint,
+			created_at, ended_at, expires_at) VALUES ($1, $2, 'c', 'intruder', 1, 1, '', now(), now(), now() + $3::interval)`,
+			lock.DefaultPrefix, []byte(key), expires)
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	h := r.taker(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+		return nil, r.insert(ctx, tx, d.MessageId)
+	})
+
+	res, err := h.AcquireLease(ctx, lock.Request{Key: "intruded"}, &amqp.Delivery{})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatalf("AcquireLease: %+v, %v", res, err)
+	}
+	write("intruded", "1 hour")
+	_, err = h.HandleComplete(ctx, &amqp.Delivery{MessageId: "intruded"}, res.Lease, same)
+	if !errors.Is(err, lock.ErrLeaseLost) {
+		t.Fatalf("HandleComplete over a record in the way: %v, want lock.ErrLeaseLost", err)
+	}
+	if rec := r.record("intruded"); rec == nil || rec.owner != "intruder" || r.effects()["intruded"] != 0 {
+		t.Fatalf("record %+v, effects %v; want the intruder's record and no effect", rec, r.effects())
+	}
+
+	write("expired", "-1 second")
+	res, err = h.AcquireLease(ctx, lock.Request{Key: "expired"}, &amqp.Delivery{})
+	if err != nil || res.Status != lock.Acquired || res.Fence <= 1 {
+		t.Fatalf("AcquireLease of a key whose record expired: %+v, %v; want acquired above fence 1", res, err)
+	}
+	if rec := r.record("expired"); rec == nil || rec.state != "p" || rec.attempts != 1 {
+		t.Fatalf("record %+v after AcquireLease, want a record-row lease, attempt 1", rec)
+	}
+	if _, err := h.HandleComplete(ctx, &amqp.Delivery{MessageId: "expired"}, res.Lease, same); err != nil {
+		t.Fatalf("HandleComplete: %v", err)
+	}
+	if rec := r.record("expired"); rec == nil || rec.state != "c" || r.effects()["expired"] != 1 {
+		t.Fatalf("record %+v, effects %v; want completed once", rec, r.effects())
+	}
+	r.idle()
 }

@@ -80,7 +80,7 @@ DECLARE
 	keep   interval := (p_ttl_ms + p_ret_ms) * interval '1 millisecond';
 BEGIN
 	IF NOT pg_try_advisory_xact_lock({heldlock}) THEN
-		-- A transaction holds the key's lease (acquire_held): busy, unless
+		-- A transaction holds the key's lease (held.go): busy, unless
 		-- the record already tells how the key ended.
 		SELECT * INTO r FROM {table} t WHERE t.ns = p_ns AND t.key = p_key;
 		fence := coalesce(r.fence, 0); attempts := coalesce(r.attempts, 0); remaining_ms := p_ttl_ms;
@@ -181,69 +181,11 @@ BEGIN
 END
 $fn$;
 
--- acquire_held: take a lease on one key that the calling transaction
--- holds, for TxHandler: the transaction-level advisory lock of the key
--- is the lease, and nothing is written until the outcome
--- (finish_held), which commits with the handler's writes. status as for
--- acquire, and 6 when the key has a record that counts attempts (released,
--- cancelled, or a lease that expired): the caller ends this transaction
--- and takes the lease with acquire instead (also under an isolation level
--- above READ COMMITTED). On 1 it sets the transaction's
--- idle_in_transaction_session_timeout to the TTL: a holder that stops
--- talking to the server (paused, cut off) loses its session, its
--- transaction and the lock with them. The fence is taken from the clock,
--- above an expired record's; xid is the transaction's id, by which the
--- caller can tell whether the handler committed it on its own.
-CREATE OR REPLACE FUNCTION {acquireheld}(p_ns text, p_key bytea, p_ttl_ms bigint, p_fp bytea,
-	OUT status int, OUT fence bigint, OUT attempts int, OUT remaining_ms bigint, OUT value bytea,
-	OUT xid text)
-LANGUAGE plpgsql
-SET search_path FROM CURRENT
-AS $fn$
-DECLARE
-	r {table}%ROWTYPE;
-BEGIN
-	fence := 0; attempts := 0; remaining_ms := p_ttl_ms;
-	IF current_setting('transaction_isolation') <> 'read committed' THEN
-		-- A snapshot older than the lock could miss a lease taken and
-		-- committed just before it: a record-row lease instead.
-		status := 6;
-		RETURN;
-	END IF;
-	-- The record first, without the lock: a duplicate of finished work is
-	-- answered without making anyone busy. Then the lock, and the record
-	-- again (another holder may have finished in between).
-	FOR try IN 1..2 LOOP
-		fence := 0; attempts := 0; remaining_ms := p_ttl_ms;
-		SELECT * INTO r FROM {table} t WHERE t.ns = p_ns AND t.key = p_key;
-		IF FOUND AND r.expires_at > clock_timestamp() THEN
-			fence := r.fence; attempts := r.attempts; remaining_ms := 0;
-			IF length(p_fp) > 0 AND length(r.fingerprint) > 0 AND r.fingerprint <> p_fp THEN
-				status := 5;
-			ELSIF r.state IN ('c', 'f') THEN
-				status := CASE r.state WHEN 'c' THEN 2 ELSE 3 END;
-				value := r.value;
-			ELSIF r.state = 'p' AND r.deadline > clock_timestamp() THEN
-				status := 4;
-				remaining_ms := greatest(ceil(extract(epoch FROM r.deadline - clock_timestamp()) * 1000)::bigint, 1);
-			ELSE
-				status := 6;
-			END IF;
-			RETURN;
-		END IF;
-		IF try = 1 AND NOT pg_try_advisory_xact_lock({heldlock}) THEN
-			status := 4;
-			RETURN;
-		END IF;
-	END LOOP;
-	PERFORM set_config('idle_in_transaction_session_timeout', p_ttl_ms::text, true);
-	status := 1; attempts := 1;
-	fence := greatest(coalesce(r.fence + 1, 0), {clockus});
-	xid := pg_current_xact_id()::text;
-END
-$fn$;
+-- acquire_held, of the previous release, took a lease held by a
+-- transaction; the Store now does it with plain statements (held.go).
+DROP FUNCTION IF EXISTS {acquireheld}(text, bytea, bigint, bytea);
 
--- finish_held: write the outcome of a lease acquire_held granted (p_state:
+-- finish_held: write the outcome of a lease held by a transaction (p_state:
 -- 'c' completed, 'f' failed, 'r' released), first attempt, as a new
 -- record, in the transaction that holds the lease (the lock is the
 -- caller's already) or, once that transaction ended without it, in one of
@@ -431,11 +373,11 @@ func MigrationSQL(cfg Config) (string, error) {
 		"{finishtx}", n.finishTx,
 		"{acquireheld}", n.acquireHeld,
 		"{finishheld}", n.finishHeld,
-		"{heldlock}", heldLock(n.table),
+		"{heldlock}", heldLock(n.table, "p_ns", "p_key"),
 		"{leaselost}", leaseLostCode,
 		"{index}", n.index,
 		"{checkformat}", formatCheck(n.table, tableComment),
-		"{clockus}", "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
+		"{clockus}", clockUS,
 		"{locktimeout}", lockTimeout,
 		"{outbox}", n.outbox,
 		"{outboxpending}", n.outboxPending,
@@ -451,14 +393,21 @@ func MigrationSQL(cfg Config) (string, error) {
 }
 
 // heldLock is the SQL of the key of a record's transaction-level advisory
-// lock (acquire_held), in the functions of table, of the key p_key of
-// namespace p_ns: the two-int form, whose first half ("amqi") keeps it
-// apart from other programs' advisory locks, and a hash of the table, the
-// namespace and the key. Two keys whose hashes meet only wait for each
-// other (a busy answer), never share a lease: the record decides.
-func heldLock(table string) string {
-	return "1634562409, hashtext(" + literal(table+":") + " || p_ns || ':' || encode(p_key, 'hex'))"
+// lock (a lease held by a transaction, held.go), for the records table
+// table, of the key whose namespace and key are the SQL ns and key: the
+// two-int form, whose first half ("amqi") keeps it apart from other
+// programs' advisory locks, and a hash of the table, the namespace and the
+// key. The functions and held.go's statements must compute the same. Two
+// keys whose hashes meet only wait for each other (a busy answer), never
+// share a lease: the record decides.
+func heldLock(table, ns, key string) string {
+	return "1634562409, hashtext(" + literal(table+":") + " || " + ns + " || ':' || encode(" + key + ", 'hex'))"
 }
+
+// clockUS is the SQL of the server's clock in µs, a fence: read inside
+// the statement that writes it, so that no write made in between can have
+// used a later clock.
+const clockUS = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
 
 // leaseLostCode is the SQLSTATE finish_tx raises when the lease is
 // no longer held.

@@ -32,6 +32,11 @@ type Store struct {
 	// closed is set by Close, after which none is kept.
 	held   sync.Map
 	closed atomic.Bool
+	// heldSQL are the statements of held leases once heldStatements found
+	// the database ready for them; heldMissing is when it last found it
+	// was not (UnixNano), or 0.
+	heldSQL     atomic.Pointer[heldSQL]
+	heldMissing atomic.Int64
 
 	stop context.CancelFunc // called by Close: ends the cleanup goroutine
 	done chan struct{}      // closed when the cleanup goroutine has ended
@@ -42,7 +47,7 @@ var _ lock.Store = (*Store)(nil)
 // statements are the SQL texts of the Store's calls, for its Config.
 type statements struct {
 	acquire, finish, finishTx, extend, stillHeld, cleanup, check, amend string
-	begin, acquireHeld, finishHeld                                      string
+	begin, finishHeld                                                   string
 }
 
 // New returns a Store on pool. It does no I/O: the table must exist
@@ -74,9 +79,8 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 			// finish_tx answers nothing: it raises where finish answers 0.
 			finishTx: "SELECT " + n.finishTx + "($1, $2, $3, $4, $5, $6, $7)",
 			// A lease held by a transaction (held.go).
-			begin:       beginSQL(cfg.TxOptions),
-			acquireHeld: "SELECT status, fence, attempts, remaining_ms, value, xid FROM " + n.acquireHeld + "($1, $2, $3, $4)",
-			finishHeld:  "SELECT " + n.finishHeld + "($1, $2, $3, $4, $5, $6, $7, $8)",
+			begin:      beginSQL(cfg.TxOptions),
+			finishHeld: "SELECT " + n.finishHeld + "($1, $2, $3, $4, $5, $6, $7, $8)",
 			// Rows another transaction holds are skipped, not waited for:
 			// one held row must not delay the renewal of all the others.
 			extend: `WITH x AS (
@@ -123,7 +127,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 				WHERE t.ns = $1 AND t.key = $2 AND t.state = 'c' AND t.fence = $3 AND t.expires_at > now.ts
 					AND coalesce(t.value, '') IN (coalesce($4::bytea, ''), coalesce($5::bytea, ''))`,
 			check: `SELECT obj_description(to_regclass($1), 'pg_class'), to_regprocedure($2) IS NOT NULL AND to_regprocedure($3) IS NOT NULL
-				AND to_regprocedure($4) IS NOT NULL AND to_regprocedure($5) IS NOT NULL AND to_regprocedure($6) IS NOT NULL`,
+				AND to_regprocedure($4) IS NOT NULL AND to_regprocedure($5) IS NOT NULL`,
 		},
 		done: make(chan struct{}),
 	}
@@ -176,8 +180,7 @@ func (s *Store) Check(ctx context.Context) error {
 	err := s.pool.QueryRow(ctx, s.sql.check, n.table,
 		n.acquire+"(text, bytea, text, bigint, bigint, bytea)",
 		n.finish+finishArgs, n.finishTx+finishArgs,
-		n.acquireHeld+"(text, bytea, bigint, bytea)",
-		n.finishHeld+"(text, bytea, text, bigint, text, bytea, bigint, bytea)").Scan(&comment, &functions)
+		n.finishHeld+finishHeldArgs).Scan(&comment, &functions)
 	switch {
 	case err != nil:
 		return fmt.Errorf("pgstore: check: %w", classify(err))
@@ -188,6 +191,10 @@ func (s *Store) Check(ctx context.Context) error {
 	}
 	return nil
 }
+
+// finishHeldArgs are the argument types of finish_held, as to_regprocedure
+// reads them.
+const finishHeldArgs = "(text, bytea, text, bigint, text, bytea, bigint, bytea)"
 
 // Acquire takes a lease on req.Key in one statement.
 //

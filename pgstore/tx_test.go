@@ -499,7 +499,7 @@ func TestTxHandlerTimeoutInQuery(t *testing.T) {
 // TestTxHandlerSearchPath: a handler that changes its transaction's
 // search_path, to a schema with a table of the same name even, does not
 // move the record's completion: the functions keep the search_path of the
-// migration.
+// migration, and the statements of a held lease name the table in full.
 func TestTxHandlerSearchPath(t *testing.T) {
 	pool := pgenv.Pool(t, 8)
 	ctx := context.Background()
@@ -528,21 +528,30 @@ func TestTxHandlerSearchPath(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := newStore(t, local, cfg)
-	res, err := s.Acquire(ctx, lock.Request{Key: "k"})
-	if err != nil {
-		t.Fatal(err)
-	}
 	h := s.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
 		_, err := tx.Exec(ctx, "SET LOCAL search_path = "+pgx.Identifier{decoy}.Sanitize()+", "+pgx.Identifier{records}.Sanitize())
 		return nil, err
-	}).(amqpidem.Completer)
-	_, err = h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, func(r []byte) ([]byte, error) { return []byte("done"), nil })
-	if err != nil {
-		t.Fatalf("HandleComplete: %v", err)
-	}
-	again, err := s.Acquire(ctx, lock.Request{Key: "k"})
-	if err != nil || again.Status != lock.Completed {
-		t.Fatalf("after the completion: %+v, %v; want completed", again, err)
+	})
+	// A record-row lease (Acquire), and one held by the transaction
+	// (AcquireLease), whose record is written by a statement of its own.
+	for key, acquire := range map[string]func(lock.Request) (lock.Result, error){
+		"row": func(req lock.Request) (lock.Result, error) { return s.Acquire(ctx, req) },
+		"held": func(req lock.Request) (lock.Result, error) {
+			return h.(amqpidem.LeaseTaker).AcquireLease(ctx, req, &amqp.Delivery{})
+		},
+	} {
+		res, err := acquire(lock.Request{Key: key})
+		if err != nil || res.Status != lock.Acquired {
+			t.Fatalf("%s: %+v, %v", key, res, err)
+		}
+		_, err = h.(amqpidem.Completer).HandleComplete(ctx, &amqp.Delivery{}, res.Lease, func(r []byte) ([]byte, error) { return []byte("done"), nil })
+		if err != nil {
+			t.Fatalf("%s: HandleComplete: %v", key, err)
+		}
+		again, err := s.Acquire(ctx, lock.Request{Key: key})
+		if err != nil || again.Status != lock.Completed {
+			t.Fatalf("%s: after the completion: %+v, %v; want completed", key, again, err)
+		}
 	}
 }
 
