@@ -181,7 +181,7 @@ BEGIN
 END
 $fn$;
 
--- acquire_held, of the previous release, took a lease held by a
+-- acquire_held, which earlier builds made, took a lease held by a
 -- transaction; the Store now does it with plain statements (held.go).
 DROP FUNCTION IF EXISTS {acquireheld}(text, bytea, bigint, bytea);
 
