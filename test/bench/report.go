@@ -272,8 +272,8 @@ func printPG(out io.Writer, e *env, rep *report) {
 
 	u, d, n := median(rates(rep.Runs, qt, pgUnique)), median(rates(rep.Runs, qt, pgDuplicate)), naiveRate
 	if n > 0 {
-		fmt.Fprintf(out, "targets of issue 11 (medians of this run, %s):\n", qt)
-		fmt.Fprintf(out, "  pg-unique at least 0.90 of pg-naive's rate:  pg-unique/pg-naive = %.2f  %s\n", u/n, metOrNot(u/n >= 0.9))
+		fmt.Fprintf(out, "targets of issues 11 and 26 (medians of this run, %s):\n", qt)
+		fmt.Fprintf(out, "  pg-unique at least pg-naive's rate:          pg-unique/pg-naive = %.2f  %s\n", u/n, metOrNot(u/n >= 1))
 		fmt.Fprintf(out, "  pg-duplicate at least pg-naive's rate:       pg-duplicate/pg-naive = %.2f  %s\n", d/n, metOrNot(d/n >= 1))
 	}
 }
