@@ -628,3 +628,28 @@ func TestHeldLeaseRecordInTheWay(t *testing.T) {
 	}
 	r.idle()
 }
+
+// TestHeldLeaseFingerprint: the record a held lease wrote keeps the
+// request's fingerprint: a copy with another body is a conflict, a copy
+// with the same one a duplicate.
+func TestHeldLeaseFingerprint(t *testing.T) {
+	r := newRig(t)
+	ctx := context.Background()
+	h := r.taker(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+		return []byte("done"), r.insert(ctx, tx, d.MessageId)
+	})
+	res, err := h.AcquireLease(ctx, lock.Request{Key: "fp", Fingerprint: "body-a"}, &amqp.Delivery{})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatalf("AcquireLease: %+v, %v", res, err)
+	}
+	if _, err := h.HandleComplete(ctx, &amqp.Delivery{MessageId: "fp"}, res.Lease, same); err != nil {
+		t.Fatalf("HandleComplete: %v", err)
+	}
+	for fp, want := range map[string]lock.Status{"body-b": lock.Conflict, "body-a": lock.Completed} {
+		got, err := h.AcquireLease(ctx, lock.Request{Key: "fp", Fingerprint: fp}, &amqp.Delivery{})
+		if err != nil || got.Status != want {
+			t.Fatalf("AcquireLease with fingerprint %s: %+v, %v; want %v", fp, got, err, want)
+		}
+	}
+	r.idle()
+}
