@@ -21,9 +21,10 @@ import (
 // lock in a transaction that stays open on one pooled connection until the
 // lease ends, and the record is written once, with the outcome, by a plain
 // INSERT in that transaction (commitHeld), or by finish_held once the
-// transaction ended without it (endHeld). Between AcquireLease and the call that ends the lease
-// (HandleComplete, Complete, Fail, Release or Cancel) the transaction waits
-// in Store.held, under the lease's owner token.
+// transaction ended without it (endHeld). Between AcquireLease and the
+// call that ends the lease (HandleComplete, Complete, Fail, Release or
+// Cancel) the transaction waits in Store.held, under the lease's owner
+// token.
 
 // errTxEnded says that the handler ended the transaction that held its
 // lease (a COMMIT or ROLLBACK statement of its own).

@@ -546,16 +546,24 @@ func TestHeldLeaseNotMigrated(t *testing.T) {
 	if err != nil || res.Status != lock.Acquired {
 		t.Fatalf("AcquireLease: %+v, %v; want a record-row lease", res, err)
 	}
-	if rec := r.record("old"); rec == nil || rec.state != "p" {
-		t.Fatalf("record %+v after AcquireLease, want a record-row lease (in progress)", rec)
-	}
-	if _, err := h.HandleComplete(ctx, &amqp.Delivery{MessageId: "old"}, res.Lease, same); err != nil {
-		t.Fatalf("HandleComplete: %v", err)
-	}
-	if rec := r.record("old"); rec == nil || rec.state != "c" || r.effects()["old"] != 1 {
-		t.Fatalf("record %+v, effects %v; want completed once", rec, r.effects())
-	}
+	r.completeOnRow(h, "old", res.Lease)
 	r.idle()
+}
+
+// completeOnRow checks that l, key's lease from h, is a record-row lease
+// (an in-progress record, attempt 1), and that h's handler completes it
+// once: a completed record and one effect.
+func (r *rig) completeOnRow(h amqpidem.LeaseTaker, key string, l lock.Lease) {
+	r.t.Helper()
+	if rec := r.record(key); rec == nil || rec.state != "p" || rec.attempts != 1 {
+		r.t.Fatalf("record %+v after AcquireLease, want a record-row lease, attempt 1", rec)
+	}
+	if _, err := h.HandleComplete(context.Background(), &amqp.Delivery{MessageId: key}, l, same); err != nil {
+		r.t.Fatalf("HandleComplete: %v", err)
+	}
+	if rec := r.record(key); rec == nil || rec.state != "c" || r.effects()[key] != 1 {
+		r.t.Fatalf("record %+v, effects %v; want completed once", rec, r.effects())
+	}
 }
 
 // TestHeldLeaseClose: Close rolls back the transactions holding leases
@@ -617,15 +625,7 @@ func TestHeldLeaseRecordInTheWay(t *testing.T) {
 	if err != nil || res.Status != lock.Acquired || res.Fence <= 1 {
 		t.Fatalf("AcquireLease of a key whose record expired: %+v, %v; want acquired above fence 1", res, err)
 	}
-	if rec := r.record("expired"); rec == nil || rec.state != "p" || rec.attempts != 1 {
-		t.Fatalf("record %+v after AcquireLease, want a record-row lease, attempt 1", rec)
-	}
-	if _, err := h.HandleComplete(ctx, &amqp.Delivery{MessageId: "expired"}, res.Lease, same); err != nil {
-		t.Fatalf("HandleComplete: %v", err)
-	}
-	if rec := r.record("expired"); rec == nil || rec.state != "c" || r.effects()["expired"] != 1 {
-		t.Fatalf("record %+v, effects %v; want completed once", rec, r.effects())
-	}
+	r.completeOnRow(h, "expired", res.Lease)
 	r.idle()
 }
 
