@@ -45,8 +45,9 @@ type Config struct {
 	// Migrate creates it if it does not exist.
 	Schema string
 	// Table is the records table. Migrate also creates the functions
-	// "<Table>_acquire", "<Table>_finish", "<Table>_finish_tx" and
-	// "<Table>_finish_held" and the index
+	// "<Table>_acquire", "<Table>_finish", "<Table>_finish_tx",
+	// "<Table>_finish_held", "<Table>_held_key" and "<Table>_acquire_held"
+	// (kept for the previous build) and the index
 	// "<Table>_expires" in the same schema. At most 50 bytes. Default
 	// DefaultTable.
 	Table string
@@ -138,7 +139,8 @@ func (c Config) withDefaults() Config {
 type names struct {
 	table, acquire, finish string
 	finishTx               string // finish, raising where finish answers 0
-	acquireHeld            string // the previous release's, which Migrate drops
+	acquireHeld            string // the previous build's (schema.go)
+	heldKey                string // the key of a record's advisory lock
 	finishHeld             string // its outcome
 	index                  string // unqualified, as CREATE INDEX wants it
 
@@ -167,6 +169,7 @@ func (c Config) names() names {
 		finishTx: qual(c.Table + "_finish_tx"),
 
 		acquireHeld: qual(c.Table + "_acquire_held"),
+		heldKey:     qual(c.Table + "_held_key"),
 		finishHeld:  qual(c.Table + "_finish_held"),
 		index:       pgx.Identifier{c.Table + "_expires"}.Sanitize(),
 

@@ -110,8 +110,9 @@
 // sent with the COMMIT. A new message then costs one commit instead of
 // two, three round trips instead of four, no PL/pgSQL, and 5 WAL records
 // of about 410 bytes instead of 10 of about 800. These statements name the
-// table in full (its schema is asked of the server once, on the pool's
-// search_path), so that a handler's SET search_path cannot move them.
+// table in full (in the schema of <Table>_held_key, the key of the lock,
+// asked of the server once), so that a handler's SET search_path cannot
+// move them.
 //
 //   - A duplicate is answered at once: the advisory lock is tried, never
 //     waited for (busy: requeued with InProgressDelay), and Acquire tries
@@ -153,7 +154,7 @@
 // key has no record: Inspect finds none. A key whose record is past its
 // retention but not yet deleted takes a record-row lease (which replaces
 // it). On a database not migrated by this release (no
-// <Table>_finish_held), TxHandler takes record-row leases, and looks again
+// <Table>_held_key), TxHandler takes record-row leases, and looks again
 // a minute later. Never run an earlier release's Migrate after this
 // one's: its acquire would not see leases held by transactions (effects in
 // this database would still commit once, but two handlers could run at

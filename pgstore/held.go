@@ -62,7 +62,7 @@ func isHeld(l lock.Lease) bool { return l.Owner != "" && l.Owner[0] == heldMark 
 // (heldStatements). A key that is busy or answered by its record costs one
 // more, the ROLLBACK; a key whose record counts attempts is taken by
 // Acquire instead, and so is every key while the database has no
-// finish_held (not migrated by this release). Its failures are not
+// held_key (not migrated by this release). Its failures are not
 // retried: a transaction whose outcome is unknown ended with its
 // connection, holding nothing.
 func (s *Store) acquireHeld(ctx context.Context, req lock.Request) (lock.Result, error) {
@@ -162,7 +162,7 @@ type heldRecord struct {
 // answers (lock.Status), or statusCounted where Acquire must take the key:
 // its record counts attempts (released, cancelled, a lease past its
 // deadline), or is past its retention and not yet deleted (a new record
-// replaces it, which finish_held's INSERT cannot).
+// replaces it, which commitHeld's INSERT cannot).
 func (r heldRecord) status(req lock.Request, locked bool) (status int, fence int64, attempts int, remaining int64, value []byte) {
 	switch {
 	case r.state == nil && locked:
@@ -216,39 +216,41 @@ type heldSQL struct {
 const heldRetry = time.Minute
 
 // heldStatements returns the statements of leases held by transactions,
-// or nil while the database lacks what they need (the table, and
-// finish_held, which comes with the Acquire that tries the key's advisory
-// lock): then every lease is a record row. The table's full name is asked
-// of the server once, on the pool's search_path, the one Migrate made the
-// functions with.
+// or nil while the database lacks what they need (held_key, and the
+// table): then every lease is a record row. They call held_key as the
+// other calls of the Store call the functions, and name the table in the
+// schema where that held_key is, the migration's, which is asked of the
+// server once.
 func (s *Store) heldStatements(ctx context.Context) (*heldSQL, error) {
 	if hs := s.heldSQL.Load(); hs != nil {
 		return hs, nil
 	}
-	if t := s.heldMissing.Load(); t != 0 && time.Since(time.Unix(0, t)) < heldRetry {
+	if t := s.heldMissing.Load(); t != nil && time.Since(*t) < heldRetry {
 		return nil, nil
 	}
 	n := s.cfg.names()
 	var table *string
-	var migrated bool
-	err := s.pool.QueryRow(ctx, `SELECT format('%I.%I', n.nspname, c.relname), to_regprocedure($2) IS NOT NULL
-		FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1)`,
-		n.table, n.finishHeld+finishHeldArgs).Scan(&table, &migrated)
+	err := s.pool.QueryRow(ctx, `SELECT t.name FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace,
+			format('%I.%I', n.nspname, $2::text) AS t(name)
+		WHERE p.oid = to_regprocedure($1) AND to_regclass(t.name) IS NOT NULL`,
+		n.heldKey+"(text, bytea)", s.cfg.Table).Scan(&table)
 	switch {
-	case errors.Is(err, pgx.ErrNoRows) || err == nil && (table == nil || !migrated):
-		s.heldMissing.Store(time.Now().UnixNano())
+	case errors.Is(err, pgx.ErrNoRows) || err == nil && table == nil:
+		now := time.Now()
+		s.heldMissing.Store(&now)
 		return nil, nil
 	case err != nil:
 		return nil, err
 	}
-	hs := newHeldSQL(*table, heldLock(n.table, "$1::text", "$2::bytea"))
+	hs := newHeldSQL(*table, heldLockClass+", "+n.heldKey+"($1, $2)")
 	s.heldSQL.Store(hs)
 	return hs, nil
 }
 
 // newHeldSQL returns the statements of leases held by transactions on the
 // records table (its full name, quoted), with lockKey the SQL of the key's
-// advisory lock of $1 (namespace) and $2 (key), the one the functions try.
+// advisory lock of $1 (namespace) and $2 (key), the one the functions try
+// (held_key).
 func newHeldSQL(table, lockKey string) *heldSQL {
 	return &heldSQL{
 		// A subquery of its own, so that the lock is tried once (a
@@ -316,8 +318,8 @@ func (s *Store) endConn(conn *pgxpool.Conn) {
 // names the call) and value, or with none for "x" (cancelled: nothing was
 // written, so the attempt is not counted). The transaction that holds l,
 // if one still does, is rolled back to the handler's savepoint unless the
-// outcome is completed, and finish_held and COMMIT run in it, in one round
-// trip. Once it ended (its handler failed there, or its connection
+// outcome is completed, and the record's INSERT and COMMIT run in it, in
+// one round trip (commitHeld). Once it ended (its handler failed there, or its connection
 // closed), finish_held runs alone: it writes the outcome if no other
 // holder came meanwhile.
 func (s *Store) endHeld(ctx context.Context, l lock.Lease, op, state string, value []byte) error {

@@ -13,9 +13,11 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
 	"github.com/amqpidem/amqpidem/lock"
 	"github.com/amqpidem/amqpidem/pgstore"
 )
@@ -527,12 +529,12 @@ func TestHeldLeaseHandlerTx(t *testing.T) {
 }
 
 // TestHeldLeaseNotMigrated: on a database migrated by an earlier release
-// (no <table>_finish_held), TxHandler takes record-row leases, and Check
+// (no <table>_held_key), TxHandler takes record-row leases, and Check
 // says to run Migrate.
 func TestHeldLeaseNotMigrated(t *testing.T) {
 	r := newRig(t)
 	ctx := context.Background()
-	fn := pgx.Identifier{r.cfg.Schema, pgstore.DefaultTable + "_finish_held"}.Sanitize()
+	fn := pgx.Identifier{r.cfg.Schema, pgstore.DefaultTable + "_held_key"}.Sanitize()
 	if _, err := r.pool.Exec(ctx, "DROP FUNCTION "+fn); err != nil {
 		t.Fatal(err)
 	}
@@ -652,4 +654,34 @@ func TestHeldLeaseFingerprint(t *testing.T) {
 		}
 	}
 	r.idle()
+}
+
+// TestHeldLeaseSpelledOtherwise: a Store whose Config names the table
+// otherwise than the migration did (the schema left to the pool's
+// search_path here, named in the migration's Config) takes the same
+// advisory lock as the functions: a held lease and a record-row lease of
+// one key exclude each other.
+func TestHeldLeaseSpelledOtherwise(t *testing.T) {
+	pool := pgenv.Pool(t, 8)
+	ctx := context.Background()
+	cfg := schema(t, pool, pgstore.Config{CleanupInterval: -1}) // migrated with Schema set
+	pcfg := pool.Config().Copy()
+	pcfg.ConnConfig.RuntimeParams["search_path"] = cfg.Schema
+	local, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(local.Close)
+	s := newStore(t, local, pgstore.Config{CleanupInterval: -1}) // no Schema
+	if err := s.Check(ctx); err != nil {
+		t.Fatalf("Check: %v", err)
+	}
+	held, err := s.TxHandler(nil).(amqpidem.LeaseTaker).AcquireLease(ctx, lock.Request{Key: "k"}, &amqp.Delivery{})
+	if err != nil || held.Status != lock.Acquired {
+		t.Fatalf("AcquireLease: %+v, %v", held, err)
+	}
+	defer func() { _ = s.Cancel(ctx, held.Lease) }()
+	if row, err := s.Acquire(ctx, lock.Request{Key: "k"}); err != nil || row.Status != lock.InProgress {
+		t.Fatalf("Acquire of a key whose lease a transaction holds: %+v, %v; want in progress", row, err)
+	}
 }

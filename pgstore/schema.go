@@ -181,9 +181,84 @@ BEGIN
 END
 $fn$;
 
--- acquire_held, which earlier builds made, took a lease held by a
--- transaction; the Store now does it with plain statements (held.go).
-DROP FUNCTION IF EXISTS {acquireheld}(text, bytea, bigint, bytea);
+-- held_key: the second half of the key of a record's transaction-level
+-- advisory lock, which is a lease held by a transaction (held.go): a hash
+-- of the table, the namespace and the key (the first half, 1634562409,
+-- "amqi", keeps it apart from other programs' advisory locks). The
+-- functions here compute the same inline; the Store's own statements call
+-- it, so that they agree with them however the Store's Config spells the
+-- table, and find the table's schema by it. Two keys whose hashes meet
+-- only wait for each other (a busy answer), never share a lease: the
+-- record decides. Plain SQL, immutable: inlined where it is called.
+CREATE OR REPLACE FUNCTION {heldkey}(p_ns text, p_key bytea)
+RETURNS int
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $fn$ SELECT {heldkeyhash} $fn$;
+
+-- acquire_held: what the previous build of TxHandler called to take a
+-- lease held by a transaction (this one sends plain statements, see
+-- held.go), kept so that its consumers keep working the same during a
+-- rolling upgrade; the next release drops it. The transaction-level
+-- advisory lock of the key is the lease, and nothing is written until the
+-- outcome (finish_held), which commits with the handler's writes. status as for
+-- acquire, and 6 when the key has a record that counts attempts (released,
+-- cancelled, or a lease that expired): the caller ends this transaction
+-- and takes the lease with acquire instead (also under an isolation level
+-- above READ COMMITTED). On 1 it sets the transaction's
+-- idle_in_transaction_session_timeout to the TTL: a holder that stops
+-- talking to the server (paused, cut off) loses its session, its
+-- transaction and the lock with them. The fence is taken from the clock,
+-- above an expired record's; xid is the transaction's id, by which the
+-- caller can tell whether the handler committed it on its own.
+CREATE OR REPLACE FUNCTION {acquireheld}(p_ns text, p_key bytea, p_ttl_ms bigint, p_fp bytea,
+	OUT status int, OUT fence bigint, OUT attempts int, OUT remaining_ms bigint, OUT value bytea,
+	OUT xid text)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $fn$
+DECLARE
+	r {table}%ROWTYPE;
+BEGIN
+	fence := 0; attempts := 0; remaining_ms := p_ttl_ms;
+	IF current_setting('transaction_isolation') <> 'read committed' THEN
+		-- A snapshot older than the lock could miss a lease taken and
+		-- committed just before it: a record-row lease instead.
+		status := 6;
+		RETURN;
+	END IF;
+	-- The record first, without the lock: a duplicate of finished work is
+	-- answered without making anyone busy. Then the lock, and the record
+	-- again (another holder may have finished in between).
+	FOR try IN 1..2 LOOP
+		fence := 0; attempts := 0; remaining_ms := p_ttl_ms;
+		SELECT * INTO r FROM {table} t WHERE t.ns = p_ns AND t.key = p_key;
+		IF FOUND AND r.expires_at > clock_timestamp() THEN
+			fence := r.fence; attempts := r.attempts; remaining_ms := 0;
+			IF length(p_fp) > 0 AND length(r.fingerprint) > 0 AND r.fingerprint <> p_fp THEN
+				status := 5;
+			ELSIF r.state IN ('c', 'f') THEN
+				status := CASE r.state WHEN 'c' THEN 2 ELSE 3 END;
+				value := r.value;
+			ELSIF r.state = 'p' AND r.deadline > clock_timestamp() THEN
+				status := 4;
+				remaining_ms := greatest(ceil(extract(epoch FROM r.deadline - clock_timestamp()) * 1000)::bigint, 1);
+			ELSE
+				status := 6;
+			END IF;
+			RETURN;
+		END IF;
+		IF try = 1 AND NOT pg_try_advisory_xact_lock({heldlock}) THEN
+			status := 4;
+			RETURN;
+		END IF;
+	END LOOP;
+	PERFORM set_config('idle_in_transaction_session_timeout', p_ttl_ms::text, true);
+	status := 1; attempts := 1;
+	fence := greatest(coalesce(r.fence + 1, 0), {clockus});
+	xid := pg_current_xact_id()::text;
+END
+$fn$;
+
 
 -- finish_held: write the outcome of a lease held by a transaction (p_state:
 -- 'c' completed, 'f' failed, 'r' released), first attempt, as a new
@@ -373,7 +448,9 @@ func MigrationSQL(cfg Config) (string, error) {
 		"{finishtx}", n.finishTx,
 		"{acquireheld}", n.acquireHeld,
 		"{finishheld}", n.finishHeld,
-		"{heldlock}", heldLock(n.table, "p_ns", "p_key"),
+		"{heldkey}", n.heldKey,
+		"{heldkeyhash}", heldKeyHash(n.table),
+		"{heldlock}", heldLockClass+", "+heldKeyHash(n.table),
 		"{leaselost}", leaseLostCode,
 		"{index}", n.index,
 		"{checkformat}", formatCheck(n.table, tableComment),
@@ -392,21 +469,23 @@ func MigrationSQL(cfg Config) (string, error) {
 	return sql, nil
 }
 
-// heldLock is the SQL of the key of a record's transaction-level advisory
-// lock (a lease held by a transaction, held.go), for the records table
-// table, of the key whose namespace and key are the SQL ns and key: the
-// two-int form, whose first half ("amqi") keeps it apart from other
-// programs' advisory locks, and a hash of the table, the namespace and the
-// key. The functions and held.go's statements must compute the same. Two
-// keys whose hashes meet only wait for each other (a busy answer), never
-// share a lease: the record decides.
-func heldLock(table, ns, key string) string {
-	return "1634562409, hashtext(" + literal(table+":") + " || " + ns + " || ':' || encode(" + key + ", 'hex'))"
+// heldLockClass is the first half of the key of a record's
+// transaction-level advisory lock: "amqi", apart from other programs'
+// advisory locks.
+const heldLockClass = "1634562409"
+
+// heldKeyHash is the SQL of the second half of the key of a record's
+// transaction-level advisory lock in the functions of table (held_key), of
+// the key p_key of namespace p_ns.
+func heldKeyHash(table string) string {
+	return "hashtext(" + literal(table+":") + " || p_ns || ':' || encode(p_key, 'hex'))"
 }
 
-// clockUS is the SQL of the server's clock in µs, a fence: read inside
-// the statement that writes it, so that no write made in between can have
-// used a later clock.
+// clockUS is the SQL of the server's clock in µs, a fence. The functions
+// read it inside the statement that writes it, so that no write made in
+// between can have used a later clock; a lease held by a transaction
+// reads it under the key's lock, which no other writer of the key holds
+// until that lease's record is written.
 const clockUS = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
 
 // leaseLostCode is the SQLSTATE finish_tx raises when the lease is

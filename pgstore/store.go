@@ -34,9 +34,9 @@ type Store struct {
 	closed atomic.Bool
 	// heldSQL are the statements of held leases once heldStatements found
 	// the database ready for them; heldMissing is when it last found it
-	// was not (UnixNano), or 0.
+	// was not, or nil.
 	heldSQL     atomic.Pointer[heldSQL]
-	heldMissing atomic.Int64
+	heldMissing atomic.Pointer[time.Time]
 
 	stop context.CancelFunc // called by Close: ends the cleanup goroutine
 	done chan struct{}      // closed when the cleanup goroutine has ended
@@ -127,7 +127,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 				WHERE t.ns = $1 AND t.key = $2 AND t.state = 'c' AND t.fence = $3 AND t.expires_at > now.ts
 					AND coalesce(t.value, '') IN (coalesce($4::bytea, ''), coalesce($5::bytea, ''))`,
 			check: `SELECT obj_description(to_regclass($1), 'pg_class'), to_regprocedure($2) IS NOT NULL AND to_regprocedure($3) IS NOT NULL
-				AND to_regprocedure($4) IS NOT NULL AND to_regprocedure($5) IS NOT NULL`,
+				AND to_regprocedure($4) IS NOT NULL AND to_regprocedure($5) IS NOT NULL AND to_regprocedure($6) IS NOT NULL`,
 		},
 		done: make(chan struct{}),
 	}
@@ -180,7 +180,7 @@ func (s *Store) Check(ctx context.Context) error {
 	err := s.pool.QueryRow(ctx, s.sql.check, n.table,
 		n.acquire+"(text, bytea, text, bigint, bigint, bytea)",
 		n.finish+finishArgs, n.finishTx+finishArgs,
-		n.finishHeld+finishHeldArgs).Scan(&comment, &functions)
+		n.finishHeld+"(text, bytea, text, bigint, text, bytea, bigint, bytea)", n.heldKey+"(text, bytea)").Scan(&comment, &functions)
 	switch {
 	case err != nil:
 		return fmt.Errorf("pgstore: check: %w", classify(err))
@@ -191,10 +191,6 @@ func (s *Store) Check(ctx context.Context) error {
 	}
 	return nil
 }
-
-// finishHeldArgs are the argument types of finish_held, as to_regprocedure
-// reads them.
-const finishHeldArgs = "(text, bytea, text, bigint, text, bytea, bigint, bytea)"
 
 // Acquire takes a lease on req.Key in one statement.
 //
