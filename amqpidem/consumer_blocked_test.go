@@ -1,44 +1,26 @@
 package amqpidem
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/internal/testenv"
 )
-
-// syncBuffer is a bytes.Buffer safe for concurrent use.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
 
 // The blocked notifications of a connection are logged: blocked at warn
 // level with the broker's reason, unblocked at info level. (Driven by a
 // fake notification channel: a real one needs a broker alarm, see
 // TestConsumerLogsBrokerAlarm.)
 func TestLogBlocked(t *testing.T) {
-	var out syncBuffer
+	var out testenv.SyncBuffer
 	log := slog.New(slog.NewTextHandler(&out, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	blocked := make(chan amqp.Blocking, 2)
 	blocked <- amqp.Blocking{Active: true, Reason: "low on memory"}

@@ -1,13 +1,11 @@
 package pgstore_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -17,6 +15,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv"
 	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
 	"github.com/amqpidem/amqpidem/lock"
 	"github.com/amqpidem/amqpidem/pgstore"
@@ -314,7 +313,7 @@ func TestHeldLeaseEndings(t *testing.T) {
 // TestHeldLeaseGuard: a held lease that nothing ends (a bug) is rolled
 // back after its TTL, with a warning, and its connection given back.
 func TestHeldLeaseGuard(t *testing.T) {
-	logs := &syncWriter{}
+	logs := &testenv.SyncBuffer{}
 	r := newRigWith(t, pgstore.Config{})
 	cfg := r.cfg
 	cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
@@ -379,25 +378,6 @@ func TestHeldLeaseRespectsRowLease(t *testing.T) {
 		t.Fatalf("AcquireLease of a key with a live row lease: %+v, %v; want in progress", got, err)
 	}
 	r.idle()
-}
-
-// syncWriter serializes the writes to w and its reading (the guard logs
-// from its timer's goroutine).
-type syncWriter struct {
-	mu sync.Mutex
-	w  bytes.Buffer
-}
-
-func (s *syncWriter) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.w.Write(p)
-}
-
-func (s *syncWriter) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.w.String()
 }
 
 // TestHeldLeaseIdleHandlerRetriesOnRow: a handler that leaves its

@@ -10,7 +10,6 @@ import (
 	"regexp"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -39,14 +38,14 @@ type stagingRig struct {
 	conn     *amqp.Connection
 	ch       *amqp.Channel
 	events   chan amqpidem.Event
-	logs     *syncBuffer
+	logs     *testenv.SyncBuffer
 }
 
 // newStagingRig runs the consumer on store, which flags name to the binary.
 func newStagingRig(t *testing.T, store lock.Store, flags []string) *stagingRig {
 	t.Helper()
 	url := testenv.AMQPURL(t)
-	r := &stagingRig{t: t, queue: testenv.Name(t), store: store, events: make(chan amqpidem.Event, 1000), logs: &syncBuffer{}}
+	r := &stagingRig{t: t, queue: testenv.Name(t), store: store, events: make(chan amqpidem.Event, 1000), logs: &testenv.SyncBuffer{}}
 	r.audit, r.shipping, r.nope = r.queue+".audit", r.queue+".shipping", r.queue+".nope"
 	r.flags = append(flags, "--amqp", url)
 	var err error
@@ -361,24 +360,6 @@ func TestOutboxRedrivePostgres(t *testing.T) {
 	store, cfg := pgStore(t, 8)
 	r := newStagingRig(t, store, []string{"--postgres", pgenv.DSN(t), "--pg-schema", cfg.Schema})
 	redriveRoundTrip(t, r)
-}
-
-// syncBuffer is a bytes.Buffer safe for the consumer's goroutines.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.String()
 }
 
 // A message staged to an exchange that does not exist is left, said so,
