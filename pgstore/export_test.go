@@ -9,3 +9,11 @@ func SetCleanupGrace(t interface{ Cleanup(func()) }, d time.Duration) {
 	cleanupGrace = d
 	t.Cleanup(func() { cleanupGrace = old })
 }
+
+// SetHeldRetry sets how long a Store takes record-row leases after finding
+// the database not migrated, until the test ends.
+func SetHeldRetry(t interface{ Cleanup(func()) }, d time.Duration) {
+	old := heldRetry
+	heldRetry = d
+	t.Cleanup(func() { heldRetry = old })
+}

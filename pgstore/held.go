@@ -212,8 +212,9 @@ type heldSQL struct {
 }
 
 // heldRetry is how long acquireHeld takes record-row leases after finding
-// the database not migrated by this release, before it looks again.
-const heldRetry = time.Minute
+// the database not migrated by this release, before it looks again (a
+// variable for the tests).
+var heldRetry = time.Minute
 
 // heldStatements returns the statements of leases held by transactions,
 // or nil while the database lacks what they need (held_key, and the

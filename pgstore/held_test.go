@@ -510,7 +510,8 @@ func TestHeldLeaseHandlerTx(t *testing.T) {
 
 // TestHeldLeaseNotMigrated: on a database migrated by an earlier release
 // (no <table>_held_key), TxHandler takes record-row leases, and Check
-// says to run Migrate.
+// says to run Migrate; once it ran, TxHandler holds leases by transactions
+// again when it next looks (heldRetry), not before.
 func TestHeldLeaseNotMigrated(t *testing.T) {
 	r := newRig(t)
 	ctx := context.Background()
@@ -529,6 +530,29 @@ func TestHeldLeaseNotMigrated(t *testing.T) {
 		t.Fatalf("AcquireLease: %+v, %v; want a record-row lease", res, err)
 	}
 	r.completeOnRow(h, "old", res.Lease)
+
+	if err := pgstore.Migrate(ctx, r.pool, r.cfg); err != nil {
+		t.Fatal(err)
+	}
+	res, err = h.AcquireLease(ctx, lock.Request{Key: "soon"}, &amqp.Delivery{})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatalf("AcquireLease right after Migrate: %+v, %v", res, err)
+	}
+	r.completeOnRow(h, "soon", res.Lease)
+	pgstore.SetHeldRetry(t, 0)
+	res, err = h.AcquireLease(ctx, lock.Request{Key: "later"}, &amqp.Delivery{})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatalf("AcquireLease once the Store looks again: %+v, %v", res, err)
+	}
+	if rec := r.record("later"); rec != nil {
+		t.Fatalf("record %+v while the lease is held, want none (a lease held by the transaction)", rec)
+	}
+	if _, err := h.HandleComplete(ctx, &amqp.Delivery{MessageId: "later"}, res.Lease, same); err != nil {
+		t.Fatalf("HandleComplete: %v", err)
+	}
+	if rec := r.record("later"); rec == nil || rec.state != "c" || r.effects()["later"] != 1 {
+		t.Fatalf("record %+v, effects %v; want completed once", rec, r.effects())
+	}
 	r.idle()
 }
 

@@ -262,9 +262,10 @@ $fn$;
 
 -- finish_held: write the outcome of a lease held by a transaction (p_state:
 -- 'c' completed, 'f' failed, 'r' released), first attempt, as a new
--- record, in the transaction that holds the lease (the lock is the
--- caller's already) or, once that transaction ended without it, in one of
--- its own, if the lock is free and no live record is there. Raises
+-- record: once the transaction that held the lease ended without it, in
+-- one of its own, if the lock is free and no live record is there (the
+-- previous build also called it in the holding transaction, whose lock
+-- it has already). Raises
 -- SQLSTATE {leaselost} where it writes nothing, so that a COMMIT sent with
 -- it rolls back; a retry of a call that landed finds its own record.
 CREATE OR REPLACE FUNCTION {finishheld}(p_ns text, p_key bytea, p_owner text, p_fence bigint,
