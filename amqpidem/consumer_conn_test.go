@@ -1,7 +1,6 @@
 package amqpidem_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -17,26 +16,12 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv"
 	"github.com/amqpidem/amqpidem/lock"
 )
 
 // connLogs is a slog.Logger's output, safe for concurrent use.
-type connLogs struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (l *connLogs) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.Write(p)
-}
-
-func (l *connLogs) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.String()
-}
+type connLogs struct{ testenv.SyncBuffer }
 
 // newConnLogs returns a logger at debug level writing to the returned
 // connLogs.
