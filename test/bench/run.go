@@ -10,6 +10,7 @@ import (
 	"io"
 	"os"
 	"runtime"
+	"runtime/metrics"
 	"runtime/pprof"
 	"slices"
 	"strconv"
@@ -146,6 +147,7 @@ type runResult struct {
 	Publish             time.Duration // prefill time
 	RoundTrips          int64         // Redis round trips while consuming
 	ClientCPU           time.Duration // this process, while consuming
+	ClientAllocs        uint64        // heap objects this process allocated while consuming
 	RedisCPU            time.Duration // the Redis server, while consuming
 	MachineCPU          time.Duration // every process on the machine, while consuming
 
@@ -573,6 +575,7 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 
 	t := newTally(n, nil)
 	cpu0, rcpu0, mcpu0, pcpu0 := processCPU(), redisCPU(ctx, e.admin), machineCPU(), e.pgCPU()
+	allocs0 := heapAllocs()
 	rt0 := e.rts.n.Load()
 	if profile != nil {
 		f, err := os.Create(*profile)
@@ -607,6 +610,7 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 	werr := t.wait(ctx, e.opts.RunTimeout, c)
 	res.RoundTrips = e.rts.n.Load() - rt0
 	res.ClientCPU, res.RedisCPU = processCPU()-cpu0, redisCPU(ctx, e.admin)-rcpu0
+	res.ClientAllocs = heapAllocs() - allocs0
 	res.MachineCPU, res.PGCPU = machineCPU()-mcpu0, e.pgCPU()-pcpu0
 	if profile != nil {
 		pprof.StopCPUProfile()
@@ -804,4 +808,15 @@ func thousands(f float64) string {
 		out = append(out, s[i])
 	}
 	return string(out)
+}
+
+// heapAllocs returns the heap objects this process has allocated so far: an
+// exact count, unlike CPU time, that the machine's load does not move.
+func heapAllocs() uint64 {
+	s := []metrics.Sample{{Name: "/gc/heap/allocs:objects"}}
+	metrics.Read(s)
+	if s[0].Value.Kind() != metrics.KindUint64 {
+		return 0
+	}
+	return s[0].Value.Uint64()
 }
