@@ -2,10 +2,13 @@ package lock_test
 
 import (
 	"context"
+	"runtime"
 	"strconv"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 
 	"github.com/amqpidem/amqpidem/internal/testenv"
 	"github.com/amqpidem/amqpidem/lock"
@@ -17,8 +20,15 @@ import (
 // one round trip), the same two through the acquire script alone (as on a
 // Cluster or Redis < 7), and the raw SET NX the naive approach starts from
 // (one round trip, no lease, no result).
+//
+// AcquireComplete32 is AcquireComplete from 32 callers at once, a
+// consumer's handlers (Concurrency 32, as in make bench): their calls share
+// pipelines, so it reports the round trips per op and this process's CPU
+// per op (cpu-ns/op), which is the client's cost; ns/op is mostly waiting.
 func BenchmarkRedis(b *testing.B) {
 	client := testenv.RedisClient(b)
+	var trips atomic.Int64
+	client.AddHook(tripHook{&trips})
 	store, err := lock.NewRedisStore(client, lock.Config{Prefix: testenv.Name(b), Retention: time.Minute})
 	if err != nil {
 		b.Fatal(err)
@@ -30,9 +40,14 @@ func BenchmarkRedis(b *testing.B) {
 	var seq atomic.Int64
 	result := []byte("ok")
 
-	// One message: a new key acquired and completed.
-	unique := func(store *lock.RedisStore) func(*testing.B) {
+	// One message: a new key acquired and completed, by callers at once
+	// (0: GOMAXPROCS of them, testing's default).
+	unique := func(store *lock.RedisStore, callers int) func(*testing.B) {
 		return func(b *testing.B) {
+			if callers > 0 {
+				b.SetParallelism((callers + runtime.GOMAXPROCS(0) - 1) / runtime.GOMAXPROCS(0))
+			}
+			trips0, cpu0 := trips.Load(), testenv.ProcessCPU()
 			b.RunParallel(func(pb *testing.PB) {
 				for pb.Next() {
 					key := "u" + strconv.FormatInt(seq.Add(1), 10)
@@ -45,6 +60,12 @@ func BenchmarkRedis(b *testing.B) {
 					}
 				}
 			})
+			if callers > 0 {
+				b.ReportMetric(float64(trips.Load()-trips0)/float64(b.N), "round-trips/op")
+				if cpu := testenv.ProcessCPU() - cpu0; cpu > 0 {
+					b.ReportMetric(float64(cpu.Nanoseconds())/float64(b.N), "cpu-ns/op")
+				}
+			}
 		}
 	}
 	// One duplicate of a completed message.
@@ -72,9 +93,10 @@ func BenchmarkRedis(b *testing.B) {
 	}
 	lock.DisableNative(scripted)
 
-	b.Run("AcquireComplete", unique(store))
+	b.Run("AcquireComplete", unique(store, 0))
+	b.Run("AcquireComplete32", unique(store, 32))
 	b.Run("AcquireDuplicate", duplicate(store))
-	b.Run("ScriptAcquireComplete", unique(scripted))
+	b.Run("ScriptAcquireComplete", unique(scripted, 0))
 	b.Run("ScriptAcquireDuplicate", duplicate(scripted))
 	b.Run("RawSetNX", func(b *testing.B) {
 		prefix := testenv.Name(b) + ":"
@@ -87,4 +109,23 @@ func BenchmarkRedis(b *testing.B) {
 			}
 		})
 	})
+}
+
+// tripHook counts round trips: commands sent alone and pipelines.
+type tripHook struct{ n *atomic.Int64 }
+
+func (h tripHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h tripHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		h.n.Add(1)
+		return next(ctx, cmd)
+	}
+}
+
+func (h tripHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		h.n.Add(1)
+		return next(ctx, cmds)
+	}
 }
