@@ -99,7 +99,7 @@ func printReport(out io.Writer, e *env, rep *report) {
 	o := e.opts
 	fmt.Fprintf(out, "\n== throughput: median of %d run(s), msg/s; prefetch %d, concurrency %d ==\n", o.Repeats, o.Prefetch, o.Concurrency)
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "queue\tvariant\tN\tmedian\truns\tvs bare\tredis rt/msg\tclient cpu/msg\tclient allocs/msg\tredis cpu/msg\tmachine cpu/msg\t")
+	fmt.Fprintln(tw, "queue\tvariant\tN\tmedian\truns\tvs bare\tredis rt/msg\tclient cpu/msg\tclient allocs/msg\tclient bytes/msg\tredis cpu/msg\tmachine cpu/msg\t")
 	for _, qt := range o.QueueTypes {
 		b := median(rates(rep.Runs, qt, bare))
 		for _, v := range rep.Variants[qt] {
@@ -116,15 +116,17 @@ func printReport(out io.Writer, e *env, rep *report) {
 			rt := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.RoundTrips) })
 			ccpu := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ClientCPU) })
 			calloc := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ClientAllocs) })
+			cbytes := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ClientBytes) })
 			rcpu := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.RedisCPU) })
 			mcpu := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.MachineCPU) })
-			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\t%.2f\t%.1fµs\t%.1f\t%.1fµs\t%.1fµs\t\n", qt, v, rep.n(qt, v), thousands(m),
-				strings.Join(each, " "), vs, rt, ccpu/1e3, calloc, rcpu/1e3, mcpu/1e3)
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\t%.2f\t%.1fµs\t%.1f\t%.0f\t%.1fµs\t%.1fµs\t\n", qt, v, rep.n(qt, v), thousands(m),
+				strings.Join(each, " "), vs, rt, ccpu/1e3, calloc, cbytes, rcpu/1e3, mcpu/1e3)
 		}
 	}
 	tw.Flush()
-	fmt.Fprintln(out, "(redis rt/msg: go-redis Process + ProcessPipeline calls per message; client allocs/msg: heap\n"+
-		" objects this process allocated while consuming, per message (exact); cpu/msg: CPU time of this\n"+
+	fmt.Fprintln(out, "(redis rt/msg: go-redis Process + ProcessPipeline calls per message; client allocs/msg,\n"+
+		" bytes/msg: the heap objects this process allocated while consuming, and their bytes, per message\n"+
+		" (exact: the garbage collector's work follows them); cpu/msg: CPU time of this\n"+
 		" process, of redis-server and of the whole machine (RabbitMQ included; /proc/stat, so other work\n"+
 		" on the machine counts too) while consuming, per message)")
 	if len(rep.OutboxRatios) > 0 {

@@ -148,6 +148,7 @@ type runResult struct {
 	RoundTrips          int64         // Redis round trips while consuming
 	ClientCPU           time.Duration // this process, while consuming
 	ClientAllocs        uint64        // heap objects this process allocated while consuming
+	ClientBytes         uint64        // and their bytes
 	RedisCPU            time.Duration // the Redis server, while consuming
 	MachineCPU          time.Duration // every process on the machine, while consuming
 
@@ -575,7 +576,7 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 
 	t := newTally(n, nil)
 	cpu0, rcpu0, mcpu0, pcpu0 := processCPU(), redisCPU(ctx, e.admin), machineCPU(), e.pgCPU()
-	allocs0 := heapAllocs()
+	allocs0, bytes0 := heapAllocs()
 	rt0 := e.rts.n.Load()
 	if profile != nil {
 		f, err := os.Create(*profile)
@@ -610,7 +611,8 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 	werr := t.wait(ctx, e.opts.RunTimeout, c)
 	res.RoundTrips = e.rts.n.Load() - rt0
 	res.ClientCPU, res.RedisCPU = processCPU()-cpu0, redisCPU(ctx, e.admin)-rcpu0
-	res.ClientAllocs = heapAllocs() - allocs0
+	allocs1, bytes1 := heapAllocs()
+	res.ClientAllocs, res.ClientBytes = allocs1-allocs0, bytes1-bytes0
 	res.MachineCPU, res.PGCPU = machineCPU()-mcpu0, e.pgCPU()-pcpu0
 	if profile != nil {
 		pprof.StopCPUProfile()
@@ -810,13 +812,14 @@ func thousands(f float64) string {
 	return string(out)
 }
 
-// heapAllocs returns the heap objects this process has allocated so far: an
-// exact count, unlike CPU time, that the machine's load does not move.
-func heapAllocs() uint64 {
-	s := []metrics.Sample{{Name: "/gc/heap/allocs:objects"}}
+// heapAllocs returns the heap objects this process has allocated so far,
+// and their bytes: exact counts, unlike CPU time, that the machine's load
+// does not move (and the garbage collector's work follows the bytes).
+func heapAllocs() (objects, bytes uint64) {
+	s := []metrics.Sample{{Name: "/gc/heap/allocs:objects"}, {Name: "/gc/heap/allocs:bytes"}}
 	metrics.Read(s)
-	if s[0].Value.Kind() != metrics.KindUint64 {
-		return 0
+	if s[0].Value.Kind() != metrics.KindUint64 || s[1].Value.Kind() != metrics.KindUint64 {
+		return 0, 0
 	}
-	return s[0].Value.Uint64()
+	return s[0].Value.Uint64(), s[1].Value.Uint64()
 }
