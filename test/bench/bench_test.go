@@ -41,6 +41,11 @@ func TestShortRun(t *testing.T) {
 	if err != nil {
 		t.Fatalf("run: %v", err)
 	}
+	for _, path := range []string{opts.CPUProfile, opts.CPUProfile + ".allocs-base", opts.CPUProfile + ".allocs"} {
+		if fi, err := os.Stat(path); err != nil || fi.Size() == 0 {
+			t.Errorf("profile %s: %v, want a file with the profiled run in it", path, err)
+		}
+	}
 
 	if rep.WaitSkipped != "" {
 		if os.Getenv("CI") == "true" {

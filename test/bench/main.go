@@ -346,7 +346,7 @@ func parseFlags(args []string, out io.Writer) (options, error) {
 	fs.BoolVar(&o.PGPoolPerRun, "pg-pool-per-run", o.PGPoolPerRun, "a pool of its own for each pg run, all connections opened before measuring (false: one pool for all, connections made as needed, no server figures; -short: false)")
 	fs.StringVar(&o.PGSyncCommit, "pg-synchronous-commit", "", "synchronous_commit of the pg variants' sessions (empty: the server's)")
 	addDynamoFlags(fs, &o)
-	fs.StringVar(&o.CPUProfile, "cpuprofile", "", "write a CPU profile of an extra run (not in the medians) to this file")
+	fs.StringVar(&o.CPUProfile, "cpuprofile", "", "write a CPU profile of an extra run (not in the medians) to this file, and its allocations to this file + .allocs (with -base this file + .allocs-base)")
 	fs.StringVar(&o.ProfileVariant, "profile-variant", string(unique), "the variant -cpuprofile profiles: "+variantNames())
 	if err := fs.Parse(args); err != nil {
 		return o, err

@@ -183,7 +183,8 @@ func printReport(out io.Writer, e *env, rep *report) {
 	}
 	printRelay(out, o, rep)
 	if rep.Profile != "" {
-		fmt.Fprintf(out, "\n%s\n  (go tool pprof -top %s)\n", rep.Profile, o.CPUProfile)
+		fmt.Fprintf(out, "\n%s\n  (go tool pprof -top %s; its allocations: go tool pprof -sample_index=alloc_space -top -base %s.allocs-base %s.allocs)\n",
+			rep.Profile, o.CPUProfile, o.CPUProfile, o.CPUProfile)
 	}
 	if rep.Steps != nil {
 		rep.Steps.print(out)

@@ -588,6 +588,11 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 			return res, err
 		}
 		defer pprof.StopCPUProfile()
+		// And its allocations: see writeAllocs.
+		runtime.MemProfileRate = allocsSampleRate
+		if err := writeAllocs(*profile + ".allocs-base"); err != nil {
+			return res, err
+		}
 	}
 	// The profiled run also times each delivery's steps.
 	var st *steps
@@ -616,6 +621,9 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 	res.MachineCPU, res.PGCPU = machineCPU()-mcpu0, e.pgCPU()-pcpu0
 	if profile != nil {
 		pprof.StopCPUProfile()
+		if err := writeAllocs(*profile + ".allocs"); err != nil {
+			return res, err
+		}
 	}
 	sctx, scancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
 	defer scancel()
@@ -822,4 +830,25 @@ func heapAllocs() (objects, bytes uint64) {
 		return 0, 0
 	}
 	return s[0].Value.Uint64(), s[1].Value.Uint64()
+}
+
+// allocsSampleRate is the mean bytes between two sampled allocations from
+// the profiled run on: fine enough to see each allocation site of one
+// message.
+const allocsSampleRate = 4 << 10
+
+// writeAllocs writes the allocations sampled so far to path. The profiled
+// run writes them before (.allocs-base) and after (.allocs); the
+// difference (go tool pprof -base) is its own, sampled finely.
+func writeAllocs(path string) error {
+	runtime.GC() // the profile is as of the last collection
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if err := pprof.Lookup("allocs").WriteTo(f, 0); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
 }
