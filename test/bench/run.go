@@ -589,6 +589,7 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 		}
 		defer pprof.StopCPUProfile()
 		// And its allocations: see writeAllocs.
+		defer func(rate int) { runtime.MemProfileRate = rate }(runtime.MemProfileRate)
 		runtime.MemProfileRate = allocsSampleRate
 		if err := writeAllocs(*profile + ".allocs-base"); err != nil {
 			return res, err
