@@ -10,6 +10,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/amqpidem/amqpidem/internal/proccpu"
 	"github.com/amqpidem/amqpidem/internal/testenv"
 	"github.com/amqpidem/amqpidem/lock"
 )
@@ -47,7 +48,7 @@ func BenchmarkRedis(b *testing.B) {
 			if callers > 0 {
 				b.SetParallelism((callers + runtime.GOMAXPROCS(0) - 1) / runtime.GOMAXPROCS(0))
 			}
-			trips0, cpu0 := trips.Load(), testenv.ProcessCPU()
+			trips0, cpu0 := trips.Load(), proccpu.Self()
 			b.RunParallel(func(pb *testing.PB) {
 				for pb.Next() {
 					key := "u" + strconv.FormatInt(seq.Add(1), 10)
@@ -62,7 +63,7 @@ func BenchmarkRedis(b *testing.B) {
 			})
 			if callers > 0 {
 				b.ReportMetric(float64(trips.Load()-trips0)/float64(b.N), "round-trips/op")
-				if cpu := testenv.ProcessCPU() - cpu0; cpu > 0 {
+				if cpu := proccpu.Self() - cpu0; cpu > 0 {
 					b.ReportMetric(float64(cpu.Nanoseconds())/float64(b.N), "cpu-ns/op")
 				}
 			}

@@ -68,14 +68,3 @@ func runningThreads(pid int) string {
 	}
 	return strings.Join(running, ", ")
 }
-
-// ProcessCPU returns the CPU time (user and system) this process has used
-// so far, for benchmarks that report CPU per operation: a pipelined client
-// spends much of its time waiting, so ns/op says little of its cost.
-func ProcessCPU() time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		return 0
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
-}

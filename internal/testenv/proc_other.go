@@ -6,11 +6,7 @@ import (
 	"errors"
 	"os"
 	"syscall"
-	"time"
 )
-
-// ProcessCPU returns 0: this process's CPU time is read on Linux only.
-func ProcessCPU() time.Duration { return 0 }
 
 // sysProcAttr returns nil: outside Linux, child processes are only killed by
 // t.Cleanup.

@@ -4,9 +4,6 @@ package main
 
 import "time"
 
-// processCPU is not measured on this system: it reports 0.
-func processCPU() time.Duration { return 0 }
-
 // machineCPU is not measured on this system: it reports 0.
 func machineCPU() time.Duration { return 0 }
 

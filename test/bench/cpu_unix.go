@@ -6,18 +6,8 @@ import (
 	"os"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 )
-
-// processCPU is the CPU time this process used so far (user + system).
-func processCPU() time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		return 0
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
-}
 
 // machineCPU is the busy CPU time of the whole machine so far (every
 // process: RabbitMQ, Redis and this one), from /proc/stat on Linux, or 0

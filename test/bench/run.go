@@ -20,6 +20,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/proccpu"
 	"github.com/amqpidem/amqpidem/lock"
 )
 
@@ -575,7 +576,7 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 	}
 
 	t := newTally(n, nil)
-	cpu0, rcpu0, mcpu0, pcpu0 := processCPU(), redisCPU(ctx, e.admin), machineCPU(), e.pgCPU()
+	cpu0, rcpu0, mcpu0, pcpu0 := proccpu.Self(), redisCPU(ctx, e.admin), machineCPU(), e.pgCPU()
 	allocs0, bytes0 := heapAllocs()
 	rt0 := e.rts.n.Load()
 	if profile != nil {
@@ -616,7 +617,7 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 	}
 	werr := t.wait(ctx, e.opts.RunTimeout, c)
 	res.RoundTrips = e.rts.n.Load() - rt0
-	res.ClientCPU, res.RedisCPU = processCPU()-cpu0, redisCPU(ctx, e.admin)-rcpu0
+	res.ClientCPU, res.RedisCPU = proccpu.Self()-cpu0, redisCPU(ctx, e.admin)-rcpu0
 	allocs1, bytes1 := heapAllocs()
 	res.ClientAllocs, res.ClientBytes = allocs1-allocs0, bytes1-bytes0
 	res.MachineCPU, res.PGCPU = machineCPU()-mcpu0, e.pgCPU()-pcpu0
