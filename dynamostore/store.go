@@ -141,7 +141,10 @@ func (s *Store) acquire(ctx context.Context, req lock.Request, owner string) (lo
 			if err != nil {
 				return lock.Result{}, err
 			}
-			if !old.gone(nowMs) {
+			// A lease in progress is judged by its deadline and the skew
+			// even when the item has expired (Retention at most
+			// MaxClockSkew): its holder may still hold it.
+			if !old.gone(nowMs) || s.mayBeHeld(old, nowMs) {
 				if res, done := s.decide(req, owner, old, start, nowMs); done {
 					return res, nil
 				}
@@ -183,8 +186,17 @@ func (s *Store) acquire(ctx context.Context, req lock.Request, owner string) (lo
 	return lock.Result{}, fmt.Errorf("%w: acquire %q: the record changed under %d conditional writes in a row", lock.ErrUnavailable, req.Key, acquireRounds)
 }
 
-// decide answers Acquire from a record that has not expired, or says
-// (done false) that the caller may take a new lease on it.
+// mayBeHeld reports whether r is a lease that a holder whose clock is
+// behind by up to MaxClockSkew may still hold at nowMs: in progress, its
+// deadline at most MaxClockSkew past. Acquire never takes such a record
+// over, expired item or not.
+func (s *Store) mayBeHeld(r record, nowMs int64) bool {
+	return r.state == stateInProgress && r.deadline+s.cfg.MaxClockSkew.Milliseconds() >= nowMs
+}
+
+// decide answers Acquire from a record that has not expired or may still
+// be held (mayBeHeld), or says (done false) that the caller may take a new
+// lease on it.
 func (s *Store) decide(req lock.Request, owner string, old record, start time.Time, nowMs int64) (lock.Result, bool) {
 	res := lock.Result{Fence: old.fence, Attempts: int(old.attempts)}
 	switch {
@@ -199,7 +211,7 @@ func (s *Store) decide(req lock.Request, owner string, old record, start time.Ti
 		res.Status, res.Value = lock.Completed, old.value
 	case old.state == stateFailed:
 		res.Status, res.Error = lock.Failed, string(old.value)
-	case old.state == stateInProgress && old.deadline+s.cfg.MaxClockSkew.Milliseconds() >= nowMs:
+	case s.mayBeHeld(old, nowMs):
 		res.Status = lock.InProgress
 		left := old.deadline - nowMs
 		if left <= 0 { // expired, but within the clock skew allowed

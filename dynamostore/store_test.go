@@ -158,6 +158,53 @@ func TestClockSkewDelaysTakeover(t *testing.T) {
 	}
 }
 
+// TestClockSkewWithShortRetention: the skew rule holds for every record in
+// progress, also one whose item has expired (deadline + Retention) within
+// the skew: with Retention at most MaxClockSkew, a takeover between the
+// item's expiry and deadline + MaxClockSkew would make two owners at once
+// for a holder whose clock is behind by less than the skew allowed.
+func TestClockSkewWithShortRetention(t *testing.T) {
+	for _, retention := range []time.Duration{time.Millisecond, 300 * time.Millisecond, time.Second} {
+		t.Run(retention.String(), func(t *testing.T) {
+			holderClock, takerClock := &clock{t: time.Now()}, &clock{}
+			prefix := testenv.Name(t)
+			lc := func(c *clock) lock.Config { return lock.Config{Prefix: prefix, Now: c.Now, Retention: retention} }
+			holder := newStore(t, dynamostore.Config{Config: lc(holderClock), MaxClockSkew: time.Second})
+			taker := newStore(t, dynamostore.Config{Config: lc(takerClock), MaxClockSkew: time.Second})
+			ctx := context.Background()
+			res, err := holder.Acquire(ctx, lock.Request{Key: "k", TTL: 2 * time.Second})
+			if err != nil || res.Status != lock.Acquired {
+				t.Fatalf("Acquire: %+v, %v", res, err)
+			}
+			deadline := holderClock.Now().Add(2 * time.Second)
+			for _, tc := range []struct {
+				after time.Duration
+				want  lock.Status
+			}{
+				{retention, lock.InProgress},                                    // the item's expiry
+				{min(retention+time.Millisecond, time.Second), lock.InProgress}, // past it, within the skew
+				{time.Second, lock.InProgress},                                  // at the skew's end
+				{time.Second + 2*time.Millisecond, lock.Acquired},               // past it
+			} {
+				takerClock.set(deadline.Add(tc.after))
+				got, err := taker.Acquire(ctx, lock.Request{Key: "k", TTL: 2 * time.Second})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if got.Status != tc.want {
+					t.Fatalf("deadline%+v: got %v, want %v (%+v)", tc.after, got.Status, tc.want, got)
+				}
+				if got.Status == lock.InProgress && got.Remaining <= 0 {
+					t.Fatalf("deadline%+v: in progress with %v remaining", tc.after, got.Remaining)
+				}
+				if got.Status == lock.Acquired && got.Lease.Fence <= res.Lease.Fence {
+					t.Fatalf("takeover: %+v after %+v", got.Lease, res.Lease)
+				}
+			}
+		})
+	}
+}
+
 // countingClient counts the UpdateItem calls in flight, and can fail them.
 type countingClient struct {
 	dynamostore.Client
