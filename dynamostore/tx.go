@@ -51,9 +51,18 @@ type Tx struct {
 	// the transaction: index is its position among the added items (0 for
 	// the first), item the item as it was, when that write asked for it
 	// with ReturnValuesOnConditionCheckFailure. Wrap the error with
-	// amqpidem.Permanent to fail the message for good. Nil: an error
-	// wrapping ErrConditionFailed, which amqpidem retries as any handler
-	// error.
+	// amqpidem.Permanent to fail the message for good. The field nil: an
+	// error wrapping ErrConditionFailed, which amqpidem retries as any
+	// handler error.
+	//
+	// The transaction was cancelled whatever OnConditionFailed answers:
+	// nothing was written, the record's completion neither. So an answer of
+	// nil (as in "already applied, nothing to do") does not make the
+	// message a success: the error is then one wrapping ErrConditionFailed,
+	// as without the field. A message whose effect may already be there
+	// should say so in its condition's place: read the item in fn and add
+	// no write for it (the record then commits alone), or answer
+	// amqpidem.Permanent.
 	OnConditionFailed func(index int, item map[string]types.AttributeValue) error
 
 	items []types.TransactWriteItem
@@ -111,8 +120,8 @@ const commitTimeout = 10 * time.Second
 //     the transaction, and the error wraps lock.ErrLeaseLost: the message
 //     is requeued for the record to decide.
 //   - The condition of an item fn added failed: cancelled, and the error
-//     is Tx.OnConditionFailed's, by default one wrapping
-//     ErrConditionFailed.
+//     is Tx.OnConditionFailed's, by default (or when it answers nil) one
+//     wrapping ErrConditionFailed. Never nil: nothing was written.
 //   - A conflict with another transaction or write on one of the items
 //     (TransactionConflict), throttling, or DynamoDB unavailable: the
 //     error wraps lock.ErrUnavailable, and the message is requeued; its
@@ -234,7 +243,12 @@ func (h *txHandler) commit(ctx context.Context, tx *Tx, record *types.Update, le
 		case code == "" || code == "None":
 		case code == "ConditionalCheckFailed" && i < tx.Len():
 			if tx.OnConditionFailed != nil {
-				return tx.OnConditionFailed(i, r.Item)
+				if err := tx.OnConditionFailed(i, r.Item); err != nil {
+					return err
+				}
+				// Nothing was written, the record's completion neither: a
+				// nil error would be acked as completed.
+				return fmt.Errorf("%w: item %d: %s (OnConditionFailed answered nil; the transaction did not commit)", ErrConditionFailed, i, aws.ToString(r.Message))
 			}
 			return fmt.Errorf("%w: item %d: %s", ErrConditionFailed, i, aws.ToString(r.Message))
 		case code == "TransactionConflict" || code == "ThrottlingError" || code == "ProvisionedThroughputExceeded" ||

@@ -202,6 +202,52 @@ func TestTxHandlerConditionFailed(t *testing.T) {
 	}
 }
 
+// TestTxHandlerConditionFailedNilAnswer: an OnConditionFailed that answers
+// nil (as if "already applied" were success) still fails the completion:
+// nothing was written, the record is still in progress, and a nil error
+// would make amqpidem ack the message as completed, then run it again
+// once the lease expires.
+func TestTxHandlerConditionFailedNilAnswer(t *testing.T) {
+	s := newStore(t, dynamostore.Config{})
+	table, id := effects(t), testenv.Name(t)
+	ctx := context.Background()
+	res, err := s.Acquire(ctx, lock.Request{Key: "op"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls int
+	h := s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
+		bump(tx, table, id)
+		tx.ConditionCheck(&types.ConditionCheck{
+			TableName:           aws.String(table),
+			Key:                 map[string]types.AttributeValue{"id": &types.AttributeValueMemberS{Value: id + "-applied"}},
+			ConditionExpression: aws.String("attribute_exists(id)"),
+		})
+		tx.OnConditionFailed = func(int, map[string]types.AttributeValue) error {
+			calls++
+			return nil // "already applied": not an error, the handler thinks
+		}
+		return []byte("r"), nil
+	})
+	got, err := completer(t, h).HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same)
+	if !errors.Is(err, dynamostore.ErrConditionFailed) || got != nil {
+		t.Fatalf("HandleComplete with OnConditionFailed answering nil: got %q, %v; want ErrConditionFailed", got, err)
+	}
+	if got, want := calls, 1; got != want {
+		t.Fatalf("OnConditionFailed calls: got %d, want %d", got, want)
+	}
+	if busy, err := s.Acquire(ctx, lock.Request{Key: "op"}); err != nil || busy.Status != lock.InProgress {
+		t.Fatalf("record after the cancelled transaction: %+v, %v; want still in progress", busy, err)
+	}
+	// Without a record (amqpidem.ProcessMissingKey) the same.
+	if got, err := h.Handle(ctx, &amqp.Delivery{}); !errors.Is(err, dynamostore.ErrConditionFailed) || got != nil {
+		t.Fatalf("Handle with OnConditionFailed answering nil: got %q, %v; want ErrConditionFailed", got, err)
+	}
+	if n := count(t, id); n != 0 {
+		t.Fatalf("a cancelled transaction's effect applied %d times, want 0", n)
+	}
+}
+
 func TestTxHandlerRefusedBeforeSending(t *testing.T) {
 	s := newStore(t, dynamostore.Config{Config: lock.Config{MaxResultSize: 10}})
 	table, id := effects(t), testenv.Name(t)
