@@ -6,7 +6,10 @@
 CONTAINERS := internal/testenv/containers
 
 # services starts local Redis, RabbitMQ and PostgreSQL if they are down, and
-# a DynamoDB-compatible server (minidyn, built by scripts/dynamo.sh) (see
+# the two DynamoDB servers the DynamoDB tests run on: minidyn on port 8000
+# (built by scripts/dynamo.sh) and Amazon's DynamoDB Local on port 8001
+# (installed from npm into a cache directory and started by
+# scripts/dynamodb-local.sh; needs npm, java and javac) (see
 # scripts/services.sh; with Docker, `docker compose up -d --wait` instead).
 services:
 	bash scripts/services.sh

@@ -18,9 +18,10 @@
 # keyed by the hash of those files, so a change of the pin builds anew. It
 # runs daemonized (setsid), logging to DYNAMO_DIR/dynamo.log, its PID in
 # DYNAMO_DIR/dynamo.pid. Its data lives in memory: a restart empties it.
-# Amazon's DynamoDB Local is not used here (its licence is not open
-# source); users with Docker can run it instead: docker compose up -d
-# --wait dynamodb (docker-compose.yml), on the same port.
+# Amazon's DynamoDB Local, whose licence is not open source, is the tests'
+# second server, on port 8001: scripts/dynamodb-local.sh installs it into a
+# cache directory and starts it (users with Docker can also run it here,
+# on port 8000, instead of minidyn: docker compose up -d --wait dynamodb).
 #
 # "Answers" means a DescribeTable request of the DynamoDB JSON protocol
 # gets ResourceNotFoundException, or another error of that protocol (a
@@ -37,36 +38,8 @@ port=8000
 
 say() { printf 'dynamo: %s\n' "$*"; }
 
-# bounded SECS CMD [ARG...] (kills CMD after SECS seconds).
+# bounded, dynamo_ready, port_open and endpoint_hostport.
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-
-# dynamo_ready HOST PORT: true if a DynamoDB-compatible server there answers
-# DescribeTable of a table that does not exist with ResourceNotFoundException.
-dynamo_ready() {
-	bounded 5 bash -c '
-		exec 3<>"/dev/tcp/$1/$2" || exit 1
-		body="{\"TableName\":\"amqpidem-probe-no-such-table\"}"
-		printf "POST / HTTP/1.1\r\nHost: %s:%s\r\nContent-Type: application/x-amz-json-1.0\r\nX-Amz-Target: DynamoDB_20120810.DescribeTable\r\nAuthorization: AWS4-HMAC-SHA256 Credential=probe/20200101/us-east-1/dynamodb/aws4_request, SignedHeaders=host, Signature=0\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" "$1" "$2" "${#body}" "$body" >&3
-		reply=""
-		while IFS= read -r -t 4 line <&3; do reply+=$line; done
-		[[ $reply == *ResourceNotFoundException* || $reply == *\"__type\"* ]]' _ "$1" "$2" 2>/dev/null
-}
-
-# port_open HOST PORT: true if something accepts TCP connections there.
-port_open() {
-	bounded 3 bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$1" "$2" 2>/dev/null
-}
-
-# endpoint_hostport URL: prints "host port" of http://host:port[/...].
-endpoint_hostport() {
-	local rest=${1#*://}
-	rest=${rest%%/*}
-	local h=${rest%:*} p=${rest##*:}
-	[[ $rest == *:* ]] || p=80
-	h=${h#[}
-	h=${h%]}
-	printf '%s %s\n' "$h" "$p"
-}
 
 # build: builds the pinned server into $dir/bin/<hash>/dynamo-server if it
 # is not there yet, and prints its path.

@@ -1,5 +1,6 @@
-# lib.sh holds what scripts/services.sh and scripts/dynamo.sh share; they
-# source it.
+# shellcheck shell=bash disable=SC2016 # the bash -c scripts read their arguments as $1 and $2
+# lib.sh holds what scripts/services.sh, scripts/dynamo.sh and
+# scripts/dynamodb-local.sh share; they source it.
 
 # bounded SECS CMD [ARG...]: runs CMD and returns its status, or kills it
 # and returns 124 (as timeout(1) does) once SECS seconds have passed.
@@ -18,4 +19,34 @@ bounded() {
 	kill -KILL "$pid" 2>/dev/null
 	wait "$pid" 2>/dev/null
 	return 124
+}
+
+# dynamo_ready HOST PORT: true if a DynamoDB-compatible server there answers
+# DescribeTable of a table that does not exist with ResourceNotFoundException,
+# or another error of the DynamoDB JSON protocol (a "__type").
+dynamo_ready() {
+	bounded 5 bash -c '
+		exec 3<>"/dev/tcp/$1/$2" || exit 1
+		body="{\"TableName\":\"amqpidem-probe-no-such-table\"}"
+		printf "POST / HTTP/1.1\r\nHost: %s:%s\r\nContent-Type: application/x-amz-json-1.0\r\nX-Amz-Target: DynamoDB_20120810.DescribeTable\r\nAuthorization: AWS4-HMAC-SHA256 Credential=probe/20200101/us-east-1/dynamodb/aws4_request, SignedHeaders=host, Signature=0\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" "$1" "$2" "${#body}" "$body" >&3
+		reply=""
+		while IFS= read -r -t 4 line <&3; do reply+=$line; done
+		reply+=$line # a body without a final newline (DynamoDB Local)
+		[[ $reply == *ResourceNotFoundException* || $reply == *\"__type\"* ]]' _ "$1" "$2" 2>/dev/null
+}
+
+# port_open HOST PORT: true if something accepts TCP connections there.
+port_open() {
+	bounded 3 bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$1" "$2" 2>/dev/null
+}
+
+# endpoint_hostport URL: prints "host port" of http://host:port[/...].
+endpoint_hostport() {
+	local rest=${1#*://}
+	rest=${rest%%/*}
+	local h=${rest%:*} p=${rest##*:}
+	[[ $rest == *:* ]] || p=80
+	h=${h#[}
+	h=${h%]}
+	printf '%s %s\n' "$h" "$p"
 }

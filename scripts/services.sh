@@ -3,13 +3,17 @@
 # services.sh makes sure the services the tests use are up, starting local
 # ones when they are down. It is idempotent: running services are left alone.
 #
-#   bash scripts/services.sh [redis] [rabbitmq] [postgres] [dynamodb]   (default: all four)
+#   bash scripts/services.sh [redis] [rabbitmq] [postgres] [dynamodb] [dynamodb-local]   (default: all five)
 #
 # Redis and RabbitMQ serve every integration test (and the demo); PostgreSQL,
 # database "test" with trust authentication, serves the pgstore tests and
-# example and holds the ledger of the test/chaos scenarios; a DynamoDB-compatible
-# server serves the dynamostore tests (scripts/dynamo.sh builds and starts it,
-# DYNAMODB_ENDPOINT=http://host:port checks another). What it checks and how it starts each:
+# example and holds the ledger of the test/chaos scenarios; two DynamoDB
+# servers serve the DynamoDB tests, which run on both: minidyn
+# (scripts/dynamo.sh builds and starts it on 127.0.0.1:8000,
+# DYNAMODB_ENDPOINT=http://host:port checks another) and Amazon's DynamoDB
+# Local (scripts/dynamodb-local.sh installs it from npm into a cache directory
+# and starts it on 127.0.0.1:8001, DYNAMODB_LOCAL_ENDPOINT checks another).
+# What it checks and how it starts each:
 #
 #   REDIS_ADDR=host:port     check that Redis instead of 127.0.0.1:6379 (never started)
 #   AMQP_URL=amqp://...      check that RabbitMQ instead of 127.0.0.1:5672 (never started)
@@ -29,8 +33,10 @@
 # itself.
 #
 # Exits non-zero, after saying what to start, if a service is still
-# unreachable. With Docker instead, `docker compose up -d --wait` starts all
-# three on the same ports (docker-compose.yml).
+# unreachable. With Docker instead, `docker compose up -d --wait` starts Redis,
+# RabbitMQ, PostgreSQL and a DynamoDB Local in minidyn's place on the same
+# ports (docker-compose.yml); the tests' second DynamoDB server, on 8001, then
+# comes from scripts/dynamodb-local.sh or internal/testenv's Docker fallback.
 set -uo pipefail
 
 RABBIT_WAIT=${RABBIT_WAIT:-60} # seconds
@@ -38,7 +44,7 @@ uid=$(id -u)
 
 say() { printf 'services: %s\n' "$*"; }
 
-# bounded SECS CMD [ARG...] (kills CMD after SECS seconds).
+# bounded SECS CMD [ARG...] (kills CMD after SECS seconds), port_open HOST PORT.
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # split_hostport ADDR: prints "host port"; handles [v6]:port.
@@ -75,11 +81,6 @@ redis_ping() {
 		printf "*1\r\n\$4\r\nPING\r\n" >&3
 		IFS= read -r -t 2 line <&3 || exit 1
 		[[ $line == "+PONG"* ]]' _ "$1" "$2" 2>/dev/null
-}
-
-# port_open HOST PORT: true if something accepts TCP connections there.
-port_open() {
-	bounded 3 bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$1" "$2" 2>/dev/null
 }
 
 # amqp_ready HOST PORT: true if an AMQP 0-9-1 server there answers the
@@ -296,8 +297,12 @@ check_dynamodb() {
 	bash "$(dirname "${BASH_SOURCE[0]}")/dynamo.sh" start || failed=1
 }
 
+check_dynamodb_local() {
+	bash "$(dirname "${BASH_SOURCE[0]}")/dynamodb-local.sh" start || failed=1
+}
+
 if [[ $# == 0 ]]; then
-	set -- redis rabbitmq postgres dynamodb
+	set -- redis rabbitmq postgres dynamodb dynamodb-local
 fi
 for s in "$@"; do
 	case $s in
@@ -305,8 +310,9 @@ for s in "$@"; do
 	rabbitmq) check_rabbitmq ;;
 	postgres) check_postgres ;;
 	dynamodb) check_dynamodb ;;
+	dynamodb-local) check_dynamodb_local ;;
 	*)
-		say "unknown service $s: want redis, rabbitmq, postgres or dynamodb"
+		say "unknown service $s: want redis, rabbitmq, postgres, dynamodb or dynamodb-local"
 		failed=1
 		;;
 	esac
