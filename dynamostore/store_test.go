@@ -20,82 +20,25 @@ import (
 	"github.com/amqpidem/amqpidem/lock"
 )
 
-// testSkew is the clock skew the tests allow: their leases expire in tens
-// of milliseconds, and every store of a test shares one clock.
-const testSkew = 5 * time.Millisecond
-
-// newClient returns a client of the tests' DynamoDB, which takes any
-// credentials.
-func newClient(t testing.TB) *dynamodb.Client {
-	t.Helper()
-	ep := testenv.DynamoEndpoint(t)
-	return dynamodb.New(dynamodb.Options{
-		Region:       "us-east-1",
-		BaseEndpoint: aws.String(ep),
-		Credentials: aws.CredentialsProviderFunc(func(context.Context) (aws.Credentials, error) {
-			return aws.Credentials{AccessKeyID: "test", SecretAccessKey: "test", Source: "tests"}, nil
-		}),
-	})
-}
-
-var shared struct {
-	once   sync.Once
-	client *dynamodb.Client
-	table  string
-	err    error
-}
-
-// sharedTable returns a client and a table made once for the test binary,
-// which tests share under prefixes of their own (lock.Config.Prefix).
-func sharedTable(t testing.TB) (*dynamodb.Client, string) {
-	t.Helper()
-	client := newClient(t)
-	shared.once.Do(func() {
-		shared.client, shared.table = client, testenv.Name(t)
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		shared.err = dynamostore.CreateTable(ctx, client, dynamostore.Config{Table: shared.table})
-	})
-	if shared.err != nil {
-		t.Fatalf("CreateTable: %v", shared.err)
-	}
-	return shared.client, shared.table
-}
-
-// newStore returns a store on the shared table with cfg, under a prefix of
-// its own unless cfg names one.
-func newStore(t testing.TB, cfg dynamostore.Config) *dynamostore.Store {
-	t.Helper()
-	client, table := sharedTable(t)
-	cfg.Table = table
-	if cfg.Prefix == "" {
-		cfg.Prefix = testenv.Name(t)
-	}
-	if cfg.MaxClockSkew == 0 {
-		cfg.MaxClockSkew = testSkew
-	}
-	s, err := dynamostore.New(client, cfg)
-	if err != nil {
-		t.Fatalf("New: %v", err)
-	}
-	return s
-}
-
 func TestStoreConformance(t *testing.T) {
-	storetest.Run(t, func(t *testing.T, cfg lock.Config) lock.Store {
-		return newStore(t, dynamostore.Config{Config: cfg})
+	eachServer(t, func(t *testing.T, srv *server) {
+		storetest.Run(t, func(t *testing.T, cfg lock.Config) lock.Store {
+			return srv.newStore(t, dynamostore.Config{Config: cfg})
+		})
 	})
 }
 
 func TestCheckAndPing(t *testing.T) {
-	s := newStore(t, dynamostore.Config{})
-	ctx := context.Background()
-	if err := s.Check(ctx); err != nil {
-		t.Fatalf("Check: %v", err)
-	}
-	if err := s.Ping(ctx); err != nil {
-		t.Fatalf("Ping: %v", err)
-	}
+	eachServer(t, func(t *testing.T, srv *server) {
+		s := srv.newStore(t, dynamostore.Config{})
+		ctx := context.Background()
+		if err := s.Check(ctx); err != nil {
+			t.Fatalf("Check: %v", err)
+		}
+		if err := s.Ping(ctx); err != nil {
+			t.Fatalf("Ping: %v", err)
+		}
+	})
 }
 
 // clock is a settable clock for Config.Now.
@@ -119,43 +62,45 @@ func (c *clock) set(t time.Time) {
 // TestClockSkewDelaysTakeover: an expired lease is taken over only once
 // its deadline is MaxClockSkew past by the taker's clock.
 func TestClockSkewDelaysTakeover(t *testing.T) {
-	holderClock, takerClock := &clock{t: time.Now()}, &clock{}
-	prefix := testenv.Name(t)
-	holder := newStore(t, dynamostore.Config{Config: lock.Config{Prefix: prefix, Now: holderClock.Now}, MaxClockSkew: time.Second})
-	taker := newStore(t, dynamostore.Config{Config: lock.Config{Prefix: prefix, Now: takerClock.Now}, MaxClockSkew: time.Second})
-	ctx := context.Background()
-	res, err := holder.Acquire(ctx, lock.Request{Key: "k", TTL: 2 * time.Second})
-	if err != nil || res.Status != lock.Acquired {
-		t.Fatalf("Acquire: %+v, %v", res, err)
-	}
-	deadline := holderClock.Now().Add(2 * time.Second)
-	for _, tc := range []struct {
-		after time.Duration
-		want  lock.Status
-	}{
-		{-time.Millisecond, lock.InProgress},
-		{500 * time.Millisecond, lock.InProgress},         // expired, within the skew
-		{time.Second, lock.InProgress},                    // at the skew's end
-		{time.Second + 2*time.Millisecond, lock.Acquired}, // past it
-	} {
-		takerClock.set(deadline.Add(tc.after))
-		got, err := taker.Acquire(ctx, lock.Request{Key: "k", TTL: 2 * time.Second})
-		if err != nil {
-			t.Fatal(err)
+	eachServer(t, func(t *testing.T, srv *server) {
+		holderClock, takerClock := &clock{t: time.Now()}, &clock{}
+		prefix := testenv.Name(t)
+		holder := srv.newStore(t, dynamostore.Config{Config: lock.Config{Prefix: prefix, Now: holderClock.Now}, MaxClockSkew: time.Second})
+		taker := srv.newStore(t, dynamostore.Config{Config: lock.Config{Prefix: prefix, Now: takerClock.Now}, MaxClockSkew: time.Second})
+		ctx := context.Background()
+		res, err := holder.Acquire(ctx, lock.Request{Key: "k", TTL: 2 * time.Second})
+		if err != nil || res.Status != lock.Acquired {
+			t.Fatalf("Acquire: %+v, %v", res, err)
 		}
-		if got.Status != tc.want {
-			t.Fatalf("deadline%+v: got %v, want %v (%+v)", tc.after, got.Status, tc.want, got)
+		deadline := holderClock.Now().Add(2 * time.Second)
+		for _, tc := range []struct {
+			after time.Duration
+			want  lock.Status
+		}{
+			{-time.Millisecond, lock.InProgress},
+			{500 * time.Millisecond, lock.InProgress},         // expired, within the skew
+			{time.Second, lock.InProgress},                    // at the skew's end
+			{time.Second + 2*time.Millisecond, lock.Acquired}, // past it
+		} {
+			takerClock.set(deadline.Add(tc.after))
+			got, err := taker.Acquire(ctx, lock.Request{Key: "k", TTL: 2 * time.Second})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got.Status != tc.want {
+				t.Fatalf("deadline%+v: got %v, want %v (%+v)", tc.after, got.Status, tc.want, got)
+			}
+			if got.Status == lock.InProgress && got.Remaining <= 0 {
+				t.Fatalf("deadline%+v: in progress with %v remaining", tc.after, got.Remaining)
+			}
+			if got.Status == lock.Acquired && (got.Lease.Fence <= res.Lease.Fence || got.Lease.Attempt != 2) {
+				t.Fatalf("takeover: %+v after %+v", got.Lease, res.Lease)
+			}
 		}
-		if got.Status == lock.InProgress && got.Remaining <= 0 {
-			t.Fatalf("deadline%+v: in progress with %v remaining", tc.after, got.Remaining)
+		if err := holder.Complete(ctx, res.Lease, nil); !errors.Is(err, lock.ErrLeaseLost) {
+			t.Fatalf("Complete by the holder after the takeover: got %v, want ErrLeaseLost", err)
 		}
-		if got.Status == lock.Acquired && (got.Lease.Fence <= res.Lease.Fence || got.Lease.Attempt != 2) {
-			t.Fatalf("takeover: %+v after %+v", got.Lease, res.Lease)
-		}
-	}
-	if err := holder.Complete(ctx, res.Lease, nil); !errors.Is(err, lock.ErrLeaseLost) {
-		t.Fatalf("Complete by the holder after the takeover: got %v, want ErrLeaseLost", err)
-	}
+	})
 }
 
 // TestClockSkewWithShortRetention: the skew rule holds for every record in
@@ -164,45 +109,47 @@ func TestClockSkewDelaysTakeover(t *testing.T) {
 // item's expiry and deadline + MaxClockSkew would make two owners at once
 // for a holder whose clock is behind by less than the skew allowed.
 func TestClockSkewWithShortRetention(t *testing.T) {
-	for _, retention := range []time.Duration{time.Millisecond, 300 * time.Millisecond, time.Second} {
-		t.Run(retention.String(), func(t *testing.T) {
-			holderClock, takerClock := &clock{t: time.Now()}, &clock{}
-			prefix := testenv.Name(t)
-			lc := func(c *clock) lock.Config { return lock.Config{Prefix: prefix, Now: c.Now, Retention: retention} }
-			holder := newStore(t, dynamostore.Config{Config: lc(holderClock), MaxClockSkew: time.Second})
-			taker := newStore(t, dynamostore.Config{Config: lc(takerClock), MaxClockSkew: time.Second})
-			ctx := context.Background()
-			res, err := holder.Acquire(ctx, lock.Request{Key: "k", TTL: 2 * time.Second})
-			if err != nil || res.Status != lock.Acquired {
-				t.Fatalf("Acquire: %+v, %v", res, err)
-			}
-			deadline := holderClock.Now().Add(2 * time.Second)
-			for _, tc := range []struct {
-				after time.Duration
-				want  lock.Status
-			}{
-				{retention, lock.InProgress},                                    // the item's expiry
-				{min(retention+time.Millisecond, time.Second), lock.InProgress}, // past it, within the skew
-				{time.Second, lock.InProgress},                                  // at the skew's end
-				{time.Second + 2*time.Millisecond, lock.Acquired},               // past it
-			} {
-				takerClock.set(deadline.Add(tc.after))
-				got, err := taker.Acquire(ctx, lock.Request{Key: "k", TTL: 2 * time.Second})
-				if err != nil {
-					t.Fatal(err)
+	eachServer(t, func(t *testing.T, srv *server) {
+		for _, retention := range []time.Duration{time.Millisecond, 300 * time.Millisecond, time.Second} {
+			t.Run(retention.String(), func(t *testing.T) {
+				holderClock, takerClock := &clock{t: time.Now()}, &clock{}
+				prefix := testenv.Name(t)
+				lc := func(c *clock) lock.Config { return lock.Config{Prefix: prefix, Now: c.Now, Retention: retention} }
+				holder := srv.newStore(t, dynamostore.Config{Config: lc(holderClock), MaxClockSkew: time.Second})
+				taker := srv.newStore(t, dynamostore.Config{Config: lc(takerClock), MaxClockSkew: time.Second})
+				ctx := context.Background()
+				res, err := holder.Acquire(ctx, lock.Request{Key: "k", TTL: 2 * time.Second})
+				if err != nil || res.Status != lock.Acquired {
+					t.Fatalf("Acquire: %+v, %v", res, err)
 				}
-				if got.Status != tc.want {
-					t.Fatalf("deadline%+v: got %v, want %v (%+v)", tc.after, got.Status, tc.want, got)
+				deadline := holderClock.Now().Add(2 * time.Second)
+				for _, tc := range []struct {
+					after time.Duration
+					want  lock.Status
+				}{
+					{retention, lock.InProgress},                                    // the item's expiry
+					{min(retention+time.Millisecond, time.Second), lock.InProgress}, // past it, within the skew
+					{time.Second, lock.InProgress},                                  // at the skew's end
+					{time.Second + 2*time.Millisecond, lock.Acquired},               // past it
+				} {
+					takerClock.set(deadline.Add(tc.after))
+					got, err := taker.Acquire(ctx, lock.Request{Key: "k", TTL: 2 * time.Second})
+					if err != nil {
+						t.Fatal(err)
+					}
+					if got.Status != tc.want {
+						t.Fatalf("deadline%+v: got %v, want %v (%+v)", tc.after, got.Status, tc.want, got)
+					}
+					if got.Status == lock.InProgress && got.Remaining <= 0 {
+						t.Fatalf("deadline%+v: in progress with %v remaining", tc.after, got.Remaining)
+					}
+					if got.Status == lock.Acquired && got.Lease.Fence <= res.Lease.Fence {
+						t.Fatalf("takeover: %+v after %+v", got.Lease, res.Lease)
+					}
 				}
-				if got.Status == lock.InProgress && got.Remaining <= 0 {
-					t.Fatalf("deadline%+v: in progress with %v remaining", tc.after, got.Remaining)
-				}
-				if got.Status == lock.Acquired && got.Lease.Fence <= res.Lease.Fence {
-					t.Fatalf("takeover: %+v after %+v", got.Lease, res.Lease)
-				}
-			}
-		})
-	}
+			})
+		}
+	})
 }
 
 // countingClient counts the UpdateItem calls in flight, and can fail them.
@@ -232,65 +179,69 @@ func (c *countingClient) UpdateItem(ctx context.Context, in *dynamodb.UpdateItem
 }
 
 func TestExtendBoundedConcurrency(t *testing.T) {
-	client, table := sharedTable(t)
-	cc := &countingClient{Client: client}
-	s, err := dynamostore.New(cc, dynamostore.Config{Table: table, Config: lock.Config{Prefix: testenv.Name(t)}, ExtendConcurrency: 3})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := context.Background()
-	var leases []lock.Lease
-	for i := range 12 {
-		res, err := s.Acquire(ctx, lock.Request{Key: fmt.Sprint("k", i)})
+	eachServer(t, func(t *testing.T, srv *server) {
+		client, table := srv.sharedTable(t)
+		cc := &countingClient{Client: client}
+		s, err := dynamostore.New(cc, dynamostore.Config{Table: table, Config: lock.Config{Prefix: testenv.Name(t)}, ExtendConcurrency: 3})
 		if err != nil {
 			t.Fatal(err)
 		}
-		leases = append(leases, res.Lease)
-	}
-	if err := s.Release(ctx, leases[5]); err != nil {
-		t.Fatal(err)
-	}
-	cc.mu.Lock()
-	cc.max = 0
-	cc.mu.Unlock()
-	for i, err := range s.Extend(ctx, leases...) {
-		if i == 5 {
-			if !errors.Is(err, lock.ErrLeaseLost) {
-				t.Fatalf("Extend of the released lease: got %v, want ErrLeaseLost", err)
+		ctx := context.Background()
+		var leases []lock.Lease
+		for i := range 12 {
+			res, err := s.Acquire(ctx, lock.Request{Key: fmt.Sprint("k", i)})
+			if err != nil {
+				t.Fatal(err)
 			}
-		} else if err != nil {
-			t.Fatalf("Extend %d: %v", i, err)
+			leases = append(leases, res.Lease)
 		}
-	}
-	if got, want := cc.max, 3; got > want || got < 2 {
-		t.Fatalf("UpdateItem calls at once: got %d, want up to %d (and more than 1)", got, want)
-	}
+		if err := s.Release(ctx, leases[5]); err != nil {
+			t.Fatal(err)
+		}
+		cc.mu.Lock()
+		cc.max = 0
+		cc.mu.Unlock()
+		for i, err := range s.Extend(ctx, leases...) {
+			if i == 5 {
+				if !errors.Is(err, lock.ErrLeaseLost) {
+					t.Fatalf("Extend of the released lease: got %v, want ErrLeaseLost", err)
+				}
+			} else if err != nil {
+				t.Fatalf("Extend %d: %v", i, err)
+			}
+		}
+		if got, want := cc.max, 3; got > want || got < 2 {
+			t.Fatalf("UpdateItem calls at once: got %d, want up to %d (and more than 1)", got, want)
+		}
 
-	// Throttling is lock.ErrUnavailable, for every call.
-	cc.fail = &types.ProvisionedThroughputExceededException{Message: aws.String("slow down")}
-	if err := s.Extend(ctx, leases[0])[0]; !errors.Is(err, lock.ErrUnavailable) {
-		t.Fatalf("throttled Extend: got %v, want ErrUnavailable", err)
-	}
-	if err := s.Complete(ctx, leases[0], nil); !errors.Is(err, lock.ErrUnavailable) {
-		t.Fatalf("throttled Complete: got %v, want ErrUnavailable", err)
-	}
-	if _, err := s.Acquire(ctx, lock.Request{Key: "new"}); !errors.Is(err, lock.ErrUnavailable) {
-		t.Fatalf("throttled Acquire: got %v, want ErrUnavailable", err)
-	}
+		// Throttling is lock.ErrUnavailable, for every call.
+		cc.fail = &types.ProvisionedThroughputExceededException{Message: aws.String("slow down")}
+		if err := s.Extend(ctx, leases[0])[0]; !errors.Is(err, lock.ErrUnavailable) {
+			t.Fatalf("throttled Extend: got %v, want ErrUnavailable", err)
+		}
+		if err := s.Complete(ctx, leases[0], nil); !errors.Is(err, lock.ErrUnavailable) {
+			t.Fatalf("throttled Complete: got %v, want ErrUnavailable", err)
+		}
+		if _, err := s.Acquire(ctx, lock.Request{Key: "new"}); !errors.Is(err, lock.ErrUnavailable) {
+			t.Fatalf("throttled Acquire: got %v, want ErrUnavailable", err)
+		}
+	})
 }
 
 func TestMissingTableUnavailable(t *testing.T) {
-	s, err := dynamostore.New(newClient(t), dynamostore.Config{Table: testenv.Name(t) + "-missing"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := context.Background()
-	if _, err := s.Acquire(ctx, lock.Request{Key: "k"}); !errors.Is(err, lock.ErrUnavailable) || !strings.Contains(err.Error(), "CreateTable") {
-		t.Fatalf("Acquire on a missing table: got %v, want ErrUnavailable saying to create it", err)
-	}
-	if err := s.Check(ctx); err == nil {
-		t.Fatal("Check of a missing table: no error")
-	}
+	eachServer(t, func(t *testing.T, srv *server) {
+		s, err := dynamostore.New(srv.newClient(), dynamostore.Config{Table: testenv.Name(t) + "-missing"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx := context.Background()
+		if _, err := s.Acquire(ctx, lock.Request{Key: "k"}); !errors.Is(err, lock.ErrUnavailable) || !strings.Contains(err.Error(), "CreateTable") {
+			t.Fatalf("Acquire on a missing table: got %v, want ErrUnavailable saying to create it", err)
+		}
+		if err := s.Check(ctx); err == nil {
+			t.Fatal("Check of a missing table: no error")
+		}
+	})
 }
 
 // TestFenceKeptByExpiredItemAndTombstone: the item outlives its record, and
@@ -298,51 +249,53 @@ func TestMissingTableUnavailable(t *testing.T) {
 // gets a higher fence, after Forget even from a clock that is behind the
 // last one.
 func TestFenceKeptByExpiredItemAndTombstone(t *testing.T) {
-	clk, prefix := &clock{t: time.Now()}, testenv.Name(t)
-	s := newStore(t, dynamostore.Config{Config: lock.Config{Prefix: prefix, Now: clk.Now, Retention: time.Second}})
-	ctx := context.Background()
-	first, err := s.Acquire(ctx, lock.Request{Key: "k"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Complete(ctx, first.Lease, []byte("secret")); err != nil {
-		t.Fatal(err)
-	}
-	// The record expires, its item stays.
-	clk.set(clk.Now().Add(2 * time.Second))
-	if _, err := s.Inspect(ctx, "k"); !errors.Is(err, lock.ErrNotFound) {
-		t.Fatalf("Inspect of an expired record: got %v, want ErrNotFound", err)
-	}
-	again, err := s.Acquire(ctx, lock.Request{Key: "k"})
-	if err != nil || again.Status != lock.Acquired || again.Lease.Attempt != 1 || again.Lease.Fence <= first.Lease.Fence {
-		t.Fatalf("after expiry: %+v, %v; want a new record with a fence above %d", again, err, first.Lease.Fence)
-	}
-	if err := s.Complete(ctx, again.Lease, nil); err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Forget(ctx, "k", lock.StateCompleted, again.Lease.Fence); err != nil {
-		t.Fatal(err)
-	}
-	// The tombstone keeps the fence and nothing else.
-	client, table := sharedTable(t)
-	out, err := client.GetItem(ctx, &dynamodb.GetItemInput{
-		TableName:      aws.String(table),
-		Key:            map[string]types.AttributeValue{"pk": &types.AttributeValueMemberB{Value: []byte(prefix + "\x00k")}},
-		ConsistentRead: aws.Bool(true),
+	eachServer(t, func(t *testing.T, srv *server) {
+		clk, prefix := &clock{t: time.Now()}, testenv.Name(t)
+		s := srv.newStore(t, dynamostore.Config{Config: lock.Config{Prefix: prefix, Now: clk.Now, Retention: time.Second}})
+		ctx := context.Background()
+		first, err := s.Acquire(ctx, lock.Request{Key: "k"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Complete(ctx, first.Lease, []byte("secret")); err != nil {
+			t.Fatal(err)
+		}
+		// The record expires, its item stays.
+		clk.set(clk.Now().Add(2 * time.Second))
+		if _, err := s.Inspect(ctx, "k"); !errors.Is(err, lock.ErrNotFound) {
+			t.Fatalf("Inspect of an expired record: got %v, want ErrNotFound", err)
+		}
+		again, err := s.Acquire(ctx, lock.Request{Key: "k"})
+		if err != nil || again.Status != lock.Acquired || again.Lease.Attempt != 1 || again.Lease.Fence <= first.Lease.Fence {
+			t.Fatalf("after expiry: %+v, %v; want a new record with a fence above %d", again, err, first.Lease.Fence)
+		}
+		if err := s.Complete(ctx, again.Lease, nil); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Forget(ctx, "k", lock.StateCompleted, again.Lease.Fence); err != nil {
+			t.Fatal(err)
+		}
+		// The tombstone keeps the fence and nothing else.
+		client, table := srv.sharedTable(t)
+		out, err := client.GetItem(ctx, &dynamodb.GetItemInput{
+			TableName:      aws.String(table),
+			Key:            map[string]types.AttributeValue{"pk": &types.AttributeValueMemberB{Value: []byte(prefix + "\x00k")}},
+			ConsistentRead: aws.Bool(true),
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		st, _ := out.Item["st"].(*types.AttributeValueMemberS)
+		v, _ := out.Item["v"].(*types.AttributeValueMemberB)
+		if st == nil || st.Value != "d" || v == nil || len(v.Value) != 1 {
+			t.Fatalf("tombstone: %v, want state d and an empty value", out.Item)
+		}
+		clk.set(clk.Now().Add(-time.Minute))
+		third, err := s.Acquire(ctx, lock.Request{Key: "k"})
+		if err != nil || third.Status != lock.Acquired || third.Lease.Attempt != 1 || third.Lease.Fence <= again.Lease.Fence {
+			t.Fatalf("after Forget and a clock stepped back: %+v, %v; want a new record with a fence above %d", third, err, again.Lease.Fence)
+		}
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	st, _ := out.Item["st"].(*types.AttributeValueMemberS)
-	v, _ := out.Item["v"].(*types.AttributeValueMemberB)
-	if st == nil || st.Value != "d" || v == nil || len(v.Value) != 1 {
-		t.Fatalf("tombstone: %v, want state d and an empty value", out.Item)
-	}
-	clk.set(clk.Now().Add(-time.Minute))
-	third, err := s.Acquire(ctx, lock.Request{Key: "k"})
-	if err != nil || third.Status != lock.Acquired || third.Lease.Attempt != 1 || third.Lease.Fence <= again.Lease.Fence {
-		t.Fatalf("after Forget and a clock stepped back: %+v, %v; want a new record with a fence above %d", third, err, again.Lease.Fence)
-	}
 }
 
 // TestUnreachableUnavailableWithinContext: a DynamoDB that cannot be

@@ -5,9 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -21,55 +19,6 @@ import (
 	"github.com/amqpidem/amqpidem/internal/testenv"
 	"github.com/amqpidem/amqpidem/lock"
 )
-
-var effectsTable struct {
-	once sync.Once
-	name string
-	err  error
-}
-
-// effects returns the name of a table of effect items (partition key "id",
-// a string), made once for the test binary.
-func effects(t *testing.T) string {
-	t.Helper()
-	client, _ := sharedTable(t)
-	effectsTable.once.Do(func() {
-		effectsTable.name = testenv.Name(t) + "-effects"
-		_, effectsTable.err = client.CreateTable(context.Background(), &dynamodb.CreateTableInput{
-			TableName:            aws.String(effectsTable.name),
-			AttributeDefinitions: []types.AttributeDefinition{{AttributeName: aws.String("id"), AttributeType: types.ScalarAttributeTypeS}},
-			KeySchema:            []types.KeySchemaElement{{AttributeName: aws.String("id"), KeyType: types.KeyTypeHash}},
-			BillingMode:          types.BillingModePayPerRequest,
-		})
-	})
-	if effectsTable.err != nil {
-		t.Fatalf("creating the effects table: %v", effectsTable.err)
-	}
-	return effectsTable.name
-}
-
-// count is the effect counter of id: how many times an effect was applied
-// (0 when it never was).
-func count(t *testing.T, id string) int {
-	t.Helper()
-	client, _ := sharedTable(t)
-	out, err := client.GetItem(context.Background(), &dynamodb.GetItemInput{
-		TableName: aws.String(effects(t)), Key: map[string]types.AttributeValue{"id": &types.AttributeValueMemberS{Value: id}},
-		ConsistentRead: aws.Bool(true),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	n, ok := out.Item["n"].(*types.AttributeValueMemberN)
-	if !ok {
-		return 0
-	}
-	v, err := strconv.Atoi(n.Value)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return v
-}
 
 // bump adds to tx the effect of one execution for id: a counter that
 // counts every execution, the plain non-idempotent write.
@@ -95,111 +44,117 @@ func completer(t *testing.T, h amqpidem.Handler) amqpidem.Completer {
 func same(b []byte) ([]byte, error) { return b, nil }
 
 func TestTxHandlerCommitsEffectWithRecord(t *testing.T) {
-	s := newStore(t, dynamostore.Config{})
-	table, id := effects(t), testenv.Name(t)
-	ctx := context.Background()
-	res, err := s.Acquire(ctx, lock.Request{Key: "op-1"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := completer(t, s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
-		bump(tx, table, id)
-		return []byte("receipt"), nil
-	}))
-	if h.CompleterStore() != lock.Store(s) {
-		t.Fatal("CompleterStore is not the store")
-	}
-	got, err := h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, func(r []byte) ([]byte, error) { return append([]byte("v:"), r...), nil })
-	if err != nil || string(got) != "receipt" {
-		t.Fatalf("HandleComplete: %q, %v", got, err)
-	}
-	if n := count(t, id); n != 1 {
-		t.Fatalf("effect applied %d times, want 1", n)
-	}
-	done, err := s.Acquire(ctx, lock.Request{Key: "op-1"})
-	if err != nil || done.Status != lock.Completed || string(done.Value) != "v:receipt" {
-		t.Fatalf("record after the transaction: %+v, %v", done, err)
-	}
-	// The same lease again: its record is completed already.
-	if _, err := h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same); err != nil {
-		t.Fatalf("HandleComplete resent after it committed: %v, want nil (its own completion)", err)
-	}
-	if n := count(t, id); n != 1 {
-		t.Fatalf("a resent transaction applied the effect again: %d", n)
-	}
+	eachServer(t, func(t *testing.T, srv *server) {
+		s := srv.newStore(t, dynamostore.Config{})
+		table, id := srv.effects(t), testenv.Name(t)
+		ctx := context.Background()
+		res, err := s.Acquire(ctx, lock.Request{Key: "op-1"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		h := completer(t, s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
+			bump(tx, table, id)
+			return []byte("receipt"), nil
+		}))
+		if h.CompleterStore() != lock.Store(s) {
+			t.Fatal("CompleterStore is not the store")
+		}
+		got, err := h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, func(r []byte) ([]byte, error) { return append([]byte("v:"), r...), nil })
+		if err != nil || string(got) != "receipt" {
+			t.Fatalf("HandleComplete: %q, %v", got, err)
+		}
+		if n := srv.count(t, id); n != 1 {
+			t.Fatalf("effect applied %d times, want 1", n)
+		}
+		done, err := s.Acquire(ctx, lock.Request{Key: "op-1"})
+		if err != nil || done.Status != lock.Completed || string(done.Value) != "v:receipt" {
+			t.Fatalf("record after the transaction: %+v, %v", done, err)
+		}
+		// The same lease again: its record is completed already.
+		if _, err := h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same); err != nil {
+			t.Fatalf("HandleComplete resent after it committed: %v, want nil (its own completion)", err)
+		}
+		if n := srv.count(t, id); n != 1 {
+			t.Fatalf("a resent transaction applied the effect again: %d", n)
+		}
+	})
 }
 
 func TestTxHandlerLeaseLostWritesNothing(t *testing.T) {
-	s := newStore(t, dynamostore.Config{})
-	table, id := effects(t), testenv.Name(t)
-	ctx := context.Background()
-	stale, err := s.Acquire(ctx, lock.Request{Key: "op", TTL: 30 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	time.Sleep(80 * time.Millisecond)
-	cur, err := s.Acquire(ctx, lock.Request{Key: "op"})
-	if err != nil || cur.Status != lock.Acquired {
-		t.Fatalf("takeover: %+v, %v", cur, err)
-	}
-	h := completer(t, s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
-		bump(tx, table, id)
-		return nil, nil
-	}))
-	if _, err := h.HandleComplete(ctx, &amqp.Delivery{}, stale.Lease, same); !errors.Is(err, lock.ErrLeaseLost) {
-		t.Fatalf("HandleComplete by a stale lease: got %v, want ErrLeaseLost", err)
-	}
-	if n := count(t, id); n != 0 {
-		t.Fatalf("a stale lease's effect applied %d times, want 0", n)
-	}
-	if _, err := h.HandleComplete(ctx, &amqp.Delivery{}, cur.Lease, same); err != nil {
-		t.Fatalf("HandleComplete by the current lease: %v", err)
-	}
-	if n := count(t, id); n != 1 {
-		t.Fatalf("effect applied %d times, want 1", n)
-	}
+	eachServer(t, func(t *testing.T, srv *server) {
+		s := srv.newStore(t, dynamostore.Config{})
+		table, id := srv.effects(t), testenv.Name(t)
+		ctx := context.Background()
+		stale, err := s.Acquire(ctx, lock.Request{Key: "op", TTL: 30 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(80 * time.Millisecond)
+		cur, err := s.Acquire(ctx, lock.Request{Key: "op"})
+		if err != nil || cur.Status != lock.Acquired {
+			t.Fatalf("takeover: %+v, %v", cur, err)
+		}
+		h := completer(t, s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
+			bump(tx, table, id)
+			return nil, nil
+		}))
+		if _, err := h.HandleComplete(ctx, &amqp.Delivery{}, stale.Lease, same); !errors.Is(err, lock.ErrLeaseLost) {
+			t.Fatalf("HandleComplete by a stale lease: got %v, want ErrLeaseLost", err)
+		}
+		if n := srv.count(t, id); n != 0 {
+			t.Fatalf("a stale lease's effect applied %d times, want 0", n)
+		}
+		if _, err := h.HandleComplete(ctx, &amqp.Delivery{}, cur.Lease, same); err != nil {
+			t.Fatalf("HandleComplete by the current lease: %v", err)
+		}
+		if n := srv.count(t, id); n != 1 {
+			t.Fatalf("effect applied %d times, want 1", n)
+		}
+	})
 }
 
 func TestTxHandlerConditionFailed(t *testing.T) {
-	s := newStore(t, dynamostore.Config{})
-	table, id := effects(t), testenv.Name(t)
-	ctx := context.Background()
-	res, err := s.Acquire(ctx, lock.Request{Key: "op"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var hook bool
-	h := completer(t, s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
-		bump(tx, table, id)
-		tx.ConditionCheck(&types.ConditionCheck{
-			TableName:                           aws.String(table),
-			Key:                                 map[string]types.AttributeValue{"id": &types.AttributeValueMemberS{Value: id + "-account"}},
-			ConditionExpression:                 aws.String("attribute_exists(id)"),
-			ReturnValuesOnConditionCheckFailure: types.ReturnValuesOnConditionCheckFailureAllOld,
-		})
-		if hook {
-			tx.OnConditionFailed = func(i int, item map[string]types.AttributeValue) error {
-				return amqpidem.Permanent(fmt.Errorf("no account (item %d, %d attributes)", i, len(item)))
-			}
+	eachServer(t, func(t *testing.T, srv *server) {
+		s := srv.newStore(t, dynamostore.Config{})
+		table, id := srv.effects(t), testenv.Name(t)
+		ctx := context.Background()
+		res, err := s.Acquire(ctx, lock.Request{Key: "op"})
+		if err != nil {
+			t.Fatal(err)
 		}
-		return nil, nil
-	}))
-	_, err = h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same)
-	if !errors.Is(err, dynamostore.ErrConditionFailed) || !strings.Contains(err.Error(), "item 1") || amqpidem.IsPermanent(err) {
-		t.Fatalf("a failed condition: got %v, want ErrConditionFailed naming item 1, retryable", err)
-	}
-	hook = true
-	_, err = h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same)
-	if !amqpidem.IsPermanent(err) || !strings.Contains(err.Error(), "no account (item 1") {
-		t.Fatalf("a failed condition with OnConditionFailed: got %v, want its permanent error", err)
-	}
-	if n := count(t, id); n != 0 {
-		t.Fatalf("a cancelled transaction's effect applied %d times, want 0", n)
-	}
-	busy, err := s.Acquire(ctx, lock.Request{Key: "op"})
-	if err != nil || busy.Status != lock.InProgress {
-		t.Fatalf("record after a cancelled transaction: %+v, %v; want still in progress", busy, err)
-	}
+		var hook bool
+		h := completer(t, s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
+			bump(tx, table, id)
+			tx.ConditionCheck(&types.ConditionCheck{
+				TableName:                           aws.String(table),
+				Key:                                 map[string]types.AttributeValue{"id": &types.AttributeValueMemberS{Value: id + "-account"}},
+				ConditionExpression:                 aws.String("attribute_exists(id)"),
+				ReturnValuesOnConditionCheckFailure: types.ReturnValuesOnConditionCheckFailureAllOld,
+			})
+			if hook {
+				tx.OnConditionFailed = func(i int, item map[string]types.AttributeValue) error {
+					return amqpidem.Permanent(fmt.Errorf("no account (item %d, %d attributes)", i, len(item)))
+				}
+			}
+			return nil, nil
+		}))
+		_, err = h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same)
+		if !errors.Is(err, dynamostore.ErrConditionFailed) || !strings.Contains(err.Error(), "item 1") || amqpidem.IsPermanent(err) {
+			t.Fatalf("a failed condition: got %v, want ErrConditionFailed naming item 1, retryable", err)
+		}
+		hook = true
+		_, err = h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same)
+		if !amqpidem.IsPermanent(err) || !strings.Contains(err.Error(), "no account (item 1") {
+			t.Fatalf("a failed condition with OnConditionFailed: got %v, want its permanent error", err)
+		}
+		if n := srv.count(t, id); n != 0 {
+			t.Fatalf("a cancelled transaction's effect applied %d times, want 0", n)
+		}
+		busy, err := s.Acquire(ctx, lock.Request{Key: "op"})
+		if err != nil || busy.Status != lock.InProgress {
+			t.Fatalf("record after a cancelled transaction: %+v, %v; want still in progress", busy, err)
+		}
+	})
 }
 
 // TestTxHandlerConditionFailedNilAnswer: an OnConditionFailed that answers
@@ -208,107 +163,113 @@ func TestTxHandlerConditionFailed(t *testing.T) {
 // would make amqpidem ack the message as completed, then run it again
 // once the lease expires.
 func TestTxHandlerConditionFailedNilAnswer(t *testing.T) {
-	s := newStore(t, dynamostore.Config{})
-	table, id := effects(t), testenv.Name(t)
-	ctx := context.Background()
-	res, err := s.Acquire(ctx, lock.Request{Key: "op"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var calls int
-	h := s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
-		bump(tx, table, id)
-		tx.ConditionCheck(&types.ConditionCheck{
-			TableName:           aws.String(table),
-			Key:                 map[string]types.AttributeValue{"id": &types.AttributeValueMemberS{Value: id + "-applied"}},
-			ConditionExpression: aws.String("attribute_exists(id)"),
-		})
-		tx.OnConditionFailed = func(int, map[string]types.AttributeValue) error {
-			calls++
-			return nil // "already applied": not an error, the handler thinks
+	eachServer(t, func(t *testing.T, srv *server) {
+		s := srv.newStore(t, dynamostore.Config{})
+		table, id := srv.effects(t), testenv.Name(t)
+		ctx := context.Background()
+		res, err := s.Acquire(ctx, lock.Request{Key: "op"})
+		if err != nil {
+			t.Fatal(err)
 		}
-		return []byte("r"), nil
+		var calls int
+		h := s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
+			bump(tx, table, id)
+			tx.ConditionCheck(&types.ConditionCheck{
+				TableName:           aws.String(table),
+				Key:                 map[string]types.AttributeValue{"id": &types.AttributeValueMemberS{Value: id + "-applied"}},
+				ConditionExpression: aws.String("attribute_exists(id)"),
+			})
+			tx.OnConditionFailed = func(int, map[string]types.AttributeValue) error {
+				calls++
+				return nil // "already applied": not an error, the handler thinks
+			}
+			return []byte("r"), nil
+		})
+		got, err := completer(t, h).HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same)
+		if !errors.Is(err, dynamostore.ErrConditionFailed) || got != nil {
+			t.Fatalf("HandleComplete with OnConditionFailed answering nil: got %q, %v; want ErrConditionFailed", got, err)
+		}
+		if got, want := calls, 1; got != want {
+			t.Fatalf("OnConditionFailed calls: got %d, want %d", got, want)
+		}
+		if busy, err := s.Acquire(ctx, lock.Request{Key: "op"}); err != nil || busy.Status != lock.InProgress {
+			t.Fatalf("record after the cancelled transaction: %+v, %v; want still in progress", busy, err)
+		}
+		// Without a record (amqpidem.ProcessMissingKey) the same.
+		if got, err := h.Handle(ctx, &amqp.Delivery{}); !errors.Is(err, dynamostore.ErrConditionFailed) || got != nil {
+			t.Fatalf("Handle with OnConditionFailed answering nil: got %q, %v; want ErrConditionFailed", got, err)
+		}
+		if n := srv.count(t, id); n != 0 {
+			t.Fatalf("a cancelled transaction's effect applied %d times, want 0", n)
+		}
 	})
-	got, err := completer(t, h).HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same)
-	if !errors.Is(err, dynamostore.ErrConditionFailed) || got != nil {
-		t.Fatalf("HandleComplete with OnConditionFailed answering nil: got %q, %v; want ErrConditionFailed", got, err)
-	}
-	if got, want := calls, 1; got != want {
-		t.Fatalf("OnConditionFailed calls: got %d, want %d", got, want)
-	}
-	if busy, err := s.Acquire(ctx, lock.Request{Key: "op"}); err != nil || busy.Status != lock.InProgress {
-		t.Fatalf("record after the cancelled transaction: %+v, %v; want still in progress", busy, err)
-	}
-	// Without a record (amqpidem.ProcessMissingKey) the same.
-	if got, err := h.Handle(ctx, &amqp.Delivery{}); !errors.Is(err, dynamostore.ErrConditionFailed) || got != nil {
-		t.Fatalf("Handle with OnConditionFailed answering nil: got %q, %v; want ErrConditionFailed", got, err)
-	}
-	if n := count(t, id); n != 0 {
-		t.Fatalf("a cancelled transaction's effect applied %d times, want 0", n)
-	}
 }
 
 func TestTxHandlerRefusedBeforeSending(t *testing.T) {
-	s := newStore(t, dynamostore.Config{Config: lock.Config{MaxResultSize: 10}})
-	table, id := effects(t), testenv.Name(t)
-	ctx := context.Background()
-	res, err := s.Acquire(ctx, lock.Request{Key: "op"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	items, result := 0, []byte("small")
-	boom := errors.New("boom")
-	var fnErr error
-	h := completer(t, s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
-		for i := range items {
-			bump(tx, table, fmt.Sprint(id, "-", i))
+	eachServer(t, func(t *testing.T, srv *server) {
+		s := srv.newStore(t, dynamostore.Config{Config: lock.Config{MaxResultSize: 10}})
+		table, id := srv.effects(t), testenv.Name(t)
+		ctx := context.Background()
+		res, err := s.Acquire(ctx, lock.Request{Key: "op"})
+		if err != nil {
+			t.Fatal(err)
 		}
-		return result, fnErr
-	}))
-	for _, tc := range []struct {
-		name   string
-		items  int
-		result string
-		fnErr  error
-		want   error
-	}{
-		{"handler error", 1, "small", boom, boom},
-		{"too many items", dynamostore.MaxTxItems, "small", nil, dynamostore.ErrTxTooLarge},
-		{"result too large", 1, "larger than ten", nil, lock.ErrResultTooLarge},
-	} {
-		items, result, fnErr = tc.items, []byte(tc.result), tc.fnErr
-		if _, err := h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same); !errors.Is(err, tc.want) {
-			t.Fatalf("%s: got %v, want %v", tc.name, err, tc.want)
+		items, result := 0, []byte("small")
+		boom := errors.New("boom")
+		var fnErr error
+		h := completer(t, s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
+			for i := range items {
+				bump(tx, table, fmt.Sprint(id, "-", i))
+			}
+			return result, fnErr
+		}))
+		for _, tc := range []struct {
+			name   string
+			items  int
+			result string
+			fnErr  error
+			want   error
+		}{
+			{"handler error", 1, "small", boom, boom},
+			{"too many items", dynamostore.MaxTxItems, "small", nil, dynamostore.ErrTxTooLarge},
+			{"result too large", 1, "larger than ten", nil, lock.ErrResultTooLarge},
+		} {
+			items, result, fnErr = tc.items, []byte(tc.result), tc.fnErr
+			if _, err := h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same); !errors.Is(err, tc.want) {
+				t.Fatalf("%s: got %v, want %v", tc.name, err, tc.want)
+			}
+			if n := srv.count(t, id+"-0"); n != 0 {
+				t.Fatalf("%s: effect applied %d times, want 0", tc.name, n)
+			}
 		}
-		if n := count(t, id+"-0"); n != 0 {
-			t.Fatalf("%s: effect applied %d times, want 0", tc.name, n)
+		// The most a handler may add, with the record's completion.
+		items, result, fnErr = dynamostore.MaxTxItems-1, []byte("ok"), nil
+		if _, err := h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same); err != nil {
+			t.Fatalf("%d items and the record: %v", items, err)
 		}
-	}
-	// The most a handler may add, with the record's completion.
-	items, result, fnErr = dynamostore.MaxTxItems-1, []byte("ok"), nil
-	if _, err := h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same); err != nil {
-		t.Fatalf("%d items and the record: %v", items, err)
-	}
-	if n := count(t, fmt.Sprint(id, "-", items-1)); n != 1 {
-		t.Fatalf("the last item's effect applied %d times, want 1", n)
-	}
+		if n := srv.count(t, fmt.Sprint(id, "-", items-1)); n != 1 {
+			t.Fatalf("the last item's effect applied %d times, want 1", n)
+		}
+	})
 }
 
 func TestTxHandlerUnkeyed(t *testing.T) {
-	s := newStore(t, dynamostore.Config{})
-	table, id := effects(t), testenv.Name(t)
-	h := s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
-		bump(tx, table, id)
-		return []byte("r"), nil
-	})
-	for range 2 {
-		if got, err := h.Handle(context.Background(), &amqp.Delivery{}); err != nil || string(got) != "r" {
-			t.Fatalf("Handle: %q, %v", got, err)
+	eachServer(t, func(t *testing.T, srv *server) {
+		s := srv.newStore(t, dynamostore.Config{})
+		table, id := srv.effects(t), testenv.Name(t)
+		h := s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
+			bump(tx, table, id)
+			return []byte("r"), nil
+		})
+		for range 2 {
+			if got, err := h.Handle(context.Background(), &amqp.Delivery{}); err != nil || string(got) != "r" {
+				t.Fatalf("Handle: %q, %v", got, err)
+			}
 		}
-	}
-	if n := count(t, id); n != 2 {
-		t.Fatalf("without a record, effect applied %d times, want 2 (once per call)", n)
-	}
+		if n := srv.count(t, id); n != 2 {
+			t.Fatalf("without a record, effect applied %d times, want 2 (once per call)", n)
+		}
+	})
 }
 
 // cancelling answers every TransactWriteItems with a cancellation whose
@@ -327,43 +288,45 @@ func (c *cancelling) TransactWriteItems(ctx context.Context, in *dynamodb.Transa
 }
 
 func TestTxHandlerCancellationReasons(t *testing.T) {
-	client, table := sharedTable(t)
-	fake := &cancelling{Client: client}
-	s, err := dynamostore.New(fake, dynamostore.Config{Table: table, Config: lock.Config{Prefix: testenv.Name(t)}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := context.Background()
-	res, err := s.Acquire(ctx, lock.Request{Key: "op"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := completer(t, s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
-		bump(tx, effects(t), "x")
-		return nil, nil
-	}))
-	for _, tc := range []struct {
-		codes []string
-		want  error
-	}{
-		{[]string{"TransactionConflict", "None"}, lock.ErrUnavailable},
-		{[]string{"None", "TransactionConflict"}, lock.ErrUnavailable},
-		{[]string{"ThrottlingError", "None"}, lock.ErrUnavailable},
-		{[]string{"ProvisionedThroughputExceeded", "None"}, lock.ErrUnavailable},
-		{[]string{"ConditionalCheckFailed", "None"}, dynamostore.ErrConditionFailed},
-		{[]string{"ConditionalCheckFailed", "ConditionalCheckFailed"}, lock.ErrLeaseLost},
-		{[]string{"None", "ConditionalCheckFailed"}, lock.ErrLeaseLost},
-	} {
-		fake.codes = tc.codes
-		if _, err := h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same); !errors.Is(err, tc.want) {
-			t.Fatalf("reasons %v: got %v, want %v", tc.codes, err, tc.want)
+	eachServer(t, func(t *testing.T, srv *server) {
+		client, table := srv.sharedTable(t)
+		fake := &cancelling{Client: client}
+		s, err := dynamostore.New(fake, dynamostore.Config{Table: table, Config: lock.Config{Prefix: testenv.Name(t)}})
+		if err != nil {
+			t.Fatal(err)
 		}
-	}
-	fake.codes = []string{"ValidationError", "None"}
-	_, err = h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same)
-	if err == nil || errors.Is(err, lock.ErrUnavailable) || errors.Is(err, lock.ErrLeaseLost) || !strings.Contains(err.Error(), "ValidationError") {
-		t.Fatalf("reasons [ValidationError None]: got %v, want the handler's error naming it", err)
-	}
+		ctx := context.Background()
+		res, err := s.Acquire(ctx, lock.Request{Key: "op"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		h := completer(t, s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
+			bump(tx, srv.effects(t), "x")
+			return nil, nil
+		}))
+		for _, tc := range []struct {
+			codes []string
+			want  error
+		}{
+			{[]string{"TransactionConflict", "None"}, lock.ErrUnavailable},
+			{[]string{"None", "TransactionConflict"}, lock.ErrUnavailable},
+			{[]string{"ThrottlingError", "None"}, lock.ErrUnavailable},
+			{[]string{"ProvisionedThroughputExceeded", "None"}, lock.ErrUnavailable},
+			{[]string{"ConditionalCheckFailed", "None"}, dynamostore.ErrConditionFailed},
+			{[]string{"ConditionalCheckFailed", "ConditionalCheckFailed"}, lock.ErrLeaseLost},
+			{[]string{"None", "ConditionalCheckFailed"}, lock.ErrLeaseLost},
+		} {
+			fake.codes = tc.codes
+			if _, err := h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same); !errors.Is(err, tc.want) {
+				t.Fatalf("reasons %v: got %v, want %v", tc.codes, err, tc.want)
+			}
+		}
+		fake.codes = []string{"ValidationError", "None"}
+		_, err = h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same)
+		if err == nil || errors.Is(err, lock.ErrUnavailable) || errors.Is(err, lock.ErrLeaseLost) || !strings.Contains(err.Error(), "ValidationError") {
+			t.Fatalf("reasons [ValidationError None]: got %v, want the handler's error naming it", err)
+		}
+	})
 }
 
 // answerLost sends every TransactWriteItems, then loses its answer.
@@ -380,28 +343,30 @@ func (a *answerLost) TransactWriteItems(ctx context.Context, in *dynamodb.Transa
 // was lost is lock.ErrUnavailable, and the record then says it committed:
 // the redelivery is a duplicate, and the effect was applied once.
 func TestTxHandlerAnswerLost(t *testing.T) {
-	client, table := sharedTable(t)
-	s, err := dynamostore.New(&answerLost{client}, dynamostore.Config{Table: table, Config: lock.Config{Prefix: testenv.Name(t)}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	effectTable, id := effects(t), testenv.Name(t)
-	ctx := context.Background()
-	res, err := s.Acquire(ctx, lock.Request{Key: "op"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := completer(t, s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
-		bump(tx, effectTable, id)
-		return []byte("r"), nil
-	}))
-	if _, err := h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same); !errors.Is(err, lock.ErrUnavailable) {
-		t.Fatalf("HandleComplete whose answer was lost: got %v, want ErrUnavailable", err)
-	}
-	if got, err := s.Acquire(ctx, lock.Request{Key: "op"}); err != nil || got.Status != lock.Completed || string(got.Value) != "r" {
-		t.Fatalf("the redelivery: %+v, %v; want a duplicate of the committed result", got, err)
-	}
-	if n := count(t, id); n != 1 {
-		t.Fatalf("effect applied %d times, want 1", n)
-	}
+	eachServer(t, func(t *testing.T, srv *server) {
+		client, table := srv.sharedTable(t)
+		s, err := dynamostore.New(&answerLost{client}, dynamostore.Config{Table: table, Config: lock.Config{Prefix: testenv.Name(t)}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		effectTable, id := srv.effects(t), testenv.Name(t)
+		ctx := context.Background()
+		res, err := s.Acquire(ctx, lock.Request{Key: "op"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		h := completer(t, s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
+			bump(tx, effectTable, id)
+			return []byte("r"), nil
+		}))
+		if _, err := h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same); !errors.Is(err, lock.ErrUnavailable) {
+			t.Fatalf("HandleComplete whose answer was lost: got %v, want ErrUnavailable", err)
+		}
+		if got, err := s.Acquire(ctx, lock.Request{Key: "op"}); err != nil || got.Status != lock.Completed || string(got.Value) != "r" {
+			t.Fatalf("the redelivery: %+v, %v; want a duplicate of the committed result", got, err)
+		}
+		if n := srv.count(t, id); n != 1 {
+			t.Fatalf("effect applied %d times, want 1", n)
+		}
+	})
 }

@@ -41,7 +41,15 @@
 //
 // [DynamoEndpoint] does the same for DynamoDB: DYNAMODB_ENDPOINT, then
 // http://127.0.0.1:8000 (minidyn from scripts/dynamo.sh, or DynamoDB
-// Local), then amazon/dynamodb-local in a container.
+// Local), then amazon/dynamodb-local in a container; and
+// [DynamoLocalEndpoint] for the second DynamoDB server, Amazon's DynamoDB
+// Local: DYNAMODB_LOCAL_ENDPOINT, then http://127.0.0.1:8001 (from
+// scripts/dynamodb-local.sh), then a container. The DynamoDB tests run on
+// both ([EachDynamo]: one subtest per server, named minidyn and
+// dynamodb-local), since minidyn differs from DynamoDB where it matters
+// (size limits, cancellation reasons, TTL). Their clients sign with
+// [DynamoAccessKeyID] and [DynamoRegion]: DynamoDB Local keeps a database
+// per access key and region.
 //
 // The answer, found or not, is cached for the life of the test binary.
 // `make services` (scripts/services.sh) starts the local defaults, and

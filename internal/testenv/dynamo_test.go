@@ -9,12 +9,14 @@ import (
 )
 
 func TestDynamoEndpoint(t *testing.T) {
-	ep := DynamoEndpoint(t)
-	if !strings.HasPrefix(ep, "http://") && !strings.HasPrefix(ep, "https://") {
-		t.Fatalf("DynamoEndpoint: got %q, want an http(s) URL", ep)
-	}
-	if err := probeDynamo(ep); err != nil {
-		t.Fatalf("probe of %s: %v", ep, err)
+	for name, get := range map[string]func(testing.TB) string{"DynamoEndpoint": DynamoEndpoint, "DynamoLocalEndpoint": DynamoLocalEndpoint} {
+		ep := get(t)
+		if !strings.HasPrefix(ep, "http://") && !strings.HasPrefix(ep, "https://") {
+			t.Fatalf("%s: got %q, want an http(s) URL", name, ep)
+		}
+		if err := probeDynamo(ep); err != nil {
+			t.Fatalf("%s: probe of %s: %v", name, ep, err)
+		}
 	}
 }
 
@@ -39,11 +41,49 @@ func TestProbeDynamoRefusesOtherServers(t *testing.T) {
 }
 
 func TestResolveDynamoFromEnv(t *testing.T) {
-	t.Setenv("DYNAMODB_ENDPOINT", "http://127.0.0.1:1")
-	tg := target{name: dynamo.Name, envVar: dynamo.EnvVar, local: dynamo.Local, probe: dynamo.Probe,
-		failure: dynamo.Failure, service: dynamo.Container, image: dynamo.Image, help: dynamo.Help}
-	addr, missing := resolve(tg, func() error { t.Fatal("Docker looked for although DYNAMODB_ENDPOINT is set"); return nil })
-	if addr != "" || !strings.Contains(missing, "DYNAMODB_ENDPOINT=http://127.0.0.1:1") {
-		t.Fatalf("unreachable DYNAMODB_ENDPOINT: got %q, %q; want no address and a message naming it", addr, missing)
+	for _, svc := range []*Service{dynamo, dynamoLocal} {
+		t.Run(svc.EnvVar, func(t *testing.T) {
+			t.Setenv(svc.EnvVar, "http://127.0.0.1:1")
+			tg := target{name: svc.Name, envVar: svc.EnvVar, local: svc.Local, probe: svc.Probe,
+				failure: svc.Failure, service: svc.Container, image: svc.Image, help: svc.Help}
+			addr, missing := resolve(tg, func() error { t.Fatalf("Docker looked for although %s is set", svc.EnvVar); return nil })
+			if addr != "" || !strings.Contains(missing, svc.EnvVar+"=http://127.0.0.1:1") {
+				t.Fatalf("unreachable %s: got %q, %q; want no address and a message naming it", svc.EnvVar, addr, missing)
+			}
+		})
+	}
+}
+
+// TestEachDynamo: one subtest per server, named after it, each finding its
+// server from its own environment variable.
+func TestEachDynamo(t *testing.T) {
+	answer := func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusBadRequest)
+		_, _ = w.Write([]byte(`{"__type":"com.amazonaws.dynamodb.v20120810#ResourceNotFoundException"}`))
+	}
+	a, b := httptest.NewServer(http.HandlerFunc(answer)), httptest.NewServer(http.HandlerFunc(answer))
+	defer a.Close()
+	defer b.Close()
+	t.Setenv("TESTENV_DYNAMO_A", a.URL)
+	t.Setenv("TESTENV_DYNAMO_B", b.URL)
+	saved := dynamoServers
+	t.Cleanup(func() { dynamoServers = saved })
+	dynamoServers = dynamoServers[:0:0]
+	for _, s := range []struct {
+		name, env string
+		strict    bool
+	}{{"a", "TESTENV_DYNAMO_A", false}, {"b", "TESTENV_DYNAMO_B", true}} {
+		dynamoServers = append(dynamoServers, dynamoSlot{s.name, s.strict, &Service{Name: s.name, EnvVar: s.env, Probe: probeDynamo}})
+	}
+	var got []string
+	ok := EachDynamo(t, func(t *testing.T, srv DynamoServer) {
+		got = append(got, t.Name()+" "+srv.Name+" "+srv.Endpoint+" "+map[bool]string{true: "strict", false: "lenient"}[srv.Strict])
+	})
+	want := []string{
+		"TestEachDynamo/a a " + a.URL + " lenient",
+		"TestEachDynamo/b b " + b.URL + " strict",
+	}
+	if !ok || strings.Join(got, "\n") != strings.Join(want, "\n") {
+		t.Fatalf("EachDynamo ran (ok %v):\n%s\nwant:\n%s", ok, strings.Join(got, "\n"), strings.Join(want, "\n"))
 	}
 }

@@ -8,12 +8,13 @@
 //
 // Usage, from this directory:
 //
-//	go run . [-timeout 5m] redis|rabbitmq|postgres|dynamodb ...
+//	go run . [-timeout 5m] redis|rabbitmq|postgres|dynamodb|dynamodb-local ...
 //
 // It starts one container per argument (redis:7.0-alpine with
 // --maxmemory-policy noeviction; rabbitmq:3.13-alpine; postgres:15-alpine
 // with trust authentication and a database named test;
-// amazon/dynamodb-local:2.5.2 in memory), waits until each
+// amazon/dynamodb-local:2.5.2 in memory, with -sharedDb for dynamodb and
+// without for dynamodb-local), waits until each
 // is ready, and prints one line per service on standard output, in the
 // order of the arguments:
 //
@@ -21,6 +22,7 @@
 //	AMQP_URL=amqp://guest:guest@127.0.0.1:32769/
 //	PG_DSN=postgres://postgres@127.0.0.1:32770/test?sslmode=disable
 //	DYNAMODB_ENDPOINT=http://127.0.0.1:32771
+//	DYNAMODB_LOCAL_ENDPOINT=http://127.0.0.1:32772
 //
 // Then it keeps the containers until its standard input reaches end of file
 // (Ctrl-D in a terminal) or it receives SIGINT or SIGTERM, removes them and
@@ -117,6 +119,17 @@ var services = map[string]service{
 		},
 		line: func(hp string) string { return "DYNAMODB_ENDPOINT=http://" + hp },
 	},
+	// The tests' second DynamoDB server, as scripts/dynamodb-local.sh runs
+	// it: a database per access key and region (no -sharedDb).
+	"dynamodb-local": {
+		image: "amazon/dynamodb-local:2.5.2",
+		port:  "8000/tcp",
+		opts: []testcontainers.ContainerCustomizer{
+			testcontainers.WithCmd("-jar", "DynamoDBLocal.jar", "-inMemory", "-disableTelemetry"),
+			testcontainers.WithWaitStrategyAndDeadline(2*time.Minute, wait.ForListeningPort("8000/tcp")),
+		},
+		line: func(hp string) string { return "DYNAMODB_LOCAL_ENDPOINT=http://" + hp },
+	},
 }
 
 func main() {
@@ -126,7 +139,7 @@ func main() {
 func run() int {
 	timeout := flag.Duration("timeout", 5*time.Minute, "bound on pulling and starting all the containers")
 	flag.Usage = func() {
-		fmt.Fprintf(flag.CommandLine.Output(), "usage: go run . [-timeout 5m] redis|rabbitmq|postgres|dynamodb ...\n")
+		fmt.Fprintf(flag.CommandLine.Output(), "usage: go run . [-timeout 5m] redis|rabbitmq|postgres|dynamodb|dynamodb-local ...\n")
 		flag.PrintDefaults()
 	}
 	flag.Parse()
@@ -136,7 +149,7 @@ func run() int {
 	}
 	for _, name := range flag.Args() {
 		if _, ok := services[name]; !ok {
-			fmt.Fprintf(os.Stderr, "containers: unknown service %q; want redis, rabbitmq, postgres or dynamodb\n", name)
+			fmt.Fprintf(os.Stderr, "containers: unknown service %q; want redis, rabbitmq, postgres, dynamodb or dynamodb-local\n", name)
 			return exitUsage
 		}
 	}
