@@ -26,18 +26,21 @@ import (
 	"github.com/amqpidem/amqpidem/lock"
 )
 
-// dynamoTables makes a records table of the test's own on the tests'
-// DynamoDB (testenv.DynamoEndpoint), and an effects table (partition key
-// "id", S) when effects is set, both deleted when the test ends. It
-// returns a client, the endpoint and the store's config.
-func dynamoTables(t *testing.T, effects string) (*dynamodb.Client, string, dynamostore.Config) {
+// dynamoTables makes a records table of the test's own on srv, and an
+// effects table (partition key "id", S) when effects is set, both deleted
+// when the test ends. It returns a client, the endpoint and the store's
+// config. The client signs as the command does when the environment names
+// no credentials (testenv.DynamoAccessKeyID, region us-east-1): DynamoDB
+// Local keeps a database per access key and region, so a table made with
+// other credentials would not exist for the command.
+func dynamoTables(t *testing.T, srv testenv.DynamoServer, effects string) (*dynamodb.Client, string, dynamostore.Config) {
 	t.Helper()
-	ep := testenv.DynamoEndpoint(t)
+	ep := srv.Endpoint
 	client := dynamodb.New(dynamodb.Options{
-		Region:       "us-east-1",
+		Region:       testenv.DynamoRegion,
 		BaseEndpoint: aws.String(ep),
 		Credentials: aws.CredentialsProviderFunc(func(context.Context) (aws.Credentials, error) {
-			return aws.Credentials{AccessKeyID: "test", SecretAccessKey: "test", Source: "tests"}, nil
+			return aws.Credentials{AccessKeyID: testenv.DynamoAccessKeyID, SecretAccessKey: testenv.DynamoSecretAccessKey, Source: "tests"}, nil
 		}),
 	})
 	cfg := dynamostore.Config{Table: testenv.Name(t)}
@@ -100,130 +103,135 @@ func dynamoCLI(t *testing.T, code int, flags []string, args ...string) string {
 	return stdout.String()
 }
 
-// The same commands read and forget the records of the DynamoDB store.
+// The same commands read and forget the records of the DynamoDB store, on
+// each of the tests' DynamoDB servers.
 func TestInspectForgetDynamo(t *testing.T) {
-	client, ep, cfg := dynamoTables(t, "")
-	s, err := dynamostore.New(client, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := context.Background()
-	res, err := s.Acquire(ctx, lock.Request{Key: amqpidem.StoreKey("ledger", "pay-9"), TTL: time.Minute})
-	if err != nil || res.Status != lock.Acquired {
-		t.Fatalf("Acquire: %v %v", res.Status, err)
-	}
-	if err := s.Fail(ctx, res.Lease, "permanent failure: account closed"); err != nil {
-		t.Fatal(err)
-	}
-	flags := []string{"--dynamodb-table", cfg.Table, "--dynamodb-endpoint", ep, "--prefix", cfg.Prefix}
+	testenv.EachDynamo(t, func(t *testing.T, srv testenv.DynamoServer) {
+		client, ep, cfg := dynamoTables(t, srv, "")
+		s, err := dynamostore.New(client, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx := context.Background()
+		res, err := s.Acquire(ctx, lock.Request{Key: amqpidem.StoreKey("ledger", "pay-9"), TTL: time.Minute})
+		if err != nil || res.Status != lock.Acquired {
+			t.Fatalf("Acquire: %v %v", res.Status, err)
+		}
+		if err := s.Fail(ctx, res.Lease, "permanent failure: account closed"); err != nil {
+			t.Fatal(err)
+		}
+		flags := []string{"--dynamodb-table", cfg.Table, "--dynamodb-endpoint", ep, "--prefix", cfg.Prefix}
 
-	var rec struct {
-		State, Error, Location string
-		Fence                  int64
-	}
-	out := dynamoCLI(t, 0, flags, "inspect", "pay-9", "--queue", "ledger", "--json")
-	if err := json.Unmarshal([]byte(out), &rec); err != nil || rec.State != "failed" || rec.Fence != res.Lease.Fence ||
-		rec.Error != "permanent failure: account closed" || !strings.Contains(rec.Location, cfg.Table) {
-		t.Fatalf("inspect: %v %+v\n%s", err, rec, out)
-	}
-	dynamoCLI(t, 0, flags, "forget", "pay-9", "--queue", "ledger")
-	if out := dynamoCLI(t, 3, flags, "inspect", "pay-9", "--queue", "ledger"); !strings.Contains(out, "DynamoDB table "+cfg.Table) {
-		t.Fatalf("inspect after forget names no DynamoDB table:\n%s", out)
-	}
-	// The environment variables name the store as the flags do.
-	cmd := exec.Command(bin, "inspect", "pay-9", "--queue", "ledger", "--prefix", cfg.Prefix)
-	cmd.Env = append(os.Environ(), "AMQPIDEM_DYNAMODB_TABLE="+cfg.Table, "AMQPIDEM_DYNAMODB_ENDPOINT="+ep,
-		"AWS_ACCESS_KEY_ID=", "AWS_PROFILE=")
-	out2, err := cmd.CombinedOutput()
-	if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != 3 || !strings.Contains(string(out2), cfg.Table) {
-		t.Fatalf("inspect with AMQPIDEM_DYNAMODB_*: %v\n%s", err, out2)
-	}
-	// Two stores at once are refused.
-	dynamoCLI(t, 2, append(flags, "--postgres", "postgres://127.0.0.1:1/none"), "inspect", "pay-9", "--queue", "ledger")
+		var rec struct {
+			State, Error, Location string
+			Fence                  int64
+		}
+		out := dynamoCLI(t, 0, flags, "inspect", "pay-9", "--queue", "ledger", "--json")
+		if err := json.Unmarshal([]byte(out), &rec); err != nil || rec.State != "failed" || rec.Fence != res.Lease.Fence ||
+			rec.Error != "permanent failure: account closed" || !strings.Contains(rec.Location, cfg.Table) {
+			t.Fatalf("inspect: %v %+v\n%s", err, rec, out)
+		}
+		dynamoCLI(t, 0, flags, "forget", "pay-9", "--queue", "ledger")
+		if out := dynamoCLI(t, 3, flags, "inspect", "pay-9", "--queue", "ledger"); !strings.Contains(out, "DynamoDB table "+cfg.Table) {
+			t.Fatalf("inspect after forget names no DynamoDB table:\n%s", out)
+		}
+		// The environment variables name the store as the flags do.
+		cmd := exec.Command(bin, "inspect", "pay-9", "--queue", "ledger", "--prefix", cfg.Prefix)
+		cmd.Env = append(os.Environ(), "AMQPIDEM_DYNAMODB_TABLE="+cfg.Table, "AMQPIDEM_DYNAMODB_ENDPOINT="+ep,
+			"AWS_ACCESS_KEY_ID=", "AWS_PROFILE=")
+		out2, err := cmd.CombinedOutput()
+		if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != 3 || !strings.Contains(string(out2), cfg.Table) {
+			t.Fatalf("inspect with AMQPIDEM_DYNAMODB_*: %v\n%s", err, out2)
+		}
+		// Two stores at once are refused.
+		dynamoCLI(t, 2, append(flags, "--postgres", "postgres://127.0.0.1:1/none"), "inspect", "pay-9", "--queue", "ledger")
+	})
 }
 
 // dlq replay --forget forgets the DynamoDB store's record of a failure, so
 // that the replayed copy runs (through a TxHandler: its effect once) rather
 // than being a failed duplicate.
 func TestReplayForgetDynamo(t *testing.T) {
-	effects := testenv.Name(t) + "-effects"
-	client, ep, cfg := dynamoTables(t, effects)
-	s, err := dynamostore.New(client, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	url := testenv.AMQPURL(t)
-	queue := testenv.Name(t)
-	conn, err := amqp.Dial(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close() })
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := ch.QueueDeclare(queue, true, false, false, false, nil); err != nil {
-		t.Fatal(err)
-	}
-	testenv.DeleteQueues(t, url, queue, queue+".dlq")
-
-	events := make(chan amqpidem.Event, 100)
-	var broken atomic.Bool
-	broken.Store(true)
-	h := s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
-		if broken.Load() {
-			return nil, amqpidem.Permanent(errors.New("card declined"))
+	testenv.EachDynamo(t, func(t *testing.T, srv testenv.DynamoServer) {
+		effects := testenv.Name(t) + "-effects"
+		client, ep, cfg := dynamoTables(t, srv, effects)
+		s, err := dynamostore.New(client, cfg)
+		if err != nil {
+			t.Fatal(err)
 		}
-		tx.Update(&types.Update{
-			TableName:                 aws.String(effects),
-			Key:                       map[string]types.AttributeValue{"id": &types.AttributeValueMemberS{Value: d.MessageId}},
-			UpdateExpression:          aws.String("ADD #n :one"),
-			ExpressionAttributeNames:  map[string]string{"#n": "n"},
-			ExpressionAttributeValues: map[string]types.AttributeValue{":one": &types.AttributeValueMemberN{Value: "1"}},
-		})
-		return []byte("paid"), nil
-	})
-	c, err := amqpidem.NewConsumer(s, amqpidem.ConsumerConfig{URL: url, Config: amqpidem.Config{
-		Queue: queue, Logger: slog.New(slog.DiscardHandler),
-		Observer: amqpidem.ObserverFunc(func(_ context.Context, e amqpidem.Event) { events <- e }),
-	}}, h)
-	if err != nil {
-		t.Fatal(err)
-	}
-	testrun.Consumer(t, c)
-	wait := func(o amqpidem.Outcome) {
-		t.Helper()
-		select {
-		case e := <-events:
-			if e.Outcome != o {
-				t.Fatalf("outcome %v (%s), want %v", e.Outcome, e.Err, o)
+		url := testenv.AMQPURL(t)
+		queue := testenv.Name(t)
+		conn, err := amqp.Dial(url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { conn.Close() })
+		ch, err := conn.Channel()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := ch.QueueDeclare(queue, true, false, false, false, nil); err != nil {
+			t.Fatal(err)
+		}
+		testenv.DeleteQueues(t, url, queue, queue+".dlq")
+
+		events := make(chan amqpidem.Event, 100)
+		var broken atomic.Bool
+		broken.Store(true)
+		h := s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
+			if broken.Load() {
+				return nil, amqpidem.Permanent(errors.New("card declined"))
 			}
-		case <-time.After(30 * time.Second):
-			t.Fatalf("no %v outcome in 30s", o)
+			tx.Update(&types.Update{
+				TableName:                 aws.String(effects),
+				Key:                       map[string]types.AttributeValue{"id": &types.AttributeValueMemberS{Value: d.MessageId}},
+				UpdateExpression:          aws.String("ADD #n :one"),
+				ExpressionAttributeNames:  map[string]string{"#n": "n"},
+				ExpressionAttributeValues: map[string]types.AttributeValue{":one": &types.AttributeValueMemberN{Value: "1"}},
+			})
+			return []byte("paid"), nil
+		})
+		c, err := amqpidem.NewConsumer(s, amqpidem.ConsumerConfig{URL: url, Config: amqpidem.Config{
+			Queue: queue, Logger: slog.New(slog.DiscardHandler),
+			Observer: amqpidem.ObserverFunc(func(_ context.Context, e amqpidem.Event) { events <- e }),
+		}}, h)
+		if err != nil {
+			t.Fatal(err)
 		}
-	}
-	if err := ch.PublishWithContext(context.Background(), "", queue, false, false,
-		amqp.Publishing{MessageId: "pay-1", DeliveryMode: amqp.Persistent, Body: []byte("pay")}); err != nil {
-		t.Fatal(err)
-	}
-	wait(amqpidem.DeadLettered)
-	broken.Store(false)
+		testrun.Consumer(t, c)
+		wait := func(o amqpidem.Outcome) {
+			t.Helper()
+			select {
+			case e := <-events:
+				if e.Outcome != o {
+					t.Fatalf("outcome %v (%s), want %v", e.Outcome, e.Err, o)
+				}
+			case <-time.After(30 * time.Second):
+				t.Fatalf("no %v outcome in 30s", o)
+			}
+		}
+		if err := ch.PublishWithContext(context.Background(), "", queue, false, false,
+			amqp.Publishing{MessageId: "pay-1", DeliveryMode: amqp.Persistent, Body: []byte("pay")}); err != nil {
+			t.Fatal(err)
+		}
+		wait(amqpidem.DeadLettered)
+		broken.Store(false)
 
-	flags := []string{"--dynamodb-table", cfg.Table, "--dynamodb-endpoint", ep, "--prefix", cfg.Prefix, "--amqp", url}
-	dynamoCLI(t, 0, flags, "dlq", "replay", queue, "--key", "pay-1", "--forget")
-	wait(amqpidem.Completed)
-	out, err := client.GetItem(context.Background(), &dynamodb.GetItemInput{TableName: aws.String(effects),
-		Key: map[string]types.AttributeValue{"id": &types.AttributeValueMemberS{Value: "pay-1"}}, ConsistentRead: aws.Bool(true)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	n, _ := out.Item["n"].(*types.AttributeValueMemberN)
-	if n == nil || n.Value != strconv.Itoa(1) {
-		t.Fatalf("effect of pay-1 after the replay: %v, want 1", out.Item["n"])
-	}
-	rec := dynamoCLI(t, 0, flags, "inspect", "pay-1", "--queue", queue, "--json")
-	if !strings.Contains(rec, `"state": "completed"`) && !strings.Contains(rec, `"state":"completed"`) {
-		t.Fatalf("inspect after the replay:\n%s", rec)
-	}
+		flags := []string{"--dynamodb-table", cfg.Table, "--dynamodb-endpoint", ep, "--prefix", cfg.Prefix, "--amqp", url}
+		dynamoCLI(t, 0, flags, "dlq", "replay", queue, "--key", "pay-1", "--forget")
+		wait(amqpidem.Completed)
+		out, err := client.GetItem(context.Background(), &dynamodb.GetItemInput{TableName: aws.String(effects),
+			Key: map[string]types.AttributeValue{"id": &types.AttributeValueMemberS{Value: "pay-1"}}, ConsistentRead: aws.Bool(true)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		n, _ := out.Item["n"].(*types.AttributeValueMemberN)
+		if n == nil || n.Value != strconv.Itoa(1) {
+			t.Fatalf("effect of pay-1 after the replay: %v, want 1", out.Item["n"])
+		}
+		rec := dynamoCLI(t, 0, flags, "inspect", "pay-1", "--queue", queue, "--json")
+		if !strings.Contains(rec, `"state": "completed"`) && !strings.Contains(rec, `"state":"completed"`) {
+			t.Fatalf("inspect after the replay:\n%s", rec)
+		}
+	})
 }
