@@ -36,7 +36,9 @@ type ConsumerConfig struct {
 	// Dial opens a connection; it overrides URL (for TLS or custom
 	// amqp.Config). The Consumer keeps two: one it consumes on, dialled
 	// again on every reconnection, and one it publishes its copies on,
-	// dialled when first needed and again once it has closed.
+	// dialled when first needed and again once it has closed. Leave
+	// amqp.Config.Recovery nil: the Consumer reconnects itself, and a
+	// connection that recovers by itself ends Run with ErrAutoRecovery.
 	Dial func() (*amqp.Connection, error)
 	// Prefetch is the QoS prefetch count. Default DefaultPrefetch.
 	Prefetch int

@@ -23,6 +23,15 @@
 // end Run with an error that says what to fix. A Wrapper publishes on the
 // ChannelOpener given to Wrap: give it a connection of its own too.
 //
+// amqp091-go's automatic recovery (amqp.Config.Recovery) is refused, on
+// every connection amqpidem consumes or publishes on (ErrAutoRecovery: a
+// Dial that returns such a connection ends Run, Wrap refuses one): it
+// rebuilds a connection under the same channels, whose delivery tags then
+// start again at 1 while acks of the old deliveries are on their way, so
+// that such an ack would settle a new delivery whose handler still runs,
+// and a crash would lose it. Reconnecting is the Consumer's job; a loop
+// around a Wrapper must not consume on a recovering connection either.
+//
 // # A delivery's way through
 //
 // Every delivery, whether Handle or a Consumer's worker took it, goes the

@@ -48,6 +48,11 @@ func (p *pubConn) Channel() (*amqp.Channel, error) {
 			p.mu.Unlock()
 			return nil, fmt.Errorf("amqpidem: dial the publishing connection: %w", err)
 		}
+		if err := refuseRecovery(conn, "amqpidem: the publishing connection"); err != nil {
+			p.mu.Unlock()
+			_ = conn.Close()
+			return nil, err
+		}
 		p.conn = conn
 		watchBlocked(conn, &p.watchers, p.log, p.queue, "publish")
 	}

@@ -26,7 +26,9 @@ type Publisher struct {
 
 // NewPublisher returns a Publisher opening its channels with conn (an
 // *amqp.Connection will do; RabbitMQ advises a connection for publishing
-// apart from the one consuming). It makes no network call.
+// apart from the one consuming). It makes no network call. Publishes on
+// an *amqp.Connection with automatic recovery on (amqp.Config.Recovery)
+// fail with ErrAutoRecovery.
 func NewPublisher(conn ChannelOpener) *Publisher {
 	return &Publisher{p: newPublisher(conn, queueClassic)}
 }
@@ -37,7 +39,9 @@ func NewPublisher(conn ChannelOpener) *Publisher {
 // need not watch the connection itself. Close closes that connection. It
 // makes no network call; a dial error is the error of the publish that
 // needed it. connection.blocked notifications (a resource alarm on the
-// broker) are logged to log, or to slog.Default() when log is nil.
+// broker) are logged to log, or to slog.Default() when log is nil. A
+// dialled connection with automatic recovery on (amqp.Config.Recovery) is
+// closed, and the publish fails with ErrAutoRecovery.
 func DialPublisher(dial func() (*amqp.Connection, error), log *slog.Logger) *Publisher {
 	if log == nil {
 		log = slog.Default()

@@ -128,6 +128,11 @@ func (p *publisher) open() (*pubChannel, error) {
 	if closed {
 		return nil, errors.New("amqpidem: publisher closed")
 	}
+	if c, ok := p.conn.(*amqp.Connection); ok {
+		if err := refuseRecovery(c, "amqpidem: publish"); err != nil {
+			return nil, err
+		}
+	}
 	ch, err := p.conn.Channel()
 	if err != nil {
 		return nil, fmt.Errorf("amqpidem: open publish channel: %w", err)

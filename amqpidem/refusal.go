@@ -102,3 +102,25 @@ func (c *Consumer) setupError(step string, err error) error {
 	}
 	return &permanentError{err: fmt.Errorf("amqpidem: %s %q: %s: %w", step, q, why, err)}
 }
+
+// ErrAutoRecovery means a connection has amqp091-go's automatic recovery
+// on (amqp.Config.Recovery, v1.16): such a connection is rebuilt under
+// its channels after a drop, and a rebuilt channel numbers its deliveries
+// and publishes from 1 again while acks and confirms of the old ones are
+// still on their way, so that an ack of an old delivery can settle a new
+// one whose handler still runs. amqpidem reconnects itself: leave
+// Recovery nil on the connections it consumes or publishes on. Run ends
+// with it (a configuration error) when ConsumerConfig.Dial returns such a
+// connection, Wrap refuses one, and a Publisher's publishes on one fail
+// with it.
+var ErrAutoRecovery = errors.New("amqpidem: the connection recovers by itself (amqp.Config.Recovery is set); " +
+	"amqpidem reconnects itself: leave Recovery nil")
+
+// refuseRecovery returns an error wrapping ErrAutoRecovery, naming where
+// conn came from (what), when conn recovers by itself.
+func refuseRecovery(conn *amqp.Connection, what string) error {
+	if conn.IsRecoveryEnabled() {
+		return fmt.Errorf("%s: %w", what, ErrAutoRecovery)
+	}
+	return nil
+}

@@ -30,6 +30,9 @@ func (c *Consumer) session(ctx, base context.Context) error {
 		return dialError(err)
 	}
 	defer conn.Close()
+	if err := refuseRecovery(conn, "ConsumerConfig.Dial"); err != nil {
+		return &permanentError{err: err}
+	}
 	connClosed := conn.NotifyClose(make(chan *amqp.Error, 1))
 	watchBlocked(conn, &c.tasks, c.proc.cfg.Logger, c.cfg.Queue, "consume")
 

@@ -38,13 +38,23 @@ type Wrapper struct {
 // a connection of its own, not the one your loop consumes on, as RabbitMQ
 // advises: when the broker blocks publishers (a memory or disk alarm), it
 // blocks the whole connection, and the acks of a consuming channel on it
-// with it. Handle acks each delivery on the delivery's own channel. It starts
+// with it. Handle acks each delivery on the delivery's own channel. A
+// connection with amqp091-go's automatic recovery on is refused
+// (ErrAutoRecovery), and do not turn it on for the connection your loop
+// consumes on either: a recovered channel numbers its deliveries from 1
+// again, and Handle's ack of a delivery from before the recovery would
+// ack the new delivery that has its tag. It starts
 // one heartbeat keeper for all in-flight leases; stop it with Shutdown (a
 // Wrapper dropped without Shutdown stops its keeper once it is garbage
 // collected).
 func Wrap(conn ChannelOpener, store lock.Store, cfg Config, h Handler) (*Wrapper, error) {
 	if conn == nil {
 		return nil, errors.New("amqpidem: Wrap: nil connection")
+	}
+	if c, ok := conn.(*amqp.Connection); ok {
+		if err := refuseRecovery(c, "amqpidem: Wrap"); err != nil {
+			return nil, err
+		}
 	}
 	proc, err := newProcessor(store, cfg, h)
 	if err != nil {
