@@ -68,8 +68,10 @@
 //     record's expiry as the completion set it (SET ... KEEPTTL on
 //     RedisStore): amending never lengthens the idempotency window.
 //   - Retry-safe: go-redis resends a command after a network error. A
-//     resent Acquire that finds its own owner token answers Acquired; a
-//     resent Complete, Fail, Release or Cancel that finds its own write
+//     resent Acquire that finds its own owner token answers Acquired while
+//     that lease is held, and takes nothing once its caller released or
+//     cancelled it (a copy that arrives late, after one sent again got the
+//     lease: it answers InProgress and changes nothing); a resent Complete, Fail, Release or Cancel that finds its own write
 //     answers nil (and a resent Cancel takes back no second attempt), and
 //     so does a resent Amend that finds its value in the record.
 //     RedisStore.Acquire also tries again itself, with the same owner

@@ -59,6 +59,14 @@ local function acquire(key, owner, ttl, retention, fingerprint, userkey)
       return {4, fence, attempts, deadline - now, ''}
     end
   end
+  if o == owner then
+    -- A late copy of this same Acquire: a copy sent again got the lease
+    -- and its caller has released or cancelled it since, and nobody reads
+    -- this reply. A new lease now would be held by nobody, block the key
+    -- for a TTL and count an attempt again (one Cancel took back): answer
+    -- in progress, with no time left, and change nothing.
+    return {4, fence, attempts, 0, ''}
+  end
 
   -- Released or cancelled by its owner, or its lease expired: a new lease,
   -- a higher fence.
