@@ -85,6 +85,31 @@ func answered(err error) bool {
 	return errors.As(err, &oe) && oe.Op == "dial"
 }
 
+// refusedWhole reports whether err is DynamoDB refusing a request as such
+// (a ValidationException: an item over 400 KB, a transaction over 4 MB,
+// two writes of one item, an invalid expression; AccessDeniedException; a
+// missing table): an answer saying the request was not carried out, of a
+// kind the SDK does not retry and that the same request gets every time,
+// so that none of the SDK's earlier attempts of it was carried out either.
+// Throttling, conflicts and server errors are not: the SDK retries them,
+// and an attempt before the last, whose answer was lost or was an error
+// that may have been applied, may have taken effect.
+func refusedWhole(err error) bool {
+	var ae smithy.APIError
+	if !errors.As(err, &ae) {
+		return false
+	}
+	code := ae.ErrorCode()
+	switch {
+	case code == "ResourceNotFoundException":
+		return true
+	case notNowCodes[code], maybeAppliedCodes[code], code == "IdempotentParameterMismatchException":
+		return false
+	}
+	var re *smithyhttp.ResponseError
+	return !errors.As(err, &re) || re.HTTPStatusCode() < 500
+}
+
 // missingTable reports whether err says the table does not exist.
 func missingTable(err error) bool {
 	var ae smithy.APIError

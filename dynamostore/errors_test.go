@@ -25,21 +25,24 @@ func TestClassify(t *testing.T) {
 		err         error
 		unavailable bool
 		answered    bool
+		refused     bool // refusedWhole: nothing written, by any of the SDK's attempts
 	}{
-		{"throttled", &types.ProvisionedThroughputExceededException{}, true, true},
-		{"throttling", api("ThrottlingException"), true, true},
-		{"request limit", &types.RequestLimitExceeded{}, true, true},
-		{"internal error", &types.InternalServerError{}, true, false},
-		{"unavailable", api("ServiceUnavailable"), true, false},
-		{"transaction conflict", &types.TransactionConflictException{}, true, true},
-		{"missing table", &types.ResourceNotFoundException{}, true, true},
-		{"condition failed", &types.ConditionalCheckFailedException{}, false, true},
-		{"validation", api("ValidationException"), false, true},
-		{"access denied", api("AccessDeniedException"), false, true},
-		{"dial", fmt.Errorf("send: %w", dial), true, true},
-		{"read reset", &net.OpError{Op: "read", Err: errors.New("reset")}, true, false},
-		{"deadline", context.DeadlineExceeded, true, false},
-		{"cancelled", context.Canceled, false, false},
+		{"throttled", &types.ProvisionedThroughputExceededException{}, true, true, false},
+		{"throttling", api("ThrottlingException"), true, true, false},
+		{"request limit", &types.RequestLimitExceeded{}, true, true, false},
+		{"internal error", &types.InternalServerError{}, true, false, false},
+		{"unavailable", api("ServiceUnavailable"), true, false, false},
+		{"transaction conflict", &types.TransactionConflictException{}, true, true, false},
+		{"transaction in progress", &types.TransactionInProgressException{}, true, true, false},
+		{"idempotent mismatch", &types.IdempotentParameterMismatchException{}, false, true, false},
+		{"missing table", &types.ResourceNotFoundException{}, true, true, true},
+		{"condition failed", &types.ConditionalCheckFailedException{}, false, true, true},
+		{"validation", api("ValidationException"), false, true, true},
+		{"access denied", api("AccessDeniedException"), false, true, true},
+		{"dial", fmt.Errorf("send: %w", dial), true, true, false},
+		{"read reset", &net.OpError{Op: "read", Err: errors.New("reset")}, true, false, false},
+		{"deadline", context.DeadlineExceeded, true, false, false},
+		{"cancelled", context.Canceled, false, false, false},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -52,6 +55,9 @@ func TestClassify(t *testing.T) {
 			}
 			if got, want := answered(tc.err), tc.answered; got != want {
 				t.Fatalf("answered: got %v, want %v", got, want)
+			}
+			if got, want := refusedWhole(fmt.Errorf("op: %w", tc.err)), tc.refused; got != want {
+				t.Fatalf("refusedWhole: got %v, want %v", got, want)
 			}
 		})
 	}

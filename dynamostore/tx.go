@@ -225,6 +225,9 @@ func (h *txHandler) commit(ctx context.Context, tx *Tx, record *types.Update, le
 	}
 	var tce *types.TransactionCanceledException
 	if !errors.As(err, &tce) {
+		if refusedWhole(err) {
+			return fmt.Errorf("dynamostore: transaction refused, nothing written: %w", classify(err))
+		}
 		return fmt.Errorf("dynamostore: transaction (its outcome may be unknown: the record tells): %w", classify(err))
 	}
 	reasons := tce.CancellationReasons

@@ -370,3 +370,107 @@ func TestTxHandlerAnswerLost(t *testing.T) {
 		}
 	})
 }
+
+// TestTxHandlerRefusedTransaction: a transaction DynamoDB refuses as such
+// (two writes of one item: a ValidationException) wrote nothing, and its
+// error says so: not "outcome may be unknown", not lock.ErrUnavailable.
+func TestTxHandlerRefusedTransaction(t *testing.T) {
+	eachServer(t, func(t *testing.T, srv *server) {
+		s := srv.newStore(t, dynamostore.Config{})
+		table, id := srv.effects(t), testenv.Name(t)
+		ctx := context.Background()
+		res, err := s.Acquire(ctx, lock.Request{Key: "op"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		h := completer(t, s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
+			bump(tx, table, id)
+			bump(tx, table, id)
+			return nil, nil
+		}))
+		_, err = h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same)
+		if err == nil || errors.Is(err, lock.ErrUnavailable) || errors.Is(err, lock.ErrLeaseLost) ||
+			strings.Contains(err.Error(), "may be unknown") || !strings.Contains(err.Error(), "refused") ||
+			!strings.Contains(err.Error(), "ValidationException") {
+			t.Fatalf("a transaction writing one item twice: got %v, want a refusal naming the ValidationException", err)
+		}
+		if n := srv.count(t, id); n != 0 {
+			t.Fatalf("a refused transaction's effect applied %d times, want 0", n)
+		}
+		if busy, err := s.Acquire(ctx, lock.Request{Key: "op"}); err != nil || busy.Status != lock.InProgress {
+			t.Fatalf("record after a refused transaction: %+v, %v; want still in progress", busy, err)
+		}
+	})
+}
+
+// TestTxHandlerSizeLimits: on a server that enforces DynamoDB's limits,
+// the largest record (MaxResultSizeLimit bytes of result, the longest
+// prefix, key and fingerprint) fits in an item, completed by Complete or
+// in a transaction, and a transaction over MaxTxBytes is refused whole.
+func TestTxHandlerSizeLimits(t *testing.T) {
+	eachServer(t, func(t *testing.T, srv *server) {
+		if !srv.Strict {
+			t.Skipf("%s enforces no size limit: it takes items over 400 KB and transactions over 4 MB", srv.Name)
+		}
+		prefix := strings.Repeat("p", 64-len(testenv.Name(t))) + testenv.Name(t)
+		s := srv.newStore(t, dynamostore.Config{Config: lock.Config{Prefix: prefix, MaxResultSize: dynamostore.MaxResultSizeLimit}})
+		table, id := srv.effects(t), testenv.Name(t)
+		ctx := context.Background()
+		big := []byte(strings.Repeat("r", dynamostore.MaxResultSizeLimit))
+		fp := strings.Repeat("f", lock.MaxFingerprintLen)
+		key := func(c byte) string { return strings.Repeat(string(c), lock.MaxKeyLen) }
+
+		res, err := s.Acquire(ctx, lock.Request{Key: key('a'), Fingerprint: fp})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Complete(ctx, res.Lease, big); err != nil {
+			t.Fatalf("Complete with the largest result: %v", err)
+		}
+		if rec, err := s.Inspect(ctx, key('a')); err != nil || len(rec.Value) != len(big) {
+			t.Fatalf("Inspect of the largest record: %d bytes, %v", len(rec.Value), err)
+		}
+		if err := s.Amend(ctx, key('a'), res.Lease.Fence, big, append(big[:len(big)-1:len(big)-1], 's')); err != nil {
+			t.Fatalf("Amend with the largest value: %v", err)
+		}
+		res, err = s.Acquire(ctx, lock.Request{Key: key('b'), Fingerprint: fp})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Fail(ctx, res.Lease, string(big)+"and more"); err != nil {
+			t.Fatalf("Fail with the longest reason: %v", err)
+		}
+
+		var items, itemSize int
+		h := completer(t, s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
+			for i := range items {
+				tx.Put(&types.Put{TableName: aws.String(table), Item: map[string]types.AttributeValue{
+					"id": &types.AttributeValueMemberS{Value: fmt.Sprint(id, "-", i)},
+					"x":  &types.AttributeValueMemberS{Value: strings.Repeat("x", itemSize)},
+				}})
+			}
+			return big, nil
+		}))
+		res, err = s.Acquire(ctx, lock.Request{Key: key('c'), Fingerprint: fp})
+		if err != nil {
+			t.Fatal(err)
+		}
+		// The record's completion with the largest result, and 3 MB more.
+		items, itemSize = 8, 384<<10
+		if _, err := h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same); err != nil {
+			t.Fatalf("a transaction of %d KB: %v", (items*itemSize+len(big))>>10, err)
+		}
+		res, err = s.Acquire(ctx, lock.Request{Key: key('d'), Fingerprint: fp})
+		if err != nil {
+			t.Fatal(err)
+		}
+		items = 10 // over 4 MB with the record
+		_, err = h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same)
+		if err == nil || errors.Is(err, lock.ErrUnavailable) || strings.Contains(err.Error(), "may be unknown") || !strings.Contains(err.Error(), "refused") {
+			t.Fatalf("a transaction of %d KB: got %v, want a refusal", (items*itemSize+len(big))>>10, err)
+		}
+		if busy, err := s.Acquire(ctx, lock.Request{Key: key('d')}); err != nil || busy.Status != lock.InProgress {
+			t.Fatalf("record after a refused transaction: %+v, %v; want still in progress", busy, err)
+		}
+	})
+}
