@@ -334,3 +334,54 @@ func TestUnreachableUnavailableWithinContext(t *testing.T) {
 		t.Fatalf("Extend of an unreachable DynamoDB: got %v, want ErrUnavailable", err)
 	}
 }
+
+// TestCreateTableTwiceAndTTL: CreateTable on a records table that exists
+// (TTL on already, which DynamoDB refuses to enable twice) succeeds, and
+// on a table whose TTL is on another attribute fails, leaving it there
+// (DynamoDB has one TTL attribute per table; minidyn's stand-in moves it,
+// so that part runs on DynamoDB Local only).
+func TestCreateTableTwiceAndTTL(t *testing.T) {
+	eachServer(t, func(t *testing.T, srv *server) {
+		ctx := context.Background()
+		cfg := dynamostore.Config{Table: testenv.Name(t)}
+		t.Cleanup(func() {
+			_, _ = srv.client.DeleteTable(context.Background(), &dynamodb.DeleteTableInput{TableName: aws.String(cfg.Table)})
+		})
+		for i := range 2 {
+			if err := dynamostore.CreateTable(ctx, srv.client, cfg); err != nil {
+				t.Fatalf("CreateTable, time %d: %v", i+1, err)
+			}
+		}
+		ttl, err := srv.client.DescribeTimeToLive(ctx, &dynamodb.DescribeTimeToLiveInput{TableName: aws.String(cfg.Table)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d := ttl.TimeToLiveDescription; d.TimeToLiveStatus != types.TimeToLiveStatusEnabled || aws.ToString(d.AttributeName) != "ttl" {
+			t.Fatalf("TTL after CreateTable: %s on %q, want ENABLED on \"ttl\"", d.TimeToLiveStatus, aws.ToString(d.AttributeName))
+		}
+		if !srv.Strict {
+			t.Skipf("%s's TTL is a stand-in that moves the TTL attribute when asked", srv.Name)
+		}
+		other := dynamostore.Config{Table: testenv.Name(t)}
+		t.Cleanup(func() {
+			_, _ = srv.client.DeleteTable(context.Background(), &dynamodb.DeleteTableInput{TableName: aws.String(other.Table)})
+		})
+		if _, err := srv.client.CreateTable(ctx, dynamostore.TableInput(other.Table)); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := srv.client.UpdateTimeToLive(ctx, &dynamodb.UpdateTimeToLiveInput{
+			TableName:               aws.String(other.Table),
+			TimeToLiveSpecification: &types.TimeToLiveSpecification{AttributeName: aws.String("expires_at"), Enabled: aws.Bool(true)},
+		}); err != nil {
+			t.Fatal(err)
+		}
+		err = dynamostore.CreateTable(ctx, srv.client, other)
+		if err == nil || !strings.Contains(err.Error(), `TTL on the attribute "ttl"`) {
+			t.Fatalf("CreateTable on a table whose TTL is on expires_at: got %v, want an error about TTL on \"ttl\"", err)
+		}
+		ttl, err = srv.client.DescribeTimeToLive(ctx, &dynamodb.DescribeTimeToLiveInput{TableName: aws.String(other.Table)})
+		if err != nil || aws.ToString(ttl.TimeToLiveDescription.AttributeName) != "expires_at" {
+			t.Fatalf("TTL after the refused CreateTable: %+v, %v; want still on expires_at", ttl, err)
+		}
+	})
+}

@@ -67,7 +67,8 @@ func CreateTable(ctx context.Context, client TableClient, cfg Config) error {
 		TimeToLiveSpecification: &types.TimeToLiveSpecification{AttributeName: aws.String(attrTTL), Enabled: aws.Bool(true)},
 	})
 	if err != nil && !ttlAlreadyOn(err) {
-		return fmt.Errorf("dynamostore: enabling TTL on %s: %w", table, err)
+		return fmt.Errorf("dynamostore: enabling TTL on the attribute %q of %s (a table has one TTL attribute: "+
+			"if this one's is another, give the records a table of their own): %w", attrTTL, table, err)
 	}
 	return nil
 }
