@@ -121,7 +121,13 @@ const commitTimeout = 10 * time.Second
 //     is requeued for the record to decide.
 //   - The condition of an item fn added failed: cancelled, and the error
 //     is Tx.OnConditionFailed's, by default (or when it answers nil) one
-//     wrapping ErrConditionFailed. Never nil: nothing was written.
+//     wrapping ErrConditionFailed. Never nil: nothing was written. The
+//     record decides first: if the lease was lost as well, the error
+//     wraps lock.ErrLeaseLost and OnConditionFailed is not called. (The
+//     cancellation reasons say so when the server reports every failed
+//     condition; otherwise one strongly consistent GetItem of the record
+//     tells, and if it fails its error, lock.ErrUnavailable, is the
+//     handler's.)
 //   - A conflict with another transaction or write on one of the items
 //     (TransactionConflict), throttling, or DynamoDB unavailable: the
 //     error wraps lock.ErrUnavailable, and the message is requeued; its
@@ -245,6 +251,15 @@ func (h *txHandler) commit(ctx context.Context, tx *Tx, record *types.Update, le
 		switch {
 		case code == "" || code == "None":
 		case code == "ConditionalCheckFailed" && i < tx.Len():
+			if record != nil {
+				// The record decides first: a lost lease is lock.ErrLeaseLost
+				// whatever fn's items say. DynamoDB reports every failed
+				// condition, but a server may stop at the first (minidyn
+				// does), leaving the record's reason "None".
+				if err := h.stillHeld(cctx, lease, nowMs, i); err != nil {
+					return err
+				}
+			}
 			if tx.OnConditionFailed != nil {
 				if err := tx.OnConditionFailed(i, r.Item); err != nil {
 					return err
@@ -265,4 +280,28 @@ func (h *txHandler) commit(ctx context.Context, tx *Tx, record *types.Update, le
 		return fmt.Errorf("%w: transaction cancelled (%v): %w", lock.ErrUnavailable, unavailable, err)
 	}
 	return fmt.Errorf("dynamostore: transaction cancelled: %w", classify(err))
+}
+
+// stillHeld reads lease's record (strongly consistent) after a transaction
+// was cancelled on the condition of fn's item index, and returns nil if
+// the record's own condition held: in progress under lease's owner and
+// fence, not expired at nowMs. Else an error wrapping lock.ErrLeaseLost, or
+// the read's error.
+func (h *txHandler) stillHeld(ctx context.Context, lease lock.Lease, nowMs int64, index int) error {
+	out, err := h.s.client.GetItem(ctx, &dynamodb.GetItemInput{
+		TableName:      aws.String(h.s.cfg.Table),
+		Key:            keyAttr(h.s.cfg.Prefix, lease.Key),
+		ConsistentRead: aws.Bool(true),
+	})
+	if err != nil {
+		return fmt.Errorf("dynamostore: the transaction was cancelled on the condition of item %d, and reading the record of %q to tell whether the lease still holds failed: %w",
+			index, lease.Key, classify(err))
+	}
+	if out.Item != nil {
+		if r, err := decode(lease.Key, out.Item); err == nil && !r.gone(nowMs) &&
+			r.owner == lease.Owner && r.fence == lease.Fence && r.state == stateInProgress {
+			return nil
+		}
+	}
+	return fmt.Errorf("%w: complete key %q fence %d (the condition of item %d failed too)", lock.ErrLeaseLost, lease.Key, lease.Fence, index)
 }

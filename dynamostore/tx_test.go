@@ -273,10 +273,18 @@ func TestTxHandlerUnkeyed(t *testing.T) {
 }
 
 // cancelling answers every TransactWriteItems with a cancellation whose
-// reasons are codes, in order.
+// reasons are codes, in order, and every GetItem with getErr when set.
 type cancelling struct {
 	dynamostore.Client
-	codes []string
+	codes  []string
+	getErr error
+}
+
+func (c *cancelling) GetItem(ctx context.Context, in *dynamodb.GetItemInput, opts ...func(*dynamodb.Options)) (*dynamodb.GetItemOutput, error) {
+	if c.getErr != nil {
+		return nil, c.getErr
+	}
+	return c.Client.GetItem(ctx, in, opts...)
 }
 
 func (c *cancelling) TransactWriteItems(ctx context.Context, in *dynamodb.TransactWriteItemsInput, opts ...func(*dynamodb.Options)) (*dynamodb.TransactWriteItemsOutput, error) {
@@ -321,6 +329,13 @@ func TestTxHandlerCancellationReasons(t *testing.T) {
 				t.Fatalf("reasons %v: got %v, want %v", tc.codes, err, tc.want)
 			}
 		}
+		// An item's condition failed; whether the lease still holds cannot
+		// be read: unavailable, not the item's error.
+		fake.codes, fake.getErr = []string{"ConditionalCheckFailed", "None"}, &types.ProvisionedThroughputExceededException{Message: aws.String("slow down")}
+		if _, err := h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same); !errors.Is(err, lock.ErrUnavailable) || errors.Is(err, dynamostore.ErrConditionFailed) {
+			t.Fatalf("reasons [ConditionalCheckFailed None], the record unreadable: got %v, want ErrUnavailable", err)
+		}
+		fake.getErr = nil
 		fake.codes = []string{"ValidationError", "None"}
 		_, err = h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same)
 		if err == nil || errors.Is(err, lock.ErrUnavailable) || errors.Is(err, lock.ErrLeaseLost) || !strings.Contains(err.Error(), "ValidationError") {
@@ -399,6 +414,60 @@ func TestTxHandlerRefusedTransaction(t *testing.T) {
 		}
 		if busy, err := s.Acquire(ctx, lock.Request{Key: "op"}); err != nil || busy.Status != lock.InProgress {
 			t.Fatalf("record after a refused transaction: %+v, %v; want still in progress", busy, err)
+		}
+	})
+}
+
+// TestTxHandlerStaleLeaseBeforeItemCondition: when a stale lease's
+// transaction fails on the record's condition and on an item's (the new
+// owner applied the effect already), the error is lock.ErrLeaseLost and
+// OnConditionFailed is not asked: the record decides first, whether the
+// server reports every failed condition (DynamoDB Local) or the first
+// only (minidyn).
+func TestTxHandlerStaleLeaseBeforeItemCondition(t *testing.T) {
+	eachServer(t, func(t *testing.T, srv *server) {
+		s := srv.newStore(t, dynamostore.Config{})
+		table, id := srv.effects(t), testenv.Name(t)
+		ctx := context.Background()
+		stale, err := s.Acquire(ctx, lock.Request{Key: "op", TTL: 30 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(80 * time.Millisecond)
+		cur, err := s.Acquire(ctx, lock.Request{Key: "op"})
+		if err != nil || cur.Status != lock.Acquired {
+			t.Fatalf("takeover: %+v, %v", cur, err)
+		}
+		var asked int
+		h := completer(t, s.TxHandler(func(ctx context.Context, tx *dynamostore.Tx, d *amqp.Delivery) ([]byte, error) {
+			tx.Put(&types.Put{
+				TableName:           aws.String(table),
+				Item:                map[string]types.AttributeValue{"id": &types.AttributeValueMemberS{Value: id}},
+				ConditionExpression: aws.String("attribute_not_exists(id)"),
+			})
+			tx.OnConditionFailed = func(int, map[string]types.AttributeValue) error {
+				asked++
+				return amqpidem.Permanent(errors.New("already paid"))
+			}
+			return nil, nil
+		}))
+		if _, err := h.HandleComplete(ctx, &amqp.Delivery{}, cur.Lease, same); err != nil {
+			t.Fatalf("HandleComplete by the current lease: %v", err)
+		}
+		_, err = h.HandleComplete(ctx, &amqp.Delivery{}, stale.Lease, same)
+		if !errors.Is(err, lock.ErrLeaseLost) || amqpidem.IsPermanent(err) {
+			t.Fatalf("HandleComplete by the stale lease: got %v, want ErrLeaseLost", err)
+		}
+		if asked != 0 {
+			t.Fatalf("OnConditionFailed asked %d times for a stale lease, want 0", asked)
+		}
+		// A lease still held whose item condition fails gets the hook's error.
+		again, err := s.Acquire(ctx, lock.Request{Key: "op2"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := h.HandleComplete(ctx, &amqp.Delivery{}, again.Lease, same); !amqpidem.IsPermanent(err) || asked != 1 {
+			t.Fatalf("HandleComplete by a held lease whose item condition fails: got %v (hook asked %d times), want the hook's error", err, asked)
 		}
 	})
 }
