@@ -26,13 +26,14 @@ import (
 )
 
 // dynRun is a scenario on the DynamoDB store (dynamostore, issue 25): the
-// env, plus a records table and an effects table of its own on the tests'
-// DynamoDB-compatible server (testenv.DynamoEndpoint), both deleted in
-// t.Cleanup. The ledger (executions, completions, crashes) stays in
+// env, plus a records table and an effects table of its own on one of the
+// tests' DynamoDB servers (testenv.EachDynamo: minidyn or DynamoDB Local),
+// both deleted in t.Cleanup. The ledger (executions, completions, crashes) stays in
 // PostgreSQL; the effects are items in the effects table, one per
 // execution whose transaction committed (worker.DynamoEffectKey).
 type dynRun struct {
 	*env
+	server         string // testenv.DynamoServer.Name, in the scenario lines
 	endpoint       string
 	table, effects string
 	client         *dynamodb.Client
@@ -46,16 +47,18 @@ func (r *dynRun) logf(format string, args ...any) {
 	r.t.Logf("[%5.1fs] "+format, append([]any{time.Since(r.start).Seconds()}, args...)...)
 }
 
-// newDynRun makes the env and the run's two tables: the records table with
-// dynamostore.CreateTable, the effects table as worker.DynamoEffectsInput
-// defines it.
-func newDynRun(t *testing.T) *dynRun {
+// newDynRun makes the env and the run's two tables on srv: the records
+// table with dynamostore.CreateTable, the effects table as
+// worker.DynamoEffectsInput defines it. The test, its consumers and the
+// tables all sign with worker.DynamoClient's credentials: DynamoDB Local
+// keeps a database per access key.
+func newDynRun(t *testing.T, srv testenv.DynamoServer) *dynRun {
 	t.Helper()
 	start := time.Now()
 	e := newEnv(t, envOptions{})
-	endpoint := testenv.DynamoEndpoint(t)
+	endpoint := srv.Endpoint
 	consumerBinary(t)
-	r := &dynRun{env: e, endpoint: endpoint, table: e.name + "-records", effects: e.name + "-effects",
+	r := &dynRun{env: e, server: srv.Name, endpoint: endpoint, table: e.name + "-records", effects: e.name + "-effects",
 		client: worker.DynamoClient(endpoint, 30*time.Second), start: start}
 	r.cfg = worker.DynamoStoreConfig(e.name, r.table, 0)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -67,7 +70,7 @@ func newDynRun(t *testing.T) *dynRun {
 	if _, err := r.client.CreateTable(ctx, worker.DynamoEffectsInput(r.effects)); err != nil {
 		t.Fatalf("creating the effects table: %v", err)
 	}
-	r.logf("set up (DynamoDB at %s, tables %s and %s)", endpoint, r.table, r.effects)
+	r.logf("set up (DynamoDB %s at %s, tables %s and %s)", srv.Name, endpoint, r.table, r.effects)
 	return r
 }
 
@@ -327,9 +330,11 @@ func (r *dynRun) execResults(ctx context.Context, op string) string {
 
 // report classifies the run, prints its line (stdout, the test log and
 // CHAOS_RESULTS) with extra appended, and checks what the pg scenarios
-// check (pgRun.report), on the effect items.
+// check (pgRun.report), on the effect items. The line names the scenario
+// and the server: "scenario dynamo-kill9/dynamodb-local ...".
 func (r *dynRun) report(name, extra string) dynReport {
 	r.t.Helper()
+	name += "/" + r.server
 	r.logf("consumers stopped")
 	p := r.classify(name)
 	r.logf("classified")
