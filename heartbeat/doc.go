@@ -23,8 +23,9 @@
 //
 // The Keeper tracks, for every lease, a conservative local deadline: the
 // local time just before the last confirmed Extend (or the Acquire) was sent,
-// plus the TTL. The server's deadline is never earlier, because the server
-// set it after that moment. The Keeper never trusts the server's clock: it
+// plus the TTL, less lock.DeadlineSlack. The server's deadline is never
+// earlier, because the server set it after that moment, from its clock
+// rounded down to the millisecond at most. The Keeper never trusts the server's clock: it
 // compares readings of this process's clock only (monotonic readings, for
 // leases from a store whose clock is time.Now, the default).
 //

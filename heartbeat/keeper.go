@@ -130,7 +130,7 @@ func New(store lock.Store, cfg Config) (*Keeper, error) {
 //
 // The lease's local deadline starts at lease.Deadline and is only moved, after
 // a confirmed extension, to the local time just before that Extend call was
-// sent plus lease.TTL. Deadlines are compared with time.Now, so
+// sent plus lease.TTL, less lock.DeadlineSlack. Deadlines are compared with time.Now, so
 // lease.Deadline should come from a store whose clock is time.Now (the
 // default). The keeper stops extending once the context is done.
 //
@@ -349,7 +349,10 @@ func (k *Keeper) apply(b *batch) {
 		}
 		switch {
 		case err == nil:
-			if d := b.start.Add(e.lease.TTL); d.After(e.deadline) {
+			// The server renewed the lease from its current
+			// millisecond, rounded down: up to DeadlineSlack before
+			// b.start.
+			if d := b.start.Add(e.lease.TTL - lock.DeadlineSlack); d.After(e.deadline) {
 				e.deadline = d
 			}
 			iv := e.interval()

@@ -39,7 +39,9 @@
 //     the server sets. A client whose clock is wrong can neither steal a
 //     live lease nor keep a dead one. The client's own clock is used only
 //     to estimate its lease's deadline conservatively (Lease.Deadline is
-//     never later than the server's).
+//     never later than the server's: it is counted from just before the
+//     request was sent, less DeadlineSlack, since the server starts a
+//     lease at its current millisecond rounded down).
 //   - Fencing: while a key's record exists, each new lease's fence is
 //     strictly higher than the last, whatever the clocks do. A new lease's
 //     fence is the higher of the last fence + 1 and the server's clock in

@@ -18,8 +18,17 @@ const (
 	// DefaultMaxResultSize is the default limit on a stored result, in bytes.
 	DefaultMaxResultSize = 64 << 10
 	// MinTTL is the shortest lease TTL a Store accepts. Redis keeps lease
-	// deadlines in milliseconds.
-	MinTTL = time.Millisecond
+	// deadlines in milliseconds, and a lease's local Deadline is
+	// DeadlineSlack short of its TTL: a 1 ms lease would end as it began.
+	MinTTL = 2 * time.Millisecond
+	// DeadlineSlack is how much earlier than start+TTL a store's deadline
+	// for a lease may be, start being the local time just before the
+	// request that set it was sent: Redis starts a lease, and renews one,
+	// from its current millisecond rounded down (the scripts'
+	// floor(usec/1000), a native SET ... PX), up to a millisecond before
+	// the moment it runs. Lease.Deadline, and package heartbeat's estimate
+	// after each Extend, subtract it.
+	DeadlineSlack = time.Millisecond
 )
 
 // Errors returned by Store implementations. Callers compare with errors.Is;
@@ -142,7 +151,9 @@ type Lease struct {
 	Retention time.Duration
 	// Deadline is a conservative local estimate of when the lease expires:
 	// the local time just before the request that set the server's
-	// deadline was sent, plus TTL. The server's deadline is never earlier.
+	// deadline was sent, plus TTL, less DeadlineSlack (the server's
+	// rounding down to its millisecond). The server's deadline is never
+	// earlier.
 	Deadline time.Time
 
 	rkey string // the record's Redis key, if a RedisStore issued the lease
@@ -193,8 +204,8 @@ type Store interface {
 	// Extend renews each lease for its TTL, in one round trip where the
 	// store can. It returns one error per lease, in order: nil,
 	// ErrLeaseLost, or the transport error. A renewed lease's new
-	// deadline is at least start+TTL, where start is the local time
-	// before the call.
+	// deadline is at least start+TTL-DeadlineSlack, where start is the
+	// local time before the call.
 	Extend(ctx context.Context, leases ...Lease) []error
 	// Complete stores result and marks the record completed. A lease that
 	// is no longer held gets ErrLeaseLost and changes nothing.

@@ -242,7 +242,7 @@ func newLease(req Request, owner string, fence int64, attempt int, start time.Ti
 		Attempt:   attempt,
 		TTL:       req.TTL,
 		Retention: req.Retention,
-		Deadline:  start.Add(req.TTL),
+		Deadline:  start.Add(req.TTL - DeadlineSlack), // the server rounds its start down
 		rkey:      rkey,
 	}
 }

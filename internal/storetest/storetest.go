@@ -113,7 +113,7 @@ func testLifecycle(t *testing.T, store func(*testing.T, lock.Config) lock.Store)
 	if l.Fence < before.UnixMicro() || l.Attempt != 1 || res.Attempts != 1 || l.Key != "order-1" || l.Owner == "" {
 		t.Fatalf("first lease: got %+v, want fence from the clock (µs), attempt 1", l)
 	}
-	if l.TTL != 5*time.Second || l.Deadline.Before(before.Add(5*time.Second)) || l.Deadline.After(time.Now().Add(5*time.Second)) {
+	if l.TTL != 5*time.Second || l.Deadline.Before(before.Add(5*time.Second-lock.DeadlineSlack)) || l.Deadline.After(time.Now().Add(5*time.Second)) {
 		t.Fatalf("lease TTL/deadline: got %v / %v, want 5s from the call", l.TTL, l.Deadline)
 	}
 
