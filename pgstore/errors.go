@@ -71,3 +71,19 @@ func answered(err error) bool {
 	var pe *pgconn.PgError
 	return errors.As(err, &ce) || pgconn.SafeToRetry(err) || errors.As(err, &pe)
 }
+
+// ErrRolledBack is wrapped, with amqpidem.Permanent, by the error of a
+// TxHandler whose function rolled its work back (tx.Rollback, a deferred
+// one included) and then returned no error: its work did not happen, so
+// the message is not acked as done; it is dead-lettered. To do nothing,
+// return nil without calling Rollback; to keep the work, call tx.Commit
+// (or nothing) before Rollback.
+var ErrRolledBack = errors.New("pgstore: the handler rolled its transaction back (tx.Rollback, a deferred one included) and returned no error: its work was undone")
+
+// ErrTxEnded is wrapped, with amqpidem.Permanent, by the error of a
+// TxHandler whose function ended the transaction itself (a COMMIT or
+// ROLLBACK statement, or a library given tx.Conn() that begins and
+// commits its own transaction on it) and then returned an error, or whose
+// transaction did not commit: what it did after that is neither undone nor
+// known, so the message is dead-lettered rather than run again.
+var ErrTxEnded = errors.New("pgstore: the handler ended the transaction itself (a COMMIT or ROLLBACK statement, or a library given tx.Conn())")

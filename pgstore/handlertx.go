@@ -2,27 +2,47 @@ package pgstore
 
 import (
 	"context"
-	"errors"
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
-// errTxOwned is what a handler's Commit of a held transaction answers.
-var errTxOwned = errors.New("pgstore: TxHandler commits the transaction itself, with the record; the handler must not")
+// savepoint is where a handler's work begins in its transaction: its
+// Rollback rolls back to it, and, in a transaction holding the lease, an
+// outcome other than completed is written after rolling the whole
+// transaction back.
+const savepoint = "amqpidem_handler"
 
-// handlerTx is the pgx.Tx a handler gets in a transaction that holds its
-// lease: the statements go to the transaction TxHandler began with the
-// acquire, with no round trip of a BEGIN of their own. Commit is refused
-// (TxHandler commits, with the record); Rollback rolls back to the
-// handler's savepoint, undoing what the handler wrote, and closes the Tx.
-// Begin and LargeObjects work on a pgx.Tx begun, the first time one of
-// them is called, with a savepoint of its own (one more round trip).
+// txState is what a handler did to its handlerTx.
+type txState int
+
+const (
+	txOpen txState = iota
+	// txKept: the handler called Commit. Its work stays in the
+	// transaction, which TxHandler commits with the record.
+	txKept
+	// txUndone: the handler called Rollback, which rolled its work back
+	// to the savepoint.
+	txUndone
+)
+
+// handlerTx is the pgx.Tx a TxHandler's function gets, on either lease:
+// a nested transaction of TxHandler's own, which begins at the savepoint
+// and whose statements go to TxHandler's transaction without a round trip
+// of a BEGIN of their own. As with pgx's nested transactions (tx.Begin),
+// Commit keeps the work (TxHandler commits it, with the record, once the
+// function returned nil) and Rollback undoes it (a rollback to the
+// savepoint); either closes the Tx, after which the other answers
+// pgx.ErrTxClosed, so that `defer tx.Rollback(ctx)` after a Commit is
+// harmless. Begin and LargeObjects work on a pgx.Tx begun, the first time
+// one of them is called, with a savepoint of its own (one more round trip).
+//
+// It is not safe for concurrent use, as no pgx.Tx is.
 type handlerTx struct {
-	conn   *pgx.Conn
-	closed bool
-	base   pgx.Tx // for Begin and LargeObjects, once one was called
+	conn  *pgx.Conn
+	state txState
+	base  pgx.Tx // for Begin and LargeObjects, once one was called
 }
 
 var _ pgx.Tx = (*handlerTx)(nil)
@@ -42,7 +62,7 @@ func (t *handlerTx) baseTx(ctx context.Context) (pgx.Tx, error) {
 
 // Begin starts a pseudo nested transaction (a savepoint), as pgx's do.
 func (t *handlerTx) Begin(ctx context.Context) (pgx.Tx, error) {
-	if t.closed {
+	if t.state != txOpen {
 		return nil, pgx.ErrTxClosed
 	}
 	base, err := t.baseTx(ctx)
@@ -52,20 +72,31 @@ func (t *handlerTx) Begin(ctx context.Context) (pgx.Tx, error) {
 	return base.Begin(ctx)
 }
 
-// Commit refuses: TxHandler commits the transaction with the record.
+// Commit closes the Tx and keeps the handler's work, for TxHandler to
+// commit with the record once the handler returned nil; it does not commit
+// by itself. As pgx's Commit does, it answers pgx.ErrTxCommitRollback for
+// a transaction a failed statement aborted: nothing of it can commit.
 func (t *handlerTx) Commit(context.Context) error {
-	if t.closed {
+	if t.state != txOpen {
 		return pgx.ErrTxClosed
 	}
-	return errTxOwned
+	t.state = txKept
+	if t.conn.PgConn().TxStatus() == 'E' {
+		return pgx.ErrTxCommitRollback
+	}
+	return nil
 }
 
 // Rollback undoes what the handler wrote (a rollback to the handler's
-// savepoint) and closes the Tx; the lease stays held until the message's
-// outcome is written.
+// savepoint) and closes the Tx. The lease stays held; a handler that then
+// returns nil fails with ErrRolledBack, since its work did not happen.
 func (t *handlerTx) Rollback(ctx context.Context) error {
-	if t.closed {
+	if t.state != txOpen {
 		return pgx.ErrTxClosed
+	}
+	t.state = txUndone
+	if t.conn.PgConn().TxStatus() == 'I' {
+		return nil // ended by the handler itself: TxHandler sees it
 	}
 	// Not cut short by ctx: a rollback the handler asked for is made.
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
@@ -73,13 +104,12 @@ func (t *handlerTx) Rollback(ctx context.Context) error {
 	if _, err := t.conn.Exec(rctx, "ROLLBACK TO SAVEPOINT "+savepoint); err != nil {
 		return fmt.Errorf("pgstore: rollback of the handler's work: %w", err)
 	}
-	t.closed = true
 	return nil
 }
 
 // CopyFrom runs pgx.Conn.CopyFrom in the transaction.
 func (t *handlerTx) CopyFrom(ctx context.Context, table pgx.Identifier, columns []string, src pgx.CopyFromSource) (int64, error) {
-	if t.closed {
+	if t.state != txOpen {
 		return 0, pgx.ErrTxClosed
 	}
 	return t.conn.CopyFrom(ctx, table, columns, src)
@@ -87,7 +117,7 @@ func (t *handlerTx) CopyFrom(ctx context.Context, table pgx.Identifier, columns 
 
 // SendBatch runs pgx.Conn.SendBatch in the transaction.
 func (t *handlerTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
-	if t.closed {
+	if t.state != txOpen {
 		return closedBatch{}
 	}
 	return t.conn.SendBatch(ctx, b)
@@ -108,7 +138,7 @@ func (t *handlerTx) LargeObjects() pgx.LargeObjects {
 
 // Prepare runs pgx.Conn.Prepare on the transaction's connection.
 func (t *handlerTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
-	if t.closed {
+	if t.state != txOpen {
 		return nil, pgx.ErrTxClosed
 	}
 	return t.conn.Prepare(ctx, name, sql)
@@ -116,7 +146,7 @@ func (t *handlerTx) Prepare(ctx context.Context, name, sql string) (*pgconn.Stat
 
 // Exec runs pgx.Conn.Exec in the transaction.
 func (t *handlerTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	if t.closed {
+	if t.state != txOpen {
 		return pgconn.CommandTag{}, pgx.ErrTxClosed
 	}
 	return t.conn.Exec(ctx, sql, args...)
@@ -124,7 +154,7 @@ func (t *handlerTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.C
 
 // Query runs pgx.Conn.Query in the transaction.
 func (t *handlerTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	if t.closed {
+	if t.state != txOpen {
 		return nil, pgx.ErrTxClosed
 	}
 	return t.conn.Query(ctx, sql, args...)
@@ -132,13 +162,16 @@ func (t *handlerTx) Query(ctx context.Context, sql string, args ...any) (pgx.Row
 
 // QueryRow runs pgx.Conn.QueryRow in the transaction.
 func (t *handlerTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	if t.closed {
+	if t.state != txOpen {
 		return closedRow{}
 	}
 	return t.conn.QueryRow(ctx, sql, args...)
 }
 
-// Conn returns the transaction's connection.
+// Conn returns the transaction's connection. Statements run on it
+// directly are in the transaction too; a COMMIT or ROLLBACK run on it (a
+// library that begins and commits a transaction of its own, say) ends
+// TxHandler's transaction: see ErrTxEnded.
 func (t *handlerTx) Conn() *pgx.Conn { return t.conn }
 
 // closedRow is the Row of a closed Tx.

@@ -12,59 +12,80 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/lock"
 )
 
 // A lease held by a transaction (TxHandler's AcquireLease, see the package
-// documentation): acquireHeld takes the key's transaction-level advisory
-// lock in a transaction that stays open on one pooled connection until the
-// lease ends, and the record is written once, with the outcome, by a plain
-// INSERT in that transaction (commitHeld), or by finish_held once the
-// transaction ended without it (endHeld). Between AcquireLease and the
-// call that ends the lease (HandleComplete, Complete, Fail, Release or
-// Cancel) the transaction waits in Store.held, under the lease's owner
-// token.
-
-// errTxEnded says that the handler ended the transaction that held its
-// lease (a COMMIT or ROLLBACK statement of its own).
-var errTxEnded = errors.New("the handler ended the transaction holding the lease (a COMMIT or ROLLBACK of its own)")
+// documentation): acquireHeld begins a transaction that stays open on one
+// pooled connection until the lease ends and takes the key's advisory lock
+// in it twice, at transaction level and at session level. The record is
+// written once, with the outcome, by a plain INSERT in that transaction,
+// sent with the release of the session-level lock and the COMMIT
+// (commitHeld): the transaction-level lock covers the moment from that
+// release to the commit, when the record becomes visible, and the
+// session-level one a COMMIT of the handler's own, after which the
+// completion is written on the same session (finishHeldOn) before the key
+// is free. Both are released while the transaction is open, so that a
+// pooler in transaction mode never keeps a server session holding them;
+// only a handler that ends the transaction itself makes the release come
+// after it. Between AcquireLease and the call that ends the lease
+// (HandleComplete, Complete, Fail, Release or Cancel) the transaction
+// waits in Store.held, under the lease's owner token, which begins with
+// heldMark and the backend's process ID: Extend asks the server whether
+// that backend still holds the lock.
 
 // heldMark is the first byte of the owner token of a lease held by a
 // transaction; other owner tokens are hex digits.
 const heldMark = 't'
 
-// savepoint is where the handler's work begins in a held transaction: an
-// outcome other than completed is written after rolling back to it.
-const savepoint = "amqpidem_handler"
-
 // heldTx is a transaction that holds a lease, or, with no conn, what is
-// left of one whose completion failed: the fingerprint, for the outcome
-// written next.
+// left of one that ended before the outcome was written: the fingerprint,
+// for that outcome.
 type heldTx struct {
 	conn *pgxpool.Conn
 	tx   *handlerTx // the handler's
-	fp   []byte     // the request's fingerprint, for the record
-	xid  string     // the transaction's id (pg_current_xact_id)
-	// insert is heldSQL.insert, for the outcome.
-	insert string
+	hs   *heldSQL
+	key  []byte // the lease's key, for the lock
+	fp   []byte // the request's fingerprint, for the record
+	xid  string // the transaction's id (pg_current_xact_id)
+	// locked: the session still holds the key's advisory lock.
+	locked bool
 	// guard ends the transaction if nothing took it within the lease's
-	// TTL (a bug: amqpidem always ends the leases it gets).
+	// TTL (a bug: amqpidem always ends the leases it gets), and forgets
+	// what is left of an ended one later.
 	guard *time.Timer
 }
 
 // isHeld reports whether l is held by a transaction.
 func isHeld(l lock.Lease) bool { return l.Owner != "" && l.Owner[0] == heldMark }
 
+// heldOwner returns a new owner token for a lease held by a transaction
+// on the backend pid: heldMark, pid in 8 hex digits, and 23 random ones.
+func heldOwner(pid uint32) string {
+	return fmt.Sprintf("%c%08x%s", heldMark, pid, lock.NewOwner()[9:])
+}
+
+// heldPID returns the backend process ID of the held lease owner (see
+// heldOwner), and false for an owner token that has none.
+func heldPID(owner string) (uint32, bool) {
+	if len(owner) < 9 || owner[0] != heldMark {
+		return 0, false
+	}
+	pid, err := strconv.ParseUint(owner[1:9], 16, 32)
+	return uint32(pid), err == nil
+}
+
 // acquireHeld takes a lease on req.Key held by a transaction that it begins
 // (with Config.TxOptions), in one round trip: BEGIN, the key's advisory
 // lock, the record, and the SAVEPOINT the handler's work begins at
 // (heldStatements). A key that is busy or answered by its record costs one
-// more, the ROLLBACK; a key whose record counts attempts is taken by
-// Acquire instead, and so is every key while the database has no
-// held_key (not migrated by this release). Its failures are not
-// retried: a transaction whose outcome is unknown ended with its
-// connection, holding nothing.
+// more, the ROLLBACK (and the unlock, if it took the lock); a key whose
+// record counts attempts is taken by Acquire instead, and so is every key
+// while the database has no held_key (not migrated by this release). Its
+// failures are not retried: a transaction whose outcome is unknown ended
+// with its connection, holding nothing.
 func (s *Store) acquireHeld(ctx context.Context, req lock.Request) (lock.Result, error) {
 	req, err := s.cfg.CheckRequest(req)
 	if err != nil {
@@ -89,6 +110,7 @@ func (s *Store) acquireHeld(ctx context.Context, req lock.Request) (lock.Result,
 	var (
 		locked, readCommitted *bool
 		xid                   *string
+		pid                   uint32
 		rec                   heldRecord
 	)
 	key := []byte(req.Key)
@@ -99,11 +121,12 @@ func (s *Store) acquireHeld(ctx context.Context, req lock.Request) (lock.Result,
 	b.Queue("SAVEPOINT " + savepoint)
 	br := conn.SendBatch(ctx, b)
 	_, berr := br.Exec()
-	lerr := br.QueryRow().Scan(&locked, &xid, &readCommitted)
+	lerr := br.QueryRow().Scan(&locked, &xid, &readCommitted, &pid)
 	rerr := br.QueryRow().Scan(&rec.state, &rec.fence, &rec.attempts, &rec.value, &rec.fp, &rec.live, &rec.remaining, &rec.clock)
 	_, serr := br.Exec()
 	if err := cmp.Or(berr, lerr, rerr, serr, br.Close()); err != nil {
-		s.endConn(conn)
+		// The lock may have been taken: the session goes, and it with it.
+		closeConn(conn)
 		var pe *pgconn.PgError
 		if errors.As(err, &pe) && notMigrated[pe.Code] {
 			// The table went away since heldStatements found it: ask
@@ -113,29 +136,29 @@ func (s *Store) acquireHeld(ctx context.Context, req lock.Request) (lock.Result,
 		}
 		return lock.Result{}, fmt.Errorf("pgstore: acquire %q: %w", req.Key, classify(err))
 	}
+	h := &heldTx{conn: conn, tx: &handlerTx{conn: conn.Conn()}, hs: hs, key: key, fp: []byte(req.Fingerprint),
+		locked: locked != nil && *locked}
 	// Under a level above READ COMMITTED (the server's default, when
 	// Config.TxOptions sets none), the transaction's snapshot is the
 	// lock's statement's: the record read after the lock could miss a
 	// lease committed just before it. A record-row lease instead.
-	status, fence, attempts, remaining, value := rec.status(req, locked != nil && *locked)
+	status, fence, attempts, remaining, value := rec.status(req, h.locked)
 	if readCommitted == nil || !*readCommitted {
 		status = statusCounted
 	}
 	if status != int(lock.Acquired) {
-		s.endConn(conn)
+		s.endHeldConn(h)
 		if status == statusCounted {
 			return s.Acquire(ctx, req)
 		}
 		return s.result(req, status, fence, attempts, remaining, value, "", start)
 	}
-	owner := lock.NewOwner()
-	owner = string(heldMark) + owner[1:]
+	owner := heldOwner(pid)
 	res, err := s.result(req, status, fence, attempts, remaining, value, owner, start)
 	if err != nil {
-		s.endConn(conn)
+		s.endHeldConn(h)
 		return res, err
 	}
-	h := &heldTx{conn: conn, tx: &handlerTx{conn: conn.Conn()}, fp: []byte(req.Fingerprint), insert: hs.insert}
 	if xid != nil {
 		h.xid = *xid
 	}
@@ -197,12 +220,19 @@ const statusCounted = 6
 type heldSQL struct {
 	// lock answers whether the transaction took the key's advisory lock
 	// (NULL: not tried, a live record is there), then the transaction's
-	// id when it did, and whether its isolation is READ COMMITTED. With
-	// the lock it sets the transaction's idle_in_transaction_session_timeout
-	// to the lease's TTL: a holder that stops talking to the server
-	// (paused, cut off) loses its session, its transaction and the lock
-	// with them.
-	lock string
+	// id when it did, whether its isolation is READ COMMITTED, and the
+	// backend's process ID (the server's own: a pooler's may differ). It
+	// takes the lock twice, at transaction level and at session level,
+	// so that a COMMIT of the handler's own does not free the key before
+	// its record is written; unlock releases the session-level one (see
+	// the top of this file). With the lock it sets the
+	// transaction's idle_in_transaction_session_timeout to the lease's
+	// TTL: a holder that stops talking to the server (paused, cut off)
+	// loses its session, its transaction and the lock with them.
+	lock, unlock string
+	// live answers which of the keys ($2) are still locked by the
+	// backends ($3) holding their leases (Extend).
+	live string
 	// read is the record, read after the lock by a statement of its own
 	// (a snapshot of its own, under READ COMMITTED): another holder may
 	// have finished in between. One row, NULLs when there is none.
@@ -243,24 +273,33 @@ func (s *Store) heldStatements(ctx context.Context) (*heldSQL, error) {
 	case err != nil:
 		return nil, err
 	}
-	hs := newHeldSQL(*table, heldLockClass+", "+n.heldKey+"($1, $2)")
+	hs := newHeldSQL(*table, n.heldKey)
 	s.heldSQL.Store(hs)
 	return hs, nil
 }
 
 // newHeldSQL returns the statements of leases held by transactions on the
-// records table (its full name, quoted), with lockKey the SQL of the key's
-// advisory lock of $1 (namespace) and $2 (key), the one the functions try
-// (held_key).
-func newHeldSQL(table, lockKey string) *heldSQL {
+// records table (its full name, quoted), with heldKey the function that
+// makes the second half of a key's advisory lock, the one the functions
+// try.
+func newHeldSQL(table, heldKey string) *heldSQL {
+	lockKey := heldLockClass + ", " + heldKey + "($1, $2)"
 	return &heldSQL{
+		unlock: "SELECT pg_advisory_unlock(" + lockKey + ")",
+		// A lock of two int4 keys is listed with objsubid 2, the second
+		// key in objid as an oid.
+		live: `SELECT x.key FROM unnest($2::bytea[], $3::int[]) AS x(key, pid)
+			WHERE EXISTS (SELECT FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted
+				AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+				AND l.pid = x.pid AND l.classid = ` + heldLockClass + ` AND l.objsubid = 2
+				AND l.objid = ` + heldKey + `($1, x.key)::oid)`,
 		// A subquery of its own, so that the lock is tried once (a
 		// volatile expression is not pulled up into the outer query).
 		lock: `SELECT s.locked, CASE WHEN s.locked THEN pg_current_xact_id()::text END,
-				current_setting('transaction_isolation') = 'read committed'
+				current_setting('transaction_isolation') = 'read committed', pg_backend_pid()
 			FROM (SELECT CASE WHEN EXISTS (SELECT FROM ` + table + ` t
 					WHERE t.ns = $1 AND t.key = $2 AND t.expires_at > clock_timestamp()) THEN NULL
-				WHEN pg_try_advisory_xact_lock(` + lockKey + `)
+				WHEN pg_try_advisory_xact_lock(` + lockKey + `) AND pg_try_advisory_lock(` + lockKey + `)
 					THEN set_config('idle_in_transaction_session_timeout', $3::text, true) IS NOT NULL
 				ELSE false END AS locked) s`,
 		read: `SELECT t.state, t.fence, t.attempts, t.value, t.fingerprint, t.expires_at > clock_timestamp(),
@@ -273,27 +312,52 @@ func newHeldSQL(table, lockKey string) *heldSQL {
 	}
 }
 
-// putHeld keeps h, the transaction holding l, until a call takes it, or
-// until the guard ends it after l's TTL.
+// putHeld keeps h, the transaction holding l (or what is left of it),
+// until a call takes it. A guard ends the transaction if nothing took it
+// within l's TTL, keeping what is left of it.
 func (s *Store) putHeld(l lock.Lease, h *heldTx) {
-	h.guard = time.AfterFunc(l.TTL, func() {
-		if s.held.CompareAndDelete(l.Owner, h) && h.conn != nil {
-			s.cfg.Logger.Warn("pgstore: a lease held by a transaction was not ended within its TTL; rolled back",
-				"key", l.Key, "fence", l.Fence)
-			s.endConn(h.conn)
-		}
-	})
-	s.held.Store(l.Owner, h)
-	if s.closed.Load() {
-		// Close has run: nothing may stay held (see Close).
-		if h := s.takeHeld(l.Owner); h != nil && h.conn != nil {
-			h.conn.Release()
-		}
+	if s.closed.Load() && h.conn != nil {
+		// Close has run: no transaction may stay held (see Close).
+		closeConn(h.conn)
+		h = s.ended(l.Owner, h.fp, l.TTL+l.Retention)
 	}
+	if h.conn != nil {
+		h.guard = time.AfterFunc(l.TTL, func() {
+			s.endInPlace(l.Owner, h, l.TTL+l.Retention, func() {
+				s.cfg.Logger.Warn("pgstore: a lease held by a transaction was not ended within its TTL; rolled back",
+					"key", l.Key, "fence", l.Fence)
+			})
+		})
+	}
+	s.held.Store(l.Owner, h)
 }
 
-// takeHeld returns the transaction holding the lease of owner and forgets
-// it, or nil when none waits (it ended).
+// ended returns what is left of a held transaction that ended before its
+// outcome was written, the fingerprint fp, for the outcome written next;
+// it is forgotten after keep (the record's life), if nothing took it.
+func (s *Store) ended(owner string, fp []byte, keep time.Duration) *heldTx {
+	e := &heldTx{fp: fp}
+	e.guard = time.AfterFunc(keep, func() { s.held.CompareAndDelete(owner, e) })
+	return e
+}
+
+// endInPlace ends h, the transaction waiting under owner, if it still
+// waits, and puts what is left of it in its place (see ended), kept for
+// keep; before ending it, it calls before. It reports whether it did.
+func (s *Store) endInPlace(owner string, h *heldTx, keep time.Duration, before func()) bool {
+	e := s.ended(owner, h.fp, keep)
+	if !s.held.CompareAndSwap(owner, h, e) {
+		e.guard.Stop()
+		return false
+	}
+	h.guard.Stop()
+	before()
+	s.endHeldConn(h)
+	return true
+}
+
+// takeHeld returns the transaction holding the lease of owner (or what is
+// left of it) and forgets it, or nil when none waits.
 func (s *Store) takeHeld(owner string) *heldTx {
 	v, ok := s.held.LoadAndDelete(owner)
 	if !ok {
@@ -315,103 +379,238 @@ func (s *Store) endConn(conn *pgxpool.Conn) {
 	conn.Release()
 }
 
+// endHeldConn releases the key's session-level lock, if h's session
+// still holds it, and ends h's transaction, if it is still open, in one
+// round trip (two for a transaction a failed statement aborted: its
+// rollback to the handler's savepoint goes first, on its own, since the
+// server prepares nothing else in it), and gives the connection back to
+// the pool. A connection that cannot be made clean (busy, or a statement
+// failed) is closed instead, which ends the locks with the session: a
+// pooled connection must never keep one.
+func (s *Store) endHeldConn(h *heldTx) {
+	pc := h.conn.Conn().PgConn()
+	if pc.IsClosed() {
+		h.conn.Release()
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), commitTimeout)
+	defer cancel()
+	var err error
+	if pc.IsBusy() {
+		err = errors.New("pgstore: connection busy")
+	} else if pc.TxStatus() == 'E' && h.locked {
+		_, err = h.conn.Exec(ctx, "ROLLBACK TO SAVEPOINT "+savepoint)
+	}
+	if err == nil && (pc.TxStatus() != 'I' || h.locked) {
+		b := &pgx.Batch{}
+		if h.locked {
+			b.Queue(h.hs.unlock, s.cfg.Prefix, h.key)
+		}
+		if pc.TxStatus() != 'I' {
+			b.Queue("ROLLBACK")
+		}
+		err = h.conn.SendBatch(ctx, b).Close()
+	}
+	if err != nil || pc.TxStatus() != 'I' {
+		closeConn(h.conn)
+		return
+	}
+	h.locked = false
+	h.conn.Release()
+}
+
+// closeConn closes conn, and gives it back to the pool, which then
+// forgets it: the server ends the session, its transaction and its locks.
+func closeConn(conn *pgxpool.Conn) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	_ = conn.Conn().Close(ctx)
+	conn.Release()
+}
+
+// completeHeld runs fn in the transaction that holds lease, from the
+// handler's savepoint, then writes the completed record and commits, in
+// one round trip (commitHeld), or, when fn committed its work itself,
+// writes the completed record after it (finishHeldOn). When there is
+// nothing to complete (see ending), the transaction is kept for the call
+// that ends the lease next (Fail, Release, Cancel: amqpidem makes one),
+// which writes that outcome under the same lock.
+func (h *txHandler) completeHeld(ctx context.Context, d *amqp.Delivery, lease lock.Lease, value func([]byte) ([]byte, error)) ([]byte, error) {
+	ht := h.s.takeHeld(lease.Owner)
+	if ht == nil || ht.conn == nil {
+		if ht != nil {
+			h.s.putHeld(lease, ht)
+		}
+		return nil, fmt.Errorf("%w: key %q: the transaction holding the lease ended before the handler ran", lock.ErrUnavailable, lease.Key)
+	}
+	committing := false
+	defer func() {
+		if !committing { // nothing completed, or fn panicked: the next call ends it
+			h.s.putHeld(lease, ht)
+		}
+	}()
+	result, ferr := h.fn(ctx, ht.tx, d)
+	end, err := h.s.ending(ctx, ht.tx, ht.xid, ferr, true)
+	if end == endFailed {
+		return nil, err
+	}
+	v, err := h.stored(lease, result, value)
+	if err != nil {
+		return nil, err
+	}
+	committing = true
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
+	defer cancel()
+	if end == endCommitted {
+		err = h.s.finishHeld(cctx, ht, lease, "complete", "c", v)
+	} else {
+		err = h.s.commitHeld(cctx, ht, lease, "complete", "c", v)
+		h.s.endHeldConn(ht)
+	}
+	if err != nil {
+		if !errors.Is(err, lock.ErrLeaseLost) {
+			// amqpidem releases the lease next: its record keeps the
+			// fingerprint.
+			h.s.putHeld(lease, &heldTx{fp: ht.fp})
+		}
+		return nil, err
+	}
+	return result, nil
+}
+
 // endHeld ends the held lease l with the outcome state ('c', 'f', 'r'; op
 // names the call) and value, or with none for "x" (cancelled: nothing was
-// written, so the attempt is not counted). The transaction that holds l,
-// if one still does, is rolled back to the handler's savepoint unless the
-// outcome is completed, and the record's INSERT and COMMIT run in it, in
-// one round trip (commitHeld). Once it ended (its handler failed there, or its connection
-// closed), finish_held runs alone: it writes the outcome if no other
-// holder came meanwhile.
+// written, so the attempt is not counted), with finishHeld.
 func (s *Store) endHeld(ctx context.Context, l lock.Lease, op, state string, value []byte) error {
 	h := s.takeHeld(l.Owner)
+	if h == nil {
+		h = &heldTx{fp: []byte{}}
+	}
 	if state == "x" {
-		if h != nil && h.conn != nil {
-			s.endConn(h.conn)
+		if h.conn != nil {
+			s.endHeldConn(h)
 		}
 		return nil
 	}
-	fp := []byte{}
-	if h != nil {
-		fp = h.fp
+	err := s.finishHeld(ctx, h, l, op, state, value)
+	if err != nil && !errors.Is(err, lock.ErrLeaseLost) {
+		s.putHeld(l, &heldTx{fp: h.fp}) // for the call's retry
 	}
-	if h != nil && h.conn != nil {
-		err := s.commitHeld(ctx, h, l, op, state, value)
-		closed := h.conn.Conn().IsClosed()
-		s.endConn(h.conn)
-		if err == nil || errors.Is(err, lock.ErrLeaseLost) || !closed && !errors.Is(err, errTxEnded) {
+	return err
+}
+
+// finishHeld writes the outcome state of the held lease l and ends what is
+// left of its transaction h. While h's transaction is open, the outcome is
+// written and committed in it (commitHeld); once the handler ended it, on
+// the same session, under the key's session-level lock (finishHeldOn).
+// Once the session ended (the server ended it, say: nothing of its
+// transaction committed), finish_held runs on a connection of the pool: it
+// writes the outcome if no other holder came meanwhile.
+func (s *Store) finishHeld(ctx context.Context, h *heldTx, l lock.Lease, op, state string, value []byte) error {
+	if h.conn != nil {
+		pc := h.conn.Conn().PgConn()
+		usable := !pc.IsClosed() && !pc.IsBusy()
+		var err error
+		switch {
+		case !usable:
+		case pc.TxStatus() == 'I':
+			err = s.finishHeldOn(ctx, h, l, op, state, value)
+		default:
+			err = s.commitHeld(ctx, h, l, op, state, value)
+		}
+		closed := pc.IsClosed()
+		s.endHeldConn(h)
+		if usable && !closed {
 			return err
 		}
-		// The connection closed (the server ended an idle holder's
-		// session, say), or the handler ended the transaction: nothing of
-		// it committed, or this same outcome did, which finish_held alone
-		// finds.
 	}
 	_, err := s.pool.Exec(ctx, s.sql.finishHeld, s.cfg.Prefix, []byte(l.Key), l.Owner, l.Fence, state, value,
-		l.Retention.Milliseconds(), fp)
+		l.Retention.Milliseconds(), h.fp)
 	return s.heldError(op, l, err)
 }
 
-// commitHeld writes l's outcome in h and commits: the record's INSERT and
-// COMMIT in one round trip, after a rollback to the handler's savepoint
-// unless the outcome is completed. The key's lock is h's since the
-// acquire, which found no record: nobody else can have written one
-// (Acquire tries the lock too), and the INSERT, with no ON CONFLICT,
-// would fail if someone had. The caller gives h's connection back
-// (endConn).
+// finishHeldOn writes l's outcome with finish_held on the session of h,
+// whose transaction the handler ended, under the key's session-level lock,
+// then releases that lock, in one round trip. (Through a pooler in
+// transaction mode, these may reach another server session than the one
+// holding the lock: see "Writing a TxHandler" in the package
+// documentation.) The caller gives h's connection back (endHeldConn).
+func (s *Store) finishHeldOn(ctx context.Context, h *heldTx, l lock.Lease, op, state string, value []byte) error {
+	if err := lock.CheckLease(l); err != nil {
+		return err
+	}
+	b := &pgx.Batch{}
+	b.Queue(s.sql.finishHeld, s.cfg.Prefix, []byte(l.Key), l.Owner, l.Fence, state, value, l.Retention.Milliseconds(), h.fp)
+	b.Queue(h.hs.unlock, s.cfg.Prefix, h.key)
+	br := h.conn.SendBatch(ctx, b)
+	_, ferr := br.Exec()
+	_, uerr := br.Exec()
+	err := cmp.Or(ferr, br.Close())
+	if err == nil && uerr == nil {
+		h.locked = false
+	}
+	return s.heldError(op, l, ferr)
+}
+
+// commitHeld writes l's outcome state ('c', 'f', 'r'; op names the call)
+// with value in h's transaction and commits it: after a rollback to the
+// handler's savepoint unless the outcome is completed, the record's
+// INSERT, the release of the key's session-level lock (its
+// transaction-level one lasts to the COMMIT) and the COMMIT, in one round
+// trip (two for a transaction a failed statement aborted: its rollback to
+// the savepoint goes first, on its own, since the server prepares nothing
+// else in it). The key's lock is h's since the acquire, which found no
+// record: nobody else can have written one (Acquire tries the lock too),
+// and the INSERT, with no ON CONFLICT, would fail if someone had. The
+// caller gives h's connection back (endHeldConn).
 func (s *Store) commitHeld(ctx context.Context, h *heldTx, l lock.Lease, op, state string, value []byte) error {
 	if err := lock.CheckLease(l); err != nil {
 		return err
 	}
-	if h.conn.Conn().PgConn().TxStatus() == 'I' {
-		// Ended by a statement of the handler's own (COMMIT, ROLLBACK),
-		// and the lock with it. A completion is written only if the
-		// handler's writes committed: else they would be lost, and if
-		// they did, running it again would repeat them.
-		if state == "c" {
-			var status string
-			err := h.conn.QueryRow(ctx, "SELECT pg_xact_status($1::xid8)", h.xid).Scan(&status)
-			if err == nil && status == "committed" {
-				_, err := h.conn.Exec(ctx, s.sql.finishHeld, s.cfg.Prefix, []byte(l.Key), l.Owner, l.Fence, state, value,
-					l.Retention.Milliseconds(), h.fp)
-				return s.heldError(op, l, err)
-			}
+	rollback := state != "c"
+	if rollback && h.conn.Conn().PgConn().TxStatus() == 'E' {
+		if _, err := h.conn.Exec(ctx, "ROLLBACK TO SAVEPOINT "+savepoint); err != nil {
+			return fmt.Errorf("pgstore: %s %q: rollback of the handler's work: %w", op, l.Key, classify(err))
 		}
-		return fmt.Errorf("pgstore: %s %q: %w", op, l.Key, errTxEnded)
+		rollback = false
 	}
 	b := &pgx.Batch{}
-	if state != "c" {
+	if rollback {
 		b.Queue("ROLLBACK TO SAVEPOINT " + savepoint)
 	}
-	b.Queue(h.insert, s.cfg.Prefix, []byte(l.Key), state, l.Owner, l.Fence, h.fp, value, l.Retention.Milliseconds())
+	b.Queue(h.hs.insert, s.cfg.Prefix, []byte(l.Key), state, l.Owner, l.Fence, h.fp, value, l.Retention.Milliseconds())
+	b.Queue(h.hs.unlock, s.cfg.Prefix, h.key)
 	b.Queue("COMMIT")
 	br := h.conn.SendBatch(ctx, b)
 	var rerr error
-	if state != "c" {
+	if rollback {
 		_, rerr = br.Exec()
 	}
-	_, ferr := br.Exec()
+	_, ierr := br.Exec()
+	_, uerr := br.Exec()
 	tag, cerr := br.Exec()
-	err := cmp.Or(rerr, ferr, cerr, br.Close())
+	cerr = cmp.Or(cerr, br.Close())
+	if rerr == nil && ierr == nil && uerr == nil {
+		h.locked = false
+	}
 	var pe *pgconn.PgError
+	werr := cmp.Or(rerr, ierr, uerr) // before the COMMIT: the server skipped it
 	switch {
-	case err == nil && tag.String() != "COMMIT":
-		return fmt.Errorf("pgstore: commit of %q answered %q: nothing committed", l.Key, tag.String())
-	case err == nil:
-		return nil
-	case ferr != nil && errors.As(ferr, &pe) && pe.Code == uniqueViolation:
+	case ierr != nil && errors.As(ierr, &pe) && pe.Code == uniqueViolation:
 		// A record is there that this lease did not write: someone wrote
 		// it without the key's lock (an earlier release's Migrate ran
-		// after this one's, say). The COMMIT was skipped, nothing
-		// committed.
+		// after this one's, say). Nothing committed.
 		return fmt.Errorf("%w: %s key %q fence %d: %s", lock.ErrLeaseLost, op, l.Key, l.Fence, pe.Message)
-	case cmp.Or(rerr, ferr) != nil && errors.As(cmp.Or(rerr, ferr), &pe):
+	case werr != nil && errors.As(werr, &pe):
 		// The server refused the outcome (the schema changed under it,
-		// say): the COMMIT was skipped, nothing committed.
-		return s.heldError(op, l, cmp.Or(rerr, ferr))
-	default:
-		return fmt.Errorf("pgstore: commit (its outcome may be unknown: the record tells): %w", classify(err))
+		// say): nothing committed.
+		return s.heldError(op, l, werr)
+	case cmp.Or(werr, cerr) != nil:
+		return fmt.Errorf("pgstore: commit (its outcome may be unknown: the record tells): %w", classify(cmp.Or(werr, cerr)))
+	case tag.String() != "COMMIT":
+		return fmt.Errorf("pgstore: commit of %q answered %q: nothing committed", l.Key, tag.String())
 	}
+	return nil
 }
 
 // uniqueViolation is the SQLSTATE of an INSERT that found its key taken.

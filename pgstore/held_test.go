@@ -408,104 +408,60 @@ func TestHeldLeaseIdleHandlerRetriesOnRow(t *testing.T) {
 	}
 }
 
-// TestHeldLeaseHandlerTx: the pgx.Tx of a held transaction behaves as a
-// handler expects of TxHandler's: Commit is refused (TxHandler commits,
-// with the record), Rollback undoes the handler's writes and closes the Tx
-// (the record is still written), nested transactions and large objects
-// work, and a transaction the handler ended with a statement of its own
-// gets no record written outside it.
-func TestHeldLeaseHandlerTx(t *testing.T) {
-	r := newRig(t)
-	ctx := context.Background()
-	run := func(key string, fn pgstore.TxFunc) error {
-		t.Helper()
-		h := r.taker(fn)
-		res, err := h.AcquireLease(ctx, lock.Request{Key: key}, &amqp.Delivery{})
-		if err != nil || res.Status != lock.Acquired {
-			t.Fatalf("AcquireLease %s: %+v, %v", key, res, err)
-		}
-		_, err = h.HandleComplete(ctx, &amqp.Delivery{MessageId: key}, res.Lease, same)
-		if err != nil {
-			if rerr := r.store.Release(ctx, res.Lease); rerr != nil {
-				t.Fatalf("Release %s: %v", key, rerr)
+// TestHandlerTx: the pgx.Tx a handler gets, on either lease, behaves as
+// pgx's nested transactions do: Commit and Rollback close it (statements
+// after either answer pgx.ErrTxClosed, and a Rollback after Commit does
+// nothing), nested transactions and large objects work. (What each way
+// of ending comes to: TestTxHandlerIdioms.)
+func TestHandlerTx(t *testing.T) {
+	for _, p := range paths {
+		t.Run(p.name, func(t *testing.T) {
+			r := newRig(t)
+			err := r.attempt("closed", p.redelivered, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+				if err := r.insert(ctx, tx, d.MessageId); err != nil {
+					return nil, err
+				}
+				if err := tx.Commit(ctx); err != nil {
+					return nil, fmt.Errorf("Commit: %w", err)
+				}
+				if _, err := tx.Exec(ctx, "SELECT 1"); !errors.Is(err, pgx.ErrTxClosed) {
+					return nil, fmt.Errorf("Exec after Commit: %v, want pgx.ErrTxClosed", err)
+				}
+				if err := tx.Rollback(ctx); !errors.Is(err, pgx.ErrTxClosed) {
+					return nil, fmt.Errorf("Rollback after Commit: %v, want pgx.ErrTxClosed", err)
+				}
+				return nil, nil
+			})
+			if got := r.effects()["closed"]; err != nil || got != 1 {
+				t.Fatalf("Commit, then Rollback: %v, %d effect rows; want nil and 1", err, got)
 			}
-		}
-		return err
+			err = r.attempt("nested", p.redelivered, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+				if err := r.insert(ctx, tx, "kept"); err != nil {
+					return nil, err
+				}
+				inner, err := tx.Begin(ctx)
+				if err != nil {
+					return nil, err
+				}
+				if err := r.insert(ctx, inner, "undone"); err != nil {
+					return nil, err
+				}
+				if err := inner.Rollback(ctx); err != nil {
+					return nil, err
+				}
+				lo := tx.LargeObjects()
+				oid, err := lo.Create(ctx, 0)
+				if err != nil {
+					return nil, err
+				}
+				return nil, lo.Unlink(ctx, oid)
+			})
+			if got := r.effects(); err != nil || got["kept"] != 1 || got["undone"] != 0 {
+				t.Fatalf("nested: %v, effects %v; want the outer write only", err, got)
+			}
+			r.idle()
+		})
 	}
-	err := run("commit", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
-		if err := r.insert(ctx, tx, d.MessageId); err != nil {
-			return nil, err
-		}
-		if err := tx.Commit(ctx); err == nil {
-			return nil, errors.New("Commit: nil error, want a refusal")
-		}
-		return nil, nil
-	})
-	if err != nil || r.effects()["commit"] != 1 || r.record("commit").state != "c" {
-		t.Fatalf("commit: %v, effects %v, record %+v; want the write and the record committed by TxHandler", err, r.effects(), r.record("commit"))
-	}
-	err = run("rollback", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
-		if err := r.insert(ctx, tx, d.MessageId); err != nil {
-			return nil, err
-		}
-		if err := tx.Rollback(ctx); err != nil {
-			return nil, err
-		}
-		if _, err := tx.Exec(ctx, "SELECT 1"); !errors.Is(err, pgx.ErrTxClosed) {
-			return nil, fmt.Errorf("Exec after Rollback: %v, want pgx.ErrTxClosed", err)
-		}
-		return nil, nil
-	})
-	if err != nil || r.effects()["rollback"] != 0 || r.record("rollback").state != "c" {
-		t.Fatalf("rollback: %v, effects %v, record %+v; want no write and a completed record", err, r.effects(), r.record("rollback"))
-	}
-	err = run("nested", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
-		if err := r.insert(ctx, tx, "kept"); err != nil {
-			return nil, err
-		}
-		inner, err := tx.Begin(ctx)
-		if err != nil {
-			return nil, err
-		}
-		if err := r.insert(ctx, inner, "undone"); err != nil {
-			return nil, err
-		}
-		if err := inner.Rollback(ctx); err != nil {
-			return nil, err
-		}
-		lo := tx.LargeObjects()
-		oid, err := lo.Create(ctx, 0)
-		if err != nil {
-			return nil, err
-		}
-		return nil, lo.Unlink(ctx, oid)
-	})
-	if got := r.effects(); err != nil || got["kept"] != 1 || got["undone"] != 0 {
-		t.Fatalf("nested: %v, effects %v; want the outer write only", err, got)
-	}
-	err = run("ended", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
-		if err := r.insert(ctx, tx, d.MessageId); err != nil {
-			return nil, err
-		}
-		_, err := tx.Exec(ctx, "ROLLBACK")
-		return nil, err
-	})
-	if err == nil || r.effects()["ended"] != 0 || (r.record("ended") != nil && r.record("ended").state == "c") {
-		t.Fatalf("ended by the handler: %v, effects %v, record %+v; want an error and no completed record", err, r.effects(), r.record("ended"))
-	}
-	// A handler that commits on its own: its writes are in, so the
-	// completion is written too (running it again would repeat them).
-	err = run("committed", func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
-		if err := r.insert(ctx, tx, d.MessageId); err != nil {
-			return nil, err
-		}
-		_, err := tx.Exec(ctx, "COMMIT")
-		return nil, err
-	})
-	if err != nil || r.effects()["committed"] != 1 || r.record("committed") == nil || r.record("committed").state != "c" {
-		t.Fatalf("committed by the handler: %v, effects %v, record %+v; want its write once and a completed record", err, r.effects(), r.record("committed"))
-	}
-	r.idle()
 }
 
 // TestHeldLeaseNotMigrated: on a database migrated by an earlier release

@@ -143,15 +143,18 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 
 // Close stops the background cleanup and waits for it, and rolls back the
 // transactions holding leases that no call has ended yet (their handlers
-// did not start, or failed and were not settled). It does not close the
-// pool; the Store must not be used after Close.
+// did not start, or failed and were not settled), giving their
+// connections back. It does not close the pool; the Store must not be
+// used after Close, but for the calls that end those leases (within a
+// minute), which write their outcomes as for a transaction the server
+// ended.
 func (s *Store) Close() {
 	s.stop()
 	<-s.done
 	s.closed.Store(true)
-	s.held.Range(func(owner, _ any) bool {
-		if h := s.takeHeld(owner.(string)); h != nil && h.conn != nil {
-			h.conn.Release() // the pool closes a connection left in a transaction
+	s.held.Range(func(owner, v any) bool {
+		if h := v.(*heldTx); h.conn != nil {
+			s.endInPlace(owner.(string), h, time.Minute, func() {})
 		}
 		return true
 	})
@@ -258,14 +261,26 @@ func (s *Store) result(req lock.Request, status int, fence int64, attempts int, 
 
 // Extend renews the leases in one statement. A lease held by a
 // transaction (TxHandler) needs no renewal: it lasts as long as its
-// transaction, which the server ends once it sat idle for the lease's TTL.
+// session holds the key's lock, which the server ends once its
+// transaction sat idle for the lease's TTL. Extend asks the server, in one
+// more statement, whether those sessions still hold their locks, and
+// answers lock.ErrLeaseLost for one that does not, as for a record-row
+// lease taken over.
 func (s *Store) Extend(ctx context.Context, leases ...lock.Lease) []error {
 	errs := make([]error, len(leases))
-	var keys [][]byte
+	var keys, heldKeys [][]byte
 	var owners []string
 	var fences, ttls, rets []int64
+	var pids []int32
 	for i, l := range leases {
-		if errs[i] = lock.CheckLease(l); errs[i] != nil || isHeld(l) {
+		if errs[i] = lock.CheckLease(l); errs[i] != nil {
+			continue
+		}
+		if isHeld(l) {
+			if pid, ok := heldPID(l.Owner); ok {
+				heldKeys = append(heldKeys, []byte(l.Key))
+				pids = append(pids, int32(pid))
+			}
 			continue
 		}
 		keys = append(keys, []byte(l.Key))
@@ -274,18 +289,32 @@ func (s *Store) Extend(ctx context.Context, leases ...lock.Lease) []error {
 		ttls = append(ttls, l.TTL.Milliseconds())
 		rets = append(rets, l.Retention.Milliseconds())
 	}
-	if len(keys) == 0 {
-		return errs
+	var renewed, held map[lease]bool
+	var err error
+	if len(keys) > 0 {
+		renewed, err = s.leases(ctx, s.sql.extend, keys, owners, fences, ttls, rets)
+		if err == nil && len(renewed) < len(keys) {
+			held, err = s.leases(ctx, s.sql.stillHeld, keys, owners, fences)
+		}
 	}
-	renewed, err := s.leases(ctx, s.sql.extend, keys, owners, fences, ttls, rets)
-	var held map[lease]bool
-	if err == nil && len(renewed) < len(keys) {
-		held, err = s.leases(ctx, s.sql.stillHeld, keys, owners, fences)
+	var live map[string]bool
+	var herr error
+	if hs := s.heldSQL.Load(); len(heldKeys) > 0 && hs != nil {
+		live, herr = s.liveHeld(ctx, hs, heldKeys, pids)
 	}
 	for i, l := range leases {
 		id := lease{l.Key, l.Owner, l.Fence}
+		_, hasPID := heldPID(l.Owner)
 		switch {
-		case errs[i] != nil, renewed[id], isHeld(l):
+		case errs[i] != nil:
+		case isHeld(l) && (!hasPID || live == nil && herr == nil || live[l.Key]):
+			// Held (or not known to be lost: an owner of an earlier
+			// release, or no statements to ask with).
+		case isHeld(l) && herr != nil:
+			errs[i] = fmt.Errorf("pgstore: extend %q: %w", l.Key, classify(herr))
+		case isHeld(l):
+			errs[i] = fmt.Errorf("%w: extend key %q fence %d: the session holding it ended", lock.ErrLeaseLost, l.Key, l.Fence)
+		case renewed[id]:
 		case err != nil:
 			errs[i] = fmt.Errorf("pgstore: extend %q: %w", l.Key, classify(err))
 		case held[id]:
@@ -296,6 +325,22 @@ func (s *Store) Extend(ctx context.Context, leases ...lock.Lease) []error {
 		}
 	}
 	return errs
+}
+
+// liveHeld returns which of keys are still locked by the backend of the
+// same index in pids, the sessions holding their leases.
+func (s *Store) liveHeld(ctx context.Context, hs *heldSQL, keys [][]byte, pids []int32) (map[string]bool, error) {
+	rows, err := s.pool.Query(ctx, hs.live, s.cfg.Prefix, keys, pids)
+	if err != nil {
+		return nil, err
+	}
+	live := map[string]bool{}
+	var key []byte
+	_, err = pgx.ForEachRow(rows, []any{&key}, func() error {
+		live[string(key)] = true
+		return nil
+	})
+	return live, err
 }
 
 // lease identifies a lease in the rows of a statement.
@@ -405,18 +450,19 @@ func (s *Store) finish(ctx context.Context, q querier, l lock.Lease, op, state s
 	return nil
 }
 
-// finishTx completes l's record in tx and commits tx, in one round trip:
-// finish_tx, which raises (leaseLostCode) where finish would answer 0, and
-// COMMIT, which the server skips once finish_tx raised. So tx's writes
-// commit with the completed record or not at all, as with two round trips.
-func (s *Store) finishTx(ctx context.Context, tx pgx.Tx, l lock.Lease, value []byte) error {
+// finishTx completes l's record in the transaction open on conn and
+// commits it, in one round trip: finish_tx, which raises (leaseLostCode)
+// where finish would answer 0, and COMMIT, which the server skips once
+// finish_tx raised. So the transaction's writes commit with the completed
+// record or not at all, as with two round trips.
+func (s *Store) finishTx(ctx context.Context, conn *pgx.Conn, l lock.Lease, value []byte) error {
 	if err := lock.CheckLease(l); err != nil {
 		return err
 	}
 	b := &pgx.Batch{}
 	b.Queue(s.sql.finishTx, s.cfg.Prefix, []byte(l.Key), l.Owner, l.Fence, "c", value, l.Retention.Milliseconds())
 	b.Queue("COMMIT")
-	br := tx.SendBatch(ctx, b)
+	br := conn.SendBatch(ctx, b)
 	_, ferr := br.Exec()
 	tag, cerr := br.Exec()
 	err := cmp.Or(ferr, cerr, br.Close())

@@ -1,6 +1,7 @@
 package pgstore
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -13,15 +14,33 @@ import (
 	"github.com/amqpidem/amqpidem/lock"
 )
 
-// TxFunc does the work of one message in tx, a transaction of the Store's
-// pool, and returns the result to store (and to send to ReplyTo) or an
-// error, as amqpidem.Handler does. It must not commit or roll back tx:
-// TxHandler does, after writing the record in it. (When tx holds the lease
-// itself, see "Leases held by transactions" in the package documentation,
-// tx.Commit is refused and tx.Rollback undoes fn's writes only.) ctx is the
-// handler's context (cancelled when a record-row lease is lost, with
+// TxFunc does the work of one message in tx and returns the result to
+// store (and to send to ReplyTo) or an error, as amqpidem.Handler does.
+// ctx is the handler's context (cancelled when the lease is lost, with
 // amqpidem.FromContext giving the key, attempt and fence); run tx's
 // statements with it.
+//
+// tx is a nested transaction of the one TxHandler commits with the record,
+// as pgx's tx.Begin makes: Commit keeps the work for that commit (it does
+// not commit by itself), Rollback undoes it, and either closes tx, so that
+// the usual `defer tx.Rollback(ctx)` and `return nil, tx.Commit(ctx)` do
+// what they say. What each way of ending comes to, the same on every
+// lease (see "Writing a TxHandler" in the package documentation):
+//
+//   - return nil (after Commit or without it): the work commits with the
+//     completed record, once.
+//   - return an error: the work rolls back; the error is the handler's,
+//     retried or dead-lettered as usual.
+//   - Rollback, then return nil: the work did not happen, so the message
+//     is not acked as done: the error wraps ErrRolledBack, Permanent.
+//   - a statement failed and fn returned nil anyway: nothing can commit;
+//     the error wraps pgx.ErrTxCommitRollback, retried.
+//   - fn ended the transaction itself (a COMMIT or ROLLBACK statement, or
+//     a library given tx.Conn() that commits a transaction of its own):
+//     if that committed and fn returned nil, the record is completed on
+//     its own (no second effect, but no longer atomic with the work: a
+//     crash in between runs it again); otherwise the error wraps
+//     ErrTxEnded, Permanent, since what it did after cannot be undone.
 type TxFunc func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error)
 
 // commitTimeout bounds writing the record and committing, which run even
@@ -65,22 +84,28 @@ var _ amqpidem.LeaseTaker = (*txHandler)(nil)
 
 // AcquireLease takes d's lease (amqpidem.LeaseTaker): held by the
 // transaction that HandleComplete then runs fn in, or, for a redelivered
-// message, a key whose record counts attempts and with Config.RowLeases,
-// by a record row as Acquire takes it. See "Leases held by transactions"
-// in the package documentation.
+// message, a key whose record counts attempts, a TTL longer than the
+// server's idle timeout takes, and with Config.RowLeases, by a record row
+// as Acquire takes it. See "Leases held by transactions" in the package
+// documentation.
 func (h *txHandler) AcquireLease(ctx context.Context, req lock.Request, d *amqp.Delivery) (lock.Result, error) {
-	if d.Redelivered || h.s.cfg.RowLeases {
+	if d.Redelivered || h.s.cfg.RowLeases || req.TTL > maxIdleTimeout {
 		return h.s.Acquire(ctx, req)
 	}
 	return h.s.acquireHeld(ctx, req)
 }
+
+// maxIdleTimeout is the longest idle_in_transaction_session_timeout the
+// server takes (2^31-1 ms, about 24.8 days): the longest lease a
+// transaction can hold.
+const maxIdleTimeout = (1<<31 - 1) * time.Millisecond
 
 // CompleterStore returns the Store the handler writes records to.
 func (h *txHandler) CompleterStore() lock.Store { return h.s }
 
 // Handle runs fn in a transaction with no record, and commits.
 func (h *txHandler) Handle(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
-	return h.run(ctx, d, commitOnly)
+	return h.run(ctx, d, nil, nil)
 }
 
 // HandleComplete runs fn in a transaction, then completes lease's record
@@ -91,13 +116,7 @@ func (h *txHandler) HandleComplete(ctx context.Context, d *amqp.Delivery, lease 
 	if isHeld(lease) {
 		return h.completeHeld(ctx, d, lease, value)
 	}
-	return h.run(ctx, d, func(ctx context.Context, tx pgx.Tx, result []byte) error {
-		v, err := h.stored(lease, result, value)
-		if err != nil {
-			return err
-		}
-		return h.s.finishTx(ctx, tx, lease, v)
-	})
+	return h.run(ctx, d, &lease, value)
 }
 
 // stored is the value to store for result: value(result), within the
@@ -113,78 +132,111 @@ func (h *txHandler) stored(lease lock.Lease, result []byte, value func([]byte) (
 	return v, nil
 }
 
-// completeHeld runs fn in the transaction that holds lease, from the
-// handler's savepoint, then writes the completed record and commits, in
-// one round trip (commitHeld). When fn fails, or its result cannot be
-// stored, the transaction is kept for the call that ends the lease next
-// (Fail, Release, Cancel: amqpidem makes one), which rolls back to the
-// savepoint and writes that outcome under the same lease.
-func (h *txHandler) completeHeld(ctx context.Context, d *amqp.Delivery, lease lock.Lease, value func([]byte) ([]byte, error)) ([]byte, error) {
-	ht := h.s.takeHeld(lease.Owner)
-	if ht == nil {
-		return nil, fmt.Errorf("%w: key %q: the transaction holding the lease ended before the handler ran", lock.ErrUnavailable, lease.Key)
-	}
-	committing := false
-	defer func() {
-		if !committing { // fn failed or panicked: the next call ends it
-			h.s.putHeld(lease, ht)
+// ending is what a run of fn comes to, by how fn left its transaction
+// (see TxFunc).
+type ending int
+
+const (
+	// endCommit: the transaction is open with fn's work: the record is
+	// written in it, and it commits.
+	endCommit ending = iota + 1
+	// endCommitted: fn ended the transaction itself and it committed,
+	// and fn returned nil: the record is written on its own.
+	endCommitted
+	// endFailed: nothing is to be completed; the error says why.
+	endFailed
+)
+
+// ending decides what fn's run comes to: fn returned ferr, having been
+// given t in the transaction xid; held tells whether that transaction
+// holds the lease. It asks the server only when fn ended the transaction
+// itself, or its connection closed: whether xid committed.
+func (s *Store) ending(ctx context.Context, t *handlerTx, xid string, ferr error, held bool) (ending, error) {
+	pc := t.conn.PgConn()
+	closed := pc.IsClosed()
+	if closed || pc.TxStatus() == 'I' {
+		committed, err := s.committed(ctx, t.conn, xid)
+		switch {
+		case committed && ferr == nil:
+			return endCommitted, nil
+		case committed:
+			return endFailed, amqpidem.Permanent(fmt.Errorf("%w, and its work committed; then it returned an error, so it is not run again: %w", ErrTxEnded, ferr))
+		case closed:
+			// Rolled back with the session (or unknown, with the
+			// server out of reach): the store is the cause.
+			return endFailed, connClosed(ctx, ferr, held)
+		case err != nil:
+			return endFailed, amqpidem.Permanent(fmt.Errorf("%w; whether its work committed is unknown (%w), so it is not run again", ErrTxEnded, classify(err)))
+		case ferr != nil:
+			return endFailed, amqpidem.Permanent(fmt.Errorf("%w and rolled it back; it returned: %w", ErrTxEnded, ferr))
 		}
-	}()
-	result, err := h.fn(ctx, ht.tx, d)
-	if err != nil {
-		return nil, h.fnError(ctx, ht.tx, err)
+		return endFailed, amqpidem.Permanent(fmt.Errorf("%w and rolled it back, then returned no error: its work was undone", ErrTxEnded))
 	}
-	v, err := h.stored(lease, result, value)
-	if err != nil {
-		return nil, err
+	switch {
+	case ferr != nil:
+		return endFailed, ferr
+	case t.state == txUndone:
+		return endFailed, amqpidem.Permanent(ErrRolledBack)
+	case pc.TxStatus() == 'E':
+		return endFailed, fmt.Errorf("pgstore: a statement of the handler failed, and it returned no error: %w", pgx.ErrTxCommitRollback)
 	}
-	committing = true
+	return endCommit, nil
+}
+
+// connClosed is the error of a run whose connection closed before its
+// commit, fn having returned ferr: nothing of the transaction committed.
+// The store is the cause (lock.ErrUnavailable), unless ctx ended first
+// (amqpidem reads why from the context) or fn's error is Permanent. A
+// lease held by the transaction ended with it (lock.ErrLeaseLost too): the
+// server ends a session idle in its transaction longer than the lease's
+// TTL.
+func connClosed(ctx context.Context, ferr error, held bool) error {
+	switch {
+	case ferr != nil && (ctx.Err() != nil || amqpidem.IsPermanent(ferr) || errors.Is(ferr, lock.ErrUnavailable)):
+		return ferr
+	case ferr == nil:
+		ferr = errors.New("it closed before the commit")
+	}
+	if held {
+		return fmt.Errorf("%w: %w: the session holding the lease ended (the server ends one idle in its transaction longer than the lease's TTL): %w",
+			lock.ErrLeaseLost, lock.ErrUnavailable, ferr)
+	}
+	return fmt.Errorf("%w: the transaction's connection closed: %w", lock.ErrUnavailable, ferr)
+}
+
+// committed reports whether the transaction xid committed, asking on conn,
+// or on a connection of the pool when conn is closed. An empty xid (none
+// was taken) did not.
+func (s *Store) committed(ctx context.Context, conn *pgx.Conn, xid string) (bool, error) {
+	if xid == "" {
+		return false, nil
+	}
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
 	defer cancel()
-	err = h.s.commitHeld(cctx, ht, lease, "complete", "c", v)
-	h.s.endConn(ht.conn)
-	if err != nil {
-		if !errors.Is(err, lock.ErrLeaseLost) {
-			// amqpidem releases the lease next: its record keeps the
-			// fingerprint.
-			h.s.putHeld(lease, &heldTx{fp: ht.fp})
-		}
-		return nil, err
+	const q = "SELECT pg_xact_status($1::xid8) IS NOT DISTINCT FROM 'committed'"
+	var ok bool
+	var err error
+	if conn.IsClosed() {
+		err = s.pool.QueryRow(cctx, q, xid).Scan(&ok)
+	} else {
+		err = conn.QueryRow(cctx, q, xid).Scan(&ok)
 	}
-	return result, nil
+	return ok, err
 }
 
-// fnError is the error fn's error err comes to: lock.ErrUnavailable when
-// the transaction's connection is gone (the server restarted, the backend
-// was terminated) and not because ctx ended, since nothing of it committed
-// and the store is the cause; err as it is otherwise.
-func (h *txHandler) fnError(ctx context.Context, tx pgx.Tx, err error) error {
-	if ctx.Err() == nil && tx.Conn().IsClosed() && !amqpidem.IsPermanent(err) && !errors.Is(err, lock.ErrUnavailable) {
-		return fmt.Errorf("%w: the transaction's connection closed: %w", lock.ErrUnavailable, err)
-	}
-	return err
-}
-
-// commitOnly is run's commit for a transaction with no record.
-func commitOnly(ctx context.Context, tx pgx.Tx, _ []byte) error {
-	if err := tx.Commit(ctx); err != nil {
-		return fmt.Errorf("pgstore: commit (its outcome may be unknown: the record tells): %w", classify(err))
-	}
-	return nil
-}
-
-// run begins a transaction on a connection of the pool, runs fn in it,
-// then commit, which must end the transaction, with COMMIT when it
-// returns nil. Anything else is rolled back.
-func (h *txHandler) run(ctx context.Context, d *amqp.Delivery, commit func(context.Context, pgx.Tx, []byte) error) ([]byte, error) {
+// run begins a transaction on a connection of the pool, with the
+// handler's savepoint, runs fn in it, and commits it as ending decides:
+// with lease's record completed with value(result) when lease is not nil
+// (a record-row lease), else with no record. Anything else is rolled back.
+func (h *txHandler) run(ctx context.Context, d *amqp.Delivery, lease *lock.Lease, value func([]byte) ([]byte, error)) ([]byte, error) {
 	// A connection of its own rather than pool.BeginTx: finishTx commits
 	// with a statement the pgx.Tx does not see, after which that Tx would
 	// send a ROLLBACK of its own to give the connection back.
 	conn, err := h.s.pool.Acquire(ctx)
-	var tx pgx.Tx
+	var xid string
 	if err == nil {
-		defer conn.Release()
-		tx, err = conn.BeginTx(ctx, h.s.cfg.TxOptions)
+		defer h.s.endConn(conn)
+		xid, err = h.s.begin(ctx, conn.Conn())
 	}
 	if err != nil {
 		if ctx.Err() != nil {
@@ -194,29 +246,60 @@ func (h *txHandler) run(ctx context.Context, d *amqp.Delivery, commit func(conte
 		}
 		return nil, fmt.Errorf("pgstore: begin: %w", classify(err))
 	}
-	committed := false
-	defer func() {
-		if committed {
-			return
-		}
-		// After a cancelled context, a fresh one lets the connection go
-		// back to the pool clean (Release closes one left in a
-		// transaction).
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
-		defer cancel()
-		_ = tx.Rollback(rctx)
-	}()
-	result, err := h.fn(ctx, tx, d)
-	if err != nil {
-		return nil, h.fnError(ctx, tx, err)
+	t := &handlerTx{conn: conn.Conn()}
+	result, ferr := h.fn(ctx, t, d)
+	end, err := h.s.ending(ctx, t, xid, ferr, false)
+	if end == endFailed {
+		return nil, err
 	}
 	// The record and the commit run even when ctx ended meanwhile: the
 	// record's compare-and-set decides whether the work counts.
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
 	defer cancel()
-	if err := commit(cctx, tx, result); err != nil {
+	var v []byte
+	if lease != nil {
+		if v, err = h.stored(*lease, result, value); err != nil {
+			return nil, err
+		}
+	}
+	switch {
+	case end == endCommitted && lease != nil:
+		err = h.s.finish(cctx, conn, *lease, "complete", "c", v)
+	case end == endCommitted:
+	case lease != nil:
+		err = h.s.finishTx(cctx, conn.Conn(), *lease, v)
+	default:
+		err = commit(cctx, conn.Conn())
+	}
+	if err != nil {
 		return nil, err
 	}
-	committed = true
 	return result, nil
+}
+
+// begin begins a transaction on conn with Config.TxOptions and the
+// handler's savepoint, and returns its id, in one round trip.
+func (s *Store) begin(ctx context.Context, conn *pgx.Conn) (string, error) {
+	b := &pgx.Batch{}
+	b.Queue(s.sql.begin)
+	b.Queue("SAVEPOINT " + savepoint)
+	b.Queue("SELECT pg_current_xact_id()::text")
+	br := conn.SendBatch(ctx, b)
+	_, berr := br.Exec()
+	_, serr := br.Exec()
+	var xid string
+	xerr := br.QueryRow().Scan(&xid)
+	return xid, cmp.Or(berr, serr, xerr, br.Close())
+}
+
+// commit commits the transaction on conn, which has no record.
+func commit(ctx context.Context, conn *pgx.Conn) error {
+	tag, err := conn.Exec(ctx, "COMMIT")
+	switch {
+	case err != nil:
+		return fmt.Errorf("pgstore: commit (its outcome may be unknown: the record tells): %w", classify(err))
+	case tag.String() != "COMMIT":
+		return fmt.Errorf("pgstore: commit answered %q: nothing committed", tag.String())
+	}
+	return nil
 }
