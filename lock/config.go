@@ -163,7 +163,9 @@ func (c Config) CheckRequest(req Request) (Request, error) {
 }
 
 // CheckLease rejects a lease no Store could have issued: an invalid key, no
-// owner or fence (ErrLeaseLost), a TTL below MinTTL or a negative retention.
+// owner or fence (ErrLeaseLost), a TTL below MinTTL, or a retention below
+// 1ms (ErrInvalidTTL), which CheckRequest refuses too: a server keeps
+// milliseconds, and would keep the outcome for none, deleting the record.
 // Store implementations call it first in Extend, Complete, Fail, Release
 // and Cancel.
 func CheckLease(l Lease) error {
@@ -176,8 +178,8 @@ func CheckLease(l Lease) error {
 	if l.TTL < MinTTL {
 		return fmt.Errorf("%w: lease TTL %v is below the minimum %v", ErrInvalidTTL, l.TTL, MinTTL)
 	}
-	if l.Retention < 0 {
-		return fmt.Errorf("%w: retention %v is negative", ErrInvalidTTL, l.Retention)
+	if l.Retention < time.Millisecond {
+		return fmt.Errorf("%w: lease retention %v is below 1ms: nothing would be kept", ErrInvalidTTL, l.Retention)
 	}
 	return nil
 }

@@ -59,7 +59,7 @@ func TestRedisUnreachableIsUnavailable(t *testing.T) {
 	if !errors.Is(err, lock.ErrUnavailable) || errors.Is(err, lock.ErrBadRecord) {
 		t.Fatalf("Acquire on a closed port: got %v, want ErrUnavailable", err)
 	}
-	l := lock.Lease{Key: "k", Owner: "o", Fence: 1, TTL: time.Second, Deadline: time.Now().Add(time.Second)}
+	l := lock.Lease{Key: "k", Owner: "o", Fence: 1, TTL: time.Second, Retention: time.Hour, Deadline: time.Now().Add(time.Second)}
 	if err := s.Complete(context.Background(), l, nil); !errors.Is(err, lock.ErrUnavailable) {
 		t.Fatalf("Complete on a closed port: got %v, want ErrUnavailable", err)
 	}
