@@ -133,8 +133,9 @@ type Config struct {
 	HandlerTimeout time.Duration
 	// Backoff makes a fresh backoff.BackOff for one delivery; the n-th
 	// NextBackOff is the delay before retry n. backoff.Stop means "no
-	// more retries": the message is dead-lettered. Default:
-	// Exponential(time.Second, 5*time.Minute).
+	// more retries": the message is dead-lettered. A Backoff that panics
+	// is logged at error level and the retry waits UnavailableDelay.
+	// Default: Exponential(time.Second, 5*time.Minute).
 	Backoff func() backoff.BackOff
 	// MaxAttempts is how many executions a key gets, crashes included,
 	// before it is dead-lettered. Default DefaultMaxAttempts.
@@ -170,7 +171,9 @@ type Config struct {
 	// differ in a field that does not change the operation, such as a
 	// timestamp: return the body without it. A nil result skips the check
 	// for that message. Default: the whole body. Setting it together with
-	// SkipFingerprint is an error.
+	// SkipFingerprint is an error. A Fingerprint that panics makes the
+	// message's key invalid (ErrInvalidKey): it is dead-lettered, reason
+	// "invalid key", never run.
 	Fingerprint func(d *amqp.Delivery) []byte
 	// FailOpen runs the handler without idempotency when the store cannot
 	// be reached: only when the store's error wraps lock.ErrUnavailable (a

@@ -79,13 +79,15 @@
 //	duplicate of failed work               dead letter (or ack, by policy)         unchanged
 //	same key, different payload            dead letter, reason "key conflict"      unchanged
 //	no key                                 dead letter (or run unkeyed, by policy) none
-//	invalid key (too long, KeyFunc panic)  dead letter, never run unkeyed          none
+//	invalid key (too long, KeyFunc or      dead letter, never run unkeyed          none
+//	Fingerprint panic)
 //	expired (HeaderExpiresAt passed)       dead letter, reason "expired"           none
 //	lease lost while running               ctx cancelled, result discarded,        untouched
 //	                                       delayed requeue
 //	store unavailable                      delayed requeue (or run, FailOpen)      none
 //	the key's record unusable              delayed requeue, dead letter after      untouched
-//	(wrong type, unknown format)           MaxAttempts tries; never run
+//	(wrong type, unknown format), or the   MaxAttempts tries; never run
+//	lookup panicked (AcquireLease)
 //	shutdown while running                 ctx cancelled, copy back to the queue   lease released
 //	shutdown before the handler started    copy back to the queue                  none, or lease given up, attempt taken back
 //

@@ -113,7 +113,13 @@ func (f *flight) arrive(t *ticket) {
 	}
 	f.storeKey = StoreKey(p.cfg.Endpoint, key)
 	req := lock.Request{Key: f.storeKey, TTL: p.cfg.LeaseTTL, Retention: p.cfg.Retention}
-	req.Fingerprint = p.fingerprint(f.d)
+	fp, err := p.fingerprint(f.d)
+	if err != nil {
+		f.slot.free()
+		f.deadLetter("invalid key", err)
+		return
+	}
+	req.Fingerprint = fp
 	res, err := p.acquire(f.ctx, req, f.d)
 	if err != nil {
 		f.noAnswer(err)
@@ -204,7 +210,7 @@ func (f *flight) noKey(err error) {
 
 // noAnswer settles a delivery whose lookup failed with err: the store
 // unreachable (requeued, or run unkeyed with FailOpen), the key refused,
-// the key's record unusable, or a shutdown.
+// the key's record unusable, the call panicked, or a shutdown.
 func (f *flight) noAnswer(err error) {
 	p := f.p
 	if p.cfg.FailOpen && f.ctx.Err() == nil && errors.Is(err, lock.ErrUnavailable) {
@@ -218,22 +224,27 @@ func (f *flight) noAnswer(err error) {
 	case f.ctx.Err() != nil:
 		f.requeue(Abandoned, "shutdown", 0, err)
 	case errors.Is(err, lock.ErrBadRecord) || errors.Is(err, lock.ErrKeyCollision):
-		f.recordFault(err)
+		f.recordFault("record unusable", err)
+	case errors.As(err, new(*PanicError)):
+		// It may panic again on every copy (a poison message): retried
+		// as a record fault, not forever.
+		f.recordFault("acquire panic", err)
 	default:
 		f.requeue(Abandoned, "store unavailable", p.cfg.UnavailableDelay, err)
 	}
 }
 
 // recordFault settles a delivery whose key's record cannot be used
-// (lock.ErrBadRecord, lock.ErrKeyCollision): it is not run, unkeyed or
+// (lock.ErrBadRecord, lock.ErrKeyCollision: reason "record unusable") or
+// whose lookup panicked ("acquire panic"): it is not run, unkeyed or
 // otherwise, since the record may say the work is done. It is requeued
 // after UnavailableDelay, counting tries in HeaderAttempt, and dead-lettered
 // once MaxAttempts tries were made.
-func (f *flight) recordFault(err error) {
+func (f *flight) recordFault(reason string, err error) {
 	f.ev.Attempt = f.h.attempt + 1
 	if f.ev.Attempt >= f.p.cfg.MaxAttempts {
-		f.deadLetter("record unusable", err)
+		f.deadLetter(reason, err)
 		return
 	}
-	f.requeue(Abandoned, "record unusable", f.p.cfg.UnavailableDelay, err)
+	f.requeue(Abandoned, reason, f.p.cfg.UnavailableDelay, err)
 }

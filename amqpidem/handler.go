@@ -72,7 +72,10 @@ type Completer interface {
 // the lease it grants is ended as any other: by HandleComplete, or by the
 // store's Complete, Fail, Release or Cancel, one of which amqpidem always
 // calls. A program that wraps the Completer without forwarding
-// AcquireLease gets the store's Acquire, with the same guarantees.
+// AcquireLease gets the store's Acquire, with the same guarantees. An
+// AcquireLease (or a store's Acquire) that panics does not crash the
+// process: the message is requeued after UnavailableDelay, never run, and
+// dead-lettered with reason "acquire panic" after MaxAttempts tries.
 type LeaseTaker interface {
 	Completer
 	// AcquireLease answers as CompleterStore().Acquire(ctx, req) does; d

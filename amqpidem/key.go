@@ -13,8 +13,8 @@ import (
 var ErrNoKey = errors.New("amqpidem: no idempotency key")
 
 // ErrInvalidKey means a message's key cannot be used: longer than the store
-// takes (lock.MaxKeyLen less the endpoint and one byte), or the KeyFunc
-// panicked. Such a message is dead-lettered ("invalid key"), never run
+// takes (lock.MaxKeyLen less the endpoint and one byte), or the KeyFunc or
+// Config.Fingerprint panicked. Such a message is dead-lettered ("invalid key"), never run
 // without a key, whatever Config.MissingKey says.
 var ErrInvalidKey = errors.New("amqpidem: invalid idempotency key")
 

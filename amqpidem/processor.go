@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"runtime/debug"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -115,17 +116,30 @@ func newProcessor(store lock.Store, cfg Config, h Handler) (processor, error) {
 
 // acquire takes the lease of d for req: from the handler when it is a
 // LeaseTaker (reported to a StoreObserver as the store's acquire), else
-// from the store.
-func (p *processor) acquire(ctx context.Context, req lock.Request, d *amqp.Delivery) (lock.Result, error) {
+// from the store. A panic of either is an error wrapping a *PanicError.
+func (p *processor) acquire(ctx context.Context, req lock.Request, d *amqp.Delivery) (res lock.Result, err error) {
 	if p.taker == nil {
+		defer recoverAcquire(&res, &err, "the store's Acquire")
 		return p.store.Acquire(ctx, req)
 	}
 	start := time.Now()
-	res, err := p.taker.AcquireLease(ctx, req, d)
+	func() {
+		defer recoverAcquire(&res, &err, "LeaseTaker.AcquireLease")
+		res, err = p.taker.AcquireLease(ctx, req, d)
+	}()
 	if o, ok := p.store.(*observedStore); ok {
 		o.taken(ctx, start, err)
 	}
 	return res, err
+}
+
+// recoverAcquire turns a panic of what, the call that takes a lease, into
+// an error wrapping a *PanicError in *err (and no answer in *res).
+func recoverAcquire(res *lock.Result, err *error, what string) {
+	if v := recover(); v != nil {
+		*res = lock.Result{}
+		*err = fmt.Errorf("amqpidem: %s panicked: %w", what, &PanicError{Value: v, Stack: debug.Stack()})
+	}
 }
 
 // sameStore reports whether a and b are the same store. Stores of a type
@@ -204,18 +218,39 @@ func (p *processor) callKey(d *amqp.Delivery) (key string, err error) {
 }
 
 // fingerprint is what the payload check compares for d (see
-// Config.Fingerprint); empty for no check.
-func (p *processor) fingerprint(d *amqp.Delivery) string {
+// Config.Fingerprint); empty for no check. A Fingerprint that panics is
+// ErrInvalidKey, as a KeyFunc's panic is: the message cannot be checked,
+// and a panic would take down every consumer that takes it.
+func (p *processor) fingerprint(d *amqp.Delivery) (fp string, err error) {
 	switch {
 	case p.cfg.SkipFingerprint:
-		return ""
+		return "", nil
 	case p.cfg.Fingerprint == nil:
-		return fingerprint(d.Body)
+		return fingerprint(d.Body), nil
 	}
+	defer func() {
+		if v := recover(); v != nil {
+			fp, err = "", fmt.Errorf("%w: the fingerprint function panicked: %v", ErrInvalidKey, v)
+		}
+	}()
 	if b := p.cfg.Fingerprint(d); b != nil {
-		return fingerprint(b)
+		return fingerprint(b), nil
 	}
-	return ""
+	return "", nil
+}
+
+// retryDelay is the delay before retry n from Config.Backoff (see
+// Config.retryDelay). A Backoff that panics is logged at error level and
+// retries after UnavailableDelay: MaxAttempts still ends the retries.
+func (p *processor) retryDelay(ctx context.Context, n int) (d time.Duration, ok bool) {
+	defer func() {
+		if v := recover(); v != nil {
+			p.cfg.Logger.ErrorContext(ctx, "amqpidem: Config.Backoff panicked; retrying after UnavailableDelay",
+				"queue", p.cfg.Queue, "panic", v, "stack", string(debug.Stack()))
+			d, ok = p.cfg.UnavailableDelay, true
+		}
+	}()
+	return p.cfg.retryDelay(n)
 }
 
 // busyDelay is how long a duplicate waits while another consumer holds
