@@ -329,7 +329,7 @@ func TestUnreachableUnavailableWithinContext(t *testing.T) {
 	if d := time.Since(start); d > 2*time.Second {
 		t.Fatalf("Acquire took %v with a 1s context", d)
 	}
-	l2 := lock.Lease{Key: "k", Owner: "o", Fence: 1, TTL: time.Second}
+	l2 := lock.Lease{Key: "k", Owner: "o", Fence: 1, TTL: time.Second, Retention: time.Second}
 	if err := s.Extend(ctx, l2)[0]; !errors.Is(err, lock.ErrUnavailable) {
 		t.Fatalf("Extend of an unreachable DynamoDB: got %v, want ErrUnavailable", err)
 	}
