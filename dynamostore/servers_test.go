@@ -2,6 +2,7 @@ package dynamostore_test
 
 import (
 	"context"
+	"os"
 	"strconv"
 	"sync"
 	"testing"
@@ -26,16 +27,44 @@ type server struct {
 	testenv.DynamoServer
 	client *dynamodb.Client
 
-	records, effectTable struct {
-		once sync.Once
-		name string
-		err  error
-	}
+	records, effectTable tableOnce
+}
+
+// tableOnce is a table made once for the test binary, or why it was not.
+type tableOnce struct {
+	once sync.Once
+	name string
+	err  error
 }
 
 var servers struct {
 	mu     sync.Mutex
 	byName map[string]*server
+}
+
+// TestMain deletes the tables the tests shared on each server once they
+// are done: the servers outlive the test binary, and a DynamoDB Local
+// holding the tables of many runs deletes expired items slowly.
+func TestMain(m *testing.M) {
+	code := m.Run()
+	dropSharedTables()
+	os.Exit(code)
+}
+
+// dropSharedTables deletes the records and effects tables made on each
+// server, ignoring errors (a server gone meanwhile).
+func dropSharedTables() {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	servers.mu.Lock()
+	defer servers.mu.Unlock()
+	for _, srv := range servers.byName {
+		for _, tb := range []*tableOnce{&srv.records, &srv.effectTable} {
+			if tb.name != "" && tb.err == nil {
+				_, _ = srv.client.DeleteTable(ctx, &dynamodb.DeleteTableInput{TableName: aws.String(tb.name)})
+			}
+		}
+	}
 }
 
 // eachServer runs f on every DynamoDB server of the tests, as the subtests

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"strings"
 	"sync"
@@ -382,6 +383,75 @@ func TestCreateTableTwiceAndTTL(t *testing.T) {
 		ttl, err = srv.client.DescribeTimeToLive(ctx, &dynamodb.DescribeTimeToLiveInput{TableName: aws.String(other.Table)})
 		if err != nil || aws.ToString(ttl.TimeToLiveDescription.AttributeName) != "expires_at" {
 			t.Fatalf("TTL after the refused CreateTable: %+v, %v; want still on expires_at", ttl, err)
+		}
+	})
+}
+
+// TestItemDeletedByTTL: DynamoDB Local deletes an item once its TTL
+// attribute has passed (within a second or so here; DynamoDB within
+// days), as minidyn never does. A store whose clock is 3 days behind
+// writes TTLs already past, so its item vanishes under its lease: every
+// method then finds no record, and the key is made anew with a higher
+// fence. The test keeps its table in a database of its own (an access key
+// of its own): DynamoDB Local's TTL deletion slows down, to more than a
+// minute, in a database holding the tables of many earlier runs.
+func TestItemDeletedByTTL(t *testing.T) {
+	eachServer(t, func(t *testing.T, srv *server) {
+		if !srv.Strict {
+			t.Skipf("%s has no TTL: it never deletes an item", srv.Name)
+		}
+		key := fmt.Sprintf("ttl%08x", rand.Uint32()) // DynamoDB Local takes letters and digits
+		client := dynamodb.New(dynamodb.Options{
+			Region:       testenv.DynamoRegion,
+			BaseEndpoint: aws.String(srv.Endpoint),
+			Credentials: aws.CredentialsProviderFunc(func(context.Context) (aws.Credentials, error) {
+				return aws.Credentials{AccessKeyID: key, SecretAccessKey: key}, nil
+			}),
+		})
+		ctx := context.Background()
+		table := testenv.Name(t)
+		if err := dynamostore.CreateTable(ctx, client, dynamostore.Config{Table: table}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			_, _ = client.DeleteTable(context.Background(), &dynamodb.DeleteTableInput{TableName: aws.String(table)})
+		})
+		behind := func() time.Time { return time.Now().Add(-72 * time.Hour) }
+		s, err := dynamostore.New(client, dynamostore.Config{Table: table, MaxClockSkew: testSkew, Config: lock.Config{Now: behind}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := s.Acquire(ctx, lock.Request{Key: "k", TTL: time.Minute})
+		if err != nil || res.Status != lock.Acquired {
+			t.Fatalf("Acquire: %+v, %v", res, err)
+		}
+		start := time.Now()
+		for {
+			_, err := s.Inspect(ctx, "k")
+			if errors.Is(err, lock.ErrNotFound) {
+				break
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if time.Since(start) > 30*time.Second {
+				t.Fatal("the item whose TTL passed a day ago is still there after 30 s")
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		t.Logf("%s deleted the item %v after its Acquire", srv.Name, time.Since(start).Round(time.Millisecond))
+		if err := s.Extend(ctx, res.Lease)[0]; !errors.Is(err, lock.ErrLeaseLost) {
+			t.Fatalf("Extend after the item was deleted: got %v, want ErrLeaseLost", err)
+		}
+		if err := s.Complete(ctx, res.Lease, []byte("r")); !errors.Is(err, lock.ErrLeaseLost) {
+			t.Fatalf("Complete after the item was deleted: got %v, want ErrLeaseLost", err)
+		}
+		if err := s.Forget(ctx, "k", lock.StateInProgress, res.Lease.Fence); !errors.Is(err, lock.ErrNotFound) {
+			t.Fatalf("Forget after the item was deleted: got %v, want ErrNotFound", err)
+		}
+		again, err := s.Acquire(ctx, lock.Request{Key: "k", TTL: time.Minute})
+		if err != nil || again.Status != lock.Acquired || again.Lease.Attempt != 1 || again.Lease.Fence <= res.Lease.Fence {
+			t.Fatalf("Acquire after the item was deleted: %+v, %v; want a new record with a fence above %d", again, err, res.Lease.Fence)
 		}
 	})
 }
