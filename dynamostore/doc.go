@@ -81,8 +81,10 @@
 // clocks of all processes sharing a table differ by at most
 // Config.MaxClockSkew (default 1 s; NTP or Amazon Time Sync keeps them
 // within milliseconds). An expired lease is taken over only once its
-// deadline is MaxClockSkew past by the taker's clock, so a holder whose
-// clock is behind by up to that much keeps its lease until its own
+// deadline is MaxClockSkew past by the taker's clock, whatever the
+// Retention (a lease whose item expired within the skew, as with a
+// Retention below MaxClockSkew, is still held), so a holder whose clock
+// is behind by up to that much keeps its lease until its own
 // Lease.Deadline. A clock off by more than that can let a lease be taken
 // over while its holder still believes it holds it: two executions at
 // once, both fenced (the older one's writes are refused), but not undone.
@@ -114,13 +116,31 @@
 // at all. See TxHandler for what a cancelled transaction becomes, and
 // MaxTxItems and MaxTxBytes for the limits.
 //
+// Writing one: fn reads what it needs, with a client of its choice, and
+// adds its writes to the Tx; it returns the result, or an error, and
+// nothing is sent unless it returns no error. What it writes with its own
+// client instead is not part of the transaction: it happens at least once.
+// It may not write the record's item, nor add two writes of one item
+// (DynamoDB refuses the transaction). A condition that may fail because
+// the work is already done ("attribute_not_exists(id)") cancels the whole
+// transaction, the record's completion with it: Tx.OnConditionFailed
+// decides the handler's error then, and answering nil does not make it a
+// success. Where the effect may be there already, read it in fn and add no
+// write for it, so that the record commits alone.
+//
 // # Limits
 //
 // A record is one item, at most 400 KB: Config.MaxResultSize may not
 // exceed MaxResultSizeLimit (396 KB), and the default is 64 KB
-// (lock.DefaultMaxResultSize). Every write of a record is one write
-// request unit per KB of the item, so large results cost on every
-// heartbeat as well.
+// (lock.DefaultMaxResultSize). A write costs one write request unit per
+// KB of the item, the larger of before and after, and so does a
+// conditional write whose condition fails. A record in progress holds no
+// result, so an Acquire of a new key and the heartbeats (Extend) cost one
+// unit each (with keys up to a few hundred bytes); a result is paid for
+// by the write that stores it (Complete, or TxHandler's transaction, which
+// counts twice), by Amend and Forget, and by the Acquire of every
+// duplicate delivery, a conditional write that fails on the completed
+// item and returns it.
 //
 // Exactly-once covers what the handler writes through Tx, in DynamoDB and
 // in the same region (a transaction does not span regions, and global
@@ -128,20 +148,33 @@
 // records of a consumer). Anything else the handler does happens at least
 // once: make it idempotent or fence it with amqpidem.FromContext(ctx).Fence.
 //
-// A consumer needs dynamodb:GetItem, UpdateItem, TransactWriteItems and
-// DescribeTable (Check) on the records table, and what its handler's
-// items need on theirs; CreateTable needs CreateTable, DescribeTable and
-// UpdateTimeToLive.
+// IAM: a consumer needs dynamodb:GetItem, UpdateItem and DescribeTable
+// (Check) on the records table. There is no action for a
+// TransactWriteItems as such: each of its items needs the action of its
+// kind on its table, so TxHandler's transaction needs UpdateItem on the
+// records table (the record's completion) and, on the tables of the
+// handler's items, PutItem, UpdateItem, DeleteItem or ConditionCheckItem
+// for its Put, Update, Delete and ConditionCheck. The amqpidem command's
+// inspect and forget need GetItem and UpdateItem; CreateTable needs
+// CreateTable, DescribeTable and UpdateTimeToLive.
 //
-// This package's tests run against minidyn (github.com/truora/minidyn, an
-// open-source in-memory DynamoDB that scripts/dynamo.sh builds and starts),
-// and against Amazon's DynamoDB Local where Docker is available. minidyn
-// checks conditions, update expressions and transactions (with their
-// cancellation reasons) as DynamoDB does, but enforces none of the size
-// and count limits above, has no TTL (scripts/dynamo answers its API and
-// deletes nothing), and keeps numbers as 64-bit floats; it serves one
-// request at a time and copies every table a transaction writes (its
-// rollback snapshot), so its transactions slow down as the tables grow.
-// The service itself differs from both emulators in its limits,
-// throttling and timing.
+// This package's tests run each test on two servers: minidyn
+// (github.com/truora/minidyn, an open-source in-memory DynamoDB that
+// scripts/dynamo.sh builds and starts) and Amazon's DynamoDB Local 1.25.1
+// (scripts/dynamodb-local.sh installs it into a cache directory and starts
+// it); so do the amqpidem command's DynamoDB tests and the chaos
+// scenarios. minidyn checks conditions, update expressions and
+// transactions as DynamoDB does, but reports only the first failed
+// condition among a cancelled transaction's reasons, enforces none of the
+// size and count limits above, has no TTL (scripts/dynamo answers its API,
+// moves the TTL attribute when asked and deletes nothing), and keeps
+// numbers as 64-bit floats; it serves one request at a time and copies
+// every table a transaction writes (its rollback snapshot), so its
+// transactions slow down as the tables grow. DynamoDB Local enforces the
+// item and transaction size limits, reports every failed condition and
+// refuses TTL on a second attribute, as DynamoDB does; it deletes items
+// whose TTL has passed within seconds (DynamoDB within days), and keeps a
+// database per access key and region unless started with -sharedDb. The
+// service itself differs from both emulators in its throttling and
+// timing.
 package dynamostore
