@@ -101,18 +101,20 @@
 // form: that is what Acquire takes. TxHandler takes the lease of a first
 // delivery (a message not redelivered by the broker) differently, because
 // its transaction will be open anyway: in one round trip it begins the
-// handler's transaction, takes the key's transaction-level advisory lock
-// (pg_try_advisory_xact_lock) unless a live record is there, reads the
-// record by a statement of its own (another holder may have finished just
-// before the lock), and sets the SAVEPOINT the handler's work begins at.
-// The lock is the lease; nothing is written until the outcome, a plain
-// INSERT of the record in the same transaction as the handler's effects,
-// sent with the COMMIT. A new message then costs one commit instead of
-// two, three round trips instead of four, no PL/pgSQL, and 5 WAL records
-// of about 410 bytes instead of 10 of about 800. These statements name the
-// table in full (in the schema of <Table>_held_key, the key of the lock,
-// asked of the server once), so that a handler's SET search_path cannot
-// move them.
+// handler's transaction, takes the key's advisory lock unless a live
+// record is there (pg_try_advisory_xact_lock and pg_try_advisory_lock:
+// the same lock at transaction and at session level), reads the record by
+// a statement of its own (another holder may have finished just before
+// the lock), and sets the SAVEPOINT the handler's work begins at. The lock
+// is the lease; nothing is written until the outcome, a plain INSERT of
+// the record in the same transaction as the handler's effects, sent with
+// the release of the session-level lock and the COMMIT (the
+// transaction-level lock lasts until the record is visible). A new message
+// then costs one commit instead of two, three round trips instead of four,
+// no PL/pgSQL, and 5 WAL records of about 410 bytes instead of 10 of about
+// 800. These statements name the table in full (in the schema of
+// <Table>_held_key, the key of the lock, asked of the server once), so
+// that a handler's SET search_path cannot move them.
 //
 //   - A duplicate is answered at once: the advisory lock is tried, never
 //     waited for (busy: requeued with InProgressDelay), and Acquire tries
@@ -120,17 +122,26 @@
 //     A completed or failed record is answered as with Acquire.
 //   - A holder that leaves its transaction idle loses its lease: the
 //     transaction's idle_in_transaction_session_timeout is the lease's
-//     TTL, after which the server ends its session, and the transaction
-//     and the lock with it; its work, resumed, commits nothing. The
-//     heartbeat has nothing to renew (Extend answers nil for such a
-//     lease), so the handler's context is not cancelled then: its next
-//     statement fails. A handler that keeps its transaction idle longer
-//     than the TTL (a slow call elsewhere in the middle of it) loses its
-//     session the same way: the attempt is then recorded (released, one
-//     attempt), and its retry takes a record-row lease, which the
-//     heartbeat renews. A holder that vanishes in the middle of a
-//     statement, or whose COMMIT waits for a synchronous standby, is not
-//     idle: it keeps the lock until the server notices (TCP keepalives).
+//     TTL (at most 2^31-1 ms; a longer lease is a record row), after which
+//     the server ends its session, and the transaction and the lock with
+//     it; its work, resumed, commits nothing. The heartbeat's Extend asks
+//     the server (pg_locks) whether the holder's backend still holds the
+//     lock, and cancels the handler's context with lock.ErrLeaseLost once
+//     it does not, as for a record-row lease taken over. A handler that
+//     keeps its transaction idle longer than the TTL (a slow call
+//     elsewhere in the middle of it) loses its session the same way: the
+//     attempt is then recorded (released, one attempt), and its retry
+//     takes a record-row lease, which the heartbeat renews. A holder that
+//     vanishes in the middle of a statement, or whose COMMIT waits for a
+//     synchronous standby, is not idle: it keeps the lock until the server
+//     notices (TCP keepalives).
+//   - A handler that ends the transaction itself (see "Writing a
+//     TxHandler") keeps the key: the session-level lock outlives its
+//     COMMIT, and the record is written on the same session before the
+//     lock is released. But that session is then idle outside a
+//     transaction, which no server timeout ends: a holder paused after its
+//     own COMMIT keeps the key busy until it resumes or its connection
+//     closes.
 //   - An execution is counted when its outcome is written, not before it
 //     starts: an attempt that crashes the consumer on a first delivery is
 //     not counted. Its redelivery is marked redelivered by the broker, and
@@ -145,7 +156,15 @@
 //   - The lease holds a pooled connection from the acquire to the commit,
 //     as the handler's transaction did already; a failed handler's
 //     outcome (release, failure) is written after a rollback to the
-//     savepoint, under the same lock.
+//     savepoint, under the same lock, and committed with it.
+//   - Behind a pooler in transaction mode (PgBouncer's pool_mode =
+//     transaction, say), both locks are released while the transaction is
+//     open, on the server session that took them; only a handler that ends
+//     the transaction itself makes the release come after it, possibly on
+//     another server session, leaving the lock held (the key busy) until
+//     the first one closes. Handlers that pass tx.Conn() to code that
+//     commits need a direct connection, a pooler in session mode, or
+//     Config.RowLeases.
 //
 // Only under READ COMMITTED (Config.TxOptions, and the server's default
 // when it sets no level): under a higher level, the acquire's snapshot may
@@ -160,6 +179,54 @@
 // this database would still commit once, but two handlers could run at
 // once). Config.RowLeases turns leases held by transactions off: every
 // lease is a record row, as for the other handler forms.
+//
+// # Writing a TxHandler
+//
+// The tx a TxFunc gets is a nested transaction of the one TxHandler
+// commits with the record, as pgx's tx.Begin makes one: its statements run
+// in that transaction, Commit keeps the work (it does not commit by
+// itself), and Rollback undoes it; after either, tx's statements answer
+// pgx.ErrTxClosed. So the idioms pgx users write out of habit are safe,
+// and come to the same on a held lease and on a record-row one:
+//
+//	h := store.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+//		defer tx.Rollback(ctx) // harmless after Commit
+//		if _, err := tx.Exec(ctx, "UPDATE accounts SET balance = balance - $1 WHERE id = $2", 100, 7); err != nil {
+//			return nil, err // rolled back; retried or dead-lettered as the error says
+//		}
+//		return nil, tx.Commit(ctx) // committed by TxHandler, with the record, once
+//	})
+//
+// What else a handler may do, and what it comes to:
+//
+//   - Savepoints of its own (tx.Begin, SAVEPOINT, ROLLBACK TO, RELEASE),
+//     tx.LargeObjects, CopyFrom, SendBatch: as in any transaction.
+//   - Roll its work back and return nil (a deferred tx.Rollback without
+//     Commit, say): its work did not happen, so the message is not acked as
+//     done: the error wraps ErrRolledBack, Permanent (dead-lettered). To
+//     do nothing, return nil without calling Rollback.
+//   - Return nil after a statement failed (its error swallowed, a unique
+//     violation taken for "already done", say): the transaction is aborted
+//     and nothing can commit: the error wraps pgx.ErrTxCommitRollback and
+//     is retried. Use a savepoint (tx.Begin) around a statement that may
+//     fail, or ON CONFLICT.
+//   - End the transaction itself (a COMMIT or ROLLBACK statement, or a
+//     library given tx.Conn() that begins and commits a transaction of its
+//     own on it, since BEGIN inside a transaction does nothing): if it
+//     committed and the handler returns nil, the record is completed after
+//     it, on its own (the effect happens once, but the record no longer
+//     commits with it: a crash in between runs it again); otherwise the
+//     error wraps ErrTxEnded, Permanent, since what it did after that is
+//     neither undone nor known. Don't: pass tx to libraries, not
+//     tx.Conn().
+//   - Keep the transaction idle longer than the lease (a slow call in the
+//     middle of it): on a held lease the server ends the session, the
+//     handler's context is cancelled, and its retry takes a record-row
+//     lease. Slow work belongs before the first statement, or outside the
+//     transaction (the plain handler form).
+//
+// internal/txtest in the repository runs each of these through a Consumer
+// on both leases.
 //
 // # The producer outbox
 //

@@ -55,7 +55,8 @@ const commitTimeout = 10 * time.Second
 // amqpidem.Wrap with this Store.
 //
 //   - fn returns an error: the transaction rolls back, and the error is
-//     the handler's, retried or dead-lettered as usual.
+//     the handler's, retried or dead-lettered as usual. (What fn may do
+//     to its tx, and what each way of ending comes to: TxFunc.)
 //   - The lease was lost meanwhile (another consumer took the key over):
 //     the record refuses the completion (compare-and-set on owner and
 //     fence), everything rolls back, and the message is requeued for the
@@ -67,9 +68,10 @@ const commitTimeout = 10 * time.Second
 //     it, and it runs again). Never both effects, never none.
 //
 // A message processed without a lease (amqpidem.ProcessMissingKey,
-// FailOpen) runs fn in a transaction of its own, with no record.
+// FailOpen) runs fn in a transaction of its own, with no record, and the
+// same rules for its tx.
 //
-// The returned handler implements amqpidem.Completer.
+// The returned handler implements amqpidem.LeaseTaker.
 func (s *Store) TxHandler(fn TxFunc) amqpidem.Handler {
 	return &txHandler{s: s, fn: fn}
 }

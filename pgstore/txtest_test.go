@@ -128,6 +128,16 @@ func idioms(store *pgstore.Store, effects string) []txtest.Case {
 			}
 			return nil, nil
 		})},
+		{Name: "a failed statement in a nested transaction, rolled back", Effects: 1, Handler: handler(func(_ *txtest.Run, ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+			nested, err := tx.Begin(ctx)
+			if err != nil {
+				return nil, err
+			}
+			if err := exec(ctx, nested, "SELECT 1/0"); err == nil {
+				return nil, errors.New("SELECT 1/0 did not fail")
+			}
+			return nil, nested.Rollback(ctx)
+		})},
 		{Name: "a failed statement whose error is swallowed", DeadLettered: true, Handler: handler(func(_ *txtest.Run, ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
 			_ = exec(ctx, tx, "SELECT 1/0")
 			return nil, nil
