@@ -39,6 +39,12 @@ type ConsumerConfig struct {
 	// dialled when first needed and again once it has closed. Leave
 	// amqp.Config.Recovery nil: the Consumer reconnects itself, and a
 	// connection that recovers by itself ends Run with ErrAutoRecovery.
+	// Shutdown, Run's context and a copy's settle timeout do not wait for
+	// a Dial that hangs (a broker that accepts and never answers): its
+	// goroutine is left to return, and the connection it returns then is
+	// closed. Give it a timeout (amqp.DefaultDial's 30 s is the default of
+	// amqp.DialConfig). The URL's own dial is given up at once, its socket
+	// closed.
 	Dial func() (*amqp.Connection, error)
 	// Prefetch is the QoS prefetch count. Default DefaultPrefetch.
 	Prefetch int
@@ -91,10 +97,6 @@ func (c ConsumerConfig) Validate() error {
 }
 
 func (c ConsumerConfig) withDefaults() ConsumerConfig {
-	if c.Dial == nil {
-		url := c.URL
-		c.Dial = func() (*amqp.Connection, error) { return amqp.Dial(url) }
-	}
 	if c.Prefetch == 0 {
 		c.Prefetch = DefaultPrefetch
 	}
@@ -158,8 +160,13 @@ type Consumer struct {
 	proc processor
 	// ownDeclare is set when ConsumerConfig.Declare was the user's.
 	ownDeclare bool
-	pubConn    *pubConn   // the connection copies are published on
-	pub        *publisher // publishes on pubConn, for every session
+	// dial dials the consuming connection (see connect); ownDial is set
+	// when it is amqpidem's own (ConsumerConfig.URL), which stopping
+	// interrupts.
+	dial    dialFunc
+	ownDial bool
+	pubConn *pubConn   // the connection copies are published on
+	pub     *publisher // publishes on pubConn, for every session
 
 	force    context.Context // cancelled to force the handlers to stop
 	cancel   context.CancelFunc
@@ -193,15 +200,21 @@ func NewConsumer(store lock.Store, cfg ConsumerConfig, h Handler) (*Consumer, er
 	}
 	cfg.Config = proc.cfg
 	ownDeclare := cfg.Declare != nil
+	ownDial := cfg.Dial == nil
+	dial := urlDial(cfg.URL)
+	if !ownDial {
+		dial = userDial(cfg.Dial)
+	}
 	cfg = cfg.withDefaults()
 	stopping := make(chan struct{})
 	proc.gate, proc.stopping = newGate(cfg.Concurrency), stopping
 	force, cancel := context.WithCancel(context.Background())
-	pc := newPubConn(cfg.Dial, proc.cfg.Logger, cfg.Queue)
+	pc := newPubConn(dial, ownDial, proc.cfg.Logger, cfg.Queue)
+	pc.abort = force.Done() // forced to stop: copies wait for no dial
 	pub := newPublisher(pc, proc.cfg.QueueType)
 	pub.delayArgs = proc.cfg.DelayQueueArgs
 	c := &Consumer{
-		cfg: cfg, proc: proc, ownDeclare: ownDeclare, pubConn: pc, pub: pub,
+		cfg: cfg, proc: proc, ownDeclare: ownDeclare, dial: dial, ownDial: ownDial, pubConn: pc, pub: pub,
 		force: force, cancel: cancel,
 		stopping: stopping, done: make(chan struct{}), running: make(chan struct{}),
 	}
@@ -240,6 +253,10 @@ const storeCheckTimeout = 5 * time.Second
 //     queue that exists with arguments other than QueueArgs;
 //   - NOT_FOUND (404) on the consumed queue: it does not exist (a custom
 //     Declare that does not declare it).
+//
+// Shutdown and ctx are heard while a connection is dialled and set up: a
+// broker that accepts the connection and never answers holds up neither
+// (see ConsumerConfig.Dial).
 //
 // A login refused without a word (RabbitMQ closes the socket:
 // amqp.ErrCredentials) looks the same as a broker going down in the

@@ -13,8 +13,12 @@
 // consume on (acks go there) and one to publish its copies on (delayed
 // requeues, dead letters, replies), as RabbitMQ advises, since a broker
 // that blocks publishers (a memory or disk alarm) blocks the whole
-// connection; connection.blocked is logged. After the consuming connection
-// is lost, Run reconnects at once: handlers already running finish and
+// connection; connection.blocked is logged. Dialling, to consume or to
+// publish a copy, is given up when the Consumer stops, and a copy waits
+// for the publishing connection no longer than its settle timeout: a
+// broker that accepts connections and never answers holds up neither
+// Shutdown nor Run's context. After the consuming connection is lost, Run
+// reconnects at once: handlers already running finish and
 // store their outcome, their ack fails with the dead channel, and the
 // broker's redelivery is acked as a duplicate (or requeued as busy while
 // the lease is held); deliveries of the dead channel whose handler had not

@@ -1,6 +1,7 @@
 package amqpidem
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -15,63 +16,145 @@ import (
 // closed, so that it outlives the consuming sessions: the handlers of a
 // session whose connection died can still publish their copies. It is the
 // ChannelOpener of the Consumer's publisher. Safe for concurrent use.
+//
+// One goroutine dials at a time, without the lock held: callers wait for
+// its connection only as long as their context lets them (a copy's settle
+// timeout), or until abort is closed, so that a broker that accepts the
+// connection and never answers holds no caller for longer.
 type pubConn struct {
-	dial  func() (*amqp.Connection, error)
+	dial  dialFunc
 	log   *slog.Logger
 	queue string
+	// own is set when dial is amqpidem's (a URL): close gives up on a dial
+	// in flight and waits for it. A dial of the user's cannot be given up
+	// on, and close does not wait for it.
+	own bool
+	// abort, when closed, ends every wait for a dial at once: a Consumer
+	// forced to stop does not wait for its copies' connection. Nil: never.
+	abort <-chan struct{}
 
-	mu       sync.Mutex // held while dialling: callers wait for the one connection
+	ctx    context.Context // ends the dial in flight on close
+	cancel context.CancelFunc
+
+	mu       sync.Mutex
 	conn     *amqp.Connection
+	dialing  *dialAttempt // the dial in flight, if any
 	closed   bool
 	watchers sync.WaitGroup // loggers of blocked notifications
+	dials    sync.WaitGroup // dials of amqpidem's own (own)
+}
+
+// dialAttempt is one dial of a pubConn: done is closed when it ended, with
+// err set if it failed.
+type dialAttempt struct {
+	done chan struct{}
+	err  error
 }
 
 // errPubConnClosed is the error of Channel after close.
 var errPubConnClosed = errors.New("amqpidem: publishing connection closed")
 
-func newPubConn(dial func() (*amqp.Connection, error), log *slog.Logger, queue string) *pubConn {
-	return &pubConn{dial: dial, log: log, queue: queue}
+// errPubConnAbort is the error of a wait for the publishing connection's
+// dial cut short by abort.
+var errPubConnAbort = errors.New("amqpidem: stopping: the publishing connection is still being dialled")
+
+func newPubConn(dial dialFunc, own bool, log *slog.Logger, queue string) *pubConn {
+	ctx, cancel := context.WithCancel(context.Background())
+	return &pubConn{dial: dial, own: own, log: log, queue: queue, ctx: ctx, cancel: cancel}
 }
 
 // Channel opens a channel on the connection, dialling it first if there is
-// none or it has closed. The channel is opened without p.mu held: on a
-// blocked connection it waits until the broker unblocks it, or until close.
-func (p *pubConn) Channel() (*amqp.Channel, error) {
-	p.mu.Lock()
-	if p.closed {
+// none or it has closed; see channel.
+func (p *pubConn) Channel() (*amqp.Channel, error) { return p.channel(context.Background()) }
+
+// channel opens a channel on the connection, dialling it first if there is
+// none or it has closed, waiting for the dial until ctx ends or abort is
+// closed. The channel is opened without p.mu held: on a blocked connection
+// it waits until the broker unblocks it, or until close.
+func (p *pubConn) channel(ctx context.Context) (*amqp.Channel, error) {
+	for {
+		p.mu.Lock()
+		if p.closed {
+			p.mu.Unlock()
+			return nil, errPubConnClosed
+		}
+		if p.conn != nil && !p.conn.IsClosed() {
+			conn := p.conn
+			p.mu.Unlock()
+			return conn.Channel()
+		}
+		a := p.dialing
+		if a == nil {
+			a = &dialAttempt{done: make(chan struct{})}
+			p.dialing = a
+			if p.own {
+				p.dials.Add(1)
+			}
+			go p.dialNow(a)
+		}
 		p.mu.Unlock()
-		return nil, errPubConnClosed
+		select {
+		case <-a.done:
+			if a.err != nil {
+				return nil, a.err
+			}
+			// Connected: open the channel (or dial again, had it closed
+			// already).
+		case <-ctx.Done():
+			return nil, fmt.Errorf("amqpidem: waiting for the publishing connection's dial: %w", ctx.Err())
+		case <-p.abort:
+			return nil, errPubConnAbort
+		}
 	}
-	if p.conn == nil || p.conn.IsClosed() {
-		conn, err := p.dial()
-		if err != nil {
-			p.mu.Unlock()
-			return nil, fmt.Errorf("amqpidem: dial the publishing connection: %w", err)
-		}
-		if err := refuseRecovery(conn, "amqpidem: the publishing connection"); err != nil {
-			p.mu.Unlock()
-			_ = conn.Close()
-			return nil, err
-		}
+}
+
+// dialNow makes dial a, and makes its connection p's, unless p was closed
+// meanwhile.
+func (p *pubConn) dialNow(a *dialAttempt) {
+	if p.own {
+		defer p.dials.Done()
+	}
+	conn, keep, err := p.dial(p.ctx)
+	switch {
+	case err != nil:
+		err = fmt.Errorf("amqpidem: dial the publishing connection: %w", err)
+	case !keep():
+		err = errPubConnClosed // closed while dialling: its socket too
+	default:
+		err = refuseRecovery(conn, "amqpidem: the publishing connection")
+	}
+	p.mu.Lock()
+	p.dialing = nil
+	if err == nil && p.closed {
+		err = errPubConnClosed
+	}
+	if err == nil {
 		p.conn = conn
 		watchBlocked(conn, &p.watchers, p.log, p.queue, "publish")
 	}
-	conn := p.conn
 	p.mu.Unlock()
-	return conn.Channel()
+	if err != nil && conn != nil {
+		closeAbandoned(conn)
+	}
+	a.err = err
+	close(a.done)
 }
 
-// close closes the connection and waits for its watcher; Channel fails
-// from then on.
+// close closes the connection and waits for its watcher, and for a dial
+// of amqpidem's own in flight, which it gives up on; Channel fails from
+// then on. A dial of the user's in flight is not waited for: its
+// connection is closed when it comes.
 func (p *pubConn) close() {
 	p.mu.Lock()
 	p.closed = true
 	conn := p.conn
 	p.conn = nil
 	p.mu.Unlock()
+	p.cancel()
 	if conn != nil {
 		_ = conn.Close()
 	}
+	p.dials.Wait()
 	p.watchers.Wait()
 }
 
@@ -80,7 +163,11 @@ func (p *pubConn) close() {
 // names the connection in the log: "consume" or "publish".
 func watchBlocked(conn *amqp.Connection, wg *sync.WaitGroup, log *slog.Logger, queue, role string) {
 	// Buffered: the connection's reader waits (a while) for a full one.
-	blocked := conn.NotifyBlocked(make(chan amqp.Blocking, 2))
+	logBlockedIn(wg, log, queue, role, conn.NotifyBlocked(make(chan amqp.Blocking, 2)))
+}
+
+// logBlockedIn runs logBlocked in a goroutine counted by wg.
+func logBlockedIn(wg *sync.WaitGroup, log *slog.Logger, queue, role string, blocked <-chan amqp.Blocking) {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()

@@ -46,7 +46,7 @@ func DialPublisher(dial func() (*amqp.Connection, error), log *slog.Logger) *Pub
 	if log == nil {
 		log = slog.Default()
 	}
-	own := newPubConn(dial, log, "")
+	own := newPubConn(userDial(dial), false, log, "")
 	return &Publisher{p: newPublisher(own, queueClassic), own: own}
 }
 

@@ -108,7 +108,7 @@ func (p *publisher) get(ctx context.Context) (*pubChannel, error) {
 			}
 			return pc, nil
 		case p.sem <- struct{}{}:
-			pc, err := p.open()
+			pc, err := p.open(ctx)
 			if err != nil {
 				<-p.sem
 				return nil, err
@@ -120,8 +120,15 @@ func (p *publisher) get(ctx context.Context) (*pubChannel, error) {
 	}
 }
 
-// open opens a confirm-mode channel, unless the publisher is closed.
-func (p *publisher) open() (*pubChannel, error) {
+// contextOpener is a ChannelOpener whose wait for a connection ends with
+// ctx: a Consumer's or DialPublisher's own connection (pubConn).
+type contextOpener interface {
+	channel(ctx context.Context) (*amqp.Channel, error)
+}
+
+// open opens a confirm-mode channel, unless the publisher is closed. A
+// contextOpener's wait for its connection ends with ctx.
+func (p *publisher) open(ctx context.Context) (*pubChannel, error) {
 	p.mu.Lock()
 	closed := p.closed
 	p.mu.Unlock()
@@ -133,7 +140,13 @@ func (p *publisher) open() (*pubChannel, error) {
 			return nil, err
 		}
 	}
-	ch, err := p.conn.Channel()
+	var ch *amqp.Channel
+	var err error
+	if co, ok := p.conn.(contextOpener); ok {
+		ch, err = co.channel(ctx)
+	} else {
+		ch, err = p.conn.Channel()
+	}
 	if err != nil {
 		return nil, fmt.Errorf("amqpidem: open publish channel: %w", err)
 	}

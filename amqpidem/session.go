@@ -2,6 +2,7 @@ package amqpidem
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -25,32 +26,13 @@ type job struct {
 // as tasks of c, and its deliveries still waiting for a slot are dropped
 // (see work). base is the handlers' parent context.
 func (c *Consumer) session(ctx, base context.Context) error {
-	conn, err := c.cfg.Dial()
+	s, err := c.connect(ctx)
 	if err != nil {
-		return dialError(err)
+		return err
 	}
+	conn, ch, deliveries, connClosed, chClosed := s.conn, s.ch, s.deliveries, s.connClosed, s.chClosed
 	defer conn.Close()
-	if err := refuseRecovery(conn, "ConsumerConfig.Dial"); err != nil {
-		return &permanentError{err: err}
-	}
-	connClosed := conn.NotifyClose(make(chan *amqp.Error, 1))
-	watchBlocked(conn, &c.tasks, c.proc.cfg.Logger, c.cfg.Queue, "consume")
-
-	ch, err := conn.Channel()
-	if err != nil {
-		return c.setupError(stepChannel, err)
-	}
-	chClosed := ch.NotifyClose(make(chan *amqp.Error, 1))
-	if err := ch.Qos(c.cfg.Prefetch, 0, false); err != nil {
-		return c.setupError(stepQos, err)
-	}
-	if err := c.cfg.Declare(ch); err != nil {
-		return c.setupError(stepDeclare, err)
-	}
-	deliveries, err := ch.Consume(c.cfg.Queue, c.cfg.ConsumerTag, false, false, false, false, nil)
-	if err != nil {
-		return c.setupError(stepConsume, err)
-	}
+	logBlockedIn(&c.tasks, c.proc.cfg.Logger, c.cfg.Queue, "consume", s.blocked)
 	c.consuming.Store(true)
 	defer c.consuming.Store(false)
 	c.proc.cfg.Logger.InfoContext(ctx, "amqpidem: consuming", "queue", c.cfg.Queue,
@@ -140,6 +122,133 @@ func (c *Consumer) session(ctx, base context.Context) error {
 			return ctx.Err()
 		}
 	}
+}
+
+// setup is a session's connection, set up and consuming.
+type setup struct {
+	conn                 *amqp.Connection
+	ch                   *amqp.Channel
+	deliveries           <-chan amqp.Delivery
+	connClosed, chClosed chan *amqp.Error
+	blocked              chan amqp.Blocking
+}
+
+// connect dials and sets up a session's connection (setUp) in a
+// goroutine, and gives up on it when the consumer begins stopping or ctx
+// ends first (errStopping): a broker that accepts the connection and never
+// answers does not hold up Shutdown or Run's context. A connection of
+// amqpidem's own dial (ConsumerConfig.URL) is then abandoned at once, its
+// socket closed, and the goroutine, one of c's tasks, ends with it. A
+// Dial of the user's cannot be interrupted: its goroutine is not waited
+// for, and closes the connection if one comes.
+func (c *Consumer) connect(ctx context.Context) (*setup, error) {
+	dctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	type result struct {
+		s   *setup
+		err error
+	}
+	var (
+		mu        sync.Mutex
+		abandoned bool
+		res       = make(chan result, 1)
+	)
+	if c.ownDial {
+		c.tasks.Add(1)
+	}
+	go func() {
+		if c.ownDial {
+			defer c.tasks.Done()
+		}
+		s, err := c.setUp(dctx)
+		mu.Lock()
+		defer mu.Unlock()
+		if abandoned {
+			if s != nil {
+				closeAbandoned(s.conn)
+			}
+			return
+		}
+		res <- result{s, err}
+	}()
+	select {
+	case r := <-res:
+		return r.s, r.err
+	case <-c.stopping:
+	case <-ctx.Done():
+	}
+	cancel()
+	mu.Lock()
+	abandoned = true
+	mu.Unlock()
+	select {
+	case r := <-res: // it came as the consumer stopped
+		if r.s != nil {
+			closeAbandoned(r.s.conn)
+		}
+	default:
+	}
+	return nil, errStopping
+}
+
+// setUp dials a connection and sets it up: a channel, QoS, Declare, and
+// consuming. A connection that recovers by itself (ErrAutoRecovery), and a
+// Dial or Declare that panics, are permanent errors. On an error the
+// connection is closed.
+func (c *Consumer) setUp(ctx context.Context) (s *setup, err error) {
+	conn, keep, err := c.dial(ctx)
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil, errStopping
+		}
+		var pe *permanentError
+		if errors.As(err, &pe) {
+			return nil, err
+		}
+		return nil, dialError(err)
+	}
+	defer func() {
+		if err != nil {
+			closeAbandoned(conn)
+		}
+	}()
+	if err := refuseRecovery(conn, "ConsumerConfig.Dial"); err != nil {
+		return nil, &permanentError{err: err}
+	}
+	s = &setup{conn: conn, connClosed: conn.NotifyClose(make(chan *amqp.Error, 1)),
+		// Buffered: the connection's reader waits (a while) for a full one.
+		blocked: conn.NotifyBlocked(make(chan amqp.Blocking, 2))}
+	if s.ch, err = conn.Channel(); err != nil {
+		return nil, c.setupError(stepChannel, err)
+	}
+	s.chClosed = s.ch.NotifyClose(make(chan *amqp.Error, 1))
+	if err := s.ch.Qos(c.cfg.Prefetch, 0, false); err != nil {
+		return nil, c.setupError(stepQos, err)
+	}
+	if err := c.declare(s.ch); err != nil {
+		var pe *permanentError
+		if errors.As(err, &pe) {
+			return nil, err
+		}
+		return nil, c.setupError(stepDeclare, err)
+	}
+	if s.deliveries, err = s.ch.Consume(c.cfg.Queue, c.cfg.ConsumerTag, false, false, false, false, nil); err != nil {
+		return nil, c.setupError(stepConsume, err)
+	}
+	if !keep() {
+		return nil, errStopping // its socket was closed as ctx ended
+	}
+	return s, nil
+}
+
+// declare runs ConsumerConfig.Declare; a panic is a permanent error.
+func (c *Consumer) declare(ch *amqp.Channel) (err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			err = &permanentError{err: fmt.Errorf("amqpidem: ConsumerConfig.Declare panicked: %v", v)}
+		}
+	}()
+	return c.cfg.Declare(ch)
 }
 
 // work waits for j's turn at the gate, then processes it. A delivery
