@@ -78,7 +78,7 @@ func answered(err error) bool {
 // the message is not acked as done; it is dead-lettered. To do nothing,
 // return nil without calling Rollback; to keep the work, call tx.Commit
 // (or nothing) before Rollback.
-var ErrRolledBack = errors.New("pgstore: the handler rolled its transaction back (tx.Rollback, a deferred one included) and returned no error: its work was undone")
+var ErrRolledBack = errors.New("pgstore: the handler rolled its transaction back (tx.Rollback, a deferred one included) and returned no error: its work was undone (call tx.Commit before returning nil to keep it)")
 
 // ErrTxEnded is wrapped, with amqpidem.Permanent, by the error of a
 // TxHandler whose function ended the transaction itself (a COMMIT or

@@ -316,19 +316,20 @@ func newHeldSQL(table, heldKey string) *heldSQL {
 // until a call takes it. A guard ends the transaction if nothing took it
 // within l's TTL, keeping what is left of it.
 func (s *Store) putHeld(l lock.Lease, h *heldTx) {
-	if s.closed.Load() && h.conn != nil {
-		// Close has run: no transaction may stay held (see Close).
-		closeConn(h.conn)
-		h = s.ended(l.Owner, h.fp, l.TTL+l.Retention)
+	if h.conn == nil || s.closed.Load() {
+		if h.conn != nil {
+			// Close has run: no transaction may stay held (see Close).
+			closeConn(h.conn)
+		}
+		s.held.Store(l.Owner, s.ended(l.Owner, h.fp, l.TTL+l.Retention))
+		return
 	}
-	if h.conn != nil {
-		h.guard = time.AfterFunc(l.TTL, func() {
-			s.endInPlace(l.Owner, h, l.TTL+l.Retention, func() {
-				s.cfg.Logger.Warn("pgstore: a lease held by a transaction was not ended within its TTL; rolled back",
-					"key", l.Key, "fence", l.Fence)
-			})
+	h.guard = time.AfterFunc(l.TTL, func() {
+		s.endInPlace(l.Owner, h, l.TTL+l.Retention, func() {
+			s.cfg.Logger.Warn("pgstore: a lease held by a transaction was not ended within its TTL; rolled back",
+				"key", l.Key, "fence", l.Fence)
 		})
-	}
+	})
 	s.held.Store(l.Owner, h)
 }
 

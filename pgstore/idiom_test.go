@@ -389,3 +389,38 @@ func TestHeldLeaseLongTTL(t *testing.T) {
 	}
 	r.idle()
 }
+
+// TestHeldLeaseCommitFailsThenRelease: a completion whose session the
+// server ended (the backend terminated, here) fails as unavailable,
+// nothing committed, and the Release amqpidem makes next writes the
+// released record, with the request's fingerprint, on a connection of
+// the pool.
+func TestHeldLeaseCommitFailsThenRelease(t *testing.T) {
+	r := newRig(t)
+	ctx := context.Background()
+	h := r.taker(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+		if err := r.insert(ctx, tx, d.MessageId); err != nil {
+			return nil, err
+		}
+		pid := tx.Conn().PgConn().PID()
+		_, err := r.pool.Exec(ctx, "SELECT pg_terminate_backend($1)", pid)
+		return nil, err
+	})
+	res, err := h.AcquireLease(ctx, lock.Request{Key: "gone", TTL: 5 * time.Second, Fingerprint: "body one"}, &amqp.Delivery{})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatalf("AcquireLease: %+v, %v", res, err)
+	}
+	if _, err := h.HandleComplete(ctx, &amqp.Delivery{MessageId: "gone"}, res.Lease, same); !errors.Is(err, lock.ErrUnavailable) {
+		t.Fatalf("HandleComplete on a terminated session: %v, want lock.ErrUnavailable", err)
+	}
+	if err := r.store.Release(ctx, res.Lease); err != nil {
+		t.Fatalf("Release: %v", err)
+	}
+	if rec := r.record("gone"); rec == nil || rec.state != "r" || r.effects()["gone"] != 0 {
+		t.Fatalf("record %+v, effects %v; want released, no effect", rec, r.effects())
+	}
+	if got, err := r.store.Acquire(ctx, lock.Request{Key: "gone", Fingerprint: "body two"}); err != nil || got.Status != lock.Conflict {
+		t.Fatalf("Acquire with another fingerprint: %+v, %v; want a conflict", got, err)
+	}
+	r.idle()
+}
