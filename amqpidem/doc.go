@@ -150,7 +150,9 @@
 // queue is deleted with the copies in it, and RabbitMQ after 3.10 does
 // not renew a quorum queue's expiry on re-declaration. They stay, empty
 // when unused, one per delay tier (at most 90 per decade of delays);
-// delete unused ones at will, amqpidem declares them again when needed.
+// delete unused ones at will, amqpidem declares them again when needed (a
+// copy returned unroutable from a delay queue deleted since it was
+// declared declares it again, and is published once more).
 //
 // That safety is the broker's: on a three-node cluster running RabbitMQ
 // 3.10.8, killing or cutting off the node that leads a quorum delay queue

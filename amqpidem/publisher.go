@@ -302,15 +302,25 @@ func (p *publisher) close() {
 // requeue publishes msg, a copy of a delivery, to wait delay in its tier's
 // delay queue and then return to queue (or straight back to queue when
 // delay is zero). The delay queue is of the kind p.queueType calls for
-// (see delayQueueArgs).
+// (see delayQueueArgs). A copy returned unroutable from a delay queue
+// declared earlier (someone deleted it since) declares it again and is
+// published once more: it was not enqueued, so this makes no duplicate.
 func (p *publisher) requeue(ctx context.Context, queue string, msg amqp.Publishing, delay time.Duration) error {
 	if delay <= 0 {
 		return p.publish(ctx, "", queue, msg)
 	}
 	tier := delayTier(delay)
 	name := delayQueue(queue, p.queueType, tier)
-	if err := p.declare(ctx, name, delayQueueArgs(queue, p.queueType, tier, p.delayArgs), true); err != nil {
+	args := delayQueueArgs(queue, p.queueType, tier, p.delayArgs)
+	for try := 0; ; try++ {
+		if err := p.declare(ctx, name, args, true); err != nil {
+			return err
+		}
+		err := p.publish(ctx, "", name, msg)
+		if try == 0 && errors.Is(err, ErrUnroutable) {
+			p.forget(name)
+			continue
+		}
 		return err
 	}
-	return p.publish(ctx, "", name, msg)
 }
