@@ -184,13 +184,20 @@ func (s *RedisStore) acquire(ctx context.Context, req Request, owner *[32]byte) 
 			return res, nil
 		case err == nil:
 			// The record needs the server's clock: the script decides.
-		case errors.Is(err, ErrUnavailable), errors.Is(err, ErrBadRecord), errors.Is(err, ErrKeyCollision), ctx.Err() != nil:
+		case errors.Is(err, ErrUnavailable), errors.Is(err, ErrBadRecord), errors.Is(err, ErrKeyCollision),
+			errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
 			return Result{}, err
 		default:
 			// The transaction was refused where a script may not be
 			// (a write refused under OOM still lets the script answer
 			// a duplicate; an ACL or a proxy may refuse MULTI).
 			s.nativeRefused(ctx, err)
+			// A refused MULTI leaves its SET run alone: it may have
+			// made a record of this owner's, which only the script
+			// tells. It runs whatever ctx says, or that record would
+			// block the key for a TTL, its Acquire answered with the
+			// refusal.
+			ctx = context.WithoutCancel(ctx)
 		}
 	}
 	c := getCall(acquireScript, rkey, 5)
