@@ -3,6 +3,7 @@ package lock
 import (
 	"strings"
 	"testing"
+	"unicode/utf8"
 )
 
 func TestRecordKey(t *testing.T) {
@@ -39,9 +40,17 @@ func TestTruncate(t *testing.T) {
 		{"exactly", 7, "exactly"},
 		{strings.Repeat("x", 30), 20, "xxxxxx…(truncated)"},
 		{"abcdef", 3, "abc"},
+		// Cut at a rune's start, never in the middle of one: the text
+		// stays valid UTF-8.
+		{"ab" + strings.Repeat("€", 10), 20, "ab€…(truncated)"},
+		{"ab" + strings.Repeat("€", 10), 21, "ab€…(truncated)"},
+		{"ab" + strings.Repeat("€", 10), 22, "ab€€…(truncated)"},
+		{"€€", 4, "€"},
+		{"€€", 2, ""},
+		{"aé", 2, "a"},
 	}
 	for _, tc := range tests {
-		if got := CutText(tc.in, tc.n); got != tc.want || len(got) > tc.n {
+		if got := CutText(tc.in, tc.n); got != tc.want || len(got) > tc.n || !utf8.ValidString(got) {
 			t.Errorf("CutText(%q, %d): got %q, want %q", tc.in, tc.n, got, tc.want)
 		}
 	}

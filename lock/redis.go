@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -454,16 +455,30 @@ func isNoScript(err error) bool {
 
 // CutText cuts s to at most n bytes, ending it with "…(truncated)" when
 // it was cut: how Fail shortens an error text longer than MaxResultSize.
-// Store implementations use it so that every store stores the same text.
+// It cuts at the start of a rune, never in the middle of one, so that
+// valid UTF-8 stays valid. Store implementations use it so that every
+// store stores the same text.
 func CutText(s string, n int) string {
 	if len(s) <= n {
 		return s
 	}
 	const mark = "…(truncated)"
 	if n <= len(mark) {
-		return s[:n]
+		return s[:runeCut(s, n)]
 	}
-	return s[:n-len(mark)] + mark
+	return s[:runeCut(s, n-len(mark))] + mark
+}
+
+// runeCut returns where to cut s to at most n bytes (n < len(s)): n, or
+// less so that the cut falls at the start of a rune. Where s is not
+// UTF-8 (no rune starts within utf8.UTFMax bytes), it cuts at n.
+func runeCut(s string, n int) int {
+	for i := n; i >= 0 && i > n-utf8.UTFMax; i-- {
+		if utf8.RuneStart(s[i]) {
+			return i
+		}
+	}
+	return n
 }
 
 // keyOf returns the Redis key of l's record, computed once by Acquire.
