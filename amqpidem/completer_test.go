@@ -86,6 +86,14 @@ func TestCompleterOutcomes(t *testing.T) {
 			refuse: fmt.Errorf("complete: %w", lock.ErrLeaseLost),
 			// Not released: the lease belongs to whoever took it over.
 			want: Abandoned, wantReason: "lease lost", wantDelay: MinInProgressDelay, wantStatus: lock.InProgress},
+		{name: "lease lost before the completion", work: func() ([]byte, error) {
+			// pgstore's lease held by a transaction whose session the
+			// server ended: nothing committed, the lease gone with it.
+			return nil, fmt.Errorf("%w: %w: the session holding the lease ended", lock.ErrLeaseLost, lock.ErrUnavailable)
+		},
+			// Released: the attempt is recorded (the store refuses it if
+			// someone took the key over).
+			want: Abandoned, wantReason: "lease lost", wantDelay: MinInProgressDelay, wantStatus: lock.Acquired},
 		{name: "committed, answer lost", work: func() ([]byte, error) { return nil, nil },
 			after: func(error) error { return fmt.Errorf("commit: %w", lock.ErrUnavailable) },
 			want:  Abandoned, wantReason: "store unavailable", wantDelay: DefaultUnavailableDelay, wantStatus: lock.Completed},

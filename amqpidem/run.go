@@ -115,6 +115,14 @@ func (f *flight) runCompleter(c Completer, o *outbox) {
 		// the record decides the next delivery.
 		f.stopKeep()
 		f.requeue(Abandoned, "lease lost", MinInProgressDelay, err)
+	case errors.Is(err, lock.ErrLeaseLost) && !IsPermanent(err):
+		// The lease ended before the completion (pgstore's lease held by
+		// a transaction whose session the server ended): nothing
+		// committed. The release records the attempt, unless someone took
+		// the key over; the record decides the next delivery.
+		f.stopKeep()
+		f.release()
+		f.requeue(Abandoned, "lease lost", MinInProgressDelay, err)
 	case errors.Is(err, lock.ErrUnavailable) && !IsPermanent(err):
 		// Not committed, or committed with the answer lost. In the second
 		// case the record is completed and refuses the release, and the
