@@ -82,8 +82,9 @@ type acker struct {
 	ch   amqp.Acknowledger // the channel the deliveries came from
 	dead <-chan struct{}   // closed when that channel died; nil: never known
 
-	batch   int // acks the frontier passed that go out at once, without waiting ackFlush
-	heldMax int // acks above the frontier held at most
+	batch   int           // acks the frontier passed that go out at once, without waiting ackFlush
+	heldMax int           // acks above the frontier held at most
+	hold    time.Duration // how long acks above the frontier are held at most: ackHold
 
 	mu        sync.Mutex          // guards the fields below
 	next      uint64              // the frontier: the lowest tag not settled
@@ -109,7 +110,7 @@ type acker struct {
 // prefetch unacknowledged deliveries at most (0: not known; the limits
 // are then ackBatch and ackHeldMax).
 func newAcker(ch amqp.Acknowledger, prefetch int) *acker {
-	a := &acker{ch: ch, next: 1, unsettled: make(map[uint64]struct{}), batch: ackBatch, heldMax: ackHeldMax}
+	a := &acker{ch: ch, next: 1, unsettled: make(map[uint64]struct{}), batch: ackBatch, heldMax: ackHeldMax, hold: ackHold}
 	if prefetch > 0 {
 		a.batch = max(1, min(ackBatch, prefetch/2))
 		a.heldMax = max(1, min(ackHeldMax, prefetch/2))
@@ -184,22 +185,22 @@ func (a *acker) flush() {
 	_ = a.write(true) // unlocks
 }
 
-// armTimer makes sure held acks are all sent within ackHold, unless it is
-// armed already.
+// armTimer makes sure held acks are all sent within a.hold (ackHold),
+// unless it is armed already.
 func (a *acker) armTimer() {
 	if a.timerOn || a.closed {
 		return
 	}
 	a.timerOn = true
 	if a.timer == nil {
-		a.timer = time.AfterFunc(ackHold, func() {
+		a.timer = time.AfterFunc(a.hold, func() {
 			a.mu.Lock()
 			a.timerOn = false
 			_ = a.write(true) // unlocks
 		})
 		return
 	}
-	a.timer.Reset(ackHold)
+	a.timer.Reset(a.hold)
 }
 
 // armDue makes sure what the frontier passes is sent within ackFlush.
