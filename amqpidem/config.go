@@ -117,7 +117,9 @@ type Config struct {
 	// clock) a handler whose lease could not be renewed is cancelled, so
 	// that it stops before another consumer can take the key over. It must
 	// cover the time a handler takes to notice its context and the clock
-	// drift between this host and the store. Zero: a fifth of the lease
+	// drift between this host and the store, and exceed the host's
+	// scheduling latency, tens of milliseconds on a starved CPU (package
+	// heartbeat, "Limits"). Zero: a fifth of the lease
 	// TTL (see heartbeat.Config.SafetyMargin). It must be shorter than the
 	// lease TTL: a lease no longer than the margin is never run.
 	SafetyMargin time.Duration

@@ -27,7 +27,10 @@ type Config struct {
 	// context is cancelled when no extension has been confirmed: the
 	// handler is cancelled at deadline - SafetyMargin. It must cover the
 	// time a handler takes to notice cancellation and stop writing, plus
-	// the clock rate difference between this host and Redis over one TTL.
+	// the clock rate difference between this host and Redis over one TTL,
+	// and exceed the host's scheduling latency: on a starved CPU the
+	// cancellation comes tens of milliseconds late (see "Limits" in the
+	// package documentation).
 	// Zero means TTL/5 of each lease; negative is an error. A lease whose
 	// TTL is not longer than the margin is refused by Keep.
 	SafetyMargin time.Duration

@@ -47,6 +47,16 @@
 // cancellation and stop, and the difference in clock rate between this host
 // and Redis over one TTL.
 //
+// It must also exceed the host's scheduling latency: the Keeper's loop and
+// the handler are goroutines, and on a starved CPU they run late. With
+// GOMAXPROCS 1 and goroutines spinning beside them (Go preempts a running
+// goroutine after about 10 ms), a hung store's handler saw its context
+// cancelled up to 35 ms after the local deadline on an idle host, and up
+// to 90 ms after it (110 ms after the deadline minus a 20 ms margin) on a
+// host with a load average of 5 to 9 (TestKeepLatenessUnderStarvation,
+// HEARTBEAT_STARVATION=1). A margin of a few milliseconds, or even the
+// 200 µs one a short TTL tempts, is crossed by such a pause.
+//
 // A lease is not a mutex. A process stopped for longer than the margin (a
 // long GC pause, SIGSTOP, a VM migration, an overloaded host) can resume
 // after its lease expired and act before it looks at its context. Where a
