@@ -237,7 +237,8 @@ type heldSQL struct {
 	// (a snapshot of its own, under READ COMMITTED): another holder may
 	// have finished in between. One row, NULLs when there is none.
 	read string
-	// insert writes the outcome as a new record (see commitHeld).
+	// insert writes the outcome as a new record, and releases the key's
+	// session-level lock (see commitHeld).
 	insert string
 }
 
@@ -305,10 +306,16 @@ func newHeldSQL(table, heldKey string) *heldSQL {
 		read: `SELECT t.state, t.fence, t.attempts, t.value, t.fingerprint, t.expires_at > clock_timestamp(),
 				ceil(extract(epoch FROM t.deadline - clock_timestamp()) * 1000)::bigint, ` + clockUS + `
 			FROM (SELECT) one LEFT JOIN ` + table + ` t ON t.ns = $1 AND t.key = $2`,
-		insert: `INSERT INTO ` + table + ` (ns, key, state, owner, fence, deadline, attempts, fingerprint,
+		// The release of the session-level lock rides along (a CTE with a
+		// volatile function runs once, before the INSERT): the
+		// transaction-level one covers the key until the COMMIT, and an
+		// advisory unlock is not undone if the INSERT fails.
+		insert: `WITH unlocked AS (SELECT pg_advisory_unlock(` + lockKey + `))
+			INSERT INTO ` + table + ` (ns, key, state, owner, fence, deadline, attempts, fingerprint,
 				value, created_at, ended_at, expires_at)
-			VALUES ($1, $2, $3, $4, $5, NULL, 1, $6, $7, clock_timestamp(), clock_timestamp(),
-				clock_timestamp() + $8::bigint * interval '1 millisecond')`,
+			SELECT $1::text, $2::bytea, $3::text, $4::text, $5::bigint, NULL, 1, $6::bytea, $7::bytea,
+				clock_timestamp(), clock_timestamp(), clock_timestamp() + $8::bigint * interval '1 millisecond'
+			FROM unlocked`,
 	}
 }
 
@@ -556,8 +563,8 @@ func (s *Store) finishHeldOn(ctx context.Context, h *heldTx, l lock.Lease, op, s
 // commitHeld writes l's outcome state ('c', 'f', 'r'; op names the call)
 // with value in h's transaction and commits it: after a rollback to the
 // handler's savepoint unless the outcome is completed, the record's
-// INSERT, the release of the key's session-level lock (its
-// transaction-level one lasts to the COMMIT) and the COMMIT, in one round
+// INSERT, which releases the key's session-level lock (its
+// transaction-level one lasts to the COMMIT), and the COMMIT, in one round
 // trip (two for a transaction a failed statement aborted: its rollback to
 // the savepoint goes first, on its own, since the server prepares nothing
 // else in it). The key's lock is h's since the acquire, which found no
@@ -580,7 +587,6 @@ func (s *Store) commitHeld(ctx context.Context, h *heldTx, l lock.Lease, op, sta
 		b.Queue("ROLLBACK TO SAVEPOINT " + savepoint)
 	}
 	b.Queue(h.hs.insert, s.cfg.Prefix, []byte(l.Key), state, l.Owner, l.Fence, h.fp, value, l.Retention.Milliseconds())
-	b.Queue(h.hs.unlock, s.cfg.Prefix, h.key)
 	b.Queue("COMMIT")
 	br := h.conn.SendBatch(ctx, b)
 	var rerr error
@@ -588,14 +594,13 @@ func (s *Store) commitHeld(ctx context.Context, h *heldTx, l lock.Lease, op, sta
 		_, rerr = br.Exec()
 	}
 	_, ierr := br.Exec()
-	_, uerr := br.Exec()
 	tag, cerr := br.Exec()
 	cerr = cmp.Or(cerr, br.Close())
-	if rerr == nil && ierr == nil && uerr == nil {
+	if rerr == nil && ierr == nil {
 		h.locked = false
 	}
 	var pe *pgconn.PgError
-	werr := cmp.Or(rerr, ierr, uerr) // before the COMMIT: the server skipped it
+	werr := cmp.Or(rerr, ierr) // before the COMMIT: the server skipped it
 	switch {
 	case ierr != nil && errors.As(ierr, &pe) && pe.Code == uniqueViolation:
 		// A record is there that this lease did not write: someone wrote

@@ -329,7 +329,8 @@ func TestTxHandlerCommitAnswerLost(t *testing.T) {
 
 // TestTxHandlerConnectionKilled: the transaction's backend terminated
 // (pg_terminate_backend) in the middle of the work: nothing commits, the
-// message is requeued, and its next delivery writes the effect once.
+// message is requeued (the lease, held by that transaction, lost with it),
+// and its next delivery writes the effect once.
 func TestTxHandlerConnectionKilled(t *testing.T) {
 	r := newRig(t)
 	var runs atomic.Int32
@@ -347,8 +348,8 @@ func TestTxHandlerConnectionKilled(t *testing.T) {
 	}), nil)
 	r.publish("k")
 	evs := r.waitFor("k", amqpidem.Completed)
-	if evs[0].Outcome != amqpidem.Abandoned || evs[0].Reason != "store unavailable" {
-		t.Fatalf("events %s, want abandoned (store unavailable), then completed", outcomes(evs))
+	if evs[0].Outcome != amqpidem.Abandoned || evs[0].Reason != "lease lost" {
+		t.Fatalf("events %s, want abandoned (lease lost), then completed", outcomes(evs))
 	}
 	if got := r.effects(); got["k"] != 1 || got["k-second-statement"] != 1 || runs.Load() != 2 {
 		t.Fatalf("effects %v after %d runs, want one row of each statement after 2 runs", got, runs.Load())
