@@ -22,7 +22,7 @@ import (
 )
 
 func TestStoreConformance(t *testing.T) {
-	eachServer(t, func(t *testing.T, srv *server) {
+	eachServerInTurn(t, func(t *testing.T, srv *server) {
 		storetest.Run(t, func(t *testing.T, cfg lock.Config) lock.Store {
 			return srv.newStore(t, dynamostore.Config{Config: cfg})
 		})
