@@ -139,7 +139,12 @@ func (c ConsumerConfig) withDefaults() ConsumerConfig {
 // memory or disk blocks the connections that publish, and a consuming
 // connection that published would have its acks blocked with it. A
 // connection.blocked notification is logged at warn level, with the
-// broker's reason, and its end at info level.
+// broker's reason, and its end at info level. A copy whose confirm does
+// not come while the connection is blocked gives up at its settle timeout
+// (the delivery is then held and sent back, or nacked); the channel it
+// gave up is closed in the background, and Run's end closes the
+// publishing connection within a second, so that a blocked broker holds
+// up neither.
 //
 // When the consuming connection or channel dies, the Consumer reconnects
 // without waiting for the handlers in flight: the broker has put their
@@ -303,6 +308,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		c.tasks.Wait() // every session's handlers have settled
 		c.pub.close()
 		c.pubConn.close()
+		c.pub.wait() // its channels' closes end with the connection
 	}()
 	c.checkStore(checkCtx)
 

@@ -140,9 +140,9 @@ func (p *pubConn) dialNow(a *dialAttempt) {
 	close(a.done)
 }
 
-// close closes the connection and waits for its watcher, and for a dial
-// of amqpidem's own in flight, which it gives up on; Channel fails from
-// then on. A dial of the user's in flight is not waited for: its
+// close closes the connection (within closeTimeout) and waits for its
+// watcher, and for a dial of amqpidem's own in flight, which it gives up
+// on; Channel fails from then on. A dial of the user's in flight is not waited for: its
 // connection is closed when it comes.
 func (p *pubConn) close() {
 	p.mu.Lock()
@@ -152,7 +152,9 @@ func (p *pubConn) close() {
 	p.mu.Unlock()
 	p.cancel()
 	if conn != nil {
-		_ = conn.Close()
+		// Bounded: a connection the broker has blocked answers
+		// connection.close only once unblocked.
+		closeAbandoned(conn)
 	}
 	p.dials.Wait()
 	p.watchers.Wait()

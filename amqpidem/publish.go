@@ -83,10 +83,16 @@ func (p *Publisher) Publish(ctx context.Context, exchange, key string, msg amqp.
 
 // Close closes the Publisher's channels (those in use once their publish
 // returns). Publishing after Close fails. Close does not close the conn of
-// NewPublisher; it closes the connection DialPublisher dialled.
+// NewPublisher; it closes the connection DialPublisher dialled, within a
+// second, and waits for its channels. A channel is closed in the
+// background, since a connection the broker has blocked (a resource
+// alarm) answers channel.close only once unblocked: on NewPublisher's
+// conn, such a close ends when the broker unblocks the connection or it
+// closes.
 func (p *Publisher) Close() {
 	p.p.close()
 	if p.own != nil {
 		p.own.close()
+		p.p.wait()
 	}
 }

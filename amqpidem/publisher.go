@@ -46,6 +46,10 @@ type publisher struct {
 	delayArgs amqp.Table
 	pool      chan *pubChannel // idle channels
 	sem       chan struct{}    // bounds open channels
+	// closing counts the channels being closed in the background (see
+	// put): a blocked connection answers channel.close only once the
+	// broker unblocks it, or never, if the connection closes first.
+	closing sync.WaitGroup
 
 	mu       sync.Mutex
 	declared map[string]time.Time // queues declared on this connection, and when
@@ -151,7 +155,7 @@ func (p *publisher) open(ctx context.Context) (*pubChannel, error) {
 		return nil, fmt.Errorf("amqpidem: open publish channel: %w", err)
 	}
 	if err := ch.Confirm(false); err != nil {
-		ch.Close()
+		_ = ch.Close()
 		return nil, fmt.Errorf("amqpidem: confirm mode: %w", err)
 	}
 	// Buffered: the connection's reader goroutine blocks on a full notify
@@ -160,7 +164,7 @@ func (p *publisher) open(ctx context.Context) (*pubChannel, error) {
 		closes: ch.NotifyClose(make(chan *amqp.Error, 1))}, nil
 }
 
-// put gives a healthy channel back, or drops a broken one.
+// put gives a healthy channel back, or drops a broken one (see drop).
 func (p *publisher) put(pc *pubChannel, healthy bool) {
 	p.mu.Lock()
 	closed := p.closed
@@ -169,8 +173,26 @@ func (p *publisher) put(pc *pubChannel, healthy bool) {
 		p.pool <- pc
 		return
 	}
-	pc.ch.Close()
-	<-p.sem
+	p.drop(pc)
+}
+
+// drop closes pc and frees its place. The close is made in the background:
+// channel.close waits for the broker's close-ok, which a connection the
+// broker has blocked (a resource alarm) does not get until it is
+// unblocked, and a publish that gave up on its confirm must not wait for
+// it. The channel keeps its place (sem) until it is closed, so that a
+// blocked connection does not gather more than maxPubChannels of them.
+func (p *publisher) drop(pc *pubChannel) {
+	if pc.ch.IsClosed() {
+		<-p.sem
+		return
+	}
+	p.closing.Add(1)
+	go func() {
+		defer p.closing.Done()
+		_ = pc.ch.Close()
+		<-p.sem
+	}()
 }
 
 // publish sends msg with mandatory set and waits for the broker's confirm.
@@ -283,7 +305,8 @@ func (p *publisher) forget(name string) {
 	p.mu.Unlock()
 }
 
-// close closes the idle channels; channels in use are closed when put back.
+// close closes the idle channels, in the background (see drop); channels
+// in use are closed when put back. wait waits for those closes.
 func (p *publisher) close() {
 	p.mu.Lock()
 	p.closed = true
@@ -291,13 +314,16 @@ func (p *publisher) close() {
 	for {
 		select {
 		case pc := <-p.pool:
-			pc.ch.Close()
-			<-p.sem
+			p.drop(pc)
 		default:
 			return
 		}
 	}
 }
+
+// wait waits for the channels being closed in the background: until the
+// broker answers, or the connection closes.
+func (p *publisher) wait() { p.closing.Wait() }
 
 // requeue publishes msg, a copy of a delivery, to wait delay in its tier's
 // delay queue and then return to queue (or straight back to queue when

@@ -128,7 +128,10 @@ func (w *Wrapper) Handle(ctx context.Context, d amqp.Delivery) Event {
 // requeue: stop consuming before calling Shutdown), waits for the handlers in flight to finish until ctx is done,
 // then cancels the ones still running (their messages go back to the queue
 // and their leases are released) and stops the keeper. It returns
-// ctx.Err() if handlers had to be cancelled. Shutdown is idempotent.
+// ctx.Err() if handlers had to be cancelled. Shutdown is idempotent. The
+// Wrapper's publish channels are closed in the background: on a
+// connection the broker has blocked (a resource alarm), their close ends
+// when the broker unblocks it or the connection closes.
 func (w *Wrapper) Shutdown(ctx context.Context) error {
 	w.mu.Lock()
 	if !w.closed {
