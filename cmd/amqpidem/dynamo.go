@@ -31,15 +31,18 @@ func addDynamoFlags(root *cobra.Command, d *dynamoOptions) {
 	f.StringVar(&d.table, "dynamodb-table", env("AMQPIDEM_DYNAMODB_TABLE", ""),
 		"the records `table` of a dynamostore store (instead of Redis); credentials and region from the AWS SDK's default chain (AWS_REGION, AWS_PROFILE, ...)")
 	f.StringVar(&d.endpoint, "dynamodb-endpoint", env("AMQPIDEM_DYNAMODB_ENDPOINT", ""),
-		"`URL` of a local DynamoDB-compatible server (DynamoDB Local), for --dynamodb-table; region "+localRegion+" and any credentials unless the environment names them")
+		"`URL` of a local DynamoDB-compatible server (DynamoDB Local), for --dynamodb-table; region "+localRegion+" and the access key \"local\" unless the environment names credentials (DynamoDB Local without -sharedDb keeps one database per access key and region: sign as the application does)")
 }
 
 // openDynamo opens the DynamoDB store the flags name: the AWS SDK's
 // default configuration (environment, shared config and credentials
 // files, SSO, instance or task roles), with --dynamodb-endpoint as its
-// endpoint when set. A local server takes any credentials: when the
-// environment names none (no AWS_ACCESS_KEY_ID, AWS_PROFILE), the client
-// signs with placeholder ones rather than search the chain for real ones.
+// endpoint when set. A local server checks no signature: when the
+// environment names no credentials (no AWS_ACCESS_KEY_ID, AWS_PROFILE),
+// the client signs with placeholder ones (access key "local") rather than
+// search the chain for real ones. DynamoDB Local without -sharedDb keeps
+// one database per access key and region, so the tables are found only
+// when the application signed with the same key.
 func (o *options) openDynamo(ctx context.Context) (lock.Admin, func(), error) {
 	if o.pgDSN != "" {
 		return nil, nil, withCode(exitUsage, "--postgres and --dynamodb-table name two stores; give one")
