@@ -73,9 +73,10 @@
 //     resent Acquire that finds its own owner token answers Acquired while
 //     that lease is held, and takes nothing once its caller released or
 //     cancelled it (a copy that arrives late, after one sent again got the
-//     lease: it answers InProgress and changes nothing); a resent Complete, Fail, Release or Cancel that finds its own write
-//     answers nil (and a resent Cancel takes back no second attempt), and
-//     so does a resent Amend that finds its value in the record.
+//     lease: it answers InProgress and changes nothing); a resent
+//     Complete, Fail, Release or Cancel that finds its own write answers
+//     nil (and a resent Cancel takes back no second attempt), and so does
+//     a resent Amend that finds its value in the record.
 //     RedisStore.Acquire also tries again itself, with the same owner
 //     token, when a reply does not come (a timeout, a broken connection),
 //     so that a lease taken by a call whose reply was lost is not left
