@@ -22,7 +22,7 @@ import (
 // pooled connection until the lease ends and takes the key's advisory lock
 // in it twice, at transaction level and at session level. The record is
 // written once, with the outcome, by a plain INSERT in that transaction,
-// sent with the release of the session-level lock and the COMMIT
+// which also releases the session-level lock, sent with the COMMIT
 // (commitHeld): the transaction-level lock covers the moment from that
 // release to the commit, when the record becomes visible, and the
 // session-level one a COMMIT of the handler's own, after which the
