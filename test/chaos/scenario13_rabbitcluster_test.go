@@ -164,7 +164,21 @@ func clusterFaultRun(t *testing.T, name, what string, fault, mend func(*testenv.
 	if stranded == 0 {
 		e.waitDrained(4*time.Minute, 2*time.Second)
 	} else { // the stranded copies stay in their delay queues
-		e.waitApplied(nOK+nFlaky, 4*time.Minute, 30*time.Second)
+		// A republished operation that fails again is retried through
+		// the next delay queue, which the same fault may have broken
+		// too (seen once at full size: every flaky operation stranded
+		// in the 300 ms queue, then again in the 600 ms one). While that
+		// is all that is missing, on the broker known to do it, publish
+		// again: each round runs each stranded operation once more, and
+		// a flaky one fails twice at most.
+		for round := 1; ; round++ {
+			missing, copies := e.waitApplied(nOK+nFlaky, 4*time.Minute, 30*time.Second)
+			if missing == 0 || round > 2 || inProcess || !strings.HasPrefix(version, "3.10.") || copies < missing {
+				break
+			}
+			t.Logf("%d operations stranded again (%d copies in delay queues); publishing them again", missing, copies)
+			e.publishCopies(again)
+		}
 		e.waitFor("the dead letters", 2*time.Minute, dlqFilled, nil)
 	}
 	e.terminateAll()
