@@ -61,7 +61,7 @@ build() {
 }
 
 start() {
-	local h p bin i
+	local h p bin
 	if [[ -n ${DYNAMODB_ENDPOINT:-} ]]; then
 		read -r h p < <(endpoint_hostport "$DYNAMODB_ENDPOINT")
 		if dynamo_ready "$h" "$p"; then
@@ -93,33 +93,10 @@ start() {
 	command -v setsid >/dev/null && detach=(setsid) # not on macOS; nohup alone does there
 	"${detach[@]}" nohup "$bin" -addr "$host:$port" >>"$log" 2>&1 </dev/null &
 	echo $! >"$pidfile"
-	for ((i = 0; i < 50; i++)); do
-		dynamo_ready "$host" "$port" && break
-		sleep 0.2
-	done
-	if dynamo_ready "$host" "$port"; then
-		say "DynamoDB at http://$host:$port answers (PID $(cat "$pidfile"))"
-		return 0
-	fi
-	say "the server did not answer on $host:$port; the end of $log:"
-	tail -n 20 "$log" 2>/dev/null | sed 's/^/  /'
-	return 1
+	await_dynamo "DynamoDB" "$host" "$port" "$pidfile" "$log" 50
 }
 
-stop() {
-	local pid
-	if [[ ! -s $pidfile ]]; then
-		say "no PID file at $pidfile: nothing started by this script"
-		return 0
-	fi
-	pid=$(cat "$pidfile")
-	if kill -0 "$pid" 2>/dev/null && [[ $(cat "/proc/$pid/comm" 2>/dev/null || echo dynamo-server) == dynamo-server* ]]; then
-		kill "$pid" && say "stopped PID $pid"
-	else
-		say "PID $pid is not running"
-	fi
-	rm -f "$pidfile"
-}
+stop() { stop_pidfile "$pidfile" dynamo-server; }
 
 case ${1:-start} in
 start) start ;;

@@ -147,7 +147,7 @@ launcher() {
 }
 
 start() {
-	local h p cp i
+	local h p cp
 	if [[ -n ${DYNAMODB_LOCAL_ENDPOINT:-} ]]; then
 		read -r h p < <(endpoint_hostport "$DYNAMODB_LOCAL_ENDPOINT")
 		if dynamo_ready "$h" "$p"; then
@@ -183,34 +183,10 @@ start() {
 		-cp "$home/DynamoDBLocal.jar:$home/DynamoDBLocal_lib/*:$cp" Loopback "$host" "${ddb_opts[@]}" \
 		>>"$log" 2>&1 </dev/null) &
 	echo $! >"$pidfile"
-	for ((i = 0; i < 150; i++)); do
-		dynamo_ready "$host" "$port" && break
-		kill -0 "$(cat "$pidfile")" 2>/dev/null || break
-		sleep 0.2
-	done
-	if dynamo_ready "$host" "$port"; then
-		say "DynamoDB Local at http://$host:$port answers (PID $(cat "$pidfile"))"
-		return 0
-	fi
-	say "DynamoDB Local did not answer on $host:$port; the end of $log:"
-	tail -n 20 "$log" 2>/dev/null | sed 's/^/  /'
-	return 1
+	await_dynamo "DynamoDB Local" "$host" "$port" "$pidfile" "$log" 150
 }
 
-stop() {
-	local pid
-	if [[ ! -s $pidfile ]]; then
-		say "no PID file at $pidfile: nothing started by this script"
-		return 0
-	fi
-	pid=$(cat "$pidfile")
-	if kill -0 "$pid" 2>/dev/null && [[ $(cat "/proc/$pid/comm" 2>/dev/null || echo java) == java* ]]; then
-		kill "$pid" && say "stopped PID $pid"
-	else
-		say "PID $pid is not running"
-	fi
-	rm -f "$pidfile"
-}
+stop() { stop_pidfile "$pidfile" java; }
 
 case ${1:-start} in
 start) start ;;

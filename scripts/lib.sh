@@ -50,3 +50,41 @@ endpoint_hostport() {
 	h=${h%]}
 	printf '%s %s\n' "$h" "$p"
 }
+
+# await_dynamo WHAT HOST PORT PIDFILE LOG TRIES: waits up to TRIES x 0.2 s
+# for the server started with its PID in PIDFILE to answer at HOST:PORT
+# (dynamo_ready), giving up early if that process ends; says so (WHAT
+# names it), with the end of LOG when it did not answer.
+await_dynamo() {
+	local what=$1 host=$2 port=$3 pidfile=$4 log=$5 tries=$6 i
+	for ((i = 0; i < tries; i++)); do
+		dynamo_ready "$host" "$port" && break
+		kill -0 "$(cat "$pidfile")" 2>/dev/null || break
+		sleep 0.2
+	done
+	if dynamo_ready "$host" "$port"; then
+		say "$what at http://$host:$port answers (PID $(cat "$pidfile"))"
+		return 0
+	fi
+	say "$what did not answer on $host:$port; the end of $log:"
+	tail -n 20 "$log" 2>/dev/null | sed 's/^/  /'
+	return 1
+}
+
+# stop_pidfile PIDFILE COMM: stops the process whose PID is in PIDFILE, if
+# it still runs and its command name begins with COMM (not another process
+# that got its PID since), and removes PIDFILE.
+stop_pidfile() {
+	local pidfile=$1 comm=$2 pid
+	if [[ ! -s $pidfile ]]; then
+		say "no PID file at $pidfile: nothing started by this script"
+		return 0
+	fi
+	pid=$(cat "$pidfile")
+	if kill -0 "$pid" 2>/dev/null && [[ $(cat "/proc/$pid/comm" 2>/dev/null || echo "$comm") == "$comm"* ]]; then
+		kill "$pid" && say "stopped PID $pid"
+	else
+		say "PID $pid is not running"
+	fi
+	rm -f "$pidfile"
+}
