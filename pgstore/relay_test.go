@@ -39,8 +39,7 @@ func newOutboxRig(t *testing.T) *outboxRig {
 		t.Fatal(err)
 	}
 	r := &outboxRig{t: t, pool: pool, cfg: cfg, ob: ob, queue: testenv.Name(t)}
-	r.ch = queueChannel(t, r.queue)
-	t.Cleanup(func() { testenv.DeleteQueues(t, testenv.AMQPURL(t), r.queue) })
+	r.ch = testenv.QueueChannel(t, r.queue)
 	return r
 }
 

@@ -34,26 +34,6 @@ type rig struct {
 	ch     *amqp.Channel
 }
 
-// queueChannel returns a channel on a connection of the test's own, closed
-// in t.Cleanup, after declaring queue as the Consumer declares it:
-// durable, classic, no arguments.
-func queueChannel(t *testing.T, queue string) *amqp.Channel {
-	t.Helper()
-	conn, err := amqp.Dial(testenv.AMQPURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = conn.Close() })
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := ch.QueueDeclare(queue, true, false, false, false, nil); err != nil {
-		t.Fatal(err)
-	}
-	return ch
-}
-
 func newRig(t *testing.T) *rig {
 	t.Helper()
 	return newRigWith(t, pgstore.Config{})
@@ -72,12 +52,7 @@ func newRigWith(t *testing.T, base pgstore.Config) *rig {
 	}
 	r := &rig{t: t, pool: pool, cfg: cfg, store: newStore(t, pool, cfg), queue: testenv.Name(t),
 		events: make(chan amqpidem.Event, 100)}
-	r.ch = queueChannel(t, r.queue)
-	t.Cleanup(func() {
-		for _, q := range []string{r.queue, r.queue + ".dlq"} {
-			_, _ = r.ch.QueueDelete(q, false, false, false)
-		}
-	})
+	r.ch = testenv.QueueChannel(t, r.queue)
 	return r
 }
 

@@ -275,6 +275,30 @@ func (s *Service) Addr(t testing.TB) string {
 	})
 }
 
+// QueueChannel returns a channel on a connection of the test's own to the
+// broker of AMQPURL, closed when the test ends, after declaring queue as a
+// Consumer declares it: durable, classic, no arguments. The queue and its
+// dead-letter queue ("<queue>.dlq") are deleted when the test ends
+// (DeleteQueues).
+func QueueChannel(t testing.TB, queue string) *amqp.Channel {
+	t.Helper()
+	url := AMQPURL(t)
+	conn, err := amqp.Dial(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ch.QueueDeclare(queue, true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	DeleteQueues(t, url, queue, queue+".dlq")
+	return ch
+}
+
 // DeleteQueues deletes the queues named on the broker at url when the test
 // ends, through a connection of its own (the test's may be closed by
 // then). Queues that do not exist are ignored, and so is a broker that

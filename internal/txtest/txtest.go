@@ -201,7 +201,7 @@ func runCase(t *testing.T, path string, env Env, c Case) Row {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ch := channel(t, queue)
+	ch := testenv.QueueChannel(t, queue)
 	done := make(chan error, 1)
 	go func() { done <- consumer.Run(context.Background()) }()
 	defer func() {
@@ -268,29 +268,4 @@ func runCase(t *testing.T, path string, env Env, c Case) Row {
 	}
 	row.Err = strings.Join(errs, "; ")
 	return row
-}
-
-// channel returns a channel on a connection of the test's own, closed in
-// t.Cleanup, after declaring queue as the Consumer declares it; the
-// Cleanup deletes the queue and its dead-letter queue.
-func channel(t *testing.T, queue string) *amqp.Channel {
-	t.Helper()
-	conn, err := amqp.Dial(testenv.AMQPURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = conn.Close() })
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := ch.QueueDeclare(queue, true, false, false, false, nil); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		for _, q := range []string{queue, queue + ".dlq"} {
-			_, _ = ch.QueueDelete(q, false, false, false)
-		}
-	})
-	return ch
 }
