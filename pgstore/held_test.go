@@ -50,7 +50,10 @@ func (r *rig) taker(fn pgstore.TxFunc) amqpidem.LeaseTaker {
 }
 
 // idle waits until the pool has given back every connection: no
-// transaction is left holding one.
+// transaction is left holding one. Then it checks that none of them holds
+// a key's advisory lock: a pooled connection that kept the session-level
+// lock of a held lease would make that key busy for every other
+// connection, and acquirable again by its own.
 func (r *rig) idle() {
 	r.t.Helper()
 	deadline := time.Now().Add(5 * time.Second)
@@ -59,6 +62,28 @@ func (r *rig) idle() {
 			r.t.Fatalf("%d pooled connections still acquired: a held transaction was not ended", r.pool.Stat().AcquiredConns())
 		}
 		time.Sleep(5 * time.Millisecond)
+	}
+	conns := r.pool.AcquireAllIdle(context.Background())
+	if len(conns) == 0 {
+		return
+	}
+	defer func() {
+		for _, c := range conns {
+			c.Release()
+		}
+	}()
+	var pids []int32
+	for _, c := range conns {
+		pids = append(pids, int32(c.Conn().PgConn().PID()))
+	}
+	var n int
+	err := conns[0].QueryRow(context.Background(), `SELECT count(*) FROM pg_locks
+		WHERE locktype = 'advisory' AND classid = 1634562409 AND pid = ANY($1)`, pids).Scan(&n)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	if n != 0 {
+		r.t.Fatalf("%d advisory locks of held leases kept by pooled connections", n)
 	}
 }
 
