@@ -24,20 +24,8 @@ func TestConsumerTxHandler(t *testing.T) {
 		s := srv.newStore(t, dynamostore.Config{})
 		table, prefix := srv.effects(t), testenv.Name(t)
 		url := testenv.AMQPURL(t)
-		conn, err := amqp.Dial(url)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = conn.Close() })
-		ch, err := conn.Channel()
-		if err != nil {
-			t.Fatal(err)
-		}
 		queue := testenv.Name(t)
-		if _, err := ch.QueueDeclare(queue, true, false, false, false, nil); err != nil {
-			t.Fatal(err)
-		}
-		testenv.DeleteQueues(t, url, queue, queue+".dlq")
+		ch := testenv.QueueChannel(t, queue)
 
 		events := make(chan amqpidem.Event, 100)
 		var runs atomic.Int32
