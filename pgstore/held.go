@@ -532,9 +532,34 @@ func (s *Store) finishHeld(ctx context.Context, h *heldTx, l lock.Lease, op, sta
 			return err
 		}
 	}
+	s.awaitSessionEnd(ctx, l)
 	_, err := s.pool.Exec(ctx, s.sql.finishHeld, s.cfg.Prefix, []byte(l.Key), l.Owner, l.Fence, state, value,
 		l.Retention.Milliseconds(), h.fp)
 	return s.heldError(op, l, err)
+}
+
+// awaitSessionEnd waits, up to a second, until the backend that held l
+// no longer holds its key's lock: a session the server ended (terminated,
+// or idle past the lease) or whose connection closed releases its locks
+// only once its backend has exited, a moment later, and finish_held
+// would find the key busy until then and write nothing.
+func (s *Store) awaitSessionEnd(ctx context.Context, l lock.Lease) {
+	pid, ok := heldPID(l.Owner)
+	hs := s.heldSQL.Load()
+	if !ok || hs == nil {
+		return
+	}
+	for range 50 {
+		live, err := s.liveHeld(ctx, hs, [][]byte{[]byte(l.Key)}, []int32{int32(pid)})
+		if err != nil || !live[l.Key] {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
 }
 
 // finishHeldOn writes l's outcome with finish_held on the session of h,
