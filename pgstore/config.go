@@ -79,8 +79,9 @@ type Config struct {
 	// Default DefaultCleanupBatch; negative is an error.
 	CleanupBatch int
 	// OutboxTable is the producer outbox's table (see Outbox), in Schema.
-	// Migrate also creates its indexes "<OutboxTable>_pending",
-	// "<OutboxTable>_ordered", "<OutboxTable>_sent" and
+	// Migrate also creates the table of its order keys' counters,
+	// "<OutboxTable>_keys", and its indexes "<OutboxTable>_pending",
+	// "<OutboxTable>_order", "<OutboxTable>_sent" and
 	// "<OutboxTable>_dead". At most 50 bytes.
 	// Default DefaultOutboxTable.
 	OutboxTable string
@@ -144,9 +145,10 @@ type names struct {
 	finishHeld             string // its outcome
 	index                  string // unqualified, as CREATE INDEX wants it
 
-	outbox                       string // the producer outbox's table
-	outboxPending, outboxOrdered string // its indexes, unqualified
-	outboxSent, outboxDead       string
+	outbox                     string // the producer outbox's table
+	outboxKeys                 string // its order keys' counters
+	outboxPending, outboxOrder string // its indexes, unqualified
+	outboxSent, outboxDead     string
 	// outboxChannel is the channel Outbox.Write notifies and a Relay
 	// listens on: the table's name, unqualified (a channel name is one
 	// identifier of at most 63 bytes). Outboxes of the same name in two
@@ -175,7 +177,8 @@ func (c Config) names() names {
 
 		outbox:        qual(c.OutboxTable),
 		outboxPending: pgx.Identifier{c.OutboxTable + "_pending"}.Sanitize(),
-		outboxOrdered: pgx.Identifier{c.OutboxTable + "_ordered"}.Sanitize(),
+		outboxKeys:    qual(c.OutboxTable + "_keys"),
+		outboxOrder:   pgx.Identifier{c.OutboxTable + "_order"}.Sanitize(),
 		outboxSent:    pgx.Identifier{c.OutboxTable + "_sent"}.Sanitize(),
 		outboxDead:    pgx.Identifier{c.OutboxTable + "_dead"}.Sanitize(),
 		outboxChannel: c.OutboxTable,

@@ -246,9 +246,10 @@
 //   - rows committed late are not skipped: a claim looks for pending rows,
 //     not past a high-water mark;
 //   - with RelayConfig.Ordered, one Message.OrderKey's messages are
-//     published one at a time, in the order of their transactions, and only
-//     once every older transaction has ended (an open transaction anywhere
-//     on the server holds them back);
+//     published one at a time, in the order their transactions committed:
+//     Write numbers a key's messages from a counter row whose lock the
+//     writing transaction holds until it ends, so the writers of one key
+//     take turns from their Write to their commit;
 //   - a message the broker refuses is retried with backoff and, after
 //     RelayConfig.MaxAttempts refusals, kept dead for an operator (List,
 //     Redrive), never dropped; a lost connection is not a refusal.

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -33,7 +34,9 @@ type Message struct {
 	// OrderKey, when not empty, puts the message in order with the others
 	// of the same OrderKey (an order id, an account): a Relay with
 	// RelayConfig.Ordered publishes one only once every earlier one of its
-	// key is confirmed (or dead). Empty: no order.
+	// key is confirmed (or dead), earlier meaning written by a transaction
+	// that committed earlier. Empty: no order. See Outbox.Write for what it
+	// costs the writing transaction.
 	OrderKey string
 }
 
@@ -66,10 +69,12 @@ type OutboxRow struct {
 // by Migrate), in the caller's transaction, and lets an operator list and
 // re-drive them. A Relay publishes them. Safe for concurrent use.
 type Outbox struct {
-	pool   *pgxpool.Pool
-	cfg    Config
-	n      names
-	insert string
+	pool *pgxpool.Pool
+	cfg  Config
+	n    names
+	// insert writes a message without an order key; insertOrdered one
+	// with, numbered from its key's counter (see outboxSQL).
+	insert, insertOrdered string
 }
 
 // NewOutbox returns the Outbox of the table cfg names (Schema,
@@ -87,8 +92,18 @@ func NewOutbox(pool *pgxpool.Pool, cfg Config) (*Outbox, error) {
 	return &Outbox{pool: pool, cfg: cfg, n: n,
 		// The notification is sent at commit, once per transaction and
 		// channel however many rows it wrote, and never on rollback.
-		insert: `WITH r AS (INSERT INTO ` + n.outbox + ` (order_key, message_id, message) VALUES ($1, $2, $3) RETURNING id)
-			SELECT r.id, pg_notify($4, '') FROM r`,
+		insert: `WITH r AS (INSERT INTO ` + n.outbox + ` (message_id, message) VALUES ($1, $2) RETURNING id)
+			SELECT r.id, pg_notify($3, '') FROM r`,
+		// The key's counter row is locked until the transaction ends: a
+		// writer of the same key waits here, then numbers its message
+		// after this one (ON CONFLICT DO UPDATE reads the latest
+		// committed counter). Under REPEATABLE READ or SERIALIZABLE, that
+		// writer fails with a serialization error instead, to be retried.
+		insertOrdered: `WITH k AS (INSERT INTO ` + n.outboxKeys + ` AS k (order_key, seq) VALUES ($4, 1)
+				ON CONFLICT (order_key) DO UPDATE SET seq = k.seq + 1 RETURNING seq),
+			r AS (INSERT INTO ` + n.outbox + ` (order_key, seq, message_id, message)
+				SELECT $4, k.seq, $1, $2 FROM k RETURNING id)
+			SELECT r.id, pg_notify($3, '') FROM r`,
 	}, nil
 }
 
@@ -98,6 +113,19 @@ func NewOutbox(pool *pgxpool.Pool, cfg Config) (*Outbox, error) {
 // refuse (see amqpidem.MarshalPublishing), before touching tx.
 //
 // Write calls Config.Inject, when set, with ctx and a copy of the headers.
+//
+// A message with an OrderKey takes the next number of its key: Write
+// updates the key's row in the table "<OutboxTable>_keys", and tx holds
+// that row's lock until it ends. So the transactions writing messages of
+// one key run that part one at a time: a second one waits in Write until
+// the first commits or rolls back, and the key's messages are numbered in
+// the order their transactions committed. Write a transaction's ordered
+// messages late in it (after the writes they announce), and keep it short.
+// Two transactions writing two keys in opposite orders can deadlock; the
+// server aborts one of them (SQLSTATE 40P01), which the caller retries.
+// Under REPEATABLE READ or SERIALIZABLE, the second writer fails with a
+// serialization error (40001) instead of waiting: retry the transaction,
+// as those levels require anyway.
 func (o *Outbox) Write(ctx context.Context, tx pgx.Tx, m Message) (string, error) {
 	msg := m.Publishing
 	if msg.MessageId == "" {
@@ -129,13 +157,13 @@ func (o *Outbox) Write(ctx context.Context, tx pgx.Tx, m Message) (string, error
 	if err != nil {
 		return "", fmt.Errorf("pgstore: outbox write: %w", err)
 	}
-	var orderKey *string
+	insert, args := o.insert, []any{msg.MessageId, b, o.n.outboxChannel}
 	if m.OrderKey != "" {
-		orderKey = &m.OrderKey
+		insert, args = o.insertOrdered, append(args, m.OrderKey)
 	}
 	var id int64
 	var ignored string
-	if err := tx.QueryRow(ctx, o.insert, orderKey, msg.MessageId, b, o.n.outboxChannel).Scan(&id, &ignored); err != nil {
+	if err := tx.QueryRow(ctx, insert, args...).Scan(&id, &ignored); err != nil {
 		return "", fmt.Errorf("pgstore: outbox write: %w", classify(err))
 	}
 	return msg.MessageId, nil
@@ -245,7 +273,9 @@ func (o *Outbox) Dead(ctx context.Context) (int64, error) {
 }
 
 // Cleanup deletes the sent rows confirmed more than retention ago, in
-// statements of at most batch rows each, and returns how many it deleted.
+// statements of at most batch rows each, and returns how many it deleted;
+// then the counters of order keys that no row uses any more (up to batch
+// of them).
 // A Relay runs it every RelayConfig.CleanupInterval.
 func (o *Outbox) Cleanup(ctx context.Context, retention time.Duration, batch int) (int64, error) {
 	if batch <= 0 {
@@ -262,10 +292,44 @@ func (o *Outbox) Cleanup(ctx context.Context, retention time.Duration, batch int
 		}
 		total += tag.RowsAffected()
 		if tag.RowsAffected() < int64(batch) {
-			return total, nil
+			_, err := o.cleanupKeys(ctx, batch)
+			return total, err
 		}
 		if err := ctx.Err(); err != nil {
 			return total, err
 		}
 	}
+}
+
+// cleanupKeys deletes up to batch counters of order keys (the table
+// "<OutboxTable>_keys") that no row of the outbox uses any more, pending,
+// sent or dead, and returns how many it deleted. The key's next message
+// is numbered from 1 again, behind nothing. Cleanup calls it.
+//
+// It runs in a REPEATABLE READ transaction: a counter that a writer
+// updated since the cleanup's snapshot was taken (whose new row the
+// snapshot does not show) makes it fail with a serialization error
+// instead of deleting a counter in use; it then deletes nothing and
+// returns 0 and no error, for the next cleanup to try again. A counter a
+// writer holds is skipped.
+func (o *Outbox) cleanupKeys(ctx context.Context, batch int) (int64, error) {
+	if batch <= 0 {
+		batch = DefaultCleanupBatch
+	}
+	var n int64
+	err := pgx.BeginTxFunc(ctx, o.pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead}, func(tx pgx.Tx) error {
+		tag, err := tx.Exec(ctx, `DELETE FROM `+o.n.outboxKeys+` WHERE order_key IN (SELECT k.order_key FROM `+o.n.outboxKeys+` k
+			WHERE NOT EXISTS (SELECT 1 FROM `+o.n.outbox+` r WHERE r.order_key = k.order_key)
+			LIMIT $1 FOR UPDATE SKIP LOCKED)`, batch)
+		n = tag.RowsAffected()
+		return err
+	})
+	var pe *pgconn.PgError
+	switch {
+	case errors.As(err, &pe) && pe.Code == "40001":
+		return 0, nil
+	case err != nil:
+		return 0, fmt.Errorf("pgstore: outbox cleanup of order keys: %w", classify(err))
+	}
+	return n, nil
 }

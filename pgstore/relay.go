@@ -51,21 +51,25 @@ type RelayConfig struct {
 	// DefaultRelayConcurrency.
 	Concurrency int
 	// Ordered publishes the messages of one Message.OrderKey one at a
-	// time, in the order of their transactions (then of their writes): a
-	// message only once every earlier one of its key is confirmed or dead,
-	// and only once every transaction older than its own has ended, so
-	// that one committed late is not overtaken. Messages without an
-	// OrderKey are not held back. An order key's messages go out at about
-	// one per claim round (a few milliseconds), and a transaction left open
-	// anywhere on the server (transaction ids are the cluster's) holds them
-	// back until it ends. Every relay of a table must agree on Ordered: one
-	// without it publishes whatever it claims.
+	// time, in the order their transactions committed (then of their
+	// writes within one transaction): a message only once every earlier
+	// one of its key is confirmed or dead. Write makes that order: a
+	// transaction writing a message of a key waits for the one that wrote
+	// the key's previous message to end (see Outbox.Write). A relay
+	// publishes a key's backlog as a chain, each message after the
+	// broker's confirm of the one before (up to Batch per claim), so a
+	// backlog goes out at the broker's confirm rate; different keys go
+	// Concurrency at a time. Messages without an OrderKey are not held
+	// back. Every relay of a table must agree on Ordered: one without it
+	// publishes whatever it claims.
 	Ordered bool
 	// ClaimTTL is how long a claim keeps other relays off the rows it
 	// took: a relay that crashes or stops mid-round leaves its rows to the
-	// others after it. Default DefaultRelayClaimTTL; it must exceed the
-	// longest a round can take, PublishTimeout times Batch/Concurrency
-	// (rounded up).
+	// others after it. Default DefaultRelayClaimTTL; it must exceed
+	// PublishTimeout times Batch/Concurrency (rounded up), what a round of
+	// unordered messages takes at most. A publish starts only while the
+	// claim will outlast it: what a round had no time for is released for
+	// the next.
 	ClaimTTL time.Duration
 	// PublishTimeout bounds the wait for one publish's confirm. Default
 	// DefaultRelayPublishTimeout.
@@ -206,15 +210,29 @@ func NewRelay(o *Outbox, cfg RelayConfig) (*Relay, error) {
 	}
 	cfg = cfg.withDefaults(o.cfg.Logger)
 	t := o.n.outbox
-	// Rows of an order key wait for the earlier pending ones of their key,
-	// and for every older transaction to end: one still running may yet
-	// commit an earlier row (a later id is no later commit).
-	eligible := ""
+	claim := `WITH c AS (SELECT p.id FROM ` + t + ` p WHERE p.state = 'p' AND p.due_at <= clock_timestamp()
+			ORDER BY p.id LIMIT $2 FOR UPDATE SKIP LOCKED)`
 	if cfg.Ordered {
-		eligible = ` AND (p.order_key IS NULL OR (p.txid < pg_snapshot_xmin(pg_current_snapshot())
-			AND NOT EXISTS (SELECT 1 FROM ` + t + ` q WHERE q.state = 'p' AND q.order_key = p.order_key
-				AND (q.txid, q.id) < (p.txid, p.id))))`
+		// A row of an order key is claimable when no pending row of its
+		// key has a lower seq: it is the key's head. A row visible with
+		// seq n has every lower one of its key visible too (schema.go), so
+		// no row can yet appear ahead of it. With each head comes the
+		// chain of its key's next pending rows, up to $4, published one
+		// after the other: nobody else claims them while the head is
+		// pending and claimed. (A row of the previous format written
+		// without seq has no place in its key's order: a head, alone.)
+		claim = `WITH h AS (SELECT p.id, p.order_key, p.seq FROM ` + t + ` p WHERE p.state = 'p' AND p.due_at <= clock_timestamp()
+				AND (p.seq IS NULL OR NOT EXISTS (SELECT 1 FROM ` + t + ` q
+					WHERE q.order_key = p.order_key AND q.state = 'p' AND q.seq < p.seq))
+				ORDER BY p.id LIMIT $2 FOR UPDATE SKIP LOCKED),
+			f AS (SELECT n.id FROM h CROSS JOIN LATERAL (SELECT q.id FROM ` + t + ` q
+				WHERE q.order_key = h.order_key AND q.state = 'p' AND q.seq > h.seq ORDER BY q.seq LIMIT $4) n),
+			c AS (SELECT id FROM h UNION ALL SELECT id FROM f)`
 	}
+	claim += `
+		UPDATE ` + t + ` t SET claimed_by = $1, due_at = clock_timestamp() + $3 * interval '1 millisecond'
+		FROM c WHERE t.id = c.id AND t.state = 'p'
+		RETURNING t.id, t.message, t.attempts, t.order_key, t.seq`
 	sent := `UPDATE ` + t + ` SET state = 's', sent_at = clock_timestamp(), claimed_by = NULL
 		WHERE id = ANY($1) AND state = 'p'`
 	if cfg.Retention < 0 {
@@ -223,12 +241,8 @@ func NewRelay(o *Outbox, cfg RelayConfig) (*Relay, error) {
 	r := &Relay{o: o, cfg: cfg, log: cfg.Logger,
 		pub: amqpidem.DialPublisher(cfg.Dial, cfg.Logger),
 		sql: relaySQL{
-			claim: `WITH c AS (SELECT p.id FROM ` + t + ` p WHERE p.state = 'p' AND p.due_at <= clock_timestamp()` + eligible + `
-					ORDER BY p.id LIMIT $2 FOR UPDATE SKIP LOCKED)
-				UPDATE ` + t + ` t SET claimed_by = $1, due_at = clock_timestamp() + $3 * interval '1 millisecond'
-				FROM c WHERE t.id = c.id
-				RETURNING t.id, t.message, t.attempts`,
-			sent: sent,
+			claim: claim,
+			sent:  sent,
 			// A refused row is tried again after its backoff, or is dead
 			// after MaxAttempts refusals. Only the claim's holder writes:
 			// a row another relay claimed since is its business.
@@ -318,8 +332,10 @@ func (r *Relay) Run(ctx context.Context) error {
 				r.log.Warn("pgstore: relay: "+err.Error(), "relay", r.cfg.Name)
 			}
 		}
-		if err == nil && n == r.cfg.Batch {
-			continue // a full batch: more may be waiting
+		if err == nil && n > 0 {
+			// More may be waiting: a full batch's next rows, or an order
+			// key's next head, claimable now that its row before is sent.
+			continue
 		}
 		wake := r.wake
 		if err != nil {
@@ -352,31 +368,57 @@ type claimed struct {
 	id       int64
 	message  []byte
 	attempts int
+	orderKey *string // with Ordered: its order key and place in it
+	seq      *int64
 	err      error // of its publish
 }
 
-// round claims up to Batch rows, publishes them and records the outcomes.
-// It returns how many rows it claimed, and an error when the database or
-// the broker could not be reached (the rows it could not publish are
-// released, due after a backoff).
+// errNotTried marks a row of an order key's chain that was not published
+// in its round: one before it was not confirmed, or the claim was too
+// near its end to wait for another publish. Its row is released, due at
+// once (it stays behind the row that held it back).
+var errNotTried = errors.New("not tried: an earlier message of its order key was not published, or the claim was ending")
+
+// round claims up to Batch rows (and, with Ordered, each order key's next
+// rows behind its head), publishes them and records the outcomes. It
+// returns how many rows it claimed, and an error when the database or the
+// broker could not be reached (the rows it could not publish are released,
+// due after a backoff).
 func (r *Relay) round(ctx context.Context) (int, error) {
+	start := time.Now() // no later than the claim's start, by the database's clock
 	rows, err := r.claim(ctx)
 	if err != nil || len(rows) == 0 {
 		return 0, err
 	}
+	// A chain is published one message at a time, each after the
+	// confirm of the one before, stopping at the first that is not
+	// confirmed; chains go Concurrency at a time. A publish starts only
+	// while the claim will outlast it.
+	deadline := start.Add(r.cfg.ClaimTTL - r.cfg.PublishTimeout)
 	var wg sync.WaitGroup
 	sem := make(chan struct{}, r.cfg.Concurrency)
-	for i := range rows {
+	for _, chain := range chains(rows) {
 		sem <- struct{}{}
 		wg.Add(1)
-		go func(c *claimed) {
+		go func() {
 			defer func() { <-sem; wg.Done() }()
-			c.err = r.publish(ctx, c.message)
-		}(&rows[i])
+			var failed error
+			for _, c := range chain {
+				switch {
+				case failed != nil:
+					c.err = errNotTried
+				case time.Now().After(deadline):
+					c.err, failed = errNotTried, errNotTried
+				default:
+					c.err = r.publish(ctx, c.message)
+					failed = c.err
+				}
+			}
+		}()
 	}
 	wg.Wait()
 
-	var sent, unavailable []int64
+	var sent, unavailable, notTried []int64
 	var refusedIDs, waits []int64
 	var reasons []string
 	var brokerErr error
@@ -384,6 +426,8 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 		switch {
 		case c.err == nil:
 			sent = append(sent, c.id)
+		case errors.Is(c.err, errNotTried):
+			notTried = append(notTried, c.id)
 		case refused(c.err):
 			refusedIDs = append(refusedIDs, c.id)
 			reasons = append(reasons, c.err.Error())
@@ -418,6 +462,11 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 				"relay", r.cfg.Name, "id", id, "max_attempts", r.cfg.MaxAttempts)
 		}
 	}
+	if len(notTried) > 0 {
+		if _, err := r.o.pool.Exec(mctx, r.sql.release, r.cfg.Name, notTried, 0); err != nil {
+			r.log.Warn("pgstore: relay: release rows (they wait out the claim): "+classify(err).Error(), "relay", r.cfg.Name)
+		}
+	}
 	if len(unavailable) > 0 {
 		wait := r.cfg.RetryBackoff.Milliseconds()
 		if _, err := r.o.pool.Exec(mctx, r.sql.release, r.cfg.Name, unavailable, wait); err != nil {
@@ -428,16 +477,21 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 	return len(rows), nil
 }
 
-// claim takes up to Batch due rows for ClaimTTL, in ID order.
+// claim takes up to Batch due rows for ClaimTTL, in ID order, and with
+// Ordered the chains behind the order keys' heads among them.
 func (r *Relay) claim(ctx context.Context) ([]claimed, error) {
-	q, err := r.o.pool.Query(ctx, r.sql.claim, r.cfg.Name, r.cfg.Batch, r.cfg.ClaimTTL.Milliseconds())
+	args := []any{r.cfg.Name, r.cfg.Batch, r.cfg.ClaimTTL.Milliseconds()}
+	if r.cfg.Ordered {
+		args = append(args, r.cfg.Batch-1)
+	}
+	q, err := r.o.pool.Query(ctx, r.sql.claim, args...)
 	if err != nil {
 		return nil, fmt.Errorf("claim: %w", classify(err))
 	}
 	var rows []claimed
 	for q.Next() {
 		var c claimed
-		if err := q.Scan(&c.id, &c.message, &c.attempts); err != nil {
+		if err := q.Scan(&c.id, &c.message, &c.attempts, &c.orderKey, &c.seq); err != nil {
 			q.Close()
 			return nil, fmt.Errorf("claim: %w", classify(err))
 		}
@@ -446,8 +500,34 @@ func (r *Relay) claim(ctx context.Context) ([]claimed, error) {
 	if err := q.Err(); err != nil {
 		return nil, fmt.Errorf("claim: %w", classify(err))
 	}
-	slices.SortFunc(rows, func(a, b claimed) int { return cmp.Compare(a.id, b.id) })
 	return rows, nil
+}
+
+// chains groups the claimed rows into what is published in sequence: the
+// rows of one order key in seq order (Ordered), and each other row alone,
+// in ID order of their first rows.
+func chains(rows []claimed) [][]*claimed {
+	slices.SortFunc(rows, func(a, b claimed) int { return cmp.Compare(a.id, b.id) })
+	var out [][]*claimed
+	byKey := map[string]int{} // order key -> its chain in out
+	for i := range rows {
+		c := &rows[i]
+		if c.seq == nil {
+			out = append(out, []*claimed{c})
+			continue
+		}
+		j, ok := byKey[*c.orderKey]
+		if !ok {
+			j = len(out)
+			byKey[*c.orderKey] = j
+			out = append(out, nil)
+		}
+		out[j] = append(out[j], c)
+	}
+	for _, chain := range out {
+		slices.SortFunc(chain, func(a, b *claimed) int { return cmp.Compare(*a.seq, *b.seq) })
+	}
+	return out
 }
 
 // refuse records the broker's refusals and returns the IDs of the rows

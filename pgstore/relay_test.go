@@ -257,8 +257,9 @@ func TestRelayRefusedGoesDeadAndRedrives(t *testing.T) {
 }
 
 // TestRelayOrdered: with Ordered, the messages of each order key arrive in
-// the order of their transactions, also when an older transaction commits
-// after a younger one: its message goes first.
+// the order their transactions committed. A transaction writing a key's
+// message waits in Write while an earlier one that wrote the key is open,
+// and is ordered after it; a message without an order key is not held.
 func TestRelayOrdered(t *testing.T) {
 	r := newOutboxRig(t)
 	ctx := context.Background()
@@ -268,7 +269,7 @@ func TestRelayOrdered(t *testing.T) {
 		return m
 	}
 	// An older transaction writes k0's first message and stays open while
-	// a younger one writes the second and commits.
+	// a younger one tries to write the second.
 	older, err := r.pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -277,14 +278,25 @@ func TestRelayOrdered(t *testing.T) {
 	if _, err := r.ob.Write(ctx, older, ordered("k0", "k0-0")); err != nil {
 		t.Fatal(err)
 	}
-	r.write(true, ordered("k0", "k0-1"), r.msg("unordered"))
+	younger := make(chan struct{})
+	go func() {
+		defer close(younger)
+		r.write(true, ordered("k0", "k0-1"))
+	}()
+	r.write(true, r.msg("unordered"))
 	r.relay(pgstore.RelayConfig{Ordered: true, PollInterval: 50 * time.Millisecond})
 	if got := r.take(1, 10*time.Second); string(got[0].Body) != "unordered" {
 		t.Fatalf("while the older transaction is open, got %q, want only the unordered message", got[0].Body)
 	}
+	select {
+	case <-younger:
+		t.Fatal("the younger transaction wrote k0's message while the older one that wrote k0 was open")
+	default:
+	}
 	if err := older.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
+	<-younger
 	// Three keys, each written by 10 transactions from 3 writers at once.
 	var wg sync.WaitGroup
 	for w := range 3 {
@@ -300,6 +312,9 @@ func TestRelayOrdered(t *testing.T) {
 	}
 	wg.Wait()
 	got := r.take(2+90, 30*time.Second)
+	if len(got) != 92 {
+		t.Fatalf("%d messages, want 92", len(got))
+	}
 	// Per key and writer, the numbers must increase; k0-0 comes before k0-1.
 	last := map[string]int{}
 	for _, d := range got {
@@ -321,6 +336,119 @@ func TestRelayOrdered(t *testing.T) {
 			t.Errorf("%s: %d arrived after %d", id, i, prev)
 		}
 		last[id] = i
+	}
+}
+
+// TestRelayOrderedCommitOrder: dependent transactions on one key are
+// published in the order they committed, not the order they began to
+// write. T1 writes first (an unrelated row), then waits for an account
+// row that T2 updates; T2 writes its message and commits; T1 then reads
+// T2's balance, writes its own and commits. The balance the consumers see
+// last must be the database's.
+func TestRelayOrderedCommitOrder(t *testing.T) {
+	r := newOutboxRig(t)
+	ctx := context.Background()
+	accounts := pgx.Identifier{r.cfg.Schema, "accounts"}.Sanitize()
+	if _, err := r.pool.Exec(ctx, "CREATE TABLE "+accounts+" (id int PRIMARY KEY, balance int NOT NULL, note text)"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.pool.Exec(ctx, "INSERT INTO "+accounts+" VALUES (1, 100, ''), (2, 0, '')"); err != nil {
+		t.Fatal(err)
+	}
+	announce := func(tx pgx.Tx, balance int) {
+		m := r.msg(fmt.Sprint(balance))
+		m.OrderKey = "account-1"
+		if _, err := r.ob.Write(ctx, tx, m); err != nil {
+			t.Errorf("Write: %v", err)
+		}
+	}
+	t1, err := r.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = t1.Rollback(ctx) }()
+	// T1's first write: it has the older transaction id from here on.
+	if _, err := t1.Exec(ctx, "UPDATE "+accounts+" SET note = 't1' WHERE id = 2"); err != nil {
+		t.Fatal(err)
+	}
+	t2, err := r.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = t2.Rollback(ctx) }()
+	var b2 int
+	if err := t2.QueryRow(ctx, "UPDATE "+accounts+" SET balance = balance - 50 WHERE id = 1 RETURNING balance").Scan(&b2); err != nil {
+		t.Fatal(err)
+	}
+	t1done := make(chan int, 1)
+	go func() {
+		var b1 int
+		// Waits for T2's row lock, then reads T2's 50.
+		if err := t1.QueryRow(ctx, "UPDATE "+accounts+" SET balance = balance - 20 WHERE id = 1 RETURNING balance").Scan(&b1); err != nil {
+			t.Error(err)
+		}
+		announce(t1, b1)
+		if err := t1.Commit(ctx); err != nil {
+			t.Error(err)
+		}
+		t1done <- b1
+	}()
+	announce(t2, b2)
+	if err := t2.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if b1 := <-t1done; b2 != 50 || b1 != 30 {
+		t.Fatalf("balances %d then %d, want 50 then 30", b2, b1)
+	}
+	r.relay(pgstore.RelayConfig{Ordered: true, PollInterval: 50 * time.Millisecond})
+	got := r.take(2, 10*time.Second)
+	if len(got) != 2 || string(got[0].Body) != "50" || string(got[1].Body) != "30" {
+		var bodies []string
+		for _, d := range got {
+			bodies = append(bodies, string(d.Body))
+		}
+		t.Fatalf("published %q, want [50 30]: the order the transactions committed in", bodies)
+	}
+}
+
+// TestRelayOrderedBacklog: an order key's backlog goes out in order
+// without waiting for a poll between its messages (PollInterval is an
+// hour here: nothing but the relay's own rounds can move it), also when
+// the broker refuses one in the middle: the messages behind it wait for
+// it, and go once it is dead.
+func TestRelayOrderedBacklog(t *testing.T) {
+	r := newOutboxRig(t)
+	const n = 300
+	var msgs []pgstore.Message
+	for i := range n {
+		m := r.msg(fmt.Sprint(i))
+		m.OrderKey = "k"
+		if i == n/2 {
+			m.RoutingKey = r.queue + "-nowhere" // refused: no queue takes it
+		}
+		msgs = append(msgs, m)
+	}
+	for i := 0; i < n; i += 50 {
+		r.write(true, msgs[i:i+50]...)
+	}
+	r.relay(pgstore.RelayConfig{Ordered: true, PollInterval: time.Hour, Batch: 64,
+		MaxAttempts: 2, RetryBackoff: 100 * time.Millisecond})
+	got := r.take(n-1, 60*time.Second)
+	if len(got) != n-1 {
+		t.Fatalf("%d messages, want %d", len(got), n-1)
+	}
+	want := 0
+	for _, d := range got {
+		if want == n/2 {
+			want++ // dead
+		}
+		if string(d.Body) != fmt.Sprint(want) {
+			t.Fatalf("got %q, want %d", d.Body, want)
+		}
+		want++
+	}
+	if d := r.count("d"); d != 1 {
+		t.Fatalf("%d dead rows, want 1", d)
 	}
 }
 

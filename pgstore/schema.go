@@ -356,32 +356,52 @@ $fn$;
 
 // outboxFormatVersion is the version of the producer outbox table's layout,
 // written in its comment.
-const outboxFormatVersion = 1
+const outboxFormatVersion = 2
 
 // outboxComment marks an outbox table made by this package's migration.
 var outboxComment = fmt.Sprintf("amqpidem pgstore outbox, format %d", outboxFormatVersion)
 
+// outboxComment1 is the comment of an outbox table of format 1, which the
+// migration upgrades in place.
+const outboxComment1 = "amqpidem pgstore outbox, format 1"
+
 // outboxSQL is the producer outbox's table (see Outbox), with {outbox},
-// {outboxpending}, {outboxordered}, {outboxsent}, {outboxdead} and
-// {checkoutboxformat} replaced.
+// {outboxkeys}, {outboxpending}, {outboxorder}, {outboxsent},
+// {outboxdead}, {upgradeoutbox} and {checkoutboxformat} replaced.
 //
 // One row per message written. state: 'p' pending (to be published), 's'
 // sent (confirmed by the broker; kept for RelayConfig.Retention), 'd' dead
 // (refused by the broker RelayConfig.MaxAttempts times: an operator lists
 // and re-drives it). A pending row is claimable when due_at has passed: a
 // relay's claim moves due_at to the end of its claim, a refusal to the
-// next try. txid is the writing transaction's id: every row of a
-// transaction older than the oldest one still running is committed or gone
-// for good, which is what ordered relaying waits for.
+// next try.
 //
-// The indexes are partial, on pending rows (the relay's queue, and each
-// order key's head), sent rows (cleanup) and dead ones (an operator's
-// list): a claim changes no indexed column, so it can be a HOT update.
+// seq is a row's place among the rows of its order key, NULL without one.
+// Write takes it from the key's row in {outboxkeys} by updating that row,
+// whose lock the writing transaction then holds until it ends: a later
+// writer of the key waits, and takes the next number once the earlier
+// transaction committed (or rolled back, and the number is taken again).
+// So the order of seq is the order in which the key's transactions
+// committed, and a row that is visible has every row of lower seq of its
+// key visible too (or gone for good). It is plain data: it survives a dump
+// and restore, unlike a transaction id.
+//
+// The indexes are partial: on pending rows (the relay's queue), rows with
+// an order key (each key's head and chain, and whether a key has rows
+// left), sent rows (cleanup) and dead ones (an operator's list). A claim
+// changes no indexed column, so it can be a HOT update.
 const outboxSQL = `
+CREATE TABLE IF NOT EXISTS {outboxkeys} (
+	order_key text   PRIMARY KEY,
+	seq       bigint NOT NULL
+);
+
+{upgradeoutbox}
+
 CREATE TABLE IF NOT EXISTS {outbox} (
 	id         bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-	txid       xid8        NOT NULL DEFAULT pg_current_xact_id(),
 	order_key  text,
+	seq        bigint,
 	message_id text        NOT NULL,
 	message    bytea       NOT NULL,
 	state      text        NOT NULL DEFAULT 'p' CHECK (state IN ('p', 's', 'd')),
@@ -394,12 +414,38 @@ CREATE TABLE IF NOT EXISTS {outbox} (
 );
 
 CREATE INDEX IF NOT EXISTS {outboxpending} ON {outbox} (id) WHERE state = 'p';
-CREATE INDEX IF NOT EXISTS {outboxordered} ON {outbox} (order_key, txid, id) WHERE state = 'p' AND order_key IS NOT NULL;
+CREATE INDEX IF NOT EXISTS {outboxorder} ON {outbox} (order_key, state, seq) WHERE order_key IS NOT NULL;
 CREATE INDEX IF NOT EXISTS {outboxsent} ON {outbox} (sent_at) WHERE state = 's';
 CREATE INDEX IF NOT EXISTS {outboxdead} ON {outbox} (id) WHERE state = 'd';
 
 {checkoutboxformat}
 `
+
+// upgradeOutboxSQL upgrades an outbox table of format 1, which ordered
+// rows by their writing transaction's id (txid: the order in which
+// transactions first wrote, not the order they committed in), to format
+// 2: the rows of each order key are numbered in the order format 1 would
+// have published them, the keys' counters start after them, and txid is
+// dropped (with its index). The table is locked against writers meanwhile.
+// Rows that a writer of the previous release inserts afterwards have no
+// seq: a relay publishes them as if they had no order key.
+const upgradeOutboxSQL = `DO $do$
+BEGIN
+	IF obj_description(to_regclass({outboxliteral}), 'pg_class') = {comment1} THEN
+		LOCK TABLE {outbox} IN SHARE ROW EXCLUSIVE MODE;
+		ALTER TABLE {outbox} ADD COLUMN seq bigint;
+		UPDATE {outbox} o SET seq = s.n
+			FROM (SELECT id, row_number() OVER (PARTITION BY order_key ORDER BY txid, id) AS n
+				FROM {outbox} WHERE order_key IS NOT NULL) s
+			WHERE o.id = s.id;
+		INSERT INTO {outboxkeys} (order_key, seq)
+			SELECT order_key, max(seq) FROM {outbox} WHERE order_key IS NOT NULL GROUP BY order_key
+			ON CONFLICT (order_key) DO UPDATE SET seq = greatest({outboxkeys}.seq, excluded.seq);
+		ALTER TABLE {outbox} DROP COLUMN txid;
+		COMMENT ON TABLE {outbox} IS {comment};
+	END IF;
+END
+$do$;`
 
 // formatCheckSQL marks the table {table} as of the format {comment} (a
 // string literal), or, when it says another, refuses it: a table of
@@ -459,9 +505,17 @@ func MigrationSQL(cfg Config) (string, error) {
 		"{locktimeout}", lockTimeout,
 		"{outbox}", n.outbox,
 		"{outboxpending}", n.outboxPending,
-		"{outboxordered}", n.outboxOrdered,
+		"{outboxkeys}", n.outboxKeys,
+		"{outboxorder}", n.outboxOrder,
 		"{outboxsent}", n.outboxSent,
 		"{outboxdead}", n.outboxDead,
+		"{upgradeoutbox}", strings.NewReplacer(
+			"{outbox}", n.outbox,
+			"{outboxkeys}", n.outboxKeys,
+			"{outboxliteral}", literal(n.outbox),
+			"{comment1}", literal(outboxComment1),
+			"{comment}", literal(outboxComment),
+		).Replace(upgradeOutboxSQL),
 		"{checkoutboxformat}", formatCheck(n.outbox, outboxComment),
 	).Replace(migrationSQL + outboxSQL)
 	if cfg.Schema != "" {
