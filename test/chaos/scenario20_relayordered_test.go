@@ -35,7 +35,8 @@ import (
 //
 //  1. insert an audit row: an unrelated write, so that the transaction
 //     takes its transaction id now (pg_current_xact_id(), recorded);
-//  2. sleep 0 to 15 ms;
+//  2. sleep 0 to 30 ms (another transaction of its key, younger, may
+//     take the row first meanwhile);
 //  3. UPDATE balances SET v = v + delta, version = version + 1 WHERE k =
 //     key RETURNING v, version: the row lock makes the transactions of a
 //     key wait for each other, so that each reads what the one before it
@@ -263,7 +264,7 @@ func (w *orderedWriters) run(ctx context.Context, name string, seed uint64, maxG
 		}
 		x := &orderedTx{id: fmt.Sprintf("%s-t%d", name, i), key: orderedKey(rng.IntN(w.keys))}
 		commit := rng.IntN(5) != 0
-		hold, after := time.Duration(rng.IntN(16))*time.Millisecond, time.Duration(rng.IntN(4))*time.Millisecond
+		hold, after := time.Duration(rng.IntN(31))*time.Millisecond, time.Duration(rng.IntN(4))*time.Millisecond
 		delta := rng.Int64N(201) - 100
 		work := rng.IntN(11)
 		x.outcome = func() string {
