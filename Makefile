@@ -38,7 +38,11 @@ check-user-module:
 # DYNAMODB_ENDPOINT, default minidyn's 127.0.0.1:8000). It ends with "ratio
 # <variant>/bare <queue type> 0.00" lines, then "ratio outbox/unique <queue
 # type> 0.00", and, after issue 14's and 26's figures, "ratio
-# dynamo-unique/bare classic 0.00" and dynamo-duplicate's. About 10 minutes; flags go in
+# dynamo-unique/bare classic 0.00" and dynamo-duplicate's, then the producer
+# outbox relay's "relay_msgs_per_s classic 0", "relay_p99_ms classic 0.0" and
+# "relay_ordered_drain_ms 1000 0" (issue 34: ms for an ordered relay to drain
+# 1,000 messages of one order key, "timeout" after -relay-ordered-timeout),
+# then PostgreSQL's lines. About 10 minutes; flags go in
 # BENCH_FLAGS, e.g.
 #   make bench BENCH_FLAGS='-repeats 5 -cpuprofile unique.pprof'
 #   make bench BENCH_FLAGS=-short      # a smoke run of a few seconds

@@ -177,6 +177,21 @@ func TestShortRun(t *testing.T) {
 			t.Errorf("relay phase: %d rate runs, latency %+v; want %d runs and samples", len(rep.Relay), rep.RelayLatency, opts.Repeats)
 		}
 		want = append(want, `^relay_msgs_per_s classic \d+$`, `^relay_p99_ms classic \d+\.\d( saturated)?$`)
+		// Issue 34's: an ordered relay drains one key's backlog; a
+		// "timeout" there fails the line's pattern, and out-of-order
+		// deliveries fail here.
+		if d := rep.RelayOrdered; d == nil {
+			t.Error("relay phase: no ordered drain run")
+		} else {
+			if d.TimedOut {
+				t.Errorf("relay phase: an ordered relay did not drain %d rows of one key within %v: %d sent, %d received",
+					d.N, d.Timeout, d.SentRows, d.Received)
+			}
+			if d.OutOfOrder != 0 {
+				t.Errorf("relay phase: the ordered drain delivered %d messages after later ones of their key", d.OutOfOrder)
+			}
+		}
+		want = append(want, `^relay_ordered_drain_ms `+strconv.Itoa(opts.RelayOrderedN)+` \d+$`)
 	} else if rep.PGSkipped == "" {
 		t.Errorf("relay phase skipped: %s", rep.RelaySkipped)
 	}

@@ -96,6 +96,12 @@
 //	relay_msgs_per_s classic 4196
 //	relay_p99_ms classic 42.0
 //
+// and issue 34's: the time for an ordered relay to drain a backlog of
+// 1,000 messages of one order key, in ms ("timeout" instead when it did
+// not within -relay-ordered-timeout; 200 messages with -short):
+//
+//	relay_ordered_drain_ms 1000 2400
+//
 // Last, with PostgreSQL, issue 26's figures: pg-unique's median rate over
 // pg-naive's, and the CPU of every PostgreSQL process per message of
 // each, in µs (left out where the server's processes are not readable):
@@ -213,6 +219,10 @@ type options struct {
 	Relay     bool
 	RelayN    int
 	RelayRate float64
+	// RelayOrderedN is the backlog of one order key an ordered relay
+	// drains (0: no such run), within RelayOrderedTimeout.
+	RelayOrderedN       int
+	RelayOrderedTimeout time.Duration
 
 	MemHandlers int
 	MemSleep    time.Duration
@@ -257,6 +267,10 @@ func defaultOptions() options {
 		MemLeaseTTL:     time.Second,
 		RunTimeout:      2 * time.Minute,
 		Timeout:         20 * time.Minute,
+
+		// Issue 34's figure: relay_ordered_drain_ms 1000.
+		RelayOrderedN:       1000,
+		RelayOrderedTimeout: time.Minute,
 	}
 }
 
@@ -274,6 +288,9 @@ func applyShort(o *options, set map[string]bool) {
 		MemLeaseTTL:     500 * time.Millisecond,
 		RunTimeout:      time.Minute,
 		Timeout:         5 * time.Minute,
+		// A few ms per row is what the drain should take.
+		RelayOrderedN:       200,
+		RelayOrderedTimeout: 15 * time.Second,
 	}
 	if !set["n"] {
 		o.N = short.N
@@ -305,6 +322,12 @@ func applyShort(o *options, set map[string]bool) {
 	if !set["timeout"] {
 		o.Timeout = short.Timeout
 	}
+	if !set["relay-ordered-n"] {
+		o.RelayOrderedN = short.RelayOrderedN
+	}
+	if !set["relay-ordered-timeout"] {
+		o.RelayOrderedTimeout = short.RelayOrderedTimeout
+	}
 	// Making a pool's connections for each pg run took most of their
 	// time in a smoke run.
 	if !set["pg-pool-per-run"] {
@@ -335,6 +358,8 @@ func parseFlags(args []string, out io.Writer) (options, error) {
 	fs.BoolVar(&o.Relay, "relay", o.Relay, "measure the producer outbox relay (pgstore.Relay) on a classic queue, with PostgreSQL")
 	fs.IntVar(&o.RelayN, "relay-n", o.RelayN, "rows of each relay rate run (-n, when set, instead)")
 	fs.Float64Var(&o.RelayRate, "relay-rate", o.RelayRate, "rows/s the writers commit in the relay's latency run")
+	fs.IntVar(&o.RelayOrderedN, "relay-ordered-n", o.RelayOrderedN, "rows of one order key an ordered relay drains in the relay phase (relay_ordered_drain_ms; -short: 200; 0 skips that run)")
+	fs.DurationVar(&o.RelayOrderedTimeout, "relay-ordered-timeout", o.RelayOrderedTimeout, "how long the ordered drain may take before its line says timeout (-short: 15s)")
 	fs.IntVar(&o.MemHandlers, "mem-handlers", o.MemHandlers, "long handlers in flight in the memory phase (0 skips it)")
 	fs.DurationVar(&o.MemSleep, "mem-sleep", o.MemSleep, "how long each memory-phase handler sleeps")
 	fs.DurationVar(&o.MemLeaseTTL, "mem-lease-ttl", o.MemLeaseTTL, "lease TTL in the memory phase (the heartbeat renews it)")
@@ -407,6 +432,8 @@ func (o options) validate() error {
 		return fmt.Errorf("-latency-max-n %d must not be negative", o.LatencyMaxN)
 	case o.Relay && (o.RelayN < 1 || o.RelayRate <= 0):
 		return fmt.Errorf("-relay-n and -relay-rate must be positive")
+	case o.RelayOrderedN < 0 || o.RelayOrderedN > 0 && o.RelayOrderedTimeout <= 0:
+		return fmt.Errorf("-relay-ordered-n must not be negative, and -relay-ordered-timeout must be positive")
 	case o.MemHandlers < 0:
 		return fmt.Errorf("-mem-handlers %d must not be negative", o.MemHandlers)
 	case o.MemHandlers > 0 && o.MemSleep <= o.MemLeaseTTL:

@@ -46,6 +46,19 @@ import (
 // writers fell behind the pace (the last commit came more than a tenth of
 // the run late): the figure is then queueing in the writers.
 
+//	relay_ordered_drain_ms 1000 X
+//
+// the time, in ms, for an ordered relay (RelayConfig.Ordered, the other
+// settings the defaults) to drain a backlog of -relay-ordered-n messages
+// of ONE order key (issue 34): the rows are written first, one per
+// transaction (not measured), then the relay starts; X is from its start
+// until every row is both marked sent and received by the consumer. The
+// run gives up after -relay-ordered-timeout: the line then ends in
+// "timeout" instead of a figure (the report says how many rows were sent
+// by then). The consumer also checks that the messages arrived in the
+// order they were written (the report's "out of order": first deliveries
+// of a message written before one already received).
+
 // relayWriteBatch is the rows per transaction of the rate run's writes.
 const relayWriteBatch = 500
 
@@ -78,6 +91,23 @@ type relayLatency struct {
 }
 
 func (l relayLatency) saturated() bool { return l.Late > l.Duration/10 }
+
+// relayOrderedDrain is the ordered drain run.
+type relayOrderedDrain struct {
+	N       int
+	Timeout time.Duration
+	Write   time.Duration // writing the rows up front
+	// Sent is from the relay's start until every row was marked sent,
+	// Consumed until every message was received; Span is the later.
+	Sent, Consumed, Span time.Duration
+	// TimedOut says the rows were not all sent and received within
+	// Timeout; SentRows and Received are how many were by then.
+	TimedOut           bool
+	SentRows, Received int
+	// OutOfOrder counts first deliveries of a message written before one
+	// already delivered.
+	OutOfOrder int
+}
 
 // relayBench is the outbox and queue of a relay run.
 type relayBench struct {
@@ -129,9 +159,10 @@ func (r *relayBench) message(id string) pgstore.Message {
 		MessageId: id, ContentType: "application/octet-stream", Body: r.e.body}}
 }
 
-// startRelay runs a pgstore.Relay on the outbox until the returned stop.
-func (r *relayBench) startRelay(ctx context.Context) (stop func(context.Context) error, err error) {
-	rl, err := pgstore.NewRelay(r.ob, pgstore.RelayConfig{URL: r.e.opts.AMQPURL, Name: r.e.base + "-relay"})
+// startRelay runs a pgstore.Relay on the outbox until the returned stop;
+// ordered sets RelayConfig.Ordered.
+func (r *relayBench) startRelay(ctx context.Context, ordered bool) (stop func(context.Context) error, err error) {
+	rl, err := pgstore.NewRelay(r.ob, pgstore.RelayConfig{URL: r.e.opts.AMQPURL, Name: r.e.base + "-relay", Ordered: ordered})
 	if err != nil {
 		return nil, err
 	}
@@ -191,7 +222,7 @@ func (e *env) relayRate(ctx context.Context, round, n int) (res relayRun, err er
 	defer func() { err = errors.Join(err, c.stop(context.WithoutCancel(ctx))) }()
 
 	start = time.Now()
-	stop, err := r.startRelay(ctx)
+	stop, err := r.startRelay(ctx, false)
 	if err != nil {
 		return res, err
 	}
@@ -224,6 +255,118 @@ func (e *env) relayRate(ctx context.Context, round, n int) (res relayRun, err er
 	if got := received.Load(); got != int64(n) {
 		return res, fmt.Errorf("relay: the consumer received %d messages, want %d", got, n)
 	}
+	return res, nil
+}
+
+// relayOrderedRun writes n messages of one order key, one per
+// transaction, then measures how long an ordered relay takes to publish
+// them all, giving up after timeout.
+func (e *env) relayOrderedRun(ctx context.Context, n int, timeout time.Duration) (res relayOrderedDrain, err error) {
+	res.N, res.Timeout = n, timeout
+	r, err := e.openRelay(ctx, "ordered")
+	if err != nil {
+		return res, err
+	}
+	defer func() { err = errors.Join(err, r.close()) }()
+
+	start := time.Now()
+	for i := range n {
+		err := pgx.BeginFunc(ctx, r.pool, func(tx pgx.Tx) error {
+			m := r.message(fmt.Sprintf("%s-%d", r.queue, i))
+			m.OrderKey = "bench-key"
+			_, err := r.ob.Write(ctx, tx, m)
+			return err
+		})
+		if err != nil {
+			return res, fmt.Errorf("writing the outbox: %w", err)
+		}
+	}
+	res.Write = time.Since(start)
+
+	// Deliveries of the one channel, by delivery tag: the queue's order,
+	// whichever worker handles them.
+	var mu sync.Mutex
+	byTag := map[uint64]int{}
+	var consumedAt atomic.Int64
+	t := newTally(n, nil)
+	c, err := startPlain(ctx, e.opts.AMQPURL, r.queue, e.opts.Prefetch, e.opts.Concurrency,
+		func(_ context.Context, m *amqp.Delivery) error {
+			num, ok := strings.CutPrefix(m.MessageId, r.queue+"-")
+			i, err := strconv.Atoi(num)
+			if !ok || err != nil || i < 0 || i >= n {
+				return fmt.Errorf("unexpected message id %q", m.MessageId)
+			}
+			mu.Lock()
+			byTag[m.DeliveryTag] = i
+			if len(byTag) == n {
+				consumedAt.Store(time.Now().UnixNano())
+			}
+			mu.Unlock()
+			return nil
+		}, t)
+	if err != nil {
+		return res, err
+	}
+	defer func() { err = errors.Join(err, c.stop(context.WithoutCancel(ctx))) }()
+
+	start = time.Now()
+	stop, err := r.startRelay(ctx, true)
+	if err != nil {
+		return res, err
+	}
+	defer func() { err = errors.Join(err, stop(context.WithoutCancel(ctx))) }()
+	deadline := start.Add(timeout)
+	for res.Sent == 0 {
+		p, err := r.pending(ctx)
+		if err != nil {
+			return res, err
+		}
+		res.SentRows = n - p
+		if p == 0 {
+			res.Sent = time.Since(start)
+			break
+		}
+		if time.Now().After(deadline) {
+			res.TimedOut = true
+			break
+		}
+		if err := sleepCtx(ctx, 10*time.Millisecond); err != nil {
+			return res, err
+		}
+	}
+	if !res.TimedOut {
+		if werr := t.wait(ctx, max(time.Until(deadline), time.Second), c); werr != nil {
+			if ctx.Err() != nil {
+				return res, werr
+			}
+			res.TimedOut = true
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	res.Received = len(byTag)
+	tags := make([]uint64, 0, len(byTag))
+	for tag := range byTag {
+		tags = append(tags, tag)
+	}
+	slices.Sort(tags)
+	seen, highest := map[int]bool{}, -1
+	for _, tag := range tags {
+		i := byTag[tag]
+		if seen[i] {
+			continue // a copy
+		}
+		seen[i] = true
+		if i < highest {
+			res.OutOfOrder++
+		}
+		highest = max(highest, i)
+	}
+	if res.TimedOut {
+		return res, nil
+	}
+	res.Consumed = time.Duration(consumedAt.Load() - start.UnixNano())
+	res.Span = max(res.Sent, res.Consumed)
 	return res, nil
 }
 
@@ -263,7 +406,7 @@ func (e *env) relayLatencyRun(ctx context.Context, rate float64, d, warmup time.
 		return res, err
 	}
 	defer func() { err = errors.Join(err, c.stop(context.WithoutCancel(ctx))) }()
-	stop, err := r.startRelay(ctx)
+	stop, err := r.startRelay(ctx, false)
 	if err != nil {
 		return res, err
 	}
@@ -369,6 +512,20 @@ func (e *env) relayPhase(ctx context.Context, rep *report) error {
 		return fmt.Errorf("relay latency at %s rows/s: %w", thousands(e.opts.RelayRate), err)
 	}
 	rep.RelayLatency = &l
+	if e.opts.RelayOrderedN > 0 {
+		o, err := e.relayOrderedRun(ctx, e.opts.RelayOrderedN, e.opts.RelayOrderedTimeout)
+		if err != nil {
+			return fmt.Errorf("relay ordered drain of %d rows: %w", e.opts.RelayOrderedN, err)
+		}
+		rep.RelayOrdered = &o
+		if o.TimedOut {
+			fmt.Fprintf(e.out, "  ordered relay, one key: %d rows NOT drained within %v: %d sent, %d received (written up front in %v)\n",
+				o.N, o.Timeout, o.SentRows, o.Received, o.Write.Round(time.Millisecond))
+		} else {
+			fmt.Fprintf(e.out, "  ordered relay, one key: %d rows drained in %v: all sent in %v, all consumed in %v (written up front in %v)\n",
+				o.N, o.Span.Round(time.Millisecond), o.Sent.Round(time.Millisecond), o.Consumed.Round(time.Millisecond), o.Write.Round(time.Millisecond))
+		}
+	}
 	return nil
 }
 
@@ -404,6 +561,18 @@ func printRelay(out io.Writer, o options, rep *report) {
 			thousands(l.Rate), l.Duration, relayLatencyWriters, l.N, l.Samples, o.LatencyWarmup,
 			us(l.P50), us(l.P99), us(l.Max), kept, l.Late.Round(time.Millisecond))
 	}
+	if d := rep.RelayOrdered; d != nil {
+		fmt.Fprintf(out, "ordered drain (RelayConfig.Ordered, poll interval %v): %d rows of one order key written up front, one per transaction;\n",
+			pgstore.DefaultRelayPollInterval, d.N)
+		if d.TimedOut {
+			fmt.Fprintf(out, "  NOT drained within %v: %d rows sent, %d received by then (%.1f rows/s); out of order %d\n",
+				d.Timeout, d.SentRows, d.Received, float64(d.SentRows)/d.Timeout.Seconds(), d.OutOfOrder)
+		} else {
+			fmt.Fprintf(out, "  drained in %v (all sent in %v, all received in %v: %.1f ms per row); out of order %d\n",
+				d.Span.Round(time.Millisecond), d.Sent.Round(time.Millisecond), d.Consumed.Round(time.Millisecond),
+				float64(d.Span)/float64(time.Millisecond)/float64(d.N), d.OutOfOrder)
+		}
+	}
 }
 
 // printRelayLines prints the relay's machine-readable lines, last.
@@ -417,5 +586,12 @@ func printRelayLines(out io.Writer, rep *report) {
 			note = " saturated"
 		}
 		fmt.Fprintf(out, "relay_p99_ms classic %.1f%s\n", float64(l.P99)/float64(time.Millisecond), note)
+	}
+	if d := rep.RelayOrdered; d != nil {
+		if d.TimedOut {
+			fmt.Fprintf(out, "relay_ordered_drain_ms %d timeout\n", d.N)
+		} else {
+			fmt.Fprintf(out, "relay_ordered_drain_ms %d %d\n", d.N, d.Span.Milliseconds())
+		}
 	}
 }

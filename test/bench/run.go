@@ -129,6 +129,9 @@ type report struct {
 	// latency run; RelaySkipped says why they did not run, if so.
 	Relay        []relayRun
 	RelayLatency *relayLatency
+	// RelayOrdered is the ordered relay's drain of one key's backlog
+	// (issue 34); nil with -relay-ordered-n 0.
+	RelayOrdered *relayOrderedDrain
 	RelaySkipped string
 }
 

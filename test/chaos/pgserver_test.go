@@ -255,14 +255,23 @@ func (s *pgServer) restart(sig syscall.Signal, down time.Duration) {
 	s.stop(sig)
 	stopped := time.Since(t0)
 	time.Sleep(down)
+	took := s.start()
+	s.t.Logf("chaos: private PostgreSQL stopped (%v) in %v, down %v, accepting connections again %v after its start (pid %d)",
+		sig, stopped.Round(time.Millisecond), down, took.Round(time.Millisecond), s.pid())
+}
+
+// start starts the stopped server again on its port and returns how long
+// it took until it accepted connections (crash recovery included),
+// failing the test if it does not come back. A scenario that does more
+// while the server is down calls stop, then start.
+func (s *pgServer) start() time.Duration {
+	s.t.Helper()
 	t1 := time.Now()
 	deadline := time.Now().Add(pgStartTimeout)
 	for {
 		err := s.launch(deadline)
 		if err == nil {
-			s.t.Logf("chaos: private PostgreSQL stopped (%v) in %v, down %v, accepting connections again %v after its start (pid %d)",
-				sig, stopped.Round(time.Millisecond), down, time.Since(t1).Round(time.Millisecond), s.pid())
-			return
+			return time.Since(t1)
 		}
 		// While the server was down, the kernel may have given its port to
 		// an outgoing connection for a moment.

@@ -249,7 +249,9 @@ func (o *outboxRun) settle(want int, timeout time.Duration) {
 	o.pg.settle(want, timeout, time.Second)
 }
 
-// tapCopy is one raw copy stage B received, as the tap holds it.
+// tapCopy is one raw copy of a message, as a tap queue holds it: one
+// stage B received (scenario 15; plan is its body's), one a relay
+// published (drainTap: plan not read).
 type tapCopy struct {
 	id   string // MessageId
 	body []byte
