@@ -2,12 +2,14 @@ package pgstore_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
@@ -195,5 +197,64 @@ func TestOutboxCleanupKeys(t *testing.T) {
 	r.relay(pgstore.RelayConfig{Ordered: true, PollInterval: 50 * time.Millisecond})
 	if got := r.take(4, 10*time.Second); len(got) != 4 {
 		t.Fatalf("%d messages, want 4", len(got))
+	}
+}
+
+// TestWriteOrderedOppositeOrders: two transactions writing messages of
+// two order keys in opposite orders deadlock on the keys' counters, as
+// docs/relay.md says: the server aborts one (SQLSTATE 40P01), the other
+// goes through; retried, both commit.
+func TestWriteOrderedOppositeOrders(t *testing.T) {
+	r := newOutboxRig(t)
+	ctx := context.Background()
+	ordered := func(key string) pgstore.Message {
+		m := r.msg(key)
+		m.OrderKey = key
+		return m
+	}
+	t1, err := r.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = t1.Rollback(ctx) }()
+	t2, err := r.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = t2.Rollback(ctx) }()
+	for _, w := range []struct {
+		tx  pgx.Tx
+		key string
+	}{{t1, "a"}, {t2, "b"}} {
+		if _, err := r.ob.Write(ctx, w.tx, ordered(w.key)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	errs := make(chan error, 2)
+	go func() { _, err := r.ob.Write(ctx, t1, ordered("b")); errs <- err }()
+	go func() { _, err := r.ob.Write(ctx, t2, ordered("a")); errs <- err }()
+	var deadlocks, ok int
+	for range 2 {
+		err := <-errs
+		var pe *pgconn.PgError
+		switch {
+		case err == nil:
+			ok++
+		case errors.As(err, &pe) && pe.Code == "40P01":
+			deadlocks++
+		default:
+			t.Fatalf("Write: %v, want nil or a deadlock (40P01)", err)
+		}
+	}
+	if deadlocks != 1 || ok != 1 {
+		t.Fatalf("%d deadlocks, %d Writes through; want one of each", deadlocks, ok)
+	}
+	for _, tx := range []pgx.Tx{t1, t2} {
+		_ = tx.Rollback(ctx)
+	}
+	r.write(true, ordered("a"), ordered("b"))
+	r.relay(pgstore.RelayConfig{Ordered: true, PollInterval: 50 * time.Millisecond})
+	if got := r.take(2, 10*time.Second); len(got) != 2 {
+		t.Fatalf("%d messages, want 2", len(got))
 	}
 }
