@@ -30,6 +30,13 @@ import (
 // whose claim passed before it could publish (stalled, the process
 // paused) publishes nothing and goes back to the queue, for a copy to
 // take the claim.
+//
+// Only the broker's refusal of a message (IsRefused: returned, or its
+// channel closed by the broker over it) counts as one of its tries, and
+// MaxAttempts of them give it up. A publish that failed on the way (the
+// connection lost, the confirm lost or nacked) stops the publishing: the
+// delivery is requeued after UnavailableDelay, the claim given up, and no
+// try counted, however often that happens.
 func (f *flight) dispatch(value []byte, fence int64, own bool) bool {
 	p := f.p
 	v, err := splitValue(value)
@@ -82,7 +89,9 @@ func (f *flight) dispatch(value []byte, fence int64, own bool) bool {
 			if !own {
 				f.ev.Outbox.Republished++
 			}
-		case errors.Is(err, ErrUnroutable) || errors.Is(err, ErrNotConfirmed) || errors.Is(err, errBadValue):
+		case IsRefused(err) || errors.Is(err, errBadValue):
+			// The broker refused this message (returned it, or closed
+			// the channel over it): a try, counted toward MaxAttempts.
 			tries := int(e.tries) + 1
 			amended[e.at+1] = byte(min(tries, 255))
 			if tries >= p.cfg.MaxAttempts || errors.Is(err, errBadValue) {
@@ -94,6 +103,9 @@ func (f *flight) dispatch(value []byte, fence int64, own bool) bool {
 			}
 			f.ev.Err = errors.Join(f.ev.Err, err)
 		default:
+			// The broker or the way to it failed (the connection lost,
+			// a confirm lost or nacked, no channel): not the message's
+			// fault, so not a try; the rest waits for the next copy.
 			broken = err
 			f.ev.Err = errors.Join(f.ev.Err, err)
 		}

@@ -49,11 +49,15 @@ var ErrOutboxFull = errors.New("amqpidem: outbox full")
 // yet published, and publishes those before its ack: each staged message
 // is published at least once after its outcome is stored, and the record
 // remembers the confirmed ones, so later duplicates publish nothing. A
-// message the broker returns (no queue bound) or refuses is tried again
-// with the delivery, after Config.UnavailableDelay, and given up after
-// MaxAttempts tries: logged at warn level, counted (Event.Outbox.Returned),
-// and kept in the record (OutboxReturned) for an operator to see
-// (amqpidem inspect) and publish again (amqpidem outbox redrive).
+// message the broker refuses (IsRefused: it returns it, no queue bound, or
+// closes the channel over it) is tried again with the delivery, after
+// Config.UnavailableDelay, and given up after MaxAttempts tries: logged at
+// warn level, counted (Event.Outbox.Returned), and kept in the record
+// (OutboxReturned) for an operator to see (amqpidem inspect) and publish
+// again (amqpidem outbox redrive). A publish that fails on the way (the
+// connection lost, the confirm lost or nacked) is no try: the delivery
+// comes back after UnavailableDelay and publishes it again, as often as
+// that takes.
 //
 // msg.MessageId is kept when set. Otherwise it is derived from the
 // message's idempotency key and endpoint and its index among the messages
@@ -194,8 +198,8 @@ const (
 	// OutboxPublished: published and confirmed.
 	OutboxPublished
 	// OutboxReturned: given up after the broker returned it (no queue
-	// bound) or refused it MaxAttempts times. It stays in the record;
-	// `amqpidem outbox redrive` publishes it again.
+	// bound) or refused it (IsRefused) MaxAttempts times. It stays in the
+	// record; `amqpidem outbox redrive` publishes it again.
 	OutboxReturned
 )
 
@@ -218,7 +222,8 @@ type OutboxMessage struct {
 	RoutingKey string          // its routing key
 	Msg        amqp.Publishing // the message, as a consumer receives it
 	State      OutboxState     // what became of it
-	// Tries counts the publishes of it the broker returned or refused.
+	// Tries counts the publishes of it the broker returned or refused
+	// (IsRefused); publishes that failed on the way are not counted.
 	Tries int
 }
 

@@ -259,6 +259,39 @@ func TestOutboxLostConfirm(t *testing.T) {
 	}
 }
 
+// TestOutboxUnavailableNotCounted: publishes that fail on the way (a
+// plain nack, the connection lost with the confirm outstanding, the
+// broker closing the connection) are not tries: any number of copies
+// later the message is still pending, with no try counted, and the next
+// copy the broker takes it from publishes it.
+func TestOutboxUnavailableNotCounted(t *testing.T) {
+	p, s := newTestProcessor(t, Config{MaxAttempts: 2}, stager(1, nil))
+	b := &outboxBroker{}
+	for i, err := range []error{
+		fmt.Errorf("%w: exchange \"\" routing key \"next\"", ErrNotConfirmed),
+		fmt.Errorf("%w: the broker closed the channel: %w", ErrNotConfirmed, &amqp.Error{Code: amqp.FrameError, Reason: "EOF"}),
+		fmt.Errorf("%w: the broker closed the channel: %w", ErrNotConfirmed, &amqp.Error{Code: amqp.ConnectionForced, Reason: "CONNECTION_FORCED"}),
+		fmt.Errorf("%w: the broker closed the channel: %w", ErrNotConfirmed, amqp.ErrClosed),
+	} {
+		b.fail = err
+		d, _ := delivery("a", "x")
+		ev := p.process(context.Background(), b, d, nil)
+		if ev.Outcome != Abandoned || ev.Reason != "outbox not published" || ev.Outbox.Returned != 0 {
+			t.Fatalf("copy %d (%v): %v %q %+v; want requeued, nothing given up", i, err, ev.Outcome, ev.Reason, ev.Outbox)
+		}
+		res, _ := s.Acquire(context.Background(), lock.Request{Key: StoreKey("q", "a")})
+		msgs, _ := StoredOutbox(res.Value)
+		if len(msgs) != 1 || msgs[0].State != OutboxPending || msgs[0].Tries != 0 {
+			t.Fatalf("copy %d (%v): record %+v; want pending with no try counted", i, err, msgs)
+		}
+	}
+	b.fail = nil
+	d, _ := delivery("a", "x")
+	if ev := p.process(context.Background(), b, d, nil); ev.Outcome != Duplicate || ev.Outbox.Republished != 1 || len(b.published()) != 1 {
+		t.Fatalf("once the broker takes it: %v %q %+v", ev.Outcome, ev.Reason, ev.Outbox)
+	}
+}
+
 // TestOutboxReturnedGivenUp: a message no queue takes is tried with each
 // copy, after UnavailableDelay, and given up after MaxAttempts tries:
 // counted, logged, kept in the record as returned; the delivery is then
