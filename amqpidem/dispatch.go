@@ -24,9 +24,9 @@ import (
 //
 // Whoever publishes holds the claim: the storing execution from its
 // completion on, for a lease TTL; a copy takes it (compare-and-set,
-// lock.Amender) before it publishes, so that of copies arriving together
-// one publishes and the others wait as busy duplicates, as they do while
-// the claim is held. An execution that stops trying gives its claim up; one
+// lock.Amender) before it publishes, with a claim tagged as its own
+// (newClaim), so that of copies arriving together one publishes and the
+// others wait as busy duplicates, as they do while the claim is held. An execution that stops trying gives its claim up; one
 // whose claim passed before it could publish (stalled, the process
 // paused) publishes nothing and goes back to the queue, for a copy to
 // take the claim.
@@ -68,7 +68,9 @@ func (f *flight) dispatch(value []byte, fence int64, own bool) bool {
 		return false
 	case !own:
 		taken := append([]byte(nil), value...)
-		binary.BigEndian.PutUint64(taken[v.claimAt:], uint64(claimFrom(now, p.claimTTL())))
+		// Tagged, so that of copies taking it from this same value at
+		// this same millisecond only one does (see claimTagged).
+		binary.BigEndian.PutUint64(taken[v.claimAt:], newClaim(claimFrom(now, p.claimTTL())))
 		if !f.amended(value, taken, fence) {
 			return false
 		}
