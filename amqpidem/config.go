@@ -188,7 +188,8 @@ type Config struct {
 	// MaxStaged bounds the messages one execution of the handler may stage
 	// (Stage): past it, Stage returns ErrOutboxFull. The staged messages
 	// and the result together must also fit in what the store keeps in
-	// one record (its MaxResultSize). Default DefaultMaxStaged.
+	// one record (its MaxResultSize; Stage refuses messages past what fits
+	// with an empty result). Default DefaultMaxStaged.
 	MaxStaged int
 	// MaxResultSize limits a handler's result in bytes; a result over it
 	// fails the message terminally ("result too large"). The stored value

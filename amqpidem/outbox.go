@@ -30,7 +30,9 @@ var ErrNoOutbox = errors.New("amqpidem: no outbox: Stage needs the context amqpi
 
 // ErrOutboxFull is what Stage returns when a message would take the
 // outbox past Config.MaxStaged messages, or past what the store keeps in
-// one record (its result size limit, less ResultOverhead).
+// one record (its result size limit, less ResultOverhead, the 8-byte
+// claim and the message count: whatever Stage accepts is stored with an
+// empty result).
 var ErrOutboxFull = errors.New("amqpidem: outbox full")
 
 // Stage adds msg, to be published to exchange with routing key key, to the
@@ -352,6 +354,16 @@ func uvarintLen(n int) int {
 
 // claimLen is the size of the claim in a version 2 value.
 const claimLen = 8
+
+// outboxLimit is how many bytes the staged messages (entrySize each) may
+// take in a stored value of at most limit bytes, up to maxStaged of them:
+// limit less everything else a version 2 value holds but the result, at
+// its largest (a reply digest, the claim, the count of maxStaged). So
+// whatever Stage accepts fits in the store with an empty result; a result
+// fits beside it when it fits in what is left.
+func outboxLimit(limit, maxStaged int) int {
+	return limit - ResultOverhead - claimLen - uvarintLen(maxStaged)
+}
 
 // outboxEntry is one staged message in a stored value.
 type outboxEntry struct {

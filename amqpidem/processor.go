@@ -2,7 +2,6 @@ package amqpidem
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"runtime/debug"
@@ -111,7 +110,7 @@ func newProcessor(store lock.Store, cfg Config, h Handler) (processor, error) {
 	}
 	taker, _ := h.(LeaseTaker)
 	return processor{cfg: cfg, store: store, given: given, keeper: keeper, handler: h, taker: taker, userKey: userKey,
-		amender: amender, valueLimit: limit, outboxBytes: limit - ResultOverhead - binary.MaxVarintLen32}, nil
+		amender: amender, valueLimit: limit, outboxBytes: outboxLimit(limit, cfg.MaxStaged)}, nil
 }
 
 // acquire takes the lease of d for req: from the handler when it is a
