@@ -27,8 +27,8 @@ type Amender interface {
 	// this same call that landed, or another writer that wrote the same
 	// bytes, is the outcome the caller asked for. So writers that must not
 	// both win, such as two claimants, must write different bytes (the
-	// outbox tags each copy's claim). It returns an error
-	// wrapping ErrChanged, naming the key and the fence, when the record
+	// outbox tags each copy's claim). It returns an error wrapping
+	// ErrChanged, naming the key and the fence, when the record
 	// is not the completed record with that fence and that value: it is
 	// absent (never made, expired, forgotten), not completed (in progress,
 	// failed, released, cancelled), of another fence (made again since),
