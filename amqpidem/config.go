@@ -112,6 +112,15 @@ type Config struct {
 	// outcome is remembered, so that a duplicate arriving later is
 	// recognised. Zero leaves it to the store (lock.Config.Retention,
 	// default DefaultRetention), with the same rule as LeaseTTL.
+	//
+	// It must be at least the lease TTL, whatever the handler: an
+	// execution holds a claim on the messages its handler staged (Stage)
+	// for a lease TTL from its completion, and a copy that comes back
+	// after a crash waits for that claim; a record gone before then makes
+	// the copy run the handler again. Validate refuses a Retention below
+	// LeaseTTL when both are set here; when one of them is left to the
+	// store, the first execution that stages messages under such a lease
+	// logs an error, once.
 	Retention time.Duration
 	// SafetyMargin is how long before its lease's deadline (by the local
 	// clock) a handler whose lease could not be renewed is cancelled, so
@@ -188,7 +197,8 @@ type Config struct {
 	// MaxStaged bounds the messages one execution of the handler may stage
 	// (Stage): past it, Stage returns ErrOutboxFull. The staged messages
 	// and the result together must also fit in what the store keeps in
-	// one record (its MaxResultSize). Default DefaultMaxStaged.
+	// one record (its MaxResultSize; Stage refuses messages past what fits
+	// with an empty result). Default DefaultMaxStaged.
 	MaxStaged int
 	// MaxResultSize limits a handler's result in bytes; a result over it
 	// fails the message terminally ("result too large"). The stored value
@@ -280,6 +290,10 @@ func (c Config) Validate() error {
 	case c.Retention < 0 || (c.Retention > 0 && c.Retention < time.Millisecond):
 		// Below a millisecond the store would keep nothing: idempotency off.
 		return fmt.Errorf("amqpidem: Config.Retention %v must be zero (default %v) or at least 1ms", c.Retention, DefaultRetention)
+	case c.Retention > 0 && c.LeaseTTL > 0 && c.Retention < c.LeaseTTL:
+		return fmt.Errorf("amqpidem: Config.Retention %v must be at least Config.LeaseTTL %v: a completed record must outlast "+
+			"the claim its execution holds on the messages its handler staged (a lease TTL from its completion), or a copy that "+
+			"comes back after a crash, waiting for that claim, finds the record gone and runs the handler again", c.Retention, c.LeaseTTL)
 	case len(c.Endpoint) > 200 || strings.IndexByte(c.Endpoint, 0) >= 0:
 		return fmt.Errorf("amqpidem: Config.Endpoint must be at most 200 bytes with no NUL byte")
 	case c.Endpoint == "" && strings.IndexByte(c.Queue, 0) >= 0:

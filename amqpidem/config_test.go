@@ -297,3 +297,73 @@ func (b *declaringBroker) declare(_ context.Context, name string, args amqp.Tabl
 	b.name, b.args = name, args
 	return nil
 }
+
+// Retention shorter than LeaseTTL is refused, for every kind of handler:
+// a completed record would expire before the claim its execution holds
+// on its staged messages (a lease TTL) lets a copy publish them, and a
+// copy arriving after a crash would find no record and run the handler
+// again.
+func TestConfigRetentionAtLeastLeaseTTL(t *testing.T) {
+	for _, tc := range []struct {
+		cfg Config
+		ok  bool
+	}{
+		{Config{Queue: "q", LeaseTTL: 10 * time.Second, Retention: 5 * time.Second}, false},
+		{Config{Queue: "q", LeaseTTL: 10 * time.Second, Retention: 10*time.Second - time.Millisecond}, false},
+		{Config{Queue: "q", LeaseTTL: 10 * time.Second, Retention: 10 * time.Second}, true},
+		{Config{Queue: "q", LeaseTTL: 10 * time.Second, Retention: time.Hour}, true},
+		// One of them left to the store: only the lease shows whether
+		// the two agree (a warning when they do not).
+		{Config{Queue: "q", Retention: time.Second}, true},
+		{Config{Queue: "q", LeaseTTL: time.Hour}, true},
+	} {
+		err := tc.cfg.Validate()
+		if tc.ok {
+			if err != nil {
+				t.Errorf("LeaseTTL %v, Retention %v: %v", tc.cfg.LeaseTTL, tc.cfg.Retention, err)
+			}
+			continue
+		}
+		if err == nil || !strings.Contains(err.Error(), "Config.Retention") || !strings.Contains(err.Error(), "Config.LeaseTTL") {
+			t.Errorf("LeaseTTL %v, Retention %v: got %v, want an error naming Config.Retention and Config.LeaseTTL", tc.cfg.LeaseTTL, tc.cfg.Retention, err)
+		}
+	}
+	mem := mustMemory(t)
+	cfg := Config{Queue: "q", LeaseTTL: time.Minute, Retention: 30 * time.Second}
+	for _, h := range []struct {
+		kind string
+		h    Handler
+	}{
+		{"Handler", ok("r")},
+		{"Completer", &stagingCompleter{store: mem}},
+		{"LeaseTaker", panickyTaker{&fakeCompleter{store: mem, owner: mem}}},
+	} {
+		if _, err := newProcessor(mem, cfg, h.h); err == nil || !strings.Contains(err.Error(), "Config.Retention") {
+			t.Errorf("%s: got %v, want Retention below LeaseTTL refused", h.kind, err)
+		}
+	}
+}
+
+// The lease shows a Retention below the lease TTL that the two places
+// they are set in made together (the store's configuration, Config): the
+// first execution that stages messages under such a lease says so, once.
+func TestRetentionBelowLeaseTTLFromStoreWarned(t *testing.T) {
+	store, err := lock.NewMemoryStore(lock.Config{LeaseTTL: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var logs bytes.Buffer
+	p := newProcessorOn(t, store, Config{Retention: 30 * time.Second, Logger: slog.New(slog.NewTextHandler(&logs, nil))}, stager(1, nil))
+	for _, key := range []string{"a", "b"} {
+		d, _ := delivery(key, "x")
+		if ev := p.process(context.Background(), &outboxBroker{}, d, nil); ev.Outcome != Completed {
+			t.Fatalf("%s: %v %q %v", key, ev.Outcome, ev.Reason, ev.Err)
+		}
+	}
+	if n := strings.Count(logs.String(), "retention shorter than the lease TTL"); n != 1 {
+		t.Fatalf("logged %d times, want once:\n%s", n, logs.String())
+	}
+	if !strings.Contains(logs.String(), "retention=30s") || !strings.Contains(logs.String(), "lease_ttl=1m0s") {
+		t.Fatalf("the warning does not give both:\n%s", logs.String())
+	}
+}

@@ -24,12 +24,19 @@ import (
 //
 // Whoever publishes holds the claim: the storing execution from its
 // completion on, for a lease TTL; a copy takes it (compare-and-set,
-// lock.Amender) before it publishes, so that of copies arriving together
-// one publishes and the others wait as busy duplicates, as they do while
-// the claim is held. An execution that stops trying gives its claim up; one
+// lock.Amender) before it publishes, with a claim tagged as its own
+// (newClaim), so that of copies arriving together one publishes and the
+// others wait as busy duplicates, as they do while the claim is held. An execution that stops trying gives its claim up; one
 // whose claim passed before it could publish (stalled, the process
 // paused) publishes nothing and goes back to the queue, for a copy to
 // take the claim.
+//
+// Only the broker's refusal of a message (IsRefused: returned, or its
+// channel closed by the broker over it) counts as one of its tries, and
+// MaxAttempts of them give it up. A publish that failed on the way (the
+// connection lost, the confirm lost or nacked) stops the publishing: the
+// delivery is requeued after UnavailableDelay, the claim given up, and no
+// try counted, however often that happens.
 func (f *flight) dispatch(value []byte, fence int64, own bool) bool {
 	p := f.p
 	v, err := splitValue(value)
@@ -61,7 +68,9 @@ func (f *flight) dispatch(value []byte, fence int64, own bool) bool {
 		return false
 	case !own:
 		taken := append([]byte(nil), value...)
-		binary.BigEndian.PutUint64(taken[v.claimAt:], uint64(claimFrom(now, p.claimTTL())))
+		// Tagged, so that of copies taking it from this same value at
+		// this same millisecond only one does (see claimTagged).
+		binary.BigEndian.PutUint64(taken[v.claimAt:], newClaim(claimFrom(now, p.claimTTL())))
 		if !f.amended(value, taken, fence) {
 			return false
 		}
@@ -82,7 +91,9 @@ func (f *flight) dispatch(value []byte, fence int64, own bool) bool {
 			if !own {
 				f.ev.Outbox.Republished++
 			}
-		case errors.Is(err, ErrUnroutable) || errors.Is(err, ErrNotConfirmed) || errors.Is(err, errBadValue):
+		case IsRefused(err) || errors.Is(err, errBadValue):
+			// The broker refused this message (returned it, or closed
+			// the channel over it): a try, counted toward MaxAttempts.
 			tries := int(e.tries) + 1
 			amended[e.at+1] = byte(min(tries, 255))
 			if tries >= p.cfg.MaxAttempts || errors.Is(err, errBadValue) {
@@ -94,6 +105,9 @@ func (f *flight) dispatch(value []byte, fence int64, own bool) bool {
 			}
 			f.ev.Err = errors.Join(f.ev.Err, err)
 		default:
+			// The broker or the way to it failed (the connection lost,
+			// a confirm lost or nacked, no channel): not the message's
+			// fault, so not a try; the rest waits for the next copy.
 			broken = err
 			f.ev.Err = errors.Join(f.ev.Err, err)
 		}

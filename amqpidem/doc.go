@@ -72,8 +72,11 @@
 //	duplicate of completed work whose      the rest published (same MessageIds),   marked published
 //	staged messages were not all           then ack; busy while the execution
 //	published                              that stored them may still publish them
-//	staged message returned or refused     requeued, tried again; given up after   marked returned
-//	by the broker                          MaxAttempts tries (logged), then ack
+//	staged message refused by the broker   requeued, tried again; given up after   marked returned
+//	(IsRefused: returned, or its channel   MaxAttempts tries (logged), then ack
+//	closed by the broker over it)
+//	staged message's publish failed on     requeued after UnavailableDelay, not    unchanged
+//	the way (connection or confirm lost)   a try: published again, never given up
 //	another consumer holds a live lease    delayed requeue until about when that   unchanged
 //	                                       lease would expire (InProgressDelay)
 //	retryable failure, HandlerTimeout      delayed requeue after Backoff(attempt)  lease released, attempts kept

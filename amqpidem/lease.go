@@ -29,6 +29,9 @@ func (f *flight) complete(result []byte, staged [][]byte) {
 	switch {
 	case err == nil:
 		f.ev.Outbox.Staged = len(staged)
+		if len(staged) > 0 {
+			f.p.checkRetention(f.ctx, f.lease)
+		}
 		if len(staged) > 0 && !f.dispatch(value, f.lease.Fence, true) {
 			return
 		}

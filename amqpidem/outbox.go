@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -29,7 +30,9 @@ var ErrNoOutbox = errors.New("amqpidem: no outbox: Stage needs the context amqpi
 
 // ErrOutboxFull is what Stage returns when a message would take the
 // outbox past Config.MaxStaged messages, or past what the store keeps in
-// one record (its result size limit, less ResultOverhead).
+// one record (its result size limit, less ResultOverhead, the 8-byte
+// claim and the message count: whatever Stage accepts is stored with an
+// empty result).
 var ErrOutboxFull = errors.New("amqpidem: outbox full")
 
 // Stage adds msg, to be published to exchange with routing key key, to the
@@ -49,11 +52,15 @@ var ErrOutboxFull = errors.New("amqpidem: outbox full")
 // yet published, and publishes those before its ack: each staged message
 // is published at least once after its outcome is stored, and the record
 // remembers the confirmed ones, so later duplicates publish nothing. A
-// message the broker returns (no queue bound) or refuses is tried again
-// with the delivery, after Config.UnavailableDelay, and given up after
-// MaxAttempts tries: logged at warn level, counted (Event.Outbox.Returned),
-// and kept in the record (OutboxReturned) for an operator to see
-// (amqpidem inspect) and publish again (amqpidem outbox redrive).
+// message the broker refuses (IsRefused: it returns it, no queue bound, or
+// closes the channel over it) is tried again with the delivery, after
+// Config.UnavailableDelay, and given up after MaxAttempts tries: logged at
+// warn level, counted (Event.Outbox.Returned), and kept in the record
+// (OutboxReturned) for an operator to see (amqpidem inspect) and publish
+// again (amqpidem outbox redrive). A publish that fails on the way (the
+// connection lost, the confirm lost or nacked) is no try: the delivery
+// comes back after UnavailableDelay and publishes it again, as often as
+// that takes.
 //
 // msg.MessageId is kept when set. Otherwise it is derived from the
 // message's idempotency key and endpoint and its index among the messages
@@ -194,8 +201,8 @@ const (
 	// OutboxPublished: published and confirmed.
 	OutboxPublished
 	// OutboxReturned: given up after the broker returned it (no queue
-	// bound) or refused it MaxAttempts times. It stays in the record;
-	// `amqpidem outbox redrive` publishes it again.
+	// bound) or refused it (IsRefused) MaxAttempts times. It stays in the
+	// record; `amqpidem outbox redrive` publishes it again.
 	OutboxReturned
 )
 
@@ -218,7 +225,8 @@ type OutboxMessage struct {
 	RoutingKey string          // its routing key
 	Msg        amqp.Publishing // the message, as a consumer receives it
 	State      OutboxState     // what became of it
-	// Tries counts the publishes of it the broker returned or refused.
+	// Tries counts the publishes of it the broker returned or refused
+	// (IsRefused); publishes that failed on the way are not counted.
 	Tries int
 }
 
@@ -270,14 +278,69 @@ func SetOutboxState(value []byte, index int, s OutboxState) ([]byte, error) {
 //
 // flags has flagReplyTo when a 16-byte digest of the reply's ReplyTo
 // follows. Version 2, written only when the handler staged messages, adds
-// the outbox: the claim, 8 bytes, until when (ms since the epoch, by the
-// completing consumer's clock) the execution that stored it publishes its
-// messages itself, 0 once it stopped trying; n, a uvarint; then per
-// message its state (OutboxState, one byte), its tries (one byte), the
-// length of its encoding (uvarint) and the encoding (appendPublishing).
-// amqpidem changes the claim, state and tries bytes only (lock.Amender),
-// never the length of a value.
+// the outbox: the claim, 8 bytes (see claimUntil), saying who publishes
+// the messages and until when; n, a uvarint; then per message its state
+// (OutboxState, one byte), its tries (one byte), the length of its
+// encoding (uvarint) and the encoding (appendPublishing). amqpidem
+// changes the claim, state and tries bytes only (lock.Amender), never the
+// length of a value.
 const outboxVersion = 2
+
+// The claim of a version 2 value is a big-endian uint64 in one of two
+// forms:
+//
+//   - plain: until when (ms since the epoch, by the writer's clock) the
+//     execution that stored the value publishes its messages itself, or 0
+//     once nobody holds the claim. The storing execution writes it, with
+//     its completion; so did copies before claims were tagged.
+//   - tagged (claimTagged set): a copy's claim, taken by compare-and-set
+//     (lock.Amender) from the value it read. The claim's end, in ms since
+//     the epoch, takes the 43 bits below claimTagged (to the year 2248),
+//     and the low claimTagBits bits are the claimant's tag (newClaim), so
+//     that two copies taking the claim from one value at the same
+//     millisecond write different bytes: Amend answers nil to a writer
+//     whose bytes the record already holds, and without the tag both such
+//     copies won, and both published.
+//
+// A consumer of a release before tagged claims reads a tagged claim as a
+// negative time, long passed: it takes the claim over at once and
+// publishes the pending messages, possibly while the copy that holds the
+// claim publishes them too. During a rolling upgrade, a message can so be
+// published twice, with the same MessageId (a duplicate that an amqpidem
+// consumer downstream drops); nothing is lost or held back, and a value
+// such a consumer writes, with a plain claim, is read as before.
+const (
+	claimTagged  = uint64(1) << 63
+	claimTagBits = 20
+)
+
+// claimTags is where newClaim's tags come from: a random start, then one
+// more per claim.
+var claimTags = func() *atomic.Uint64 {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	var n atomic.Uint64
+	n.Store(binary.BigEndian.Uint64(b[:]))
+	return &n
+}()
+
+// newClaim is a copy's tagged claim until until (ms since the epoch).
+// Claims of one process differ in their tag for 2^claimTagBits claims in
+// a row; those of two processes taken at the same millisecond have the
+// same tag with odds of 1 in 2^claimTagBits.
+func newClaim(until int64) uint64 {
+	tag := claimTags.Add(1) & (1<<claimTagBits - 1)
+	return claimTagged | (uint64(max(until, 0))<<claimTagBits)&^claimTagged | tag
+}
+
+// claimUntil is until when claim, in either form, holds (ms since the
+// epoch): 0 when nobody holds it.
+func claimUntil(claim uint64) int64 {
+	if claim&claimTagged != 0 {
+		return int64((claim &^ claimTagged) >> claimTagBits)
+	}
+	return int64(claim)
+}
 
 // entrySize is what a message of n encoded bytes takes in the outbox.
 func entrySize(n int) int {
@@ -292,6 +355,16 @@ func uvarintLen(n int) int {
 // claimLen is the size of the claim in a version 2 value.
 const claimLen = 8
 
+// outboxLimit is how many bytes the staged messages (entrySize each) may
+// take in a stored value of at most limit bytes, up to maxStaged of them:
+// limit less everything else a version 2 value holds but the result, at
+// its largest (a reply digest, the claim, the count of maxStaged). So
+// whatever Stage accepts fits in the store with an empty result; a result
+// fits beside it when it fits in what is left.
+func outboxLimit(limit, maxStaged int) int {
+	return limit - ResultOverhead - claimLen - uvarintLen(maxStaged)
+}
+
 // outboxEntry is one staged message in a stored value.
 type outboxEntry struct {
 	at    int // offset of its state byte in the value; tries follows
@@ -304,7 +377,8 @@ type outboxEntry struct {
 type storedValue struct {
 	replyDigest []byte // nil without
 	// claimAt is the offset of the claim in the value (version 2), and
-	// claimUntil its value.
+	// claimUntil until when it holds (ms since the epoch; 0: nobody
+	// holds it).
 	claimAt    int
 	claimUntil int64
 	outbox     []outboxEntry
@@ -314,7 +388,8 @@ type storedValue struct {
 // encodeValue makes the stored value of a completed message: the result,
 // a digest of the ReplyTo its reply went to (so that a stored reply is
 // re-sent to that same ReplyTo only), and the staged messages, all
-// pending, claimed until claimUntil (ms since the epoch).
+// pending, claimed until claimUntil (ms since the epoch), a plain claim:
+// the storing execution's.
 func encodeValue(replyTo string, result []byte, staged [][]byte, claimUntil int64) []byte {
 	version, flags := byte(resultVersion), byte(0)
 	if len(staged) > 0 {
@@ -397,7 +472,7 @@ func readOutbox(s storedValue, v []byte, at int, hasOutbox bool) (storedValue, e
 	if len(v)-at < claimLen {
 		return storedValue{}, fmt.Errorf("%w: outbox claim", errBadValue)
 	}
-	s.claimAt, s.claimUntil = at, int64(binary.BigEndian.Uint64(v[at:]))
+	s.claimAt, s.claimUntil = at, claimUntil(binary.BigEndian.Uint64(v[at:]))
 	at += claimLen
 	n, w := binary.Uvarint(v[at:])
 	if w <= 0 || n == 0 || n > uint64(len(v)-at)/2 {

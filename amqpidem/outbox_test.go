@@ -259,6 +259,39 @@ func TestOutboxLostConfirm(t *testing.T) {
 	}
 }
 
+// TestOutboxUnavailableNotCounted: publishes that fail on the way (a
+// plain nack, the connection lost with the confirm outstanding, the
+// broker closing the connection) are not tries: any number of copies
+// later the message is still pending, with no try counted, and the next
+// copy the broker takes it from publishes it.
+func TestOutboxUnavailableNotCounted(t *testing.T) {
+	p, s := newTestProcessor(t, Config{MaxAttempts: 2}, stager(1, nil))
+	b := &outboxBroker{}
+	for i, err := range []error{
+		fmt.Errorf("%w: exchange \"\" routing key \"next\"", ErrNotConfirmed),
+		fmt.Errorf("%w: the broker closed the channel: %w", ErrNotConfirmed, &amqp.Error{Code: amqp.FrameError, Reason: "EOF"}),
+		fmt.Errorf("%w: the broker closed the channel: %w", ErrNotConfirmed, &amqp.Error{Code: amqp.ConnectionForced, Reason: "CONNECTION_FORCED"}),
+		fmt.Errorf("%w: the broker closed the channel: %w", ErrNotConfirmed, amqp.ErrClosed),
+	} {
+		b.fail = err
+		d, _ := delivery("a", "x")
+		ev := p.process(context.Background(), b, d, nil)
+		if ev.Outcome != Abandoned || ev.Reason != "outbox not published" || ev.Outbox.Returned != 0 {
+			t.Fatalf("copy %d (%v): %v %q %+v; want requeued, nothing given up", i, err, ev.Outcome, ev.Reason, ev.Outbox)
+		}
+		res, _ := s.Acquire(context.Background(), lock.Request{Key: StoreKey("q", "a")})
+		msgs, _ := StoredOutbox(res.Value)
+		if len(msgs) != 1 || msgs[0].State != OutboxPending || msgs[0].Tries != 0 {
+			t.Fatalf("copy %d (%v): record %+v; want pending with no try counted", i, err, msgs)
+		}
+	}
+	b.fail = nil
+	d, _ := delivery("a", "x")
+	if ev := p.process(context.Background(), b, d, nil); ev.Outcome != Duplicate || ev.Outbox.Republished != 1 || len(b.published()) != 1 {
+		t.Fatalf("once the broker takes it: %v %q %+v", ev.Outcome, ev.Reason, ev.Outbox)
+	}
+}
+
 // TestOutboxReturnedGivenUp: a message no queue takes is tried with each
 // copy, after UnavailableDelay, and given up after MaxAttempts tries:
 // counted, logged, kept in the record as returned; the delivery is then
@@ -423,6 +456,85 @@ func TestOutboxTooLargeWithResult(t *testing.T) {
 	d, _ := delivery("a", "x")
 	if ev := p.process(context.Background(), b, d, nil); ev.Outcome != DeadLettered || ev.Reason != "result too large" || len(b.published()) != 0 {
 		t.Fatalf("%v %q %v, %d published", ev.Outcome, ev.Reason, ev.Err, len(b.published()))
+	}
+}
+
+// TestOutboxFullFitsWithReply: an outbox filled to exactly what Stage
+// accepts, with a delivery that has a ReplyTo and an empty result, is
+// stored, published and replied to, with a Handler and with a Completer;
+// one byte more, and Stage refuses it. (Stage's bound left out the claim's
+// 8 bytes: such an outbox failed "result too large" at completion and the
+// message was dead-lettered after its work was done, its staged messages
+// dropped.)
+func TestOutboxFullFitsWithReply(t *testing.T) {
+	for _, limit := range []int{1024, 5000, lock.DefaultMaxResultSize} {
+		for _, completer := range []bool{false, true} {
+			t.Run(fmt.Sprint(limit, map[bool]string{false: " handler", true: " completer"}[completer]), func(t *testing.T) {
+				testOutboxFullFitsWithReply(t, limit, completer)
+			})
+		}
+	}
+}
+
+func testOutboxFullFitsWithReply(t *testing.T, limit int, completer bool) {
+	store, err := lock.NewMemoryStore(lock.Config{MaxResultSize: limit})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := func(body int) amqp.Publishing {
+		return amqp.Publishing{MessageId: "m", DeliveryMode: amqp.Persistent, Body: bytes.Repeat([]byte("b"), body)}
+	}
+	var body int // the body that fills the outbox, to be found
+	var refused error
+	work := func(ctx context.Context) ([]byte, error) {
+		if refused = Stage(ctx, "", "next", msg(body+1)); !errors.Is(refused, ErrOutboxFull) {
+			return nil, fmt.Errorf("one byte more than fills the outbox: %v, want ErrOutboxFull", refused)
+		}
+		return nil, Stage(ctx, "", "next", msg(body))
+	}
+	var p processor
+	if completer {
+		c := &stagingCompleter{store: store, work: work}
+		if p, err = newProcessor(store, Config{Queue: "q", Logger: discard()}, c); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = p.keeper.Shutdown(context.Background()) })
+	} else {
+		p = newProcessorOn(t, store, Config{Logger: discard()}, func(ctx context.Context, _ *amqp.Delivery) ([]byte, error) { return work(ctx) })
+	}
+	base, _ := appendPublishing(nil, "", "next", msg(0))
+	for body = max(p.outboxBytes-len(base)-8, 0); body < limit; body++ {
+		enc, err := appendPublishing(nil, "", "next", msg(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if entrySize(len(enc)) == p.outboxBytes {
+			break
+		}
+	}
+	if body == limit {
+		t.Fatalf("no message fills an outbox of %d bytes exactly", p.outboxBytes)
+	}
+	b := &outboxBroker{}
+	d, _ := delivery("a", "x")
+	d.ReplyTo = "client"
+	ev := p.process(context.Background(), b, d, nil)
+	if ev.Outcome != Completed || ev.Outbox != (OutboxCounts{Staged: 1, Published: 1}) {
+		t.Fatalf("an outbox filled to what Stage accepts (%d bytes, a store of %d), with a reply: %v %q %+v %v",
+			p.outboxBytes, limit, ev.Outcome, ev.Reason, ev.Outbox, ev.Err)
+	}
+	if got := b.published(); len(got) != 1 || len(got[0].Body) != body {
+		t.Fatalf("published %d messages, want the one staged", len(got))
+	}
+	if len(b.pubs) != 1 || b.pubs[0].key != "client" {
+		t.Fatalf("publishes besides the staged one: %+v, want the reply", b.pubs)
+	}
+	res, err := store.Acquire(context.Background(), lock.Request{Key: StoreKey("q", "a")})
+	if err != nil || res.Status != lock.Completed {
+		t.Fatalf("record: %v %v", res.Status, err)
+	}
+	if len(res.Value) > limit {
+		t.Fatalf("stored %d bytes in a store of %d", len(res.Value), limit)
 	}
 }
 

@@ -2,10 +2,10 @@ package amqpidem
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"sync/atomic"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -49,6 +49,9 @@ type processor struct {
 	// valueLimit is the most bytes the store keeps in one record's value;
 	// outboxBytes, what staged messages may take of it.
 	valueLimit, outboxBytes int
+	// shortRetention is set once a lease whose retention is shorter than
+	// its TTL was reported (checkRetention).
+	shortRetention *atomic.Bool
 
 	// gate, when set, bounds the deliveries being decided or run at once
 	// (a Consumer's Concurrency) and lets them in in delivery order. A
@@ -111,7 +114,22 @@ func newProcessor(store lock.Store, cfg Config, h Handler) (processor, error) {
 	}
 	taker, _ := h.(LeaseTaker)
 	return processor{cfg: cfg, store: store, given: given, keeper: keeper, handler: h, taker: taker, userKey: userKey,
-		amender: amender, valueLimit: limit, outboxBytes: limit - ResultOverhead - binary.MaxVarintLen32}, nil
+		amender: amender, valueLimit: limit, outboxBytes: outboxLimit(limit, cfg.MaxStaged), shortRetention: new(atomic.Bool)}, nil
+}
+
+// checkRetention logs an error, the first time, when l, a lease under
+// which messages were staged, has a retention shorter than its TTL: its
+// record may expire before the claim on those messages lets a copy publish
+// them, and a copy after a crash would run the handler again. Validate
+// refuses it when Config sets both; otherwise one of them is the store's.
+func (p *processor) checkRetention(ctx context.Context, l lock.Lease) {
+	if l.Retention <= 0 || l.Retention >= l.TTL || p.shortRetention.Swap(true) {
+		return
+	}
+	p.cfg.Logger.ErrorContext(ctx, "amqpidem: retention shorter than the lease TTL: a record whose handler staged messages may expire "+
+		"before a copy may publish them, and a copy after a crash then runs the handler again; "+
+		"make Retention at least the lease TTL (Config.Retention, Config.LeaseTTL, or the store's configuration)",
+		"queue", p.cfg.Queue, "retention", l.Retention, "lease_ttl", l.TTL)
 }
 
 // acquire takes the lease of d for req: from the handler when it is a

@@ -56,9 +56,11 @@ func DialPublisher(dial func() (*amqp.Connection, error), log *slog.Logger) *Pub
 // publish is a new operation. A zero DeliveryMode is made Persistent.
 //
 // It returns ErrNoKey without a MessageId, ErrUnroutable when no queue was
-// bound to take the message, ErrNotConfirmed when the broker refused it,
-// and a connection error otherwise; after any error but ErrNoKey, publish
-// again with the same MessageId.
+// bound to take the message, ErrNotConfirmed when it was not confirmed
+// (nacked, or its channel closed: by the broker over the message, or with
+// the connection), and a connection error otherwise; IsRefused tells a
+// refusal of the message from a broker or network that failed. After any
+// error but ErrNoKey, publish again with the same MessageId.
 func (p *Publisher) Publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
 	if msg.MessageId == "" {
 		return fmt.Errorf("%w: Publisher.Publish needs msg.MessageId, the operation's idempotency key", ErrNoKey)

@@ -14,8 +14,41 @@ import (
 // queue was bound to take it.
 var ErrUnroutable = errors.New("amqpidem: message unroutable")
 
-// ErrNotConfirmed means the broker nacked a publish.
+// ErrNotConfirmed means a publish was not confirmed: the broker nacked
+// it, or its channel closed before the confirm came, closed by the broker
+// over that message (the error then wraps the broker's *amqp.Error) or
+// with the whole connection. Only the first of those says anything about
+// the message; IsRefused tells them apart.
 var ErrNotConfirmed = errors.New("amqpidem: publish not confirmed")
+
+// IsRefused reports whether err, the error of a confirmed publish
+// (Publisher.Publish, or amqpidem's own publishes of staged messages),
+// says that the broker refused that message, so that publishing it again
+// meets the same answer until someone acts: it returned the message
+// (ErrUnroutable: no queue bound to take it), or closed the channel over
+// it (ErrNotConfirmed wrapping the broker's channel-level *amqp.Error, a
+// reply code below 500 other than 320 CONNECTION_FORCED: an exchange that
+// does not exist, a user id or an expiration it refuses, access refused).
+//
+// Anything else is the broker or the network being unavailable, not a
+// verdict on the message, and IsRefused reports false: the connection
+// lost or closed (the broker may have taken the message and only its
+// confirm was lost), a plain nack (the broker could not take it now: a
+// quorum queue electing a leader, a queue full with reject-publish), a
+// confirm not awaited to the end, a channel that could not be opened.
+// Publish such a message again later; counting those failures toward a
+// limit would give up messages for a fault on the way, not in them.
+func IsRefused(err error) bool {
+	switch {
+	case errors.Is(err, ErrUnroutable):
+		return true
+	case !errors.Is(err, ErrNotConfirmed):
+		return false
+	}
+	var ae *amqp.Error
+	// Channel-level reply codes are below 500; 320 is a connection's end.
+	return errors.As(err, &ae) && ae.Code < 500 && ae.Code != amqp.ConnectionForced
+}
 
 // ChannelOpener opens AMQP channels. *amqp.Connection is one; a user with
 // their own reconnect logic can pass something that opens a channel on the
@@ -196,10 +229,13 @@ func (p *publisher) drop(pc *pubChannel) {
 }
 
 // publish sends msg with mandatory set and waits for the broker's confirm.
-// It returns ErrUnroutable when the broker returned it, ErrNotConfirmed on
-// a nack or when the broker closed the channel over it (an exchange that
-// does not exist, a property it refuses), with the broker's reason. When
-// it returns nil the broker has taken responsibility for the message.
+// It returns ErrUnroutable when the broker returned it, and ErrNotConfirmed
+// on a nack or when the channel closed before the confirm: wrapping the
+// broker's reason when the broker closed the channel over the message (an
+// exchange that does not exist, a property it refuses), or the
+// connection's when the whole connection ended (IsRefused tells them
+// apart). When it returns nil the broker has taken responsibility for the
+// message.
 func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
 	pc, err := p.get(ctx)
 	if err != nil {

@@ -103,6 +103,9 @@ func (f *flight) runCompleter(c Completer, o *outbox) {
 	case err == nil: // completed in its transaction
 		f.stopKeep()
 		f.ev.Outbox.Staged = v.staged
+		if v.staged > 0 {
+			f.p.checkRetention(f.ctx, f.lease)
+		}
 		if v.staged > 0 && !f.dispatch(v.stored, f.lease.Fence, true) {
 			return
 		}

@@ -25,8 +25,10 @@ type Amender interface {
 	// It returns nil when it replaced the value, and also when the record
 	// already holds exactly value, with that fence, completed: a retry of
 	// this same call that landed, or another writer that wrote the same
-	// bytes, is the outcome the caller asked for. It returns an error
-	// wrapping ErrChanged, naming the key and the fence, when the record
+	// bytes, is the outcome the caller asked for. So writers that must not
+	// both win, such as two claimants, must write different bytes (the
+	// outbox tags each copy's claim). It returns an error wrapping
+	// ErrChanged, naming the key and the fence, when the record
 	// is not the completed record with that fence and that value: it is
 	// absent (never made, expired, forgotten), not completed (in progress,
 	// failed, released, cancelled), of another fence (made again since),

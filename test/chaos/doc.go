@@ -14,6 +14,8 @@
 // (pgstore.Relay) as separate processes built from cmd/relay. Scenarios
 // 17a-17b run the consumers on the DynamoDB store (dynamostore) with a
 // plain item per execution put in its TransactWriteItems (dynrun_test.go).
+// Scenarios 15a-15d and 19 run the consumer-side outbox as a two-stage
+// pipeline, 19 with stage A's staged publishes cut through toxiproxy.
 // See README.md for what each scenario does and the results of a full
 // run.
 //
