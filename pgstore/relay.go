@@ -579,15 +579,7 @@ var errUndecodable = errors.New("stored message unreadable")
 // that the message is wrong: counted, it turned rows dead during a node's
 // restart (chaos scenario 16 with -max-attempts 2).
 func refused(err error) bool {
-	switch {
-	case errors.Is(err, errUndecodable), errors.Is(err, amqpidem.ErrUnroutable):
-		return true
-	case !errors.Is(err, amqpidem.ErrNotConfirmed):
-		return false
-	}
-	var ae *amqp.Error
-	// Channel-level codes are below 500; 320 is the connection's end.
-	return errors.As(err, &ae) && ae.Code < 500 && ae.Code != amqp.ConnectionForced
+	return errors.Is(err, errUndecodable) || amqpidem.IsRefused(err)
 }
 
 // listen wakes the relay on each notification of Outbox.Write, on a
