@@ -26,10 +26,10 @@ import (
 // completion on, for a lease TTL; a copy takes it (compare-and-set,
 // lock.Amender) before it publishes, with a claim tagged as its own
 // (newClaim), so that of copies arriving together one publishes and the
-// others wait as busy duplicates, as they do while the claim is held. An execution that stops trying gives its claim up; one
-// whose claim passed before it could publish (stalled, the process
-// paused) publishes nothing and goes back to the queue, for a copy to
-// take the claim.
+// others wait as busy duplicates, as they do while the claim is held. An
+// execution that stops trying gives its claim up; one whose claim passed
+// before it could publish (stalled, the process paused) publishes nothing
+// and goes back to the queue, for a copy to take the claim.
 //
 // Only the broker's refusal of a message (IsRefused: returned, or its
 // channel closed by the broker over it) counts as one of its tries, and
