@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
@@ -445,10 +446,9 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 	mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.PublishTimeout)
 	defer cancel()
 	if len(sent) > 0 {
-		if _, err := r.o.pool.Exec(mctx, r.sql.sent, sent); err != nil {
-			return len(rows), fmt.Errorf("mark %d published rows sent (they will be published again): %w", len(sent), classify(err))
+		if err := r.markSent(ctx, sent); err != nil {
+			return len(rows), err
 		}
-		r.published.Add(uint64(len(sent)))
 	}
 	if len(refusedIDs) > 0 {
 		dead, err := r.refuse(mctx, refusedIDs, reasons, waits)
@@ -477,6 +477,81 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 	return len(rows), nil
 }
 
+// markSent marks the rows ids sent (deletes them, with a negative
+// Retention) once the broker confirmed them, and counts them published.
+// It is written even when ctx has ended (Shutdown): a confirmed message
+// left unmarked is published again.
+func (r *Relay) markSent(ctx context.Context, ids []int64) error {
+	mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.PublishTimeout)
+	defer cancel()
+	c, err := r.acquire(mctx)
+	if err == nil {
+		_, err = c.Exec(mctx, r.sql.sent, ids)
+		c.Release()
+		err = classify(err)
+	}
+	if err != nil {
+		return fmt.Errorf("mark %d published rows sent (they will be published again): %w", len(ids), err)
+	}
+	r.published.Add(uint64(len(ids)))
+	return nil
+}
+
+// acquire returns a connection of the Outbox's pool, waiting poolWait at
+// most: a pool whose connections are all taken (by the application, or too
+// small) is an error that the relay logs and backs off from, never a
+// silent stall.
+func (r *Relay) acquire(ctx context.Context) (*pgxpool.Conn, error) {
+	actx, cancel := context.WithTimeout(ctx, poolWait)
+	defer cancel()
+	c, err := r.o.pool.Acquire(actx)
+	if err == nil {
+		return c, nil
+	}
+	if ctx.Err() == nil && actx.Err() != nil {
+		st := r.o.pool.Stat()
+		return nil, fmt.Errorf("no connection of the pool free within %v (%d of its MaxConns %d in use, by the relay or "+
+			"others): %w", poolWait, st.AcquiredConns(), st.MaxConns(), err)
+	}
+	return nil, classify(err)
+}
+
+// query is the pool's Query, with the wait for a connection bounded by
+// acquire. The connection goes back to the pool once the rows are read
+// or closed.
+func (r *Relay) query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	c, err := r.acquire(ctx)
+	if err != nil {
+		return nil, err
+	}
+	q, err := c.Query(ctx, sql, args...)
+	if err != nil {
+		c.Release()
+		return nil, err
+	}
+	return &connRows{Rows: q, c: c}, nil
+}
+
+// connRows are rows that release their pool connection when done.
+type connRows struct {
+	pgx.Rows
+	c    *pgxpool.Conn
+	once sync.Once
+}
+
+func (q *connRows) Next() bool {
+	if q.Rows.Next() {
+		return true
+	}
+	q.once.Do(q.c.Release) // Next closed the rows
+	return false
+}
+
+func (q *connRows) Close() {
+	q.Rows.Close()
+	q.once.Do(q.c.Release)
+}
+
 // claim takes up to Batch due rows for ClaimTTL, in ID order, and with
 // Ordered the chains behind the order keys' heads among them.
 func (r *Relay) claim(ctx context.Context) ([]claimed, error) {
@@ -484,7 +559,7 @@ func (r *Relay) claim(ctx context.Context) ([]claimed, error) {
 	if r.cfg.Ordered {
 		args = append(args, r.cfg.Batch-1)
 	}
-	q, err := r.o.pool.Query(ctx, r.sql.claim, args...)
+	q, err := r.query(ctx, r.sql.claim, args...)
 	if err != nil {
 		return nil, fmt.Errorf("claim: %w", classify(err))
 	}
@@ -582,9 +657,11 @@ func refused(err error) bool {
 	return errors.Is(err, errUndecodable) || amqpidem.IsRefused(err)
 }
 
-// listen wakes the relay on each notification of Outbox.Write, on a
-// connection of the pool held for it, until ctx ends. It listens again,
-// after a second, when the connection fails.
+// listen wakes the relay on each notification of Outbox.Write, until ctx
+// ends, on a connection of its own (see dial): not one of the pool, which
+// it would hold for good, so that a pool of one connection, or one the
+// application keeps busy, still serves the relay's statements. It listens
+// again, after a second, when the connection fails.
 func (r *Relay) listen(ctx context.Context) {
 	for ctx.Err() == nil {
 		err := r.listenOnce(ctx)
@@ -602,30 +679,52 @@ func (r *Relay) listen(ctx context.Context) {
 	}
 }
 
-// listenOnce listens on one connection until it fails or ctx ends. The
-// connection is closed, not given back to the pool, where it would go on
-// collecting notifications nobody reads.
+// listenOnce listens on one connection until it fails or ctx ends, then
+// closes it.
 func (r *Relay) listenOnce(ctx context.Context) error {
-	c, err := r.o.pool.Acquire(ctx)
+	c, err := r.dial(ctx)
 	if err != nil {
-		return classify(err)
+		return err
 	}
 	defer func() {
 		cctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		_ = c.Conn().Close(cctx)
+		_ = c.Close(cctx)
 		cancel()
-		c.Release()
 	}()
 	if _, err := c.Exec(ctx, r.sql.listen); err != nil {
 		return classify(err)
 	}
 	r.poke() // rows written before the LISTEN sent no notification we saw
 	for {
-		if _, err := c.Conn().WaitForNotification(ctx); err != nil {
+		if _, err := c.WaitForNotification(ctx); err != nil {
 			return classify(err)
 		}
 		r.poke()
 	}
+}
+
+// dial opens a connection as the Outbox's pool opens one (its ConnConfig,
+// BeforeConnect and AfterConnect), outside the pool and its MaxConns.
+func (r *Relay) dial(ctx context.Context) (*pgx.Conn, error) {
+	pc := r.o.pool.Config() // a copy
+	if pc.BeforeConnect != nil {
+		if err := pc.BeforeConnect(ctx, pc.ConnConfig); err != nil {
+			return nil, fmt.Errorf("connect: the pool's BeforeConnect: %w", err)
+		}
+	}
+	c, err := pgx.ConnectConfig(ctx, pc.ConnConfig)
+	if err != nil {
+		return nil, classify(err)
+	}
+	if pc.AfterConnect != nil {
+		if err := pc.AfterConnect(ctx, c); err != nil {
+			cctx, cancel := context.WithTimeout(context.Background(), time.Second)
+			_ = c.Close(cctx)
+			cancel()
+			return nil, fmt.Errorf("connect: the pool's AfterConnect: %w", err)
+		}
+	}
+	return c, nil
 }
 
 // poke wakes the relay's loop, or leaves it a wake-up if it is busy.
@@ -664,3 +763,7 @@ func (r *Relay) Shutdown(ctx context.Context) error {
 	<-r.done
 	return ctx.Err()
 }
+
+// poolWait bounds how long one of the relay's statements waits for a
+// connection of the pool (a variable: tests shorten it).
+var poolWait = 5 * time.Second
