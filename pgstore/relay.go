@@ -43,6 +43,16 @@ type RelayConfig struct {
 	Dial func() (*amqp.Connection, error)
 	// Name is the relay's name in its claims (the claimed_by column) and
 	// logs. Default: host name, process id and a random suffix.
+	//
+	// Relays running at once on one table must have different names: a
+	// relay writes a refusal or a release only on rows claimed under its
+	// name, and would take another's rows of the same name for its own. So
+	// a running relay holds its name: a session-level advisory lock (on a
+	// 64-bit hash of the table and the name) on its listening connection. A
+	// relay started with a name that a running relay holds logs an error
+	// and publishes nothing until that one stops (its session ends), then
+	// takes over. While the listening connection is down (it reconnects
+	// after a second) the name is not checked.
 	Name string
 	// Batch is how many rows one claim takes at most. Default
 	// DefaultRelayBatch.
@@ -194,11 +204,37 @@ type Relay struct {
 	canOnce  sync.Once
 	done     chan struct{} // closed when Run returns
 	started  atomic.Bool
+
+	// nameState is what the listening connection last learned of the
+	// lock of the relay's name: nameUnknown, nameHeld or nameTaken (by
+	// another relay of the name: publish nothing). checked is closed once
+	// it first learned it, or failed to.
+	nameState atomic.Int32
+	checked   chan struct{}
+	checkOnce sync.Once
 }
+
+// The states of a Relay's name (Relay.nameState).
+const (
+	nameUnknown int32 = iota // not known: the listening connection is down
+	nameHeld                 // this relay holds it
+	nameTaken                // another relay of the same name holds it
+)
+
+// How often a relay whose name another holds tries the name's lock
+// again, and says again that it waits.
+const (
+	nameRetry    = time.Second
+	nameLogEvery = time.Minute
+)
 
 // relaySQL are a Relay's statements.
 type relaySQL struct {
 	claim, sent, refuse, release, listen string
+	// lockName takes the session-level advisory lock of a relay name
+	// ($2) on the table ($1): a bigint key, so apart from the held
+	// leases' two-int keys.
+	lockName string
 }
 
 // NewRelay returns a Relay for o's table. It makes no network call.
@@ -255,12 +291,14 @@ func NewRelay(o *Outbox, cfg RelayConfig) (*Relay, error) {
 				RETURNING t.id, t.state`,
 			release: `UPDATE ` + t + ` SET claimed_by = NULL, due_at = clock_timestamp() + $3 * interval '1 millisecond'
 				WHERE id = ANY($2) AND state = 'p' AND claimed_by = $1`,
-			listen: "LISTEN " + pgx.Identifier{o.n.outboxChannel}.Sanitize(),
+			listen:   "LISTEN " + pgx.Identifier{o.n.outboxChannel}.Sanitize(),
+			lockName: `SELECT pg_try_advisory_lock(hashtextextended('amqpidem relay ' || $1::regclass::oid || ' ' || $2, 0))`,
 		},
 		wake:     make(chan struct{}, 1),
 		stopping: make(chan struct{}),
 		cancel:   make(chan struct{}),
 		done:     make(chan struct{}),
+		checked:  make(chan struct{}),
 	}
 	return r, nil
 }
@@ -305,6 +343,18 @@ func (r *Relay) Run(ctx context.Context) error {
 	defer wg.Wait()
 	defer cancel() // before wg.Wait: stops the listener
 
+	// Publish nothing before the listener knows whether another relay of
+	// this name runs (it says so, and why it cannot tell); not for long:
+	// polling goes on while its connection cannot be opened.
+	gate := time.NewTimer(poolWait)
+	select {
+	case <-r.checked:
+	case <-gate.C:
+	case <-r.stopping:
+	case <-ctx.Done():
+	}
+	gate.Stop()
+
 	failures := 0 // rounds in a row the database or broker failed
 	nextCleanup := time.Now().Add(r.cfg.CleanupInterval)
 	for {
@@ -314,7 +364,10 @@ func (r *Relay) Run(ctx context.Context) error {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		n, err := r.round(ctx)
+		n, err := 0, error(nil)
+		if r.nameState.Load() != nameTaken { // else wait for the name
+			n, err = r.round(ctx)
+		}
 		var wait time.Duration
 		switch {
 		case err != nil:
@@ -657,14 +710,18 @@ func refused(err error) bool {
 	return errors.Is(err, errUndecodable) || amqpidem.IsRefused(err)
 }
 
-// listen wakes the relay on each notification of Outbox.Write, until ctx
-// ends, on a connection of its own (see dial): not one of the pool, which
-// it would hold for good, so that a pool of one connection, or one the
-// application keeps busy, still serves the relay's statements. It listens
-// again, after a second, when the connection fails.
+// listen holds the relay's name and wakes the relay on each notification
+// of Outbox.Write, until ctx ends, on a connection of its own (see dial):
+// not one of the pool, which it would hold for good, so that a pool of one
+// connection, or one the application keeps busy, still serves the relay's
+// statements. It listens again, after a second, when the connection fails.
 func (r *Relay) listen(ctx context.Context) {
 	for ctx.Err() == nil {
 		err := r.listenOnce(ctx)
+		// The name's lock went with the session; whether another relay
+		// holds it is known again once connected.
+		r.nameState.CompareAndSwap(nameHeld, nameUnknown)
+		r.checkOnce.Do(func() { close(r.checked) })
 		if ctx.Err() != nil {
 			return
 		}
@@ -691,6 +748,9 @@ func (r *Relay) listenOnce(ctx context.Context) error {
 		_ = c.Close(cctx)
 		cancel()
 	}()
+	if err := r.holdName(ctx, c); err != nil {
+		return err
+	}
 	if _, err := c.Exec(ctx, r.sql.listen); err != nil {
 		return classify(err)
 	}
@@ -700,6 +760,41 @@ func (r *Relay) listenOnce(ctx context.Context) error {
 			return classify(err)
 		}
 		r.poke()
+	}
+}
+
+// holdName takes the lock of the relay's name on the listening connection
+// c, for as long as c lives. While another session holds it, it says so
+// and tries again every nameRetry, the relay publishing nothing meanwhile.
+func (r *Relay) holdName(ctx context.Context, c *pgx.Conn) error {
+	var logged time.Time
+	for {
+		var ok bool
+		if err := c.QueryRow(ctx, r.sql.lockName, r.o.n.outbox, r.cfg.Name).Scan(&ok); err != nil {
+			return classify(err)
+		}
+		if ok {
+			if r.nameState.Swap(nameHeld) == nameTaken {
+				r.log.Info("pgstore: relay: took over the name: the other relay of this name has stopped", "relay", r.cfg.Name)
+			}
+			r.checkOnce.Do(func() { close(r.checked) })
+			return nil
+		}
+		r.nameState.Store(nameTaken)
+		r.checkOnce.Do(func() { close(r.checked) })
+		if time.Since(logged) >= nameLogEvery {
+			logged = time.Now()
+			r.log.Error(fmt.Sprintf("pgstore: relay: another relay named %q runs on the table %s (its session holds the name): "+
+				"this one publishes nothing until that one stops; give each relay of a table its own RelayConfig.Name",
+				r.cfg.Name, r.o.n.outbox), "relay", r.cfg.Name)
+		}
+		t := time.NewTimer(nameRetry)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		}
 	}
 }
 

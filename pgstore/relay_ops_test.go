@@ -2,6 +2,7 @@ package pgstore_test
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"strings"
 	"sync"
@@ -136,5 +137,55 @@ func TestRelayPoolBusyIsLogged(t *testing.T) {
 	release.Do(held.Release)
 	if got := r.take(1, 10*time.Second); string(got[0].Body) != "waits" {
 		t.Fatalf("got %q", got[0].Body)
+	}
+}
+
+// TestRelayNameUnique: a relay started with the name of one that runs on
+// the same table publishes nothing and says why, until that one stops;
+// then it takes over. Another name, or the same name on another table, is
+// not held back.
+func TestRelayNameUnique(t *testing.T) {
+	r := newOutboxRig(t)
+	var logA, logB, logC testenv.SyncBuffer
+	cfg := pgstore.RelayConfig{Name: "same", PollInterval: 50 * time.Millisecond}
+	cfg.Logger = logTo(&logA)
+	a, stopA := startRelay(t, r.ob, cfg, nil)
+	r.write(true, r.msg("first"))
+	r.take(1, 10*time.Second) // a runs
+	cfg.Logger = logTo(&logB)
+	b, _ := startRelay(t, r.ob, cfg, nil)
+	waitLog(t, &logB, `another relay named \"same\"`, 10*time.Second)
+	for i := range 20 {
+		r.write(true, r.msg(fmt.Sprint(i)))
+	}
+	r.take(20, 10*time.Second)
+	if pub, _, _ := b.Counts(); pub != 0 {
+		t.Errorf("the second relay named %q published %d messages while the first ran", cfg.Name, pub)
+	}
+	if pub, _, _ := a.Counts(); pub != 21 {
+		t.Errorf("the first relay published %d messages, want 21", pub)
+	}
+	// Another name on the same table runs.
+	other := cfg
+	other.Name = "other"
+	other.Logger = logTo(&logC)
+	startRelay(t, r.ob, other, nil)
+	stopA()
+	r.write(true, r.msg("after"))
+	r.take(1, 10*time.Second)
+	// The same name on another table is another relay.
+	r2 := newOutboxRig(t)
+	var log2 testenv.SyncBuffer
+	cfg.Logger = logTo(&log2)
+	startRelay(t, r2.ob, cfg, nil)
+	r2.write(true, r2.msg("elsewhere"))
+	r2.take(1, 10*time.Second)
+	// b takes over once a is gone: with "other" still running, wait for b's
+	// log to say so.
+	waitLog(t, &logB, "took over", 10*time.Second)
+	for _, l := range []*testenv.SyncBuffer{&logC, &log2} {
+		if strings.Contains(l.String(), "another relay named") {
+			t.Errorf("a relay of another name or table was held back:\n%s", l.String())
+		}
 	}
 }
