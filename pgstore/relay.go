@@ -108,7 +108,8 @@ type RelayConfig struct {
 	// confirmed. Default DefaultRelayRetention.
 	Retention time.Duration
 	// CleanupInterval is how often the relay deletes the sent rows past
-	// Retention, in statements of Config.CleanupBatch rows. Default
+	// Retention, in statements of Config.CleanupBatch rows, beside its
+	// publishing (a long cleanup holds no publish back). Default
 	// DefaultRelayCleanup.
 	CleanupInterval time.Duration
 	// Logger gets the relay's warnings and errors. Default the Outbox's
@@ -340,6 +341,13 @@ func (r *Relay) Run(ctx context.Context) error {
 		defer wg.Done()
 		r.listen(ctx)
 	}()
+	if r.cfg.Retention >= 0 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r.cleanup(ctx)
+		}()
+	}
 	defer wg.Wait()
 	defer cancel() // before wg.Wait: stops the listener
 
@@ -356,7 +364,6 @@ func (r *Relay) Run(ctx context.Context) error {
 	gate.Stop()
 
 	failures := 0 // rounds in a row the database or broker failed
-	nextCleanup := time.Now().Add(r.cfg.CleanupInterval)
 	for {
 		if r.isStopping() {
 			return nil
@@ -380,12 +387,6 @@ func (r *Relay) Run(ctx context.Context) error {
 			failures = 0
 			wait = r.cfg.PollInterval
 		}
-		if r.cfg.Retention >= 0 && time.Now().After(nextCleanup) {
-			nextCleanup = time.Now().Add(r.cfg.CleanupInterval)
-			if _, err := r.o.Cleanup(ctx, r.cfg.Retention, r.o.cfg.CleanupBatch); err != nil && ctx.Err() == nil {
-				r.log.Warn("pgstore: relay: "+err.Error(), "relay", r.cfg.Name)
-			}
-		}
 		if err == nil && n > 0 {
 			// More may be waiting: a full batch's next rows, or an order
 			// key's next head, claimable now that its row before is sent.
@@ -403,6 +404,29 @@ func (r *Relay) Run(ctx context.Context) error {
 		case <-ctx.Done():
 		}
 		t.Stop()
+	}
+}
+
+// cleanup deletes the sent rows past Retention every CleanupInterval
+// (from the end of one cleanup to the start of the next), beside the
+// publishing loop, so that a long one (a lowered Retention, a busy hour's
+// rows) holds no publish back, until Shutdown or ctx ends (Run's return
+// cancels the statement in flight).
+func (r *Relay) cleanup(ctx context.Context) {
+	t := time.NewTimer(r.cfg.CleanupInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-t.C:
+		case <-r.stopping:
+			return
+		case <-ctx.Done():
+			return
+		}
+		if _, err := r.o.Cleanup(ctx, r.cfg.Retention, r.o.cfg.CleanupBatch); err != nil && ctx.Err() == nil {
+			r.log.Warn("pgstore: relay: "+err.Error(), "relay", r.cfg.Name)
+		}
+		t.Reset(r.cfg.CleanupInterval)
 	}
 }
 

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/amqpidem/amqpidem/internal/testenv"
@@ -137,6 +138,54 @@ func TestRelayPoolBusyIsLogged(t *testing.T) {
 	release.Do(held.Release)
 	if got := r.take(1, 10*time.Second); string(got[0].Body) != "waits" {
 		t.Fatalf("got %q", got[0].Body)
+	}
+}
+
+// TestRelayCleanupBesidePublishing: deleting many expired sent rows does
+// not hold back the publish of a message written meanwhile.
+func TestRelayCleanupBesidePublishing(t *testing.T) {
+	r := newOutboxRig(t)
+	ctx := context.Background()
+	table := pgx.Identifier{r.cfg.Schema, pgstore.DefaultOutboxTable}.Sanitize()
+	const expired = 200_000
+	if _, err := r.pool.Exec(ctx, `INSERT INTO `+table+` (message_id, message, state, created_at, sent_at)
+		SELECT 'old-' || g, '\x00', 's', now() - interval '2 days', now() - interval '2 days'
+		FROM generate_series(1, $1) g`, expired); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.pool.Exec(ctx, "ANALYZE "+table); err != nil {
+		t.Fatal(err)
+	}
+	startRelay(t, r.ob, pgstore.RelayConfig{PollInterval: 20 * time.Millisecond, Retention: time.Hour,
+		CleanupInterval: 50 * time.Millisecond}, nil)
+	// Wait until the cleanup is under way, far from done.
+	deadline := time.Now().Add(20 * time.Second)
+	for n := r.count("s"); n == expired; n = r.count("s") {
+		if time.Now().After(deadline) {
+			t.Fatal("no expired row deleted after 20 s")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	start := time.Now()
+	r.write(true, r.msg("new"))
+	for {
+		_, ok, err := r.ch.Get(r.queue, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ok {
+			break
+		}
+		if time.Since(start) > 30*time.Second {
+			t.Fatal("not published in 30 s")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	took := time.Since(start)
+	left := r.count("s")
+	t.Logf("published in %v; %d of %d expired rows left then", took, left, expired)
+	if took > time.Second {
+		t.Errorf("a message written during the cleanup took %v to arrive, want well under 1 s", took)
 	}
 }
 
