@@ -213,6 +213,8 @@ type Relay struct {
 	nameState atomic.Int32
 	checked   chan struct{}
 	checkOnce sync.Once
+
+	beforeMark func() // tests: called before a round marks its rows sent
 }
 
 // The states of a Relay's name (Relay.nameState).
@@ -556,22 +558,70 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 
 // markSent marks the rows ids sent (deletes them, with a negative
 // Retention) once the broker confirmed them, and counts them published.
-// It is written even when ctx has ended (Shutdown): a confirmed message
-// left unmarked is published again.
+//
+// A confirmed row left unmarked is published again once its claim ends,
+// so a mark that fails (the session lost, the server restarting) is tried
+// again, after 50 ms doubled up to 1 s, on a connection checked to be
+// alive: new tries start for a third of ClaimTTL, each bounded by a sixth
+// (so all end within half of ClaimTTL, before another relay may take the
+// rows). The mark changes only rows still pending: repeating it, or
+// writing it after another relay's, is harmless. It is written even when
+// ctx has ended (Shutdown).
 func (r *Relay) markSent(ctx context.Context, ids []int64) error {
-	mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.PublishTimeout)
+	if r.beforeMark != nil {
+		r.beforeMark()
+	}
+	ctx = context.WithoutCancel(ctx)
+	window := r.cfg.ClaimTTL / 3
+	per := max(window/2, 100*time.Millisecond)
+	deadline := time.Now().Add(window)
+	wait := 50 * time.Millisecond
+	for try := 1; ; try++ {
+		err := r.markOnce(ctx, ids, try > 1, per)
+		if err == nil {
+			r.published.Add(uint64(len(ids)))
+			if try > 1 {
+				r.log.Info("pgstore: relay: marked the published rows sent on a later try", "relay", r.cfg.Name,
+					"rows", len(ids), "tries", try)
+			}
+			return nil
+		}
+		if time.Until(deadline) < wait {
+			return fmt.Errorf("mark %d published rows sent, %d tries (they will be published again once their claim ends): %w",
+				len(ids), try, err)
+		}
+		if try == 1 {
+			r.log.Warn("pgstore: relay: mark published rows sent (trying again): "+err.Error(), "relay", r.cfg.Name,
+				"rows", len(ids))
+		}
+		time.Sleep(wait)
+		wait = min(2*wait, time.Second)
+	}
+}
+
+// markOnce is one try of markSent, bounded by per. A retry (check) first
+// pings the connection the pool gives, and takes another while it gives
+// dead ones (a session ended under an idle connection), up to MaxConns.
+func (r *Relay) markOnce(ctx context.Context, ids []int64, check bool, per time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, per)
 	defer cancel()
-	c, err := r.acquire(mctx)
-	if err == nil {
-		_, err = c.Exec(mctx, r.sql.sent, ids)
-		c.Release()
-		err = classify(err)
+	c, err := r.acquire(ctx)
+	for dead := int32(0); err == nil && check && dead < r.o.pool.Stat().MaxConns(); dead++ {
+		if err = c.Ping(ctx); err == nil {
+			break
+		}
+		c.Release() // closed: the pool drops it
+		if ctx.Err() != nil {
+			return classify(err)
+		}
+		c, err = r.acquire(ctx)
 	}
 	if err != nil {
-		return fmt.Errorf("mark %d published rows sent (they will be published again): %w", len(ids), err)
+		return err
 	}
-	r.published.Add(uint64(len(ids)))
-	return nil
+	defer c.Release()
+	_, err = c.Exec(ctx, r.sql.sent, ids)
+	return classify(err)
 }
 
 // acquire returns a connection of the Outbox's pool, waiting poolWait at

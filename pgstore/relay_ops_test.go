@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -187,6 +188,72 @@ func TestRelayCleanupBesidePublishing(t *testing.T) {
 	if took > time.Second {
 		t.Errorf("a message written during the cleanup took %v to arrive, want well under 1 s", took)
 	}
+}
+
+// TestRelayMarkRetried: the relay's sessions end between the broker's
+// confirms and the mark; the mark is tried again on a live connection,
+// and no message is published twice (before, every one was published again
+// once its claim ended).
+func TestRelayMarkRetried(t *testing.T) {
+	r := newOutboxRig(t)
+	pool, app := appPool(t, 4)
+	ob, err := pgstore.NewOutbox(pool, r.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Four sessions in the pool, all to be ended: a retry must not take
+	// a dead one.
+	var conns []*pgxpool.Conn
+	for range 4 {
+		c, err := pool.Acquire(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		conns = append(conns, c)
+	}
+	for _, c := range conns {
+		c.Release()
+	}
+	var want []string
+	for i := range 10 {
+		want = append(want, r.write(true, r.msg(fmt.Sprint(i)))...)
+	}
+	const claimTTL = 3 * time.Second
+	var once sync.Once
+	var ended atomic.Int64
+	startRelay(t, ob, pgstore.RelayConfig{ClaimTTL: claimTTL, PublishTimeout: time.Second, Batch: 16, Concurrency: 16,
+		PollInterval: 50 * time.Millisecond, RetryBackoff: 50 * time.Millisecond},
+		func(rl *pgstore.Relay) {
+			pgstore.SetBeforeMark(rl, func() {
+				once.Do(func() {
+					// Every session of the relay's pool (and its listening
+					// one), waiting until they have exited.
+					var n int64
+					err := r.pool.QueryRow(context.Background(), `SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 5000))
+						FROM pg_stat_activity WHERE application_name = $1`, app).Scan(&n)
+					ended.Store(n)
+					if err != nil {
+						t.Errorf("terminate the relay's sessions: %v", err)
+					}
+				})
+			})
+		})
+	r.waitCount("s", len(want), 10*time.Second)
+	time.Sleep(claimTTL + time.Second) // copies would be published by now
+	got := r.take(len(want), 10*time.Second)
+	seen := map[string]int{}
+	for _, d := range got {
+		seen[d.MessageId]++
+	}
+	for _, id := range want {
+		if seen[id] != 1 {
+			t.Errorf("message %s arrived %d times, want once", id, seen[id])
+		}
+	}
+	if ended.Load() == 0 {
+		t.Error("no session of the relay was ended")
+	}
+	t.Logf("%d sessions ended before the mark; %d deliveries of %d messages", ended.Load(), len(got), len(want))
 }
 
 // TestRelayNameUnique: a relay started with the name of one that runs on
