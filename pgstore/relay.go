@@ -185,9 +185,10 @@ func (c RelayConfig) withDefaults(log *slog.Logger) RelayConfig {
 // in ID order, publishes each with amqpidem's Publisher (mandatory,
 // confirmed), and marks a row sent only after the broker's confirm. So a
 // message is published at least once, and more than once only when a
-// relay crashed or lost its connection between the confirm and the mark:
-// every copy carries the row's MessageId, and an amqpidem consumer runs it
-// once. Several relays may run on one table at once: a claim takes rows
+// relay crashed between the confirm and the mark, or could not write the
+// mark (tried again for a third of ClaimTTL), or a paused relay's claim
+// ended: every copy carries the row's MessageId, and an amqpidem consumer
+// runs it once. Several relays may run on one table at once: a claim takes rows
 // with FOR UPDATE SKIP LOCKED and keeps them ClaimTTL.
 type Relay struct {
 	o   *Outbox
@@ -320,7 +321,10 @@ func (r *Relay) Backlog(ctx context.Context) (rows int64, oldest time.Duration, 
 
 // Run relays until Shutdown (then it returns nil) or until ctx ends (then
 // ctx.Err()). Errors of the database or the broker are logged and waited
-// out with backoff, never returned. Run may be called once.
+// out with backoff, never returned; so is another running relay of the
+// same name (see RelayConfig.Name). Run may be called once. It listens,
+// and deletes expired sent rows, from goroutines that end before it
+// returns.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.started.CompareAndSwap(false, true) {
 		return errors.New("pgstore: Relay.Run called twice")
@@ -351,7 +355,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		}()
 	}
 	defer wg.Wait()
-	defer cancel() // before wg.Wait: stops the listener
+	defer cancel() // before wg.Wait: stops the listener and the cleanup
 
 	// Publish nothing before the listener knows whether another relay of
 	// this name runs (it says so, and why it cannot tell); not for long:
@@ -916,7 +920,10 @@ func (r *Relay) isStopping() bool {
 // Shutdown stops the relay: it claims nothing more, lets the round in
 // flight finish until ctx ends (then its publishes give up: their rows are
 // released, due again after RetryBackoff, or, if the release cannot be
-// written, once their claim ends), and waits for Run to return. It returns ctx.Err() if it had to cut the round short.
+// written, once their claim ends), and waits for Run to return: the marks
+// of the messages already confirmed are still written, and tried again
+// for up to half of ClaimTTL when they fail. It returns ctx.Err() if it
+// had to cut the round short.
 // Shutdown is idempotent and may be called before, during or after Run.
 func (r *Relay) Shutdown(ctx context.Context) error {
 	r.stopOnce.Do(func() { close(r.stopping) })
