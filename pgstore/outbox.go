@@ -273,10 +273,11 @@ func (o *Outbox) Dead(ctx context.Context) (int64, error) {
 }
 
 // Cleanup deletes the sent rows confirmed more than retention ago, in
-// statements of at most batch rows each, and returns how many it deleted;
-// then the counters of order keys that no row uses any more (up to batch
-// of them).
-// A Relay runs it every RelayConfig.CleanupInterval.
+// statements of at most batch rows each (DefaultCleanupBatch when batch is
+// not positive), until none is left or ctx ends, and returns how many it
+// deleted; then the counters of order keys that no row uses any more (up
+// to batch of them). Each statement takes a pool connection of its own. A
+// Relay runs it every RelayConfig.CleanupInterval, beside its publishing.
 func (o *Outbox) Cleanup(ctx context.Context, retention time.Duration, batch int) (int64, error) {
 	if batch <= 0 {
 		batch = DefaultCleanupBatch

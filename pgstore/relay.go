@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
@@ -42,6 +43,16 @@ type RelayConfig struct {
 	Dial func() (*amqp.Connection, error)
 	// Name is the relay's name in its claims (the claimed_by column) and
 	// logs. Default: host name, process id and a random suffix.
+	//
+	// Relays running at once on one table must have different names: a
+	// relay writes a refusal or a release only on rows claimed under its
+	// name, and would take another's rows of the same name for its own. So
+	// a running relay holds its name: a session-level advisory lock (on a
+	// 64-bit hash of the table and the name) on its listening connection. A
+	// relay started with a name that a running relay holds logs an error
+	// and publishes nothing until that one stops (its session ends), then
+	// takes over. While the listening connection is down (it reconnects
+	// after a second) the name is not checked.
 	Name string
 	// Batch is how many rows one claim takes at most. Default
 	// DefaultRelayBatch.
@@ -97,7 +108,8 @@ type RelayConfig struct {
 	// confirmed. Default DefaultRelayRetention.
 	Retention time.Duration
 	// CleanupInterval is how often the relay deletes the sent rows past
-	// Retention, in statements of Config.CleanupBatch rows. Default
+	// Retention, in statements of Config.CleanupBatch rows, beside its
+	// publishing (a long cleanup holds no publish back). Default
 	// DefaultRelayCleanup.
 	CleanupInterval time.Duration
 	// Logger gets the relay's warnings and errors. Default the Outbox's
@@ -173,9 +185,10 @@ func (c RelayConfig) withDefaults(log *slog.Logger) RelayConfig {
 // in ID order, publishes each with amqpidem's Publisher (mandatory,
 // confirmed), and marks a row sent only after the broker's confirm. So a
 // message is published at least once, and more than once only when a
-// relay crashed or lost its connection between the confirm and the mark:
-// every copy carries the row's MessageId, and an amqpidem consumer runs it
-// once. Several relays may run on one table at once: a claim takes rows
+// relay crashed between the confirm and the mark, or could not write the
+// mark (tried again for a third of ClaimTTL), or a paused relay's claim
+// ended: every copy carries the row's MessageId, and an amqpidem consumer
+// runs it once. Several relays may run on one table at once: a claim takes rows
 // with FOR UPDATE SKIP LOCKED and keeps them ClaimTTL.
 type Relay struct {
 	o   *Outbox
@@ -193,11 +206,39 @@ type Relay struct {
 	canOnce  sync.Once
 	done     chan struct{} // closed when Run returns
 	started  atomic.Bool
+
+	// nameState is what the listening connection last learned of the
+	// lock of the relay's name: nameUnknown, nameHeld or nameTaken (by
+	// another relay of the name: publish nothing). checked is closed once
+	// it first learned it, or failed to.
+	nameState atomic.Int32
+	checked   chan struct{}
+	checkOnce sync.Once
+
+	beforeMark func() // tests: called before a round marks its rows sent
 }
+
+// The states of a Relay's name (Relay.nameState).
+const (
+	nameUnknown int32 = iota // not known: the listening connection is down
+	nameHeld                 // this relay holds it
+	nameTaken                // another relay of the same name holds it
+)
+
+// How often a relay whose name another holds tries the name's lock
+// again, and says again that it waits.
+const (
+	nameRetry    = time.Second
+	nameLogEvery = time.Minute
+)
 
 // relaySQL are a Relay's statements.
 type relaySQL struct {
 	claim, sent, refuse, release, listen string
+	// lockName takes the session-level advisory lock of a relay name
+	// ($2) on the table ($1): a bigint key, so apart from the held
+	// leases' two-int keys.
+	lockName string
 }
 
 // NewRelay returns a Relay for o's table. It makes no network call.
@@ -254,12 +295,14 @@ func NewRelay(o *Outbox, cfg RelayConfig) (*Relay, error) {
 				RETURNING t.id, t.state`,
 			release: `UPDATE ` + t + ` SET claimed_by = NULL, due_at = clock_timestamp() + $3 * interval '1 millisecond'
 				WHERE id = ANY($2) AND state = 'p' AND claimed_by = $1`,
-			listen: "LISTEN " + pgx.Identifier{o.n.outboxChannel}.Sanitize(),
+			listen:   "LISTEN " + pgx.Identifier{o.n.outboxChannel}.Sanitize(),
+			lockName: `SELECT pg_try_advisory_lock(hashtextextended('amqpidem relay ' || $1::regclass::oid || ' ' || $2, 0))`,
 		},
 		wake:     make(chan struct{}, 1),
 		stopping: make(chan struct{}),
 		cancel:   make(chan struct{}),
 		done:     make(chan struct{}),
+		checked:  make(chan struct{}),
 	}
 	return r, nil
 }
@@ -278,7 +321,10 @@ func (r *Relay) Backlog(ctx context.Context) (rows int64, oldest time.Duration, 
 
 // Run relays until Shutdown (then it returns nil) or until ctx ends (then
 // ctx.Err()). Errors of the database or the broker are logged and waited
-// out with backoff, never returned. Run may be called once.
+// out with backoff, never returned; so is another running relay of the
+// same name (see RelayConfig.Name). Run may be called once. It listens,
+// and deletes expired sent rows, from goroutines that end before it
+// returns.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.started.CompareAndSwap(false, true) {
 		return errors.New("pgstore: Relay.Run called twice")
@@ -301,11 +347,29 @@ func (r *Relay) Run(ctx context.Context) error {
 		defer wg.Done()
 		r.listen(ctx)
 	}()
+	if r.cfg.Retention >= 0 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r.cleanup(ctx)
+		}()
+	}
 	defer wg.Wait()
-	defer cancel() // before wg.Wait: stops the listener
+	defer cancel() // before wg.Wait: stops the listener and the cleanup
+
+	// Publish nothing before the listener knows whether another relay of
+	// this name runs (it says so, and why it cannot tell); not for long:
+	// polling goes on while its connection cannot be opened.
+	gate := time.NewTimer(poolWait)
+	select {
+	case <-r.checked:
+	case <-gate.C:
+	case <-r.stopping:
+	case <-ctx.Done():
+	}
+	gate.Stop()
 
 	failures := 0 // rounds in a row the database or broker failed
-	nextCleanup := time.Now().Add(r.cfg.CleanupInterval)
 	for {
 		if r.isStopping() {
 			return nil
@@ -313,7 +377,10 @@ func (r *Relay) Run(ctx context.Context) error {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		n, err := r.round(ctx)
+		n, err := 0, error(nil)
+		if r.nameState.Load() != nameTaken { // else wait for the name
+			n, err = r.round(ctx)
+		}
 		var wait time.Duration
 		switch {
 		case err != nil:
@@ -325,12 +392,6 @@ func (r *Relay) Run(ctx context.Context) error {
 		default:
 			failures = 0
 			wait = r.cfg.PollInterval
-		}
-		if r.cfg.Retention >= 0 && time.Now().After(nextCleanup) {
-			nextCleanup = time.Now().Add(r.cfg.CleanupInterval)
-			if _, err := r.o.Cleanup(ctx, r.cfg.Retention, r.o.cfg.CleanupBatch); err != nil && ctx.Err() == nil {
-				r.log.Warn("pgstore: relay: "+err.Error(), "relay", r.cfg.Name)
-			}
 		}
 		if err == nil && n > 0 {
 			// More may be waiting: a full batch's next rows, or an order
@@ -349,6 +410,29 @@ func (r *Relay) Run(ctx context.Context) error {
 		case <-ctx.Done():
 		}
 		t.Stop()
+	}
+}
+
+// cleanup deletes the sent rows past Retention every CleanupInterval
+// (from the end of one cleanup to the start of the next), beside the
+// publishing loop, so that a long one (a lowered Retention, a busy hour's
+// rows) holds no publish back, until Shutdown or ctx ends (Run's return
+// cancels the statement in flight).
+func (r *Relay) cleanup(ctx context.Context) {
+	t := time.NewTimer(r.cfg.CleanupInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-t.C:
+		case <-r.stopping:
+			return
+		case <-ctx.Done():
+			return
+		}
+		if _, err := r.o.Cleanup(ctx, r.cfg.Retention, r.o.cfg.CleanupBatch); err != nil && ctx.Err() == nil {
+			r.log.Warn("pgstore: relay: "+err.Error(), "relay", r.cfg.Name)
+		}
+		t.Reset(r.cfg.CleanupInterval)
 	}
 }
 
@@ -445,10 +529,9 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 	mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.PublishTimeout)
 	defer cancel()
 	if len(sent) > 0 {
-		if _, err := r.o.pool.Exec(mctx, r.sql.sent, sent); err != nil {
-			return len(rows), fmt.Errorf("mark %d published rows sent (they will be published again): %w", len(sent), classify(err))
+		if err := r.markSent(ctx, sent); err != nil {
+			return len(rows), err
 		}
-		r.published.Add(uint64(len(sent)))
 	}
 	if len(refusedIDs) > 0 {
 		dead, err := r.refuse(mctx, refusedIDs, reasons, waits)
@@ -477,6 +560,129 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 	return len(rows), nil
 }
 
+// markSent marks the rows ids sent (deletes them, with a negative
+// Retention) once the broker confirmed them, and counts them published.
+//
+// A confirmed row left unmarked is published again once its claim ends,
+// so a mark that fails (the session lost, the server restarting) is tried
+// again, after 50 ms doubled up to 1 s, on a connection checked to be
+// alive: new tries start for a third of ClaimTTL, each bounded by a sixth
+// (so all end within half of ClaimTTL, before another relay may take the
+// rows). The mark changes only rows still pending: repeating it, or
+// writing it after another relay's, is harmless. It is written even when
+// ctx has ended (Shutdown).
+func (r *Relay) markSent(ctx context.Context, ids []int64) error {
+	if r.beforeMark != nil {
+		r.beforeMark()
+	}
+	ctx = context.WithoutCancel(ctx)
+	window := r.cfg.ClaimTTL / 3
+	per := max(window/2, 100*time.Millisecond)
+	deadline := time.Now().Add(window)
+	wait := 50 * time.Millisecond
+	for try := 1; ; try++ {
+		err := r.markOnce(ctx, ids, try > 1, per)
+		if err == nil {
+			r.published.Add(uint64(len(ids)))
+			if try > 1 {
+				r.log.Info("pgstore: relay: marked the published rows sent on a later try", "relay", r.cfg.Name,
+					"rows", len(ids), "tries", try)
+			}
+			return nil
+		}
+		if time.Until(deadline) < wait {
+			return fmt.Errorf("mark %d published rows sent, %d tries (they will be published again once their claim ends): %w",
+				len(ids), try, err)
+		}
+		if try == 1 {
+			r.log.Warn("pgstore: relay: mark published rows sent (trying again): "+err.Error(), "relay", r.cfg.Name,
+				"rows", len(ids))
+		}
+		time.Sleep(wait)
+		wait = min(2*wait, time.Second)
+	}
+}
+
+// markOnce is one try of markSent, bounded by per. A retry (check) first
+// pings the connection the pool gives, and takes another while it gives
+// dead ones (a session ended under an idle connection), up to MaxConns.
+func (r *Relay) markOnce(ctx context.Context, ids []int64, check bool, per time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, per)
+	defer cancel()
+	c, err := r.acquire(ctx)
+	for dead := int32(0); err == nil && check && dead < r.o.pool.Stat().MaxConns(); dead++ {
+		if err = c.Ping(ctx); err == nil {
+			break
+		}
+		c.Release() // closed: the pool drops it
+		if ctx.Err() != nil {
+			return classify(err)
+		}
+		c, err = r.acquire(ctx)
+	}
+	if err != nil {
+		return err
+	}
+	defer c.Release()
+	_, err = c.Exec(ctx, r.sql.sent, ids)
+	return classify(err)
+}
+
+// acquire returns a connection of the Outbox's pool, waiting poolWait at
+// most: a pool whose connections are all taken (by the application, or too
+// small) is an error that the relay logs and backs off from, never a
+// silent stall.
+func (r *Relay) acquire(ctx context.Context) (*pgxpool.Conn, error) {
+	actx, cancel := context.WithTimeout(ctx, poolWait)
+	defer cancel()
+	c, err := r.o.pool.Acquire(actx)
+	if err == nil {
+		return c, nil
+	}
+	if ctx.Err() == nil && actx.Err() != nil {
+		st := r.o.pool.Stat()
+		return nil, fmt.Errorf("no connection of the pool free within %v (%d of its MaxConns %d in use, by the relay or "+
+			"others): %w", poolWait, st.AcquiredConns(), st.MaxConns(), err)
+	}
+	return nil, classify(err)
+}
+
+// query is the pool's Query, with the wait for a connection bounded by
+// acquire. The connection goes back to the pool once the rows are read
+// or closed.
+func (r *Relay) query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	c, err := r.acquire(ctx)
+	if err != nil {
+		return nil, err
+	}
+	q, err := c.Query(ctx, sql, args...)
+	if err != nil {
+		c.Release()
+		return nil, err
+	}
+	return &connRows{Rows: q, c: c}, nil
+}
+
+// connRows are rows that release their pool connection when done.
+type connRows struct {
+	pgx.Rows
+	c    *pgxpool.Conn
+	once sync.Once
+}
+
+func (q *connRows) Next() bool {
+	if q.Rows.Next() {
+		return true
+	}
+	q.once.Do(q.c.Release) // Next closed the rows
+	return false
+}
+
+func (q *connRows) Close() {
+	q.Rows.Close()
+	q.once.Do(q.c.Release)
+}
+
 // claim takes up to Batch due rows for ClaimTTL, in ID order, and with
 // Ordered the chains behind the order keys' heads among them.
 func (r *Relay) claim(ctx context.Context) ([]claimed, error) {
@@ -484,7 +690,7 @@ func (r *Relay) claim(ctx context.Context) ([]claimed, error) {
 	if r.cfg.Ordered {
 		args = append(args, r.cfg.Batch-1)
 	}
-	q, err := r.o.pool.Query(ctx, r.sql.claim, args...)
+	q, err := r.query(ctx, r.sql.claim, args...)
 	if err != nil {
 		return nil, fmt.Errorf("claim: %w", classify(err))
 	}
@@ -582,12 +788,18 @@ func refused(err error) bool {
 	return errors.Is(err, errUndecodable) || amqpidem.IsRefused(err)
 }
 
-// listen wakes the relay on each notification of Outbox.Write, on a
-// connection of the pool held for it, until ctx ends. It listens again,
-// after a second, when the connection fails.
+// listen holds the relay's name and wakes the relay on each notification
+// of Outbox.Write, until ctx ends, on a connection of its own (see dial):
+// not one of the pool, which it would hold for good, so that a pool of one
+// connection, or one the application keeps busy, still serves the relay's
+// statements. It listens again, after a second, when the connection fails.
 func (r *Relay) listen(ctx context.Context) {
 	for ctx.Err() == nil {
 		err := r.listenOnce(ctx)
+		// The name's lock went with the session; whether another relay
+		// holds it is known again once connected.
+		r.nameState.CompareAndSwap(nameHeld, nameUnknown)
+		r.checkOnce.Do(func() { close(r.checked) })
 		if ctx.Err() != nil {
 			return
 		}
@@ -602,30 +814,90 @@ func (r *Relay) listen(ctx context.Context) {
 	}
 }
 
-// listenOnce listens on one connection until it fails or ctx ends. The
-// connection is closed, not given back to the pool, where it would go on
-// collecting notifications nobody reads.
+// listenOnce listens on one connection until it fails or ctx ends, then
+// closes it.
 func (r *Relay) listenOnce(ctx context.Context) error {
-	c, err := r.o.pool.Acquire(ctx)
+	c, err := r.dial(ctx)
 	if err != nil {
-		return classify(err)
+		return err
 	}
 	defer func() {
 		cctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		_ = c.Conn().Close(cctx)
+		_ = c.Close(cctx)
 		cancel()
-		c.Release()
 	}()
+	if err := r.holdName(ctx, c); err != nil {
+		return err
+	}
 	if _, err := c.Exec(ctx, r.sql.listen); err != nil {
 		return classify(err)
 	}
 	r.poke() // rows written before the LISTEN sent no notification we saw
 	for {
-		if _, err := c.Conn().WaitForNotification(ctx); err != nil {
+		if _, err := c.WaitForNotification(ctx); err != nil {
 			return classify(err)
 		}
 		r.poke()
 	}
+}
+
+// holdName takes the lock of the relay's name on the listening connection
+// c, for as long as c lives. While another session holds it, it says so
+// and tries again every nameRetry, the relay publishing nothing meanwhile.
+func (r *Relay) holdName(ctx context.Context, c *pgx.Conn) error {
+	var logged time.Time
+	for {
+		var ok bool
+		if err := c.QueryRow(ctx, r.sql.lockName, r.o.n.outbox, r.cfg.Name).Scan(&ok); err != nil {
+			return classify(err)
+		}
+		if ok {
+			if r.nameState.Swap(nameHeld) == nameTaken {
+				r.log.Info("pgstore: relay: took over the name: the other relay of this name has stopped", "relay", r.cfg.Name)
+			}
+			r.checkOnce.Do(func() { close(r.checked) })
+			return nil
+		}
+		r.nameState.Store(nameTaken)
+		r.checkOnce.Do(func() { close(r.checked) })
+		if time.Since(logged) >= nameLogEvery {
+			logged = time.Now()
+			r.log.Error(fmt.Sprintf("pgstore: relay: another relay named %q runs on the table %s (its session holds the name): "+
+				"this one publishes nothing until that one stops; give each relay of a table its own RelayConfig.Name",
+				r.cfg.Name, r.o.n.outbox), "relay", r.cfg.Name)
+		}
+		t := time.NewTimer(nameRetry)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		}
+	}
+}
+
+// dial opens a connection as the Outbox's pool opens one (its ConnConfig,
+// BeforeConnect and AfterConnect), outside the pool and its MaxConns.
+func (r *Relay) dial(ctx context.Context) (*pgx.Conn, error) {
+	pc := r.o.pool.Config() // a copy
+	if pc.BeforeConnect != nil {
+		if err := pc.BeforeConnect(ctx, pc.ConnConfig); err != nil {
+			return nil, fmt.Errorf("connect: the pool's BeforeConnect: %w", err)
+		}
+	}
+	c, err := pgx.ConnectConfig(ctx, pc.ConnConfig)
+	if err != nil {
+		return nil, classify(err)
+	}
+	if pc.AfterConnect != nil {
+		if err := pc.AfterConnect(ctx, c); err != nil {
+			cctx, cancel := context.WithTimeout(context.Background(), time.Second)
+			_ = c.Close(cctx)
+			cancel()
+			return nil, fmt.Errorf("connect: the pool's AfterConnect: %w", err)
+		}
+	}
+	return c, nil
 }
 
 // poke wakes the relay's loop, or leaves it a wake-up if it is busy.
@@ -648,7 +920,10 @@ func (r *Relay) isStopping() bool {
 // Shutdown stops the relay: it claims nothing more, lets the round in
 // flight finish until ctx ends (then its publishes give up: their rows are
 // released, due again after RetryBackoff, or, if the release cannot be
-// written, once their claim ends), and waits for Run to return. It returns ctx.Err() if it had to cut the round short.
+// written, once their claim ends), and waits for Run to return: the marks
+// of the messages already confirmed are still written, and tried again
+// for up to half of ClaimTTL when they fail. It returns ctx.Err() if it
+// had to cut the round short.
 // Shutdown is idempotent and may be called before, during or after Run.
 func (r *Relay) Shutdown(ctx context.Context) error {
 	r.stopOnce.Do(func() { close(r.stopping) })
@@ -664,3 +939,7 @@ func (r *Relay) Shutdown(ctx context.Context) error {
 	<-r.done
 	return ctx.Err()
 }
+
+// poolWait bounds how long one of the relay's statements waits for a
+// connection of the pool (a variable: tests shorten it).
+var poolWait = 5 * time.Second

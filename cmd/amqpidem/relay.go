@@ -59,8 +59,11 @@ func newRelay(o *options) *cobra.Command {
 		Long: `relay runs a pgstore.Relay on the producer outbox of the PostgreSQL
 database --postgres names: it publishes, confirmed and mandatory, the
 messages that transactions wrote with pgstore's Outbox.Write once they
-committed, and marks them sent. Several relays may run at once. It stops on
-SIGINT or SIGTERM, finishing the publishes in flight (for up to 30 s).
+committed, and marks them sent. Several relays may run at once, each with a
+--name of its own: one started with the name of a relay running on the
+same table logs an error and publishes nothing until that one stops (then
+it takes over). It stops on SIGINT or SIGTERM, finishing the publishes in
+flight (for up to 30 s).
 
 A message the broker refuses (no queue bound to take it, an exchange that
 does not exist) is tried again with backoff and, after --max-attempts
@@ -71,7 +74,8 @@ reason, "relay redrive" publishes it again once the cause is fixed.`,
 	}
 	c.PersistentFlags().StringVar(&ro.table, "outbox-table", "", "pgstore Config.OutboxTable (default amqpidem_outbox)")
 	f := c.Flags()
-	f.StringVar(&ro.name, "name", "", "the relay's name in its claims and logs (default host-pid-random)")
+	f.StringVar(&ro.name, "name", "", "the relay's name in its claims and logs, one per running relay of a table: "+
+		"a second relay of a name waits until the first stops (default host-pid-random)")
 	f.BoolVar(&ro.ordered, "ordered", false, "publish each order key's messages one at a time, in the order their transactions committed (RelayConfig.Ordered)")
 	f.IntVar(&ro.batch, "batch", 0, "rows per claim (default 128)")
 	f.IntVar(&ro.concurrency, "concurrency", 0, "publishes waiting for their confirm at once, at most 64 (default 64)")
