@@ -207,6 +207,12 @@ type Relay struct {
 	done     chan struct{} // closed when Run returns
 	started  atomic.Bool
 
+	// retries are when refused rows are due again, soonest first (at
+	// most Batch of them; Run's goroutine only): Run looks again then,
+	// not at its next poll, so that a refused head of an order key does
+	// not hold its key back for a PollInterval more.
+	retries []time.Time
+
 	// nameState is what the listening connection last learned of the
 	// lock of the relay's name: nameUnknown, nameHeld or nameTaken (by
 	// another relay of the name: publish nothing). checked is closed once
@@ -377,7 +383,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		n, err := 0, error(nil)
+		n, err, began := 0, error(nil), time.Now()
 		if r.nameState.Load() != nameTaken { // else wait for the name
 			n, err = r.round(ctx)
 		}
@@ -392,6 +398,9 @@ func (r *Relay) Run(ctx context.Context) error {
 		default:
 			failures = 0
 			wait = r.cfg.PollInterval
+			if d, ok := r.nextRetry(began); ok {
+				wait = min(wait, d)
+			}
 		}
 		if err == nil && n > 0 {
 			// More may be waiting: a full batch's next rows, or an order
@@ -434,6 +443,27 @@ func (r *Relay) cleanup(ctx context.Context) {
 		}
 		t.Reset(r.cfg.CleanupInterval)
 	}
+}
+
+// retryAt notes that a refused row is due again at t.
+func (r *Relay) retryAt(t time.Time) {
+	i, _ := slices.BinarySearchFunc(r.retries, t, time.Time.Compare)
+	if i < r.cfg.Batch {
+		r.retries = slices.Insert(r.retries, i, t)
+		r.retries = r.retries[:min(len(r.retries), r.cfg.Batch)]
+	}
+}
+
+// nextRetry forgets the retries due by began (the start of the round
+// that just ended: it claimed those), and returns how long until the
+// soonest of the others, if any (negative when it is due already).
+func (r *Relay) nextRetry(began time.Time) (time.Duration, bool) {
+	i, _ := slices.BinarySearchFunc(r.retries, began, time.Time.Compare)
+	r.retries = r.retries[i:]
+	if len(r.retries) == 0 {
+		return 0, false
+	}
+	return time.Until(r.retries[0]), true
 }
 
 // backoff is base doubled n-1 times, capped at limit, with up to 20%
@@ -515,7 +545,9 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 		case refused(c.err):
 			refusedIDs = append(refusedIDs, c.id)
 			reasons = append(reasons, c.err.Error())
-			waits = append(waits, backoff(r.cfg.RetryBackoff, r.cfg.MaxBackoff, c.attempts+1).Milliseconds())
+			wait := backoff(r.cfg.RetryBackoff, r.cfg.MaxBackoff, c.attempts+1)
+			waits = append(waits, wait.Milliseconds())
+			r.retryAt(time.Now().Add(wait))
 			r.log.Warn("pgstore: relay: the broker refused a message", "relay", r.cfg.Name, "id", c.id,
 				"attempt", c.attempts+1, "max_attempts", r.cfg.MaxAttempts, "error", c.err)
 		default:
