@@ -113,14 +113,15 @@ type Config struct {
 	// recognised. Zero leaves it to the store (lock.Config.Retention,
 	// default DefaultRetention), with the same rule as LeaseTTL.
 	//
-	// It must be at least the lease TTL, whatever the handler: an
-	// execution holds a claim on the messages its handler staged (Stage)
-	// for a lease TTL from its completion, and a copy that comes back
-	// after a crash waits for that claim; a record gone before then makes
-	// the copy run the handler again. Validate refuses a Retention below
-	// LeaseTTL when both are set here; when one of them is left to the
-	// store, the first execution that stages messages under such a lease
-	// logs an error, once.
+	// It must be at least twice the lease TTL and a second, whatever the
+	// handler: an execution holds a claim on the messages its handler
+	// staged (Stage) for a lease TTL from its completion, and a copy that
+	// comes back after a crash waits for that claim, requeued for up to
+	// 1.1 times the time left (and a delay tier's 5% more); a record gone
+	// before then makes the copy run the handler again. Validate refuses
+	// a shorter Retention when both are set here; when one of them is
+	// left to the store, the first execution that stages messages under
+	// such a lease logs an error, once.
 	Retention time.Duration
 	// SafetyMargin is how long before its lease's deadline (by the local
 	// clock) a handler whose lease could not be renewed is cancelled, so
@@ -278,6 +279,13 @@ type Config struct {
 	Tracer Tracer
 }
 
+// minRetention is the shortest Retention that outlasts, with a margin,
+// what a copy arriving after the crash of a completed execution waits
+// under a lease of ttl: the execution's claim on its staged messages (ttl
+// from its completion), requeued as busy for 1.1 times the time left (a
+// delay tier adds up to 5%) or MinInProgressDelay.
+func minRetention(ttl time.Duration) time.Duration { return 2*ttl + time.Second }
+
 // Validate reports the first invalid field, by name.
 func (c Config) Validate() error {
 	switch {
@@ -290,10 +298,11 @@ func (c Config) Validate() error {
 	case c.Retention < 0 || (c.Retention > 0 && c.Retention < time.Millisecond):
 		// Below a millisecond the store would keep nothing: idempotency off.
 		return fmt.Errorf("amqpidem: Config.Retention %v must be zero (default %v) or at least 1ms", c.Retention, DefaultRetention)
-	case c.Retention > 0 && c.LeaseTTL > 0 && c.Retention < c.LeaseTTL:
-		return fmt.Errorf("amqpidem: Config.Retention %v must be at least Config.LeaseTTL %v: a completed record must outlast "+
-			"the claim its execution holds on the messages its handler staged (a lease TTL from its completion), or a copy that "+
-			"comes back after a crash, waiting for that claim, finds the record gone and runs the handler again", c.Retention, c.LeaseTTL)
+	case c.Retention > 0 && c.LeaseTTL > 0 && c.Retention < minRetention(c.LeaseTTL):
+		return fmt.Errorf("amqpidem: Config.Retention %v must be at least twice Config.LeaseTTL %v and a second (%v): a completed "+
+			"record must outlast the claim its execution holds on the messages its handler staged (a lease TTL from its completion) "+
+			"and the wait of a copy that comes back after a crash (up to 1.1 times that claim), or the copy finds the record gone "+
+			"and runs the handler again", c.Retention, c.LeaseTTL, minRetention(c.LeaseTTL))
 	case len(c.Endpoint) > 200 || strings.IndexByte(c.Endpoint, 0) >= 0:
 		return fmt.Errorf("amqpidem: Config.Endpoint must be at most 200 bytes with no NUL byte")
 	case c.Endpoint == "" && strings.IndexByte(c.Queue, 0) >= 0:

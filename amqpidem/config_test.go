@@ -298,7 +298,8 @@ func (b *declaringBroker) declare(_ context.Context, name string, args amqp.Tabl
 	return nil
 }
 
-// Retention shorter than LeaseTTL is refused, for every kind of handler:
+// Retention shorter than twice LeaseTTL and a second is refused, for
+// every kind of handler:
 // a completed record would expire before the claim its execution holds
 // on its staged messages (a lease TTL) lets a copy publish them, and a
 // copy arriving after a crash would find no record and run the handler
@@ -310,7 +311,10 @@ func TestConfigRetentionAtLeastLeaseTTL(t *testing.T) {
 	}{
 		{Config{Queue: "q", LeaseTTL: 10 * time.Second, Retention: 5 * time.Second}, false},
 		{Config{Queue: "q", LeaseTTL: 10 * time.Second, Retention: 10*time.Second - time.Millisecond}, false},
-		{Config{Queue: "q", LeaseTTL: 10 * time.Second, Retention: 10 * time.Second}, true},
+		// Equal is not enough: a copy waits 1.1 times the claim's rest.
+		{Config{Queue: "q", LeaseTTL: 10 * time.Second, Retention: 10 * time.Second}, false},
+		{Config{Queue: "q", LeaseTTL: 10 * time.Second, Retention: 21*time.Second - time.Millisecond}, false},
+		{Config{Queue: "q", LeaseTTL: 10 * time.Second, Retention: 21 * time.Second}, true},
 		{Config{Queue: "q", LeaseTTL: 10 * time.Second, Retention: time.Hour}, true},
 		// One of them left to the store: only the lease shows whether
 		// the two agree (a warning when they do not).
@@ -339,12 +343,12 @@ func TestConfigRetentionAtLeastLeaseTTL(t *testing.T) {
 		{"LeaseTaker", panickyTaker{&fakeCompleter{store: mem, owner: mem}}},
 	} {
 		if _, err := newProcessor(mem, cfg, h.h); err == nil || !strings.Contains(err.Error(), "Config.Retention") {
-			t.Errorf("%s: got %v, want Retention below LeaseTTL refused", h.kind, err)
+			t.Errorf("%s: got %v, want a Retention too short for LeaseTTL refused", h.kind, err)
 		}
 	}
 }
 
-// The lease shows a Retention below the lease TTL that the two places
+// The lease shows a Retention too short for the lease TTL that the two places
 // they are set in made together (the store's configuration, Config): the
 // first execution that stages messages under such a lease says so, once.
 func TestRetentionBelowLeaseTTLFromStoreWarned(t *testing.T) {
@@ -353,17 +357,18 @@ func TestRetentionBelowLeaseTTLFromStoreWarned(t *testing.T) {
 		t.Fatal(err)
 	}
 	var logs bytes.Buffer
-	p := newProcessorOn(t, store, Config{Retention: 30 * time.Second, Logger: slog.New(slog.NewTextHandler(&logs, nil))}, stager(1, nil))
+	// 90 s: above the TTL, below twice it and a second.
+	p := newProcessorOn(t, store, Config{Retention: 90 * time.Second, Logger: slog.New(slog.NewTextHandler(&logs, nil))}, stager(1, nil))
 	for _, key := range []string{"a", "b"} {
 		d, _ := delivery(key, "x")
 		if ev := p.process(context.Background(), &outboxBroker{}, d, nil); ev.Outcome != Completed {
 			t.Fatalf("%s: %v %q %v", key, ev.Outcome, ev.Reason, ev.Err)
 		}
 	}
-	if n := strings.Count(logs.String(), "retention shorter than the lease TTL"); n != 1 {
+	if n := strings.Count(logs.String(), "retention too short for the lease TTL"); n != 1 {
 		t.Fatalf("logged %d times, want once:\n%s", n, logs.String())
 	}
-	if !strings.Contains(logs.String(), "retention=30s") || !strings.Contains(logs.String(), "lease_ttl=1m0s") {
+	if !strings.Contains(logs.String(), "retention=1m30s") || !strings.Contains(logs.String(), "lease_ttl=1m0s") {
 		t.Fatalf("the warning does not give both:\n%s", logs.String())
 	}
 }

@@ -118,17 +118,18 @@ func newProcessor(store lock.Store, cfg Config, h Handler) (processor, error) {
 }
 
 // checkRetention logs an error, the first time, when l, a lease under
-// which messages were staged, has a retention shorter than its TTL: its
-// record may expire before the claim on those messages lets a copy publish
-// them, and a copy after a crash would run the handler again. Validate
-// refuses it when Config sets both; otherwise one of them is the store's.
+// which messages were staged, has a retention shorter than minRetention
+// of its TTL: its record may expire before a copy that waited for the
+// claim on those messages comes back, and a copy after a crash would run
+// the handler again. Validate refuses it when Config sets both; otherwise
+// one of them is the store's.
 func (p *processor) checkRetention(ctx context.Context, l lock.Lease) {
-	if l.Retention <= 0 || l.Retention >= l.TTL || p.shortRetention.Swap(true) {
+	if l.Retention <= 0 || l.Retention >= minRetention(l.TTL) || p.shortRetention.Swap(true) {
 		return
 	}
-	p.cfg.Logger.ErrorContext(ctx, "amqpidem: retention shorter than the lease TTL: a record whose handler staged messages may expire "+
+	p.cfg.Logger.ErrorContext(ctx, "amqpidem: retention too short for the lease TTL: a record whose handler staged messages may expire "+
 		"before a copy may publish them, and a copy after a crash then runs the handler again; "+
-		"make Retention at least the lease TTL (Config.Retention, Config.LeaseTTL, or the store's configuration)",
+		"make Retention at least twice the lease TTL and a second (Config.Retention, Config.LeaseTTL, or the store's configuration)",
 		"queue", p.cfg.Queue, "retention", l.Retention, "lease_ttl", l.TTL)
 }
 
