@@ -99,7 +99,12 @@ func NewOutbox(pool *pgxpool.Pool, cfg Config) (*Outbox, error) {
 		// after this one (ON CONFLICT DO UPDATE reads the latest
 		// committed counter). Under REPEATABLE READ or SERIALIZABLE, that
 		// writer fails with a serialization error instead, to be retried.
-		insertOrdered: `WITH k AS (INSERT INTO ` + n.outboxKeys + ` AS k (order_key, seq) VALUES ($4, 1)
+		//
+		// A new counter starts after the key's pending rows: after a
+		// cleanup deleted it (a key without pending rows starts from 1),
+		// or when the outbox was moved without its counters.
+		insertOrdered: `WITH k AS (INSERT INTO ` + n.outboxKeys + ` AS k (order_key, seq)
+				VALUES ($4, coalesce((SELECT max(seq) FROM ` + n.outbox + ` WHERE order_key = $4 AND state = 'p'), 0) + 1)
 				ON CONFLICT (order_key) DO UPDATE SET seq = k.seq + 1 RETURNING seq),
 			r AS (INSERT INTO ` + n.outbox + ` (order_key, seq, message_id, message)
 				SELECT $4, k.seq, $1, $2 FROM k RETURNING id)
@@ -275,8 +280,8 @@ func (o *Outbox) Dead(ctx context.Context) (int64, error) {
 // Cleanup deletes the sent rows confirmed more than retention ago, in
 // statements of at most batch rows each (DefaultCleanupBatch when batch is
 // not positive), until none is left or ctx ends, and returns how many it
-// deleted; then the counters of order keys that no row uses any more (up
-// to batch of them). Each statement takes a pool connection of its own. A
+// deleted; then the counters of order keys without pending rows. Each
+// statement takes a pool connection of its own. A
 // Relay runs it every RelayConfig.CleanupInterval, beside its publishing.
 func (o *Outbox) Cleanup(ctx context.Context, retention time.Duration, batch int) (int64, error) {
 	if batch <= 0 {
@@ -302,35 +307,50 @@ func (o *Outbox) Cleanup(ctx context.Context, retention time.Duration, batch int
 	}
 }
 
-// cleanupKeys deletes up to batch counters of order keys (the table
-// "<OutboxTable>_keys") that no row of the outbox uses any more, pending,
-// sent or dead, and returns how many it deleted. The key's next message
-// is numbered from 1 again, behind nothing. Cleanup calls it.
+// cleanupKeys deletes the counters of order keys (the table
+// "<OutboxTable>_keys") that have no pending row, in one pass over the
+// counters, batch at a time, and returns how many it deleted. The key's
+// next message is numbered after its pending rows, from 1 when it has none
+// (Write): behind nothing. Cleanup calls it.
 //
-// It runs in a REPEATABLE READ transaction: a counter that a writer
-// updated since the cleanup's snapshot was taken (whose new row the
-// snapshot does not show) makes it fail with a serialization error
-// instead of deleting a counter in use; it then deletes nothing and
-// returns 0 and no error, for the next cleanup to try again. A counter a
-// writer holds is skipped.
+// Each batch is deleted in a REPEATABLE READ transaction: a counter that a
+// writer updated since the transaction's snapshot was taken (whose new
+// row the snapshot does not show) makes it fail with a serialization error
+// instead of deleting a counter in use; that batch is then left for the
+// next pass. A counter a writer holds is skipped.
 func (o *Outbox) cleanupKeys(ctx context.Context, batch int) (int64, error) {
 	if batch <= 0 {
 		batch = DefaultCleanupBatch
 	}
-	var n int64
-	err := pgx.BeginTxFunc(ctx, o.pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead}, func(tx pgx.Tx) error {
-		tag, err := tx.Exec(ctx, `DELETE FROM `+o.n.outboxKeys+` WHERE order_key IN (SELECT k.order_key FROM `+o.n.outboxKeys+` k
-			WHERE NOT EXISTS (SELECT 1 FROM `+o.n.outbox+` r WHERE r.order_key = k.order_key)
-			LIMIT $1 FOR UPDATE SKIP LOCKED)`, batch)
-		n = tag.RowsAffected()
-		return err
-	})
-	var pe *pgconn.PgError
-	switch {
-	case errors.As(err, &pe) && pe.Code == "40001":
-		return 0, nil
-	case err != nil:
-		return 0, fmt.Errorf("pgstore: outbox cleanup of order keys: %w", classify(err))
+	page := `SELECT max(order_key) FROM (SELECT order_key FROM ` + o.n.outboxKeys + `
+		WHERE order_key > $1 ORDER BY order_key LIMIT $2) p`
+	del := `DELETE FROM ` + o.n.outboxKeys + ` WHERE order_key IN (SELECT k.order_key FROM ` + o.n.outboxKeys + ` k
+		WHERE k.order_key > $1 AND k.order_key <= $2
+			AND NOT EXISTS (SELECT 1 FROM ` + o.n.outbox + ` r WHERE r.order_key = k.order_key AND r.state = 'p')
+		FOR UPDATE SKIP LOCKED)`
+	var total int64
+	after := "" // an order key is never empty
+	for {
+		var upto *string
+		if err := o.pool.QueryRow(ctx, page, after, batch).Scan(&upto); err != nil {
+			return total, fmt.Errorf("pgstore: outbox cleanup of order keys: %w", classify(err))
+		}
+		if upto == nil {
+			return total, nil
+		}
+		var n int64
+		err := pgx.BeginTxFunc(ctx, o.pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead}, func(tx pgx.Tx) error {
+			tag, err := tx.Exec(ctx, del, after, *upto)
+			n = tag.RowsAffected()
+			return err
+		})
+		var pe *pgconn.PgError
+		switch {
+		case err == nil:
+			total += n
+		case !errors.As(err, &pe) || pe.Code != "40001":
+			return total, fmt.Errorf("pgstore: outbox cleanup of order keys: %w", classify(err))
+		}
+		after = *upto
 	}
-	return n, nil
 }

@@ -124,7 +124,7 @@ func TestMigrateUpgradesOutboxFormat1(t *testing.T) {
 }
 
 // TestOutboxCleanupKeys: Cleanup deletes the counter of an order key once
-// no row of it is left, keeps those in use (a pending or dead row, or a
+// no pending row of it is left, keeps those in use (a pending row, or a
 // writer's open transaction), and a key whose counter was deleted starts
 // again and is published.
 func TestOutboxCleanupKeys(t *testing.T) {
@@ -256,5 +256,70 @@ func TestWriteOrderedOppositeOrders(t *testing.T) {
 	r.relay(pgstore.RelayConfig{Ordered: true, PollInterval: 50 * time.Millisecond})
 	if got := r.take(2, 10*time.Second); len(got) != 2 {
 		t.Fatalf("%d messages, want 2", len(got))
+	}
+}
+
+// TestRelayOrderedChainStopsAtAClaim: a chain ends before a row another
+// relay still holds. The rows 2 and 3 of a key are claimed by a relay
+// ("ghost", for an hour) when the key's dead row 1 is re-driven ahead of
+// them: a relay takes row 1 and publishes it, but not 2 and 3, until the
+// ghost's claim ends.
+func TestRelayOrderedChainStopsAtAClaim(t *testing.T) {
+	r := newOutboxRig(t)
+	ctx := context.Background()
+	table := pgx.Identifier{r.cfg.Schema, pgstore.DefaultOutboxTable}.Sanitize()
+	var msgs []pgstore.Message
+	for i := 1; i <= 3; i++ {
+		m := r.msg(fmt.Sprint(i))
+		m.OrderKey = "k"
+		msgs = append(msgs, m)
+	}
+	r.write(true, msgs...)
+	if _, err := r.pool.Exec(ctx, "UPDATE "+table+" SET state = 'd' WHERE seq = 1"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.pool.Exec(ctx, "UPDATE "+table+" SET claimed_by = 'ghost', due_at = clock_timestamp() + interval '1 hour' WHERE seq > 1"); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := r.ob.Redrive(ctx); err != nil || n != 1 {
+		t.Fatalf("Redrive = %d, %v", n, err)
+	}
+	r.relay(pgstore.RelayConfig{Ordered: true, PollInterval: 50 * time.Millisecond})
+	if got := r.take(1, 10*time.Second); len(got) != 1 || string(got[0].Body) != "1" {
+		t.Fatalf("published %d messages, first %q; want only 1: the ghost's claim holds 2 and 3", len(got), got[0].Body)
+	}
+	if _, err := r.pool.Exec(ctx, "UPDATE "+table+" SET due_at = clock_timestamp() WHERE claimed_by = 'ghost'"); err != nil {
+		t.Fatal(err)
+	}
+	got := r.take(2, 10*time.Second)
+	if len(got) != 2 || string(got[0].Body) != "2" || string(got[1].Body) != "3" {
+		t.Fatalf("after the ghost's claim: %d messages, want 2 then 3", len(got))
+	}
+}
+
+// TestWriteOrderedWithoutCounter: a key whose counter is gone while it has
+// pending rows (an outbox moved without its counters table) numbers its
+// next message after them, not from 1 ahead of them.
+func TestWriteOrderedWithoutCounter(t *testing.T) {
+	r := newOutboxRig(t)
+	ctx := context.Background()
+	ordered := func(body string) pgstore.Message {
+		m := r.msg(body)
+		m.OrderKey = "k"
+		return m
+	}
+	r.write(true, ordered("1"), ordered("2"))
+	keys := pgx.Identifier{r.cfg.Schema, pgstore.DefaultOutboxTable + "_keys"}.Sanitize()
+	if _, err := r.pool.Exec(ctx, "TRUNCATE "+keys); err != nil {
+		t.Fatal(err)
+	}
+	r.write(true, ordered("3"))
+	r.relay(pgstore.RelayConfig{Ordered: true, PollInterval: 50 * time.Millisecond})
+	var got []string
+	for _, d := range r.take(3, 10*time.Second) {
+		got = append(got, string(d.Body))
+	}
+	if fmt.Sprint(got) != "[1 2 3]" {
+		t.Fatalf("published %v, want [1 2 3]", got)
 	}
 }

@@ -41,18 +41,10 @@ type RelayConfig struct {
 	// or several nodes to fall back on).
 	URL  string
 	Dial func() (*amqp.Connection, error)
-	// Name is the relay's name in its claims (the claimed_by column) and
-	// logs. Default: host name, process id and a random suffix.
-	//
-	// Relays running at once on one table must have different names: a
-	// relay writes a refusal or a release only on rows claimed under its
-	// name, and would take another's rows of the same name for its own. So
-	// a running relay holds its name: a session-level advisory lock (on a
-	// 64-bit hash of the table and the name) on its listening connection. A
-	// relay started with a name that a running relay holds logs an error
-	// and publishes nothing until that one stops (its session ends), then
-	// takes over. While the listening connection is down (it reconnects
-	// after a second) the name is not checked.
+	// Name is the relay's name in its logs and, followed by "#" and a
+	// random suffix of each Relay (so that two relays given one name
+	// still hold claims of their own), in its claims (the claimed_by
+	// column). Default: host name, process id and a random suffix.
 	Name string
 	// Batch is how many rows one claim takes at most. Default
 	// DefaultRelayBatch.
@@ -213,38 +205,18 @@ type Relay struct {
 	// not hold its key back for a PollInterval more.
 	retries []time.Time
 
-	// nameState is what the listening connection last learned of the
-	// lock of the relay's name: nameUnknown, nameHeld or nameTaken (by
-	// another relay of the name: publish nothing). checked is closed once
-	// it first learned it, or failed to.
-	nameState atomic.Int32
-	checked   chan struct{}
-	checkOnce sync.Once
+	// claimant is the claimed_by of this relay's claims: Name and a
+	// random suffix. A relay writes a refusal or a release only on rows
+	// claimed under it, so no two relays may share it, even when they
+	// share a Name.
+	claimant string
 
 	beforeMark func() // tests: called before a round marks its rows sent
 }
 
-// The states of a Relay's name (Relay.nameState).
-const (
-	nameUnknown int32 = iota // not known: the listening connection is down
-	nameHeld                 // this relay holds it
-	nameTaken                // another relay of the same name holds it
-)
-
-// How often a relay whose name another holds tries the name's lock
-// again, and says again that it waits.
-const (
-	nameRetry    = time.Second
-	nameLogEvery = time.Minute
-)
-
 // relaySQL are a Relay's statements.
 type relaySQL struct {
 	claim, sent, refuse, release, listen string
-	// lockName takes the session-level advisory lock of a relay name
-	// ($2) on the table ($1): a bigint key, so apart from the held
-	// leases' two-int keys.
-	lockName string
 }
 
 // NewRelay returns a Relay for o's table. It makes no network call.
@@ -266,14 +238,21 @@ func NewRelay(o *Outbox, cfg RelayConfig) (*Relay, error) {
 		// no row can yet appear ahead of it. With each head comes the
 		// chain of its key's next pending rows, up to $4, published one
 		// after the other: nobody else claims them while the head is
-		// pending and claimed. (A row of the previous format written
-		// without seq has no place in its key's order: a head, alone.)
+		// pending and claimed. The chain ends before the first row that
+		// is not due: one that another relay still holds (claimed with
+		// a head that was then re-driven ahead of it) or that waits out
+		// a backoff is not taken, and nothing behind it. (A row of the
+		// previous format written without seq has no place in its key's
+		// order: a head, alone.)
 		claim = `WITH h AS (SELECT p.id, p.order_key, p.seq FROM ` + t + ` p WHERE p.state = 'p' AND p.due_at <= clock_timestamp()
 				AND (p.seq IS NULL OR NOT EXISTS (SELECT 1 FROM ` + t + ` q
-					WHERE q.order_key = p.order_key AND q.state = 'p' AND q.seq < p.seq))
+					WHERE q.state = 'p' AND q.order_key = p.order_key AND q.seq < p.seq))
 				ORDER BY p.id LIMIT $2 FOR UPDATE SKIP LOCKED),
-			f AS (SELECT n.id FROM h CROSS JOIN LATERAL (SELECT q.id FROM ` + t + ` q
-				WHERE q.order_key = h.order_key AND q.state = 'p' AND q.seq > h.seq ORDER BY q.seq LIMIT $4) n),
+			f AS (SELECT n.id FROM h CROSS JOIN LATERAL (SELECT w.id FROM (
+					SELECT q.id, bool_or(q.due_at > clock_timestamp()) OVER (ORDER BY q.seq) AS cut
+					FROM (SELECT id, seq, due_at FROM ` + t + ` q WHERE q.state = 'p' AND q.order_key = h.order_key
+						AND q.seq > h.seq ORDER BY q.seq LIMIT $4) q) w
+				WHERE NOT w.cut) n),
 			c AS (SELECT id FROM h UNION ALL SELECT id FROM f)`
 	}
 	claim += `
@@ -301,14 +280,13 @@ func NewRelay(o *Outbox, cfg RelayConfig) (*Relay, error) {
 				RETURNING t.id, t.state`,
 			release: `UPDATE ` + t + ` SET claimed_by = NULL, due_at = clock_timestamp() + $3 * interval '1 millisecond'
 				WHERE id = ANY($2) AND state = 'p' AND claimed_by = $1`,
-			listen:   "LISTEN " + pgx.Identifier{o.n.outboxChannel}.Sanitize(),
-			lockName: `SELECT pg_try_advisory_lock(hashtextextended('amqpidem relay ' || $1::regclass::oid || ' ' || $2, 0))`,
+			listen: "LISTEN " + pgx.Identifier{o.n.outboxChannel}.Sanitize(),
 		},
 		wake:     make(chan struct{}, 1),
 		stopping: make(chan struct{}),
 		cancel:   make(chan struct{}),
 		done:     make(chan struct{}),
-		checked:  make(chan struct{}),
+		claimant: cfg.Name + "#" + strconv.FormatUint(rand.Uint64(), 36),
 	}
 	return r, nil
 }
@@ -327,8 +305,7 @@ func (r *Relay) Backlog(ctx context.Context) (rows int64, oldest time.Duration, 
 
 // Run relays until Shutdown (then it returns nil) or until ctx ends (then
 // ctx.Err()). Errors of the database or the broker are logged and waited
-// out with backoff, never returned; so is another running relay of the
-// same name (see RelayConfig.Name). Run may be called once. It listens,
+// out with backoff, never returned. Run may be called once. It listens,
 // and deletes expired sent rows, from goroutines that end before it
 // returns.
 func (r *Relay) Run(ctx context.Context) error {
@@ -338,42 +315,26 @@ func (r *Relay) Run(ctx context.Context) error {
 	defer close(r.done)
 	defer r.pub.Close()
 	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	defer cancel() // before wg.Wait: stops the goroutines below
+	wg.Add(3)
 	go func() { // Shutdown's ctx ended: stop waiting for confirms
+		defer wg.Done()
 		select {
 		case <-r.cancel:
 			cancel()
 		case <-ctx.Done():
 		}
 	}()
-
-	var wg sync.WaitGroup
-	wg.Add(1)
 	go func() {
 		defer wg.Done()
 		r.listen(ctx)
 	}()
-	if r.cfg.Retention >= 0 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			r.cleanup(ctx)
-		}()
-	}
-	defer wg.Wait()
-	defer cancel() // before wg.Wait: stops the listener and the cleanup
-
-	// Publish nothing before the listener knows whether another relay of
-	// this name runs (it says so, and why it cannot tell); not for long:
-	// polling goes on while its connection cannot be opened.
-	gate := time.NewTimer(poolWait)
-	select {
-	case <-r.checked:
-	case <-gate.C:
-	case <-r.stopping:
-	case <-ctx.Done():
-	}
-	gate.Stop()
+	go func() {
+		defer wg.Done()
+		r.cleanup(ctx)
+	}()
 
 	failures := 0 // rounds in a row the database or broker failed
 	for {
@@ -383,10 +344,8 @@ func (r *Relay) Run(ctx context.Context) error {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		n, err, began := 0, error(nil), time.Now()
-		if r.nameState.Load() != nameTaken { // else wait for the name
-			n, err = r.round(ctx)
-		}
+		began := time.Now()
+		n, err := r.round(ctx)
 		var wait time.Duration
 		switch {
 		case err != nil:
@@ -422,11 +381,13 @@ func (r *Relay) Run(ctx context.Context) error {
 	}
 }
 
-// cleanup deletes the sent rows past Retention every CleanupInterval
-// (from the end of one cleanup to the start of the next), beside the
-// publishing loop, so that a long one (a lowered Retention, a busy hour's
-// rows) holds no publish back, until Shutdown or ctx ends (Run's return
-// cancels the statement in flight).
+// cleanup deletes the sent rows past Retention (Outbox.Cleanup), or with
+// a negative Retention (rows deleted at their confirm) the counters of
+// order keys without pending rows only, every CleanupInterval (from the
+// end of one cleanup to the start of the next), beside the publishing
+// loop, so that a long one (a lowered Retention, a busy hour's rows)
+// holds no publish back, until Shutdown or ctx ends (Run's return cancels
+// the statement in flight).
 func (r *Relay) cleanup(ctx context.Context) {
 	t := time.NewTimer(r.cfg.CleanupInterval)
 	defer t.Stop()
@@ -438,7 +399,13 @@ func (r *Relay) cleanup(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		}
-		if _, err := r.o.Cleanup(ctx, r.cfg.Retention, r.o.cfg.CleanupBatch); err != nil && ctx.Err() == nil {
+		var err error
+		if r.cfg.Retention >= 0 {
+			_, err = r.o.Cleanup(ctx, r.cfg.Retention, r.o.cfg.CleanupBatch)
+		} else {
+			_, err = r.o.cleanupKeys(ctx, r.o.cfg.CleanupBatch)
+		}
+		if err != nil && ctx.Err() == nil {
 			r.log.Warn("pgstore: relay: "+err.Error(), "relay", r.cfg.Name)
 		}
 		t.Reset(r.cfg.CleanupInterval)
@@ -499,16 +466,21 @@ var errNotTried = errors.New("not tried: an earlier message of its order key was
 // broker could not be reached (the rows it could not publish are released,
 // due after a backoff).
 func (r *Relay) round(ctx context.Context) (int, error) {
-	start := time.Now() // no later than the claim's start, by the database's clock
-	rows, err := r.claim(ctx)
+	rows, start, err := r.claim(ctx)
 	if err != nil || len(rows) == 0 {
 		return 0, err
 	}
 	// A chain is published one message at a time, each after the
 	// confirm of the one before, stopping at the first that is not
-	// confirmed; chains go Concurrency at a time. A publish starts only
-	// while the claim will outlast it.
-	deadline := start.Add(r.cfg.ClaimTTL - r.cfg.PublishTimeout)
+	// confirmed; chains go Concurrency at a time. No publish starts
+	// unless the claim outlasts it: a chain's first message (at most
+	// Batch of them, which Validate makes fit in the claim when
+	// publishes are all that runs) while the claim outlasts its publish;
+	// the ones after it only while it outlasts their publish by half of
+	// ClaimTTL, left for marking them sent (markSent). What was not tried
+	// is released for the next round.
+	heads := start.Add(r.cfg.ClaimTTL - r.cfg.PublishTimeout)
+	followers := start.Add(r.cfg.ClaimTTL/2 - r.cfg.PublishTimeout)
 	var wg sync.WaitGroup
 	sem := make(chan struct{}, r.cfg.Concurrency)
 	for _, chain := range chains(rows) {
@@ -517,11 +489,11 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 		go func() {
 			defer func() { <-sem; wg.Done() }()
 			var failed error
-			for _, c := range chain {
+			for i, c := range chain {
 				switch {
 				case failed != nil:
 					c.err = errNotTried
-				case time.Now().After(deadline):
+				case time.Now().After(heads), i > 0 && time.Now().After(followers):
 					c.err, failed = errNotTried, errNotTried
 				default:
 					c.err = r.publish(ctx, c.message)
@@ -547,7 +519,6 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 			reasons = append(reasons, c.err.Error())
 			wait := backoff(r.cfg.RetryBackoff, r.cfg.MaxBackoff, c.attempts+1)
 			waits = append(waits, wait.Milliseconds())
-			r.retryAt(time.Now().Add(wait))
 			r.log.Warn("pgstore: relay: the broker refused a message", "relay", r.cfg.Name, "id", c.id,
 				"attempt", c.attempts+1, "max_attempts", r.cfg.MaxAttempts, "error", c.err)
 		default:
@@ -570,6 +541,12 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 		if err != nil {
 			return len(rows), err
 		}
+		// Each row is due its wait after the refusal's statement, which
+		// has returned: so at the latest now plus the wait, by any clock.
+		now := time.Now()
+		for _, w := range waits {
+			r.retryAt(now.Add(time.Duration(w) * time.Millisecond))
+		}
 		for _, id := range dead {
 			r.dead.Add(1)
 			r.log.Error("pgstore: relay: a message is dead after being refused MaxAttempts times: list it with "+
@@ -578,13 +555,13 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 		}
 	}
 	if len(notTried) > 0 {
-		if _, err := r.o.pool.Exec(mctx, r.sql.release, r.cfg.Name, notTried, 0); err != nil {
+		if _, err := r.o.pool.Exec(mctx, r.sql.release, r.claimant, notTried, 0); err != nil {
 			r.log.Warn("pgstore: relay: release rows (they wait out the claim): "+classify(err).Error(), "relay", r.cfg.Name)
 		}
 	}
 	if len(unavailable) > 0 {
 		wait := r.cfg.RetryBackoff.Milliseconds()
-		if _, err := r.o.pool.Exec(mctx, r.sql.release, r.cfg.Name, unavailable, wait); err != nil {
+		if _, err := r.o.pool.Exec(mctx, r.sql.release, r.claimant, unavailable, wait); err != nil {
 			r.log.Warn("pgstore: relay: release rows (they wait out the claim): "+classify(err).Error(), "relay", r.cfg.Name)
 		}
 		return len(rows), fmt.Errorf("publish %d of %d messages: %w", len(unavailable), len(rows), brokerErr)
@@ -598,11 +575,14 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 // A confirmed row left unmarked is published again once its claim ends,
 // so a mark that fails (the session lost, the server restarting) is tried
 // again, after 50 ms doubled up to 1 s, on a connection checked to be
-// alive: new tries start for a third of ClaimTTL, each bounded by a sixth
-// (so all end within half of ClaimTTL, before another relay may take the
-// rows). The mark changes only rows still pending: repeating it, or
-// writing it after another relay's, is harmless. It is written even when
-// ctx has ended (Shutdown).
+// alive: new tries start for a third of ClaimTTL, each bounded by a
+// sixth, so all end within half of ClaimTTL after the publishes. round
+// stops starting a chain's later publishes in time for that; a slow first
+// wave can still leave less. A mark written after the claim ended may come
+// after another relay took the rows and published them again: copies,
+// with one MessageId. The mark changes only rows still pending: repeating
+// it, or writing it after another relay's, is harmless. It is written
+// even when ctx has ended (Shutdown).
 func (r *Relay) markSent(ctx context.Context, ids []int64) error {
 	if r.beforeMark != nil {
 		r.beforeMark()
@@ -679,66 +659,41 @@ func (r *Relay) acquire(ctx context.Context) (*pgxpool.Conn, error) {
 	return nil, classify(err)
 }
 
-// query is the pool's Query, with the wait for a connection bounded by
-// acquire. The connection goes back to the pool once the rows are read
-// or closed.
-func (r *Relay) query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	c, err := r.acquire(ctx)
-	if err != nil {
-		return nil, err
-	}
-	q, err := c.Query(ctx, sql, args...)
-	if err != nil {
-		c.Release()
-		return nil, err
-	}
-	return &connRows{Rows: q, c: c}, nil
-}
-
-// connRows are rows that release their pool connection when done.
-type connRows struct {
-	pgx.Rows
-	c    *pgxpool.Conn
-	once sync.Once
-}
-
-func (q *connRows) Next() bool {
-	if q.Rows.Next() {
-		return true
-	}
-	q.once.Do(q.c.Release) // Next closed the rows
-	return false
-}
-
-func (q *connRows) Close() {
-	q.Rows.Close()
-	q.once.Do(q.c.Release)
-}
-
 // claim takes up to Batch due rows for ClaimTTL, in ID order, and with
-// Ordered the chains behind the order keys' heads among them.
-func (r *Relay) claim(ctx context.Context) ([]claimed, error) {
-	args := []any{r.cfg.Name, r.cfg.Batch, r.cfg.ClaimTTL.Milliseconds()}
+// Ordered the chains behind the order keys' heads among them. It returns
+// them and when it started the claim's statement, which is no later than
+// the claim's start by the database's clock.
+func (r *Relay) claim(ctx context.Context) ([]claimed, time.Time, error) {
+	args := []any{r.claimant, r.cfg.Batch, r.cfg.ClaimTTL.Milliseconds()}
 	if r.cfg.Ordered {
 		args = append(args, r.cfg.Batch-1)
 	}
-	q, err := r.query(ctx, r.sql.claim, args...)
+	c, err := r.acquire(ctx) // bounded: a busy pool is an error, not a stall
 	if err != nil {
-		return nil, fmt.Errorf("claim: %w", classify(err))
+		return nil, time.Time{}, fmt.Errorf("claim: %w", err)
 	}
+	defer c.Release()
+	start := time.Now()
+	q, err := c.Query(ctx, r.sql.claim, args...)
+	if err != nil {
+		return nil, start, fmt.Errorf("claim: %w", classify(err))
+	}
+	defer q.Close()
 	var rows []claimed
 	for q.Next() {
-		var c claimed
-		if err := q.Scan(&c.id, &c.message, &c.attempts, &c.orderKey, &c.seq); err != nil {
-			q.Close()
-			return nil, fmt.Errorf("claim: %w", classify(err))
+		var row claimed
+		if err := q.Scan(&row.id, &row.message, &row.attempts, &row.orderKey, &row.seq); err != nil {
+			return nil, start, fmt.Errorf("claim: %w", classify(err))
 		}
-		rows = append(rows, c)
+		if !r.cfg.Ordered {
+			row.orderKey, row.seq = nil, nil // no chains: each row on its own
+		}
+		rows = append(rows, row)
 	}
 	if err := q.Err(); err != nil {
-		return nil, fmt.Errorf("claim: %w", classify(err))
+		return nil, start, fmt.Errorf("claim: %w", classify(err))
 	}
-	return rows, nil
+	return rows, start, nil
 }
 
 // chains groups the claimed rows into what is published in sequence: the
@@ -771,7 +726,7 @@ func chains(rows []claimed) [][]*claimed {
 // refuse records the broker's refusals and returns the IDs of the rows
 // that are dead now.
 func (r *Relay) refuse(ctx context.Context, ids []int64, reasons []string, waits []int64) ([]int64, error) {
-	q, err := r.o.pool.Query(ctx, r.sql.refuse, r.cfg.Name, r.cfg.MaxAttempts, ids, reasons, waits)
+	q, err := r.o.pool.Query(ctx, r.sql.refuse, r.claimant, r.cfg.MaxAttempts, ids, reasons, waits)
 	if err != nil {
 		return nil, fmt.Errorf("record %d refusals: %w", len(ids), classify(err))
 	}
@@ -820,7 +775,7 @@ func refused(err error) bool {
 	return errors.Is(err, errUndecodable) || amqpidem.IsRefused(err)
 }
 
-// listen holds the relay's name and wakes the relay on each notification
+// listen wakes the relay on each notification
 // of Outbox.Write, until ctx ends, on a connection of its own (see dial):
 // not one of the pool, which it would hold for good, so that a pool of one
 // connection, or one the application keeps busy, still serves the relay's
@@ -828,10 +783,6 @@ func refused(err error) bool {
 func (r *Relay) listen(ctx context.Context) {
 	for ctx.Err() == nil {
 		err := r.listenOnce(ctx)
-		// The name's lock went with the session; whether another relay
-		// holds it is known again once connected.
-		r.nameState.CompareAndSwap(nameHeld, nameUnknown)
-		r.checkOnce.Do(func() { close(r.checked) })
 		if ctx.Err() != nil {
 			return
 		}
@@ -858,9 +809,6 @@ func (r *Relay) listenOnce(ctx context.Context) error {
 		_ = c.Close(cctx)
 		cancel()
 	}()
-	if err := r.holdName(ctx, c); err != nil {
-		return err
-	}
 	if _, err := c.Exec(ctx, r.sql.listen); err != nil {
 		return classify(err)
 	}
@@ -870,41 +818,6 @@ func (r *Relay) listenOnce(ctx context.Context) error {
 			return classify(err)
 		}
 		r.poke()
-	}
-}
-
-// holdName takes the lock of the relay's name on the listening connection
-// c, for as long as c lives. While another session holds it, it says so
-// and tries again every nameRetry, the relay publishing nothing meanwhile.
-func (r *Relay) holdName(ctx context.Context, c *pgx.Conn) error {
-	var logged time.Time
-	for {
-		var ok bool
-		if err := c.QueryRow(ctx, r.sql.lockName, r.o.n.outbox, r.cfg.Name).Scan(&ok); err != nil {
-			return classify(err)
-		}
-		if ok {
-			if r.nameState.Swap(nameHeld) == nameTaken {
-				r.log.Info("pgstore: relay: took over the name: the other relay of this name has stopped", "relay", r.cfg.Name)
-			}
-			r.checkOnce.Do(func() { close(r.checked) })
-			return nil
-		}
-		r.nameState.Store(nameTaken)
-		r.checkOnce.Do(func() { close(r.checked) })
-		if time.Since(logged) >= nameLogEvery {
-			logged = time.Now()
-			r.log.Error(fmt.Sprintf("pgstore: relay: another relay named %q runs on the table %s (its session holds the name): "+
-				"this one publishes nothing until that one stops; give each relay of a table its own RelayConfig.Name",
-				r.cfg.Name, r.o.n.outbox), "relay", r.cfg.Name)
-		}
-		t := time.NewTimer(nameRetry)
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			t.Stop()
-			return ctx.Err()
-		}
 	}
 }
 

@@ -386,10 +386,10 @@ const outboxComment1 = "amqpidem pgstore outbox, format 1"
 // key visible too (or gone for good). It is plain data: it survives a dump
 // and restore, unlike a transaction id.
 //
-// The indexes are partial: on pending rows (the relay's queue), rows with
-// an order key (each key's head and chain, and whether a key has rows
-// left), sent rows (cleanup) and dead ones (an operator's list). A claim
-// changes no indexed column, so it can be a HOT update.
+// The indexes are partial: on pending rows (the relay's queue), pending
+// rows with an order key (each key's head and chain, and the key's last
+// pending number), sent rows (cleanup) and dead ones (an operator's list).
+// A claim changes no indexed column, so it can be a HOT update.
 const outboxSQL = `
 CREATE TABLE IF NOT EXISTS {outboxkeys} (
 	order_key text   PRIMARY KEY,
@@ -414,7 +414,7 @@ CREATE TABLE IF NOT EXISTS {outbox} (
 );
 
 CREATE INDEX IF NOT EXISTS {outboxpending} ON {outbox} (id) WHERE state = 'p';
-CREATE INDEX IF NOT EXISTS {outboxorder} ON {outbox} (order_key, state, seq) WHERE order_key IS NOT NULL;
+CREATE INDEX IF NOT EXISTS {outboxorder} ON {outbox} (order_key, seq) WHERE state = 'p' AND order_key IS NOT NULL;
 CREATE INDEX IF NOT EXISTS {outboxsent} ON {outbox} (sent_at) WHERE state = 's';
 CREATE INDEX IF NOT EXISTS {outboxdead} ON {outbox} (id) WHERE state = 'd';
 

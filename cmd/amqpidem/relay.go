@@ -74,8 +74,7 @@ reason, "relay redrive" publishes it again once the cause is fixed.`,
 	}
 	c.PersistentFlags().StringVar(&ro.table, "outbox-table", "", "pgstore Config.OutboxTable (default amqpidem_outbox)")
 	f := c.Flags()
-	f.StringVar(&ro.name, "name", "", "the relay's name in its claims and logs, one per running relay of a table: "+
-		"a second relay of a name waits until the first stops (default host-pid-random)")
+	f.StringVar(&ro.name, "name", "", "the relay's name in its logs and claims (each relay's claims carry a random suffix of their own) (default host-pid-random)")
 	f.BoolVar(&ro.ordered, "ordered", false, "publish each order key's messages one at a time, in the order their transactions committed (RelayConfig.Ordered)")
 	f.IntVar(&ro.batch, "batch", 0, "rows per claim (default 128)")
 	f.IntVar(&ro.concurrency, "concurrency", 0, "publishes waiting for their confirm at once, at most 64 (default 64)")
