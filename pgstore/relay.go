@@ -462,9 +462,11 @@ var errNotTried = errors.New("not tried: an earlier message of its order key was
 
 // round claims up to Batch rows (and, with Ordered, each order key's next
 // rows behind its head), publishes them and records the outcomes. It
-// returns how many rows it claimed, and an error when the database or the
-// broker could not be reached (the rows it could not publish are released,
-// due after a backoff).
+// returns how many of the rows it claimed it tried to publish (the loop
+// looks again at once only when that is not 0: a claim too short for any
+// publish must not make it spin), and an error when the database or the
+// broker could not be reached (the rows it could not publish are
+// released, due after a backoff).
 func (r *Relay) round(ctx context.Context) (int, error) {
 	rows, start, err := r.claim(ctx)
 	if err != nil || len(rows) == 0 {
@@ -533,13 +535,13 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 	defer cancel()
 	if len(sent) > 0 {
 		if err := r.markSent(ctx, sent); err != nil {
-			return len(rows), err
+			return len(rows) - len(notTried), err
 		}
 	}
 	if len(refusedIDs) > 0 {
 		dead, err := r.refuse(mctx, refusedIDs, reasons, waits)
 		if err != nil {
-			return len(rows), err
+			return len(rows) - len(notTried), err
 		}
 		// Each row is due its wait after the refusal's statement, which
 		// has returned: so at the latest now plus the wait, by any clock.
@@ -554,6 +556,11 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 				"relay", r.cfg.Name, "id", id, "max_attempts", r.cfg.MaxAttempts)
 		}
 	}
+	if len(notTried) == len(rows) {
+		r.log.Warn("pgstore: relay: a claim ended too soon for any publish: raise RelayConfig.ClaimTTL well above PublishTimeout",
+			"relay", r.cfg.Name, "claim_ttl", r.cfg.ClaimTTL, "publish_timeout", r.cfg.PublishTimeout,
+			"claimed_for", time.Since(start))
+	}
 	if len(notTried) > 0 {
 		if _, err := r.o.pool.Exec(mctx, r.sql.release, r.claimant, notTried, 0); err != nil {
 			r.log.Warn("pgstore: relay: release rows (they wait out the claim): "+classify(err).Error(), "relay", r.cfg.Name)
@@ -564,9 +571,9 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 		if _, err := r.o.pool.Exec(mctx, r.sql.release, r.claimant, unavailable, wait); err != nil {
 			r.log.Warn("pgstore: relay: release rows (they wait out the claim): "+classify(err).Error(), "relay", r.cfg.Name)
 		}
-		return len(rows), fmt.Errorf("publish %d of %d messages: %w", len(unavailable), len(rows), brokerErr)
+		return len(rows) - len(notTried), fmt.Errorf("publish %d of %d messages: %w", len(unavailable), len(rows), brokerErr)
 	}
-	return len(rows), nil
+	return len(rows) - len(notTried), nil
 }
 
 // markSent marks the rows ids sent (deletes them, with a negative
