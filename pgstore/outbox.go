@@ -97,8 +97,9 @@ func NewOutbox(pool *pgxpool.Pool, cfg Config) (*Outbox, error) {
 		// The key's counter row is locked until the transaction ends: a
 		// writer of the same key waits here, then numbers its message
 		// after this one (ON CONFLICT DO UPDATE reads the latest
-		// committed counter). Under REPEATABLE READ or SERIALIZABLE, that
-		// writer fails with a serialization error instead, to be retried.
+		// committed counter). Under REPEATABLE READ or SERIALIZABLE, a
+		// writer whose snapshot predates the counter's last change fails
+		// with a serialization error instead, to be retried.
 		//
 		// A new counter starts after the key's pending rows: after a
 		// cleanup deleted it (a key without pending rows starts from 1),
@@ -128,9 +129,10 @@ func NewOutbox(pool *pgxpool.Pool, cfg Config) (*Outbox, error) {
 // messages late in it (after the writes they announce), and keep it short.
 // Two transactions writing two keys in opposite orders can deadlock; the
 // server aborts one of them (SQLSTATE 40P01), which the caller retries.
-// Under REPEATABLE READ or SERIALIZABLE, the second writer fails with a
-// serialization error (40001) instead of waiting: retry the transaction,
-// as those levels require anyway.
+// Under REPEATABLE READ or SERIALIZABLE, a writer whose snapshot was taken
+// before another transaction changed the key's counter (it waits for that
+// one to end first, when it still runs) fails with a serialization error
+// (40001): retry the transaction, as those levels require anyway.
 func (o *Outbox) Write(ctx context.Context, tx pgx.Tx, m Message) (string, error) {
 	msg := m.Publishing
 	if msg.MessageId == "" {
@@ -281,8 +283,8 @@ func (o *Outbox) Dead(ctx context.Context) (int64, error) {
 // statements of at most batch rows each (DefaultCleanupBatch when batch is
 // not positive), until none is left or ctx ends, and returns how many it
 // deleted; then the counters of order keys without pending rows. Each
-// statement takes a pool connection of its own. A
-// Relay runs it every RelayConfig.CleanupInterval, beside its publishing.
+// statement takes a pool connection of its own. A Relay runs it every
+// RelayConfig.CleanupInterval, beside its publishing.
 func (o *Outbox) Cleanup(ctx context.Context, retention time.Duration, batch int) (int64, error) {
 	if batch <= 0 {
 		batch = DefaultCleanupBatch
