@@ -49,7 +49,7 @@ type processor struct {
 	// valueLimit is the most bytes the store keeps in one record's value;
 	// outboxBytes, what staged messages may take of it.
 	valueLimit, outboxBytes int
-	// shortRetention is set once a lease whose retention is shorter than
+	// shortRetention is set once a lease whose retention is too short for
 	// its TTL was reported (checkRetention).
 	shortRetention *atomic.Bool
 
