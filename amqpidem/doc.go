@@ -127,7 +127,14 @@
 // A stored result carries a digest of the ReplyTo its reply went to
 // (ResultOverhead bytes), and a duplicate's reply is re-sent only to that
 // same ReplyTo: a message that reuses an id cannot have someone else's
-// result sent where it chooses.
+// result sent where it chooses. The ReplyTo itself, though, is the
+// publisher's to choose, as in any AMQP RPC: amqpidem publishes a reply to
+// whatever queue a message names, through the default exchange, with the
+// consumer's credentials. A publisher allowed on the consumer's queue can
+// so have results delivered to any queue the consumer's user may write
+// to. Limit that user's write permission (RabbitMQ's per-vhost "write"
+// pattern) to the reply queues, or check d.ReplyTo in the handler and
+// return a Permanent error for one you do not serve.
 //
 // A delayed requeue publishes a copy (properties, headers and body kept;
 // the attempt count in HeaderAttempt), confirmed and with mandatory set,
