@@ -42,7 +42,8 @@ type Config struct {
 	lock.Config
 	// Schema is the schema of the table and its functions. Default empty:
 	// unqualified names, resolved through the connection's search_path.
-	// Migrate creates it if it does not exist.
+	// Migrate creates it if it does not exist. It must not contain "$" or
+	// a NUL byte, nor must Table or OutboxTable (see Validate).
 	Schema string
 	// Table is the records table. Migrate also creates the functions
 	// "<Table>_acquire", "<Table>_finish", "<Table>_finish_tx",
@@ -93,7 +94,11 @@ type Config struct {
 	Inject func(ctx context.Context, headers amqp.Table)
 }
 
-// Validate reports the first invalid field, by name.
+// Validate reports the first invalid field, by name. Table, OutboxTable and
+// Schema are quoted wherever they are used, but the migration also puts
+// them inside dollar-quoted function bodies and DO blocks ($fn$ ... $fn$),
+// which no quoting protects: a name holding "$" is refused, like one
+// holding a NUL byte.
 func (c Config) Validate() error {
 	if err := c.Config.Validate(); err != nil {
 		return err
@@ -105,6 +110,12 @@ func (c Config) Validate() error {
 		return fmt.Errorf("pgstore: Config.OutboxTable is %d bytes, at most %d allowed", len(c.OutboxTable), maxTableLen)
 	case strings.ContainsRune(c.Table, 0) || strings.ContainsRune(c.Schema, 0) || strings.ContainsRune(c.OutboxTable, 0):
 		return errors.New("pgstore: Config.Table, Config.OutboxTable and Config.Schema must not contain a NUL byte")
+	case strings.Contains(c.Table, "$"):
+		return fmt.Errorf("pgstore: Config.Table %q contains a $: not allowed, it could end the dollar-quoted function bodies of the migration", c.Table)
+	case strings.Contains(c.OutboxTable, "$"):
+		return fmt.Errorf("pgstore: Config.OutboxTable %q contains a $: not allowed, it could end the dollar-quoted blocks of the migration", c.OutboxTable)
+	case strings.Contains(c.Schema, "$"):
+		return fmt.Errorf("pgstore: Config.Schema %q contains a $: not allowed, it could end the dollar-quoted function bodies of the migration", c.Schema)
 	case c.OutboxTable != "" && c.OutboxTable == c.withDefaults().Table:
 		return fmt.Errorf("pgstore: Config.OutboxTable and Config.Table are both %q: they must be two tables", c.OutboxTable)
 	case len(c.Schema) > 63:

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"strconv"
 	"time"
 
@@ -60,6 +61,31 @@ type deadLetter struct {
 	OriginalRoutingKey string     `json:"original_routing_key"`
 	Consumer           string     `json:"consumer,omitempty"`
 	BodyBytes          int        `json:"body_bytes"`
+}
+
+// printDeadLetters writes the text output of dlq list: how many dead
+// letters queue holds, then list as a table. Every value from a dead
+// letter is escaped (table, oneLine): its headers are whatever a
+// publisher or a consumer put there.
+func printDeadLetters(w io.Writer, queue string, count int, list []deadLetter) {
+	fmt.Fprintf(w, "%s: %s", escapeText(queue), plural(count, "dead letter"))
+	if len(list) < count {
+		fmt.Fprintf(w, ", the first %d shown (--limit)", len(list))
+	}
+	fmt.Fprintln(w)
+	if len(list) == 0 {
+		return
+	}
+	rows := [][]string{{"#", "KEY", "REASON", "ATTEMPTS", "FIRST SEEN", "EXCHANGE", "ROUTING KEY", "ERROR"}}
+	for _, dl := range list {
+		first := "-"
+		if dl.FirstSeen != nil {
+			first = dl.FirstSeen.Format(time.RFC3339)
+		}
+		rows = append(rows, []string{strconv.Itoa(dl.Index), oneLine(orDash(dl.Key), 40), oneLine(dl.Reason, 40), strconv.FormatInt(dl.Attempts, 10),
+			first, oneLine(orDash(dl.OriginalExchange), 40), oneLine(orDash(dl.OriginalRoutingKey), 60), oneLine(dl.Error, 60)})
+	}
+	table(w, rows)
 }
 
 func describe(i int, d *amqp.Delivery) deadLetter {
@@ -207,24 +233,7 @@ Exit code 3 when the dead-letter queue does not exist.`,
 				}
 				return printJSON(o.stdout, list)
 			}
-			fmt.Fprintf(o.stdout, "%s: %s", s.queue, plural(s.count, "dead letter"))
-			if len(list) < s.count {
-				fmt.Fprintf(o.stdout, ", the first %d shown (--limit)", len(list))
-			}
-			fmt.Fprintln(o.stdout)
-			if len(list) == 0 {
-				return nil
-			}
-			rows := [][]string{{"#", "KEY", "REASON", "ATTEMPTS", "FIRST SEEN", "EXCHANGE", "ROUTING KEY", "ERROR"}}
-			for _, dl := range list {
-				first := "-"
-				if dl.FirstSeen != nil {
-					first = dl.FirstSeen.Format(time.RFC3339)
-				}
-				rows = append(rows, []string{strconv.Itoa(dl.Index), oneLine(orDash(dl.Key), 40), dl.Reason, strconv.FormatInt(dl.Attempts, 10),
-					first, orDash(dl.OriginalExchange), orDash(dl.OriginalRoutingKey), oneLine(dl.Error, 60)})
-			}
-			table(o.stdout, rows)
+			printDeadLetters(o.stdout, s.queue, s.count, list)
 			return nil
 		},
 	}
@@ -525,6 +534,6 @@ func (o *options) report(out []replayed, dlq string, dryRun bool) error {
 	if len(rows) > 0 {
 		table(o.stdout, append([][]string{{"#", "KEY", "REASON", "ACTION", "WHY"}}, rows...))
 	}
-	fmt.Fprintf(o.stdout, "%s: %d replayed, %d would replay, %d left\n", dlq, counts["replayed"], counts["would replay"], counts["left"])
+	fmt.Fprintf(o.stdout, "%s: %d replayed, %d would replay, %d left\n", escapeText(dlq), counts["replayed"], counts["would replay"], counts["left"])
 	return nil
 }

@@ -85,7 +85,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err == nil {
 		return exitOK
 	}
-	fmt.Fprintln(stderr, "amqpidem:", err)
+	fmt.Fprintln(stderr, "amqpidem:", escapeText(err.Error())) // errors quote keys, headers, store replies
 	var ce *codeError
 	if errors.As(err, &ce) {
 		return ce.code

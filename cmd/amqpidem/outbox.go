@@ -474,9 +474,9 @@ func (r *redriver) report(out []redriven) error {
 	if n := counts["published, not marked"]; n > 0 {
 		summary += fmt.Sprintf(", %d published but not marked", n)
 	}
-	fmt.Fprintln(r.o.stdout, summary)
+	fmt.Fprintln(r.o.stdout, escapeText(summary))
 	if r.note != "" {
-		fmt.Fprintln(r.o.stdout, r.note)
+		fmt.Fprintln(r.o.stdout, escapeText(r.note))
 	}
 	return nil
 }

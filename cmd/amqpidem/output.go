@@ -9,6 +9,7 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+	"unicode"
 	"unicode/utf8"
 )
 
@@ -19,13 +20,79 @@ func printJSON(w io.Writer, v any) error {
 	return enc.Encode(v)
 }
 
-// table writes rows as aligned columns.
+// table writes rows as aligned columns. Every cell goes through
+// escapeText, so no cell can add a line or a column, or reach the terminal
+// with a control character.
 func table(w io.Writer, rows [][]string) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	cells := make([]string, 0, 8)
 	for _, r := range rows {
-		fmt.Fprintln(tw, strings.Join(r, "\t"))
+		cells = cells[:0]
+		for _, c := range r {
+			cells = append(cells, escapeText(c))
+		}
+		fmt.Fprintln(tw, strings.Join(cells, "\t"))
 	}
 	tw.Flush()
+}
+
+// escapeText is s safe to print on a terminal: every control character
+// (C0 such as ESC, newline and tab, DEL, and C1 such as U+009B CSI), every
+// bidirectional formatting character (U+202E and its kin, which reorder
+// what follows them), the line and paragraph separators and every byte
+// that is not UTF-8 are written as Go-style escapes (\n, \r, \t, \x1b,
+// \u009b, \u202e; \xff for a stray byte). Printable UTF-8 and backslashes
+// are kept as they are, so escapeText(escapeText(s)) == escapeText(s); a
+// value that itself holds a backslash escape reads the same as one holding
+// the character, which --json tells apart. All the text output of the CLI
+// that can hold a value from a message, a record or a store goes through
+// it; --json output is escaped by encoding/json.
+func escapeText(s string) string {
+	if !needsEscape(s) {
+		return s
+	}
+	var b strings.Builder
+	b.Grow(len(s) + 16)
+	for i := 0; i < len(s); {
+		r, size := utf8.DecodeRuneInString(s[i:])
+		switch {
+		case r == utf8.RuneError && size == 1:
+			fmt.Fprintf(&b, `\x%02x`, s[i])
+		case r == '\n':
+			b.WriteString(`\n`)
+		case r == '\r':
+			b.WriteString(`\r`)
+		case r == '\t':
+			b.WriteString(`\t`)
+		case r < 0x80 && unsafeRune(r):
+			fmt.Fprintf(&b, `\x%02x`, r)
+		case unsafeRune(r):
+			fmt.Fprintf(&b, `\u%04x`, r)
+		default:
+			b.WriteString(s[i : i+size])
+		}
+		i += size
+	}
+	return b.String()
+}
+
+// needsEscape reports whether escapeText would change s.
+func needsEscape(s string) bool {
+	for i := 0; i < len(s); {
+		r, size := utf8.DecodeRuneInString(s[i:])
+		if (r == utf8.RuneError && size == 1) || unsafeRune(r) {
+			return true
+		}
+		i += size
+	}
+	return false
+}
+
+// unsafeRune reports whether r must not reach a terminal raw: a control
+// character (C0, DEL, C1), a bidirectional formatting character, or a line
+// or paragraph separator.
+func unsafeRune(r rune) bool {
+	return unicode.IsControl(r) || unicode.Is(unicode.Bidi_Control, r) || r == '\u2028' || r == '\u2029'
 }
 
 // shown is b as text for a person or a script: the text when it is UTF-8,
@@ -41,20 +108,15 @@ func shown(b []byte, max int) (string, bool) {
 	return "0x" + hex.EncodeToString(b), cut
 }
 
-// oneLine makes s fit a table cell: newlines and tabs as spaces, at most n
-// runes.
+// oneLine makes s fit a table cell: at most n runes of it, then escaped
+// (escapeText: newlines, tabs and every other control character as
+// escapes), so that an escape is never cut.
 func oneLine(s string, n int) string {
-	s = strings.Map(func(r rune) rune {
-		if r == '\n' || r == '\r' || r == '\t' {
-			return ' '
-		}
-		return r
-	}, s)
 	if utf8.RuneCountInString(s) > n {
 		r := []rune(s)
 		s = string(r[:n-1]) + "…"
 	}
-	return s
+	return escapeText(s)
 }
 
 // when formats a time for people: UTC, to the millisecond; "-" when zero.
