@@ -174,23 +174,23 @@ func fitHeaders(msg *amqp.Publishing, keep amqp.Table, frameMax int) string {
 		si, sj := tableEntrySize(names[i], msg.Headers[names[i]]), tableEntrySize(names[j], msg.Headers[names[j]])
 		return si > sj || si == sj && names[i] < names[j]
 	})
-	// Room for the note itself: at most maxHeaderText bytes of it.
-	limit := frameMax - tableEntrySize(HeaderHeadersDropped, strings.Repeat(" ", maxHeaderText))
-	var dropped []string
-	t := make(amqp.Table, len(msg.Headers))
+	t := make(amqp.Table, len(msg.Headers)+1)
 	for k, v := range msg.Headers {
 		t[k] = v
 	}
 	msg.Headers = t
+	var dropped []string
+	note := func() string {
+		return headerText(fmt.Sprintf("%d header(s) dropped, the largest first, to fit frame_max %d (a header frame of %d bytes): %s",
+			len(dropped), frameMax, before, strings.Join(dropped, ", ")))
+	}
 	for _, k := range names {
-		if headerFrameSize(msg) <= limit {
-			break
-		}
 		delete(t, k)
 		dropped = append(dropped, k)
+		if t[HeaderHeadersDropped] = note(); fits(msg, frameMax) {
+			break
+		}
 	}
-	note := headerText(fmt.Sprintf("%d header(s) dropped, the largest first, to fit frame_max %d (a header frame of %d bytes): %s",
-		len(dropped), frameMax, before, strings.Join(dropped, ", ")))
-	t[HeaderHeadersDropped] = note
-	return note
+	t[HeaderHeadersDropped] = note()
+	return t[HeaderHeadersDropped].(string)
 }

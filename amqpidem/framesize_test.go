@@ -76,3 +76,37 @@ func TestHeaderFrameSizeAtTheLimit(t *testing.T) {
 		t.Fatalf("a header frame of frame_max+%d was taken: the size computed is short (%v)", frameOverhead+1, err)
 	}
 }
+
+// fitHeaders drops the largest headers first, never those it is told to
+// keep, until the copy fits, and names those it dropped.
+func TestFitHeaders(t *testing.T) {
+	msg := amqp.Publishing{MessageId: "m", Headers: amqp.Table{
+		"huge": strings.Repeat("h", 9000), "big": strings.Repeat("b", 3000),
+		"small": "s", HeaderReason: "permanent failure", HeaderKey: strings.Repeat("k", 2000),
+	}}
+	orig := msg.Headers
+	note := fitHeaders(&msg, amqp.Table{HeaderReason: nil, HeaderKey: nil}, 8192)
+	if headerFrameSize(&msg) > 8192 {
+		t.Fatalf("still %d bytes", headerFrameSize(&msg))
+	}
+	if _, ok := msg.Headers["huge"]; ok {
+		t.Error("kept the largest header")
+	}
+	for _, k := range []string{"big", "small", HeaderReason, HeaderKey} {
+		if _, ok := msg.Headers[k]; !ok {
+			t.Errorf("dropped %s, which fitted", k)
+		}
+	}
+	if msg.Headers[HeaderHeadersDropped] != note || !strings.Contains(note, "huge") || strings.Contains(note, "big") {
+		t.Errorf("note %q", note)
+	}
+	if _, ok := orig["huge"]; !ok {
+		t.Error("changed the table it was given")
+	}
+	if note := fitHeaders(&msg, nil, 8192); note != "" {
+		t.Errorf("a copy that fits: note %q", note)
+	}
+	if note := fitHeaders(&msg, nil, 0); note != "" {
+		t.Errorf("no frame_max: note %q", note)
+	}
+}
