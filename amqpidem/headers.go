@@ -87,7 +87,8 @@ const (
 	// connection's frame_max with amqpidem's headers added: it says which
 	// of the delivery's headers were dropped, the largest first, to make
 	// it fit. The body and amqpidem's own headers are always kept. See
-	// ErrTooLarge.
+	// ErrTooLarge. A publisher can set it too: it is informational,
+	// nothing in amqpidem decides anything from it.
 	HeaderHeadersDropped = "x-amqpidem-headers-dropped"
 	// HeaderTimestampMillis is the header holding when a message was
 	// published, in Unix milliseconds: Publisher sets it, as RabbitMQ's
