@@ -95,7 +95,7 @@
 //	the key's record unusable              delayed requeue, dead letter after      untouched
 //	(wrong type, unknown format), or the   MaxAttempts tries; never run
 //	lookup panicked (AcquireLease)
-//	headers so near frame_max that a copy  dead letter: the largest headers          as the row it is in says
+//	headers so near frame_max that a copy  dead letter: the largest headers        as the row it is in says
 //	with amqpidem's would not fit          dropped to fit, HeaderHeadersDropped
 //	                                       says which; a requeue is held for its
 //	                                       delay here, then nacked (headers kept)
