@@ -95,6 +95,10 @@
 //	the key's record unusable              delayed requeue, dead letter after      untouched
 //	(wrong type, unknown format), or the   MaxAttempts tries; never run
 //	lookup panicked (AcquireLease)
+//	headers so near frame_max that a copy  dead letter: the largest headers        as the row it is in says
+//	with amqpidem's would not fit          dropped to fit, HeaderHeadersDropped
+//	                                       says which; a requeue is held for its
+//	                                       delay here, then nacked (headers kept)
 //	shutdown while running                 ctx cancelled, copy back to the queue   lease released
 //	shutdown before the handler started    copy back to the queue                  none, or lease given up, attempt taken back
 //
@@ -219,6 +223,17 @@
 // most MaxAttempts. HeaderOriginalExchange, HeaderOriginalRoutingKey and
 // HeaderUserID are informational: amqpidem decides nothing from them, and
 // copies carry them only when they are short strings (255 bytes at most).
+//
+// A publisher can also send headers so near the connection's frame_max
+// that no copy with amqpidem's headers added fits in a frame (the broker
+// would close the connection over it). Such a copy is never published
+// (ErrTooLarge): a dead letter drops the delivery's headers, the largest
+// first, never amqpidem's own, until it fits, and says which in
+// HeaderHeadersDropped, the Event's Err and an error log line, its body
+// whole; a requeue is held in the process for its delay and nacked back,
+// headers intact, so that its retries run (a quorum queue counts each
+// nack against its delivery limit) and it is dead-lettered so once they
+// are exhausted. Such a message is never lost silently, and never loops.
 //
 // # Observing it
 //

@@ -82,6 +82,14 @@ const (
 	// first seen with, on dead letters (which carry none, so that they do
 	// not expire from the dead-letter queue) and requeued copies.
 	HeaderOriginalExpiration = "x-amqpidem-original-expiration"
+	// HeaderHeadersDropped is set on a copy (a dead letter, or a requeued
+	// copy whose dead letter is due) that would not have fitted in the
+	// connection's frame_max with amqpidem's headers added: it says which
+	// of the delivery's headers were dropped, the largest first, to make
+	// it fit. The body and amqpidem's own headers are always kept. See
+	// ErrTooLarge. A publisher can set it too: it is informational,
+	// nothing in amqpidem decides anything from it.
+	HeaderHeadersDropped = "x-amqpidem-headers-dropped"
 	// HeaderTimestampMillis is the header holding when a message was
 	// published, in Unix milliseconds: Publisher sets it, as RabbitMQ's
 	// message_timestamp plugin does.

@@ -28,7 +28,8 @@ var ErrNotConfirmed = errors.New("amqpidem: publish not confirmed")
 // (ErrUnroutable: no queue bound to take it), or closed the channel over
 // it (ErrNotConfirmed wrapping the broker's channel-level *amqp.Error, a
 // reply code below 500 other than 320 CONNECTION_FORCED: an exchange that
-// does not exist, a user id or an expiration it refuses, access refused).
+// does not exist, a user id or an expiration it refuses, access refused),
+// or would close it (ErrTooLarge: headers over the frame_max, not sent).
 //
 // Anything else is the broker or the network being unavailable, not a
 // verdict on the message, and IsRefused reports false: the connection
@@ -40,7 +41,7 @@ var ErrNotConfirmed = errors.New("amqpidem: publish not confirmed")
 // limit would give up messages for a fault on the way, not in them.
 func IsRefused(err error) bool {
 	switch {
-	case errors.Is(err, ErrUnroutable):
+	case errors.Is(err, ErrUnroutable), errors.Is(err, ErrTooLarge):
 		return true
 	case !errors.Is(err, ErrNotConfirmed):
 		return false
@@ -234,9 +235,14 @@ func (p *publisher) drop(pc *pubChannel) {
 // broker's reason when the broker closed the channel over the message (an
 // exchange that does not exist, a property it refuses), or the
 // connection's when the whole connection ended (IsRefused tells them
-// apart). When it returns nil the broker has taken responsibility for the
-// message.
+// apart). A message whose headers would not fit in the connection's
+// frame_max is not sent: ErrTooLarge. When it returns nil the broker has
+// taken responsibility for the message.
 func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	if fm := p.frameMax(); !fits(&msg, fm) {
+		// The broker would close the channel over it (501 FRAME_ERROR).
+		return tooLarge(exchange, key, &msg, fm)
+	}
 	pc, err := p.get(ctx)
 	if err != nil {
 		return err

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -167,8 +168,24 @@ func pendingMark(text string) amqp.Table {
 // message per delay, never a hot loop, and a nack (which a quorum queue
 // counts against its delivery limit) only when nothing can be published
 // at all. With Config.DelayInProcess every delay is waited here.
+//
+// A copy that would not fit in the connection's frame_max (a delivery
+// whose headers are near it) is never published, which the broker would
+// answer by closing the channel: the delivery is held for its delay, then
+// nacked with requeue, so that it is run again, its headers intact, and
+// dead-lettered (with headers dropped to fit; see fit) once its attempts
+// are exhausted. A copy marked HeaderDeadLetterPending, whose dead letter
+// is due, is published with headers dropped to fit instead, since a nack
+// would lose the mark.
 func (f *flight) sendBack(delay time.Duration, extra amqp.Table) bool {
 	p := f.p
+	if _, pending := extra[HeaderDeadLetterPending]; !pending {
+		if fm := frameMaxOf(f.b); fm > 0 {
+			if msg := copyOf(f.d, f.head(), extra); !fits(&msg, fm) {
+				return f.holdTooLarge(delay, fm)
+			}
+		}
+	}
 	if delay > 0 && p.cfg.DelayInProcess {
 		// Config.DelayInProcess: the delivery waits here, unacked, and
 		// its copy goes straight back. If its channel dies meanwhile, the
@@ -204,7 +221,58 @@ func (f *flight) sendBack(delay time.Duration, extra amqp.Table) bool {
 func (f *flight) publishCopy(delay time.Duration, extra amqp.Table) error {
 	sctx, cancel := settleContext(f.ctx)
 	defer cancel()
-	return f.b.requeue(sctx, f.p.cfg.Queue, copyOf(f.d, f.head(), extra), delay)
+	msg := copyOf(f.d, f.head(), extra)
+	f.fit(&msg, extra, "requeued copy")
+	return f.b.requeue(sctx, f.p.cfg.Queue, msg, delay)
+}
+
+// fit makes msg, a copy of the delivery (what says which: "dead letter",
+// "requeued copy") fit in the connection's frame_max by dropping the
+// delivery's headers, the largest first, never those of keep (amqpidem's,
+// set on this copy); see fitHeaders. When it drops any, it says so in the
+// copy (HeaderHeadersDropped), in the Event's Err (wrapping ErrTooLarge)
+// and in an error log line: the message is kept, its body whole, but
+// headers of it are lost.
+func (f *flight) fit(msg *amqp.Publishing, keep amqp.Table, what string) {
+	keep = maps.Clone(keep)
+	for _, k := range []string{HeaderOriginalExchange, HeaderOriginalRoutingKey, HeaderUserID} {
+		keep[k] = nil // at most maxShortText bytes each
+	}
+	note := fitHeaders(msg, keep, frameMaxOf(f.b))
+	if note == "" {
+		return
+	}
+	err := fmt.Errorf("amqpidem: %s would exceed the connection's frame_max: %s: %w", what, note, ErrTooLarge)
+	f.ev.Err = errors.Join(f.ev.Err, err)
+	f.p.cfg.Logger.ErrorContext(f.ctx, "amqpidem: "+what+" too large for frame_max; headers dropped to fit",
+		"queue", f.p.cfg.Queue, "key", f.ev.Key, "dropped", note)
+}
+
+// holdTooLarge settles a delivery whose requeued copy would not fit in
+// frameMax: see sendBack. It holds the delivery for delay (as
+// Config.DelayInProcess does), then nacks it with requeue; it reports
+// false, as sendBack does when it nacked.
+func (f *flight) holdTooLarge(delay time.Duration, frameMax int) bool {
+	p := f.p
+	msg := copyOf(f.d, f.head(), nil)
+	err := fmt.Errorf("amqpidem: requeued copy of %d header bytes would exceed the connection's frame_max %d: %w",
+		headerFrameSize(&msg), frameMax, ErrTooLarge)
+	p.cfg.Logger.ErrorContext(f.ctx, "amqpidem: requeued copy too large for frame_max; the message waits here, then is nacked back to the queue",
+		"queue", p.cfg.Queue, "key", f.ev.Key, "delay", delay, "error", err)
+	f.ev.Err = errors.Join(f.ev.Err, err)
+	reason := f.ev.Reason + "; copy too large, nacked"
+	if delay > 0 {
+		start := time.Now()
+		if !p.hold(f.ctx, f.d, delay) {
+			f.nackRequeue(reason + "; channel closed during the wait")
+			return false
+		}
+		f.ev.Delay = min(delay, time.Since(start))
+	}
+	delayed := f.ev.Delay
+	f.nackRequeue(reason)
+	f.ev.Delay = delayed // waited here
+	return false
 }
 
 // nackRequeue nacks the delivery with requeue, for reason: the broker
@@ -233,17 +301,19 @@ func (f *flight) deadLetter(reason string, cause error) {
 	f.ev.Err = errors.Join(f.ev.Err, cause)
 	sctx, cancel := settleContext(f.ctx)
 	defer cancel()
-	msg := deadLetterOf(f.d, f.head(), amqp.Table{
+	fault := amqp.Table{
 		HeaderReason:   reason,
 		HeaderError:    headerText(cause.Error()),
 		HeaderAttempt:  int64(max(f.ev.Attempt, f.h.attempt)),
 		HeaderConsumer: p.cfg.ConsumerName,
 		HeaderKey:      headerText(f.ev.Key),
 		HeaderEndpoint: p.cfg.Endpoint,
-	})
+	}
+	msg := deadLetterOf(f.d, f.head(), fault)
 	delete(msg.Headers, HeaderDeadLetterPending)
 	p.inject(f.ctx, msg.Headers)
 	exchange, key := p.cfg.DeadLetterExchange, p.cfg.DeadLetterRoutingKey
+	f.fit(&msg, fault, "dead letter")
 	ownQueue := exchange == "" && key == p.cfg.Queue+".dlq"
 	var err error
 	for try := 0; try < 2; try++ {
