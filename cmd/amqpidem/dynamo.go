@@ -12,6 +12,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/amqpidem/amqpidem/dynamostore"
+	"github.com/amqpidem/amqpidem/internal/secret"
 	"github.com/amqpidem/amqpidem/lock"
 )
 
@@ -84,7 +85,7 @@ func (o *options) openDynamo(ctx context.Context) (lock.Admin, func(), error) {
 // dynamoName names the DynamoDB store, for messages.
 func (o *options) dynamoName() string {
 	if o.dynamo.endpoint != "" {
-		return fmt.Sprintf("DynamoDB table %s at %s", o.dynamo.table, o.dynamo.endpoint)
+		return fmt.Sprintf("DynamoDB table %s at %s", o.dynamo.table, secret.URL(o.dynamo.endpoint))
 	}
 	return fmt.Sprintf("DynamoDB table %s", o.dynamo.table)
 }
