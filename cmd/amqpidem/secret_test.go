@@ -39,7 +39,8 @@ func TestHelpHidesEnvironmentCredentials(t *testing.T) {
 	}
 }
 
-// TestMalformedURLErrorsHidePassword: a --amqp, --redis or --postgres
+// TestMalformedURLErrorsHidePassword: a --amqp, --redis, --postgres or
+// --dynamodb-endpoint
 // whose password has an unescaped '%', '#' or '/' is refused with the URL
 // redacted and nothing of the password, which the parsers' errors quote.
 func TestMalformedURLErrorsHidePassword(t *testing.T) {
@@ -51,6 +52,8 @@ func TestMalformedURLErrorsHidePassword(t *testing.T) {
 			{[]string{"dlq", "list", "q.dlq", "--amqp", "amqp://guest:" + pass + "@127.0.0.1:5672/"}, "amqp://guest:xxxxx@127.0.0.1:5672/"},
 			{[]string{"inspect", "k", "--queue", "q", "--redis", "redis://guest:" + pass + "@127.0.0.1:6379/0"}, "redis://guest:xxxxx@127.0.0.1:6379/0"},
 			{[]string{"inspect", "k", "--queue", "q", "--postgres", "postgres://guest:" + pass + "@127.0.0.1:1/db"}, ""},
+			{[]string{"inspect", "k", "--queue", "q", "--timeout", "3s", "--dynamodb-table", "tab",
+				"--dynamodb-endpoint", "http://k:" + pass + "@127.0.0.1:1"}, "http://k:xxxxx@127.0.0.1:1"},
 		} {
 			_, errOut, code := runCLI(t, tc.args...)
 			t.Logf("%v: exit %d: %s", tc.args[:2], code, strings.TrimSpace(errOut))
