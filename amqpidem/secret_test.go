@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	amqp "github.com/rabbitmq/amqp091-go"
+
 	"github.com/amqpidem/amqpidem/amqpidem"
 )
 
@@ -75,5 +77,58 @@ func TestMalformedURLFailsFastWithoutPassword(t *testing.T) {
 				t.Errorf("the log quotes the password:\n%s", logs.String())
 			}
 		})
+	}
+}
+
+// TestDialParseErrorLoggedWithoutPassword: a ConsumerConfig.Dial that
+// dials a URL that does not parse returns amqp091-go's parse error, which
+// quotes the URL (or the password's start): the consumer retries (the
+// Dial may build another URL next time) but logs and returns none of it.
+func TestDialParseErrorLoggedWithoutPassword(t *testing.T) {
+	for _, pass := range []string{"p%zz", "p#ss", "p/ss"} {
+		t.Run(pass, func(t *testing.T) {
+			var logs lockedBuffer
+			log := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+			url := "amqp://guest:" + pass + "@127.0.0.1:5672/"
+			c, err := amqpidem.NewConsumer(newMemStore(t), amqpidem.ConsumerConfig{
+				Dial:   func() (*amqp.Connection, error) { return amqp.Dial(url) },
+				Config: amqpidem.Config{Queue: "secret-test", Logger: log}}, amqpidem.HandlerFunc(connNoop))
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 400*time.Millisecond)
+			defer cancel()
+			err = c.Run(ctx)
+			t.Logf("Run: %v", err)
+			out := logs.String()
+			if !strings.Contains(out, "retrying") {
+				t.Errorf("no retry logged:\n%s", out)
+			}
+			if strings.Contains(out, pass) || strings.Contains(out, `":p"`) || strings.Contains(out, `guest:p`) {
+				t.Errorf("the log quotes the password:\n%s", out)
+			}
+		})
+	}
+}
+
+// TestPublisherDialParseErrorHidesPassword: a DialPublisher whose dial
+// fails to parse its URL returns Publish errors that quote none of it.
+func TestPublisherDialParseErrorHidesPassword(t *testing.T) {
+	for _, pass := range []string{"p%zz", "p#ss", "p/ss"} {
+		url := "amqp://guest:" + pass + "@127.0.0.1:5672/"
+		var logs lockedBuffer
+		p := amqpidem.DialPublisher(func() (*amqp.Connection, error) { return amqp.Dial(url) },
+			slog.New(slog.NewTextHandler(&logs, nil)))
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		err := p.Publish(ctx, "", "q", amqp.Publishing{MessageId: "k", Body: []byte("x")})
+		cancel()
+		p.Close()
+		t.Logf("%s: Publish: %v", pass, err)
+		if err == nil {
+			t.Fatalf("%s: Publish succeeded", pass)
+		}
+		if msg := err.Error() + logs.String(); strings.Contains(msg, pass) || strings.Contains(msg, `":p"`) || strings.Contains(msg, "guest:p") {
+			t.Errorf("%s: quotes the password: %s", pass, msg)
+		}
 	}
 }

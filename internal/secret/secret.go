@@ -100,8 +100,9 @@ func DSN(s string) string {
 // ParseError is the error of a URL that does not parse, naming it
 // redacted (URL) and saying what is wrong without the parser's own text,
 // which may quote the password. what names where the URL came from
-// (ConsumerConfig.URL, --amqp); err is the parser's error, which
-// ParseError neither prints nor wraps.
+// (ConsumerConfig.URL, --amqp); s is the URL, "" when unknown (then the
+// error names none); err is the parser's error, which ParseError neither
+// prints nor wraps.
 func ParseError(what, s string, err error) error {
 	why := "it does not parse: percent-encode a reserved character ('%', '/', '#', '?', '@', ':') in the user name or password"
 	var ue *url.Error
@@ -118,6 +119,9 @@ func ParseError(what, s string, err error) error {
 			"(%2F, %23, %3F, %40, %3A)"
 	case strings.Contains(err.Error(), "scheme"):
 		why = "its scheme is not one this client dials"
+	}
+	if s == "" {
+		return fmt.Errorf("%s is malformed: %s", what, why)
 	}
 	return fmt.Errorf("%s %s is malformed: %s", what, URL(s), why)
 }
