@@ -21,7 +21,8 @@ const Mask = "xxxxx"
 // URL returns s with the password of its user information replaced by
 // Mask, whether or not s parses: the user information is everything
 // between "://" and the last '@', so that a password with an unescaped
-// '/', '#', '?' or '@' is hidden whole. The user name is kept. Text
+// '/', '#', '?' or '@' is hidden whole. The user name is kept. The value
+// of a password query parameter (pgx takes one) is hidden too. Text
 // without "://" is returned as DSN returns it.
 func URL(s string) string {
 	i := strings.Index(s, "://")
@@ -29,20 +30,35 @@ func URL(s string) string {
 		return DSN(s)
 	}
 	rest := s[i+3:]
-	at := strings.LastIndexByte(rest, '@')
-	if at < 0 {
-		return s
-	}
-	user, _, hasPass := strings.Cut(rest[:at], ":")
-	if !hasPass {
-		// The URL's parsers take it for a user name; some tools for a
-		// password: hide it when it does not look like a name.
-		if strings.ContainsAny(user, "%#/?") {
+	if at := strings.LastIndexByte(rest, '@'); at >= 0 {
+		user, _, hasPass := strings.Cut(rest[:at], ":")
+		switch {
+		case hasPass:
+			user += ":" + Mask
+		case strings.ContainsAny(user, "%#/?"):
+			// The URL's parsers take it for a user name; some tools
+			// for a password: hide it when it does not look like a name.
 			user = Mask
 		}
-		return s[:i+3] + user + "@" + rest[at+1:]
+		rest = user + "@" + rest[at+1:]
 	}
-	return s[:i+3] + user + ":" + Mask + "@" + rest[at+1:]
+	return s[:i+3] + hideQueryPassword(rest)
+}
+
+// hideQueryPassword hides the values of the password parameters of the
+// query in rest, a URL after its "://".
+func hideQueryPassword(rest string) string {
+	q := strings.IndexByte(rest, '?')
+	if q < 0 {
+		return rest
+	}
+	params := strings.Split(rest[q+1:], "&")
+	for i, p := range params {
+		if k, _, ok := strings.Cut(p, "="); ok && strings.EqualFold(k, "password") {
+			params[i] = k + "=" + Mask
+		}
+	}
+	return rest[:q+1] + strings.Join(params, "&")
 }
 
 // DSN returns a PostgreSQL connection string with its password hidden:

@@ -10,19 +10,21 @@ import (
 
 func TestURL(t *testing.T) {
 	for in, want := range map[string]string{
-		"amqp://guest:guest@127.0.0.1:5672/":      "amqp://guest:xxxxx@127.0.0.1:5672/",
-		"amqp://guest:p%zz@127.0.0.1:5672/":       "amqp://guest:xxxxx@127.0.0.1:5672/",
-		"amqp://guest:p#ss@127.0.0.1:5672/":       "amqp://guest:xxxxx@127.0.0.1:5672/",
-		"amqp://guest:p/s@s@127.0.0.1:5672/vh":    "amqp://guest:xxxxx@127.0.0.1:5672/vh",
-		"amqp://guest:123/ss@127.0.0.1:5672/":     "amqp://guest:xxxxx@127.0.0.1:5672/",
-		"redis://:secret@127.0.0.1:6379/0":        "redis://:xxxxx@127.0.0.1:6379/0",
-		"redis://127.0.0.1:6379/0":                "redis://127.0.0.1:6379/0",
-		"amqp://guest@h/":                         "amqp://guest@h/",
-		"amqp://s%zz@h/":                          "amqp://xxxxx@h/",
-		"host=h password=secret user=u":           "host=h password=xxxxx user=u",
-		"host=h password = 'se cr\\'et' user=u":   "host=h password = xxxxx user=u",
-		"host=h PASSWORD=se\\ cret dbname=d":      "host=h PASSWORD=xxxxx dbname=d",
-		"postgres://u:secret@h/d?sslmode=disable": "postgres://u:xxxxx@h/d?sslmode=disable",
+		"amqp://guest:guest@127.0.0.1:5672/":       "amqp://guest:xxxxx@127.0.0.1:5672/",
+		"amqp://guest:p%zz@127.0.0.1:5672/":        "amqp://guest:xxxxx@127.0.0.1:5672/",
+		"amqp://guest:p#ss@127.0.0.1:5672/":        "amqp://guest:xxxxx@127.0.0.1:5672/",
+		"amqp://guest:p/s@s@127.0.0.1:5672/vh":     "amqp://guest:xxxxx@127.0.0.1:5672/vh",
+		"amqp://guest:123/ss@127.0.0.1:5672/":      "amqp://guest:xxxxx@127.0.0.1:5672/",
+		"redis://:secret@127.0.0.1:6379/0":         "redis://:xxxxx@127.0.0.1:6379/0",
+		"redis://127.0.0.1:6379/0":                 "redis://127.0.0.1:6379/0",
+		"amqp://guest@h/":                          "amqp://guest@h/",
+		"amqp://s%zz@h/":                           "amqp://xxxxx@h/",
+		"host=h password=secret user=u":            "host=h password=xxxxx user=u",
+		"host=h password = 'se cr\\'et' user=u":    "host=h password = xxxxx user=u",
+		"host=h PASSWORD=se\\ cret dbname=d":       "host=h PASSWORD=xxxxx dbname=d",
+		"postgres://u:secret@h/d?sslmode=disable":  "postgres://u:xxxxx@h/d?sslmode=disable",
+		"postgres://u@h/d?a=1&password=secret&b=2": "postgres://u@h/d?a=1&password=xxxxx&b=2",
+		"postgres://h/d?PassWord=se%zzcret":        "postgres://h/d?PassWord=xxxxx",
 	} {
 		if got := URL(in); got != want {
 			t.Errorf("URL(%q) = %q, want %q", in, got, want)
