@@ -31,7 +31,10 @@ type ConsumerConfig struct {
 	Config
 
 	// URL is the AMQP URL to dial, e.g. amqp://guest:guest@127.0.0.1:5672/.
-	// Required unless Dial is set.
+	// Required unless Dial is set. Percent-encode the reserved characters
+	// of its user name and password ('%' as %25, '/' as %2F, '#' as %23,
+	// '?' as %3F, '@' as %40, ':' as %3A): a URL that does not parse ends
+	// Run at once. amqpidem never logs or returns its password.
 	URL string
 	// Dial opens a connection; it overrides URL (for TLS or custom
 	// amqp.Config). The Consumer keeps two: one it consumes on, dialled
@@ -258,6 +261,10 @@ const storeCheckTimeout = 5 * time.Second
 //     queue that exists with arguments other than QueueArgs;
 //   - NOT_FOUND (404) on the consumed queue: it does not exist (a custom
 //     Declare that does not declare it).
+//
+// So does a URL that does not parse (an unescaped '%', '#', '/' or '?'
+// in its password, typically): its error names the URL with the password
+// hidden and quotes nothing of it.
 //
 // Shutdown and ctx are heard while a connection is dialled and set up: a
 // broker that accepts the connection and never answers holds up neither

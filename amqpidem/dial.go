@@ -9,6 +9,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/internal/secret"
 )
 
 // How connections are dialled so that stopping is heard meanwhile: a
@@ -45,11 +47,21 @@ func keepAlways() bool { return true }
 const defaultHandshakeTimeout = 30 * time.Second
 
 // urlDial is the dialFunc of a ConsumerConfig.URL: amqp.Dial's, whose
-// sockets are closed when ctx ends before keep.
+// sockets are closed when ctx ends before keep. A URL that does not parse
+// never will: its dials fail at once with a permanent error, which names
+// the URL redacted and quotes none of amqp091-go's parse error (that
+// quotes the URL, password included).
 func urlDial(url string) dialFunc {
+	uri, perr := amqp.ParseURI(url)
+	if perr != nil {
+		perr = &permanentError{err: secret.ParseError("amqpidem: ConsumerConfig.URL", url, perr)}
+	}
 	return func(ctx context.Context) (*amqp.Connection, func() bool, error) {
+		if perr != nil {
+			return nil, nil, perr
+		}
 		timeout := defaultHandshakeTimeout
-		if uri, err := amqp.ParseURI(url); err == nil && uri.ConnectionTimeout > 0 {
+		if uri.ConnectionTimeout > 0 {
 			timeout = time.Duration(uri.ConnectionTimeout) * time.Millisecond
 		}
 		g := &socketGuard{ctx: ctx}

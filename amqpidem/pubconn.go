@@ -117,7 +117,7 @@ func (p *pubConn) dialNow(a *dialAttempt) {
 	conn, keep, err := p.dial(p.ctx)
 	switch {
 	case err != nil:
-		err = fmt.Errorf("amqpidem: dial the publishing connection: %w", err)
+		err = fmt.Errorf("amqpidem: dial the publishing connection: %w", hideParseError(err))
 	case !keep():
 		err = errPubConnClosed // closed while dialling: its socket too
 	default:

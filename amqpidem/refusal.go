@@ -3,9 +3,12 @@ package amqpidem
 import (
 	"errors"
 	"fmt"
+	"net/url"
 	"strings"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/internal/secret"
 )
 
 // How a Consumer tells the broker's refusals that no reconnection cures
@@ -25,8 +28,22 @@ type permanentError struct {
 func (e *permanentError) Error() string { return e.err.Error() }
 func (e *permanentError) Unwrap() error { return e.err }
 
+// hideParseError returns err, or, when a URL did not parse in it (in a
+// user's Dial: ConsumerConfig.URL is refused by urlDial), an error saying
+// so without the parser's error, which quotes the URL, password included.
+func hideParseError(err error) error {
+	var ue *url.Error
+	if errors.As(err, &ue) && ue.Op == "parse" {
+		return secret.ParseError("the URL that Dial dialled", "", err)
+	}
+	return err
+}
+
 // dialError explains a failed dial; the broker's refusals are permanent.
+// A URL that does not parse in a ConsumerConfig.Dial is not: the Dial may
+// build another next time.
 func dialError(err error) error {
+	err = hideParseError(err)
 	var ae *amqp.Error
 	if !errors.As(err, &ae) {
 		return fmt.Errorf("amqpidem: dial: %w", err)

@@ -19,6 +19,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/secret"
 )
 
 // Defaults of RelayConfig.
@@ -109,11 +110,19 @@ type RelayConfig struct {
 	Logger *slog.Logger
 }
 
-// Validate reports the first invalid field, by name.
+// Validate reports the first invalid field, by name. A URL that does not
+// parse is named with its password hidden: amqp091-go's parse error,
+// which quotes it, is left out.
 func (c RelayConfig) Validate() error {
 	switch {
 	case c.URL == "" && c.Dial == nil:
 		return errors.New("pgstore: RelayConfig.URL is required (or Dial)")
+	case c.Dial == nil:
+		if _, err := amqp.ParseURI(c.URL); err != nil {
+			return secret.ParseError("pgstore: RelayConfig.URL", c.URL, err)
+		}
+	}
+	switch {
 	case c.Batch < 0, c.Concurrency < 0, c.MaxAttempts < 0:
 		return errors.New("pgstore: RelayConfig.Batch, Concurrency and MaxAttempts must not be negative")
 	case c.Concurrency > 64:

@@ -7,13 +7,20 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/internal/secret"
 )
 
 // dial connects to RabbitMQ at --amqp.
+// A URL that does not parse is bad usage, told without amqp091-go's
+// parse error, which quotes the URL with its password.
 func (o *options) dial() (*amqp.Connection, error) {
+	if _, err := amqp.ParseURI(o.amqpURL); err != nil {
+		return nil, withCode(exitUsage, "%w", secret.ParseError("--amqp", o.amqpURL, err))
+	}
 	conn, err := amqp.DialConfig(o.amqpURL, amqp.Config{Properties: amqp.Table{"connection_name": "amqpidem cli"}})
 	if err != nil {
-		return nil, withCode(exitFailed, "RabbitMQ at %s: %w", redactURL(o.amqpURL), err)
+		return nil, withCode(exitFailed, "RabbitMQ at %s: %w", secret.URL(o.amqpURL), err)
 	}
 	return conn, nil
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net/url"
 	"os"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
@@ -12,6 +13,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/amqpidem/amqpidem/dynamostore"
+	"github.com/amqpidem/amqpidem/internal/secret"
 	"github.com/amqpidem/amqpidem/lock"
 )
 
@@ -50,6 +52,11 @@ func (o *options) openDynamo(ctx context.Context) (lock.Admin, func(), error) {
 	d := o.dynamo
 	var opts []func(*config.LoadOptions) error
 	if d.endpoint != "" {
+		// The SDK's error for an endpoint that does not parse quotes it,
+		// password included: refuse it first, redacted.
+		if _, err := url.Parse(d.endpoint); err != nil {
+			return nil, nil, withCode(exitUsage, "%w", secret.ParseError("--dynamodb-endpoint", d.endpoint, err))
+		}
 		opts = append(opts, config.WithBaseEndpoint(d.endpoint))
 		if os.Getenv("AWS_ACCESS_KEY_ID") == "" && os.Getenv("AWS_PROFILE") == "" {
 			opts = append(opts, config.WithCredentialsProvider(aws.CredentialsProviderFunc(func(context.Context) (aws.Credentials, error) {
@@ -84,7 +91,7 @@ func (o *options) openDynamo(ctx context.Context) (lock.Admin, func(), error) {
 // dynamoName names the DynamoDB store, for messages.
 func (o *options) dynamoName() string {
 	if o.dynamo.endpoint != "" {
-		return fmt.Sprintf("DynamoDB table %s at %s", o.dynamo.table, o.dynamo.endpoint)
+		return fmt.Sprintf("DynamoDB table %s at %s", o.dynamo.table, secret.URL(o.dynamo.endpoint))
 	}
 	return fmt.Sprintf("DynamoDB table %s", o.dynamo.table)
 }

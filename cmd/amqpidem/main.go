@@ -137,6 +137,10 @@ Exit codes: 0 done, 1 failed, 2 bad usage, 3 nothing found,
 	f.StringVar(&o.amqpURL, "amqp", env("AMQPIDEM_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"), "RabbitMQ `URL`")
 	f.BoolVar(&o.json, "json", false, "print JSON for scripts instead of text for people")
 	f.DurationVar(&o.timeout, "timeout", 30*time.Second, "give up on a service call after this long")
+	hideEnvDefault(root, "redis", "AMQPIDEM_REDIS_URL")
+	hideEnvDefault(root, "postgres", "AMQPIDEM_POSTGRES_DSN")
+	hideEnvDefault(root, "dynamodb-endpoint", "AMQPIDEM_DYNAMODB_ENDPOINT")
+	hideEnvDefault(root, "amqp", "AMQPIDEM_AMQP_URL")
 
 	root.AddCommand(newInspect(o), newForget(o), newOutbox(o), newDLQ(o), newRelay(o))
 	return root

@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 
+	"github.com/amqpidem/amqpidem/internal/secret"
 	"github.com/amqpidem/amqpidem/pgstore"
 )
 
@@ -123,7 +124,7 @@ func (o *options) openOutbox(ctx context.Context, ro *relayOptions) (*pgstore.Ou
 	}
 	pool, err := pgxpool.New(ctx, o.pgDSN)
 	if err != nil {
-		return nil, nil, withCode(exitUsage, "--postgres: %w", err)
+		return nil, nil, withCode(exitUsage, "--postgres: %v", err) // as openStore
 	}
 	ob, err := pgstore.NewOutbox(pool, pgstore.Config{Schema: o.pgSchema, OutboxTable: ro.table})
 	if err != nil {
@@ -160,7 +161,7 @@ func runRelay(ctx context.Context, o *options, ro *relayOptions) error {
 	}
 	done := make(chan error, 1)
 	go func() { done <- r.Run(context.WithoutCancel(ctx)) }()
-	log.Info("amqpidem relay: running", "amqp", redactURL(o.amqpURL))
+	log.Info("amqpidem relay: running", "amqp", secret.URL(o.amqpURL))
 	select {
 	case err := <-done:
 		return withCode(exitFailed, "%w", err)

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/amqpidem/amqpidem/internal/secret"
 	"github.com/amqpidem/amqpidem/lock"
 	"github.com/amqpidem/amqpidem/pgstore"
 )
@@ -23,7 +24,9 @@ func (o *options) openStore(ctx context.Context) (admin lock.Admin, close func()
 	if o.pgDSN != "" {
 		pool, err := pgxpool.New(ctx, o.pgDSN)
 		if err != nil {
-			return nil, nil, withCode(exitUsage, "--postgres: %w", err)
+			// pgx's error names the DSN redacted; its cause, not
+			// wrapped here, is net/url's, which quotes it whole.
+			return nil, nil, withCode(exitUsage, "--postgres: %v", err)
 		}
 		cfg := pgstore.Config{Schema: o.pgSchema, Table: o.pgTable, CleanupInterval: -1}
 		cfg.Prefix, cfg.Logger = o.prefix, quiet
@@ -46,7 +49,9 @@ func (o *options) openStore(ctx context.Context) (admin lock.Admin, close func()
 	default:
 		opt, err := redis.ParseURL(o.redisURL)
 		if err != nil {
-			return nil, nil, withCode(exitUsage, "--redis %q: %w", redactURL(o.redisURL), err)
+			// Not go-redis's error: it quotes the URL, or the piece
+			// of the password it stumbled on.
+			return nil, nil, withCode(exitUsage, "%w", secret.ParseError("--redis", o.redisURL, err))
 		}
 		client = redis.NewClient(opt)
 	}
@@ -70,5 +75,5 @@ func (o *options) storeName() string {
 	case len(o.redisAddrs) > 0:
 		return fmt.Sprintf("Redis Cluster at %s", strings.Join(o.redisAddrs, ","))
 	}
-	return fmt.Sprintf("Redis at %s", redactURL(o.redisURL))
+	return fmt.Sprintf("Redis at %s", secret.URL(o.redisURL))
 }

@@ -10,6 +10,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/internal/secret"
 )
 
 // broker is the harness's own connection to RabbitMQ, for declaring,
@@ -23,6 +25,10 @@ type broker struct {
 }
 
 func dialBroker(url string) (*broker, error) {
+	// amqp091-go's parse error quotes the URL, password included.
+	if _, err := amqp.ParseURI(url); err != nil {
+		return nil, secret.ParseError("amqp", url, err)
+	}
 	conn, err := amqp.DialConfig(url, amqp.Config{Dial: amqp.DefaultDial(5 * time.Second)})
 	if err != nil {
 		return nil, fmt.Errorf("amqp %s: %w", redactURL(url), err)
@@ -257,14 +263,6 @@ func sleepCtx(ctx context.Context, d time.Duration) error {
 	}
 }
 
-// redactURL hides the password of an AMQP URL.
-func redactURL(url string) string {
-	u, err := amqp.ParseURI(url)
-	if err != nil {
-		return "(unparsable AMQP_URL)"
-	}
-	if u.Password != "" {
-		u.Password = "xxx"
-	}
-	return u.String()
-}
+// redactURL hides the password of an AMQP URL, also of one that does not
+// parse.
+func redactURL(url string) string { return secret.URL(url) }

@@ -21,6 +21,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/amqpidem/amqpidem/internal/secret"
 	"github.com/amqpidem/amqpidem/lock"
 )
 
@@ -157,6 +158,10 @@ func Start(ctx context.Context, example string, log *slog.Logger) (*Env, *lock.R
 // Dial opens an AMQP connection named name (as the management UI shows it),
 // giving up after 5 s.
 func Dial(url, name string) (*amqp.Connection, error) {
+	// amqp091-go's parse error quotes the URL, password included.
+	if _, err := amqp.ParseURI(url); err != nil {
+		return nil, secret.ParseError("AMQP_URL", url, err)
+	}
 	props := amqp.NewConnectionProperties()
 	props.SetClientConnectionName(name)
 	return amqp.DialConfig(url, amqp.Config{
@@ -274,14 +279,6 @@ func envOr(name, def string) string {
 	return def
 }
 
-// redactURL hides the password of an AMQP URL.
-func redactURL(url string) string {
-	u, err := amqp.ParseURI(url)
-	if err != nil {
-		return url
-	}
-	if u.Password != "" {
-		u.Password = "xxxxx"
-	}
-	return u.String()
-}
+// redactURL hides the password of an AMQP URL, also of one that does not
+// parse.
+func redactURL(url string) string { return secret.URL(url) }
