@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net/url"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -134,15 +133,6 @@ func timePtr(t time.Time) *time.Time {
 	}
 	t = t.UTC()
 	return &t
-}
-
-// redactURL hides the password of a URL, for messages.
-func redactURL(s string) string {
-	u, err := url.Parse(s)
-	if err != nil {
-		return "(unparsable URL)"
-	}
-	return u.Redacted()
 }
 
 // progress draws "verb n/total" on one terminal line; a no-op when off.
