@@ -27,7 +27,7 @@ type stdio struct {
 // stderr and the exit code.
 func runWith(in stdio, args ...string) (string, string, int) {
 	var stdout, stderr bytes.Buffer
-	code := run(context.Background(), args, strings.NewReader(in.answer), in.terminal, &stdout, &stderr)
+	code := runWithStdin(context.Background(), args, strings.NewReader(in.answer), in.terminal, &stdout, &stderr)
 	return stdout.String(), stderr.String(), code
 }
 

@@ -80,14 +80,20 @@ type options struct {
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	code := run(ctx, os.Args[1:], os.Stdin, isTerminalFile(os.Stdin), os.Stdout, os.Stderr)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
 	os.Exit(code)
 }
 
-// run runs the command line args and returns the exit code. stdin is
-// asked to confirm bulk actions when stdinTerminal says it is a terminal.
-func run(ctx context.Context, args []string, stdin io.Reader, stdinTerminal bool, stdout, stderr io.Writer) int {
+// run runs the command line args and returns the exit code; bulk actions
+// ask on os.Stdin when it is a terminal.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	return runWithStdin(ctx, args, os.Stdin, isTerminalFile(os.Stdin), stdout, stderr)
+}
+
+// runWithStdin is run with the stdin bulk actions ask on, and whether it
+// is a terminal (else they need --yes).
+func runWithStdin(ctx context.Context, args []string, stdin io.Reader, stdinTerminal bool, stdout, stderr io.Writer) int {
 	o := &options{stdout: stdout, stderr: stderr, progress: isTerminal(stderr), stdin: stdin, stdinTerminal: stdinTerminal}
 	root := newRoot(o)
 	root.SetArgs(args)
