@@ -26,5 +26,5 @@ func (o *options) consent(yes bool, what string) error {
 	case "y", "yes":
 		return nil
 	}
-	return withCode(exitRefused, "%s: not done: not confirmed (nothing changed)", what)
+	return withCode(exitRefused, "not confirmed: nothing changed")
 }

@@ -88,7 +88,7 @@ func TestRelayRedriveConsent(t *testing.T) {
 		{name: "not a terminal, no --yes", args: []string{"--all"}, code: exitUsage, dead: 2,
 			out: []string{"make all 2 dead rows of outbox table " + cfg.Schema + ".amqpidem_outbox pending again", "add --yes", "--dry-run"}},
 		{name: "terminal, answered n", in: stdio{terminal: true, answer: "n\n"}, args: []string{"--all"}, code: exitRefused, dead: 2,
-			out: []string{"2 dead rows", "Go ahead? [y/N]", "not confirmed (nothing changed)"}},
+			out: []string{"2 dead rows", "Go ahead? [y/N]", "not confirmed: nothing changed"}},
 		{name: "terminal, no answer", in: stdio{terminal: true}, args: []string{"--all"}, code: exitRefused, dead: 2,
 			out: []string{"not confirmed"}},
 		{name: "terminal, answered yess", in: stdio{terminal: true, answer: "yess\n"}, args: []string{"--all"}, code: exitRefused, dead: 2},
