@@ -272,9 +272,9 @@ func newDLQReplay(o *options) *cobra.Command {
 	var f dlqFlags
 	var k keyFlags
 	var key string
-	var all, forget, dryRun, original bool
+	var all, forget, dryRun, original, yes bool
 	c := &cobra.Command{
-		Use:   "replay QUEUE (--key KEY | --all) [--forget] [--dry-run]",
+		Use:   "replay QUEUE (--key KEY | --all) [--forget] [--dry-run] [--yes]",
 		Short: "Publish dead letters of QUEUE back to QUEUE",
 		Long: `replay publishes dead letters of QUEUE (in QUEUE.dlq unless --dlq says
 otherwise) back to QUEUE, with publisher confirms, and removes each dead
@@ -305,6 +305,11 @@ it to the original exchange and routing key instead.
 The header counting attempts is kept: a replayed message starts a fresh
 count, since amqpidem ignores the count of a message that was dead-lettered.
 
+--all --forget says how many dead letters it would go through and asks
+first when stdin is a terminal; when it is not (a script), it needs --yes,
+else it changes nothing and exits with code 2. --dry-run says what would be
+done with each dead letter and changes nothing.
+
 Exit code 3 when no dead letter matched, 4 when some were left in place, 1
 when the run stopped early (what was done is reported first).`,
 		Example: `  amqpidem dlq replay orders --key order-1042 --forget
@@ -323,7 +328,8 @@ when the run stopped early (what was done is reported first).`,
 				return err
 			}
 			defer closeStore()
-			r := &replayer{o: o, queue: args[0], k: &k, admin: admin, forget: forget, dryRun: dryRun, original: original}
+			r := &replayer{o: o, queue: args[0], k: &k, admin: admin, forget: forget, dryRun: dryRun, original: original,
+				ask: all && forget && !dryRun, yes: yes}
 			return r.run(c.Context(), f.name(args[0]), key)
 		},
 	}
@@ -334,6 +340,7 @@ when the run stopped early (what was done is reported first).`,
 	c.Flags().BoolVar(&forget, "forget", false, "forget a failed record before replaying its message")
 	c.Flags().BoolVar(&dryRun, "dry-run", false, "say what would be done, change nothing")
 	c.Flags().BoolVar(&original, "to-original-exchange", false, "publish to the exchange and routing key the message was first published to")
+	c.Flags().BoolVar(&yes, "yes", false, "replay --all --forget without asking (needed when stdin is not a terminal)")
 	return c
 }
 
@@ -346,6 +353,8 @@ type replayer struct {
 	forget   bool
 	dryRun   bool
 	original bool
+	// ask: a bulk replay (--all --forget) needs consent, or yes.
+	ask, yes bool
 	pub      *confirmer
 }
 
@@ -359,6 +368,17 @@ func (r *replayer) run(ctx context.Context, dlq, key string) error {
 		return err
 	}
 	defer s.close()
+	if r.ask && s.count > 0 {
+		to := "to " + r.queue
+		if r.original {
+			to = "to the exchanges they name"
+		}
+		what := fmt.Sprintf("dlq replay --all --forget: replay the %s in %s %s, deleting the failed record of each first (so its handler runs again)",
+			plural(s.count, "dead letter"), dlq, to)
+		if err := r.o.consent(r.yes, what); err != nil {
+			return err
+		}
+	}
 	if r.pub, err = newConfirmer(s.conn); err != nil {
 		return err
 	}

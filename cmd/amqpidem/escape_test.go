@@ -66,7 +66,7 @@ func TestTextOutputEscapesControlBytes(t *testing.T) {
 	}
 
 	r.broken.Store(false)
-	r.mustCLI(0, "dlq", "replay", r.queue, "--all", "--forget")
+	r.mustCLI(0, "dlq", "replay", r.queue, "--all", "--forget", "--yes")
 	r.waitOutcomes(amqpidem.Completed, 1)
 	out = r.mustCLI(0, "inspect", hostileKey, "--queue", r.queue)
 	noRawControl(t, "inspect", out)

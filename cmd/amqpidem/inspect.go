@@ -180,9 +180,9 @@ func leaseText(r lock.Record) string {
 
 func newForget(o *options) *cobra.Command {
 	var k keyFlags
-	var force bool
+	var force, dryRun bool
 	c := &cobra.Command{
-		Use:   "forget KEY --queue QUEUE",
+		Use:   "forget KEY --queue QUEUE [--force] [--dry-run]",
 		Short: "Delete the record of an idempotency key so that its work can run again",
 		Long: `forget deletes the record of the message key KEY, so that the next delivery
 of KEY runs the handler as a first execution. Use it for work that failed
@@ -193,10 +193,12 @@ right now; forgetting it lets a second one start), and a completed record
 keeping staged messages not published yet (pending or returned: forgetting
 it drops them; "amqpidem outbox redrive" publishes them), unless --force is
 given, and it deletes only the record it read: if the record changed meanwhile it
-deletes nothing and says so (exit code 4). Exit code 3 when there is no
+deletes nothing and says so (exit code 4). --dry-run says which record it
+would forget (or why not) and changes nothing. Exit code 3 when there is no
 record.`,
-		Example: `  amqpidem forget payment-77 --queue payments`,
-		Args:    exactArgs(1, "one KEY"),
+		Example: `  amqpidem forget payment-77 --queue payments --dry-run
+  amqpidem forget payment-77 --queue payments`,
+		Args: exactArgs(1, "one KEY"),
 		RunE: func(c *cobra.Command, args []string) error {
 			return o.withRecord(c, &k, args[0], func(ctx context.Context, admin lock.Admin, skey string, r lock.Record) error {
 				if r.Live() && !force {
@@ -206,6 +208,16 @@ record.`,
 				if n := unpublished(r); n > 0 && !force {
 					return withCode(exitRefused, "key %q of %s: %s not published yet (pending or returned; see inspect): forgetting the record drops them; amqpidem outbox redrive publishes them; --force forgets anyway",
 						args[0], k.name(), plural(n, "staged message"))
+				}
+				if dryRun {
+					if o.json {
+						return printJSON(o.stdout, struct {
+							WouldForget recordJSON `json:"would_forget"`
+						}{toJSON(&k, args[0], r, 1024)})
+					}
+					fmt.Fprintf(o.stdout, "would forget the %s record of %q on %s (attempts %d, fence %d) (--dry-run: nothing changed)\n",
+						r.State, args[0], k.name(), r.Attempts, r.Fence)
+					return nil
 				}
 				if err := admin.Forget(ctx, skey, r.State, r.Fence); err != nil {
 					return o.storeError(args[0], &k, err)
@@ -223,6 +235,7 @@ record.`,
 	}
 	k.add(c)
 	c.Flags().BoolVar(&force, "force", false, "forget a record whose lease is live, or that keeps staged messages not published")
+	c.Flags().BoolVar(&dryRun, "dry-run", false, "say which record would be forgotten, change nothing")
 	return c
 }
 

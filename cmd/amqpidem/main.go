@@ -10,7 +10,14 @@
 // matching dead letter, no staged message to publish, no dead row to
 // re-drive); 4 refused (a live
 // lease without --force, a record that changed meanwhile, dead letters or
-// staged messages left in place).
+// staged messages left in place, a bulk action the operator did not
+// confirm).
+//
+// Bulk actions (dlq replay --all --forget, relay redrive --all, outbox
+// redrive without --index) ask before changing anything when stdin is a
+// terminal, and need --yes when it is not (exit code 2 without it).
+// --dry-run on every command that changes something says what it would
+// do and changes nothing.
 package main
 
 import (
@@ -65,6 +72,10 @@ type options struct {
 
 	stdout, stderr io.Writer
 	progress       bool // stderr is a terminal: show progress
+	// stdin is where the operator answers a question before a bulk
+	// action (consent); only asked when stdinTerminal.
+	stdin         io.Reader
+	stdinTerminal bool
 }
 
 func main() {
@@ -74,9 +85,16 @@ func main() {
 	os.Exit(code)
 }
 
-// run runs the command line args and returns the exit code.
+// run runs the command line args and returns the exit code; bulk actions
+// ask on os.Stdin when it is a terminal.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	o := &options{stdout: stdout, stderr: stderr, progress: isTerminal(stderr)}
+	return runWithStdin(ctx, args, os.Stdin, isTerminalFile(os.Stdin), stdout, stderr)
+}
+
+// runWithStdin is run with the stdin bulk actions ask on, and whether it
+// is a terminal (else they need --yes).
+func runWithStdin(ctx context.Context, args []string, stdin io.Reader, stdinTerminal bool, stdout, stderr io.Writer) int {
+	o := &options{stdout: stdout, stderr: stderr, progress: isTerminal(stderr), stdin: stdin, stdinTerminal: stdinTerminal}
 	root := newRoot(o)
 	root.SetArgs(args)
 	root.SetOut(stdout)

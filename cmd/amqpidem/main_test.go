@@ -243,6 +243,18 @@ func TestDeadLetterListedReplayedExecutedOnce(t *testing.T) {
 	if n := r.dlqLen(); n != 2 {
 		t.Fatalf("after a dry run, %d dead letters, want 2", n)
 	}
+	// The binary's stdin (/dev/null) is not a terminal: --all --forget
+	// needs --yes, and without it nothing is forgotten or replayed.
+	_, errOut, code := r.cli("dlq", "replay", r.queue, "--all", "--forget")
+	if code != 2 || !strings.Contains(errOut, "replay the 2 dead letters in "+r.queue+".dlq") || !strings.Contains(errOut, "add --yes") {
+		t.Fatalf("replay --all --forget without --yes: exit %d\n%s", code, errOut)
+	}
+	if n := r.dlqLen(); n != 2 {
+		t.Fatalf("after a replay without --yes, %d dead letters, want 2", n)
+	}
+	if out := r.mustCLI(0, "inspect", "pay-1", "--queue", r.queue); !strings.Contains(out, "failed") {
+		t.Fatalf("after a replay without --yes, the record of pay-1:\n%s", out)
+	}
 
 	r.broken.Store(false) // the cause is fixed
 	out = r.mustCLI(0, "dlq", "replay", r.queue, "--key", "pay-1", "--forget")
@@ -278,11 +290,16 @@ func TestDeadLetterListedReplayedExecutedOnce(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	_, errOut, code := r.cli("forget", "slow", "--queue", r.queue)
+	_, errOut, code = r.cli("forget", "slow", "--queue", r.queue)
 	if code != 4 || !strings.Contains(errOut, "live") {
 		t.Fatalf("forget of a live lease: exit %d, %s", code, errOut)
 	}
 	r.mustCLI(0, "forget", "slow", "--queue", r.queue, "--force")
+	out = r.mustCLI(0, "forget", "pay-1", "--queue", r.queue, "--dry-run")
+	if !strings.Contains(out, "would forget the completed record") || !strings.Contains(out, "nothing changed") {
+		t.Fatalf("forget --dry-run:\n%s", out)
+	}
+	r.mustCLI(0, "inspect", "pay-1", "--queue", r.queue) // still there
 	out = r.mustCLI(0, "forget", "pay-1", "--queue", r.queue)
 	if !strings.Contains(out, "forgot the completed record") {
 		t.Fatalf("forget:\n%s", out)
@@ -305,7 +322,7 @@ func TestReplayKilledLosesNothing(t *testing.T) {
 	r.broken.Store(false)
 
 	killAt := 1 + rand.IntN(n-100) // dead letters gone from the queue before the kill
-	cmd := exec.Command(bin, append([]string{"dlq", "replay", r.queue, "--all", "--forget"}, r.flags...)...)
+	cmd := exec.Command(bin, append([]string{"dlq", "replay", r.queue, "--all", "--forget", "--yes"}, r.flags...)...)
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -329,7 +346,7 @@ func TestReplayKilledLosesNothing(t *testing.T) {
 
 	// Run again until nothing is left to replay: a second run leaves the
 	// dead letters whose copy the killed run published (their work is done).
-	out, errOut, code := r.cli("dlq", "replay", r.queue, "--all", "--forget", "--json")
+	out, errOut, code := r.cli("dlq", "replay", r.queue, "--all", "--forget", "--yes", "--json")
 	if code != 0 && code != 4 {
 		t.Fatalf("second replay: exit %d\n%s\n%s", code, out, errOut)
 	}

@@ -89,6 +89,7 @@ type redriveFlags struct {
 	all     bool // pending ones too
 	force   bool // published ones too
 	dryRun  bool
+	yes     bool // publish without asking
 }
 
 // allowed reports whether a message in state s may be published again,
@@ -133,7 +134,7 @@ func newRedrive(o *options) *cobra.Command {
 	var k keyFlags
 	var f redriveFlags
 	c := &cobra.Command{
-		Use:   "redrive KEY --queue QUEUE [--index N]... [--all] [--force] [--dry-run]",
+		Use:   "redrive KEY --queue QUEUE [--index N]... [--all] [--force] [--dry-run] [--yes]",
 		Short: "Publish again the staged messages of a key that the broker returned",
 		Long: `redrive publishes again messages that a handler staged with the outcome of
 the message key KEY, as the record keeps them, then marks them published
@@ -162,6 +163,11 @@ marked stays returned (or pending), and the next redrive (or, when pending,
 its consumer) publishes it again: a duplicate downstream, never a loss.
 --dry-run says what would be published and changes nothing.
 
+Without --index it says how many messages it would publish and asks first
+when stdin is a terminal; when it is not (a script), it needs --yes, else
+it changes nothing and exits with code 2. With --index the messages are
+named already: it does not ask.
+
 Exit code 3 when the key has no record or there is nothing to publish (no
 staged message in the states selected, an --index the record does not
 have); 4 when the record is not completed, when some messages were left
@@ -170,7 +176,7 @@ marked; 1 when RabbitMQ or the store failed (what was done is reported
 first).`,
 		Example: `  amqpidem inspect order-1042 --queue orders
   amqpidem outbox redrive order-1042 --queue orders --dry-run
-  amqpidem outbox redrive order-1042 --queue orders
+  amqpidem outbox redrive order-1042 --queue orders --yes
   amqpidem outbox redrive order-1042 --queue orders --index 1 --force`,
 		Args: exactArgs(1, "one KEY"),
 		RunE: func(c *cobra.Command, args []string) error {
@@ -203,6 +209,7 @@ first).`,
 	c.Flags().BoolVar(&f.all, "all", false, "publish pending messages too")
 	c.Flags().BoolVar(&f.force, "force", false, "publish published messages too")
 	c.Flags().BoolVar(&f.dryRun, "dry-run", false, "say what would be published, change nothing")
+	c.Flags().BoolVar(&f.yes, "yes", false, "publish without asking when --index is not given (needed when stdin is not a terminal)")
 	return c
 }
 
@@ -249,6 +256,9 @@ func (r *redriver) run(ctx context.Context) error {
 	}()
 	out, err := r.selected(msgs)
 	if err != nil {
+		return err
+	}
+	if err := r.consent(out); err != nil {
 		return err
 	}
 	var published []int // indexes confirmed, to mark
@@ -324,6 +334,29 @@ func (r *redriver) run(ctx context.Context) error {
 		return withCode(exitRefused, "%s of key %q left unpublished (see why above)", plural(left, "staged message"), r.key)
 	}
 	return nil
+}
+
+// consent asks before publishing the messages selected by state rather
+// than named by --index: how many, of which key, to which routing keys.
+func (r *redriver) consent(out []redriven) error {
+	if r.f.dryRun || len(r.f.indexes) > 0 {
+		return nil
+	}
+	n := 0
+	var to []string
+	for _, d := range out {
+		if d.Action == "" {
+			n++
+			if t := fmt.Sprintf("exchange %q routing key %q", d.Exchange, d.RoutingKey); !slices.Contains(to, t) {
+				to = append(to, t)
+			}
+		}
+	}
+	if n == 0 {
+		return nil
+	}
+	return r.o.consent(r.f.yes, fmt.Sprintf("outbox redrive: publish again %s of key %q on %s, to %s",
+		plural(n, "staged message"), r.key, r.k.name(), strings.Join(to, "; ")))
 }
 
 // read reads the record and its staged messages; an error unless it is

@@ -253,8 +253,17 @@ func redriveRoundTrip(t *testing.T, r *stagingRig) {
 	if !strings.Contains(out, "key pay-7 of "+r.queue+": 0 redriven, 2 would redrive, 0 left") || !strings.Contains(out, "paid-pay-7") {
 		t.Fatalf("redrive --dry-run:\n%s", out)
 	}
+	// Not a terminal (the binary's stdin is /dev/null): without --yes,
+	// nothing published, nothing marked.
+	_, errOut = r.cli(2, "outbox", "redrive", "pay-7", "--queue", r.queue)
+	if !strings.Contains(errOut, "add --yes") {
+		t.Fatalf("redrive without --yes:\n%s", errOut)
+	}
+	if rec := r.inspect("pay-7"); states(rec) != "published,returned,returned" || rec.Outbox[1].Tries != 2 {
+		t.Fatalf("after a redrive without --yes: %+v", rec.Outbox)
+	}
 	// The queue is still missing: returned again, left, not marked.
-	out, errOut = r.cli(4, "outbox", "redrive", "pay-7", "--queue", r.queue)
+	out, errOut = r.cli(4, "outbox", "redrive", "pay-7", "--queue", r.queue, "--yes")
 	if !strings.Contains(out, "0 redriven, 0 would redrive, 2 left") || !strings.Contains(out, "returned again (unroutable: 312 NO_ROUTE)") ||
 		!strings.Contains(errOut, "2 staged messages of key \"pay-7\" left unpublished") {
 		t.Fatalf("redrive to a missing queue:\n%s\n%s", out, errOut)
@@ -266,7 +275,7 @@ func redriveRoundTrip(t *testing.T, r *stagingRig) {
 	if _, err := r.ch.QueueDeclare(r.shipping, true, false, false, false, nil); err != nil {
 		t.Fatal(err)
 	}
-	out, _ = r.cli(0, "outbox", "redrive", "pay-7", "--queue", r.queue, "--json")
+	out, _ = r.cli(0, "outbox", "redrive", "pay-7", "--queue", r.queue, "--yes", "--json")
 	var did []struct {
 		Index     int
 		Action    string
@@ -327,7 +336,7 @@ func redriveRoundTrip(t *testing.T, r *stagingRig) {
 	if err != nil || res.Status != lock.Acquired {
 		t.Fatalf("Acquire: %v %v", res.Status, err)
 	}
-	_, errOut = r.cli(4, "outbox", "redrive", "pay-8", "--queue", r.queue)
+	_, errOut = r.cli(4, "outbox", "redrive", "pay-8", "--queue", r.queue, "--yes")
 	if !strings.Contains(errOut, "the record is in_progress, not completed") {
 		t.Fatalf("redrive of a record in progress:\n%s", errOut)
 	}
@@ -380,7 +389,7 @@ func TestOutboxRedriveMissingExchange(t *testing.T) {
 	if _, err := r.ch.QueueDeclare(r.shipping, true, false, false, false, nil); err != nil {
 		t.Fatal(err)
 	}
-	out, _ := r.cli(4, "outbox", "redrive", "x-1", "--queue", r.queue)
+	out, _ := r.cli(4, "outbox", "redrive", "x-1", "--queue", r.queue, "--yes")
 	if !strings.Contains(out, "2 redriven, 0 would redrive, 1 left") || !strings.Contains(out, `exchange "`+r.nope+`" does not exist`) {
 		t.Fatalf("redrive:\n%s", out)
 	}
@@ -401,7 +410,7 @@ func TestOutboxRedriveMissingExchange(t *testing.T) {
 	if err := ch.QueueBind(r.audit, "k", r.nope, false, nil); err != nil {
 		t.Fatal(err)
 	}
-	out, _ = r.cli(0, "outbox", "redrive", "x-1", "--queue", r.queue)
+	out, _ = r.cli(0, "outbox", "redrive", "x-1", "--queue", r.queue, "--yes")
 	if !strings.Contains(out, "1 redriven, 0 would redrive, 0 left") {
 		t.Fatalf("redrive once the exchange exists:\n%s", out)
 	}

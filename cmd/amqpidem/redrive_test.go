@@ -255,6 +255,7 @@ func TestRedriveSelection(t *testing.T) {
 func redriveOn(t *testing.T, admin lock.Admin, amender lock.Amender, pub stagedPublisher, f redriveFlags) (string, string, error) {
 	t.Helper()
 	var stdout bytes.Buffer
+	f.yes = true // an operator who confirmed: what the tests here look at comes after
 	o := &options{stdout: &stdout, stderr: &stdout, timeout: 5 * time.Second, json: true, redisURL: "redis://test"}
 	r := &redriver{o: o, k: &keyFlags{queue: "q"}, key: "k", skey: amqpidem.StoreKey("q", "k"), admin: admin, amender: amender, f: &f, pub: pub}
 	err := r.run(context.Background())

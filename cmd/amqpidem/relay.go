@@ -33,7 +33,9 @@ type relayOptions struct {
 	limit int
 
 	// redrive
-	all bool
+	all    bool
+	dryRun bool
+	yes    bool
 }
 
 // rowJSON is one outbox row, as relay list --json prints it.
@@ -102,10 +104,20 @@ gives the next page.`,
 --all) pending again, their attempts reset: a running relay publishes them
 at once. Fix what made the broker refuse them first (bind the queue,
 declare the exchange), or they are dead again after --max-attempts tries.
+
+--all says how many dead rows it would re-drive and asks first when stdin
+is a terminal; when it is not (a script), --all needs --yes, else it
+changes nothing and exits with code 2. --dry-run lists the dead rows it
+would re-drive and changes nothing.
 Exit code 3 when no row given was dead.`,
+		Example: `  amqpidem relay redrive --all --dry-run
+  amqpidem relay redrive --all
+  amqpidem relay redrive 17 18`,
 		RunE: func(c *cobra.Command, args []string) error { return runRelayRedrive(c.Context(), o, ro, args) },
 	}
 	redrive.Flags().BoolVar(&ro.all, "all", false, "re-drive every dead row")
+	redrive.Flags().BoolVar(&ro.dryRun, "dry-run", false, "list the dead rows that would be re-driven, change nothing")
+	redrive.Flags().BoolVar(&ro.yes, "yes", false, "re-drive --all without asking (needed when stdin is not a terminal)")
 
 	status := &cobra.Command{
 		Use:   "status",
@@ -234,15 +246,34 @@ func runRelayRedrive(ctx context.Context, o *options, ro *relayOptions, args []s
 		}
 		ids = append(ids, id)
 	}
-	var n int64
-	err := o.withOutbox(ctx, ro, func(ctx context.Context, ob *pgstore.Outbox) (err error) {
-		if n, err = ob.Redrive(ctx, ids...); err != nil {
-			return withCode(exitFailed, "%w", err)
-		}
-		return nil
-	})
+	if ro.dryRun {
+		return runRelayRedriveDry(ctx, o, ro, ids)
+	}
+	ob, pool, err := o.openOutbox(ctx, ro)
 	if err != nil {
 		return err
+	}
+	defer pool.Close()
+	if ro.all {
+		cctx, cancel := context.WithTimeout(ctx, o.timeout)
+		dead, err := ob.Dead(cctx)
+		cancel()
+		if err != nil {
+			return withCode(exitFailed, "%w", err)
+		}
+		if dead > 0 {
+			if err := o.consent(ro.yes, fmt.Sprintf("relay redrive --all: make all %s of outbox table %s pending again (a running relay publishes them at once)",
+				plural(int(dead), "dead row"), o.outboxTable(ro))); err != nil {
+				return err
+			}
+		}
+	}
+	// --timeout starts once the operator said yes.
+	cctx, cancel := context.WithTimeout(ctx, o.timeout)
+	n, err := ob.Redrive(cctx, ids...)
+	cancel()
+	if err != nil {
+		return withCode(exitFailed, "%w", err)
 	}
 	if o.json {
 		if err := printJSON(o.stdout, map[string]int64{"redriven": n}); err != nil {
@@ -255,6 +286,76 @@ func runRelayRedrive(ctx context.Context, o *options, ro *relayOptions, args []s
 		return withCode(exitNotFound, "no dead row to re-drive")
 	}
 	return nil
+}
+
+// runRelayRedriveDry lists the dead rows relay redrive would make pending
+// (those of ids, or every one when ids is empty), and changes nothing.
+func runRelayRedriveDry(ctx context.Context, o *options, ro *relayOptions, ids []int64) error {
+	want := map[int64]bool{}
+	for _, id := range ids {
+		want[id] = true
+	}
+	var rows []pgstore.OutboxRow
+	err := o.withOutbox(ctx, ro, func(ctx context.Context, ob *pgstore.Outbox) error {
+		const page = 1000
+		for after := int64(0); ; {
+			got, err := ob.List(ctx, "dead", after, page)
+			if err != nil {
+				return withCode(exitFailed, "%w", err)
+			}
+			for _, r := range got {
+				if len(want) == 0 || want[r.ID] {
+					rows = append(rows, r)
+				}
+			}
+			if len(got) < page {
+				return nil
+			}
+			after = got[len(got)-1].ID
+		}
+	})
+	if err != nil {
+		return err
+	}
+	if o.json {
+		out := struct {
+			WouldRedrive int     `json:"would_redrive"`
+			IDs          []int64 `json:"ids"`
+		}{len(rows), []int64{}}
+		for _, r := range rows {
+			out.IDs = append(out.IDs, r.ID)
+		}
+		if err := printJSON(o.stdout, out); err != nil {
+			return err
+		}
+	} else {
+		if len(rows) > 0 {
+			t := [][]string{{"ID", "MESSAGE ID", "EXCHANGE", "ROUTING KEY", "ATTEMPTS", "LAST ERROR"}}
+			for _, r := range rows {
+				t = append(t, []string{strconv.FormatInt(r.ID, 10), oneLine(r.MessageID, 40), oneLine(orDash(r.Exchange), 30),
+					oneLine(orDash(r.RoutingKey), 40), strconv.Itoa(r.Attempts), oneLine(orDash(r.LastError), 200)})
+			}
+			table(o.stdout, t)
+		}
+		fmt.Fprintf(o.stdout, "%s of %s would be pending again (--dry-run: nothing changed)\n", plural(len(rows), "dead row"), o.outboxTable(ro))
+	}
+	if len(rows) == 0 {
+		return withCode(exitNotFound, "no dead row to re-drive")
+	}
+	return nil
+}
+
+// outboxTable names the outbox table of --pg-schema and --outbox-table,
+// as a person reads it.
+func (o *options) outboxTable(ro *relayOptions) string {
+	t := ro.table
+	if t == "" {
+		t = "amqpidem_outbox"
+	}
+	if o.pgSchema != "" {
+		t = o.pgSchema + "." + t
+	}
+	return t
 }
 
 func runRelayStatus(ctx context.Context, o *options, ro *relayOptions) error {

@@ -144,7 +144,15 @@ func TestRelayCommand(t *testing.T) {
 	if _, err := ch.QueueDeclare(queue+"-later", true, false, false, false, nil); err != nil {
 		t.Fatal(err)
 	}
-	if out := cli(0, "relay", "redrive", "--all"); !strings.Contains(out, "1 dead row pending again") {
+	// The binary's stdin is /dev/null, not a terminal: --all needs --yes.
+	if out, err := exec.Command(bin, append([]string{"relay", "redrive", "--all"}, flags...)...).CombinedOutput(); err == nil ||
+		err.(*exec.ExitError).ExitCode() != 2 || !strings.Contains(string(out), "add --yes") {
+		t.Fatalf("relay redrive --all without --yes: %v\n%s", err, out)
+	}
+	if out := cli(0, "relay", "status"); !strings.Contains(out, "dead: 1") {
+		t.Fatalf("status after a redrive without --yes:\n%s", out)
+	}
+	if out := cli(0, "relay", "redrive", "--all", "--yes"); !strings.Contains(out, "1 dead row pending again") {
 		t.Fatalf("redrive:\n%s", out)
 	}
 	cli(3, "relay", "redrive", "--all")

@@ -72,11 +72,11 @@ func TestReplayEndpointAndLeftovers(t *testing.T) {
 	}
 	r.waitOutcomes(amqpidem.DeadLettered, 2)
 	r.broken.Store(false)
-	out, _, code := r.cli("dlq", "replay", r.queue, "--all", "--forget", "--endpoint", "elsewhere")
+	out, _, code := r.cli("dlq", "replay", r.queue, "--all", "--forget", "--yes", "--endpoint", "elsewhere")
 	if code != 4 || !strings.Contains(out, `dead-lettered by endpoint "ledger"`) || !strings.Contains(out, "missing key") {
 		t.Fatalf("replay with another --endpoint: exit %d\n%s", code, out)
 	}
-	out, _, code = r.cli("dlq", "replay", r.queue, "--all", "--forget")
+	out, _, code = r.cli("dlq", "replay", r.queue, "--all", "--forget", "--yes")
 	if code != 4 || !strings.Contains(out, "1 replayed") || !strings.Contains(out, "missing key") {
 		t.Fatalf("replay: exit %d\n%s", code, out)
 	}
