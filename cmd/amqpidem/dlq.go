@@ -293,9 +293,11 @@ work was done), those of messages without a usable key or with a key
 conflict (a replay would be dead-lettered again), and those whose copy the
 broker did not take.
 
-Records are looked up under the endpoint the dead letter names (amqpidem
-puts it in a header); --endpoint is for dead letters of amqpidem versions
-that did not, and a dead letter naming another endpoint is left.
+Records are looked up under QUEUE's own endpoint, or --endpoint when the
+consumer sets Config.Endpoint: a dead letter naming another endpoint in its
+header is left, with the flag that would act on it (a header can be written
+by whoever published the message, and is never enough to touch another
+endpoint's records).
 
 The copy goes to QUEUE through the default exchange, not to the exchange the
 message was first published to: that exchange may route it to other queues
@@ -440,12 +442,19 @@ func (r *replayer) one(ctx context.Context, d *amqp.Delivery, dl deadLetter) (ac
 	case "key conflict":
 		return "left", "", "key conflict: another payload holds this key's record; a replay cannot run it", nil
 	}
-	endpoint := dl.Endpoint
-	switch {
-	case endpoint != "" && r.k.endpoint != "" && endpoint != r.k.endpoint:
-		return "left", "", fmt.Sprintf("dead-lettered by endpoint %q, not --endpoint %q", endpoint, r.k.endpoint), nil
-	case endpoint == "":
-		endpoint = r.k.name()
+	// The records acted on are the endpoint's the operator named (the
+	// queue's own, or --endpoint), never one a header names: a message
+	// can reach a dead-letter queue with headers its publisher wrote
+	// (dead-lettered by the broker, or published there), and a forged
+	// endpoint header would otherwise aim --forget at another queue's
+	// records.
+	endpoint := r.k.name()
+	if dl.Endpoint != "" && dl.Endpoint != endpoint {
+		flag := fmt.Sprintf("the queue's own endpoint %q", endpoint)
+		if r.k.endpoint != "" {
+			flag = fmt.Sprintf("--endpoint %q", r.k.endpoint)
+		}
+		return "left", "", fmt.Sprintf("dead-lettered by endpoint %q, not %s: pass --endpoint %q to act on its records", dl.Endpoint, flag, dl.Endpoint), nil
 	}
 	if dl.Key != "" {
 		action, forgot, why, err = r.record(ctx, endpoint, dl.Key)

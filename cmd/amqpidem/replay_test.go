@@ -76,7 +76,13 @@ func TestReplayEndpointAndLeftovers(t *testing.T) {
 	if code != 4 || !strings.Contains(out, `dead-lettered by endpoint "ledger"`) || !strings.Contains(out, "missing key") {
 		t.Fatalf("replay with another --endpoint: exit %d\n%s", code, out)
 	}
+	// Without --endpoint, the queue's own endpoint: the header's is not
+	// taken on its word.
 	out, _, code = r.cli("dlq", "replay", r.queue, "--all", "--forget", "--yes")
+	if code != 4 || !strings.Contains(out, `pass --endpoint "ledger"`) || !strings.Contains(out, "0 replayed") {
+		t.Fatalf("replay without --endpoint: exit %d\n%s", code, out)
+	}
+	out, _, code = r.cli("dlq", "replay", r.queue, "--all", "--forget", "--yes", "--endpoint", "ledger")
 	if code != 4 || !strings.Contains(out, "1 replayed") || !strings.Contains(out, "missing key") {
 		t.Fatalf("replay: exit %d\n%s", code, out)
 	}
