@@ -21,17 +21,7 @@ import (
 func TestRelayCommandPoolOfOne(t *testing.T) {
 	pool := pgenv.Pool(t, 2)
 	ctx := context.Background()
-	cfg := pgstore.Config{Schema: strings.ToLower(testenv.Name(t)), CleanupInterval: -1}
-	if err := pgstore.Migrate(ctx, pool, cfg); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_, _ = pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{cfg.Schema}.Sanitize()+" CASCADE")
-	})
-	ob, err := pgstore.NewOutbox(pool, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	cfg, ob := outboxSchema(t, pool)
 	queue := testenv.Name(t)
 	ch := testenv.QueueChannel(t, queue)
 	write := func(body string) {

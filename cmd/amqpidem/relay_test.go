@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/internal/testenv"
@@ -23,13 +24,12 @@ import (
 // the go.sum of every module importing pgstore.)
 var _ promamqpidem.RelaySource = (*pgstore.Relay)(nil)
 
-// relay runs a relay until SIGTERM, which it survives with exit code 0;
-// relay list, status and redrive show and re-drive what the broker refused.
-func TestRelayCommand(t *testing.T) {
-	pool := pgenv.Pool(t, 4)
-	ctx := context.Background()
+// outboxSchema migrates pgstore's tables into a schema of the test's own
+// (dropped in t.Cleanup) and returns its Config and Outbox.
+func outboxSchema(t *testing.T, pool *pgxpool.Pool) (pgstore.Config, *pgstore.Outbox) {
+	t.Helper()
 	cfg := pgstore.Config{Schema: strings.ToLower(testenv.Name(t)), CleanupInterval: -1}
-	if err := pgstore.Migrate(ctx, pool, cfg); err != nil {
+	if err := pgstore.Migrate(context.Background(), pool, cfg); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
@@ -39,6 +39,15 @@ func TestRelayCommand(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return cfg, ob
+}
+
+// relay runs a relay until SIGTERM, which it survives with exit code 0;
+// relay list, status and redrive show and re-drive what the broker refused.
+func TestRelayCommand(t *testing.T) {
+	pool := pgenv.Pool(t, 4)
+	ctx := context.Background()
+	cfg, ob := outboxSchema(t, pool)
 	queue := testenv.Name(t)
 	conn, err := amqp.Dial(testenv.AMQPURL(t))
 	if err != nil {
