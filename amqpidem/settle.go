@@ -179,12 +179,11 @@ func pendingMark(text string) amqp.Table {
 // would lose the mark.
 func (f *flight) sendBack(delay time.Duration, extra amqp.Table) bool {
 	p := f.p
-	if _, pending := extra[HeaderDeadLetterPending]; !pending {
-		if fm := frameMaxOf(f.b); fm > 0 {
-			if msg := copyOf(f.d, f.head(), extra); !fits(&msg, fm) {
-				return f.holdTooLarge(delay, fm)
-			}
-		}
+	msg := copyOf(f.d, f.head(), extra)
+	if _, pending := extra[HeaderDeadLetterPending]; pending {
+		f.fit(&msg, extra, "requeued copy") // a nack would lose the mark
+	} else if fm := frameMaxOf(f.b); !fits(&msg, fm) {
+		return f.holdTooLarge(&msg, delay, fm)
 	}
 	if delay > 0 && p.cfg.DelayInProcess {
 		// Config.DelayInProcess: the delivery waits here, unacked, and
@@ -198,7 +197,7 @@ func (f *flight) sendBack(delay time.Duration, extra amqp.Table) bool {
 		f.ev.Delay = min(delay, time.Since(start)) // less when cut short
 		delay = 0
 	}
-	err := f.publishCopy(delay, extra)
+	err := f.publishCopy(delay, msg)
 	if err == nil {
 		return true
 	}
@@ -207,7 +206,7 @@ func (f *flight) sendBack(delay time.Duration, extra amqp.Table) bool {
 		p.cfg.Logger.ErrorContext(f.ctx, "amqpidem: delayed requeue failed; the message waits here, then goes straight back to the queue",
 			"queue", p.cfg.Queue, "key", f.ev.Key, "delay", delay, "error", err)
 		p.sleep(f.ctx, min(delay, p.cfg.UnavailableDelay))
-		if err = f.publishCopy(0, extra); err == nil {
+		if err = f.publishCopy(0, msg); err == nil {
 			return true // it waited its delay here instead
 		}
 		f.ev.Err = errors.Join(f.ev.Err, err)
@@ -216,13 +215,11 @@ func (f *flight) sendBack(delay time.Duration, extra amqp.Table) bool {
 	return false
 }
 
-// publishCopy publishes a copy of the delivery, with extra headers, to
-// come back after delay, within settleTimeout.
-func (f *flight) publishCopy(delay time.Duration, extra amqp.Table) error {
+// publishCopy publishes msg, sendBack's copy of the delivery, to come
+// back after delay, within settleTimeout.
+func (f *flight) publishCopy(delay time.Duration, msg amqp.Publishing) error {
 	sctx, cancel := settleContext(f.ctx)
 	defer cancel()
-	msg := copyOf(f.d, f.head(), extra)
-	f.fit(&msg, extra, "requeued copy")
 	return f.b.requeue(sctx, f.p.cfg.Queue, msg, delay)
 }
 
@@ -248,15 +245,14 @@ func (f *flight) fit(msg *amqp.Publishing, keep amqp.Table, what string) {
 		"queue", f.p.cfg.Queue, "key", f.ev.Key, "dropped", note)
 }
 
-// holdTooLarge settles a delivery whose requeued copy would not fit in
-// frameMax: see sendBack. It holds the delivery for delay (as
+// holdTooLarge settles a delivery whose requeued copy msg would not fit
+// in frameMax: see sendBack. It holds the delivery for delay (as
 // Config.DelayInProcess does), then nacks it with requeue; it reports
 // false, as sendBack does when it nacked.
-func (f *flight) holdTooLarge(delay time.Duration, frameMax int) bool {
+func (f *flight) holdTooLarge(msg *amqp.Publishing, delay time.Duration, frameMax int) bool {
 	p := f.p
-	msg := copyOf(f.d, f.head(), nil)
 	err := fmt.Errorf("amqpidem: requeued copy of %d header bytes would exceed the connection's frame_max %d: %w",
-		headerFrameSize(&msg), frameMax, ErrTooLarge)
+		headerFrameSize(msg), frameMax, ErrTooLarge)
 	p.cfg.Logger.ErrorContext(f.ctx, "amqpidem: requeued copy too large for frame_max; the message waits here, then is nacked back to the queue",
 		"queue", p.cfg.Queue, "key", f.ev.Key, "delay", delay, "error", err)
 	f.ev.Err = errors.Join(f.ev.Err, err)
