@@ -256,6 +256,36 @@ type Config struct {
 	// are minutes below it. Default false: delay queues.
 	DelayInProcess bool
 
+	// SigningKey, when set (at least MinSigningKey bytes, a random
+	// secret), signs the copies the consumer publishes (HeaderSignature,
+	// an HMAC of the headers an operator acts on and of the body), so
+	// that the CLI given the same key (`amqpidem dlq replay
+	// --signing-key`, or AMQPIDEM_SIGNING_KEY) can tell dead letters
+	// amqpidem wrote from messages that reached the dead-letter queue
+	// another way, with headers a publisher chose: it forgets records
+	// (--forget) and republishes to original exchanges
+	// (--to-original-exchange) only for signed ones. With it, the
+	// original exchange and routing key a delivery's headers name are
+	// carried onto its copies only when its signature verifies (else the
+	// delivery's own are named). Give every consumer of a queue the same
+	// key; changing it makes the copies signed before unverifiable (their
+	// original exchange is then the one they came back through). Default
+	// none: nothing is signed, and the CLI acts on those headers only
+	// with --trust-headers. See docs/security.md.
+	SigningKey []byte
+	// ReplyTo, when set, are the only reply queues the consumer sends
+	// replies to: a message whose ReplyTo is none of them is
+	// dead-lettered ("reply-to refused") without running its handler. An
+	// entry ending in "*" matches every name that begins with what comes
+	// before it, e.g. "amq.rabbitmq.reply-to.*" for direct reply-to
+	// (where a client names the pseudo-queue "amq.rabbitmq.reply-to" and
+	// the consumer sees "amq.rabbitmq.reply-to." and a suffix).
+	// Messages without ReplyTo are not affected. Without it (the
+	// default), a reply goes to whatever queue the message names, with
+	// the consumer's credentials, as in any AMQP RPC: see the package
+	// documentation.
+	ReplyTo []string
+
 	// ConsumerName is written into dead letters' headers. Default: host
 	// name and process id.
 	ConsumerName string
@@ -331,6 +361,13 @@ func (c Config) Validate() error {
 		return fmt.Errorf("amqpidem: Config.MaxResultSize %d must not be negative", c.MaxResultSize)
 	case c.MaxStaged < 0:
 		return fmt.Errorf("amqpidem: Config.MaxStaged %d must not be negative", c.MaxStaged)
+	case len(c.SigningKey) > 0 && len(c.SigningKey) < MinSigningKey:
+		return fmt.Errorf("amqpidem: Config.SigningKey is %d bytes; use a random secret of at least %d", len(c.SigningKey), MinSigningKey)
+	}
+	for _, r := range c.ReplyTo {
+		if r == "" || r == "*" {
+			return fmt.Errorf("amqpidem: Config.ReplyTo entry %q allows nothing or everything: name reply queues, or prefixes ending in *", r)
+		}
 	}
 	if c.DelayInProcess && len(c.DelayQueueArgs) > 0 {
 		return errors.New("amqpidem: Config.DelayQueueArgs has no use with DelayInProcess, which declares no delay queue")

@@ -221,8 +221,22 @@
 // without running. HeaderExpiresAt (an integer of any AMQP type) can only
 // bring an "expired" dead letter closer. HeaderReplyTries is read as at
 // most MaxAttempts. HeaderOriginalExchange, HeaderOriginalRoutingKey and
-// HeaderUserID are informational: amqpidem decides nothing from them, and
-// copies carry them only when they are short strings (255 bytes at most).
+// HeaderUserID are informational: the consumer decides nothing from them,
+// and copies carry them only when they are short strings (255 bytes at
+// most).
+//
+// An operator's tool does act on headers: `amqpidem dlq replay --forget`
+// deletes the record HeaderEndpoint and HeaderKey name, and
+// --to-original-exchange publishes where HeaderOriginalExchange and
+// HeaderOriginalRoutingKey say. A message can reach a dead-letter queue
+// with headers its publisher chose (dead-lettered by the broker, or
+// published there), so with Config.SigningKey every copy a consumer
+// publishes carries HeaderSignature, an HMAC of those headers and the
+// body (VerifySignature), and the CLI acts on them only when it verifies
+// under the same key, or with --trust-headers. Original exchange and
+// routing key are then carried from a delivery only when its signature
+// verifies. Config.ReplyTo limits where replies go. docs/security.md
+// has the threat model.
 //
 // A publisher can also send headers so near the connection's frame_max
 // that no copy with amqpidem's headers added fits in a frame (the broker

@@ -83,7 +83,7 @@ func (f *flight) stopKeep() {
 // work needs only what arrivalHeaders read, and is spared the rest.
 func (f *flight) head() *headers {
 	if !f.h.parsed {
-		f.h = parseHeaders(f.d.Headers, f.p.cfg.MaxAttempts)
+		f.h = f.p.parseHeaders(f.d)
 	}
 	return &f.h
 }
@@ -106,6 +106,11 @@ func (f *flight) arrive(t *ticket) {
 			return
 		}
 		f.slot = slot{g: p.gate, held: true}
+	}
+	if err := p.replyRefused(f.d.ReplyTo); err != nil {
+		f.slot.free()
+		f.deadLetter("reply-to refused", err) // not run: no lease, no record
+		return
 	}
 	if keyErr != nil {
 		f.noKey(keyErr)

@@ -12,8 +12,11 @@ import (
 // HeaderOriginalExchange, HeaderOriginalRoutingKey, HeaderUserID,
 // HeaderOriginalExpiration and HeaderExpiresAt are carried from copy to
 // copy, so a publisher can set them on a message's first delivery: they
-// are informational, and nothing in amqpidem decides anything from them
-// (HeaderExpiresAt can only shorten a copy's life; see there).
+// are informational, and nothing in the consumer decides anything from
+// them (HeaderExpiresAt can only shorten a copy's life; see there). With
+// Config.SigningKey, the original exchange and routing key are carried
+// only from a copy amqpidem signed (HeaderSignature), so that the CLI can
+// trust them on a signed dead letter.
 const (
 	// HeaderAttempt is the number of executions so far, on requeued and
 	// dead-lettered copies.
@@ -26,8 +29,11 @@ const (
 	// there as a string (or byte array) of at most 255 bytes, together
 	// with a valid HeaderOriginalRoutingKey; otherwise both are set from
 	// the delivery's own exchange and routing key. A publisher can set it
-	// on a first delivery: it is informational, nothing in amqpidem
-	// decides anything from it.
+	// on a first delivery: it is informational, nothing in the consumer
+	// decides anything from it. With Config.SigningKey it is kept only
+	// when the delivery's HeaderSignature verifies, and `amqpidem dlq
+	// replay --to-original-exchange` publishes to it only then (or with
+	// --trust-headers).
 	HeaderOriginalExchange = "x-amqpidem-original-exchange"
 	// HeaderOriginalRoutingKey is the routing key the message was first
 	// published with; kept or replaced together with

@@ -311,8 +311,9 @@ func (c *Consumer) drain(base context.Context, ch *amqp.Channel, acks *acker, de
 func (c *Consumer) giveBack(base context.Context, d *amqp.Delivery) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(base), settleTimeout)
 	defer cancel()
-	h := parseHeaders(d.Headers, c.proc.cfg.MaxAttempts)
+	h := c.proc.parseHeaders(d)
 	msg := copyOf(d, &h, amqp.Table{HeaderReason: "shutdown"})
+	c.proc.sign(&msg)
 	if err := c.pub.requeue(ctx, c.cfg.Queue, msg, 0); err != nil {
 		_ = d.Nack(false, true)
 		return

@@ -180,6 +180,7 @@ func pendingMark(text string) amqp.Table {
 func (f *flight) sendBack(delay time.Duration, extra amqp.Table) bool {
 	p := f.p
 	msg := copyOf(f.d, f.head(), extra)
+	p.sign(&msg)
 	if _, pending := extra[HeaderDeadLetterPending]; pending {
 		f.fit(&msg, extra, "requeued copy") // a nack would lose the mark
 	} else if fm := frameMaxOf(f.b); !fits(&msg, fm) {
@@ -232,8 +233,8 @@ func (f *flight) publishCopy(delay time.Duration, msg amqp.Publishing) error {
 // headers of it are lost.
 func (f *flight) fit(msg *amqp.Publishing, keep amqp.Table, what string) {
 	keep = maps.Clone(keep)
-	for _, k := range []string{HeaderOriginalExchange, HeaderOriginalRoutingKey, HeaderUserID} {
-		keep[k] = nil // at most maxShortText bytes each
+	for _, k := range []string{HeaderOriginalExchange, HeaderOriginalRoutingKey, HeaderUserID, HeaderSignature, HeaderKey, HeaderEndpoint} {
+		keep[k] = nil // amqpidem's: short, and signed (see sign)
 	}
 	note := fitHeaders(msg, keep, frameMaxOf(f.b))
 	if note == "" {
@@ -308,6 +309,7 @@ func (f *flight) deadLetter(reason string, cause error) {
 	msg := deadLetterOf(f.d, f.head(), fault)
 	delete(msg.Headers, HeaderDeadLetterPending)
 	p.inject(f.ctx, msg.Headers)
+	p.sign(&msg)
 	exchange, key := p.cfg.DeadLetterExchange, p.cfg.DeadLetterRoutingKey
 	f.fit(&msg, fault, "dead letter")
 	ownQueue := exchange == "" && key == p.cfg.Queue+".dlq"
