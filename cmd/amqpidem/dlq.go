@@ -1,10 +1,12 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"strconv"
 	"time"
 
@@ -20,14 +22,47 @@ func callContext(c *cobra.Command, o *options) (context.Context, context.CancelF
 	return context.WithTimeout(c.Context(), o.timeout)
 }
 
-// dlqFlags name a dead-letter queue.
+// dlqFlags name a dead-letter queue and the key its dead letters are
+// signed with.
 type dlqFlags struct {
-	dlq string
+	dlq     string
+	keyFile string
 }
 
 func (f *dlqFlags) add(c *cobra.Command) {
 	c.Flags().StringVar(&f.dlq, "dlq", "", "the dead-letter `queue`, when it is not QUEUE.dlq (Config.DeadLetterRoutingKey)")
+	c.Flags().StringVar(&f.keyFile, "signing-key-file", "", "a `file` holding the consumers' Config.SigningKey (default: AMQPIDEM_SIGNING_KEY)")
 }
+
+// signingKey is the key dead letters are checked with: the contents of
+// --signing-key-file (without a final newline), else AMQPIDEM_SIGNING_KEY;
+// nil when neither is given. It is never a flag's value, which ps shows.
+func (f *dlqFlags) signingKey() ([]byte, error) {
+	key := []byte(os.Getenv(signingKeyEnv))
+	if f.keyFile != "" {
+		b, err := os.ReadFile(f.keyFile)
+		if err != nil {
+			return nil, withCode(exitUsage, "--signing-key-file: %w", err)
+		}
+		key = bytes.TrimRight(b, "\r\n")
+	}
+	if len(key) > 0 && len(key) < amqpidem.MinSigningKey {
+		return nil, withCode(exitUsage, "the signing key is %d bytes; a consumer's Config.SigningKey has at least %d", len(key), amqpidem.MinSigningKey)
+	}
+	return key, nil
+}
+
+// signingKeyEnv holds the consumers' Config.SigningKey for dlq commands.
+const signingKeyEnv = "AMQPIDEM_SIGNING_KEY"
+
+// Origins of a dead letter (deadLetter.Origin): whether its headers are
+// proven amqpidem's.
+const (
+	originSigned    = "signed"        // HeaderSignature verifies under the key
+	originUnsigned  = "unsigned"      // no HeaderSignature
+	originBad       = "bad signature" // forged, changed, or another key's
+	originUnchecked = "unchecked"     // signed, but no key to check it with
+)
 
 func (f *dlqFlags) name(queue string) string {
 	if f.dlq != "" {
@@ -61,6 +96,9 @@ type deadLetter struct {
 	OriginalRoutingKey string     `json:"original_routing_key"`
 	Consumer           string     `json:"consumer,omitempty"`
 	BodyBytes          int        `json:"body_bytes"`
+	// Origin says whether the headers above are proven amqpidem's: one
+	// of the origin constants.
+	Origin string `json:"origin"`
 }
 
 // printDeadLetters writes the text output of dlq list: how many dead
@@ -76,19 +114,39 @@ func printDeadLetters(w io.Writer, queue string, count int, list []deadLetter) {
 	if len(list) == 0 {
 		return
 	}
-	rows := [][]string{{"#", "KEY", "REASON", "ATTEMPTS", "FIRST SEEN", "EXCHANGE", "ROUTING KEY", "ERROR"}}
+	rows := [][]string{{"#", "KEY", "REASON", "ORIGIN", "ATTEMPTS", "FIRST SEEN", "EXCHANGE", "ROUTING KEY", "ERROR"}}
 	for _, dl := range list {
 		first := "-"
 		if dl.FirstSeen != nil {
 			first = dl.FirstSeen.Format(time.RFC3339)
 		}
-		rows = append(rows, []string{strconv.Itoa(dl.Index), oneLine(orDash(dl.Key), 40), oneLine(dl.Reason, 40), strconv.FormatInt(dl.Attempts, 10),
+		rows = append(rows, []string{strconv.Itoa(dl.Index), oneLine(orDash(dl.Key), 40), oneLine(dl.Reason, 40), dl.Origin, strconv.FormatInt(dl.Attempts, 10),
 			first, oneLine(orDash(dl.OriginalExchange), 40), oneLine(orDash(dl.OriginalRoutingKey), 60), oneLine(dl.Error, 60)})
 	}
 	table(w, rows)
+	originNote(w, list)
 }
 
-func describe(i int, d *amqp.Delivery) deadLetter {
+// originNote says, under a list, what the ORIGIN column means for the
+// dead letters whose headers are not proven amqpidem's.
+func originNote(w io.Writer, list []deadLetter) {
+	n := map[string]int{}
+	for _, dl := range list {
+		n[dl.Origin]++
+	}
+	if k := n[originUnsigned] + n[originBad]; k > 0 {
+		fmt.Fprintf(w, "%s not signed by a consumer with the key given: their headers may be a publisher's; "+
+			"replay forgets their records and uses their original exchange only with --trust-headers\n", plural(k, "dead letter"))
+	}
+	if n[originUnchecked] > 0 {
+		fmt.Fprintf(w, "%s with a signature not checked: give the consumers' Config.SigningKey in %s or --signing-key-file\n",
+			plural(n[originUnchecked], "dead letter"), signingKeyEnv)
+	}
+}
+
+// describe reads dead letter d, the i-th read, checking its signature
+// with key (see origin).
+func describe(i int, d *amqp.Delivery, key []byte) deadLetter {
 	h := d.Headers
 	dl := deadLetter{Index: i, MessageID: d.MessageId, Reason: text(h, amqpidem.HeaderReason), Error: text(h, amqpidem.HeaderError),
 		Attempts: number(h, amqpidem.HeaderAttempt), OriginalExchange: text(h, amqpidem.HeaderOriginalExchange),
@@ -103,7 +161,22 @@ func describe(i int, d *amqp.Delivery) deadLetter {
 	if t, ok := h[amqpidem.HeaderFirstSeen].(time.Time); ok {
 		dl.FirstSeen = timePtr(t)
 	}
+	dl.Origin = origin(key, d)
 	return dl
+}
+
+// origin says whether d's headers are proven amqpidem's under key.
+func origin(key []byte, d *amqp.Delivery) string {
+	err := amqpidem.VerifySignature(key, d.Headers, d.Body)
+	switch {
+	case err == nil:
+		return originSigned
+	case errors.Is(err, amqpidem.ErrUnsigned):
+		return originUnsigned
+	case len(key) == 0:
+		return originUnchecked
+	}
+	return originBad
 }
 
 // text reads a string header ("" when absent or of another type).
@@ -191,8 +264,12 @@ func newDLQList(o *options) *cobra.Command {
 		Use:   "list QUEUE",
 		Short: "List the dead letters of QUEUE without consuming them",
 		Long: `list shows the dead letters of QUEUE (in QUEUE.dlq unless --dlq says
-otherwise): key, reason, attempts, when first seen, the original exchange and
-routing key, and the error. It reads them without acknowledging them and
+otherwise): key, reason, origin, attempts, when first seen, the original
+exchange and routing key, and the error. ORIGIN says whether a consumer's
+signature (Config.SigningKey, checked with the key in AMQPIDEM_SIGNING_KEY
+or --signing-key-file) proves the headers amqpidem's: "signed"; "unsigned"
+or "bad signature" when they may be a publisher's; "unchecked" when no key
+was given. It reads them without acknowledging them and
 gives them all back when done, so they stay in the queue, in order, even if
 list is killed; RabbitMQ marks them redelivered. On a quorum dead-letter
 queue with a delivery limit (x-delivery-limit; RabbitMQ 4 sets 20 by
@@ -207,6 +284,10 @@ Exit code 3 when the dead-letter queue does not exist.`,
 		RunE: func(c *cobra.Command, args []string) error {
 			if limit < 1 {
 				return withCode(exitUsage, "--limit must be at least 1")
+			}
+			key, err := f.signingKey()
+			if err != nil {
+				return err
 			}
 			s, err := o.openDLQ(f.name(args[0]))
 			if err != nil {
@@ -223,7 +304,7 @@ Exit code 3 when the dead-letter queue does not exist.`,
 				if !ok {
 					break
 				}
-				list = append(list, describe(len(list)+1, &d))
+				list = append(list, describe(len(list)+1, &d, key))
 				p.step(len(list))
 			}
 			p.end()
@@ -272,7 +353,7 @@ func newDLQReplay(o *options) *cobra.Command {
 	var f dlqFlags
 	var k keyFlags
 	var key string
-	var all, forget, dryRun, original, yes bool
+	var all, forget, dryRun, original, yes, trust bool
 	c := &cobra.Command{
 		Use:   "replay QUEUE (--key KEY | --all) [--forget] [--dry-run] [--yes]",
 		Short: "Publish dead letters of QUEUE back to QUEUE",
@@ -304,6 +385,16 @@ message was first published to: that exchange may route it to other queues
 too, whose consumers would see it again. --to-original-exchange publishes
 it to the original exchange and routing key instead.
 
+A message can reach a dead-letter queue with headers its publisher chose
+(dead-lettered by the broker, or published there by anyone allowed to), so
+--forget and --to-original-exchange act only on dead letters whose headers
+a consumer signed (Config.SigningKey), checked with the same key, given in
+AMQPIDEM_SIGNING_KEY or --signing-key-file. Others are left, with their
+origin (unsigned, bad signature, or unchecked without a key): read them
+with dlq list, then pass --trust-headers to act on them anyway. Without
+those two flags a dead letter is replayed to QUEUE whatever its origin, as
+if its publisher had sent it there.
+
 The header counting attempts is kept: a replayed message starts a fresh
 count, since amqpidem ignores the count of a message that was dead-lettered.
 
@@ -316,13 +407,18 @@ Exit code 3 when no dead letter matched, 4 when some were left in place, 1
 when the run stopped early (what was done is reported first).`,
 		Example: `  amqpidem dlq replay orders --key order-1042 --forget
   amqpidem dlq replay orders --all --forget --dry-run
-  amqpidem dlq replay orders --all --forget`,
+  amqpidem dlq replay orders --all --forget
+  AMQPIDEM_SIGNING_KEY=... amqpidem dlq replay orders --all --forget --to-original-exchange`,
 		Args: exactArgs(1, "one QUEUE"),
 		RunE: func(c *cobra.Command, args []string) error {
 			if all == (key != "") {
 				return withCode(exitUsage, "give exactly one of --key KEY and --all")
 			}
 			k.queue = args[0]
+			signingKey, err := f.signingKey()
+			if err != nil {
+				return err
+			}
 			ctx, cancel := callContext(c, o)
 			admin, closeStore, err := o.openStore(ctx)
 			cancel()
@@ -331,7 +427,7 @@ when the run stopped early (what was done is reported first).`,
 			}
 			defer closeStore()
 			r := &replayer{o: o, queue: args[0], k: &k, admin: admin, forget: forget, dryRun: dryRun, original: original,
-				ask: all && forget && !dryRun, yes: yes}
+				ask: all && forget && !dryRun, yes: yes, signingKey: signingKey, trust: trust}
 			return r.run(c.Context(), f.name(args[0]), key)
 		},
 	}
@@ -343,6 +439,7 @@ when the run stopped early (what was done is reported first).`,
 	c.Flags().BoolVar(&dryRun, "dry-run", false, "say what would be done, change nothing")
 	c.Flags().BoolVar(&original, "to-original-exchange", false, "publish to the exchange and routing key the message was first published to")
 	c.Flags().BoolVar(&yes, "yes", false, "replay --all --forget without asking (needed when stdin is not a terminal)")
+	c.Flags().BoolVar(&trust, "trust-headers", false, "act on the headers of dead letters not signed with the signing key (--forget, --to-original-exchange): only after checking them")
 	return c
 }
 
@@ -357,7 +454,11 @@ type replayer struct {
 	original bool
 	// ask: a bulk replay (--all --forget) needs consent, or yes.
 	ask, yes bool
-	pub      *confirmer
+	// signingKey checks dead letters' signatures; trust (--trust-headers)
+	// acts on unsigned ones' headers too.
+	signingKey []byte
+	trust      bool
+	pub        *confirmer
 }
 
 // run goes once through the dead letters in dlq at the start, replaying
@@ -406,7 +507,7 @@ func (r *replayer) run(ctx context.Context, dlq, key string) error {
 			break
 		}
 		p.step(i)
-		dl := describe(i, &d)
+		dl := describe(i, &d, r.signingKey)
 		if key != "" && dl.Key != key {
 			continue // not acked: it goes back when the session closes
 		}
@@ -456,8 +557,11 @@ func (r *replayer) one(ctx context.Context, d *amqp.Delivery, dl deadLetter) (ac
 		}
 		return "left", "", fmt.Sprintf("dead-lettered by endpoint %q, not %s: pass --endpoint %q to act on its records", dl.Endpoint, flag, dl.Endpoint), nil
 	}
+	if r.original && !r.trusted(dl) {
+		return "left", "", r.untrusted(dl, "its original exchange and routing key may be a publisher's (without --to-original-exchange it goes to the queue)"), nil
+	}
 	if dl.Key != "" {
-		action, forgot, why, err = r.record(ctx, endpoint, dl.Key)
+		action, forgot, why, err = r.record(ctx, endpoint, dl)
 		if err != nil || action != "" {
 			return action, forgot, why, err
 		}
@@ -484,11 +588,25 @@ func (r *replayer) one(ctx context.Context, d *amqp.Delivery, dl deadLetter) (ac
 	return "replayed", forgot, "", nil
 }
 
-// record decides on the record of key under endpoint: an action and why
-// when the dead letter stays, "" to replay it (after forgetting a failed
-// record, forgot says so).
-func (r *replayer) record(ctx context.Context, endpoint, key string) (action, forgot, why string, err error) {
-	skey := amqpidem.StoreKey(endpoint, key)
+// trusted reports whether replay may act on dl's headers: they are signed
+// with the signing key, or --trust-headers says to.
+func (r *replayer) trusted(dl deadLetter) bool { return dl.Origin == originSigned || r.trust }
+
+// untrusted says why dead letter dl, whose headers are not proven
+// amqpidem's, is left: risk, and how to act anyway.
+func (r *replayer) untrusted(dl deadLetter, risk string) string {
+	how := "check them, then pass --trust-headers"
+	if dl.Origin == originUnchecked {
+		how = "give the consumers' Config.SigningKey in " + signingKeyEnv + " or --signing-key-file, or check them and pass --trust-headers"
+	}
+	return fmt.Sprintf("headers %s: %s; %s", dl.Origin, risk, how)
+}
+
+// record decides on the record of dead letter dl's key under endpoint: an
+// action and why when the dead letter stays, "" to replay it (after
+// forgetting a failed record, forgot says so).
+func (r *replayer) record(ctx context.Context, endpoint string, dl deadLetter) (action, forgot, why string, err error) {
+	skey := amqpidem.StoreKey(endpoint, dl.Key)
 	cctx, cancel := context.WithTimeout(ctx, r.o.timeout)
 	defer cancel()
 	rec, err := r.admin.Inspect(cctx, skey)
@@ -505,6 +623,9 @@ func (r *replayer) record(ctx context.Context, endpoint, key string) (action, fo
 		return "", "", "", nil // in progress, released: a replay waits its turn
 	case !r.forget:
 		return "left", "", "record failed: it would be dead-lettered again; fix the cause and use --forget", nil
+	case !r.trusted(dl):
+		// A publisher may have named a key whose failure it wants undone.
+		return "left", "", r.untrusted(dl, "--forget would delete the failed record of a key a publisher may have named"), nil
 	case r.dryRun:
 		return "", "failed", "", nil
 	}

@@ -84,6 +84,7 @@ func dynamoCLI(t *testing.T, code int, flags []string, args ...string) string {
 			cmd.Env = append(cmd.Env, kv)
 		}
 	}
+	cmd.Env = append(cmd.Env, "AMQPIDEM_SIGNING_KEY="+rigSigningKey)
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	err := cmd.Run()
@@ -191,7 +192,7 @@ func TestReplayForgetDynamo(t *testing.T) {
 			})
 			return []byte("paid"), nil
 		})
-		c, err := amqpidem.NewConsumer(s, amqpidem.ConsumerConfig{URL: url, Config: amqpidem.Config{
+		c, err := amqpidem.NewConsumer(s, amqpidem.ConsumerConfig{URL: url, Config: amqpidem.Config{SigningKey: []byte(rigSigningKey),
 			Queue: queue, Logger: slog.New(slog.DiscardHandler),
 			Observer: amqpidem.ObserverFunc(func(_ context.Context, e amqpidem.Event) { events <- e }),
 		}}, h)

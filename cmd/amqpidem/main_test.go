@@ -95,7 +95,7 @@ func newRigWith(t *testing.T, concurrency int, edit func(*amqpidem.Config)) *rig
 	r.pub = amqpidem.NewPublisher(r.conn)
 	t.Cleanup(r.pub.Close)
 	r.broken.Store(true)
-	cfg := amqpidem.Config{Queue: r.queue, Logger: slog.New(slog.DiscardHandler),
+	cfg := amqpidem.Config{Queue: r.queue, Logger: slog.New(slog.DiscardHandler), SigningKey: []byte(rigSigningKey),
 		Observer: amqpidem.ObserverFunc(func(_ context.Context, e amqpidem.Event) { r.events <- e })}
 	if edit != nil {
 		edit(&cfg)
@@ -152,11 +152,16 @@ func (r *rig) waitOutcomes(o amqpidem.Outcome, n int) {
 	}
 }
 
-// cli runs the binary with args and the rig's flags; it returns stdout,
-// stderr and the exit code.
+// rigSigningKey is the rig's consumers' Config.SigningKey, given to the
+// binary in AMQPIDEM_SIGNING_KEY.
+const rigSigningKey = "rig-signing-key-0123456789"
+
+// cli runs the binary with args and the rig's flags (and signing key); it
+// returns stdout, stderr and the exit code.
 func (r *rig) cli(args ...string) (string, string, int) {
 	r.t.Helper()
 	cmd := exec.Command(bin, append(args, r.flags...)...)
+	cmd.Env = append(os.Environ(), "AMQPIDEM_SIGNING_KEY="+rigSigningKey)
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	err := cmd.Run()

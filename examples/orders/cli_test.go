@@ -47,6 +47,7 @@ func TestDeclinedPaymentReplayedWithCLI(t *testing.T) {
 	redisAddr, url := testenv.RedisAddr(t), testenv.AMQPURL(t)
 	queue := testenv.Name(t)
 	prefix := "orders-" + queue
+	t.Setenv("AMQPIDEM_SIGNING_KEY", "orders-example-signing-key") // the consumer's and the CLI's
 	bin := filepath.Join(t.TempDir(), "amqpidem")
 	if out, err := exec.Command("go", "build", "-o", bin, "github.com/amqpidem/amqpidem/cmd/amqpidem").CombinedOutput(); err != nil {
 		t.Fatalf("building cmd/amqpidem: %v\n%s", err, out)

@@ -140,7 +140,13 @@ func config(queue string, log *slog.Logger) amqpidem.Config {
 		// A copy of a declined payment is acked and dropped: the first copy
 		// is in payments.dlq already.
 		FailedDuplicate: amqpidem.AckFailedDuplicate,
-		Logger:          log,
+		// Signs the dead letters' headers, so that `amqpidem dlq replay
+		// --forget`, given the same key in AMQPIDEM_SIGNING_KEY, can tell
+		// them from messages a publisher put into payments.dlq itself.
+		// Unset: nothing signed, and the CLI forgets records only with
+		// --trust-headers.
+		SigningKey: []byte(os.Getenv("AMQPIDEM_SIGNING_KEY")),
+		Logger:     log,
 	}
 }
 
