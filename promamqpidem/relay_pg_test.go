@@ -104,4 +104,5 @@ func TestRelayCollectorDatabaseDown(t *testing.T) {
 		t.Fatal(err)
 	}
 	check("database answering again", 1)
+	lint(t, c)
 }
