@@ -1,4 +1,4 @@
-package promamqpidem_test
+package metrics_test
 
 import (
 	"context"
@@ -7,6 +7,9 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	dto "github.com/prometheus/client_model/go"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/internal/testenv"
@@ -14,6 +17,35 @@ import (
 	"github.com/amqpidem/amqpidem/pgstore"
 	"github.com/amqpidem/amqpidem/promamqpidem"
 )
+
+// A pgstore.Relay is what a RelayCollector reads, dead rows included.
+var _ promamqpidem.RelayDeadSource = (*pgstore.Relay)(nil)
+
+// series is the series name (without labels) of what c collects; nil if
+// there is none.
+func series(t *testing.T, c prometheus.Collector, name string) *dto.Metric {
+	t.Helper()
+	reg := prometheus.NewPedanticRegistry()
+	if err := reg.Register(c); err != nil {
+		t.Fatal(err)
+	}
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() == name && len(f.GetMetric()) == 1 {
+			return f.GetMetric()[0]
+		}
+	}
+	return nil
+}
+
+// value is the gauge's value of series name; 0 if there is none.
+func value(t *testing.T, c prometheus.Collector, name string) float64 {
+	t.Helper()
+	return series(t, c, name).GetGauge().GetValue()
+}
 
 // TestRelayCollectorDatabaseDown reads a real outbox (one pending row, one
 // dead row) through a pgstore.Relay, then makes the database refuse the
@@ -104,5 +136,11 @@ func TestRelayCollectorDatabaseDown(t *testing.T) {
 		t.Fatal(err)
 	}
 	check("database answering again", 1)
-	lint(t, c)
+	problems, err := testutil.CollectAndLint(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range problems {
+		t.Errorf("lint: %s: %s", p.Metric, p.Text)
+	}
 }
