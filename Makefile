@@ -1,4 +1,4 @@
-.PHONY: services test check-user-module bench lint demo chaos
+.PHONY: services test check-user-module alerts bench lint demo chaos
 
 # CONTAINERS is the Docker fallback of internal/testenv: a program in a
 # module of its own, so that testcontainers-go stays out of this module's
@@ -15,8 +15,9 @@ services:
 	bash scripts/services.sh
 
 # test checks that a module importing amqpidem inherits none of the tests'
-# dependencies, then runs every test with the race detector.
-test: services check-user-module
+# dependencies and that the example alerting rules pass their unit tests,
+# then runs every test with the race detector.
+test: services check-user-module alerts
 	go test -race -count=1 -timeout 20m ./...
 
 # check-user-module fails if a fresh module importing amqpidem, heartbeat and
@@ -27,6 +28,14 @@ test: services check-user-module
 # go.sum line counts.
 check-user-module:
 	bash scripts/check-user-module.sh
+
+# alerts checks the example alerting rules of docs/alerts with promtool
+# (promtool check rules) and runs their unit tests (promtool test rules).
+# It uses promtool from PROMTOOL or PATH, else fetches Debian's with
+# apt-get download into a cache directory, else says what to install
+# (see scripts/promtool.sh).
+alerts:
+	bash scripts/promtool.sh
 
 # bench runs the lock and heartbeat micro benchmarks, then the end-to-end
 # measurement of test/bench: a bare amqp091-go consumer, amqpidem with

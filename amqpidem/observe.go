@@ -35,7 +35,9 @@ type Tracer interface {
 
 // HandlerObserver is an Observer that is also told when a handler starts
 // and returns (for an in-flight gauge). Both are called on the handler's
-// goroutine, with the handler's context and Info.
+// goroutine, with the handler's context and Info: the same context value
+// in both calls, so that an observer may use it as the handler's identity
+// (to keep the age of the oldest running handler, say).
 type HandlerObserver interface {
 	Observer
 	HandlerStarted(ctx context.Context, info Info)

@@ -312,6 +312,14 @@ func (r *Relay) Backlog(ctx context.Context) (rows int64, oldest time.Duration, 
 	return r.o.Backlog(ctx)
 }
 
+// Dead is Outbox.Dead: the rows dead now, refused MaxAttempts times and
+// waiting for an operator, whichever relay (or process) moved them there.
+// promamqpidem.NewRelayCollector exports it as a gauge, beside Counts'
+// dead, which counts only this relay's since it was made.
+func (r *Relay) Dead(ctx context.Context) (int64, error) {
+	return r.o.Dead(ctx)
+}
+
 // Run relays until Shutdown (then it returns nil) or until ctx ends (then
 // ctx.Err()). Errors of the database or the broker are logged and waited
 // out with backoff, never returned. Run may be called once. It listens,

@@ -16,6 +16,7 @@
 //	amqpidem_processing_duration_seconds{queue,outcome}             histogram
 //	amqpidem_end_to_end_duration_seconds{queue,outcome}             histogram
 //	amqpidem_handlers_in_flight{queue}                              gauge
+//	amqpidem_oldest_handler_age_seconds{queue}                      gauge
 //	amqpidem_store_call_duration_seconds{queue,op,result}           histogram
 //	amqpidem_lease_extensions_total{queue,result}                   counter
 //	amqpidem_requeues_total{queue,outcome,delay_tier}               counter
@@ -46,7 +47,15 @@
 // consumer's; a negative difference is recorded as 0.
 //
 // handlers_in_flight is the number of handlers running now in this
-// process.
+// process. oldest_handler_age_seconds is the age of the oldest of them,
+// per queue, read at each scrape; 0 when none runs (a queue keeps its
+// series once a handler ran on it). A handler that does not return keeps
+// its lease alive through the heartbeat, holding its key (and a
+// concurrency slot) for as long as it runs: alert when this age passes
+// the handler's expected worst case (HandlerTimeout, if set, cuts off only
+// a handler that watches its context). It is kept from HandlerStarted and
+// HandlerEnded, which must get the same context, as amqpidem's calls do;
+// with Observers, so does every observer.
 //
 // store_call_duration_seconds times every call amqpidem makes to its
 // lock.Store (op: acquire, extend, complete, fail, release, cancel, and

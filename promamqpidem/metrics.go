@@ -3,8 +3,10 @@ package promamqpidem
 import (
 	"context"
 	"fmt"
+	"reflect"
 	"slices"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -119,7 +121,9 @@ type Metrics struct {
 	extensions *prometheus.CounterVec
 	requeues   *prometheus.CounterVec
 	outbox     *prometheus.CounterVec
+	oldest     *oldestHandlers
 	all        []prometheus.Collector
+	now        func() time.Time // time.Now; tests set their own
 }
 
 // Interface checks.
@@ -178,7 +182,11 @@ func newMetrics(o Options) *Metrics {
 			"Messages handlers staged (amqpidem.Stage), by result: staged (stored with the handler's outcome), published (published and confirmed, republished included), republished (published by a later delivery than the one that stored it, after a crash or a failed publish), returned (given up after the broker returned or refused it MaxAttempts times).")),
 			[]string{"queue", "result"}),
 	}
-	m.all = []prometheus.Collector{m.messages, m.handler, m.processing, m.endToEnd, m.inFlight, m.storeCalls, m.extensions, m.requeues, m.outbox}
+	m.now = time.Now
+	m.oldest = &oldestHandlers{m: m, desc: prometheus.NewDesc(prometheus.BuildFQName(o.Namespace, "", "oldest_handler_age_seconds"),
+		"Age of the oldest handler running now, 0 when none runs: a handler that does not return (its lease kept alive by the heartbeat) makes it grow.",
+		[]string{"queue"}, o.ConstLabels)}
+	m.all = []prometheus.Collector{m.messages, m.handler, m.processing, m.endToEnd, m.inFlight, m.storeCalls, m.extensions, m.requeues, m.outbox, m.oldest}
 	return m
 }
 
@@ -248,15 +256,106 @@ func DelayTierLabel(d time.Duration) string {
 	return strconv.FormatFloat(amqpidem.DelayTier(d).Seconds(), 'f', -1, 64)
 }
 
-// HandlerStarted counts a handler in flight (amqpidem.HandlerObserver).
-func (m *Metrics) HandlerStarted(_ context.Context, info amqpidem.Info) {
+// HandlerStarted counts a handler in flight and notes when it started
+// (amqpidem.HandlerObserver).
+func (m *Metrics) HandlerStarted(ctx context.Context, info amqpidem.Info) {
 	m.inFlight.WithLabelValues(info.Queue).Inc()
+	m.oldest.started(ctx, info.Queue)
 }
 
 // HandlerEnded counts a handler no longer in flight
-// (amqpidem.HandlerObserver).
-func (m *Metrics) HandlerEnded(_ context.Context, info amqpidem.Info) {
+// (amqpidem.HandlerObserver). ctx must be the one HandlerStarted got, as
+// amqpidem's are: it tells the handler from the others running.
+func (m *Metrics) HandlerEnded(ctx context.Context, info amqpidem.Info) {
 	m.inFlight.WithLabelValues(info.Queue).Dec()
+	m.oldest.ended(ctx, info.Queue)
+}
+
+// oldestHandlers is the gauge oldest_handler_age_seconds: when each
+// running handler started, per queue, each known by its context (which
+// HandlerStarted and HandlerEnded both get). A queue seen once keeps its
+// series, at 0 when none runs.
+type oldestHandlers struct {
+	m      *Metrics
+	desc   *prometheus.Desc
+	queues sync.Map // queue name -> *runningHandlers
+}
+
+// runningHandlers are the handlers running on one queue.
+type runningHandlers struct {
+	mu sync.Mutex
+	// byCtx holds when each started; n counts the handlers that share a
+	// context (a caller's own hooks may give them one), kept until the
+	// last ended, with the first one's start.
+	byCtx map[context.Context]handlerStart
+}
+
+type handlerStart struct {
+	at time.Time
+	n  int
+}
+
+// running returns queue's handlers, made on first use.
+func (o *oldestHandlers) running(queue string) *runningHandlers {
+	if r, ok := o.queues.Load(queue); ok {
+		return r.(*runningHandlers)
+	}
+	r, _ := o.queues.LoadOrStore(queue, &runningHandlers{byCtx: make(map[context.Context]handlerStart)})
+	return r.(*runningHandlers)
+}
+
+// handlerKey is ctx as a map key; a context of a type that cannot be one
+// (none of the standard library's, nor amqpidem's) shares the nil key.
+func handlerKey(ctx context.Context) context.Context {
+	if ctx == nil || !reflect.TypeOf(ctx).Comparable() {
+		return nil
+	}
+	return ctx
+}
+
+func (o *oldestHandlers) started(ctx context.Context, queue string) {
+	r, k, now := o.running(queue), handlerKey(ctx), o.m.now()
+	r.mu.Lock()
+	s, ok := r.byCtx[k]
+	if !ok {
+		s.at = now
+	}
+	s.n++
+	r.byCtx[k] = s
+	r.mu.Unlock()
+}
+
+func (o *oldestHandlers) ended(ctx context.Context, queue string) {
+	r, k := o.running(queue), handlerKey(ctx)
+	r.mu.Lock()
+	if s, ok := r.byCtx[k]; ok {
+		if s.n--; s.n > 0 {
+			r.byCtx[k] = s
+		} else {
+			delete(r.byCtx, k)
+		}
+	}
+	r.mu.Unlock()
+}
+
+// Describe implements prometheus.Collector.
+func (o *oldestHandlers) Describe(ch chan<- *prometheus.Desc) { ch <- o.desc }
+
+// Collect implements prometheus.Collector: one pass over the handlers
+// running, at most the consumers' Concurrency per queue.
+func (o *oldestHandlers) Collect(ch chan<- prometheus.Metric) {
+	now := o.m.now()
+	o.queues.Range(func(q, v any) bool {
+		r := v.(*runningHandlers)
+		var age time.Duration
+		r.mu.Lock()
+		for _, s := range r.byCtx {
+			age = max(age, now.Sub(s.at))
+		}
+		r.mu.Unlock()
+		ch <- prometheus.MustNewConstMetric(o.desc, prometheus.GaugeValue, age.Seconds(), q.(string))
+		return true
+	})
 }
 
 // ObserveStore records a store call (amqpidem.StoreObserver): its
