@@ -45,6 +45,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/amqpidem/amqpidem/examples/internal/demo"
 	"github.com/amqpidem/amqpidem/pgstore"
 	"github.com/amqpidem/amqpidem/promamqpidem"
 )
@@ -58,7 +59,11 @@ const (
 )
 
 func main() {
-	log := slog.New(tint.NewTextHandler(os.Stderr, &tint.Options{Level: slog.LevelDebug, TimeFormat: time.TimeOnly}))
+	// A hostile message can put terminal escapes into the keys and errors
+	// logged, and tint writes values as they are: demo.EscapeControl
+	// (examples/internal/demo/log.go, a few lines to copy) escapes them.
+	log := slog.New(tint.NewTextHandler(os.Stderr, &tint.Options{Level: slog.LevelDebug, TimeFormat: time.TimeOnly,
+		ReplaceAttr: demo.EscapeControl}))
 	stop, stopSignals := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stopSignals()
 	app := app{log: log, cfg: pgstore.Config{}, queue: queue}

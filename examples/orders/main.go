@@ -52,6 +52,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/examples/internal/demo"
 	"github.com/amqpidem/amqpidem/lock"
 	"github.com/amqpidem/amqpidem/promamqpidem"
 )
@@ -67,7 +68,11 @@ const (
 )
 
 func main() {
-	log := slog.New(tint.NewTextHandler(os.Stderr, &tint.Options{Level: slog.LevelDebug, TimeFormat: time.TimeOnly}))
+	// A hostile message can put terminal escapes into the keys and errors
+	// logged, and tint writes values as they are: demo.EscapeControl
+	// (examples/internal/demo/log.go, a few lines to copy) escapes them.
+	log := slog.New(tint.NewTextHandler(os.Stderr, &tint.Options{Level: slog.LevelDebug, TimeFormat: time.TimeOnly,
+		ReplaceAttr: demo.EscapeControl}))
 	if err := run(log); err != nil {
 		log.Error("orders stopped", "error", err)
 		os.Exit(1)

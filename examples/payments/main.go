@@ -36,6 +36,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/examples/internal/demo"
 	"github.com/amqpidem/amqpidem/pgstore"
 )
 
@@ -47,7 +48,11 @@ const (
 )
 
 func main() {
-	log := slog.New(tint.NewTextHandler(os.Stderr, &tint.Options{Level: slog.LevelDebug, TimeFormat: time.TimeOnly}))
+	// A hostile message can put terminal escapes into the keys and errors
+	// logged, and tint writes values as they are: demo.EscapeControl
+	// (examples/internal/demo/log.go, a few lines to copy) escapes them.
+	log := slog.New(tint.NewTextHandler(os.Stderr, &tint.Options{Level: slog.LevelDebug, TimeFormat: time.TimeOnly,
+		ReplaceAttr: demo.EscapeControl}))
 	if err := run(log); err != nil {
 		log.Error("payments stopped", "error", err)
 		os.Exit(1)
