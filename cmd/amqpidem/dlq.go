@@ -495,7 +495,10 @@ func (r *replayer) record(ctx context.Context, endpoint, key string) (action, fo
 	switch {
 	case errors.Is(err, lock.ErrNotFound):
 		return "", "", "", nil // expired or forgotten: a replay runs it
-	case errors.Is(err, lock.ErrUnavailable) || ctx.Err() != nil:
+	case err != nil && (errors.Is(err, lock.ErrUnavailable) || ctx.Err() != nil):
+		// Only a failed lookup: one that succeeded is decided on even
+		// when the run was interrupted meanwhile (the loop stops
+		// before the next dead letter, publish before sending).
 		return "", "", "", withCode(exitFailed, "%s: %w", r.o.storeName(), err)
 	case err != nil:
 		return "left", "", fmt.Sprintf("its record cannot be read: %v", err), nil
