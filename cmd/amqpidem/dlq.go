@@ -357,8 +357,19 @@ type replayer struct {
 	original bool
 	// ask: a bulk replay (--all --forget) needs consent, or yes.
 	ask, yes bool
-	pub      *confirmer
+	pub      copyPublisher
 }
+
+// copyPublisher publishes one message and waits for the broker's confirm:
+// the confirmer, or a fake in tests.
+type copyPublisher interface {
+	publish(ctx context.Context, exchange, key string, msg amqp.Publishing, timeout time.Duration) error
+	// closed reports whether the publishing channel is closed.
+	closed() bool
+}
+
+// closed reports whether c's channel is closed.
+func (c *confirmer) closed() bool { return c.ch.IsClosed() }
 
 // run goes once through the dead letters in dlq at the start, replaying
 // those that match key (all when key is ""); those not replayed go back
@@ -473,7 +484,7 @@ func (r *replayer) one(ctx context.Context, d *amqp.Delivery, dl deadLetter) (ac
 		exchange, rk = dl.OriginalExchange, dl.OriginalRoutingKey
 	}
 	if err := r.pub.publish(ctx, exchange, rk, replayCopy(d), r.o.timeout); err != nil {
-		if r.pub.ch.IsClosed() || ctx.Err() != nil {
+		if r.pub.closed() || ctx.Err() != nil {
 			return "", forgot, "", withCode(exitFailed, "republishing the dead letter of key %q: %w (it stays in the dead-letter queue)", dl.Key, err)
 		}
 		return "left", forgot, fmt.Sprintf("the broker did not take the copy for exchange %q routing key %q: %v", exchange, rk, err), nil
