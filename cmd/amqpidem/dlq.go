@@ -483,16 +483,32 @@ func (r *replayer) one(ctx context.Context, d *amqp.Delivery, dl deadLetter) (ac
 		}
 		exchange, rk = dl.OriginalExchange, dl.OriginalRoutingKey
 	}
+	if err := ctx.Err(); err != nil {
+		return "", forgot, "", withCode(exitFailed, "interrupted before republishing the dead letter of key %q: %w (not published; it stays in the dead-letter queue)", dl.Key, err)
+	}
 	if err := r.pub.publish(ctx, exchange, rk, replayCopy(d), r.o.timeout); err != nil {
-		if r.pub.closed() || ctx.Err() != nil {
-			return "", forgot, "", withCode(exitFailed, "republishing the dead letter of key %q: %w (it stays in the dead-letter queue)", dl.Key, err)
-		}
-		return "left", forgot, fmt.Sprintf("the broker did not take the copy for exchange %q routing key %q: %v", exchange, rk, err), nil
+		return r.notConfirmed(ctx, dl, exchange, rk, forgot, err)
 	}
 	if err := d.Ack(false); err != nil {
 		return "", forgot, "", withCode(exitFailed, "removing the dead letter of key %q after its copy was confirmed: %w (it may be replayed again; the record makes that a duplicate)", dl.Key, err)
 	}
 	return "replayed", forgot, "", nil
+}
+
+// notConfirmed says what became of the copy of dl that publish sent
+// without a confirm (err): left when the broker said it did not take it
+// (returned unroutable, nacked); else the run stops, and the copy may
+// have been published: the broker may have taken it before the wait was
+// interrupted, timed out or the connection lost.
+func (r *replayer) notConfirmed(ctx context.Context, dl deadLetter, exchange, rk, forgot string, err error) (action, _, why string, _ error) {
+	var closed *channelClosed
+	switch {
+	case errors.As(err, &closed):
+		return "", forgot, "", withCode(exitFailed, "republishing the dead letter of key %q: %w (not taken; it stays in the dead-letter queue)", dl.Key, err)
+	case ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) || r.pub.closed():
+		return "", forgot, "", withCode(exitFailed, "republishing the dead letter of key %q: %w: the copy may have been published (the dead letter stays in the dead-letter queue and may be replayed twice; the record makes that a duplicate)", dl.Key, err)
+	}
+	return "left", forgot, fmt.Sprintf("the broker did not take the copy for exchange %q routing key %q: %v", exchange, rk, err), nil
 }
 
 // record decides on the record of key under endpoint: an action and why
