@@ -304,6 +304,17 @@ message was first published to: that exchange may route it to other queues
 too, whose consumers would see it again. --to-original-exchange publishes
 it to the original exchange and routing key instead.
 
+replay reads the dead-letter queue as list does, without acknowledging,
+and gives back what it does not replay. On a quorum dead-letter queue each
+such read counts as a delivery, and a message given back more often than
+the queue's delivery limit (x-delivery-limit; RabbitMQ 4 sets 20 by
+default) is dropped: a dead letter read before (x-delivery-count 1 or more)
+is therefore not given back but put back at the end of the queue, as a
+copy whose count starts again (published with a confirm, then the original
+removed), even under --dry-run. Those dead letters change place, not
+content; stderr says how many. Killed between the two steps, one may be
+there twice (a second replay of it is a duplicate).
+
 The header counting attempts is kept: a replayed message starts a fresh
 count, since amqpidem ignores the count of a message that was dead-lettered.
 
@@ -358,6 +369,7 @@ type replayer struct {
 	// ask: a bulk replay (--all --forget) needs consent, or yes.
 	ask, yes bool
 	pub      copyPublisher
+	kept     int // dead letters put back at the end of the queue (keep)
 }
 
 // copyPublisher publishes one message and waits for the broker's confirm:
@@ -400,6 +412,7 @@ func (r *replayer) run(ctx context.Context, dlq, key string) error {
 	p := &progress{w: r.o.stderr, on: r.o.progress && !r.o.json, verb: "replaying", total: s.count}
 	stop := func(err error) error {
 		p.end()
+		r.saidKept(dlq)
 		if rerr := r.o.report(out, dlq, r.dryRun); rerr != nil {
 			return rerr
 		}
@@ -419,7 +432,11 @@ func (r *replayer) run(ctx context.Context, dlq, key string) error {
 		p.step(i)
 		dl := describe(i, &d)
 		if key != "" && dl.Key != key {
-			continue // not acked: it goes back when the session closes
+			// Not acked: it goes back when the session closes.
+			if err := r.keep(ctx, s, &d); err != nil {
+				return stop(err)
+			}
+			continue
 		}
 		res := replayed{deadLetter: dl}
 		res.Action, res.Forgot, res.Why, err = r.one(ctx, &d, dl)
@@ -428,6 +445,9 @@ func (r *replayer) run(ctx context.Context, dlq, key string) error {
 		}
 		if res.Action == "left" {
 			left++
+			if err := r.keep(ctx, s, &d); err != nil {
+				return stop(err)
+			}
 		}
 		out = append(out, res)
 	}
@@ -493,6 +513,53 @@ func (r *replayer) one(ctx context.Context, d *amqp.Delivery, dl deadLetter) (ac
 		return "", forgot, "", withCode(exitFailed, "removing the dead letter of key %q after its copy was confirmed: %w (it may be replayed again; the record makes that a duplicate)", dl.Key, err)
 	}
 	return "replayed", forgot, "", nil
+}
+
+// deliveryCount is the header a quorum queue gives each message it
+// delivers: how often it was delivered before and given back.
+const deliveryCount = "x-delivery-count"
+
+// keep makes sure that dead letter d, read from s and not replayed, is
+// not dropped when it goes back. A quorum queue counts each message it
+// gives back (when the session closes) as a delivery, and drops it, or
+// dead-letters it on, past its delivery limit (x-delivery-limit, or a
+// policy's; 20 by default from RabbitMQ 4), which cannot be read here
+// (queue.declare does not return arguments). So a dead letter already
+// given back before (x-delivery-count 1 or more: every replay or list
+// that read it without taking it counts) is not given back again but
+// put back at the end of the queue, as a copy whose count starts again:
+// published with a confirm, and only then d acked. The queue keeps each
+// dead letter, if not its place: those put back follow the others. A
+// classic queue's messages (no such header) are simply given back.
+func (r *replayer) keep(ctx context.Context, s *dlqSession, d *amqp.Delivery) error {
+	if number(d.Headers, deliveryCount) < 1 {
+		return nil
+	}
+	msg := replayCopy(d)
+	msg.Headers = make(amqp.Table, len(d.Headers))
+	for k, v := range d.Headers {
+		msg.Headers[k] = v // the broker's dead-lettering headers too: it stays the same dead letter
+	}
+	delete(msg.Headers, deliveryCount)
+	msg.Expiration = d.Expiration
+	if err := r.pub.publish(ctx, "", s.queue, msg, r.o.timeout); err != nil {
+		return withCode(exitFailed, "putting back a dead letter read %d times before at the end of %s: %w (it goes back in its place, and counts one more delivery)",
+			number(d.Headers, deliveryCount), s.queue, err)
+	}
+	if err := d.Ack(false); err != nil {
+		return withCode(exitFailed, "removing a dead letter of %s once its copy was put back at the end: %w (it may now be there twice)", s.queue, err)
+	}
+	r.kept++
+	return nil
+}
+
+// saidKept tells on stderr how many dead letters keep put back at the
+// end of dlq, if any.
+func (r *replayer) saidKept(dlq string) {
+	if r.kept > 0 {
+		fmt.Fprintf(r.o.stderr, "amqpidem: %s of %s read before put back at its end with a fresh delivery count, so that the quorum queue's delivery limit does not drop them\n",
+			plural(r.kept, "dead letter"), escapeText(dlq))
+	}
 }
 
 // notConfirmed says what became of the copy of dl that publish sent

@@ -4,6 +4,7 @@ import (
 	"context"
 	"strings"
 	"testing"
+	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -91,5 +92,55 @@ func TestReplayEndpointAndLeftovers(t *testing.T) {
 	defer r.mu.Unlock()
 	if r.runs["pay-5"] != 1 {
 		t.Fatalf("pay-5 ran %d times after the fix, want 1", r.runs["pay-5"])
+	}
+}
+
+// On a quorum dead-letter queue with a delivery limit, each replay that
+// reads a dead letter without taking it counts as a delivery of it: a
+// run of --key replays must not push the others past the limit (with
+// x-delivery-limit 2, the third pass dropped them all).
+func TestReplayKeyQuorumDeliveryLimit(t *testing.T) {
+	r := newRigWith(t, 2, func(c *amqpidem.Config) {
+		c.DeadLetterQueueArgs = amqp.Table{"x-queue-type": "quorum", "x-delivery-limit": int32(2)}
+	})
+	r.publish("q-1", "q-2", "q-3")
+	r.waitOutcomes(amqpidem.DeadLettered, 3)
+	r.broken.Store(false)
+	r.mustCLI(0, "dlq", "replay", r.queue, "--key", "q-3", "--forget")
+	r.waitOutcomes(amqpidem.Completed, 1)
+	for pass := 0; pass < 4; pass++ {
+		r.waitDLQLen(2)
+		r.mustCLI(3, "dlq", "replay", r.queue, "--key", "no-such-key")
+	}
+	r.waitDLQLen(2)
+	out := r.mustCLI(0, "dlq", "replay", r.queue, "--all", "--forget", "--yes")
+	if !strings.Contains(out, "2 replayed") {
+		t.Fatalf("replay --all after the --key passes:\n%s", out)
+	}
+	r.waitOutcomes(amqpidem.Completed, 2)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, id := range []string{"q-1", "q-2", "q-3"} {
+		if r.runs[id] != 1 {
+			t.Errorf("%s ran %d times after the fix, want 1", id, r.runs[id])
+		}
+	}
+}
+
+// waitDLQLen waits until the dead-letter queue holds n messages: messages
+// a closed channel gives back to a quorum queue are counted a moment
+// later.
+func (r *rig) waitDLQLen(n int) {
+	r.t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		got := r.dlqLen()
+		if got == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			r.t.Fatalf("the dead-letter queue holds %d messages, want %d", got, n)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }
