@@ -272,7 +272,7 @@ func newDLQReplay(o *options) *cobra.Command {
 	var f dlqFlags
 	var k keyFlags
 	var key string
-	var all, forget, dryRun, original, yes bool
+	var all, forget, dryRun, original, yes, allowMissing bool
 	c := &cobra.Command{
 		Use:   "replay QUEUE (--key KEY | --all) [--forget] [--dry-run] [--yes]",
 		Short: "Publish dead letters of QUEUE back to QUEUE",
@@ -292,6 +292,15 @@ place too, with the reason: dead letters whose record says completed (the
 work was done), those of messages without a usable key or with a key
 conflict (a replay would be dead-lettered again), and those whose copy the
 broker did not take.
+
+A failed message's dead letter whose record is not found is replayed as
+the record expired or was forgotten. But a wrong --prefix or store (a
+Redis database, a schema) finds none either, and the copies of messages
+whose failed records the consumer still holds come back as failed
+duplicates: replay warns on stderr when it found no record at all, and
+under --forget replays such dead letters only once it found the record of
+another dead letter; when it finds none, it leaves them. Add
+--allow-missing-record when the records did expire.
 
 Records are looked up under QUEUE's own endpoint, or --endpoint when the
 consumer sets Config.Endpoint: a dead letter naming another endpoint in its
@@ -342,7 +351,7 @@ when the run stopped early (what was done is reported first).`,
 			}
 			defer closeStore()
 			r := &replayer{o: o, queue: args[0], k: &k, admin: admin, forget: forget, dryRun: dryRun, original: original,
-				ask: all && forget && !dryRun, yes: yes}
+				ask: all && forget && !dryRun, yes: yes, allowMissing: allowMissing}
 			return r.run(c.Context(), f.name(args[0]), key)
 		},
 	}
@@ -353,6 +362,7 @@ when the run stopped early (what was done is reported first).`,
 	c.Flags().BoolVar(&forget, "forget", false, "forget a failed record before replaying its message")
 	c.Flags().BoolVar(&dryRun, "dry-run", false, "say what would be done, change nothing")
 	c.Flags().BoolVar(&original, "to-original-exchange", false, "publish to the exchange and routing key the message was first published to")
+	c.Flags().BoolVar(&allowMissing, "allow-missing-record", false, "with --forget, replay dead letters of failed messages even when no record is found (they expired or were forgotten)")
 	c.Flags().BoolVar(&yes, "yes", false, "replay --all --forget without asking (needed when stdin is not a terminal)")
 	return c
 }
@@ -370,7 +380,26 @@ type replayer struct {
 	ask, yes bool
 	pub      copyPublisher
 	kept     int // dead letters put back at the end of the queue (keep)
+	// allowMissing: under --forget, replay dead letters of failed
+	// messages whose record is not found, even when no other record is.
+	allowMissing bool
+	// found counts the records found; missing the dead letters of failed
+	// messages without one (see held).
+	found, missing int
+	// held are dead letters of failed messages without a record, under
+	// --forget, kept back until another dead letter's record is found;
+	// released are those then replayed, for run to report.
+	held, released []heldLetter
 }
+
+// heldLetter is a dead letter held back, and what was done with it.
+type heldLetter struct {
+	d   amqp.Delivery
+	res replayed
+}
+
+// actionHeld is one's answer for a dead letter held back (see hold).
+const actionHeld = "held"
 
 // copyPublisher publishes one message and waits for the broker's confirm:
 // the confirmer, or a fake in tests.
@@ -410,9 +439,27 @@ func (r *replayer) run(ctx context.Context, dlq, key string) error {
 	var out []replayed
 	left := 0
 	p := &progress{w: r.o.stderr, on: r.o.progress && !r.o.json, verb: "replaying", total: s.count}
+	// add reports what was done with the dead letter d; one left in
+	// the queue is kept from the delivery limit (keep).
+	add := func(res replayed, d *amqp.Delivery) error {
+		out = append(out, res)
+		if res.Action != "left" {
+			return nil
+		}
+		left++
+		return r.keep(ctx, s, d)
+	}
 	stop := func(err error) error {
+		for _, h := range r.held { // no record found in the whole run
+			h.res.Action, h.res.Why = "left", r.missingWhy(h.res.deadLetter)
+			if kerr := add(h.res, &h.d); kerr != nil && err == nil {
+				err = kerr
+			}
+		}
+		r.held = nil
 		p.end()
 		r.saidKept(dlq)
+		r.warnMissing()
 		if rerr := r.o.report(out, dlq, r.dryRun); rerr != nil {
 			return rerr
 		}
@@ -440,16 +487,22 @@ func (r *replayer) run(ctx context.Context, dlq, key string) error {
 		}
 		res := replayed{deadLetter: dl}
 		res.Action, res.Forgot, res.Why, err = r.one(ctx, &d, dl)
-		if err != nil {
-			return stop(err)
-		}
-		if res.Action == "left" {
-			left++
-			if err := r.keep(ctx, s, &d); err != nil {
+		for _, h := range r.released { // held ones go first, as they came
+			if err := add(h.res, &h.d); err != nil {
 				return stop(err)
 			}
 		}
-		out = append(out, res)
+		r.released = nil
+		if err != nil {
+			return stop(err)
+		}
+		if res.Action == actionHeld {
+			r.held = append(r.held, heldLetter{d: d, res: res})
+			continue
+		}
+		if err := add(res, &d); err != nil {
+			return stop(err)
+		}
 	}
 	if err := stop(nil); err != nil {
 		return err
@@ -489,10 +542,24 @@ func (r *replayer) one(ctx context.Context, d *amqp.Delivery, dl deadLetter) (ac
 	}
 	if dl.Key != "" {
 		action, forgot, why, err = r.record(ctx, endpoint, dl.Key)
+		if err == nil && action == actionNoRecord {
+			action = r.hold(dl)
+		}
+		if err == nil && r.found > 0 && len(r.held) > 0 {
+			if err := r.release(ctx); err != nil {
+				return "", "", "", err
+			}
+		}
 		if err != nil || action != "" {
 			return action, forgot, why, err
 		}
 	}
+	return r.send(ctx, d, dl, forgot)
+}
+
+// send replays d, whose description is dl (unless --dry-run), after its
+// failed record was forgotten (forgot says so, "" if not).
+func (r *replayer) send(ctx context.Context, d *amqp.Delivery, dl deadLetter, forgot string) (action, _, why string, err error) {
 	if r.dryRun {
 		return "would replay", forgot, "", nil
 	}
@@ -578,17 +645,111 @@ func (r *replayer) notConfirmed(ctx context.Context, dl deadLetter, exchange, rk
 	return "left", forgot, fmt.Sprintf("the broker did not take the copy for exchange %q routing key %q: %v", exchange, rk, err), nil
 }
 
+// actionNoRecord is record's answer when key has no record.
+const actionNoRecord = "no record"
+
+// recordedFailure reports whether a dead letter of reason was dead-lettered
+// after its consumer recorded a failure: its record, when not found, has
+// expired or been forgotten, or is looked for in the wrong place.
+func recordedFailure(reason string) bool {
+	switch reason {
+	case "permanent failure", "attempts exhausted", "result too large", "failed duplicate":
+		return true
+	}
+	return false
+}
+
+// hold decides on dead letter dl, whose record is not found: "" to replay
+// it (the record expired or was forgotten: the handler runs), or
+// actionHeld. A wrong --prefix or store (a Redis database, a schema)
+// finds no record either, and a replay then sends back messages whose
+// failed records the consumer still holds: they come back dead-lettered
+// as failed duplicates, their reason lost. So under --forget (which
+// means to run the handler again), the dead letter of a failed message
+// is held back until another dead letter's record is found, proof that
+// the records are looked for in the right place; left when none is
+// (missingWhy), unless --allow-missing-record.
+func (r *replayer) hold(dl deadLetter) string {
+	if !recordedFailure(dl.Reason) {
+		return ""
+	}
+	r.missing++
+	if !r.forget || r.allowMissing || r.found > 0 {
+		return ""
+	}
+	return actionHeld
+}
+
+// release replays the dead letters held back, in their order, once a
+// record was found; run reports them (released).
+func (r *replayer) release(ctx context.Context) error {
+	for len(r.held) > 0 {
+		h := r.held[0]
+		var err error
+		h.res.Action, h.res.Forgot, h.res.Why, err = r.send(ctx, &h.d, h.res.deadLetter, "")
+		if err != nil {
+			return err // h stays held: left, and given back
+		}
+		r.held = r.held[1:]
+		r.released = append(r.released, h)
+	}
+	return nil
+}
+
+// missingWhy says why the dead letter dl, held back, was left.
+func (r *replayer) missingWhy(dl deadLetter) string {
+	return fmt.Sprintf("dead-lettered as %s, but no record of it, nor of any other dead letter read, under endpoint %q in %s: a wrong %s? If the records expired or were forgotten, add --allow-missing-record",
+		dl.Reason, r.k.name(), r.o.recordPlace(), r.o.placeFlags())
+}
+
+// warnMissing warns on stderr when dead letters of failed messages were
+// replayed though no record at all was found: the consumer may keep its
+// records elsewhere, and then dead-letters the copies again.
+func (r *replayer) warnMissing() {
+	if r.found > 0 || r.missing == 0 || r.forget && !r.allowMissing {
+		return
+	}
+	fmt.Fprintf(r.o.stderr, "amqpidem: warning: no record found for any of the %s of failed messages, under endpoint %q in %s: if the consumer keeps its records elsewhere (%s), their copies come back as failed duplicates\n",
+		plural(r.missing, "dead letter"), r.k.name(), r.o.recordPlace(), r.o.placeFlags())
+}
+
+// recordPlace says where the records are looked for: the store and the
+// prefix.
+func (o *options) recordPlace() string {
+	prefix := o.prefix
+	if prefix == "" {
+		prefix = lock.DefaultPrefix
+	}
+	return fmt.Sprintf("%s, prefix %q", o.storeName(), prefix)
+}
+
+// placeFlags names the flags that say where the records are.
+func (o *options) placeFlags() string {
+	switch {
+	case o.dynamo.table != "":
+		return "--prefix or --dynamodb-table"
+	case o.pgDSN != "":
+		return "--prefix, --pg-schema or --pg-table"
+	case o.redisMaster != "" || len(o.redisAddrs) > 0:
+		return "--prefix"
+	}
+	return "--prefix or Redis database (the /N of --redis)"
+}
+
 // record decides on the record of key under endpoint: an action and why
 // when the dead letter stays, "" to replay it (after forgetting a failed
-// record, forgot says so).
+// record, forgot says so), actionNoRecord when there is none.
 func (r *replayer) record(ctx context.Context, endpoint, key string) (action, forgot, why string, err error) {
 	skey := amqpidem.StoreKey(endpoint, key)
 	cctx, cancel := context.WithTimeout(ctx, r.o.timeout)
 	defer cancel()
 	rec, err := r.admin.Inspect(cctx, skey)
+	if err == nil {
+		r.found++
+	}
 	switch {
 	case errors.Is(err, lock.ErrNotFound):
-		return "", "", "", nil // expired or forgotten: a replay runs it
+		return actionNoRecord, "", "", nil // expired or forgotten, or looked for in the wrong place: see hold
 	case err != nil && (errors.Is(err, lock.ErrUnavailable) || ctx.Err() != nil):
 		// Only a failed lookup: one that succeeded is decided on even
 		// when the run was interrupted meanwhile (the loop stops

@@ -1,7 +1,10 @@
 package main_test
 
 import (
+	"bytes"
 	"context"
+	"errors"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -143,4 +146,52 @@ func (r *rig) waitDLQLen(n int) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// A wrong --prefix finds no record: replay --all --forget must not take
+// that as "expired, replay it" for dead letters whose consumer recorded a
+// failure (it reported "3 replayed" and exit 0, and the consumer, finding
+// the failed records, dead-lettered them again as failed duplicates).
+func TestReplayWrongPrefix(t *testing.T) {
+	r := newRig(t, 2)
+	r.publish("w-1", "w-2", "w-3")
+	r.waitOutcomes(amqpidem.DeadLettered, 3)
+	r.broken.Store(false)
+	wrong := append([]string{}, r.flags...)
+	wrong[len(wrong)-1] = r.prefix + "-wrong"
+	run := func(args ...string) (string, string, int) {
+		t.Helper()
+		cmd := exec.Command(bin, append(args, wrong...)...)
+		var stdout, stderr bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &stdout, &stderr
+		err := cmd.Run()
+		var ee *exec.ExitError
+		if err != nil && !errors.As(err, &ee) {
+			t.Fatal(err)
+		}
+		return stdout.String(), stderr.String(), cmd.ProcessState.ExitCode()
+	}
+	out, errOut, code := run("dlq", "replay", r.queue, "--all", "--forget", "--yes")
+	if code != 4 || !strings.Contains(out, "0 replayed") || !strings.Contains(out, "--prefix") {
+		t.Fatalf("replay --all --forget under a wrong prefix: exit %d\n%s\n%s", code, out, errOut)
+	}
+	// Without --forget it replays (an expired record is not an error),
+	// but warns.
+	out, errOut, _ = run("dlq", "replay", r.queue, "--all", "--dry-run")
+	if !strings.Contains(out, "3 would replay") || !strings.Contains(errOut, "no record found") {
+		t.Fatalf("replay --all --dry-run under a wrong prefix:\n%s\n%s", out, errOut)
+	}
+	r.waitDLQLen(3)
+	// Told the records are gone for good, it replays them.
+	out, errOut, code = run("dlq", "replay", r.queue, "--all", "--forget", "--yes", "--allow-missing-record", "--dry-run")
+	if code != 0 || !strings.Contains(out, "3 would replay") {
+		t.Fatalf("replay --allow-missing-record: exit %d\n%s\n%s", code, out, errOut)
+	}
+	// Under the right prefix, the failed records are forgotten and run.
+	r.waitDLQLen(3)
+	out = r.mustCLI(0, "dlq", "replay", r.queue, "--all", "--forget", "--yes")
+	if !strings.Contains(out, "3 replayed") {
+		t.Fatalf("replay under the right prefix:\n%s", out)
+	}
+	r.waitOutcomes(amqpidem.Completed, 3)
 }
