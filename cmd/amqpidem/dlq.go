@@ -194,15 +194,23 @@ func newDLQList(o *options) *cobra.Command {
 otherwise): key, reason, attempts, when first seen, the original exchange and
 routing key, and the error. It reads them without acknowledging them and
 gives them all back when done, so they stay in the queue, in order, even if
-list is killed; RabbitMQ marks them redelivered. On a quorum dead-letter
-queue with a delivery limit (x-delivery-limit; RabbitMQ 4 sets 20 by
-default), each look counts as a delivery of each message read: one looked at
-more often than the limit is dropped. amqpidem's own QUEUE.dlq is classic
-unless Config.DeadLetterQueueArgs says otherwise.
+list is killed; RabbitMQ marks them redelivered.
+
+--json prints an array of them, each with "total": how many dead letters
+the queue held, more than the entries when --limit cut the list (stderr
+then says so too).
+
+On a quorum dead-letter queue with a delivery limit (x-delivery-limit;
+RabbitMQ 4 sets 20 by default), each look counts as a delivery of each
+message read: one looked at more often than the limit is dropped (dlq
+replay puts those read before back with a fresh count; list changes
+nothing). amqpidem's own QUEUE.dlq is classic unless
+Config.DeadLetterQueueArgs says otherwise.
 
 Exit code 3 when the dead-letter queue does not exist.`,
 		Example: `  amqpidem dlq list orders
-  amqpidem dlq list orders --limit 1000 --json | jq '.[] | .key'`,
+  amqpidem dlq list orders --limit 1000 --json | jq '.[] | .key'
+  amqpidem dlq list orders --limit 10 --json | jq 'length < (.[0].total // 0)'   # cut by --limit?`,
 		Args: exactArgs(1, "one QUEUE"),
 		RunE: func(c *cobra.Command, args []string) error {
 			if limit < 1 {
@@ -228,10 +236,7 @@ Exit code 3 when the dead-letter queue does not exist.`,
 			}
 			p.end()
 			if o.json {
-				if list == nil {
-					list = []deadLetter{}
-				}
-				return printJSON(o.stdout, list)
+				return o.printListJSON(s, list)
 			}
 			printDeadLetters(o.stdout, s.queue, s.count, list)
 			return nil
@@ -240,6 +245,28 @@ Exit code 3 when the dead-letter queue does not exist.`,
 	f.add(c)
 	c.Flags().IntVar(&limit, "limit", limit, "list at most this many")
 	return c
+}
+
+// listed is a dead letter as dlq list --json prints it.
+type listed struct {
+	deadLetter
+	// Total is how many messages the dead-letter queue held when list
+	// began: more than the entries printed when --limit cut the list.
+	// In each entry, so that the top level stays an array.
+	Total int `json:"total"`
+}
+
+// printListJSON prints list, read from s, as dlq list --json does; when
+// --limit cut it, stderr says so too.
+func (o *options) printListJSON(s *dlqSession, list []deadLetter) error {
+	out := make([]listed, len(list))
+	for i, dl := range list {
+		out[i] = listed{deadLetter: dl, Total: s.count}
+	}
+	if len(list) < s.count {
+		fmt.Fprintf(o.stderr, "amqpidem: the first %d of %s in %s (--limit)\n", len(list), plural(s.count, "dead letter"), escapeText(s.queue))
+	}
+	return printJSON(o.stdout, out)
 }
 
 // plural is "n thing", with an s unless n is 1.

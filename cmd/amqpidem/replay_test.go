@@ -215,3 +215,28 @@ func TestReplayWrongPrefix(t *testing.T) {
 	}
 	r.waitOutcomes(amqpidem.Completed, 3)
 }
+
+// dlq list --json cut by --limit says so: each entry carries the queue's
+// total (the top level stays an array, for the scripts that read it), and
+// stderr names the cut.
+func TestListJSONLimitTotal(t *testing.T) {
+	r := newRig(t, 2)
+	r.publish("l-1", "l-2", "l-3")
+	r.waitOutcomes(amqpidem.DeadLettered, 3)
+	out, errOut, code := r.cli("dlq", "list", r.queue, "--json", "--limit", "2")
+	var list []struct {
+		Key   string
+		Total int
+	}
+	if err := json.Unmarshal([]byte(out), &list); code != 0 || err != nil {
+		t.Fatalf("dlq list --json --limit 2: exit %d, %v\n%s\n%s", code, err, out, errOut)
+	}
+	if len(list) != 2 || list[0].Total != 3 || list[1].Total != 3 || !strings.Contains(errOut, "the first 2 of 3 dead letters") {
+		t.Fatalf("dlq list --json --limit 2: %+v, stderr %q; want 2 entries of a total of 3, and the cut on stderr", list, errOut)
+	}
+	r.waitDLQLen(3)
+	out = r.mustCLI(0, "dlq", "list", r.queue, "--json")
+	if err := json.Unmarshal([]byte(out), &list); err != nil || len(list) != 3 || list[2].Total != 3 {
+		t.Fatalf("dlq list --json: %v %+v", err, list)
+	}
+}
