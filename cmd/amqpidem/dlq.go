@@ -637,7 +637,7 @@ func (r *replayer) keep(ctx context.Context, s *dlqSession, d *amqp.Delivery) er
 	delete(msg.Headers, deliveryCount)
 	msg.Expiration = d.Expiration
 	if err := r.pub.publish(ctx, "", s.queue, msg, r.o.timeout); err != nil {
-		return withCode(exitFailed, "putting back a dead letter read %d times before at the end of %s: %w (it goes back in its place, and counts one more delivery)",
+		return withCode(exitFailed, "putting back a dead letter read %d times before at the end of %s: %w (it goes back in its place, counting one more delivery; its copy may be at the end too)",
 			number(d.Headers, deliveryCount), s.queue, err)
 	}
 	if err := d.Ack(false); err != nil {
@@ -712,12 +712,12 @@ func (r *replayer) hold(dl deadLetter) string {
 func (r *replayer) release(ctx context.Context) error {
 	for len(r.held) > 0 {
 		h := r.held[0]
+		r.held = r.held[1:]
 		var err error
 		h.res.Action, h.res.Forgot, h.res.Why, err = r.send(ctx, &h.d, h.res.deadLetter, "")
 		if err != nil {
-			return err // h stays held: left, and given back
+			return err // it says what became of h, given back when the session closes
 		}
-		r.held = r.held[1:]
 		r.released = append(r.released, h)
 	}
 	return nil
