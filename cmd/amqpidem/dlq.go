@@ -320,8 +320,8 @@ work was done), those of messages without a usable key or with a key
 conflict (a replay would be dead-lettered again), and those whose copy the
 broker did not take.
 
-A failed message's dead letter whose record is not found is replayed as
-the record expired or was forgotten. But a wrong --prefix or store (a
+A failed message's dead letter whose record is not found is replayed as if
+the record had expired or been forgotten. But a wrong --prefix or store (a
 Redis database, a schema) finds none either, and the copies of messages
 whose failed records the consumer still holds come back as failed
 duplicates: replay warns on stderr when it found no record at all, and
