@@ -271,15 +271,23 @@ or --signing-key-file) proves the headers amqpidem's: "signed"; "unsigned"
 or "bad signature" when they may be a publisher's; "unchecked" when no key
 was given. It reads them without acknowledging them and
 gives them all back when done, so they stay in the queue, in order, even if
-list is killed; RabbitMQ marks them redelivered. On a quorum dead-letter
-queue with a delivery limit (x-delivery-limit; RabbitMQ 4 sets 20 by
-default), each look counts as a delivery of each message read: one looked at
-more often than the limit is dropped. amqpidem's own QUEUE.dlq is classic
-unless Config.DeadLetterQueueArgs says otherwise.
+list is killed; RabbitMQ marks them redelivered.
+
+--json prints an array of them, each with "total": how many dead letters
+the queue held, more than the entries when --limit cut the list (stderr
+then says so too).
+
+On a quorum dead-letter queue with a delivery limit (x-delivery-limit;
+RabbitMQ 4 sets 20 by default), each look counts as a delivery of each
+message read: one looked at more often than the limit is dropped (dlq
+replay puts those read before back with a fresh count; list changes
+nothing). amqpidem's own QUEUE.dlq is classic unless
+Config.DeadLetterQueueArgs says otherwise.
 
 Exit code 3 when the dead-letter queue does not exist.`,
 		Example: `  amqpidem dlq list orders
-  amqpidem dlq list orders --limit 1000 --json | jq '.[] | .key'`,
+  amqpidem dlq list orders --limit 1000 --json | jq '.[] | .key'
+  amqpidem dlq list orders --limit 10 --json | jq 'length < (.[0].total // 0)'   # cut by --limit?`,
 		Args: exactArgs(1, "one QUEUE"),
 		RunE: func(c *cobra.Command, args []string) error {
 			if limit < 1 {
@@ -309,10 +317,7 @@ Exit code 3 when the dead-letter queue does not exist.`,
 			}
 			p.end()
 			if o.json {
-				if list == nil {
-					list = []deadLetter{}
-				}
-				return printJSON(o.stdout, list)
+				return o.printListJSON(s, list)
 			}
 			printDeadLetters(o.stdout, s.queue, s.count, list)
 			return nil
@@ -321,6 +326,28 @@ Exit code 3 when the dead-letter queue does not exist.`,
 	f.add(c)
 	c.Flags().IntVar(&limit, "limit", limit, "list at most this many")
 	return c
+}
+
+// listed is a dead letter as dlq list --json prints it.
+type listed struct {
+	deadLetter
+	// Total is how many messages the dead-letter queue held when list
+	// began: more than the entries printed when --limit cut the list.
+	// In each entry, so that the top level stays an array.
+	Total int `json:"total"`
+}
+
+// printListJSON prints list, read from s, as dlq list --json does; when
+// --limit cut it, stderr says so too.
+func (o *options) printListJSON(s *dlqSession, list []deadLetter) error {
+	out := make([]listed, len(list))
+	for i, dl := range list {
+		out[i] = listed{deadLetter: dl, Total: s.count}
+	}
+	if len(list) < s.count {
+		fmt.Fprintf(o.stderr, "amqpidem: the first %d of %s in %s (--limit)\n", len(list), plural(s.count, "dead letter"), escapeText(s.queue))
+	}
+	return printJSON(o.stdout, out)
 }
 
 // plural is "n thing", with an s unless n is 1.
@@ -353,7 +380,7 @@ func newDLQReplay(o *options) *cobra.Command {
 	var f dlqFlags
 	var k keyFlags
 	var key string
-	var all, forget, dryRun, original, yes, trust bool
+	var all, forget, dryRun, original, yes, trust, allowMissing bool
 	c := &cobra.Command{
 		Use:   "replay QUEUE (--key KEY | --all) [--forget] [--dry-run] [--yes]",
 		Short: "Publish dead letters of QUEUE back to QUEUE",
@@ -373,6 +400,15 @@ place too, with the reason: dead letters whose record says completed (the
 work was done), those of messages without a usable key or with a key
 conflict (a replay would be dead-lettered again), and those whose copy the
 broker did not take.
+
+A failed message's dead letter whose record is not found is replayed as if
+the record had expired or been forgotten. But a wrong --prefix or store (a
+Redis database, a schema) finds none either, and the copies of messages
+whose failed records the consumer still holds come back as failed
+duplicates: replay warns on stderr when it found no record at all, and
+under --forget replays such dead letters only once it found the record of
+another dead letter; when it finds none, it leaves them. Add
+--allow-missing-record when the records did expire.
 
 Records are looked up under QUEUE's own endpoint, or --endpoint when the
 consumer sets Config.Endpoint: a dead letter naming another endpoint in its
@@ -394,6 +430,17 @@ origin (unsigned, bad signature, or unchecked without a key): read them
 with dlq list, then pass --trust-headers to act on them anyway. Without
 those two flags a dead letter is replayed to QUEUE whatever its origin, as
 if its publisher had sent it there.
+
+replay reads the dead-letter queue as list does, without acknowledging,
+and gives back what it does not replay. On a quorum dead-letter queue each
+such read counts as a delivery, and a message given back more often than
+the queue's delivery limit (x-delivery-limit; RabbitMQ 4 sets 20 by
+default) is dropped: a dead letter read before (x-delivery-count 1 or more)
+is therefore not given back but put back at the end of the queue, as a
+copy whose count starts again (published with a confirm, then the original
+removed), even under --dry-run. Those dead letters change place, not
+content; stderr says how many. Killed between the two steps, one may be
+there twice (a second replay of it is a duplicate).
 
 The header counting attempts is kept: a replayed message starts a fresh
 count, since amqpidem ignores the count of a message that was dead-lettered.
@@ -427,7 +474,7 @@ when the run stopped early (what was done is reported first).`,
 			}
 			defer closeStore()
 			r := &replayer{o: o, queue: args[0], k: &k, admin: admin, forget: forget, dryRun: dryRun, original: original,
-				ask: all && forget && !dryRun, yes: yes, signingKey: signingKey, trust: trust}
+				ask: all && forget && !dryRun, yes: yes, signingKey: signingKey, trust: trust, allowMissing: allowMissing}
 			return r.run(c.Context(), f.name(args[0]), key)
 		},
 	}
@@ -438,6 +485,7 @@ when the run stopped early (what was done is reported first).`,
 	c.Flags().BoolVar(&forget, "forget", false, "forget a failed record before replaying its message")
 	c.Flags().BoolVar(&dryRun, "dry-run", false, "say what would be done, change nothing")
 	c.Flags().BoolVar(&original, "to-original-exchange", false, "publish to the exchange and routing key the message was first published to")
+	c.Flags().BoolVar(&allowMissing, "allow-missing-record", false, "with --forget, replay dead letters of failed messages even when no record is found (they expired or were forgotten)")
 	c.Flags().BoolVar(&yes, "yes", false, "replay --all --forget without asking (needed when stdin is not a terminal)")
 	c.Flags().BoolVar(&trust, "trust-headers", false, "act on the headers of dead letters not signed with the signing key (--forget, --to-original-exchange): only after checking them")
 	return c
@@ -458,8 +506,39 @@ type replayer struct {
 	// acts on unsigned ones' headers too.
 	signingKey []byte
 	trust      bool
-	pub        *confirmer
+	pub        copyPublisher
+	kept       int // dead letters put back at the end of the queue (keep)
+	// allowMissing: under --forget, replay dead letters of failed
+	// messages whose record is not found, even when no other record is.
+	allowMissing bool
+	// found counts the records found; missing the dead letters of failed
+	// messages without one (see held).
+	found, missing int
+	// held are dead letters of failed messages without a record, under
+	// --forget, kept back until another dead letter's record is found;
+	// released are those then replayed, for run to report.
+	held, released []heldLetter
 }
+
+// heldLetter is a dead letter held back, and what was done with it.
+type heldLetter struct {
+	d   amqp.Delivery
+	res replayed
+}
+
+// actionHeld is one's answer for a dead letter held back (see hold).
+const actionHeld = "held"
+
+// copyPublisher publishes one message and waits for the broker's confirm:
+// the confirmer, or a fake in tests.
+type copyPublisher interface {
+	publish(ctx context.Context, exchange, key string, msg amqp.Publishing, timeout time.Duration) error
+	// closed reports whether the publishing channel is closed.
+	closed() bool
+}
+
+// closed reports whether c's channel is closed.
+func (c *confirmer) closed() bool { return c.ch.IsClosed() }
 
 // run goes once through the dead letters in dlq at the start, replaying
 // those that match key (all when key is ""); those not replayed go back
@@ -488,8 +567,27 @@ func (r *replayer) run(ctx context.Context, dlq, key string) error {
 	var out []replayed
 	left := 0
 	p := &progress{w: r.o.stderr, on: r.o.progress && !r.o.json, verb: "replaying", total: s.count}
+	// add reports what was done with the dead letter d; one left in
+	// the queue is kept from the delivery limit (keep).
+	add := func(res replayed, d *amqp.Delivery) error {
+		out = append(out, res)
+		if res.Action != "left" {
+			return nil
+		}
+		left++
+		return r.keep(ctx, s, d)
+	}
 	stop := func(err error) error {
+		for _, h := range r.held { // no record found in the whole run
+			h.res.Action, h.res.Why = "left", r.missingWhy(h.res.deadLetter)
+			if kerr := add(h.res, &h.d); kerr != nil && err == nil {
+				err = kerr
+			}
+		}
+		r.held = nil
 		p.end()
+		r.saidKept(dlq)
+		r.warnMissing()
 		if rerr := r.o.report(out, dlq, r.dryRun); rerr != nil {
 			return rerr
 		}
@@ -509,17 +607,30 @@ func (r *replayer) run(ctx context.Context, dlq, key string) error {
 		p.step(i)
 		dl := describe(i, &d, r.signingKey)
 		if key != "" && dl.Key != key {
-			continue // not acked: it goes back when the session closes
+			// Not acked: it goes back when the session closes.
+			if err := r.keep(ctx, s, &d); err != nil {
+				return stop(err)
+			}
+			continue
 		}
 		res := replayed{deadLetter: dl}
 		res.Action, res.Forgot, res.Why, err = r.one(ctx, &d, dl)
+		for _, h := range r.released { // held ones go first, as they came
+			if err := add(h.res, &h.d); err != nil {
+				return stop(err)
+			}
+		}
+		r.released = nil
 		if err != nil {
 			return stop(err)
 		}
-		if res.Action == "left" {
-			left++
+		if res.Action == actionHeld {
+			r.held = append(r.held, heldLetter{d: d, res: res})
+			continue
 		}
-		out = append(out, res)
+		if err := add(res, &d); err != nil {
+			return stop(err)
+		}
 	}
 	if err := stop(nil); err != nil {
 		return err
@@ -562,10 +673,24 @@ func (r *replayer) one(ctx context.Context, d *amqp.Delivery, dl deadLetter) (ac
 	}
 	if dl.Key != "" {
 		action, forgot, why, err = r.record(ctx, endpoint, dl)
+		if err == nil && action == actionNoRecord {
+			action = r.hold(dl)
+		}
+		if err == nil && r.found > 0 && len(r.held) > 0 {
+			if err := r.release(ctx); err != nil {
+				return "", "", "", err
+			}
+		}
 		if err != nil || action != "" {
 			return action, forgot, why, err
 		}
 	}
+	return r.send(ctx, d, dl, forgot)
+}
+
+// send replays d, whose description is dl (unless --dry-run), after its
+// failed record was forgotten (forgot says so, "" if not).
+func (r *replayer) send(ctx context.Context, d *amqp.Delivery, dl deadLetter, forgot string) (action, _, why string, err error) {
 	if r.dryRun {
 		return "would replay", forgot, "", nil
 	}
@@ -576,11 +701,11 @@ func (r *replayer) one(ctx context.Context, d *amqp.Delivery, dl deadLetter) (ac
 		}
 		exchange, rk = dl.OriginalExchange, dl.OriginalRoutingKey
 	}
+	if err := ctx.Err(); err != nil {
+		return "", forgot, "", withCode(exitFailed, "interrupted before republishing the dead letter of key %q: %w (not published; it stays in the dead-letter queue)", dl.Key, err)
+	}
 	if err := r.pub.publish(ctx, exchange, rk, replayCopy(d), r.o.timeout); err != nil {
-		if r.pub.ch.IsClosed() || ctx.Err() != nil {
-			return "", forgot, "", withCode(exitFailed, "republishing the dead letter of key %q: %w (it stays in the dead-letter queue)", dl.Key, err)
-		}
-		return "left", forgot, fmt.Sprintf("the broker did not take the copy for exchange %q routing key %q: %v", exchange, rk, err), nil
+		return r.notConfirmed(ctx, dl, exchange, rk, forgot, err)
 	}
 	if err := d.Ack(false); err != nil {
 		return "", forgot, "", withCode(exitFailed, "removing the dead letter of key %q after its copy was confirmed: %w (it may be replayed again; the record makes that a duplicate)", dl.Key, err)
@@ -602,18 +727,179 @@ func (r *replayer) untrusted(dl deadLetter, risk string) string {
 	return fmt.Sprintf("headers %s: %s; %s", dl.Origin, risk, how)
 }
 
+// deliveryCount is the header a quorum queue gives each message it
+// delivers: how often it was delivered before and given back.
+const deliveryCount = "x-delivery-count"
+
+// keep makes sure that dead letter d, read from s and not replayed, is
+// not dropped when it goes back. A quorum queue counts each message it
+// gives back (when the session closes) as a delivery, and drops it, or
+// dead-letters it on, past its delivery limit (x-delivery-limit, or a
+// policy's; 20 by default from RabbitMQ 4), which cannot be read here
+// (queue.declare does not return arguments). So a dead letter already
+// given back before (x-delivery-count 1 or more: every replay or list
+// that read it without taking it counts) is not given back again but
+// put back at the end of the queue, as a copy whose count starts again:
+// published with a confirm, and only then d acked. The queue keeps each
+// dead letter, if not its place: those put back follow the others. A
+// classic queue's messages (no such header) are simply given back.
+func (r *replayer) keep(ctx context.Context, s *dlqSession, d *amqp.Delivery) error {
+	if number(d.Headers, deliveryCount) < 1 {
+		return nil
+	}
+	msg := replayCopy(d)
+	msg.Headers = make(amqp.Table, len(d.Headers))
+	for k, v := range d.Headers {
+		msg.Headers[k] = v // the broker's dead-lettering headers too: it stays the same dead letter
+	}
+	delete(msg.Headers, deliveryCount)
+	msg.Expiration = d.Expiration
+	if err := r.pub.publish(ctx, "", s.queue, msg, r.o.timeout); err != nil {
+		return withCode(exitFailed, "putting back a dead letter read %d times before at the end of %s: %w (it goes back in its place, counting one more delivery; its copy may be at the end too)",
+			number(d.Headers, deliveryCount), s.queue, err)
+	}
+	if err := d.Ack(false); err != nil {
+		return withCode(exitFailed, "removing a dead letter of %s once its copy was put back at the end: %w (it may now be there twice)", s.queue, err)
+	}
+	r.kept++
+	return nil
+}
+
+// saidKept tells on stderr how many dead letters keep put back at the
+// end of dlq, if any.
+func (r *replayer) saidKept(dlq string) {
+	if r.kept > 0 {
+		fmt.Fprintf(r.o.stderr, "amqpidem: %s of %s read before put back at its end with a fresh delivery count, so that the quorum queue's delivery limit does not drop them\n",
+			plural(r.kept, "dead letter"), escapeText(dlq))
+	}
+}
+
+// notConfirmed says what became of the copy of dl that publish sent
+// without a confirm (err): left when the broker said it did not take it
+// (returned unroutable, nacked); else the run stops, and the copy may
+// have been published: the broker may have taken it before the wait was
+// interrupted, timed out or the connection lost.
+func (r *replayer) notConfirmed(ctx context.Context, dl deadLetter, exchange, rk, forgot string, err error) (action, _, why string, _ error) {
+	var closed *channelClosed
+	switch {
+	case errors.As(err, &closed):
+		return "", forgot, "", withCode(exitFailed, "republishing the dead letter of key %q: %w (not taken; it stays in the dead-letter queue)", dl.Key, err)
+	case ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) || r.pub.closed():
+		return "", forgot, "", withCode(exitFailed, "republishing the dead letter of key %q: %w: the copy may have been published (the dead letter stays in the dead-letter queue and may be replayed twice; the record makes that a duplicate)", dl.Key, err)
+	}
+	return "left", forgot, fmt.Sprintf("the broker did not take the copy for exchange %q routing key %q: %v", exchange, rk, err), nil
+}
+
+// actionNoRecord is record's answer when key has no record.
+const actionNoRecord = "no record"
+
+// recordedFailure reports whether a dead letter of reason was dead-lettered
+// after its consumer recorded a failure: its record, when not found, has
+// expired or been forgotten, or is looked for in the wrong place.
+func recordedFailure(reason string) bool {
+	switch reason {
+	case "permanent failure", "attempts exhausted", "result too large", "failed duplicate":
+		return true
+	}
+	return false
+}
+
+// hold decides on dead letter dl, whose record is not found: "" to replay
+// it (the record expired or was forgotten: the handler runs), or
+// actionHeld. A wrong --prefix or store (a Redis database, a schema)
+// finds no record either, and a replay then sends back messages whose
+// failed records the consumer still holds: they come back dead-lettered
+// as failed duplicates, their reason lost. So under --forget (which
+// means to run the handler again), the dead letter of a failed message
+// is held back until another dead letter's record is found, proof that
+// the records are looked for in the right place; left when none is
+// (missingWhy), unless --allow-missing-record.
+func (r *replayer) hold(dl deadLetter) string {
+	if !recordedFailure(dl.Reason) {
+		return ""
+	}
+	r.missing++
+	if !r.forget || r.allowMissing || r.found > 0 {
+		return ""
+	}
+	return actionHeld
+}
+
+// release replays the dead letters held back, in their order, once a
+// record was found; run reports them (released).
+func (r *replayer) release(ctx context.Context) error {
+	for len(r.held) > 0 {
+		h := r.held[0]
+		r.held = r.held[1:]
+		var err error
+		h.res.Action, h.res.Forgot, h.res.Why, err = r.send(ctx, &h.d, h.res.deadLetter, "")
+		if err != nil {
+			return err // it says what became of h, given back when the session closes
+		}
+		r.released = append(r.released, h)
+	}
+	return nil
+}
+
+// missingWhy says why the dead letter dl, held back, was left.
+func (r *replayer) missingWhy(dl deadLetter) string {
+	return fmt.Sprintf("dead-lettered as %s, but no record of it, nor of any other dead letter read, under endpoint %q in %s: a wrong %s? If the records expired or were forgotten, add --allow-missing-record",
+		dl.Reason, r.k.name(), r.o.recordPlace(), r.o.placeFlags())
+}
+
+// warnMissing warns on stderr when dead letters of failed messages were
+// replayed though no record at all was found: the consumer may keep its
+// records elsewhere, and then dead-letters the copies again.
+func (r *replayer) warnMissing() {
+	if r.found > 0 || r.missing == 0 || r.forget && !r.allowMissing {
+		return
+	}
+	fmt.Fprintf(r.o.stderr, "amqpidem: warning: no record found for any of the %s of failed messages, under endpoint %q in %s: if the consumer keeps its records elsewhere (%s), their copies come back as failed duplicates\n",
+		plural(r.missing, "dead letter"), r.k.name(), r.o.recordPlace(), r.o.placeFlags())
+}
+
+// recordPlace says where the records are looked for: the store and the
+// prefix.
+func (o *options) recordPlace() string {
+	prefix := o.prefix
+	if prefix == "" {
+		prefix = lock.DefaultPrefix
+	}
+	return fmt.Sprintf("%s, prefix %q", o.storeName(), prefix)
+}
+
+// placeFlags names the flags that say where the records are.
+func (o *options) placeFlags() string {
+	switch {
+	case o.dynamo.table != "":
+		return "--prefix or --dynamodb-table"
+	case o.pgDSN != "":
+		return "--prefix, --pg-schema or --pg-table"
+	case o.redisMaster != "" || len(o.redisAddrs) > 0:
+		return "--prefix"
+	}
+	return "--prefix or Redis database (the /N of --redis)"
+}
+
 // record decides on the record of dead letter dl's key under endpoint: an
 // action and why when the dead letter stays, "" to replay it (after
-// forgetting a failed record, forgot says so).
+// forgetting a failed record, forgot says so), actionNoRecord when there
+// is none.
 func (r *replayer) record(ctx context.Context, endpoint string, dl deadLetter) (action, forgot, why string, err error) {
 	skey := amqpidem.StoreKey(endpoint, dl.Key)
 	cctx, cancel := context.WithTimeout(ctx, r.o.timeout)
 	defer cancel()
 	rec, err := r.admin.Inspect(cctx, skey)
+	if err == nil {
+		r.found++
+	}
 	switch {
 	case errors.Is(err, lock.ErrNotFound):
-		return "", "", "", nil // expired or forgotten: a replay runs it
-	case errors.Is(err, lock.ErrUnavailable) || ctx.Err() != nil:
+		return actionNoRecord, "", "", nil // expired or forgotten, or looked for in the wrong place: see hold
+	case err != nil && (errors.Is(err, lock.ErrUnavailable) || ctx.Err() != nil):
+		// Only a failed lookup: one that succeeded is decided on even
+		// when the run was interrupted meanwhile (the loop stops
+		// before the next dead letter, publish before sending).
 		return "", "", "", withCode(exitFailed, "%s: %w", r.o.storeName(), err)
 	case err != nil:
 		return "left", "", fmt.Sprintf("its record cannot be read: %v", err), nil

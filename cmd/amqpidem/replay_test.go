@@ -1,12 +1,16 @@
 package main_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
+	"errors"
 	"maps"
 	"os"
 	"os/exec"
 	"strings"
 	"testing"
+	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -178,5 +182,147 @@ func TestReplayForgedHeaders(t *testing.T) {
 	defer r.mu.Unlock()
 	if r.runs["pay-10"] != 0 || r.runs["evil-1"] != 1 {
 		t.Errorf("runs: %v, want evil-1 once (it came through the queue) and pay-10 never", r.runs)
+	}
+}
+
+// On a quorum dead-letter queue with a delivery limit, each replay that
+// reads a dead letter without taking it counts as a delivery of it: a
+// run of --key replays must not push the others past the limit (with
+// x-delivery-limit 2, the third pass dropped them all).
+func TestReplayKeyQuorumDeliveryLimit(t *testing.T) {
+	r := newRigWith(t, 2, func(c *amqpidem.Config) {
+		c.DeadLetterQueueArgs = amqp.Table{"x-queue-type": "quorum", "x-delivery-limit": int32(2)}
+	})
+	r.publish("q-1", "q-2", "q-3")
+	r.waitOutcomes(amqpidem.DeadLettered, 3)
+	r.broken.Store(false)
+	r.mustCLI(0, "dlq", "replay", r.queue, "--key", "q-3", "--forget")
+	r.waitOutcomes(amqpidem.Completed, 1)
+	for pass := 0; pass < 4; pass++ {
+		r.waitDLQLen(2)
+		r.mustCLI(3, "dlq", "replay", r.queue, "--key", "no-such-key")
+	}
+	r.waitDLQLen(2)
+	out := r.mustCLI(0, "dlq", "replay", r.queue, "--all", "--forget", "--yes")
+	if !strings.Contains(out, "2 replayed") {
+		t.Fatalf("replay --all after the --key passes:\n%s", out)
+	}
+	r.waitOutcomes(amqpidem.Completed, 2)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, id := range []string{"q-1", "q-2", "q-3"} {
+		if r.runs[id] != 1 {
+			t.Errorf("%s ran %d times after the fix, want 1", id, r.runs[id])
+		}
+	}
+}
+
+// waitDLQLen waits until the dead-letter queue holds n messages: messages
+// a closed channel gives back to a quorum queue are counted a moment
+// later.
+func (r *rig) waitDLQLen(n int) {
+	r.t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		got := r.dlqLen()
+		if got == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			r.t.Fatalf("the dead-letter queue holds %d messages, want %d", got, n)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// A wrong --prefix finds no record: replay --all --forget must not take
+// that as "expired, replay it" for dead letters whose consumer recorded a
+// failure (it reported "3 replayed" and exit 0, and the consumer, finding
+// the failed records, dead-lettered them again as failed duplicates).
+func TestReplayWrongPrefix(t *testing.T) {
+	r := newRig(t, 2)
+	r.publish("w-1", "w-2", "w-3")
+	r.waitOutcomes(amqpidem.DeadLettered, 3)
+	r.broken.Store(false)
+	wrong := append([]string{}, r.flags...)
+	wrong[len(wrong)-1] = r.prefix + "-wrong"
+	run := func(args ...string) (string, string, int) {
+		t.Helper()
+		cmd := exec.Command(bin, append(args, wrong...)...)
+		var stdout, stderr bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &stdout, &stderr
+		err := cmd.Run()
+		var ee *exec.ExitError
+		if err != nil && !errors.As(err, &ee) {
+			t.Fatal(err)
+		}
+		return stdout.String(), stderr.String(), cmd.ProcessState.ExitCode()
+	}
+	out, errOut, code := run("dlq", "replay", r.queue, "--all", "--forget", "--yes")
+	if code != 4 || !strings.Contains(out, "0 replayed") || !strings.Contains(out, "--prefix") {
+		t.Fatalf("replay --all --forget under a wrong prefix: exit %d\n%s\n%s", code, out, errOut)
+	}
+	// Without --forget it replays (an expired record is not an error),
+	// but warns.
+	out, errOut, _ = run("dlq", "replay", r.queue, "--all", "--dry-run")
+	if !strings.Contains(out, "3 would replay") || !strings.Contains(errOut, "no record found") {
+		t.Fatalf("replay --all --dry-run under a wrong prefix:\n%s\n%s", out, errOut)
+	}
+	r.waitDLQLen(3)
+	// Told the records are gone for good, it replays them.
+	out, errOut, code = run("dlq", "replay", r.queue, "--all", "--forget", "--yes", "--allow-missing-record", "--dry-run")
+	if code != 0 || !strings.Contains(out, "3 would replay") {
+		t.Fatalf("replay --allow-missing-record: exit %d\n%s\n%s", code, out, errOut)
+	}
+	// Under the right prefix, the failed records are forgotten and run;
+	// the first dead letter's record forgotten already (by a replay
+	// killed after forgetting it, say) is held back until the second
+	// one's is found, then replayed in its place.
+	r.waitDLQLen(3)
+	var list []struct{ Key string }
+	if err := json.Unmarshal([]byte(r.mustCLI(0, "dlq", "list", r.queue, "--json")), &list); err != nil || len(list) != 3 {
+		t.Fatalf("dlq list: %v %+v", err, list)
+	}
+	r.mustCLI(0, "forget", list[0].Key, "--queue", r.queue)
+	r.waitDLQLen(3)
+	out = r.mustCLI(0, "dlq", "replay", r.queue, "--all", "--forget", "--yes", "--json")
+	var done []struct {
+		Index  int
+		Key    string
+		Action string
+	}
+	if err := json.Unmarshal([]byte(out), &done); err != nil || len(done) != 3 {
+		t.Fatalf("replay under the right prefix: %v\n%s", err, out)
+	}
+	for i, d := range done {
+		if d.Action != "replayed" || d.Index != i+1 || d.Key != list[i].Key {
+			t.Fatalf("replay under the right prefix: %+v, want %+v replayed in order", done, list)
+		}
+	}
+	r.waitOutcomes(amqpidem.Completed, 3)
+}
+
+// dlq list --json cut by --limit says so: each entry carries the queue's
+// total (the top level stays an array, for the scripts that read it), and
+// stderr names the cut.
+func TestListJSONLimitTotal(t *testing.T) {
+	r := newRig(t, 2)
+	r.publish("l-1", "l-2", "l-3")
+	r.waitOutcomes(amqpidem.DeadLettered, 3)
+	out, errOut, code := r.cli("dlq", "list", r.queue, "--json", "--limit", "2")
+	var list []struct {
+		Key   string
+		Total int
+	}
+	if err := json.Unmarshal([]byte(out), &list); code != 0 || err != nil {
+		t.Fatalf("dlq list --json --limit 2: exit %d, %v\n%s\n%s", code, err, out, errOut)
+	}
+	if len(list) != 2 || list[0].Total != 3 || list[1].Total != 3 || !strings.Contains(errOut, "the first 2 of 3 dead letters") {
+		t.Fatalf("dlq list --json --limit 2: %+v, stderr %q; want 2 entries of a total of 3, and the cut on stderr", list, errOut)
+	}
+	r.waitDLQLen(3)
+	out = r.mustCLI(0, "dlq", "list", r.queue, "--json")
+	if err := json.Unmarshal([]byte(out), &list); err != nil || len(list) != 3 || list[2].Total != 3 {
+		t.Fatalf("dlq list --json: %v %+v", err, list)
 	}
 }

@@ -1,0 +1,105 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// interruptingAdmin answers Inspect, then cancels the run's context: an
+// operator's Ctrl-C landing just after a lookup succeeded.
+type interruptingAdmin struct {
+	lock.Admin
+	cancel context.CancelFunc
+}
+
+func (a interruptingAdmin) Inspect(ctx context.Context, key string) (lock.Record, error) {
+	rec, err := a.Admin.Inspect(ctx, key)
+	a.cancel()
+	return rec, err
+}
+
+// failedRecord stores a failed record of key under endpoint in a new
+// MemoryStore.
+func failedRecord(t *testing.T, endpoint, key string) *lock.MemoryStore {
+	t.Helper()
+	s, err := lock.NewMemoryStore(lock.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	res, err := s.Acquire(ctx, lock.Request{Key: amqpidem.StoreKey(endpoint, key)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Fail(ctx, res.Lease, "permanent failure: card declined"); err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// A lookup that succeeded is decided on, even when the run is interrupted
+// right after it: the interruption is not a store error (it printed
+// "Redis at ...: %!w(<nil>)").
+func TestRecordInterruptedAfterLookup(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	admin := interruptingAdmin{Admin: failedRecord(t, "orders", "k1"), cancel: cancel}
+	r := &replayer{o: &options{timeout: time.Second, redisURL: "redis://127.0.0.1:6379/0"}, queue: "orders",
+		k: &keyFlags{queue: "orders"}, admin: admin}
+	action, _, why, err := r.record(ctx, "orders", deadLetter{Key: "k1"})
+	if err != nil {
+		t.Fatalf("record: %v, want the failed record decided on", err)
+	}
+	if got, want := action, "left"; got != want || !strings.Contains(why, "record failed") {
+		t.Fatalf("record: got %q (%s), want %q (record failed)", got, why, want)
+	}
+}
+
+// interruptedPublisher takes the copy, then the operator's Ctrl-C
+// cancels the wait for its confirm: the copy may well be in the queue.
+type interruptedPublisher struct {
+	cancel context.CancelFunc
+	sent   int
+}
+
+func (p *interruptedPublisher) publish(ctx context.Context, _, _ string, _ amqp.Publishing, _ time.Duration) error {
+	if err := ctx.Err(); err != nil {
+		return err // not sent, as amqp091-go's publish with a done context
+	}
+	p.sent++
+	p.cancel()
+	return fmt.Errorf("no confirm: %w", ctx.Err())
+}
+
+func (p *interruptedPublisher) closed() bool { return false }
+
+// A copy whose confirm the operator stopped waiting for is reported as
+// maybe published, not as staying in the dead-letter queue alone.
+func TestReplayInterruptedBeforeConfirm(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	s, err := lock.NewMemoryStore(lock.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub := &interruptedPublisher{cancel: cancel}
+	r := &replayer{o: &options{timeout: time.Second}, queue: "orders", k: &keyFlags{queue: "orders"}, admin: s, pub: pub}
+	d := amqp.Delivery{MessageId: "k1", Headers: amqp.Table{amqpidem.HeaderKey: "k1"}}
+	_, _, _, err = r.one(ctx, &d, describe(1, &d, nil))
+	if pub.sent != 1 || err == nil || !strings.Contains(err.Error(), "may have been published") {
+		t.Fatalf("one: sent %d, error %v; want the copy sent once and said to be maybe published", pub.sent, err)
+	}
+	// Interrupted before the copy was sent, it was not.
+	_, _, _, err = r.one(ctx, &d, describe(1, &d, nil))
+	if pub.sent != 1 || err == nil || strings.Contains(err.Error(), "may have been published") {
+		t.Fatalf("one after the interruption: sent %d, error %v; want nothing sent, and said so", pub.sent, err)
+	}
+}
