@@ -153,13 +153,16 @@ type Config struct {
 	// before it is dead-lettered. Default DefaultMaxAttempts.
 	MaxAttempts int
 	// InProgressDelay is the longest a duplicate waits while another
-	// consumer holds the key: it waits what the holder's lease has left,
-	// as the store reports it (and 10% more), at least MinInProgressDelay
-	// and at most InProgressDelay, then is delivered again. A live holder
-	// renews its lease, so a long job is looked at about once per lease
-	// TTL; a crashed holder's key is taken over about as soon as its lease
-	// expires. It is not counted as an attempt. Default
-	// DefaultInProgressDelay.
+	// consumer holds the key. It waits what the holder's lease has left,
+	// as the store reports it (and 10% more), but at first only
+	// MinInProgressDelay, then twice as long at each look (0.25 s, 0.5 s,
+	// 1 s, ...; counted in HeaderBusy), at least MinInProgressDelay and at
+	// most InProgressDelay, then is delivered again. A duplicate right
+	// behind work that is about to finish is so settled within a second;
+	// a live holder renews its lease, so a long job is looked at a few
+	// times, then about once per lease TTL; a crashed holder's key is
+	// taken over about as soon as its lease expires. It is not counted as
+	// an attempt. Default DefaultInProgressDelay.
 	InProgressDelay time.Duration
 	// UnavailableDelay is the requeue delay when the store cannot be
 	// reached (and FailOpen is false) or a dead letter cannot be routed.

@@ -216,7 +216,8 @@ func TestHandlerErrStale(t *testing.T) {
 	}
 }
 
-// A busy duplicate waits what the holder's lease has left, within bounds.
+// A busy duplicate that has waited often (HeaderBusy at its bound) waits
+// what the holder's lease has left, within bounds.
 func TestBusyDelayFollowsTheLease(t *testing.T) {
 	for _, tc := range []struct {
 		name     string
@@ -237,6 +238,7 @@ func TestBusyDelayFollowsTheLease(t *testing.T) {
 			}
 			b := &fakeBroker{}
 			d, _ := delivery("a", "x")
+			d.Headers = amqp.Table{HeaderBusy: int64(maxBusyDoublings)}
 			ev := p.process(context.Background(), b, d, nil)
 			if ev.Outcome != Busy || len(b.pubs) != 1 {
 				t.Fatalf("%v %q %+v", ev.Outcome, ev.Reason, b.pubs)
@@ -370,5 +372,40 @@ func TestRetentionBelowLeaseTTLFromStoreWarned(t *testing.T) {
 	}
 	if !strings.Contains(logs.String(), "retention=1m30s") || !strings.Contains(logs.String(), "lease_ttl=1m0s") {
 		t.Fatalf("the warning does not give both:\n%s", logs.String())
+	}
+}
+
+// A duplicate right behind work in progress looks again soon, then ever
+// less often: it waits MinInProgressDelay, doubled at each look (counted
+// in the copy's HeaderBusy), within the holder's lease and InProgressDelay;
+// and a copy that runs forgets the count. Before, it waited the whole
+// lease (30 s by default) at once, even when the work ended 10 ms later.
+func TestBusyDelayGrows(t *testing.T) {
+	p, store := newTestProcessor(t, Config{}, ok("r"))
+	held("a", "x")(t, store) // a minute's lease
+	d, _ := delivery("a", "x")
+	want := []time.Duration{250 * time.Millisecond, 500 * time.Millisecond, time.Second, 2 * time.Second, 4 * time.Second,
+		8 * time.Second, 16 * time.Second, DefaultInProgressDelay, DefaultInProgressDelay}
+	for i, w := range want {
+		b := &fakeBroker{}
+		ev := p.process(context.Background(), b, d, nil)
+		if ev.Outcome != Busy || len(b.pubs) != 1 || b.pubs[0].delay != w {
+			t.Fatalf("look %d: %v %q, publishes %+v; want busy for %v", i+1, ev.Outcome, ev.Reason, b.pubs, w)
+		}
+		if n, _ := headerInt64(b.pubs[0].msg.Headers[HeaderBusy]); n != int64(min(i+1, maxBusyDoublings+1)) {
+			t.Fatalf("look %d: %s %v", i+1, HeaderBusy, b.pubs[0].msg.Headers[HeaderBusy])
+		}
+		d, _ = delivery("a", "x")
+		d.Headers = b.pubs[0].msg.Headers
+	}
+	// Once the key is free (another store here), the copy runs; failing
+	// retryably, its next copy starts the count afresh.
+	p2, _ := newTestProcessor(t, Config{Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(time.Second) }}, fails(errors.New("again")))
+	b := &fakeBroker{}
+	if ev := p2.process(context.Background(), b, d, nil); ev.Outcome != Retried || len(b.pubs) != 1 {
+		t.Fatalf("retry: %v %q %+v", ev.Outcome, ev.Reason, b.pubs)
+	}
+	if v, ok := b.pubs[0].msg.Headers[HeaderBusy]; ok {
+		t.Errorf("a retried copy carries %s %v", HeaderBusy, v)
 	}
 }

@@ -64,7 +64,7 @@ func (f *flight) dispatch(value []byte, fence int64, own bool) bool {
 		f.requeue(Abandoned, "outbox claim passed", MinInProgressDelay, nil)
 		return false
 	case !own && left > 0:
-		f.requeue(Busy, "outbox being published", p.busyDelay(left), nil)
+		f.requeueBusy("outbox being published", left)
 		return false
 	case !own:
 		taken := append([]byte(nil), value...)

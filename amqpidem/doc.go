@@ -77,8 +77,9 @@
 //	closed by the broker over it)
 //	staged message's publish failed on     requeued after UnavailableDelay, not    unchanged
 //	the way (connection or confirm lost)   a try: published again, never given up
-//	another consumer holds a live lease    delayed requeue until about when that   unchanged
-//	                                       lease would expire (InProgressDelay)
+//	another consumer holds a live lease    delayed requeue: 0.25 s, doubled at     unchanged
+//	                                       each look, never past that lease's
+//	                                       expiry or InProgressDelay
 //	retryable failure, HandlerTimeout      delayed requeue after Backoff(attempt)  lease released, attempts kept
 //	handler returned ErrStale              short requeue, not an attempt           lease given up, attempt taken back
 //	permanent failure, attempts exhausted, dead letter with fault headers          failed, error stored

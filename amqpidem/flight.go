@@ -151,7 +151,7 @@ func (f *flight) answer(res *lock.Result) {
 	case res.Status == lock.Failed: // duplicate of failed work
 		f.deadLetter(f.failedReason(res.Error), errors.New(res.Error))
 	case res.Status == lock.InProgress: // another consumer holds a live lease
-		f.requeue(Busy, "in progress elsewhere", p.busyDelay(res.Remaining), nil)
+		f.requeueBusy("in progress elsewhere", res.Remaining)
 	case res.Status == lock.Conflict: // same key, different payload
 		f.deadLetter("key conflict", fmt.Errorf("key %q was first seen with a different payload", f.ev.Key))
 	case res.Status != lock.Acquired:

@@ -59,6 +59,10 @@ const (
 	// letter could not be routed: it is dead-lettered again, whatever
 	// the failed-duplicate policy.
 	HeaderDeadLetterPending = "x-amqpidem-dead-letter-pending"
+	// HeaderBusy counts a duplicate's waits in a row while another
+	// consumer held its key: each wait is at most twice the one before
+	// (see Config.InProgressDelay). Only those requeues carry it.
+	HeaderBusy = "x-amqpidem-busy"
 	// HeaderReplyTries counts the requeues of a message whose result is
 	// stored but whose reply could not be sent; after MaxAttempts the reply
 	// is given up (logged) and the message acked.
@@ -145,6 +149,10 @@ type headers struct {
 	expires   bool
 	// replyTries is HeaderReplyTries, in [0, maxAttempts].
 	replyTries int
+	// busy is HeaderBusy, in [0, maxBusyDoublings]: a forged value can
+	// only make a duplicate look again sooner (as publishing it again
+	// would) or wait at most InProgressDelay.
+	busy int
 	// exchange and routingKey are HeaderOriginalExchange and
 	// HeaderOriginalRoutingKey when both are strings (or byte arrays) of
 	// at most maxShortText bytes: origin says so. Otherwise a copy names
@@ -183,6 +191,9 @@ func parseHeaders(t amqp.Table, maxAttempts int) headers {
 			h.expiresAt, h.expires = headerInt64(v)
 		case HeaderReplyTries:
 			replyTries, _ = headerInt64(v)
+		case HeaderBusy:
+			n, _ := headerInt64(v)
+			h.busy = int(min(max(n, 0), maxBusyDoublings))
 		case HeaderOriginalExchange:
 			h.exchange, exchangeOK = shortText(v, true)
 		case HeaderOriginalRoutingKey:

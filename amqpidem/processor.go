@@ -273,12 +273,20 @@ func (p *processor) retryDelay(ctx context.Context, n int) (d time.Duration, ok 
 }
 
 // busyDelay is how long a duplicate waits while another consumer holds
-// its key, whose lease has remaining left by the store's clock: until a
-// little after that lease would expire, within [MinInProgressDelay,
-// InProgressDelay].
-func (p *processor) busyDelay(remaining time.Duration) time.Duration {
-	return min(max(remaining+remaining/10, MinInProgressDelay), max(p.cfg.InProgressDelay, MinInProgressDelay))
+// its key, whose lease has remaining left by the store's clock, when the
+// duplicate has waited so busy times before (HeaderBusy): until a little
+// after that lease would expire, but no longer than MinInProgressDelay
+// doubled busy times, so that a duplicate right behind work about to
+// finish looks again soon, and one behind a long job ever less often;
+// within [MinInProgressDelay, InProgressDelay].
+func (p *processor) busyDelay(remaining time.Duration, busy int) time.Duration {
+	step := MinInProgressDelay << min(max(busy, 0), maxBusyDoublings)
+	return min(max(min(remaining+remaining/10, step), MinInProgressDelay), max(p.cfg.InProgressDelay, MinInProgressDelay))
 }
+
+// maxBusyDoublings bounds busyDelay's doublings: 250ms·2^8 is 64s, past
+// any InProgressDelay worth its name.
+const maxBusyDoublings = 8
 
 // settleContext is for the calls that settle a delivery: they must run
 // even when ctx was cancelled (shutdown), within settleTimeout.

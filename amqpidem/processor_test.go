@@ -123,7 +123,7 @@ func TestProcessOutcomes(t *testing.T) {
 			prepare: completed("a", "x"), want: Duplicate, wantAck: true, wantRuns: 0, wantStatus: lock.Completed},
 		{name: "held by another consumer", id: "a", body: "x", handler: ok("r"),
 			prepare: holding("a", "x"), want: Busy, wantReason: "in progress elsewhere", wantAck: true,
-			wantPub: "requeue", wantDelay: DefaultInProgressDelay, wantStatus: lock.InProgress},
+			wantPub: "requeue", wantDelay: MinInProgressDelay, wantStatus: lock.InProgress},
 		{name: "retryable failure", id: "a", body: "x", handler: fails(errBoom), cfg: Config{Backoff: fixed},
 			want: Retried, wantReason: "handler error", wantAck: true, wantRuns: 1, wantPub: "requeue", wantDelay: 3 * time.Second},
 		{name: "permanent failure", id: "a", body: "x", handler: fails(Permanent(errBoom)),

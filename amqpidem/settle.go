@@ -128,6 +128,14 @@ func (f *flight) requeue(o Outcome, reason string, delay time.Duration, cause er
 	f.requeueWith(o, reason, delay, cause, nil)
 }
 
+// requeueBusy requeues a duplicate whose key another consumer holds for
+// remaining more (reason says how), to look again after busyDelay,
+// counting the wait in HeaderBusy.
+func (f *flight) requeueBusy(reason string, remaining time.Duration) {
+	busy := f.head().busy
+	f.requeueWith(Busy, reason, f.p.busyDelay(remaining, busy), nil, amqp.Table{HeaderBusy: int64(busy + 1)})
+}
+
 // requeueWith is requeue with extra headers on the copy (which it may
 // change). The copy carries the attempt count and the reason, and stays
 // marked HeaderDeadLetterPending when the delivery was and extra does not

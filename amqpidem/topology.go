@@ -151,6 +151,7 @@ func baseCopy(d *amqp.Delivery, h *headers, extra amqp.Table, now time.Time) amq
 	for _, k := range brokerHeaders {
 		delete(t, k)
 	}
+	delete(t, HeaderBusy) // counts one run of busy waits: only requeueBusy sets it
 	if h.origin {
 		t[HeaderOriginalExchange], t[HeaderOriginalRoutingKey] = h.exchange, h.routingKey
 	} else {
