@@ -273,7 +273,8 @@ func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.
 	select {
 	case r, ok := <-pc.returns:
 		if ok {
-			return fmt.Errorf("%w: exchange %q routing key %q: %d %s", ErrUnroutable, exchange, key, r.ReplyCode, r.ReplyText)
+			return fmt.Errorf("%w: exchange %q routing key %q: %d %s (no queue is bound to take it: declare the queue, "+
+				"or start its consumer, which declares it, before publishing)", ErrUnroutable, exchange, key, r.ReplyCode, r.ReplyText)
 		}
 		// Closed with the channel: nothing was returned.
 	default:

@@ -2,6 +2,8 @@ package amqpidem_test
 
 import (
 	"context"
+	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -41,5 +43,18 @@ func TestPublisherStampsPublishTime(t *testing.T) {
 	d, ok = e.get(e.queue, 5*time.Second)
 	if !ok || d.Headers[amqpidem.HeaderTimestampMillis] != int64(1700000000123) {
 		t.Fatalf("m2: %v %v, want the publisher's own stamp kept", ok, d.Headers)
+	}
+}
+
+// Publishing before the queue exists is the first thing a new user does
+// (publisher started before the consumer that declares the queue): the
+// error says what to do, not only the broker's 312 NO_ROUTE.
+func TestPublisherUnroutableSaysWhatToDo(t *testing.T) {
+	e := newEnv(t, nil)
+	pub := amqpidem.NewPublisher(e.conn)
+	defer pub.Close()
+	err := pub.Publish(context.Background(), "", e.queue+".nobody", amqp.Publishing{MessageId: "m1", Body: []byte("x")})
+	if !errors.Is(err, amqpidem.ErrUnroutable) || !strings.Contains(err.Error(), "declare the queue") {
+		t.Fatalf("got %v, want ErrUnroutable saying to declare the queue", err)
 	}
 }
