@@ -236,7 +236,9 @@ const storeCheckTimeout = 5 * time.Second
 // Run consumes until Shutdown is called or ctx is done, reconnecting after
 // failures. It returns ErrConsumerClosed after Shutdown, ctx.Err() when ctx
 // ends (in-flight handlers are cancelled and their messages go back to the
-// queue, as with Shutdown), or the last connection error when Reconnect
+// queue, as with Shutdown; wrapping the last attempt's error too when ctx
+// ended while Run was still trying to connect and consume), or the last
+// connection error when Reconnect
 // says stop. Run may be called once. It returns once every handler it
 // started has returned, those of connections that died included.
 //
@@ -329,7 +331,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 			return ErrConsumerClosed
 		}
 		if ctx.Err() != nil {
-			return ctx.Err()
+			return ended(ctx, err)
 		}
 		var perm *permanentError
 		if errors.As(err, &perm) && (!perm.ambiguous || refused) {
@@ -361,9 +363,20 @@ func (c *Consumer) Run(ctx context.Context) error {
 			return ErrConsumerClosed
 		case <-ctx.Done():
 			t.Stop()
-			return ctx.Err()
+			return ended(ctx, err)
 		}
 	}
+}
+
+// ended is what Run returns when ctx ends after a session that ended
+// with last: ctx's error, wrapping last too when no session was
+// consuming (it is why Run was still trying), so that the caller sees
+// the cause, not only "context deadline exceeded".
+func ended(ctx context.Context, last error) error {
+	if last == nil || errors.Is(last, errConsumed) || errors.Is(last, context.Canceled) || errors.Is(last, context.DeadlineExceeded) {
+		return ctx.Err()
+	}
+	return fmt.Errorf("%w; the last attempt to consume failed: %w", ctx.Err(), last)
 }
 
 // checkStore runs the store's Check, if it has one, in the background;

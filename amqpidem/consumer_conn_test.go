@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/url"
 	"runtime"
 	"strings"
@@ -451,4 +452,30 @@ func TestConsumerRunWaitsForHandlersOfDeadConnections(t *testing.T) {
 		t.Fatal("Run returned before the handler of the dead connection")
 	}
 	waitGoroutines(t, baseline)
+}
+
+// When Run's ctx ends while it is still trying to connect, its error says
+// why it could not consume, not only that ctx ended: a first run against a
+// broker that is not there returned a bare "context deadline exceeded",
+// the cause only in the log.
+func TestConsumerRunDeadlineWrapsTheCause(t *testing.T) {
+	e := newEnv(t, nil)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close() // nothing listens there now: connection refused
+	_, logger := newConnLogs()
+	c, err := amqpidem.NewConsumer(e.store, amqpidem.ConsumerConfig{URL: "amqp://guest:guest@" + addr + "/",
+		Config: amqpidem.Config{Queue: e.queue, Logger: logger}}, amqpidem.HandlerFunc(connNoop))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 1500*time.Millisecond)
+	defer cancel()
+	err = connRunEnd(t, connRun(t, c, ctx), 10*time.Second)
+	if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "connection refused") {
+		t.Fatalf("Run: %v; want context.DeadlineExceeded, wrapping the refused connection", err)
+	}
 }
