@@ -8,8 +8,6 @@ import (
 	"fmt"
 	"time"
 
-	amqp "github.com/rabbitmq/amqp091-go"
-
 	"github.com/amqpidem/amqpidem/lock"
 )
 
@@ -131,19 +129,12 @@ func (f *flight) dispatch(value []byte, fence int64, own bool) bool {
 }
 
 // publishStaged publishes one staged message, as encoded, confirmed and
-// mandatory, with the delivery's trace context in its headers.
+// mandatory: with the trace context Stage wrote into its headers, which
+// its record keeps.
 func (f *flight) publishStaged(enc []byte) error {
 	exchange, key, msg, _, err := readPublishing(enc)
 	if err != nil {
 		return fmt.Errorf("%w: %w", errBadValue, err)
-	}
-	if f.p.cfg.Tracer != nil {
-		h := make(amqp.Table, len(msg.Headers)+2)
-		for k, v := range msg.Headers {
-			h[k] = v
-		}
-		f.p.inject(f.ctx, h)
-		msg.Headers = h
 	}
 	sctx, cancel := settleContext(f.ctx)
 	defer cancel()

@@ -26,7 +26,10 @@ type Tracer interface {
 	// Inject adds the trace context of ctx to the headers of a message
 	// amqpidem publishes on the delivery's behalf: a delayed or immediate
 	// requeue, a dead letter, a reply. The copies carry the delivery's
-	// headers already; Inject may overwrite them.
+	// headers already; Inject may overwrite them. It is called as well,
+	// with the context given to Stage, on the headers of each message a
+	// handler stages, when it is staged: its record keeps them, and every
+	// publish of it (`amqpidem outbox redrive` included) carries them.
 	Inject(ctx context.Context, headers amqp.Table)
 	// End is called once per Start, after the delivery was settled, with
 	// the Event the Observer gets (before the Observer gets it).
@@ -266,6 +269,15 @@ func (p *processor) inject(ctx context.Context, h amqp.Table) {
 	}
 	defer p.recoverHook(ctx, "Tracer.Inject")
 	p.cfg.Tracer.Inject(ctx, h)
+}
+
+// stageInject is the outbox's inject: the Tracer's Inject, or nil
+// without a Tracer.
+func (p *processor) stageInject() func(ctx context.Context, h amqp.Table) {
+	if p.cfg.Tracer == nil {
+		return nil
+	}
+	return p.inject
 }
 
 // handlerStarted and handlerEnded tell a HandlerObserver about a handler.

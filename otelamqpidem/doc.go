@@ -90,12 +90,13 @@
 // trace context joins, on its second attempt, the trace its first one
 // started.
 //
-// So do the messages a handler stages (amqpidem.Stage): Inject writes the
-// trace context into their headers, over whatever the handler put there
-// under the same names. Each carries the span of the delivery that
-// published it: the one whose handler staged it or, when that one could
-// not finish publishing (its process died, a publish failed), the later
-// delivery of the same message that published it again.
+// The messages a handler stages (amqpidem.Stage) get the trace context of
+// the context given to Stage when they are staged: the delivery's span, or
+// the span the handler started under it. Inject writes it into their
+// headers, over whatever the handler put there under the same names, and
+// their record keeps it: every publish of a staged message carries the
+// context it was staged under, the publishes of a later delivery (after a
+// crash or a failed publish) and `amqpidem outbox redrive` included.
 //
 // # Limits
 //

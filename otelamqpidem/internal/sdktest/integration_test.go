@@ -449,3 +449,75 @@ func TestIntegrationOutboxTrace(t *testing.T) {
 		}
 	}
 }
+
+// TestIntegrationOutboxStoredTrace: a staged message's trace context is
+// written when it is staged, so the record keeps it (what `amqpidem outbox
+// redrive` republishes) and the message as published carries it: the span
+// the handler staged it under, here a child of the delivery's span.
+func TestIntegrationOutboxStoredTrace(t *testing.T) {
+	r := newRig(t, ".out")
+	url, name, ch, store, prop, rec, tp := r.url, r.name, r.ch, r.store, r.prop, r.rec, r.tp
+
+	composed := make(chan trace.SpanContext, 1)
+	h := amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+		ctx, span := tp.Tracer("handler").Start(ctx, "compose")
+		defer span.End()
+		composed <- span.SpanContext()
+		return nil, amqpidem.Stage(ctx, "", name+".out", amqp.Publishing{Body: []byte("shipped")})
+	})
+	c, err := amqpidem.NewConsumer(store, amqpidem.ConsumerConfig{
+		URL: url,
+		Config: amqpidem.Config{
+			Queue:  name,
+			Tracer: otelamqpidem.NewTracer(otelamqpidem.WithTracerProvider(tp), otelamqpidem.WithPropagators(prop)),
+		},
+	}, h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	testrun.Consumer(t, c)
+	if err := ch.Publish("", name, false, false, amqp.Publishing{MessageId: "order-1", Body: []byte("pay")}); err != nil {
+		t.Fatal(err)
+	}
+	var out amqp.Delivery
+	for deadline := time.Now().Add(15 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		m, ok, err := ch.Get(name+".out", true)
+		if err != nil {
+			t.Fatalf("get %s.out: %v", name, err)
+		}
+		if ok {
+			out = m
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no staged message published")
+		}
+	}
+	want := <-composed
+	if processSpan(rec, "order-1", 1) == nil {
+		// The delivery's span ends after the publish: wait for it, then
+		// read the record its settlement wrote.
+		for deadline := time.Now().Add(5 * time.Second); processSpan(rec, "order-1", 1) == nil; time.Sleep(20 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatal("no process span")
+			}
+		}
+	}
+	extract := func(h amqp.Table) trace.SpanContext {
+		return trace.SpanContextFromContext(otelamqpidem.Extract(context.Background(), h, otelamqpidem.WithPropagators(prop)))
+	}
+	if got := extract(out.Headers); !got.Equal(want.WithRemote(true)) {
+		t.Errorf("published staged message: trace context %v, want the span it was staged under %v (headers %v)", got, want, out.Headers)
+	}
+	rd, err := store.Inspect(context.Background(), amqpidem.StoreKey(name, "order-1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	msgs, err := amqpidem.StoredOutbox(rd.Value)
+	if err != nil || len(msgs) != 1 {
+		t.Fatalf("StoredOutbox: %d messages, %v; want 1", len(msgs), err)
+	}
+	if got := extract(msgs[0].Msg.Headers); !got.Equal(want.WithRemote(true)) {
+		t.Errorf("the record's staged message: trace context %v, want the span it was staged under %v (headers %v)", got, want, msgs[0].Msg.Headers)
+	}
+}
