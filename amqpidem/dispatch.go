@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"time"
 
+	amqp "github.com/rabbitmq/amqp091-go"
+
 	"github.com/amqpidem/amqpidem/lock"
 )
 
@@ -136,9 +138,18 @@ func (f *flight) publishStaged(enc []byte) error {
 	if err != nil {
 		return fmt.Errorf("%w: %w", errBadValue, err)
 	}
+	if f.p.cfg.Tracer != nil && msg.Headers == nil {
+		msg.Headers = make(amqp.Table, 2) // staged without a Tracer
+	}
+	end := f.p.startPublish(f.ctx, Publish{
+		Kind: PublishOutbox, Queue: f.p.cfg.Queue, Exchange: exchange, RoutingKey: key, Headers: msg.Headers,
+		MessageID: msg.MessageId, CorrelationID: msg.CorrelationId, BodySize: len(msg.Body),
+	})
 	sctx, cancel := settleContext(f.ctx)
 	defer cancel()
-	return f.b.publish(sctx, exchange, key, msg)
+	err = f.b.publish(sctx, exchange, key, msg)
+	end(err)
+	return err
 }
 
 // amended records value as the record's new stored value in place of old

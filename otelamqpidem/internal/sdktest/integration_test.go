@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -56,6 +57,49 @@ func processSpan(rec *tracetest.SpanRecorder, id string, attempt int) sdktrace.R
 		}
 	}
 	return nil
+}
+
+// publishSpan returns the ended producer span of kind (amqpidem.publish.kind)
+// of message id.
+func publishSpan(rec *tracetest.SpanRecorder, id, kind string) sdktrace.ReadOnlySpan {
+	for _, s := range rec.Ended() {
+		a := attrs(s)
+		if s.SpanKind() == trace.SpanKindProducer && a["messaging.message.id"].AsString() == id && a["amqpidem.publish.kind"].AsString() == kind {
+			return s
+		}
+	}
+	return nil
+}
+
+// spanNames lists the ended spans, for failure messages.
+func spanNames(rec *tracetest.SpanRecorder) []string {
+	var names []string
+	for _, s := range rec.Ended() {
+		names = append(names, fmt.Sprintf("%s %v", s.Name(), s.Attributes()))
+	}
+	return names
+}
+
+// linksTo reports whether s links to sc.
+func linksTo(s sdktrace.ReadOnlySpan, sc trace.SpanContext) bool {
+	for _, l := range s.Links() {
+		if l.SpanContext.TraceID() == sc.TraceID() && l.SpanContext.SpanID() == sc.SpanID() {
+			return true
+		}
+	}
+	return false
+}
+
+// originHeaders returns the HeaderOriginPrefix headers of h, without the
+// prefix: the original producer's trace context.
+func originHeaders(h amqp.Table) propagation.MapCarrier {
+	m := propagation.MapCarrier{}
+	for k, v := range h {
+		if name, ok := strings.CutPrefix(k, otelamqpidem.HeaderOriginPrefix); ok {
+			m[name], _ = v.(string)
+		}
+	}
+	return m
 }
 
 // rig is what the integration tests share: a queue of their own on the
@@ -264,13 +308,37 @@ func TestIntegrationTrace(t *testing.T) {
 	}
 
 	// The retried message's requeued copy continued the trace: its
-	// execution is a child of the first one's span.
+	// execution is a child of the requeue's producer span, a child of the
+	// first execution's span; and it links to the original producer.
 	first, second := processSpan(rec, "flaky", 1), processSpan(rec, "flaky", 2)
 	if got, want := second.SpanContext().TraceID(), producers["flaky"].TraceID(); got != want {
 		t.Errorf("flaky/2: trace id: got %v, want the producer's %v", got, want)
 	}
-	if got, want := second.Parent().SpanID(), first.SpanContext().SpanID(); got != want {
-		t.Errorf("flaky/2: parent: got %v, want the first execution's span %v", got, want)
+	if !linksTo(second, producers["flaky"]) {
+		t.Errorf("flaky/2: links %v, want one to the original producer %v", second.Links(), producers["flaky"])
+	}
+	uri, err := amqp.ParseURI(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range []sdktrace.ReadOnlySpan{first, second} {
+		a := attrs(s)
+		if a["server.address"].AsString() != uri.Host || a["server.port"].AsInt64() != int64(uri.Port) {
+			t.Errorf("%s: server.address %q, server.port %d; want the URL's %s:%d", s.Name(), a["server.address"].AsString(), a["server.port"].AsInt64(), uri.Host, uri.Port)
+		}
+	}
+	requeue := publishSpan(rec, "flaky", "requeue")
+	if requeue == nil {
+		t.Fatalf("flaky: no producer span of kind requeue; ended spans: %v", spanNames(rec))
+	}
+	if got, want := requeue.Parent().SpanID(), first.SpanContext().SpanID(); got != want {
+		t.Errorf("flaky requeue span: parent %v, want the first execution's span %v", got, want)
+	}
+	if a := attrs(requeue); a["server.address"].AsString() != uri.Host || a["server.port"].AsInt64() != int64(uri.Port) {
+		t.Errorf("requeue span: server.address %q, server.port %d; want the URL's %s:%d", a["server.address"].AsString(), a["server.port"].AsInt64(), uri.Host, uri.Port)
+	}
+	if got, want := second.Parent().SpanID(), requeue.SpanContext().SpanID(); got != want {
+		t.Errorf("flaky/2: parent: got %v, want the requeue's producer span %v", got, want)
 	}
 	if got, want := seen.get("flaky", 2).TraceID(), producers["flaky"].TraceID(); got != want {
 		t.Errorf("flaky/2: the handler's trace id: got %v, want %v", got, want)
@@ -298,8 +366,26 @@ func TestIntegrationTrace(t *testing.T) {
 	if got, want := sc.TraceID(), producers["perm"].TraceID(); got != want {
 		t.Errorf("dead letter's traceparent: trace id %v, want the producer's %v (headers %v)", got, want, dl.Headers)
 	}
-	if got, want := sc.SpanID(), processSpan(rec, "perm", 1).SpanContext().SpanID(); got != want {
-		t.Errorf("dead letter's traceparent: span id %v, want the dead-lettering span %v", got, want)
+	dlSpan := publishSpan(rec, "perm", "dead_letter")
+	if dlSpan == nil {
+		t.Fatalf("perm: no producer span of kind dead_letter; ended spans: %v", spanNames(rec))
+	}
+	if got, want := dlSpan.Parent().SpanID(), processSpan(rec, "perm", 1).SpanContext().SpanID(); got != want {
+		t.Errorf("dead letter's producer span: parent %v, want the dead-lettering span %v", got, want)
+	}
+	if got, want := sc.SpanID(), dlSpan.SpanContext().SpanID(); got != want {
+		t.Errorf("dead letter's traceparent: span id %v, want its producer span %v", got, want)
+	}
+	if got, want := dlSpan.Name(), "publish "+name+".dlq"; got != want {
+		t.Errorf("dead letter's producer span: name %q, want %q", got, want)
+	}
+	if a := attrs(dlSpan); dlSpan.SpanKind() != trace.SpanKindProducer || a["messaging.operation.type"].AsString() != "send" ||
+		a["messaging.destination.name"].AsString() != name+".dlq" || a["messaging.system"].AsString() != "rabbitmq" {
+		t.Errorf("dead letter's producer span: kind %v, attributes %v", dlSpan.SpanKind(), dlSpan.Attributes())
+	}
+	origin := trace.SpanContextFromContext(prop.Extract(context.Background(), originHeaders(dl.Headers)))
+	if got, want := origin.SpanID(), producers["perm"].SpanID(); got != want {
+		t.Errorf("dead letter's %straceparent: span id %v, want the original producer's %v (headers %v)", otelamqpidem.HeaderOriginPrefix, got, want, dl.Headers)
 	}
 
 	// The Meter saw the same.
@@ -519,5 +605,20 @@ func TestIntegrationOutboxStoredTrace(t *testing.T) {
 	}
 	if got := extract(msgs[0].Msg.Headers); !got.Equal(want.WithRemote(true)) {
 		t.Errorf("the record's staged message: trace context %v, want the span it was staged under %v (headers %v)", got, want, msgs[0].Msg.Headers)
+	}
+	// Its publish has a producer span of its own, under the delivery's,
+	// linked to the context the message carries.
+	ps := publishSpan(rec, msgs[0].Msg.MessageId, "outbox")
+	if ps == nil {
+		t.Fatalf("no producer span of kind outbox; ended spans: %v", spanNames(rec))
+	}
+	if got, want := ps.Parent().SpanID(), processSpan(rec, "order-1", 1).SpanContext().SpanID(); got != want {
+		t.Errorf("outbox producer span: parent %v, want the delivery's span %v", got, want)
+	}
+	if !linksTo(ps, want) {
+		t.Errorf("outbox producer span: links %v, want one to the span it was staged under %v", ps.Links(), want)
+	}
+	if got, want := ps.Name(), "publish "+name+".out"; got != want {
+		t.Errorf("outbox producer span: name %q, want %q", got, want)
 	}
 }
