@@ -127,6 +127,24 @@
 // producer span of a publish of it links to that context and does not
 // replace it (a message staged without a Tracer gets the producer span's).
 //
+// # Metrics
+//
+// The Meter records the two metrics the messaging semantic conventions
+// define that fit a consumer's work under their names,
+// messaging.client.consumed.messages and messaging.process.duration,
+// with messaging.system, messaging.operation.name and, for a failure,
+// error.type; the metrics that are amqpidem's own keep the amqpidem.
+// prefix (see Meter for the list).
+//
+// Breaking change: these two were amqpidem.messages and
+// amqpidem.processing.duration. Dashboards, recording rules and alerts on
+// the old names (amqpidem_messages_total and
+// amqpidem_processing_duration_seconds through a Prometheus exporter)
+// stop receiving data: change them to messaging.client.consumed.messages
+// and messaging.process.duration (messaging_client_consumed_messages_total
+// and messaging_process_duration_seconds), whose series also carry the
+// new attributes. promamqpidem's Prometheus metric names are unchanged.
+//
 // # Limits
 //
 //   - Time a delivery waits in the consumer before processing starts (the

@@ -396,11 +396,11 @@ func TestIntegrationTrace(t *testing.T) {
 		want int64
 	}{
 		{[]attribute.KeyValue{q, otelamqpidem.AttrOutcome.String("completed"), otelamqpidem.AttrReason.String("")}, 2},
-		{[]attribute.KeyValue{q, otelamqpidem.AttrOutcome.String("dead_lettered"), otelamqpidem.AttrReason.String("permanent failure")}, 1},
+		{[]attribute.KeyValue{q, otelamqpidem.AttrOutcome.String("dead_lettered"), otelamqpidem.AttrReason.String("permanent failure"), attribute.String("error.type", "permanent failure")}, 1},
 		{[]attribute.KeyValue{q, otelamqpidem.AttrOutcome.String("retried"), otelamqpidem.AttrReason.String("handler error")}, 1},
 	} {
-		if got, _ := sum(t, ms, "amqpidem.messages", tc.kvs...); got != tc.want {
-			t.Errorf("amqpidem.messages %v: got %d, want %d", tc.kvs, got, tc.want)
+		if got, _ := sum(t, ms, "messaging.client.consumed.messages", append(tc.kvs, conv...)...); got != tc.want {
+			t.Errorf("messaging.client.consumed.messages %v: got %d, want %d", tc.kvs, got, tc.want)
 		}
 	}
 	if got, _ := sum(t, ms, "amqpidem.requeues", q, otelamqpidem.AttrOutcome.String("retried"), otelamqpidem.AttrDelayTier.Float64(0.05)); got != 1 {
