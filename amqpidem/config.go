@@ -307,8 +307,9 @@ type Config struct {
 	// Observers combines several.
 	Observer Observer
 	// Tracer follows each delivery, for distributed tracing: it may give
-	// the handler's context a span and add trace headers to the copies
-	// amqpidem publishes. Nil: none.
+	// the handler's context a span and add trace headers to the messages
+	// handlers stage and the copies amqpidem publishes; a PublishTracer
+	// follows each of those publishes too. Nil: none.
 	Tracer Tracer
 }
 

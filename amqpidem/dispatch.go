@@ -131,23 +131,25 @@ func (f *flight) dispatch(value []byte, fence int64, own bool) bool {
 }
 
 // publishStaged publishes one staged message, as encoded, confirmed and
-// mandatory, with the delivery's trace context in its headers.
+// mandatory: with the trace context Stage wrote into its headers, which
+// its record keeps.
 func (f *flight) publishStaged(enc []byte) error {
 	exchange, key, msg, _, err := readPublishing(enc)
 	if err != nil {
 		return fmt.Errorf("%w: %w", errBadValue, err)
 	}
-	if f.p.cfg.Tracer != nil {
-		h := make(amqp.Table, len(msg.Headers)+2)
-		for k, v := range msg.Headers {
-			h[k] = v
-		}
-		f.p.inject(f.ctx, h)
-		msg.Headers = h
+	if f.p.cfg.Tracer != nil && msg.Headers == nil {
+		msg.Headers = make(amqp.Table, 2) // staged without a Tracer
 	}
+	end := f.p.startPublish(f.ctx, Publish{
+		Kind: PublishOutbox, Queue: f.p.cfg.Queue, Exchange: exchange, RoutingKey: key, Headers: msg.Headers,
+		MessageID: msg.MessageId, CorrelationID: msg.CorrelationId, BodySize: len(msg.Body),
+	})
 	sctx, cancel := settleContext(f.ctx)
 	defer cancel()
-	return f.b.publish(sctx, exchange, key, msg)
+	err = f.b.publish(sctx, exchange, key, msg)
+	end(err)
+	return err
 }
 
 // amended records value as the record's new stored value in place of old

@@ -257,8 +257,10 @@
 // told when handlers start and return, and one that is also a
 // StoreObserver of every store call, the heartbeat's renewals included.
 // Config.Tracer follows each delivery from before its record is read to
-// its settlement: the handler's context and the copies amqpidem publishes
-// (requeues, dead letters, replies) carry what it starts. Packages
+// its settlement: the handler's context, the messages it stages and the
+// copies amqpidem publishes (requeues, dead letters, replies) carry what
+// it starts; one that is also a PublishTracer follows each of those
+// publishes too. Packages
 // promamqpidem and otelamqpidem implement them for Prometheus and
 // OpenTelemetry, in packages of their own so that only their users get
 // those dependencies. Consumer.Ready is a readiness check: consuming, and

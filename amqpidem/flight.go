@@ -52,6 +52,9 @@ type flight struct {
 	// keep-alive (nil when none runs).
 	hctx context.Context
 	keep func()
+	// copyErr is the last error publishing a requeued copy gave, for
+	// the PublishTracer's span.
+	copyErr error
 }
 
 // slot is a delivery's hold on one of the gate's slots.

@@ -3,7 +3,9 @@ package amqpidem
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
+	"net"
 	"runtime/debug"
 	"time"
 
@@ -26,11 +28,132 @@ type Tracer interface {
 	// Inject adds the trace context of ctx to the headers of a message
 	// amqpidem publishes on the delivery's behalf: a delayed or immediate
 	// requeue, a dead letter, a reply. The copies carry the delivery's
-	// headers already; Inject may overwrite them.
+	// headers already; Inject may overwrite them. It is called as well,
+	// with the context given to Stage, on the headers of each message a
+	// handler stages, when it is staged: its record keeps them, and every
+	// publish of it (`amqpidem outbox redrive` included) carries them.
 	Inject(ctx context.Context, headers amqp.Table)
 	// End is called once per Start, after the delivery was settled, with
 	// the Event the Observer gets (before the Observer gets it).
 	End(ctx context.Context, e Event)
+}
+
+// PublishTracer is a Tracer that also follows each message amqpidem
+// publishes on a delivery's behalf (package otelamqpidem's gives each a
+// producer span). When Config.Tracer is one, StartPublish is called for
+// those messages in place of Inject; Inject is still called on the
+// messages a handler stages, when they are staged.
+type PublishTracer interface {
+	Tracer
+	// StartPublish is called with the delivery's context before amqpidem
+	// publishes p, and may write trace context into p.Headers (never
+	// nil). The end it returns, if not nil, is called once, after the
+	// publish and the tries it took, with the error that left it
+	// unpublished (nil when it was published).
+	StartPublish(ctx context.Context, p Publish) (end func(err error))
+}
+
+// PublishKind says why amqpidem publishes a message on a delivery's
+// behalf.
+type PublishKind uint8
+
+// The kinds of Publish.
+const (
+	// PublishRequeue: a copy of the delivery, sent back to its queue at
+	// once or after a delay (through a delay queue).
+	PublishRequeue PublishKind = iota + 1
+	// PublishDeadLetter: the delivery's dead letter.
+	PublishDeadLetter
+	// PublishReply: the reply to the delivery's ReplyTo.
+	PublishReply
+	// PublishOutbox: a message a handler staged (Stage). Its headers hold
+	// the trace context written when it was staged.
+	PublishOutbox
+)
+
+// String returns "requeue", "dead_letter", "reply" or "outbox".
+func (k PublishKind) String() string {
+	switch k {
+	case PublishRequeue:
+		return "requeue"
+	case PublishDeadLetter:
+		return "dead_letter"
+	case PublishReply:
+		return "reply"
+	case PublishOutbox:
+		return "outbox"
+	}
+	return fmt.Sprintf("publish_kind(%d)", int(k))
+}
+
+// Publish describes a message amqpidem publishes on a delivery's behalf,
+// for a PublishTracer.
+type Publish struct {
+	Kind  PublishKind
+	Queue string // Config.Queue, the delivery's queue
+	// Exchange and RoutingKey are where the message is published. A
+	// requeued copy has "" and Queue, the queue it comes back to, even
+	// when it waits in a delay queue on the way.
+	Exchange, RoutingKey string
+	// Delay is how long a requeued copy waits before it comes back.
+	Delay time.Duration
+	// Headers are the message's headers, or for a requeued copy those
+	// amqpidem sets over the delivery's (HeaderAttempt, HeaderReason):
+	// trace context written there replaces the delivery's.
+	Headers amqp.Table
+	// MessageID and CorrelationID are the message's properties, and
+	// BodySize the size of its body in bytes.
+	MessageID, CorrelationID string
+	BodySize                 int
+}
+
+// Server is the RabbitMQ node a Consumer's session is connected to, for a
+// Tracer to report (server.address, server.port): the host and port of
+// ConsumerConfig.URL, or with ConsumerConfig.Dial the connection's remote
+// IP address and port. Never the URL's credentials.
+type Server struct {
+	Address string // a host name or an IP address
+	Port    int
+}
+
+// serverKey is the context key of a delivery's Server.
+type serverKey struct{}
+
+// ServerFromContext returns the Server a delivery came from, given the
+// context Tracer.Start, Tracer.Inject or PublishTracer.StartPublish is
+// called with (and the contexts made from it): false for a Wrapper's
+// delivery, whose connection amqpidem does not know. The copies a
+// Consumer publishes go to the same URL (with Dial, possibly another node
+// of a cluster).
+func ServerFromContext(ctx context.Context) (Server, bool) {
+	s, ok := ctx.Value(serverKey{}).(Server)
+	return s, ok
+}
+
+// withServer returns ctx carrying s, unless s has no address.
+func withServer(ctx context.Context, s Server) context.Context {
+	if s.Address == "" {
+		return ctx
+	}
+	return context.WithValue(ctx, serverKey{}, s)
+}
+
+// serverOf is the Server of a session on conn: url's host and port, or
+// without url (ConsumerConfig.Dial) conn's remote address.
+func serverOf(url string, conn *amqp.Connection) Server {
+	if url != "" {
+		if u, err := amqp.ParseURI(url); err == nil {
+			return Server{Address: u.Host, Port: u.Port}
+		}
+	}
+	if conn == nil {
+		return Server{}
+	}
+	a, ok := conn.RemoteAddr().(*net.TCPAddr)
+	if !ok || a == nil {
+		return Server{}
+	}
+	return Server{Address: a.IP.String(), Port: a.Port}
 }
 
 // HandlerObserver is an Observer that is also told when a handler starts
@@ -266,6 +389,41 @@ func (p *processor) inject(ctx context.Context, h amqp.Table) {
 	}
 	defer p.recoverHook(ctx, "Tracer.Inject")
 	p.cfg.Tracer.Inject(ctx, h)
+}
+
+// startPublish lets the Tracer follow pub, a message the delivery of ctx
+// publishes: a PublishTracer's StartPublish, else Inject (but for a
+// staged message, whose trace context Stage wrote). The function it
+// returns is to be called once with the publish's outcome.
+func (p *processor) startPublish(ctx context.Context, pub Publish) (end func(error)) {
+	end = func(error) {}
+	if p.cfg.Tracer == nil || pub.Headers == nil {
+		return end
+	}
+	pt, ok := p.cfg.Tracer.(PublishTracer)
+	if !ok {
+		if pub.Kind != PublishOutbox {
+			p.inject(ctx, pub.Headers)
+		}
+		return end
+	}
+	defer p.recoverHook(ctx, "Tracer.StartPublish")
+	if e := pt.StartPublish(ctx, pub); e != nil {
+		end = func(err error) {
+			defer p.recoverHook(ctx, "Tracer.StartPublish's end")
+			e(err)
+		}
+	}
+	return end
+}
+
+// stageInject is the outbox's inject: the Tracer's Inject, or nil
+// without a Tracer.
+func (p *processor) stageInject() func(ctx context.Context, h amqp.Table) {
+	if p.cfg.Tracer == nil {
+		return nil
+	}
+	return p.inject
 }
 
 // handlerStarted and handlerEnded tell a HandlerObserver about a handler.

@@ -93,6 +93,81 @@ func TestTracerFollowsEachDelivery(t *testing.T) {
 	}
 }
 
+// pubTracer is a recTracer that is a PublishTracer: it records each
+// Publish and the error its end was given, and writes "publish-<kind>" as
+// header "trace" but for a staged message.
+type pubTracer struct {
+	recTracer
+	pubs []Publish
+	errs []error
+}
+
+func (r *pubTracer) StartPublish(ctx context.Context, p Publish) func(error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.pubs = append(r.pubs, p)
+	if p.Kind != PublishOutbox { // a staged message keeps Stage's
+		p.Headers["trace"] = "publish-" + p.Kind.String()
+	}
+	i := len(r.errs)
+	r.errs = append(r.errs, errors.New("not ended"))
+	return func(err error) {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		r.errs[i] = err
+	}
+}
+
+// A PublishTracer is told of every copy, reply and staged message
+// published, with its kind and destination, in place of Inject, and of
+// each publish's end.
+func TestPublishTracerFollowsEachPublish(t *testing.T) {
+	tr := &pubTracer{}
+	p, _ := newTestProcessor(t, Config{Tracer: tr, Backoff: Exponential(time.Second, time.Second)},
+		func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+			switch string(d.Body) {
+			case "retry":
+				return nil, errors.New("later")
+			case "fatal":
+				return nil, Permanent(errors.New("no"))
+			}
+			return []byte("ok"), Stage(ctx, "events", "shipped", amqp.Publishing{Body: []byte("x")})
+		})
+	b := &fakeBroker{}
+	for _, m := range []struct{ id, body, replyTo string }{{"a", "fine", "replies"}, {"b", "retry", ""}, {"c", "fatal", ""}} {
+		d, _ := delivery(m.id, m.body)
+		d.ReplyTo = m.replyTo
+		p.process(context.Background(), b, d, nil)
+	}
+	want := []struct {
+		kind          PublishKind
+		exchange, key string
+	}{{PublishOutbox, "events", "shipped"}, {PublishReply, "", "replies"}, {PublishRequeue, "", "q"}, {PublishDeadLetter, "", "q.dlq"}}
+	if len(tr.pubs) != len(want) {
+		t.Fatalf("StartPublish: %+v, want %d", tr.pubs, len(want))
+	}
+	for i, w := range want {
+		got := tr.pubs[i]
+		if got.Kind != w.kind || got.Exchange != w.exchange || got.RoutingKey != w.key || got.Queue != "q" {
+			t.Errorf("StartPublish %d: %v %q %q of %q, want %v %q %q of q", i, got.Kind, got.Exchange, got.RoutingKey, got.Queue, w.kind, w.exchange, w.key)
+		}
+		if tr.errs[i] != nil {
+			t.Errorf("StartPublish %d (%v): ended with %v, want nil", i, got.Kind, tr.errs[i])
+		}
+	}
+	if tr.pubs[2].Delay <= 0 {
+		t.Errorf("requeue's Publish: Delay %v, want the retry's", tr.pubs[2].Delay)
+	}
+	// Each copy carries what StartPublish wrote; the staged message what
+	// Inject wrote when it was staged (the delivery's span).
+	wantTrace := map[string]string{"shipped": "span-a", "replies": "publish-reply", "q": "publish-requeue", "q.dlq": "publish-dead_letter"}
+	for _, pub := range b.pubs {
+		if w, ok := wantTrace[pub.key]; ok && pub.msg.Headers["trace"] != w {
+			t.Errorf("publish to %q: trace header %v, want %q", pub.key, pub.msg.Headers["trace"], w)
+		}
+	}
+}
+
 // A Tracer that panics costs its own work, never the delivery's.
 type panicTracer struct{}
 

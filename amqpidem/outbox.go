@@ -86,7 +86,7 @@ func Stage(ctx context.Context, exchange, key string, msg amqp.Publishing) error
 	if !ok {
 		return ErrNoOutbox
 	}
-	return x.outbox.stage(exchange, key, msg)
+	return x.outbox.stage(ctx, exchange, key, msg)
 }
 
 // execution is what a handler's context carries: its Info, and the outbox
@@ -132,6 +132,10 @@ type outbox struct {
 	// noStore says that the record cannot keep staged messages: the
 	// store cannot amend records (lock.Amender).
 	noStore bool
+	// inject writes the trace context of Stage's context into a staged
+	// message's headers (Tracer.Inject), so that its record keeps it and
+	// every publish of it carries it; nil without a Tracer.
+	inject func(ctx context.Context, h amqp.Table)
 
 	mu     sync.Mutex
 	sealed bool     // the handler returned: nothing more is staged
@@ -139,8 +143,16 @@ type outbox struct {
 	size   int      // the bytes msgs take in the stored value
 }
 
-// stage encodes and adds one message; see Stage.
-func (o *outbox) stage(exchange, key string, msg amqp.Publishing) error {
+// stage encodes and adds one message, staged under ctx; see Stage.
+func (o *outbox) stage(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	if o.inject != nil {
+		h := make(amqp.Table, len(msg.Headers)+2)
+		for k, v := range msg.Headers {
+			h[k] = v
+		}
+		o.inject(ctx, h)
+		msg.Headers = h
+	}
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	switch {

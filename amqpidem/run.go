@@ -48,7 +48,7 @@ func (f *flight) run() {
 	}
 	x := &execution{
 		info:   Info{Queue: p.cfg.Queue, Key: f.ev.Key, Attempt: f.attempt, Fence: f.lease.Fence},
-		outbox: outbox{idBase: f.storeKey, maxMessages: p.cfg.MaxStaged, maxBytes: p.outboxBytes, noStore: p.amender == nil},
+		outbox: outbox{idBase: f.storeKey, maxMessages: p.cfg.MaxStaged, maxBytes: p.outboxBytes, noStore: p.amender == nil, inject: p.stageInject()},
 	}
 	f.hctx = withExecution(f.hctx, x)
 	if c, ok := p.handler.(Completer); ok {
@@ -188,7 +188,7 @@ func (f *flight) runUnkeyed(why string) {
 	}
 	x := &execution{
 		info:   Info{Queue: p.cfg.Queue, Attempt: f.attempt},
-		outbox: outbox{maxMessages: p.cfg.MaxStaged, maxBytes: p.outboxBytes},
+		outbox: outbox{maxMessages: p.cfg.MaxStaged, maxBytes: p.outboxBytes, inject: p.stageInject()},
 	}
 	f.hctx = withExecution(f.ctx, x)
 	if p.cfg.HandlerTimeout > 0 {

@@ -32,6 +32,11 @@ func (c *Consumer) session(ctx, base context.Context) error {
 	}
 	conn, ch, deliveries, connClosed, chClosed := s.conn, s.ch, s.deliveries, s.connClosed, s.chClosed
 	defer conn.Close()
+	if c.ownDial {
+		base = withServer(base, serverOf(c.cfg.URL, conn))
+	} else {
+		base = withServer(base, serverOf("", conn))
+	}
 	logBlockedIn(&c.tasks, c.proc.cfg.Logger, c.cfg.Queue, "consume", s.blocked)
 	c.consuming.Store(true)
 	defer c.consuming.Store(false)

@@ -87,11 +87,16 @@ func (f *flight) reply(result []byte) error {
 		Timestamp:     time.Now(),
 		Body:          result,
 	}
+	end := func(error) {}
 	if f.p.cfg.Tracer != nil {
 		msg.Headers = amqp.Table{}
-		f.p.inject(f.ctx, msg.Headers)
+		end = f.p.startPublish(f.ctx, Publish{
+			Kind: PublishReply, Queue: f.p.cfg.Queue, RoutingKey: d.ReplyTo, Headers: msg.Headers,
+			CorrelationID: msg.CorrelationId, BodySize: len(msg.Body),
+		})
 	}
 	err := f.b.publish(sctx, "", d.ReplyTo, msg)
+	end(err)
 	if errors.Is(err, ErrUnroutable) {
 		f.ev.Err = errors.Join(f.ev.Err, fmt.Errorf("amqpidem: reply to %q dropped: %w", d.ReplyTo, err))
 		return nil
@@ -151,11 +156,24 @@ func (f *flight) requeueWith(o Outcome, reason string, delay time.Duration, caus
 	if _, marked := extra[HeaderDeadLetterPending]; !marked && f.head().pending {
 		extra[HeaderDeadLetterPending] = cmp.Or(f.head().pendingText, "pending")
 	}
-	f.p.inject(f.ctx, extra)
-	if f.sendBack(delay, extra) {
+	end := f.p.startPublish(f.ctx, Publish{
+		Kind: PublishRequeue, Queue: f.p.cfg.Queue, RoutingKey: f.p.cfg.Queue, Delay: delay, Headers: extra,
+		MessageID: f.d.MessageId, CorrelationID: f.d.CorrelationId, BodySize: len(f.d.Body),
+	})
+	f.copyErr = nil
+	sent := f.sendBack(delay, extra)
+	if sent {
+		end(nil)
 		f.ack(o)
+		return
 	}
+	end(cmp.Or(f.copyErr, errCopyNotPublished))
 }
+
+// errCopyNotPublished is the error a PublishTracer is given for a
+// requeued copy that was not published for another reason than a failed
+// publish (too large for frame_max, say): the delivery was nacked.
+var errCopyNotPublished = errors.New("amqpidem: copy not published; the delivery was nacked with requeue")
 
 // pendingMark is the extra header that marks a requeued copy
 // HeaderDeadLetterPending with text: when it comes back it is
@@ -229,7 +247,11 @@ func (f *flight) sendBack(delay time.Duration, extra amqp.Table) bool {
 func (f *flight) publishCopy(delay time.Duration, msg amqp.Publishing) error {
 	sctx, cancel := settleContext(f.ctx)
 	defer cancel()
-	return f.b.requeue(sctx, f.p.cfg.Queue, msg, delay)
+	err := f.b.requeue(sctx, f.p.cfg.Queue, msg, delay)
+	if err != nil {
+		f.copyErr = err
+	}
+	return err
 }
 
 // fit makes msg, a copy of the delivery (what says which: "dead letter",
@@ -316,9 +338,12 @@ func (f *flight) deadLetter(reason string, cause error) {
 	}
 	msg := deadLetterOf(f.d, f.head(), fault)
 	delete(msg.Headers, HeaderDeadLetterPending)
-	p.inject(f.ctx, msg.Headers)
-	p.sign(&msg)
 	exchange, key := p.cfg.DeadLetterExchange, p.cfg.DeadLetterRoutingKey
+	end := p.startPublish(f.ctx, Publish{
+		Kind: PublishDeadLetter, Queue: p.cfg.Queue, Exchange: exchange, RoutingKey: key, Headers: msg.Headers,
+		MessageID: msg.MessageId, CorrelationID: msg.CorrelationId, BodySize: len(msg.Body),
+	})
+	p.sign(&msg)
 	f.fit(&msg, fault, "dead letter")
 	ownQueue := exchange == "" && key == p.cfg.Queue+".dlq"
 	var err error
@@ -333,6 +358,7 @@ func (f *flight) deadLetter(reason string, cause error) {
 		}
 		b.forget(key) // someone deleted our dead-letter queue: declare it again
 	}
+	end(err)
 	if err != nil {
 		p.cfg.Logger.ErrorContext(f.ctx, "amqpidem: dead letter not delivered; requeued to try again",
 			"queue", p.cfg.Queue, "key", f.ev.Key, "exchange", exchange, "routing_key", key, "error", err)

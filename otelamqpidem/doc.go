@@ -43,12 +43,16 @@
 // settlement (the ack, the requeue or the dead letter, and the reply),
 // as semantic conventions v1.43.0 describe a RabbitMQ "process" span:
 //
-//   - its parent is the message's creation context, read from its headers
-//     with the propagator (a "traceparent" header with the W3C one), and
-//     it links to that context too; when the context given to amqpidem
-//     already holds a span (a Wrapper called under a request's span), that
-//     span is linked. A message without trace headers starts a trace of
-//     its own, under the context's span if any.
+//   - its parent is the context of the message's last publish, read from
+//     its headers with the propagator (a "traceparent" header with the W3C
+//     one): the producer's, or for a copy amqpidem published (a requeue, a
+//     dead letter moved back) the producer span of that publish. It links
+//     to the message's original producer (the creation context: see
+//     Copies), and to the last publish when that was another; when the
+//     context given to amqpidem already holds a span (a Wrapper called
+//     under a request's span), that span is linked. A message without
+//     trace headers starts a trace of its own, under the context's span if
+//     any.
 //   - its name is "process {queue}" (not the whole destination: a topic's
 //     routing keys would make too many span names), and
 //     messaging.destination.name is "{exchange}:{routing key}:{queue}",
@@ -62,8 +66,10 @@
 //     messaging.rabbitmq.message.delivery_tag, messaging.message.id,
 //     messaging.message.conversation_id (the correlation id),
 //     messaging.message.body.size and messaging.client.id (the consumer's
-//     Config.ConsumerName). server.address and server.port are not set: a
-//     delivery does not say which broker node it came from.
+//     Config.ConsumerName), server.address and server.port (the host and
+//     port of ConsumerConfig.URL, never its credentials, or with
+//     ConsumerConfig.Dial the connection's remote IP address and port; not
+//     set for a Wrapper's deliveries: see amqpidem.ServerFromContext).
 //   - amqpidem's own (see the Attr constants): amqpidem.queue,
 //     amqpidem.outcome, amqpidem.reason, amqpidem.attempt, amqpidem.fence,
 //     amqpidem.delay, amqpidem.handler.duration; for a delivery that did
@@ -79,23 +85,65 @@
 //
 // # Copies
 //
-// The copies amqpidem publishes on a delivery's behalf (delayed and
-// immediate requeues, dead letters, replies) get the trace context of the
-// delivery's span, replacing the producer's: the next delivery of a
-// retried message is a child of the span of the attempt before it, so a
-// message's attempts form a chain in one trace, the time spent in delay
-// queues showing as gaps; a dead letter carries the span of the delivery
-// that gave up on it, and whoever consumes the dead-letter queue, or moves
-// the message back, continues that trace. A message published without
-// trace context joins, on its second attempt, the trace its first one
-// started.
+// Each message amqpidem publishes on a delivery's behalf (a delayed or
+// immediate requeue, a dead letter, a reply, a staged message) gets a
+// span of kind Producer, child of the delivery's span (StartPublish):
+// "publish {exchange}", or "publish {queue}" through the default exchange
+// ("publish" alone for a reply), with messaging.operation.name "publish",
+// messaging.operation.type "send", messaging.destination.name
+// "{exchange}:{routing key}" ("amq.default" for neither),
+// messaging.rabbitmq.destination.routing_key, the message's id,
+// correlation id and body size, server.address and server.port,
+// amqpidem.queue, amqpidem.publish.kind ("requeue", "dead_letter",
+// "reply", "outbox") and for a delayed requeue amqpidem.delay. A publish
+// that failed has status Error and the error as an exception event.
 //
-// So do the messages a handler stages (amqpidem.Stage): Inject writes the
-// trace context into their headers, over whatever the handler put there
-// under the same names. Each carries the span of the delivery that
-// published it: the one whose handler staged it or, when that one could
-// not finish publishing (its process died, a publish failed), the later
-// delivery of the same message that published it again.
+// Their headers:
+//
+//   - "traceparent" (the propagator's headers): a requeued copy, a dead
+//     letter and a reply carry the context of their producer span,
+//     replacing the delivery's: the next delivery of a retried message is
+//     a child of the publish of its copy, itself a child of the attempt
+//     before, so a message's attempts form a chain in one trace, the time
+//     spent in delay queues showing as gaps; a dead letter carries the
+//     publish of the delivery that gave up on it, and whoever consumes the
+//     dead-letter queue, or moves the message back, continues that trace.
+//     A message published without trace context joins, on its second
+//     attempt, the trace its first one started.
+//   - "x-amqpidem-origin-traceparent" (HeaderOriginPrefix and the
+//     propagator's header names): a requeued copy and a dead letter keep
+//     there the context of the message's original producer, written on
+//     its first copy and carried by every later one (and by a dead letter
+//     moved back), so that every attempt's span links to the producer
+//     that created the message, however many requeues came between.
+//
+// The messages a handler stages (amqpidem.Stage) get the trace context of
+// the context given to Stage when they are staged: the delivery's span, or
+// the span the handler started under it. Inject writes it into their
+// headers, over whatever the handler put there under the same names, and
+// their record keeps it: every publish of a staged message carries the
+// context it was staged under, the publishes of a later delivery (after a
+// crash or a failed publish) and `amqpidem outbox redrive` included. The
+// producer span of a publish of it links to that context and does not
+// replace it (a message staged without a Tracer gets the producer span's).
+//
+// # Metrics
+//
+// The Meter records the two metrics the messaging semantic conventions
+// define that fit a consumer's work under their names,
+// messaging.client.consumed.messages and messaging.process.duration,
+// with messaging.system, messaging.operation.name and, for a failure,
+// error.type; the metrics that are amqpidem's own keep the amqpidem.
+// prefix (see Meter for the list).
+//
+// Breaking change: these two were amqpidem.messages and
+// amqpidem.processing.duration. Dashboards, recording rules and alerts on
+// the old names (amqpidem_messages_total and
+// amqpidem_processing_duration_seconds through a Prometheus exporter)
+// stop receiving data: change them to messaging.client.consumed.messages
+// and messaging.process.duration (messaging_client_consumed_messages_total
+// and messaging_process_duration_seconds), whose series also carry the
+// new attributes. promamqpidem's Prometheus metric names are unchanged.
 //
 // # Limits
 //

@@ -32,15 +32,19 @@ const (
 	AttrOutboxResult = attribute.Key("amqpidem.outbox.result")
 )
 
-// Metric names (see Meter for their units and attributes).
+// Metric names (see Meter for their units and attributes): the messaging
+// semantic conventions' where they define one, amqpidem's own under
+// "amqpidem.".
 const (
-	// MetricMessages counts processed deliveries.
-	MetricMessages = "amqpidem.messages"
+	// MetricMessages counts processed deliveries: the conventions'
+	// messaging.client.consumed.messages (it was amqpidem.messages).
+	MetricMessages = "messaging.client.consumed.messages"
 	// MetricHandlerDuration is how long handlers ran.
 	MetricHandlerDuration = "amqpidem.handler.duration"
 	// MetricProcessingDuration is how long processing took, from before
-	// the record is read to the settlement.
-	MetricProcessingDuration = "amqpidem.processing.duration"
+	// the record is read to the settlement: the conventions'
+	// messaging.process.duration (it was amqpidem.processing.duration).
+	MetricProcessingDuration = "messaging.process.duration"
 	// MetricEndToEndDuration is the time from a message's first publishing
 	// to the settlement of a delivery of it.
 	MetricEndToEndDuration = "amqpidem.end_to_end.duration"
@@ -74,9 +78,9 @@ var (
 // Meter is an amqpidem.Observer that is also a HandlerObserver and a
 // StoreObserver, recording OpenTelemetry metrics:
 //
-//	amqpidem.messages              counter {message}: queue, outcome, reason
+//	messaging.client.consumed.messages  counter {message}: queue, outcome, reason (+ messaging, error.type)
+//	messaging.process.duration     histogram s, from the start of processing to settlement: queue, outcome (+ messaging, error.type)
 //	amqpidem.handler.duration      histogram s, of deliveries whose handler ran: queue, outcome
-//	amqpidem.processing.duration   histogram s, from the start of processing to settlement: queue, outcome
 //	amqpidem.end_to_end.duration   histogram s, from first publishing to settlement: queue, outcome
 //	amqpidem.handlers.in_flight    up-down counter {handler}: queue
 //	amqpidem.store.call.duration   histogram s: queue, op, result (ok, lost, error)
@@ -87,7 +91,21 @@ var (
 // The attributes are amqpidem.queue, amqpidem.outcome, amqpidem.reason,
 // amqpidem.op, amqpidem.result, amqpidem.delay_tier and
 // amqpidem.outbox.result; no key or message id, so that every metric has
-// a bounded number of series.
+// a bounded number of series. The two metrics the messaging semantic
+// conventions (v1.43.0) define have their names and the attributes they
+// require as well: messaging.system "rabbitmq", messaging.operation.name
+// "process" and, for the outcomes that need attention (dead_lettered,
+// abandoned), error.type, the reason. messaging.destination.name is left
+// out: amqpidem.queue names the queue, and the exchange and routing key a
+// delivery came through would multiply the series.
+//
+// Renamed: amqpidem.messages is now messaging.client.consumed.messages,
+// and amqpidem.processing.duration messaging.process.duration
+// (messaging_client_consumed_messages_total and
+// messaging_process_duration_seconds through a Prometheus exporter).
+// Dashboards and alerts on the old names see no data until they are
+// changed. amqpidem's own metrics, which the conventions do not define,
+// keep their amqpidem.* names.
 //
 // amqpidem.outbox.messages adds up amqpidem.Event.Outbox: "staged", the
 // messages a handler staged and had stored with its outcome, counted by
@@ -136,7 +154,7 @@ func NewMeter(opts ...Option) (*Meter, error) {
 	var m Meter
 	var err, e error
 	m.messages, e = mt.Int64Counter(MetricMessages, metric.WithUnit("{message}"),
-		metric.WithDescription("Deliveries processed, by outcome."))
+		metric.WithDescription("Messages delivered to the consumer and processed, by outcome."))
 	err = errors.Join(err, e)
 	m.handler, e = mt.Float64Histogram(MetricHandlerDuration, metric.WithUnit("s"),
 		metric.WithDescription("How long handlers ran, for the deliveries whose handler ran."),
@@ -182,8 +200,12 @@ func NewMeter(opts ...Option) (*Meter, error) {
 func (m *Meter) Observe(ctx context.Context, e amqpidem.Event) {
 	queue, outcome := AttrQueue.String(e.Queue), AttrOutcome.String(e.Outcome.String())
 	qo := metric.WithAttributeSet(attribute.NewSet(queue, outcome))
-	m.messages.Add(ctx, 1, metric.WithAttributes(queue, outcome, AttrReason.String(e.Reason)))
-	m.processing.Record(ctx, e.Total.Seconds(), qo)
+	conv := []attribute.KeyValue{semconv.MessagingSystemRabbitMQ, semconv.MessagingOperationName(operation), queue, outcome}
+	if failed(e.Outcome) {
+		conv = append(conv, errorType(e))
+	}
+	m.processing.Record(ctx, e.Total.Seconds(), metric.WithAttributes(conv...))
+	m.messages.Add(ctx, 1, metric.WithAttributes(append(conv, AttrReason.String(e.Reason))...))
 	if e.Handler > 0 {
 		m.handler.Record(ctx, e.Handler.Seconds(), qo)
 	}

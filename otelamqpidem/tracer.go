@@ -54,10 +54,28 @@ const (
 	AttrOutboxReturned = attribute.Key("amqpidem.outbox.returned")
 	// AttrKey is the idempotency key, only with WithKeyAttribute.
 	AttrKey = attribute.Key("amqpidem.key")
+	// AttrPublishKind is why amqpidem published the message of a producer
+	// span: amqpidem.PublishKind's String, "requeue", "dead_letter",
+	// "reply" or "outbox".
+	AttrPublishKind = attribute.Key("amqpidem.publish.kind")
 )
 
-// operation is the messaging.operation.name of the span.
-const operation = "process"
+// HeaderOriginPrefix prefixes the names of the headers in which the copies
+// amqpidem publishes of a delivery (requeues, dead letters) keep the trace
+// context of the message's original producer: with the W3C propagator,
+// "x-amqpidem-origin-traceparent" (and "x-amqpidem-origin-tracestate").
+// The propagator's own headers ("traceparent") hold the span of the
+// publish that made the copy, so that a message's attempts form a chain;
+// these keep the first producer's, written on the first copy and carried
+// by every later one, so that the span of every attempt links to it.
+const HeaderOriginPrefix = "x-amqpidem-origin-"
+
+// operation is the messaging.operation.name of the process span, and
+// publishOperation that of a producer span.
+const (
+	operation        = "process"
+	publishOperation = "publish"
+)
 
 // Tracer is an amqpidem.Tracer that gives every delivery an OpenTelemetry
 // span (see the package documentation for what it covers and carries).
@@ -69,7 +87,7 @@ type Tracer struct {
 	keyAttribute bool
 }
 
-var _ amqpidem.Tracer = (*Tracer)(nil)
+var _ amqpidem.PublishTracer = (*Tracer)(nil)
 
 // NewTracer returns a Tracer. Options: WithTracerProvider and
 // WithPropagators (defaults: the global ones), WithKeyAttribute (default
@@ -86,27 +104,83 @@ func NewTracer(opts ...Option) *Tracer {
 // spanKey is the context key of the *delivery Start made.
 type spanKey struct{}
 
-// delivery is what End needs of what Start saw.
+// delivery is what End and StartPublish need of what Start saw.
 type delivery struct {
 	span trace.Span
+	// origin is the message's original producer's span: from its
+	// HeaderOriginPrefix headers, else its propagator's headers.
+	origin trace.SpanContext
 }
 
-// Start reads the producer's trace context from d's headers and starts a
-// Consumer span "process <destination>" as its child, linked to it as
-// well, and to the span of ctx when there is one and the message brought
-// another parent. It returns ctx with the span (and the message's
-// baggage, with a baggage propagator), which amqpidem gives the handler.
+// originCarrier is a TextMapCarrier over the HeaderOriginPrefix headers.
+type originCarrier amqp.Table
+
+func (c originCarrier) Get(key string) string {
+	return HeaderCarrier(c).Get(HeaderOriginPrefix + key)
+}
+
+func (c originCarrier) Set(key, value string) {
+	c[HeaderOriginPrefix+key] = value
+}
+
+func (c originCarrier) Keys() []string {
+	var keys []string
+	for k := range c {
+		if name, ok := strings.CutPrefix(k, HeaderOriginPrefix); ok {
+			keys = append(keys, name)
+		}
+	}
+	return keys
+}
+
+// serverAttributes appends server.address and server.port of the
+// delivery of ctx (amqpidem.ServerFromContext), when known.
+func serverAttributes(ctx context.Context, attrs []attribute.KeyValue) []attribute.KeyValue {
+	s, ok := amqpidem.ServerFromContext(ctx)
+	if !ok {
+		return attrs
+	}
+	attrs = append(attrs, semconv.ServerAddress(s.Address))
+	if s.Port > 0 {
+		attrs = append(attrs, semconv.ServerPort(s.Port))
+	}
+	return attrs
+}
+
+// Start reads the trace context of d's last publisher from d's headers
+// and starts a Consumer span "process <queue>" as its child. The span
+// links to the message's original producer (its HeaderOriginPrefix
+// headers, which amqpidem's copies of it carry, else the last
+// publisher's), to the last publisher when that was another (the publish
+// of a requeued copy), and to the span of ctx when there is one and the
+// message brought another parent. It returns ctx with the span (and the
+// message's baggage, with a baggage propagator), which amqpidem gives the
+// handler.
 func (t *Tracer) Start(ctx context.Context, queue string, d *amqp.Delivery) context.Context {
 	ambient := trace.SpanContextFromContext(ctx)
 	pctx := t.propagator.Extract(ctx, HeaderCarrier(d.Headers))
-	creation := trace.SpanContextFromContext(pctx)
+	last := trace.SpanContextFromContext(pctx)
+	origin := trace.SpanContextFromContext(t.propagator.Extract(context.Background(), originCarrier(d.Headers)))
+	switch {
+	case !origin.IsValid():
+		origin = last
+	case !last.IsValid():
+		// An origin without a last publisher (headers stripped on the
+		// way): the origin is the parent.
+		pctx, last = trace.ContextWithRemoteSpanContext(pctx, origin), origin
+	}
 
 	var links []trace.Link
-	if creation.IsValid() && !creation.Equal(ambient) {
+	if last.IsValid() && !last.Equal(ambient) {
 		// The messaging conventions: a process span links to the message's
 		// creation context, even when it is its parent, and to the ambient
-		// span that it does not take as parent.
-		links = append(links, trace.Link{SpanContext: creation})
+		// span that it does not take as parent. The creation context is
+		// the original producer's; the publish of a requeued copy is
+		// linked too.
+		links = append(links, trace.Link{SpanContext: origin})
+		if !last.Equal(origin) {
+			links = append(links, trace.Link{SpanContext: last})
+		}
 		if ambient.IsValid() {
 			links = append(links, trace.Link{SpanContext: ambient})
 		}
@@ -134,20 +208,140 @@ func (t *Tracer) Start(ctx context.Context, queue string, d *amqp.Delivery) cont
 	if d.CorrelationId != "" {
 		attrs = append(attrs, semconv.MessagingMessageConversationID(d.CorrelationId))
 	}
+	attrs = serverAttributes(ctx, attrs)
 
 	sctx, span := t.tracer.Start(pctx, spanName(queue),
 		trace.WithSpanKind(trace.SpanKindConsumer),
 		trace.WithAttributes(attrs...),
 		trace.WithLinks(links...),
 	)
-	return context.WithValue(sctx, spanKey{}, &delivery{span: span})
+	return context.WithValue(sctx, spanKey{}, &delivery{span: span, origin: origin})
 }
 
-// Inject writes the trace context of ctx, the delivery's span, into
-// headers, the headers of a copy amqpidem publishes (a requeue, a dead
-// letter, a reply), replacing the producer's: whoever takes the copy
-// continues the trace from this delivery's span. It does nothing when
-// headers is nil.
+// StartPublish starts a Producer span "publish <destination>", child of
+// the span of ctx (the delivery's), for a message amqpidem publishes on a
+// delivery's behalf, and writes its trace context into p.Headers:
+//
+//   - a requeued copy and a dead letter carry the producer span's context
+//     in the propagator's headers, replacing the delivery's, and the
+//     original producer's in the HeaderOriginPrefix headers;
+//   - a reply carries the producer span's context;
+//   - a staged message keeps the context it was staged under (Stage wrote
+//     it; the span links to it), and gets the producer span's only when
+//     it has none (staged without a Tracer).
+//
+// The span has the messaging conventions' attributes for a publish
+// (messaging.operation.name "publish", messaging.operation.type "send",
+// messaging.destination.name "{exchange}:{routing key}"), server.address
+// and server.port when known, amqpidem.queue, amqpidem.publish.kind and,
+// for a delayed requeue, amqpidem.delay. The end it returns ends it, with
+// status Error and the error recorded when the publish failed.
+func (t *Tracer) StartPublish(ctx context.Context, p amqpidem.Publish) (end func(err error)) {
+	var links []trace.Link
+	var staged trace.SpanContext
+	if p.Kind == amqpidem.PublishOutbox {
+		staged = trace.SpanContextFromContext(t.propagator.Extract(context.Background(), HeaderCarrier(p.Headers)))
+		if staged.IsValid() {
+			links = append(links, trace.Link{SpanContext: staged})
+		}
+	}
+	dest := publishDestination(p.Exchange, p.RoutingKey)
+	attrs := make([]attribute.KeyValue, 0, 14)
+	attrs = append(attrs,
+		AttrQueue.String(p.Queue),
+		AttrPublishKind.String(p.Kind.String()),
+		semconv.MessagingSystemRabbitMQ,
+		semconv.MessagingOperationName(publishOperation),
+		semconv.MessagingOperationTypeSend,
+		semconv.MessagingDestinationName(dest),
+		semconv.MessagingMessageBodySize(p.BodySize),
+	)
+	if p.RoutingKey != "" {
+		attrs = append(attrs, semconv.MessagingRabbitMQDestinationRoutingKey(p.RoutingKey))
+	}
+	if p.MessageID != "" {
+		attrs = append(attrs, semconv.MessagingMessageID(p.MessageID))
+	}
+	if p.CorrelationID != "" {
+		attrs = append(attrs, semconv.MessagingMessageConversationID(p.CorrelationID))
+	}
+	if p.Delay > 0 {
+		attrs = append(attrs, AttrDelay.Float64(p.Delay.Seconds()))
+	}
+	if p.Kind == amqpidem.PublishReply {
+		attrs = append(attrs, semconv.MessagingDestinationTemporary(true))
+	}
+	attrs = serverAttributes(ctx, attrs)
+	name := publishSpanName(p)
+	sctx, span := t.tracer.Start(ctx, name,
+		trace.WithSpanKind(trace.SpanKindProducer),
+		trace.WithAttributes(attrs...),
+		trace.WithLinks(links...),
+	)
+	if p.Headers != nil {
+		switch p.Kind {
+		case amqpidem.PublishOutbox:
+			if !staged.IsValid() {
+				t.propagator.Inject(sctx, HeaderCarrier(p.Headers))
+			}
+		case amqpidem.PublishRequeue, amqpidem.PublishDeadLetter:
+			t.propagator.Inject(sctx, HeaderCarrier(p.Headers))
+			if dl, ok := ctx.Value(spanKey{}).(*delivery); ok && dl.origin.IsValid() {
+				octx := trace.ContextWithRemoteSpanContext(context.Background(), dl.origin)
+				t.propagator.Inject(octx, originCarrier(p.Headers))
+			}
+		default:
+			t.propagator.Inject(sctx, HeaderCarrier(p.Headers))
+		}
+	}
+	return func(err error) {
+		if err != nil && span.IsRecording() {
+			span.RecordError(err)
+			span.SetAttributes(semconv.ErrorTypeOther)
+			span.SetStatus(codes.Error, err.Error())
+		}
+		span.End()
+	}
+}
+
+// publishSpanName is "publish {exchange}", or without an exchange (the
+// default one) "publish {routing key}", a queue's name: not the whole
+// destination, since a topic's routing keys would make too many span
+// names. A reply's is "publish" alone: a reply queue's name is the
+// client's, often random.
+func publishSpanName(p amqpidem.Publish) string {
+	switch {
+	case p.Kind == amqpidem.PublishReply:
+		return publishOperation
+	case p.Exchange != "":
+		return publishOperation + " " + p.Exchange
+	case p.RoutingKey != "":
+		return publishOperation + " " + p.RoutingKey
+	}
+	return publishOperation + " amq.default"
+}
+
+// publishDestination is messaging.destination.name on the producer side,
+// as semantic conventions v1.43.0 have it for RabbitMQ:
+// "{exchange}:{routing key}", the one that is not empty alone, or
+// "amq.default" for the default exchange without a routing key.
+func publishDestination(exchange, routingKey string) string {
+	switch {
+	case exchange != "" && routingKey != "":
+		return exchange + ":" + routingKey
+	case exchange != "":
+		return exchange
+	case routingKey != "":
+		return routingKey
+	}
+	return "amq.default"
+}
+
+// Inject writes the trace context of ctx into headers: amqpidem calls it
+// on the headers of each message a handler stages, when it is staged
+// (StartPublish, not Inject, handles the copies amqpidem publishes). Its
+// method value fits pgstore.Config.Inject. It does nothing when headers
+// is nil.
 func (t *Tracer) Inject(ctx context.Context, headers amqp.Table) {
 	if headers == nil {
 		return

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -56,6 +57,49 @@ func processSpan(rec *tracetest.SpanRecorder, id string, attempt int) sdktrace.R
 		}
 	}
 	return nil
+}
+
+// publishSpan returns the ended producer span of kind (amqpidem.publish.kind)
+// of message id.
+func publishSpan(rec *tracetest.SpanRecorder, id, kind string) sdktrace.ReadOnlySpan {
+	for _, s := range rec.Ended() {
+		a := attrs(s)
+		if s.SpanKind() == trace.SpanKindProducer && a["messaging.message.id"].AsString() == id && a["amqpidem.publish.kind"].AsString() == kind {
+			return s
+		}
+	}
+	return nil
+}
+
+// spanNames lists the ended spans, for failure messages.
+func spanNames(rec *tracetest.SpanRecorder) []string {
+	var names []string
+	for _, s := range rec.Ended() {
+		names = append(names, fmt.Sprintf("%s %v", s.Name(), s.Attributes()))
+	}
+	return names
+}
+
+// linksTo reports whether s links to sc.
+func linksTo(s sdktrace.ReadOnlySpan, sc trace.SpanContext) bool {
+	for _, l := range s.Links() {
+		if l.SpanContext.TraceID() == sc.TraceID() && l.SpanContext.SpanID() == sc.SpanID() {
+			return true
+		}
+	}
+	return false
+}
+
+// originHeaders returns the HeaderOriginPrefix headers of h, without the
+// prefix: the original producer's trace context.
+func originHeaders(h amqp.Table) propagation.MapCarrier {
+	m := propagation.MapCarrier{}
+	for k, v := range h {
+		if name, ok := strings.CutPrefix(k, otelamqpidem.HeaderOriginPrefix); ok {
+			m[name], _ = v.(string)
+		}
+	}
+	return m
 }
 
 // rig is what the integration tests share: a queue of their own on the
@@ -264,13 +308,37 @@ func TestIntegrationTrace(t *testing.T) {
 	}
 
 	// The retried message's requeued copy continued the trace: its
-	// execution is a child of the first one's span.
+	// execution is a child of the requeue's producer span, a child of the
+	// first execution's span; and it links to the original producer.
 	first, second := processSpan(rec, "flaky", 1), processSpan(rec, "flaky", 2)
 	if got, want := second.SpanContext().TraceID(), producers["flaky"].TraceID(); got != want {
 		t.Errorf("flaky/2: trace id: got %v, want the producer's %v", got, want)
 	}
-	if got, want := second.Parent().SpanID(), first.SpanContext().SpanID(); got != want {
-		t.Errorf("flaky/2: parent: got %v, want the first execution's span %v", got, want)
+	if !linksTo(second, producers["flaky"]) {
+		t.Errorf("flaky/2: links %v, want one to the original producer %v", second.Links(), producers["flaky"])
+	}
+	uri, err := amqp.ParseURI(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range []sdktrace.ReadOnlySpan{first, second} {
+		a := attrs(s)
+		if a["server.address"].AsString() != uri.Host || a["server.port"].AsInt64() != int64(uri.Port) {
+			t.Errorf("%s: server.address %q, server.port %d; want the URL's %s:%d", s.Name(), a["server.address"].AsString(), a["server.port"].AsInt64(), uri.Host, uri.Port)
+		}
+	}
+	requeue := publishSpan(rec, "flaky", "requeue")
+	if requeue == nil {
+		t.Fatalf("flaky: no producer span of kind requeue; ended spans: %v", spanNames(rec))
+	}
+	if got, want := requeue.Parent().SpanID(), first.SpanContext().SpanID(); got != want {
+		t.Errorf("flaky requeue span: parent %v, want the first execution's span %v", got, want)
+	}
+	if a := attrs(requeue); a["server.address"].AsString() != uri.Host || a["server.port"].AsInt64() != int64(uri.Port) {
+		t.Errorf("requeue span: server.address %q, server.port %d; want the URL's %s:%d", a["server.address"].AsString(), a["server.port"].AsInt64(), uri.Host, uri.Port)
+	}
+	if got, want := second.Parent().SpanID(), requeue.SpanContext().SpanID(); got != want {
+		t.Errorf("flaky/2: parent: got %v, want the requeue's producer span %v", got, want)
 	}
 	if got, want := seen.get("flaky", 2).TraceID(), producers["flaky"].TraceID(); got != want {
 		t.Errorf("flaky/2: the handler's trace id: got %v, want %v", got, want)
@@ -298,8 +366,26 @@ func TestIntegrationTrace(t *testing.T) {
 	if got, want := sc.TraceID(), producers["perm"].TraceID(); got != want {
 		t.Errorf("dead letter's traceparent: trace id %v, want the producer's %v (headers %v)", got, want, dl.Headers)
 	}
-	if got, want := sc.SpanID(), processSpan(rec, "perm", 1).SpanContext().SpanID(); got != want {
-		t.Errorf("dead letter's traceparent: span id %v, want the dead-lettering span %v", got, want)
+	dlSpan := publishSpan(rec, "perm", "dead_letter")
+	if dlSpan == nil {
+		t.Fatalf("perm: no producer span of kind dead_letter; ended spans: %v", spanNames(rec))
+	}
+	if got, want := dlSpan.Parent().SpanID(), processSpan(rec, "perm", 1).SpanContext().SpanID(); got != want {
+		t.Errorf("dead letter's producer span: parent %v, want the dead-lettering span %v", got, want)
+	}
+	if got, want := sc.SpanID(), dlSpan.SpanContext().SpanID(); got != want {
+		t.Errorf("dead letter's traceparent: span id %v, want its producer span %v", got, want)
+	}
+	if got, want := dlSpan.Name(), "publish "+name+".dlq"; got != want {
+		t.Errorf("dead letter's producer span: name %q, want %q", got, want)
+	}
+	if a := attrs(dlSpan); dlSpan.SpanKind() != trace.SpanKindProducer || a["messaging.operation.type"].AsString() != "send" ||
+		a["messaging.destination.name"].AsString() != name+".dlq" || a["messaging.system"].AsString() != "rabbitmq" {
+		t.Errorf("dead letter's producer span: kind %v, attributes %v", dlSpan.SpanKind(), dlSpan.Attributes())
+	}
+	origin := trace.SpanContextFromContext(prop.Extract(context.Background(), originHeaders(dl.Headers)))
+	if got, want := origin.SpanID(), producers["perm"].SpanID(); got != want {
+		t.Errorf("dead letter's %straceparent: span id %v, want the original producer's %v (headers %v)", otelamqpidem.HeaderOriginPrefix, got, want, dl.Headers)
 	}
 
 	// The Meter saw the same.
@@ -310,11 +396,11 @@ func TestIntegrationTrace(t *testing.T) {
 		want int64
 	}{
 		{[]attribute.KeyValue{q, otelamqpidem.AttrOutcome.String("completed"), otelamqpidem.AttrReason.String("")}, 2},
-		{[]attribute.KeyValue{q, otelamqpidem.AttrOutcome.String("dead_lettered"), otelamqpidem.AttrReason.String("permanent failure")}, 1},
+		{[]attribute.KeyValue{q, otelamqpidem.AttrOutcome.String("dead_lettered"), otelamqpidem.AttrReason.String("permanent failure"), attribute.String("error.type", "permanent failure")}, 1},
 		{[]attribute.KeyValue{q, otelamqpidem.AttrOutcome.String("retried"), otelamqpidem.AttrReason.String("handler error")}, 1},
 	} {
-		if got, _ := sum(t, ms, "amqpidem.messages", tc.kvs...); got != tc.want {
-			t.Errorf("amqpidem.messages %v: got %d, want %d", tc.kvs, got, tc.want)
+		if got, _ := sum(t, ms, "messaging.client.consumed.messages", append(tc.kvs, conv...)...); got != tc.want {
+			t.Errorf("messaging.client.consumed.messages %v: got %d, want %d", tc.kvs, got, tc.want)
 		}
 	}
 	if got, _ := sum(t, ms, "amqpidem.requeues", q, otelamqpidem.AttrOutcome.String("retried"), otelamqpidem.AttrDelayTier.Float64(0.05)); got != 1 {
@@ -447,5 +533,92 @@ func TestIntegrationOutboxTrace(t *testing.T) {
 		if time.Now().After(deadline) {
 			t.Fatalf("amqpidem.outbox.messages: got staged %d, published %d, want 1 and 1", staged, published)
 		}
+	}
+}
+
+// TestIntegrationOutboxStoredTrace: a staged message's trace context is
+// written when it is staged, so the record keeps it (what `amqpidem outbox
+// redrive` republishes) and the message as published carries it: the span
+// the handler staged it under, here a child of the delivery's span.
+func TestIntegrationOutboxStoredTrace(t *testing.T) {
+	r := newRig(t, ".out")
+	url, name, ch, store, prop, rec, tp := r.url, r.name, r.ch, r.store, r.prop, r.rec, r.tp
+
+	composed := make(chan trace.SpanContext, 1)
+	h := amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+		ctx, span := tp.Tracer("handler").Start(ctx, "compose")
+		defer span.End()
+		composed <- span.SpanContext()
+		return nil, amqpidem.Stage(ctx, "", name+".out", amqp.Publishing{Body: []byte("shipped")})
+	})
+	c, err := amqpidem.NewConsumer(store, amqpidem.ConsumerConfig{
+		URL: url,
+		Config: amqpidem.Config{
+			Queue:  name,
+			Tracer: otelamqpidem.NewTracer(otelamqpidem.WithTracerProvider(tp), otelamqpidem.WithPropagators(prop)),
+		},
+	}, h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	testrun.Consumer(t, c)
+	if err := ch.Publish("", name, false, false, amqp.Publishing{MessageId: "order-1", Body: []byte("pay")}); err != nil {
+		t.Fatal(err)
+	}
+	var out amqp.Delivery
+	for deadline := time.Now().Add(15 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		m, ok, err := ch.Get(name+".out", true)
+		if err != nil {
+			t.Fatalf("get %s.out: %v", name, err)
+		}
+		if ok {
+			out = m
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no staged message published")
+		}
+	}
+	want := <-composed
+	if processSpan(rec, "order-1", 1) == nil {
+		// The delivery's span ends after the publish: wait for it, then
+		// read the record its settlement wrote.
+		for deadline := time.Now().Add(5 * time.Second); processSpan(rec, "order-1", 1) == nil; time.Sleep(20 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatal("no process span")
+			}
+		}
+	}
+	extract := func(h amqp.Table) trace.SpanContext {
+		return trace.SpanContextFromContext(otelamqpidem.Extract(context.Background(), h, otelamqpidem.WithPropagators(prop)))
+	}
+	if got := extract(out.Headers); !got.Equal(want.WithRemote(true)) {
+		t.Errorf("published staged message: trace context %v, want the span it was staged under %v (headers %v)", got, want, out.Headers)
+	}
+	rd, err := store.Inspect(context.Background(), amqpidem.StoreKey(name, "order-1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	msgs, err := amqpidem.StoredOutbox(rd.Value)
+	if err != nil || len(msgs) != 1 {
+		t.Fatalf("StoredOutbox: %d messages, %v; want 1", len(msgs), err)
+	}
+	if got := extract(msgs[0].Msg.Headers); !got.Equal(want.WithRemote(true)) {
+		t.Errorf("the record's staged message: trace context %v, want the span it was staged under %v (headers %v)", got, want, msgs[0].Msg.Headers)
+	}
+	// Its publish has a producer span of its own, under the delivery's,
+	// linked to the context the message carries.
+	ps := publishSpan(rec, msgs[0].Msg.MessageId, "outbox")
+	if ps == nil {
+		t.Fatalf("no producer span of kind outbox; ended spans: %v", spanNames(rec))
+	}
+	if got, want := ps.Parent().SpanID(), processSpan(rec, "order-1", 1).SpanContext().SpanID(); got != want {
+		t.Errorf("outbox producer span: parent %v, want the delivery's span %v", got, want)
+	}
+	if !linksTo(ps, want) {
+		t.Errorf("outbox producer span: links %v, want one to the span it was staged under %v", ps.Links(), want)
+	}
+	if got, want := ps.Name(), "publish "+name+".out"; got != want {
+		t.Errorf("outbox producer span: name %q, want %q", got, want)
 	}
 }

@@ -93,6 +93,9 @@ var (
 	busy      = otelamqpidem.AttrOutcome.String("busy")
 	duplicate = otelamqpidem.AttrOutcome.String("duplicate")
 	noReason  = otelamqpidem.AttrReason.String("")
+	// conv are the attributes the messaging conventions require of the
+	// metrics they define, for an outcome that is no failure.
+	conv = []attribute.KeyValue{attribute.String("messaging.system", "rabbitmq"), attribute.String("messaging.operation.name", "process")}
 )
 
 func TestMeterObserve(t *testing.T) {
@@ -121,8 +124,8 @@ func TestMeterObserve(t *testing.T) {
 		{[]attribute.KeyValue{queue, retried, otelamqpidem.AttrReason.String("handler error")}, 1},
 		{[]attribute.KeyValue{queue, busy, otelamqpidem.AttrReason.String("in progress elsewhere")}, 1},
 	} {
-		if got, _ := sum(t, ms, "amqpidem.messages", tc.kvs...); got != tc.want {
-			t.Errorf("amqpidem.messages %v: got %d, want %d", tc.kvs, got, tc.want)
+		if got, _ := sum(t, ms, "messaging.client.consumed.messages", append(tc.kvs, conv...)...); got != tc.want {
+			t.Errorf("messaging.client.consumed.messages %v: got %d, want %d", tc.kvs, got, tc.want)
 		}
 	}
 
@@ -136,8 +139,8 @@ func TestMeterObserve(t *testing.T) {
 	if _, ok := hist(t, ms, "amqpidem.handler.duration", queue, duplicate); ok {
 		t.Error("handler.duration recorded for a duplicate, whose handler did not run")
 	}
-	if dp, _ := hist(t, ms, "amqpidem.processing.duration", queue, completed); dp.Count != 2 || math.Abs(dp.Sum-0.4) > 1e-9 {
-		t.Errorf("processing.duration completed: got count %d sum %v, want 2 and 0.4", dp.Count, dp.Sum)
+	if dp, _ := hist(t, ms, "messaging.process.duration", append(conv, queue, completed)...); dp.Count != 2 || math.Abs(dp.Sum-0.4) > 1e-9 {
+		t.Errorf("messaging.process.duration completed: got count %d sum %v, want 2 and 0.4", dp.Count, dp.Sum)
 	}
 	if dp, _ := hist(t, ms, "amqpidem.end_to_end.duration", queue, completed); dp.Count != 1 || dp.Sum < 3 || dp.Sum > 60 {
 		t.Errorf("end_to_end.duration completed: got count %d sum %v, want 1 and about 3", dp.Count, dp.Sum)
@@ -348,5 +351,51 @@ func TestMeterObserveStore(t *testing.T) {
 		if got, _ := sum(t, ms, "amqpidem.lease.extensions", queue, result.String(tc.result)); got != tc.want {
 			t.Errorf("lease.extensions %s: got %d, want %d", tc.result, got, tc.want)
 		}
+	}
+}
+
+// The Meter's metrics that the messaging semantic conventions define go
+// by their names, with their required attributes (messaging.system,
+// messaging.operation.name, error.type for a failure); amqpidem's own
+// stay under amqpidem.*, and the old names are gone.
+func TestMeterSemconvNames(t *testing.T) {
+	m, reader := newMeter(t)
+	ctx := context.Background()
+	m.Observe(ctx, amqpidem.Event{Queue: "orders", Key: "k1", Outcome: amqpidem.Completed,
+		Handler: 200 * time.Millisecond, Total: 250 * time.Millisecond})
+	m.Observe(ctx, amqpidem.Event{Queue: "orders", Key: "k2", Outcome: amqpidem.DeadLettered, Reason: "permanent failure",
+		Handler: time.Millisecond, Total: 2 * time.Millisecond, Err: errors.New("no")})
+	ms := collect(t, reader)
+	system := attribute.String("messaging.system", "rabbitmq")
+	op := attribute.String("messaging.operation.name", "process")
+	dead := otelamqpidem.AttrOutcome.String("dead_lettered")
+	failure := otelamqpidem.AttrReason.String("permanent failure")
+	errType := attribute.String("error.type", "permanent failure")
+
+	if got, _ := sum(t, ms, "messaging.client.consumed.messages", system, op, queue, completed, noReason); got != 1 {
+		t.Errorf("messaging.client.consumed.messages completed: got %d, want 1", got)
+	}
+	if got, _ := sum(t, ms, "messaging.client.consumed.messages", system, op, queue, dead, failure, errType); got != 1 {
+		t.Errorf("messaging.client.consumed.messages dead_lettered: got %d, want 1", got)
+	}
+	if dp, _ := hist(t, ms, "messaging.process.duration", system, op, queue, completed); dp.Count != 1 || math.Abs(dp.Sum-0.25) > 1e-9 {
+		t.Errorf("messaging.process.duration completed: got count %d sum %v, want 1 and 0.25", dp.Count, dp.Sum)
+	}
+	if dp, _ := hist(t, ms, "messaging.process.duration", system, op, queue, dead, errType); dp.Count != 1 {
+		t.Errorf("messaging.process.duration dead_lettered: got count %d, want 1", dp.Count)
+	}
+	if got, want := ms["messaging.process.duration"].Unit, "s"; got != want {
+		t.Errorf("messaging.process.duration unit: got %q, want %q", got, want)
+	}
+	if got, want := ms["messaging.client.consumed.messages"].Unit, "{message}"; got != want {
+		t.Errorf("messaging.client.consumed.messages unit: got %q, want %q", got, want)
+	}
+	for _, old := range []string{"amqpidem.messages", "amqpidem.processing.duration"} {
+		if _, ok := ms[old]; ok {
+			t.Errorf("%s: still recorded, want it renamed", old)
+		}
+	}
+	if _, ok := hist(t, ms, "amqpidem.handler.duration", queue, completed); !ok {
+		t.Error("amqpidem.handler.duration: not recorded; amqpidem's own metrics keep their names")
 	}
 }
