@@ -208,6 +208,7 @@ func TestMutations(t *testing.T) {
 		{"amend-no-cas", bugs{amendNoCAS: true}, "violation"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			t.Setenv("LINEARIZABLE_DIR", t.TempDir()) // expected violations: not kept
 			w := linearizable.Workload{Clients: 4, Keys: 6, Ops: 1500, Duration: 5 * time.Second, TTL: 20 * time.Millisecond, Timeout: time.Second, Seed: seed()}
 			run := linearizable.Start(newBrokenStore(tc.bugs), w)
 			res := check(t, "mutant-"+tc.name, linearizable.Params{Early: lock.DeadlineSlack, Late: time.Millisecond}, w, run.History())

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sort"
+	"strings"
 	"time"
 
 	"github.com/anishathalye/porcupine"
@@ -27,6 +29,39 @@ type Result struct {
 	// Visualization is the HTML file of the failing partition, written on
 	// a violation; History the JSON file of the whole history.
 	Visualization, History string
+}
+
+// Summary counts the operations of a history by kind and answer, as in
+// "acquire:acquired=310 complete:ok=120 complete:lease_lost=14", so that a
+// run shows what it exercised.
+func Summary(history []Op) string {
+	counts := map[string]int{}
+	for _, op := range history {
+		answer := string(op.Out.Err)
+		switch {
+		case answer != "":
+		case op.In.Kind == KindAcquire:
+			answer = op.Out.Status.String()
+		case op.In.Kind == KindInspect:
+			answer = string(op.Out.State)
+		default:
+			answer = "ok"
+		}
+		counts[string(op.In.Kind)+":"+answer]++
+	}
+	names := make([]string, 0, len(counts))
+	for n := range counts {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	var b strings.Builder
+	for i, n := range names {
+		if i > 0 {
+			b.WriteByte(' ')
+		}
+		fmt.Fprintf(&b, "%s=%d", n, counts[n])
+	}
+	return b.String()
 }
 
 // Verdict is "ok", "violation" or "unknown" (budget exhausted).
@@ -103,4 +138,74 @@ func ReadHistory(path string) ([]Op, error) {
 	}
 	var ops []Op
 	return ops, json.Unmarshal(b, &ops)
+}
+
+// Explain describes the violations of history, key by key: for each key
+// whose operations are not linearizable, the last 8 operations of the longest
+// sequence of them the model accepts, with the model's states after each, then the pending
+// operations (in call order) none of which it accepts next. It is for
+// reading a history that Check found not linearizable.
+func Explain(p Params, history []Op, budget time.Duration) string {
+	model := Model(p)
+	var end int64
+	for _, op := range history {
+		end = max(end, op.Out.Return)
+	}
+	byKey := map[string][]porcupine.Operation{}
+	var keys []string
+	for _, op := range history {
+		ret := op.Out.Return
+		if ambiguous(op.Out.Err) {
+			ret = end + 1
+		}
+		if _, ok := byKey[op.In.Key]; !ok {
+			keys = append(keys, op.In.Key)
+		}
+		byKey[op.In.Key] = append(byKey[op.In.Key], porcupine.Operation{ClientId: op.Client, Input: op.In, Call: op.In.Call, Output: op.Out, Return: ret})
+	}
+	sort.Strings(keys)
+	var b strings.Builder
+	for _, k := range keys {
+		ops := byKey[k]
+		verdict, info := porcupine.CheckOperationsVerbose(model, ops, budget)
+		if verdict != porcupine.Illegal {
+			continue
+		}
+		var longest []int
+		for _, part := range info.PartialLinearizations() {
+			for _, lin := range part {
+				if len(lin) > len(longest) {
+					longest = lin
+				}
+			}
+		}
+		fmt.Fprintf(&b, "key %q: %d operations, longest linearizable prefix %d:\n", k, len(ops), len(longest))
+		st := model.Init()
+		done := map[int]bool{}
+		for n, i := range longest {
+			_, st = model.Step(st, ops[i].Input, ops[i].Output)
+			done[i] = true
+			if n < len(longest)-8 {
+				continue // the last 8 only
+			}
+			fmt.Fprintf(&b, "  c%d [%v,%v] %s\n      ⇒ %s\n", ops[i].ClientId, time.Duration(ops[i].Call), time.Duration(ops[i].Return),
+				model.DescribeOperation(ops[i].Input, ops[i].Output), model.DescribeState(st))
+		}
+		var rest []int
+		for i := range ops {
+			if !done[i] {
+				rest = append(rest, i)
+			}
+		}
+		sort.Slice(rest, func(a, c int) bool { return ops[rest[a]].Call < ops[rest[c]].Call })
+		fmt.Fprintf(&b, "  then none of:\n")
+		for n, i := range rest {
+			if n == 6 {
+				break
+			}
+			fmt.Fprintf(&b, "  c%d [%v,%v] %s\n", ops[i].ClientId, time.Duration(ops[i].Call), time.Duration(ops[i].Return),
+				model.DescribeOperation(ops[i].Input, ops[i].Output))
+		}
+	}
+	return b.String()
 }

@@ -99,10 +99,10 @@ func (c *client) sleep(d time.Duration) {
 func (c *client) iteration(n int) {
 	key := fmt.Sprintf("k%d", c.rng.IntN(c.w.Keys))
 	fp := "a"
-	switch r := c.rng.IntN(10); {
+	switch r := c.rng.IntN(20); {
 	case r == 0:
 		fp = "b"
-	case r == 1:
+	case r < 3:
 		fp = ""
 	}
 	ctx, cancel := c.ctx()

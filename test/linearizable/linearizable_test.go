@@ -12,21 +12,25 @@ import (
 	"github.com/amqpidem/amqpidem/test/linearizable"
 )
 
-// size is a workload at short (go test -short, make test) or full size
-// (make linearizable).
-func size(short, full linearizable.Workload) linearizable.Workload {
-	if testing.Short() {
-		return short
+// full reports whether the runs are at full size: LINEARIZABLE_FULL=1,
+// as make linearizable sets. Otherwise (go test ./..., make test) they
+// are short: a few seconds each.
+func full() bool { return os.Getenv("LINEARIZABLE_FULL") == "1" }
+
+// size is a workload at short or full size.
+func size(short, fullSize linearizable.Workload) linearizable.Workload {
+	if full() {
+		return fullSize
 	}
-	return full
+	return short
 }
 
 // budget is the time porcupine may take per history.
 func budget() time.Duration {
-	if testing.Short() {
-		return 10 * time.Second
+	if full() {
+		return 2 * time.Minute
 	}
-	return 60 * time.Second
+	return 20 * time.Second
 }
 
 // outDir is where histories and visualizations of violations go:
@@ -48,6 +52,7 @@ func check(t *testing.T, name string, p linearizable.Params, w linearizable.Work
 		t.Fatalf("check %s: %v", name, err)
 	}
 	t.Log(res.String())
+	t.Logf("%s: %s", name, linearizable.Summary(history))
 	os.Stdout.WriteString(res.String() + "\n")
 	if res.Other > 0 {
 		t.Logf("%s: %d operations failed with errors no store documents (checked as ambiguous)", name, res.Other)

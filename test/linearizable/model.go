@@ -24,6 +24,16 @@ type Params struct {
 	// its clock may run behind the recorder's, plus any margin the store
 	// states (dynamostore's MaxClockSkew).
 	Late time.Duration
+	// Busy lets the store answer InProgress, with the fence and attempts
+	// of the record as it is (0 and 0 for none), on a key that is not in
+	// progress, whose lease may have expired, or whose fingerprint
+	// conflicts, as long as the record is not completed or failed:
+	// pgstore's Acquire does when another statement holds the key's
+	// advisory lock (a concurrent Acquire), and the answer then says
+	// "busy", not "a live lease". It weakens the
+	// check: without it, an InProgress answer needs a lease that may
+	// still be live.
+	Busy bool
 }
 
 // state is one key's record as the model knows it. It is comparable, so
@@ -252,7 +262,18 @@ func stepAcquire(p Params, s state, in Input, out Output) []interface{} {
 	if out.Err != ErrNone {
 		return nil
 	}
+	final := s.Exists && (s.St == 'c' || s.St == 'f')
 	switch {
+	case out.Status == lock.InProgress && p.Busy && !final:
+		// Busy: the record as it is, whatever its lease and fingerprint.
+		if !s.Exists {
+			return one(out.Fence == 0 && out.Attempts == 0, s)
+		}
+		if out.Attempts != s.Attempts {
+			return nil
+		}
+		next, ok := learnFence(s, out.Fence)
+		return one(ok, next)
 	case conflict:
 		if out.Status != lock.Conflict || out.Attempts != s.Attempts {
 			return nil
