@@ -89,7 +89,9 @@ demo:
 # LINEARIZABLE_DIR (default $$TMPDIR/amqpidem-linearizable). `make test` runs
 # the same tests at a short size (go test ./... without LINEARIZABLE_FULL).
 linearizable: services
-	LINEARIZABLE_FULL=1 go test -count=1 -timeout 30m -v -run 'TestMemory|TestMutations|TestRedis|TestPostgres|TestDynamo' ./test/linearizable/ | grep -E '^(linearizable |--- |ok|FAIL|PASS)'
+	@out=$$(mktemp); \
+	LINEARIZABLE_FULL=1 go test -count=1 -timeout 30m -v -run 'TestMemory|TestMutations|TestRedis|TestPostgres|TestDynamo' ./test/linearizable/ >$$out 2>&1; rc=$$?; \
+	grep -E '^(linearizable |--- |ok|FAIL)' $$out; [ $$rc = 0 ] || tail -n 60 $$out; rm -f $$out; exit $$rc
 
 # chaos runs every fault-injection scenario of test/chaos at full size
 # (CHAOS_FULL=1), scenario 6 included (it lowers the broker's consumer
