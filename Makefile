@@ -21,7 +21,7 @@ test: services check-user-module alerts
 	go test -race -count=1 -timeout 20m ./...
 
 # check-user-module fails if a fresh module importing amqpidem, heartbeat and
-# lock gets testcontainers, the Docker client, pgx, toxiproxy, zerolog,
+# lock gets testcontainers, the Docker client, pgx, toxiproxy, zerolog, porcupine,
 # Prometheus, OpenTelemetry, cobra or the AWS SDK in its go.sum (one
 # importing pgstore too: any of them but pgx; dynamostore: any but the AWS
 # SDK; promamqpidem or otelamqpidem: any but their own), and prints their
