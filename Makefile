@@ -1,4 +1,4 @@
-.PHONY: services test check-user-module alerts bench lint demo chaos
+.PHONY: services test check-user-module alerts bench lint demo chaos linearizable
 
 # CONTAINERS is the Docker fallback of internal/testenv: a program in a
 # module of its own, so that testcontainers-go stays out of this module's
@@ -21,7 +21,7 @@ test: services check-user-module alerts
 	go test -race -count=1 -timeout 20m ./...
 
 # check-user-module fails if a fresh module importing amqpidem, heartbeat and
-# lock gets testcontainers, the Docker client, pgx, toxiproxy, zerolog,
+# lock gets testcontainers, the Docker client, pgx, toxiproxy, zerolog, porcupine,
 # Prometheus, OpenTelemetry, cobra or the AWS SDK in its go.sum (one
 # importing pgstore too: any of them but pgx; dynamostore: any but the AWS
 # SDK; promamqpidem or otelamqpidem: any but their own), and prints their
@@ -76,6 +76,22 @@ lint:
 demo:
 	bash scripts/services.sh redis rabbitmq
 	go run ./examples/orders
+
+# linearizable records every operation of concurrent clients on each store
+# while faults run (memory; Redis on a redis-server of its own, killed with
+# SIGKILL and restarted from its AOF, or stopped with SIGSTOP; pgstore with
+# its backends terminated; dynamostore on minidyn with call timeouts) and
+# checks each history with porcupine against the model of one key's record
+# (test/linearizable, docs/testing.md), at full size: about a minute per
+# store and fault. It prints "linearizable <store>-<fault> ops=N keys=K
+# clients=C result=ok|violation checked_ms=X" lines, and on a violation
+# writes the history and porcupine's visualization under
+# LINEARIZABLE_DIR (default $$TMPDIR/amqpidem-linearizable). `make test` runs
+# the same tests at a short size (go test ./... without LINEARIZABLE_FULL).
+linearizable: services
+	@out=$$(mktemp); \
+	LINEARIZABLE_FULL=1 go test -count=1 -timeout 30m -v -run 'TestMemory|TestMutations|TestRedis|TestPostgres|TestDynamo' ./test/linearizable/ >$$out 2>&1; rc=$$?; \
+	grep -E '^(linearizable |--- |ok|FAIL)' $$out; [ $$rc = 0 ] || tail -n 60 $$out; rm -f $$out; exit $$rc
 
 # chaos runs every fault-injection scenario of test/chaos at full size
 # (CHAOS_FULL=1), scenario 6 included (it lowers the broker's consumer

@@ -148,12 +148,12 @@ func (s *Store) acquire(ctx context.Context, req lock.Request, owner string) (lo
 				if res, done := s.decide(req, owner, old, start, nowMs); done {
 					return res, nil
 				}
-				// A takeover: the same record, a new lease.
+				// A takeover: the same record, a new lease. The record
+				// keeps the fingerprint it was made with, none included,
+				// as every store does (Conflict: "first seen with").
 				next.attempts = old.attempts + 1
 				next.created = old.created
-				if old.fingerprint != "" {
-					next.fingerprint = old.fingerprint
-				}
+				next.fingerprint = old.fingerprint
 			}
 			next.fence = max(old.fence+1, next.fence)
 			// Compare-and-set on the item as seen: a new lease changes the

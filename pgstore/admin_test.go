@@ -85,6 +85,53 @@ func TestAdminExpiredIsAbsent(t *testing.T) {
 	}
 }
 
+// TestForgetDeletedMeanwhile: a Forget that waits for the row of a
+// record another transaction deletes answers ErrNotFound once that one
+// commits, as if it came after it, not ErrChanged ("not the record seen"):
+// its statement's snapshot still saw the record. Before, two concurrent
+// Forgets of one record answered nil and ErrChanged.
+func TestForgetDeletedMeanwhile(t *testing.T) {
+	pool := pgenv.Pool(t, 3)
+	cfg := schema(t, pool, pgstore.Config{CleanupInterval: -1})
+	cfg.Prefix = "gone"
+	s := newStore(t, pool, cfg)
+	ctx := context.Background()
+	res, err := s.Acquire(ctx, lock.Request{Key: "k"})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatalf("Acquire: %+v, %v", res, err)
+	}
+	if err := s.Complete(ctx, res.Lease, []byte("done")); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	table := pgx.Identifier{cfg.Schema, pgstore.DefaultTable}.Sanitize()
+	if tag, err := tx.Exec(ctx, "DELETE FROM "+table+" WHERE ns = $1 AND key = $2", cfg.Prefix, []byte("k")); err != nil || tag.RowsAffected() != 1 {
+		t.Fatalf("delete the row in a transaction: %v, %v", tag, err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- s.Forget(ctx, "k", lock.StateCompleted, res.Lease.Fence) }()
+	select {
+	case err := <-done:
+		t.Fatalf("Forget did not wait for the row: %v", err)
+	case <-time.After(300 * time.Millisecond):
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if !errors.Is(err, lock.ErrNotFound) {
+			t.Fatalf("Forget of a record deleted while it waited: %v, want ErrNotFound", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Forget still waiting 10 s after the deleting transaction committed")
+	}
+}
+
 // TestForgetLockedRecord: Forget of a row held by a transaction that does
 // not end fails as unavailable after the lock timeout, and Inspect does
 // not wait for it; the lock timeout does not stay on the connection.

@@ -3,8 +3,9 @@
 # it makes a fresh module in a temporary directory that imports the public
 # packages (amqpidem, heartbeat, lock) of this checkout, runs `go mod tidy`
 # there, and fails if its go.sum names a test-only dependency of this
-# repository: testcontainers, the Docker client (docker, moby), pgx, toxiproxy
-# or zerolog. Those belong to the tests alone (internal/testenv/containers is
+# repository: testcontainers, the Docker client (docker, moby), pgx, toxiproxy,
+# zerolog or porcupine (test/linearizable's model checker). Those belong to
+# the tests alone (internal/testenv/containers is
 # a module of its own for that reason) and must never reach a user's go.sum.
 #
 # A second module imports pgstore as well: it gets pgx, its driver, and
@@ -19,7 +20,7 @@ set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 module=$(cd "$root" && go list -m)
-forbidden='testcontainers|docker|moby|pgx|toxiproxy|zerolog'
+forbidden='testcontainers|docker|moby|pgx|toxiproxy|zerolog|porcupine'
 aws='aws'
 
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/check-user-module.XXXXXX")

@@ -44,6 +44,7 @@ func Run(t *testing.T, newStore NewStore) {
 		{"ConcurrentAcquireOneWinner", testConcurrentAcquire},
 		{"FenceStrictlyIncreases", testFenceIncreases},
 		{"FingerprintConflict", testConflict},
+		{"FingerprintOfFirstAcquireOnly", testConflictFirstSeen},
 		{"ExtendBatchPositionalErrors", testExtendBatch},
 		{"RetentionExpiresRecords", testRetention},
 		{"FenceSurvivesLostRecord", testFenceSurvivesLostRecord},
@@ -373,6 +374,22 @@ func testConflict(t *testing.T, store func(*testing.T, lock.Config) lock.Store) 
 	noErr(t, "Complete", s.Complete(ctx(t), l, []byte("done")))
 	acquire(t, s, lock.Request{Key: "pay", Fingerprint: "sha:bbb"}, lock.Conflict)
 	acquire(t, s, lock.Request{Key: "pay", Fingerprint: "sha:aaa"}, lock.Completed)
+}
+
+// testConflictFirstSeen: a record keeps the fingerprint it was made with,
+// none included, across later leases: a key first seen without one never
+// conflicts, whatever later Acquires pass (dynamostore took the
+// fingerprint of the Acquire that took a released record over, which the
+// linearizability check of test/linearizable found).
+func testConflictFirstSeen(t *testing.T, store func(*testing.T, lock.Config) lock.Store) {
+	s := store(t, lock.Config{})
+	l := acquire(t, s, lock.Request{Key: "pay"}, lock.Acquired).Lease
+	noErr(t, "Release", s.Release(ctx(t), l))
+	l = acquire(t, s, lock.Request{Key: "pay", Fingerprint: "sha:bbb"}, lock.Acquired).Lease
+	noErr(t, "Cancel", s.Cancel(ctx(t), l))
+	l = acquire(t, s, lock.Request{Key: "pay", Fingerprint: "sha:aaa"}, lock.Acquired).Lease
+	noErr(t, "Complete", s.Complete(ctx(t), l, []byte("done")))
+	acquire(t, s, lock.Request{Key: "pay", Fingerprint: "sha:bbb"}, lock.Completed)
 }
 
 func testExtendBatch(t *testing.T, store func(*testing.T, lock.Config) lock.Store) {
