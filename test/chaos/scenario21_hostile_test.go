@@ -215,6 +215,8 @@ func TestChaos21HostilePublisher(t *testing.T) {
 		{name: "dlq-escapes", id: h("dlq-escapes"), dlq: true, headers: amqp.Table{
 			amqpidem.HeaderKey: "k" + esc, amqpidem.HeaderReason: "\x1b[31mpermanent failure" + esc, amqpidem.HeaderError: "boom\r\n7  k  FAKE" + esc,
 			amqpidem.HeaderOriginalRoutingKey: "q\n8  FAKE ROW" + esc, amqpidem.HeaderOriginalExchange: esc, amqpidem.HeaderConsumer: esc}},
+		{name: "dlq-near-limit", id: h("dlq-near-limit"), dlq: true, pad: 16, headers: amqp.Table{
+			amqpidem.HeaderKey: h("dlq-near-limit"), amqpidem.HeaderReason: "permanent failure"}},
 	}
 	hostileOps := map[string]string{} // op id: name
 	var hops []ledger.Op
