@@ -16,6 +16,8 @@
 // plain item per execution put in its TransactWriteItems (dynrun_test.go).
 // Scenarios 15a-15d and 19 run the consumer-side outbox as a two-stage
 // pipeline, 19 with stage A's staged publishes cut through toxiproxy.
+// Scenario 21 plays a hostile publisher against signed consumers and the
+// operator's `amqpidem dlq replay`, run as the built CLI.
 // See README.md for what each scenario does and the results of a full
 // run.
 //

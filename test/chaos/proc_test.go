@@ -34,7 +34,7 @@ var (
 
 func TestMain(m *testing.M) {
 	code := m.Run()
-	for _, p := range []*program{consumerBin, relayBin} {
+	for _, p := range []*program{consumerBin, relayBin, cliBin} {
 		if p.dir != "" {
 			os.RemoveAll(p.dir)
 		}

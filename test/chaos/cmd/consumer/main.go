@@ -18,6 +18,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"flag"
@@ -65,6 +66,9 @@ func main() {
 	flag.StringVar(&cfg.KeyHeader, "key-header", "", "read the idempotency key from this header instead of message-id")
 	flag.StringVar(&cfg.DeadLetterExchange, "dlx", "", "amqpidem Config.DeadLetterExchange")
 	flag.StringVar(&cfg.DeadLetterRoutingKey, "dlrk", "", "amqpidem Config.DeadLetterRoutingKey")
+	var signingKeyFile string
+	flag.StringVar(&signingKeyFile, "signing-key-file", "", "amqpidem Config.SigningKey: sign every copy with the key in this file (its final newline dropped)")
+	flag.BoolVar(&cfg.Fixed, "fixed", false, "the handler is fixed: plans marked broken succeed")
 	flag.BoolVar(&cfg.AckFailedDuplicates, "ack-failed-duplicates", false, "ack duplicates of failed work instead of dead-lettering them")
 	flag.DurationVar(&cfg.Heartbeat, "heartbeat", 0, "AMQP heartbeat (0: 10s)")
 	flag.DurationVar(&cfg.RedisTimeout, "redis-timeout", 0, "Redis dial/read/write timeout (0: 1s)")
@@ -87,6 +91,14 @@ func main() {
 	if cfg.Name == "" || cfg.Schema == "" || cfg.Queue == "" {
 		fmt.Fprintln(os.Stderr, "consumer: -name, -schema and -queue are required")
 		os.Exit(2)
+	}
+	if signingKeyFile != "" {
+		b, err := os.ReadFile(signingKeyFile)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "consumer: -signing-key-file: %v\n", err)
+			os.Exit(2)
+		}
+		cfg.SigningKey = bytes.TrimRight(b, "\r\n")
 	}
 	if sentinels != "" {
 		cfg.SentinelAddrs = strings.Split(sentinels, ",")

@@ -38,6 +38,8 @@ func (s OpStats) Lost() bool {
 		return s.DeadLetters == 0
 	case ExpectBoth:
 		return s.Applied == 0 || s.DeadLetters == 0
+	case ExpectAny:
+		return false
 	}
 	return s.Applied == 0
 }

@@ -38,6 +38,10 @@ const (
 	ExpectApply      = "apply"
 	ExpectDeadLetter = "deadletter"
 	ExpectBoth       = "both"
+	// ExpectAny is a hostile message's: what becomes of it depends on
+	// what it forged, but it takes effect at most once (applied at most
+	// once, dead-lettered at most once) and is never lost.
+	ExpectAny = "any"
 )
 
 // Ledger is one run's ledger schema, reached through a connection pool.
@@ -133,7 +137,7 @@ func OpID(key string) string {
 // Op is an operation the run expects to see settled.
 type Op struct {
 	ID     string
-	Expect string // ExpectApply, ExpectDeadLetter or ExpectBoth
+	Expect string // ExpectApply, ExpectDeadLetter, ExpectBoth or ExpectAny
 }
 
 // AddOps records the operations of a run.

@@ -6,10 +6,12 @@ CREATE SEQUENCE seq;
 
 -- ops: every operation the run published and what must become of it:
 -- 'apply' (applied once), 'deadletter' (dead-lettered once, never applied)
--- or 'both' (applied once and dead-lettered once: a result over the limit).
+-- or 'both' (applied once and dead-lettered once: a result over the limit),
+-- or 'any' (a hostile message: applied at most once, dead-lettered at most
+-- once, either or neither).
 CREATE TABLE ops (
 	op_id  text PRIMARY KEY,
-	expect text NOT NULL CHECK (expect IN ('apply', 'deadletter', 'both'))
+	expect text NOT NULL CHECK (expect IN ('apply', 'deadletter', 'both', 'any'))
 );
 
 -- executions: one row per handler execution, written when it starts.

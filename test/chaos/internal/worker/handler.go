@@ -50,6 +50,9 @@ func (w *Worker) handle(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
 	case plan.Permanent:
 		result = "permanent failure"
 		return nil, amqpidem.Permanent(fmt.Errorf("chaos: %s fails for good", op))
+	case plan.Broken && !w.cfg.Fixed:
+		result = "permanent failure"
+		return nil, amqpidem.Permanent(fmt.Errorf("chaos: %s fails for good until the handler is fixed", op))
 	case plan.AlwaysFail || info.Attempt < plan.FailUntil:
 		result = "retryable failure"
 		return nil, fmt.Errorf("chaos: %s fails at attempt %d", op, info.Attempt)

@@ -91,6 +91,12 @@ type Config struct {
 	DelayInProcess bool
 	// AckFailedDuplicates selects amqpidem.AckFailedDuplicate.
 	AckFailedDuplicates bool
+	// SigningKey is amqpidem.Config's: the copies the consumer publishes
+	// are signed with it.
+	SigningKey []byte
+	// Fixed makes plans marked Broken succeed: the handler after the
+	// deploy that fixed their failure.
+	Fixed bool
 
 	// Heartbeat is the AMQP heartbeat. Default DefaultHeartbeat.
 	Heartbeat time.Duration
@@ -243,6 +249,7 @@ func New(ctx context.Context, cfg Config) (*Worker, error) {
 		DeadLetterRoutingKey: cfg.DeadLetterRoutingKey,
 		DeadLetterQueueArgs:  cfg.DeadLetterQueueArgs,
 		DelayInProcess:       cfg.DelayInProcess,
+		SigningKey:           cfg.SigningKey,
 		ConsumerName:         cfg.Name,
 		Logger:               cfg.Logger,
 	}

@@ -70,6 +70,12 @@ type Plan struct {
 	AlwaysFail bool `json:"always_fail,omitempty"`
 	// Permanent makes every execution fail with a permanent error.
 	Permanent bool `json:"permanent,omitempty"`
+	// Broken makes every execution fail with a permanent error until the
+	// handler is fixed (a worker with Config.Fixed, as after a deploy):
+	// the operation is dead-lettered, and applied once an operator
+	// replays it to fixed consumers. Only the Redis store's handler
+	// (handler.go) follows it.
+	Broken bool `json:"broken,omitempty"`
 	// ResultBytes is the size of the result the handler returns.
 	ResultBytes int `json:"result_bytes,omitempty"`
 	// Stall makes the first execution (attempt 1) wait, ignoring its
