@@ -81,6 +81,15 @@ func tooLarge(exchange, key string, msg *amqp.Publishing, frameMax int) error {
 		ErrTooLarge, exchange, key, headerFrameSize(msg), frameMax)
 }
 
+// HeaderFrameSize is the size in bytes of the frame that carries msg's
+// properties and headers (its content header, framing included), as
+// amqp091-go writes it: what the connection's frame_max
+// (amqp.Connection.Config.FrameSize) bounds. The broker closes the
+// connection over a publish whose content header exceeds it; Publisher
+// and Consumer check it themselves (ErrTooLarge). The body does not count:
+// it is split into frames.
+func HeaderFrameSize(msg *amqp.Publishing) int { return headerFrameSize(msg) }
+
 // headerFrameSize is the size of the content header frame amqp091-go
 // writes for msg, framing included: what frame_max bounds.
 func headerFrameSize(msg *amqp.Publishing) int {

@@ -507,7 +507,10 @@ type replayer struct {
 	signingKey []byte
 	trust      bool
 	pub        copyPublisher
-	kept       int // dead letters put back at the end of the queue (keep)
+	// frameMax is the connection's frame_max (0: no limit): a copy
+	// whose headers exceed it is not sent (see fits).
+	frameMax int
+	kept     int // dead letters put back at the end of the queue (keep)
 	// allowMissing: under --forget, replay dead letters of failed
 	// messages whose record is not found, even when no other record is.
 	allowMissing bool
@@ -535,6 +538,8 @@ type copyPublisher interface {
 	publish(ctx context.Context, exchange, key string, msg amqp.Publishing, timeout time.Duration) error
 	// closed reports whether the publishing channel is closed.
 	closed() bool
+	// reopen replaces a channel the broker closed over a publish.
+	reopen() error
 }
 
 // closed reports whether c's channel is closed.
@@ -561,6 +566,7 @@ func (r *replayer) run(ctx context.Context, dlq, key string) error {
 			return err
 		}
 	}
+	r.frameMax = s.conn.Config.FrameSize
 	if r.pub, err = newConfirmer(s.conn); err != nil {
 		return err
 	}
@@ -671,6 +677,9 @@ func (r *replayer) one(ctx context.Context, d *amqp.Delivery, dl deadLetter) (ac
 	if r.original && !r.trusted(dl) {
 		return "left", "", r.untrusted(dl, "its original exchange and routing key may be a publisher's (without --to-original-exchange it goes to the queue)"), nil
 	}
+	if why := tooLarge(d, r.frameMax); why != "" {
+		return "left", "", why, nil // before its record is forgotten
+	}
 	if dl.Key != "" {
 		action, forgot, why, err = r.record(ctx, endpoint, dl)
 		if err == nil && action == actionNoRecord {
@@ -704,7 +713,7 @@ func (r *replayer) send(ctx context.Context, d *amqp.Delivery, dl deadLetter, fo
 	if err := ctx.Err(); err != nil {
 		return "", forgot, "", withCode(exitFailed, "interrupted before republishing the dead letter of key %q: %w (not published; it stays in the dead-letter queue)", dl.Key, err)
 	}
-	if err := r.pub.publish(ctx, exchange, rk, replayCopy(d), r.o.timeout); err != nil {
+	if err := r.pub.publish(ctx, exchange, rk, replayCopy(d, r.frameMax), r.o.timeout); err != nil {
 		return r.notConfirmed(ctx, dl, exchange, rk, forgot, err)
 	}
 	if err := d.Ack(false); err != nil {
@@ -747,7 +756,7 @@ func (r *replayer) keep(ctx context.Context, s *dlqSession, d *amqp.Delivery) er
 	if number(d.Headers, deliveryCount) < 1 {
 		return nil
 	}
-	msg := replayCopy(d)
+	msg := replayCopy(d, 0)
 	msg.Headers = make(amqp.Table, len(d.Headers))
 	for k, v := range d.Headers {
 		msg.Headers[k] = v // the broker's dead-lettering headers too: it stays the same dead letter
@@ -783,7 +792,13 @@ func (r *replayer) notConfirmed(ctx context.Context, dl deadLetter, exchange, rk
 	var closed *channelClosed
 	switch {
 	case errors.As(err, &closed):
-		return "", forgot, "", withCode(exitFailed, "republishing the dead letter of key %q: %w (not taken; it stays in the dead-letter queue)", dl.Key, err)
+		// The broker refused this copy (an exchange that does not
+		// exist, access refused): the next dead letter gets a new
+		// channel, this one stays.
+		if rerr := r.pub.reopen(); rerr != nil {
+			return "", forgot, "", withCode(exitFailed, "republishing the dead letter of key %q: %w (not taken; it stays in the dead-letter queue); reopening the channel: %w", dl.Key, err, rerr)
+		}
+		return "left", forgot, fmt.Sprintf("the broker refused the copy for exchange %q routing key %q: %v", exchange, rk, err), nil
 	case ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) || r.pub.closed():
 		return "", forgot, "", withCode(exitFailed, "republishing the dead letter of key %q: %w: the copy may have been published (the dead letter stays in the dead-letter queue and may be replayed twice; the record makes that a duplicate)", dl.Key, err)
 	}
@@ -930,8 +945,10 @@ func (r *replayer) record(ctx context.Context, endpoint string, dl deadLetter) (
 // replayCopy is what replay publishes for dead letter d: d's properties,
 // headers and body, without the broker's dead-lettering headers, and
 // without an expiration: a replayed message must not expire on its way
-// (amqpidem keeps the original one in HeaderOriginalExpiration).
-func replayCopy(d *amqp.Delivery) amqp.Publishing {
+// (amqpidem keeps the original one in HeaderOriginalExpiration). It
+// notes when it was replayed in a header, unless that would take its
+// headers past frameMax (0: no limit).
+func replayCopy(d *amqp.Delivery, frameMax int) amqp.Publishing {
 	h := make(amqp.Table, len(d.Headers)+1)
 	for k, v := range d.Headers {
 		h[k] = v
@@ -940,11 +957,35 @@ func replayCopy(d *amqp.Delivery) amqp.Publishing {
 		"x-last-death-exchange", "x-last-death-queue", "x-last-death-reason", amqpidem.HeaderDeadLetterPending} {
 		delete(h, k)
 	}
-	h["x-amqpidem-replayed-at"] = time.Now().UTC().Truncate(time.Second)
-	return amqp.Publishing{Headers: h, ContentType: d.ContentType, ContentEncoding: d.ContentEncoding,
+	h[headerReplayedAt] = time.Now().UTC().Truncate(time.Second)
+	msg := amqp.Publishing{Headers: h, ContentType: d.ContentType, ContentEncoding: d.ContentEncoding,
 		DeliveryMode: amqp.Persistent, Priority: d.Priority, CorrelationId: d.CorrelationId, ReplyTo: d.ReplyTo,
 		MessageId: d.MessageId, Timestamp: d.Timestamp,
 		Type: d.Type, AppId: d.AppId, Body: d.Body}
+	if !fits(&msg, frameMax) {
+		delete(h, headerReplayedAt)
+	}
+	return msg
+}
+
+// headerReplayedAt says when dlq replay republished a dead letter.
+const headerReplayedAt = "x-amqpidem-replayed-at"
+
+// fits reports whether msg's headers fit in frameMax (0: no limit).
+func fits(msg *amqp.Publishing, frameMax int) bool {
+	return frameMax <= 0 || amqpidem.HeaderFrameSize(msg) <= frameMax
+}
+
+// tooLarge says why dead letter d cannot be replayed when its copy would
+// not fit in frameMax: the broker would close the connection over it,
+// ending the run; "" when it fits.
+func tooLarge(d *amqp.Delivery, frameMax int) string {
+	msg := replayCopy(d, frameMax)
+	if fits(&msg, frameMax) {
+		return ""
+	}
+	return fmt.Sprintf("its properties and headers take %d bytes, over the connection's frame_max %d: the broker would close the connection "+
+		"over its copy; read it with dlq list --json, and republish it with fewer headers", amqpidem.HeaderFrameSize(&msg), frameMax)
 }
 
 // report prints what replay did.

@@ -79,7 +79,8 @@ func (p *interruptedPublisher) publish(ctx context.Context, _, _ string, _ amqp.
 	return fmt.Errorf("no confirm: %w", ctx.Err())
 }
 
-func (p *interruptedPublisher) closed() bool { return false }
+func (p *interruptedPublisher) closed() bool  { return false }
+func (p *interruptedPublisher) reopen() error { return nil }
 
 // A copy whose confirm the operator stopped waiting for is reported as
 // maybe published, not as staying in the dead-letter queue alone.
@@ -101,5 +102,30 @@ func TestReplayInterruptedBeforeConfirm(t *testing.T) {
 	_, _, _, err = r.one(ctx, &d, describe(1, &d, nil))
 	if pub.sent != 1 || err == nil || strings.Contains(err.Error(), "may have been published") {
 		t.Fatalf("one after the interruption: sent %d, error %v; want nothing sent, and said so", pub.sent, err)
+	}
+}
+
+// A dead letter whose copy would not fit in frame_max even without the
+// replay's own header is left, before its record is touched; one that
+// fits once that header is dropped goes without it.
+func TestReplayCopyFitsFrameMax(t *testing.T) {
+	d := &amqp.Delivery{MessageId: "m", Headers: amqp.Table{"pad": strings.Repeat("p", 5000)}}
+	if why := tooLarge(d, 4096); !strings.Contains(why, "frame_max 4096") {
+		t.Errorf("5000 bytes of headers, frame_max 4096: %q, want it left", why)
+	}
+	if why := tooLarge(d, 0); why != "" {
+		t.Errorf("no frame_max: %q", why)
+	}
+	msg := replayCopy(d, 0)
+	with := amqpidem.HeaderFrameSize(&msg)
+	if _, ok := msg.Headers[headerReplayedAt]; !ok {
+		t.Fatalf("no %s without a limit", headerReplayedAt)
+	}
+	msg = replayCopy(d, with-1)
+	if _, ok := msg.Headers[headerReplayedAt]; ok || amqpidem.HeaderFrameSize(&msg) > with-1 {
+		t.Errorf("at frame_max %d: %s kept, or still over", with-1, headerReplayedAt)
+	}
+	if why := tooLarge(d, with-1); why != "" {
+		t.Errorf("fits without the header: %q", why)
 	}
 }

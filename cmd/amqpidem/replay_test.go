@@ -326,3 +326,48 @@ func TestListJSONLimitTotal(t *testing.T) {
 		t.Fatalf("dlq list --json: %v %+v", err, list)
 	}
 }
+
+// A dead letter whose headers are just under frame_max is replayed (its
+// copy goes without x-amqpidem-replayed-at, which would take it over: the
+// broker would close the connection), and one the broker refuses by
+// closing the channel (its original exchange is gone) is left while the
+// replay goes on with the others. Scenario 21 found both stopping the
+// run (exit 1), every later dead letter stuck.
+func TestReplayGoesOnPastRefusedCopies(t *testing.T) {
+	r := newRig(t, 2)
+	ch, err := r.conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ch.Close()
+	dlq := r.queue + ".dlq"
+	if _, err := ch.QueueDeclare(dlq, true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	big := amqp.Publishing{MessageId: "big", Body: []byte("x"), DeliveryMode: amqp.Persistent, Headers: amqp.Table{
+		amqpidem.HeaderOriginalExchange: "", amqpidem.HeaderOriginalRoutingKey: r.queue, "pad": ""}}
+	frameMax := r.conn.Config.FrameSize
+	big.Headers["pad"] = strings.Repeat("p", frameMax-amqpidem.HeaderFrameSize(&big)-16) // 16 bytes under
+	if n := amqpidem.HeaderFrameSize(&big); n > frameMax || n < frameMax-16 {
+		t.Fatalf("the big letter's header frame is %d bytes, want just under %d", n, frameMax)
+	}
+	noExchange := amqp.Publishing{MessageId: "lost-exchange", Body: []byte("y"), Headers: amqp.Table{
+		amqpidem.HeaderOriginalExchange: r.queue + ".deleted", amqpidem.HeaderOriginalRoutingKey: "rk"}}
+	for _, m := range []amqp.Publishing{big, noExchange} {
+		if err := ch.Publish("", dlq, false, false, m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	r.publish("pay-20") // dead-lettered behind them
+	r.waitOutcomes(amqpidem.DeadLettered, 1)
+	r.broken.Store(false)
+
+	out, errOut, code := r.cli("dlq", "replay", r.queue, "--all", "--forget", "--yes", "--to-original-exchange", "--trust-headers")
+	if code != 4 || !strings.Contains(out, "404") || !strings.Contains(out, "2 replayed") || !strings.Contains(out, "1 left") {
+		t.Fatalf("replay: exit %d, want 4 with big and pay-20 replayed, lost-exchange left\n%s%s", code, out, errOut)
+	}
+	r.waitOutcomes(amqpidem.Completed, 2)
+	if n := r.dlqLen(); n != 1 {
+		t.Errorf("%d dead letters left, want the refused one", n)
+	}
+}
