@@ -36,7 +36,6 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
-	"github.com/amqpidem/amqpidem/examples/internal/demo"
 	"github.com/amqpidem/amqpidem/heartbeat"
 	"github.com/amqpidem/amqpidem/lock"
 )
@@ -52,10 +51,10 @@ const (
 
 func main() {
 	// A hostile message can put terminal escapes into the keys and errors
-	// logged, and tint writes values as they are: demo.EscapeControl
-	// (examples/internal/demo/log.go, a few lines to copy) escapes them.
+	// logged, and tint writes values as they are: amqpidem.EscapeControl
+	// escapes them.
 	log := slog.New(tint.NewTextHandler(os.Stderr, &tint.Options{Level: slog.LevelDebug, TimeFormat: time.TimeOnly,
-		ReplaceAttr: demo.EscapeControl}))
+		ReplaceAttr: amqpidem.EscapeControl}))
 	if err := run(log); err != nil {
 		log.Error("longjob stopped", "error", err)
 		os.Exit(1)

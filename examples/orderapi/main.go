@@ -45,7 +45,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/amqpidem/amqpidem/examples/internal/demo"
+	"github.com/amqpidem/amqpidem/amqpidem"
 	"github.com/amqpidem/amqpidem/pgstore"
 	"github.com/amqpidem/amqpidem/promamqpidem"
 )
@@ -60,10 +60,10 @@ const (
 
 func main() {
 	// A hostile message can put terminal escapes into the keys and errors
-	// logged, and tint writes values as they are: demo.EscapeControl
-	// (examples/internal/demo/log.go, a few lines to copy) escapes them.
+	// logged, and tint writes values as they are: amqpidem.EscapeControl
+	// escapes them.
 	log := slog.New(tint.NewTextHandler(os.Stderr, &tint.Options{Level: slog.LevelDebug, TimeFormat: time.TimeOnly,
-		ReplaceAttr: demo.EscapeControl}))
+		ReplaceAttr: amqpidem.EscapeControl}))
 	stop, stopSignals := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stopSignals()
 	app := app{log: log, cfg: pgstore.Config{}, queue: queue}

@@ -1,14 +1,10 @@
 package demo
 
 import (
-	"fmt"
 	"io"
 	"log/slog"
 	"os"
-	"strconv"
 	"time"
-	"unicode"
-	"unicode/utf8"
 
 	"github.com/lmittmann/tint"
 
@@ -44,7 +40,7 @@ func NewLogger(w io.Writer) *slog.Logger {
 		NoColor:    !useColor(w),
 		ReplaceAttr: func(groups []string, a slog.Attr) slog.Attr {
 			err, isErr := a.Value.Any().(error)
-			a = EscapeControl(groups, a)
+			a = amqpidem.EscapeControl(groups, a)
 			if a.Key == "queue" && len(groups) == 0 {
 				return slog.Attr{} // one queue per example, logged once at start
 			}
@@ -62,50 +58,6 @@ func NewLogger(w io.Writer) *slog.Logger {
 			return a
 		},
 	}))
-}
-
-// EscapeControl is a slog ReplaceAttr for tint's handler, which writes
-// string and error values as they are: a value holding a control
-// character (ESC, CR, DEL, a C1 code) or invalid UTF-8 is written with
-// those escaped as Go does (\x1b, \r, \u009b), so that a key or an error
-// text taken from a hostile message cannot drive the terminal (retitle it,
-// erase lines, fake log lines). slog's own TextHandler and JSONHandler
-// escape already.
-func EscapeControl(_ []string, a slog.Attr) slog.Attr {
-	v := a.Value.Resolve()
-	var s string
-	switch v.Kind() {
-	case slog.KindString:
-		s = v.String()
-	case slog.KindAny:
-		if err, ok := v.Any().(error); ok && err != nil {
-			s = err.Error()
-			break
-		}
-		if str, ok := v.Any().(fmt.Stringer); ok && str != nil {
-			s = str.String()
-			break
-		}
-		return a
-	default:
-		return a
-	}
-	if !hasControl(s) {
-		return a
-	}
-	q := strconv.QuoteToGraphic(s)
-	return slog.String(a.Key, q[1:len(q)-1])
-}
-
-// hasControl reports whether s holds a control character or invalid
-// UTF-8.
-func hasControl(s string) bool {
-	for _, r := range s {
-		if unicode.IsControl(r) || r == utf8.RuneError {
-			return true
-		}
-	}
-	return false
 }
 
 func useColor(w io.Writer) bool {
