@@ -2,6 +2,7 @@ package main_test
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"net"
 	"os/exec"
@@ -10,6 +11,11 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
+	"github.com/amqpidem/amqpidem/pgstore"
 )
 
 // silentServer is a TCP server on loopback that accepts connections and
@@ -132,4 +138,89 @@ func TestSecondInterruptExits(t *testing.T) {
 		<-exited
 		t.Fatalf("still running 5 s after a second SIGINT\n%s", stderr.String())
 	}
+}
+
+// TestRelaySilentBroker: a relay whose broker accepts and never answers
+// says so while it waits, and a SIGINT stops it within the 30 s its help
+// promises (here much sooner: the publish in flight gives up with it).
+// TestRelaySilentBroker: a relay whose broker accepts and never answers
+// gives up on the dial within --timeout and says so, logs that it stops
+// on SIGINT, and stops soon, the row still pending.
+func TestRelaySilentBroker(t *testing.T) {
+	pool := pgenv.Pool(t, 4)
+	ctx := context.Background()
+	cfg, ob := outboxSchema(t, pool)
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ob.Write(ctx, tx, pgstore.Message{RoutingKey: "nowhere", Publishing: amqp.Publishing{Body: []byte("x")}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	s := newSilentServer(t)
+	const timeout = 2 * time.Second
+	cmd := exec.Command(bin, "relay", "--timeout", timeout.String(), "--postgres", pgenv.DSN(t), "--pg-schema", cfg.Schema,
+		"--amqp", "amqp://guest:guest@"+s.addr()+"/")
+	stderr := &lockedBuffer{}
+	cmd.Stderr = stderr
+	start := time.Now()
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(exited) }()
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		<-exited
+	})
+	// The dial gives up after --timeout, and the relay says why: before,
+	// nothing was said until the publish's own 10 s ran out.
+	for !strings.Contains(stderr.String(), "--timeout") {
+		if time.Since(start) > 2*timeout+2*time.Second {
+			t.Fatalf("after %v, the relay has not said that the broker did not answer within --timeout:\n%s", time.Since(start), stderr.String())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	// SIGINT in the middle of the next round's dial (after a backoff
+	// of about a second).
+	time.Sleep(1500 * time.Millisecond)
+	sig := time.Now()
+	_ = cmd.Process.Signal(syscall.SIGINT)
+	select {
+	case <-exited:
+	case <-time.After(40 * time.Second):
+		t.Fatalf("still running 40 s after SIGINT:\n%s", stderr.String())
+	}
+	took := time.Since(sig)
+	t.Logf("stopped %v after SIGINT:\n%s", took, stderr.String())
+	if bound := 2*timeout + time.Second; took > bound {
+		t.Errorf("SIGINT took %v to stop the relay, want under %v", took, bound)
+	}
+	if !strings.Contains(stderr.String(), "stopping") {
+		t.Errorf("the relay did not say that it was stopping:\n%s", stderr.String())
+	}
+	if n, _, err := ob.Backlog(ctx); err != nil || n != 1 {
+		t.Errorf("backlog after the relay stopped: %d %v, want the row still pending", n, err)
+	}
+}
+
+// lockedBuffer is a bytes.Buffer safe to read while a process writes it.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.String()
 }

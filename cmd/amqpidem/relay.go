@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/spf13/cobra"
 
 	"github.com/amqpidem/amqpidem/internal/secret"
@@ -66,7 +67,9 @@ committed, and marks them sent. Several relays may run at once, each with a
 --name of its own: one started with the name of a relay running on the
 same table logs an error and publishes nothing until that one stops (then
 it takes over). It stops on SIGINT or SIGTERM, finishing the publishes in
-flight (for up to 30 s).
+flight (for up to 30 s; it says every 5 s that it still waits, and exits
+with code 1 after 35 s whatever it waits for); a second signal ends it at
+once. --timeout bounds each dial of the broker.
 
 A message the broker refuses (no queue bound to take it, an exchange that
 does not exist) is tried again with backoff and, after --max-attempts
@@ -159,14 +162,39 @@ func (o *options) withOutbox(ctx context.Context, ro *relayOptions, fn func(ctx 
 	return fn(ctx, ob)
 }
 
+// relayStopTimeout is how long a stopping relay lets the publishes in
+// flight finish (relay's help says 30 s), relayStopGrace how much longer
+// it waits for them to give up before the command exits anyway, and
+// relayStopLog how often it says meanwhile that it still waits.
+const (
+	relayStopTimeout = 30 * time.Second
+	relayStopGrace   = 5 * time.Second
+	relayStopLog     = 5 * time.Second
+)
+
 func runRelay(ctx context.Context, o *options, ro *relayOptions) error {
+	if _, err := amqp.ParseURI(o.amqpURL); err != nil {
+		return withCode(exitUsage, "%w", secret.ParseError("--amqp", o.amqpURL, err))
+	}
 	ob, pool, err := o.openOutbox(ctx, ro)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
 	log := slog.New(slog.NewTextHandler(o.stderr, nil))
-	r, err := pgstore.NewRelay(ob, pgstore.RelayConfig{URL: o.amqpURL, Name: ro.name, Ordered: ro.ordered,
+	// The relay's own dial would take amqp091-go's 30 s to give up on a
+	// broker that accepts and never answers, and log nothing meanwhile:
+	// --timeout bounds it, as every dial of the command.
+	url, timeout := o.amqpURL, o.timeout
+	dial := func() (*amqp.Connection, error) {
+		conn, err := amqp.DialConfig(url, amqp.Config{Properties: amqp.Table{"connection_name": "amqpidem relay"},
+			Locale: "en_US", Dial: boundedDial(timeout)})
+		if err != nil && isTimeout(err) {
+			err = fmt.Errorf("RabbitMQ at %s: no connection within --timeout %v: %w", secret.URL(url), timeout, err)
+		}
+		return conn, err
+	}
+	r, err := pgstore.NewRelay(ob, pgstore.RelayConfig{URL: o.amqpURL, Dial: dial, Name: ro.name, Ordered: ro.ordered,
 		Batch: ro.batch, Concurrency: ro.concurrency, Retention: ro.retention, MaxAttempts: ro.maxAttempts, Logger: log})
 	if err != nil {
 		return withCode(exitUsage, "%w", err)
@@ -179,9 +207,33 @@ func runRelay(ctx context.Context, o *options, ro *relayOptions) error {
 		return withCode(exitFailed, "%w", err)
 	case <-ctx.Done():
 	}
-	sctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	log.Info("amqpidem relay: stopping: finishing the publishes in flight", "up_to", relayStopTimeout)
+	sctx, cancel := context.WithTimeout(context.Background(), relayStopTimeout)
 	defer cancel()
-	serr := r.Shutdown(sctx)
+	stopped := make(chan error, 1)
+	go func() { stopped <- r.Shutdown(sctx) }()
+	// Shutdown waits for Run, which waits for what its publishes and
+	// marks are blocked in once sctx ends: bounded here, and said.
+	began := time.Now()
+	hard := time.NewTimer(relayStopTimeout + relayStopGrace)
+	defer hard.Stop()
+	tick := time.NewTicker(relayStopLog)
+	defer tick.Stop()
+	var serr error
+wait:
+	for {
+		select {
+		case serr = <-stopped:
+			break wait
+		case <-tick.C:
+			log.Warn("amqpidem relay: still stopping", "waited", time.Since(began).Round(time.Second), "up_to", relayStopTimeout+relayStopGrace)
+		case <-hard.C:
+			// Its rows stay claimed until their claim ends, then another
+			// relay (or the next run) publishes them.
+			return withCode(exitFailed, "the relay did not stop within %v: exiting with its publishes in flight (their rows are published again once their claim ends)",
+				relayStopTimeout+relayStopGrace)
+		}
+	}
 	<-done
 	pub, refused, dead := r.Counts()
 	log.Info("amqpidem relay: stopped", "published", pub, "refused", refused, "dead", dead)
