@@ -427,7 +427,7 @@ func (r *redriver) claim(ctx context.Context, rec lock.Record, out []redriven) (
 			r.until, rec.Value = until, taken
 			return rec, nil
 		case !errors.Is(err, lock.ErrChanged):
-			return rec, withCode(exitFailed, "%s: claiming the staged messages of key %q: %w (nothing published)", r.o.storeName(), r.key, err)
+			return rec, withCode(exitFailed, "%s: claiming the staged messages of key %q: %w (nothing published)", r.o.storeName(), r.key, keyFree(err, r.skey))
 		case try == maxMarks:
 			return rec, withCode(exitRefused, "key %q of %s: the record kept changing while claiming its staged messages (%d tries): nothing published; run again", r.key, r.k.name(), try)
 		}
@@ -567,7 +567,7 @@ func (r *redriver) mark(ctx context.Context, rec lock.Record, published []int) e
 		case err == nil:
 			return nil
 		case !errors.Is(err, lock.ErrChanged):
-			return withCode(exitFailed, "%s: marking them published: %w (they are published again by the next redrive)", r.o.storeName(), err)
+			return withCode(exitFailed, "%s: marking them published: %w (they are published again by the next redrive)", r.o.storeName(), keyFree(err, r.skey))
 		case try == maxMarks:
 			return withCode(exitRefused, "the record kept changing while marking them published (%d tries); inspect it, and redrive again", try)
 		}
@@ -576,7 +576,7 @@ func (r *redriver) mark(ctx context.Context, rec lock.Record, published []int) e
 		case errors.Is(err, lock.ErrNotFound):
 			return withCode(exitRefused, "the record is gone (expired or forgotten) since it was read: nothing to mark")
 		case err != nil:
-			return withCode(exitFailed, "%s: reading the record again: %w (they are published again by the next redrive)", r.o.storeName(), err)
+			return withCode(exitFailed, "%s: reading the record again: %w (they are published again by the next redrive)", r.o.storeName(), keyFree(err, r.skey))
 		case now.State != lock.StateCompleted || now.Fence != rec.Fence:
 			return withCode(exitRefused, "the record was made again since it was read (now %s, fence %d, was %d): nothing to mark", now.State, now.Fence, rec.Fence)
 		}

@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -98,7 +100,7 @@ gives the next page.`,
 	}
 	list.Flags().StringVar(&ro.state, "state", "dead", "pending, sent or dead")
 	list.Flags().Int64Var(&ro.after, "after", 0, "list the rows after this `ID`")
-	list.Flags().IntVar(&ro.limit, "limit", 100, "list at most this many rows")
+	list.Flags().IntVar(&ro.limit, "limit", 100, "list at most this many rows (at least 1)")
 
 	redrive := &cobra.Command{
 		Use:   "redrive [ID...]",
@@ -111,7 +113,8 @@ declare the exchange), or they are dead again after --max-attempts tries.
 --all says how many dead rows it would re-drive and asks first when stdin
 is a terminal; when it is not (a script), --all needs --yes, else it
 changes nothing and exits with code 2. --dry-run lists the dead rows it
-would re-drive and changes nothing.
+would re-drive and changes nothing. It names the IDs given whose rows were
+not dead (left as they were; --json: not_dead).
 Exit code 3 when no row given was dead.`,
 		Example: `  amqpidem relay redrive --all --dry-run
   amqpidem relay redrive --all
@@ -244,6 +247,9 @@ wait:
 }
 
 func runRelayList(ctx context.Context, o *options, ro *relayOptions) error {
+	if ro.limit < 1 || ro.after < 0 {
+		return withCode(exitUsage, "relay list: --limit %d --after %d: list at least one row, after an ID of 0 or more", ro.limit, ro.after)
+	}
 	return o.withOutbox(ctx, ro, func(ctx context.Context, ob *pgstore.Outbox) error {
 		rows, err := ob.List(ctx, ro.state, ro.after, ro.limit)
 		if err != nil {
@@ -322,22 +328,54 @@ func runRelayRedrive(ctx context.Context, o *options, ro *relayOptions, args []s
 	}
 	// --timeout starts once the operator said yes.
 	cctx, cancel := context.WithTimeout(ctx, o.timeout)
-	n, err := ob.Redrive(cctx, ids...)
+	var n int64
+	var notDead []int64 // of ids: those that were not dead rows
+	if ro.all {
+		n, err = ob.Redrive(cctx)
+	} else {
+		var done []int64
+		done, err = ob.RedriveIDs(cctx, ids...)
+		n = int64(len(done))
+		for _, id := range ids {
+			if !slices.Contains(done, id) && !slices.Contains(notDead, id) {
+				notDead = append(notDead, id)
+			}
+		}
+	}
 	cancel()
 	if err != nil {
 		return withCode(exitFailed, "%w", err)
 	}
 	if o.json {
-		if err := printJSON(o.stdout, map[string]int64{"redriven": n}); err != nil {
+		out := struct {
+			Redriven int64   `json:"redriven"`
+			NotDead  []int64 `json:"not_dead,omitempty"`
+		}{n, notDead}
+		if err := printJSON(o.stdout, out); err != nil {
 			return err
 		}
 	} else {
 		fmt.Fprintf(o.stdout, "%s pending again\n", plural(int(n), "dead row"))
+		if len(notDead) > 0 {
+			fmt.Fprintf(o.stdout, "not dead, left as they were: %s (see relay list --state pending, sent or dead)\n", idList(notDead))
+		}
 	}
 	if n == 0 {
 		return withCode(exitNotFound, "no dead row to re-drive")
 	}
 	return nil
+}
+
+// idList is ids as a person reads them: "3, 4 and 99999".
+func idList(ids []int64) string {
+	s := make([]string, len(ids))
+	for i, id := range ids {
+		s[i] = strconv.FormatInt(id, 10)
+	}
+	if len(s) == 1 {
+		return s[0]
+	}
+	return strings.Join(s[:len(s)-1], ", ") + " and " + s[len(s)-1]
 }
 
 // runRelayRedriveDry lists the dead rows relay redrive would make pending

@@ -37,6 +37,9 @@ func (o *options) openStore(ctx context.Context) (admin lock.Admin, close func()
 		}
 		return s, func() { s.Close(); pool.Close() }, nil
 	}
+	// go-redis logs each failed dial of its pool to the process's
+	// stderr, lines before the one error that says it all.
+	redis.SetLogger(quietRedis{})
 	var client redis.UniversalClient
 	switch {
 	case len(o.redisAddrs) > 0:
@@ -82,3 +85,9 @@ func (o *options) storeName() string {
 	}
 	return fmt.Sprintf("Redis at %s", secret.URL(o.redisURL))
 }
+
+// quietRedis is go-redis's internal logger, silenced: what it would say
+// comes back as the error of the call.
+type quietRedis struct{}
+
+func (quietRedis) Printf(context.Context, string, ...any) {}
