@@ -27,9 +27,11 @@ import (
 // lock.Amender) before it publishes, with a claim tagged as its own
 // (newClaim), so that of copies arriving together one publishes and the
 // others wait as busy duplicates, as they do while the claim is held. An
-// execution that stops trying gives its claim up; one whose claim passed
-// before it could publish (stalled, the process paused) publishes nothing
-// and goes back to the queue, for a copy to take the claim.
+// execution gives its claim up once it stops publishing, done or not (so
+// that neither the next copy nor amqpidem outbox redrive waits for it to
+// pass); one whose claim passed before it could publish (stalled, the
+// process paused) publishes nothing and goes back to the queue, for a copy
+// to take the claim.
 //
 // Only the broker's refusal of a message (IsRefused: returned, or its
 // channel closed by the broker over it) counts as one of its tries, and
@@ -112,10 +114,10 @@ func (f *flight) dispatch(value []byte, fence int64, own bool) bool {
 			f.ev.Err = errors.Join(f.ev.Err, err)
 		}
 	}
-	if pending > 0 {
-		// The next copy publishes the rest, at once.
-		clear(amended[v.claimAt : v.claimAt+claimLen])
-	}
+	// Done publishing: the claim is given up, so that the next copy
+	// publishes the rest at once, and an operator's tool (outbox
+	// redrive, which takes it too) need not wait for it to pass.
+	clear(amended[v.claimAt : v.claimAt+claimLen])
 	if !bytes.Equal(amended, value) && !f.amended(value, amended, fence) {
 		return false
 	}

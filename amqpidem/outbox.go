@@ -283,6 +283,47 @@ func SetOutboxState(value []byte, index int, s OutboxState) ([]byte, error) {
 	return out, nil
 }
 
+// OutboxClaim returns until when the claim on publishing the staged
+// messages of value (a stored value StoredOutbox reads) holds: taken by
+// the execution that stored them, by a copy of their message publishing
+// them again, or by an operator's tool (ClaimOutbox). It returns the zero
+// Time when nobody holds it (an execution done publishing gives it up),
+// or when value has no staged messages, and an error for a value whose
+// outbox is damaged.
+func OutboxClaim(value []byte) (time.Time, error) {
+	v, err := splitValue(value)
+	if err != nil || len(v.outbox) == 0 || v.claimUntil <= 0 {
+		return time.Time{}, err
+	}
+	return time.UnixMilli(v.claimUntil), nil
+}
+
+// ClaimOutbox returns a copy of value (a stored value with staged
+// messages) whose claim on publishing them holds until until, a claim of
+// the caller's own, as a copy of their message takes it; a zero until
+// gives the claim up. Amend the record with it (lock.Amender,
+// compare-and-set on value) and publish only once that succeeded, and
+// only while the claim holds: the copies of the message, and other
+// tools, that find the claim held publish nothing until it passes. It
+// returns an error for a value without staged messages, or whose outbox
+// is damaged.
+func ClaimOutbox(value []byte, until time.Time) ([]byte, error) {
+	v, err := splitValue(value)
+	if err != nil {
+		return nil, err
+	}
+	if len(v.outbox) == 0 {
+		return nil, errors.New("amqpidem: ClaimOutbox: the value has no staged messages")
+	}
+	out := append([]byte(nil), value...)
+	claim := uint64(0)
+	if !until.IsZero() {
+		claim = newClaim(until.UnixMilli())
+	}
+	binary.BigEndian.PutUint64(out[v.claimAt:], claim)
+	return out, nil
+}
+
 // The stored value of a completed record, as amqpidem writes it:
 //
 //	version 1: [1][flags][digest?] result

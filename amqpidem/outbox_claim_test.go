@@ -208,3 +208,43 @@ func TestClaimForms(t *testing.T) {
 		t.Fatalf("value with a tagged claim: %+v %v", tagged, err)
 	}
 }
+
+// ClaimOutbox takes a tagged claim an operator's tool holds, OutboxClaim
+// reads either form back, and a zero until gives the claim up; nothing
+// but the claim changes.
+func TestClaimOutbox(t *testing.T) {
+	enc, _ := appendPublishing(nil, "", "next", amqp.Publishing{MessageId: "m"})
+	until := time.Now().Add(time.Minute).UnixMilli()
+	v := encodeValue("", []byte("r"), [][]byte{enc}, until)
+	if got, err := OutboxClaim(v); err != nil || got.UnixMilli() != until {
+		t.Fatalf("plain claim: got %v %v, want %v", got, err, time.UnixMilli(until))
+	}
+	later := time.UnixMilli(until + 5000)
+	a, err := ClaimOutbox(v, later)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := ClaimOutbox(v, later)
+	if string(a) == string(b) {
+		t.Fatalf("two claims of one value at one ms wrote the same bytes: both would win the compare-and-set")
+	}
+	if got, err := OutboxClaim(a); err != nil || !got.Equal(later) {
+		t.Fatalf("tagged claim: got %v %v, want %v", got, err, later)
+	}
+	free, err := ClaimOutbox(a, time.Time{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := OutboxClaim(free); err != nil || !got.IsZero() {
+		t.Fatalf("given up: got %v %v, want the zero Time", got, err)
+	}
+	if s, _ := splitValue(free); string(s.result) != "r" || len(s.outbox) != 1 || s.outbox[0].state != OutboxPending {
+		t.Fatalf("the rest of the value changed: %+v", s)
+	}
+	if _, err := ClaimOutbox(encodeValue("", []byte("r"), nil, 0), later); err == nil {
+		t.Fatal("ClaimOutbox of a value without staged messages: no error")
+	}
+	if got, err := OutboxClaim([]byte("not amqpidem's")); err != nil || !got.IsZero() {
+		t.Fatalf("a value without an outbox: %v %v", got, err)
+	}
+}

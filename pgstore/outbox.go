@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -254,6 +255,29 @@ func (o *Outbox) Redrive(ctx context.Context, ids ...int64) (int64, error) {
 		_, _ = o.pool.Exec(ctx, "SELECT pg_notify($1, '')", o.n.outboxChannel)
 	}
 	return tag.RowsAffected(), nil
+}
+
+// RedriveIDs is Redrive of the rows whose ID is in ids, at least one: it
+// returns the IDs of the rows it made pending again, in ascending order;
+// every other ID given was not of a dead row (another state, or none).
+func (o *Outbox) RedriveIDs(ctx context.Context, ids ...int64) ([]int64, error) {
+	if len(ids) == 0 {
+		return nil, errors.New("pgstore: outbox RedriveIDs: no ID given")
+	}
+	rows, err := o.pool.Query(ctx, `UPDATE `+o.n.outbox+` SET state = 'p', attempts = 0, due_at = '-infinity', claimed_by = NULL
+		WHERE state = 'd' AND id = ANY($1) RETURNING id`, ids)
+	if err != nil {
+		return nil, fmt.Errorf("pgstore: outbox redrive: %w", classify(err))
+	}
+	done, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return nil, fmt.Errorf("pgstore: outbox redrive: %w", classify(err))
+	}
+	slices.Sort(done)
+	if len(done) > 0 {
+		_, _ = o.pool.Exec(ctx, "SELECT pg_notify($1, '')", o.n.outboxChannel)
+	}
+	return done, nil
 }
 
 // Backlog returns how many rows wait to be published (pending, claimed or

@@ -4,6 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
+	"os"
+	"strings"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -18,11 +21,46 @@ func (o *options) dial() (*amqp.Connection, error) {
 	if _, err := amqp.ParseURI(o.amqpURL); err != nil {
 		return nil, withCode(exitUsage, "%w", secret.ParseError("--amqp", o.amqpURL, err))
 	}
-	conn, err := amqp.DialConfig(o.amqpURL, amqp.Config{Properties: amqp.Table{"connection_name": "amqpidem cli"}})
+	timeout := o.timeout
+	conn, err := amqp.DialConfig(o.amqpURL, amqp.Config{Properties: amqp.Table{"connection_name": "amqpidem cli"},
+		Locale: "en_US", Dial: boundedDial(timeout)})
 	if err != nil {
+		if isTimeout(err) {
+			return nil, withCode(exitFailed, "RabbitMQ at %s: no connection within --timeout %v (a node that accepts and never answers, or a wrong port): %w",
+				secret.URL(o.amqpURL), timeout, err)
+		}
 		return nil, withCode(exitFailed, "RabbitMQ at %s: %w", secret.URL(o.amqpURL), err)
 	}
 	return conn, nil
+}
+
+// boundedDial is an amqp.Config.Dial whose TCP dial and AMQP handshake end
+// together within timeout: amqp.DefaultDial's is 30 s whatever --timeout
+// says. amqp091-go clears the deadline once the connection is open.
+func boundedDial(timeout time.Duration) func(network, addr string) (net.Conn, error) {
+	return func(network, addr string) (net.Conn, error) {
+		deadline := time.Now().Add(timeout)
+		d := net.Dialer{Deadline: deadline}
+		conn, err := d.Dial(network, addr)
+		if err != nil {
+			return nil, err
+		}
+		if err := conn.SetDeadline(deadline); err != nil {
+			conn.Close()
+			return nil, err
+		}
+		return conn, nil
+	}
+}
+
+// isTimeout reports whether err is a network deadline passing, even as
+// amqp091-go wraps it (in an *amqp.Error, as text only).
+func isTimeout(err error) bool {
+	var ne net.Error
+	if errors.As(err, &ne) && ne.Timeout() {
+		return true
+	}
+	return errors.Is(err, os.ErrDeadlineExceeded) || strings.Contains(err.Error(), "i/o timeout")
 }
 
 // confirmer publishes one message at a time, mandatory, on a channel in

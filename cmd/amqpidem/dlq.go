@@ -644,6 +644,8 @@ func (r *replayer) run(ctx context.Context, dlq, key string) error {
 	switch {
 	case len(out) == 0 && key != "":
 		return withCode(exitNotFound, "no dead letter of key %q in %s", key, dlq)
+	case len(out) == 0:
+		return withCode(exitNotFound, "no dead letter in %s", dlq)
 	case left > 0:
 		return withCode(exitRefused, "%s left in %s (see why above)", plural(left, "dead letter"), dlq)
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -285,5 +286,24 @@ func (o *options) storeError(key string, k *keyFlags, err error) error {
 	case errors.Is(err, lock.ErrInvalidKey):
 		return withCode(exitUsage, "key %q: %w", key, err)
 	}
-	return withCode(exitFailed, "%s: %w", o.storeName(), err)
+	skey, _ := k.storeKey(key)
+	return withCode(exitFailed, "key %q of %s: %s: %w", key, k.name(), o.storeName(), keyFree(err, skey))
+}
+
+// keyFree is err without the store key skey in its text: the lock
+// package's errors quote it ("orders\x00order-1042"), which is the
+// endpoint and key joined as no operator typed them. It is the first of
+// err's causes that does not quote skey, else err's text with it
+// replaced.
+func keyFree(err error, skey string) error {
+	if skey == "" {
+		return err
+	}
+	q := strconv.Quote(skey)
+	for e := err; e != nil; e = errors.Unwrap(e) {
+		if !strings.Contains(e.Error(), q) {
+			return e
+		}
+	}
+	return errors.New(strings.ReplaceAll(err.Error(), q, "the record"))
 }

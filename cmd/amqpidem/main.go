@@ -18,6 +18,9 @@
 // terminal, and need --yes when it is not (exit code 2 without it).
 // --dry-run on every command that changes something says what it would
 // do and changes nothing.
+//
+// SIGINT or SIGTERM asks a command to stop where it safely can; a second
+// one ends it at once.
 package main
 
 import (
@@ -80,7 +83,12 @@ type options struct {
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	// The first signal asks the command to stop, cleanly; once it has,
+	// the signals' default action is back: a second one ends the
+	// process at once, whatever it waits for.
+	unhook := context.AfterFunc(ctx, stop)
 	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	unhook()
 	stop()
 	os.Exit(code)
 }
@@ -154,7 +162,7 @@ Exit codes: 0 done, 1 failed, 2 bad usage, 3 nothing found,
 	f.StringVar(&o.prefix, "prefix", env("AMQPIDEM_PREFIX", ""), "the store's lock.Config.Prefix (default amqpidem)")
 	f.StringVar(&o.amqpURL, "amqp", env("AMQPIDEM_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"), "RabbitMQ `URL`")
 	f.BoolVar(&o.json, "json", false, "print JSON for scripts instead of text for people")
-	f.DurationVar(&o.timeout, "timeout", 30*time.Second, "give up on a service call after this long")
+	f.DurationVar(&o.timeout, "timeout", 30*time.Second, "give up on a connection (dial and handshake) or a service call after this long")
 	hideEnvDefault(root, "redis", "AMQPIDEM_REDIS_URL")
 	hideEnvDefault(root, "postgres", "AMQPIDEM_POSTGRES_DSN")
 	hideEnvDefault(root, "dynamodb-endpoint", "AMQPIDEM_DYNAMODB_ENDPOINT")

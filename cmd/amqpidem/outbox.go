@@ -158,6 +158,13 @@ record is amended, compare-and-set on the value read, so that the messages
 confirmed are marked published; if a consumer changed the record meanwhile,
 redrive reads it again and marks them in what it now holds.
 
+Before it publishes, it takes the claim on the record's staged messages,
+as a copy of their message does: while another redrive, or a copy of
+the message publishing them, holds it, redrive publishes nothing and
+says until when it is held (exit code 4). The claim lasts as long as the
+run may take (--timeout for each publish, and two more) and is given up
+when the run ends; a consumer gives its own up once it is done publishing.
+
 Killed at any point it loses nothing: a message published but not yet
 marked stays returned (or pending), and the next redrive (or, when pending,
 its consumer) publishes it again: a duplicate downstream, never a loss.
@@ -170,7 +177,8 @@ named already: it does not ask.
 
 Exit code 3 when the key has no record or there is nothing to publish (no
 staged message in the states selected, an --index the record does not
-have); 4 when the record is not completed, when some messages were left
+have); 4 when the record is not completed, when the staged messages are
+claimed by another redrive or a copy of their message, when some messages were left
 (see why), or when the record was replaced meanwhile and could not be
 marked; 1 when RabbitMQ or the store failed (what was done is reported
 first).`,
@@ -240,6 +248,9 @@ type redriver struct {
 	pub stagedPublisher
 	// note is said after the summary (a record read again meanwhile).
 	note string
+	// until is when the claim this run took on publishing the staged
+	// messages ends; zero until it took one.
+	until time.Time
 }
 
 // run reads the record, publishes what is selected, marks what was
@@ -261,6 +272,11 @@ func (r *redriver) run(ctx context.Context) error {
 	if err := r.consent(out); err != nil {
 		return err
 	}
+	if !r.f.dryRun && slices.ContainsFunc(out, func(d redriven) bool { return d.Action == "" }) {
+		if rec, err = r.claim(ctx, rec, out); err != nil {
+			return err
+		}
+	}
 	var published []int // indexes confirmed, to mark
 	var stopped error   // the run stopped early
 	for i := range out {
@@ -274,6 +290,14 @@ func (r *redriver) run(ctx context.Context) error {
 		}
 		if err := ctx.Err(); err != nil {
 			stopped = withCode(exitFailed, "interrupted: %w", err)
+			break
+		}
+		if time.Until(r.until) < r.o.timeout {
+			// A publish confirmed after the claim passed may be a copy's
+			// too: leave the rest to the next run.
+			d.Action, d.Why = "left", "not published: this run's claim on the staged messages would pass first"
+			stopped = withCode(exitRefused, "key %q: the claim on its staged messages (until %s) would pass before the next publish is confirmed: run again",
+				r.key, r.until.Format(time.RFC3339))
 			break
 		}
 		err := r.publish(ctx, msgs[d.Index])
@@ -295,10 +319,16 @@ func (r *redriver) run(ctx context.Context) error {
 	// Unmarked, what was published would be published again: harmless,
 	// but mark it even when interrupted.
 	var markErr error
-	if len(published) > 0 {
+	if len(published) > 0 || !r.until.IsZero() {
 		mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.o.timeout)
 		markErr = r.mark(mctx, rec, published)
 		cancel()
+		if markErr != nil && len(published) == 0 {
+			// Nothing to mark: only the claim is left held, and it
+			// passes by itself.
+			r.note = fmt.Sprintf("the claim on the staged messages could not be given up (%v): it passes at %s", markErr, r.until.Format(time.RFC3339))
+			markErr = nil
+		}
 		for i := range out {
 			if out[i].Action != "published, not marked" {
 				continue
@@ -357,6 +387,64 @@ func (r *redriver) consent(out []redriven) error {
 	}
 	return r.o.consent(r.f.yes, fmt.Sprintf("outbox redrive: publish again %s of key %q on %s, to %s",
 		plural(n, "staged message"), r.key, r.k.name(), strings.Join(to, "; ")))
+}
+
+// claim takes the claim on publishing the record rec's staged messages,
+// as a copy of their message does (amqpidem.ClaimOutbox, compare-and-set):
+// so that neither a consumer's copy of the message nor another redrive
+// publishes them meanwhile, and that this run publishes nothing while one
+// of them holds it. It lasts as long as this run's publishes and mark may
+// take (--timeout each, and one for the dial). It returns the record as
+// claimed; an error, nothing published, when the claim is held, or when
+// the record changed so that out, the messages selected, is no longer
+// what it would select.
+func (r *redriver) claim(ctx context.Context, rec lock.Record, out []redriven) (lock.Record, error) {
+	n := 0
+	for _, d := range out {
+		if d.Action == "" {
+			n++
+		}
+	}
+	for try := 1; ; try++ {
+		held, err := amqpidem.OutboxClaim(rec.Value)
+		if err != nil {
+			return rec, withCode(exitFailed, "key %q of %s: the staged messages cannot be read: %w", r.key, r.k.name(), err)
+		}
+		if now := time.Now(); held.After(now) {
+			return rec, withCode(exitRefused, "key %q of %s: its staged messages are being published by another outbox redrive or by a copy of their message (claimed until %s, %v from now): nothing published; inspect the record after that, and run again if some are left",
+				r.key, r.k.name(), held.Format(time.RFC3339), held.Sub(now).Round(time.Second))
+		}
+		until := time.Now().Add(r.o.timeout * time.Duration(n+2))
+		taken, err := amqpidem.ClaimOutbox(rec.Value, until)
+		if err != nil {
+			return rec, withCode(exitFailed, "key %q of %s: %w", r.key, r.k.name(), err)
+		}
+		cctx, cancel := context.WithTimeout(ctx, r.o.timeout)
+		err = r.amender.Amend(cctx, r.skey, rec.Fence, rec.Value, taken)
+		cancel()
+		switch {
+		case err == nil:
+			r.until, rec.Value = until, taken
+			return rec, nil
+		case !errors.Is(err, lock.ErrChanged):
+			return rec, withCode(exitFailed, "%s: claiming the staged messages of key %q: %w (nothing published)", r.o.storeName(), r.key, keyFree(err, r.skey))
+		case try == maxMarks:
+			return rec, withCode(exitRefused, "key %q of %s: the record kept changing while claiming its staged messages (%d tries): nothing published; run again", r.key, r.k.name(), try)
+		}
+		now, msgs, err := r.read(ctx)
+		if err != nil {
+			return rec, err
+		}
+		again, err := r.selected(msgs)
+		if err != nil {
+			return rec, err
+		}
+		if now.Fence != rec.Fence || !slices.Equal(again, out) {
+			return rec, withCode(exitRefused, "key %q of %s: the record changed since it was read (another redrive or a consumer published staged messages): nothing published; inspect it, and run again",
+				r.key, r.k.name())
+		}
+		rec = now
+	}
 }
 
 // read reads the record and its staged messages; an error unless it is
@@ -458,15 +546,28 @@ func (r *redriver) mark(ctx context.Context, rec lock.Record, published []int) e
 			}
 			value = v
 		}
+		if held, err := amqpidem.OutboxClaim(value); err == nil && !r.until.IsZero() && held.Equal(time.UnixMilli(r.until.UnixMilli())) {
+			// Still this run's claim (to the ms; another's of that same
+			// ms would be given up early: its copy then finds the
+			// messages published, or publishes one again): give it up.
+			if v, err := amqpidem.ClaimOutbox(value, time.Time{}); err == nil {
+				value = v
+			}
+		}
 		if bytes.Equal(value, old) {
-			return nil // marked already, by a consumer that published them too
+			if len(published) > 0 {
+				// Only after this run's claim passed and another took
+				// it: that one published them too.
+				r.note = "they were marked published already, by a copy of their message or another redrive that took the claim once this run's passed: published twice (a duplicate downstream)"
+			}
+			return nil
 		}
 		err := r.amender.Amend(ctx, r.skey, rec.Fence, old, value)
 		switch {
 		case err == nil:
 			return nil
 		case !errors.Is(err, lock.ErrChanged):
-			return withCode(exitFailed, "%s: marking them published: %w (they are published again by the next redrive)", r.o.storeName(), err)
+			return withCode(exitFailed, "%s: marking them published: %w (they are published again by the next redrive)", r.o.storeName(), keyFree(err, r.skey))
 		case try == maxMarks:
 			return withCode(exitRefused, "the record kept changing while marking them published (%d tries); inspect it, and redrive again", try)
 		}
@@ -475,7 +576,7 @@ func (r *redriver) mark(ctx context.Context, rec lock.Record, published []int) e
 		case errors.Is(err, lock.ErrNotFound):
 			return withCode(exitRefused, "the record is gone (expired or forgotten) since it was read: nothing to mark")
 		case err != nil:
-			return withCode(exitFailed, "%s: reading the record again: %w (they are published again by the next redrive)", r.o.storeName(), err)
+			return withCode(exitFailed, "%s: reading the record again: %w (they are published again by the next redrive)", r.o.storeName(), keyFree(err, r.skey))
 		case now.State != lock.StateCompleted || now.Fence != rec.Fence:
 			return withCode(exitRefused, "the record was made again since it was read (now %s, fence %d, was %d): nothing to mark", now.State, now.Fence, rec.Fence)
 		}

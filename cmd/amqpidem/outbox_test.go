@@ -418,3 +418,70 @@ func TestOutboxRedriveMissingExchange(t *testing.T) {
 		t.Fatalf("%s got %d messages, want audit-x-1 and nope-x-1", r.audit, len(got))
 	}
 }
+
+// Two outbox redrives of one key started together publish its returned
+// messages once: one takes the claim on them, as a copy of their message
+// would, and publishes; the other publishes nothing and says why, with a
+// non-zero exit code.
+func TestOutboxRedriveConcurrent(t *testing.T) {
+	prefix := "cli-" + testenv.Name(t)
+	rdb := testenv.RedisClient(t)
+	testenv.DeleteKeys(t, rdb, prefix+":*")
+	store, err := lock.NewRedisStore(rdb, lock.Config{Prefix: prefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := newStagingRig(t, store, []string{"--redis", "redis://" + testenv.RedisAddr(t) + "/0", "--prefix", prefix})
+	keys := []string{"pay-c1", "pay-c2", "pay-c3"}
+	for _, k := range keys {
+		r.pay(k, 2)
+	}
+	if _, err := r.ch.QueueDeclare(r.shipping, true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range keys {
+		type result struct {
+			out, errOut string
+			code        int
+		}
+		results := make(chan result, 2)
+		start := make(chan struct{})
+		for range 2 {
+			go func() {
+				<-start
+				out, errOut, code := r.run("outbox", "redrive", k, "--queue", r.queue, "--yes")
+				results <- result{out, errOut, code}
+			}()
+		}
+		close(start)
+		var codes []int
+		for range 2 {
+			res := <-results
+			t.Logf("%s: exit %d\n%s%s", k, res.code, res.out, res.errOut)
+			codes = append(codes, res.code)
+			switch res.code {
+			case 0:
+			case 4:
+				if !strings.Contains(res.errOut, "being published by another outbox redrive") {
+					t.Errorf("%s: the run that published nothing does not say why:\n%s", k, res.errOut)
+				}
+			case 3:
+				if !strings.Contains(res.errOut, "nothing to redrive") {
+					t.Errorf("%s: exit 3 without saying why:\n%s", k, res.errOut)
+				}
+			default:
+				t.Errorf("%s: exit %d\n%s", k, res.code, res.errOut)
+			}
+		}
+		slices.Sort(codes)
+		if codes[0] != 0 || codes[1] == 0 {
+			t.Errorf("%s: exit codes %v, want one run to publish (0) and the other not (3 or 4)", k, codes)
+		}
+		if got := r.get(r.shipping); len(got) != 2 {
+			t.Errorf("%s: %s got %d copies, want 2 (its 2 returned messages, once each)", k, r.shipping, len(got))
+		}
+		if got, want := states(r.inspect(k)), "published,published,published"; got != want {
+			t.Errorf("%s: after the redrives: got %v, want %v", k, got, want)
+		}
+	}
+}

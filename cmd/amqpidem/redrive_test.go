@@ -129,15 +129,21 @@ func (p *fakePublisher) publish(_ context.Context, _, _ string, msg amqp.Publish
 	return nil
 }
 
-// racingAmender is a store whose first Amend finds that before, another
-// writer (a consumer, an operator) did something to the record.
+// racingAmender is a store whose first Amend after the skip first finds
+// that before, another writer (a consumer, an operator) did something to
+// the record.
 type racingAmender struct {
 	*lock.MemoryStore
+	skip   int // Amends let through first (redrive's claim is one)
 	before func(ctx context.Context) error
-	err    error // answered by every Amend instead of amending, when set
+	err    error // answered by every Amend after the skip instead of amending, when set
 }
 
 func (a *racingAmender) Amend(ctx context.Context, key string, fence int64, old, value []byte) error {
+	if a.skip > 0 {
+		a.skip--
+		return a.MemoryStore.Amend(ctx, key, fence, old, value)
+	}
 	if a.before != nil {
 		before := a.before
 		a.before = nil
@@ -260,7 +266,7 @@ func redriveOn(t *testing.T, admin lock.Admin, amender lock.Amender, pub stagedP
 	r := &redriver{o: o, k: &keyFlags{queue: "q"}, key: "k", skey: amqpidem.StoreKey("q", "k"), admin: admin, amender: amender, f: &f, pub: pub}
 	err := r.run(context.Background())
 	var did []redriven
-	if jerr := json.Unmarshal(stdout.Bytes(), &did); jerr != nil {
+	if jerr := json.Unmarshal(stdout.Bytes(), &did); jerr != nil && (err == nil || stdout.Len() > 0) {
 		t.Fatalf("output: %v\n%s", jerr, stdout.String())
 	}
 	var actions []string
@@ -342,7 +348,8 @@ func TestRedriveMarks(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			s, skey := completedWith(t, withStates(t, values[len(tt.states)], tt.states...))
-			a := &racingAmender{MemoryStore: s, err: tt.amendErr}
+			// The race comes at the mark, after redrive took the claim.
+			a := &racingAmender{MemoryStore: s, err: tt.amendErr, skip: 1}
 			if tt.race != nil {
 				a.before = func(ctx context.Context) error { return tt.race(ctx, s, skey) }
 			}
@@ -391,4 +398,63 @@ func markPublished(indexes ...int) func(ctx context.Context, s *lock.MemoryStore
 		}
 		return s.Amend(ctx, skey, rec.Fence, rec.Value, v)
 	}
+}
+
+// redrive takes the claim on the staged messages, as a copy of their
+// message does, before it publishes: a claim held by another (a redrive,
+// a consumer's copy), or taken by another while this one reads, means
+// nothing is published; a run gives its claim up when it is done.
+func TestRedriveClaim(t *testing.T) {
+	values := stagedValues(t)
+	claimed := func(t *testing.T, v []byte) []byte {
+		t.Helper()
+		v, err := amqpidem.ClaimOutbox(v, time.Now().Add(time.Minute))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	t.Run("held: refused, nothing published", func(t *testing.T) {
+		s, skey := completedWith(t, claimed(t, withStates(t, values[2], returned, returned)))
+		pub := &fakePublisher{}
+		_, out, err := redriveOn(t, s, s, pub, redriveFlags{})
+		if got, want := exitCode(err), exitRefused; got != want {
+			t.Fatalf("exit code: got %v, want %v (%v)\n%s", got, want, err, out)
+		}
+		if len(pub.sent) != 0 || !strings.Contains(err.Error(), "being published by another outbox redrive") {
+			t.Fatalf("published %v; error %v", pub.sent, err)
+		}
+		if got, want := statesOf(t, s, skey), "returned,returned"; got != want {
+			t.Fatalf("record: got %v, want %v", got, want)
+		}
+	})
+	t.Run("taken by another meanwhile: refused, nothing published", func(t *testing.T) {
+		s, skey := completedWith(t, withStates(t, values[2], returned, returned))
+		a := &racingAmender{MemoryStore: s, before: func(ctx context.Context) error {
+			rec, err := s.Inspect(ctx, skey)
+			if err != nil {
+				return err
+			}
+			return s.Amend(ctx, skey, rec.Fence, rec.Value, claimed(t, rec.Value))
+		}}
+		pub := &fakePublisher{}
+		_, out, err := redriveOn(t, s, a, pub, redriveFlags{})
+		if got, want := exitCode(err), exitRefused; got != want || len(pub.sent) != 0 {
+			t.Fatalf("exit code %v (%v), published %v: want %v, nothing\n%s", got, err, pub.sent, want, out)
+		}
+	})
+	t.Run("done: published, marked, claim given up", func(t *testing.T) {
+		s, skey := completedWith(t, withStates(t, values[2], returned, returned))
+		pub := &fakePublisher{}
+		if _, out, err := redriveOn(t, s, s, pub, redriveFlags{}); err != nil || len(pub.sent) != 2 {
+			t.Fatalf("published %v: %v\n%s", pub.sent, err, out)
+		}
+		rec, err := s.Inspect(context.Background(), skey)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if held, err := amqpidem.OutboxClaim(rec.Value); err != nil || !held.IsZero() {
+			t.Fatalf("claim after the run: %v %v, want none", held, err)
+		}
+	})
 }

@@ -5,10 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/spf13/cobra"
 
 	"github.com/amqpidem/amqpidem/internal/secret"
@@ -66,7 +69,9 @@ committed, and marks them sent. Several relays may run at once, each with a
 --name of its own: one started with the name of a relay running on the
 same table logs an error and publishes nothing until that one stops (then
 it takes over). It stops on SIGINT or SIGTERM, finishing the publishes in
-flight (for up to 30 s).
+flight (for up to 30 s; it says every 5 s that it still waits, and exits
+with code 1 after 35 s whatever it waits for); a second signal ends it at
+once. --timeout bounds each dial of the broker.
 
 A message the broker refuses (no queue bound to take it, an exchange that
 does not exist) is tried again with backoff and, after --max-attempts
@@ -95,7 +100,7 @@ gives the next page.`,
 	}
 	list.Flags().StringVar(&ro.state, "state", "dead", "pending, sent or dead")
 	list.Flags().Int64Var(&ro.after, "after", 0, "list the rows after this `ID`")
-	list.Flags().IntVar(&ro.limit, "limit", 100, "list at most this many rows")
+	list.Flags().IntVar(&ro.limit, "limit", 100, "list at most this many rows (at least 1)")
 
 	redrive := &cobra.Command{
 		Use:   "redrive [ID...]",
@@ -108,7 +113,8 @@ declare the exchange), or they are dead again after --max-attempts tries.
 --all says how many dead rows it would re-drive and asks first when stdin
 is a terminal; when it is not (a script), --all needs --yes, else it
 changes nothing and exits with code 2. --dry-run lists the dead rows it
-would re-drive and changes nothing.
+would re-drive and changes nothing. It names the IDs given whose rows were
+not dead (left as they were; --json: not_dead).
 Exit code 3 when no row given was dead.`,
 		Example: `  amqpidem relay redrive --all --dry-run
   amqpidem relay redrive --all
@@ -159,14 +165,39 @@ func (o *options) withOutbox(ctx context.Context, ro *relayOptions, fn func(ctx 
 	return fn(ctx, ob)
 }
 
+// relayStopTimeout is how long a stopping relay lets the publishes in
+// flight finish (relay's help says 30 s), relayStopGrace how much longer
+// it waits for them to give up before the command exits anyway, and
+// relayStopLog how often it says meanwhile that it still waits.
+const (
+	relayStopTimeout = 30 * time.Second
+	relayStopGrace   = 5 * time.Second
+	relayStopLog     = 5 * time.Second
+)
+
 func runRelay(ctx context.Context, o *options, ro *relayOptions) error {
+	if _, err := amqp.ParseURI(o.amqpURL); err != nil {
+		return withCode(exitUsage, "%w", secret.ParseError("--amqp", o.amqpURL, err))
+	}
 	ob, pool, err := o.openOutbox(ctx, ro)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
 	log := slog.New(slog.NewTextHandler(o.stderr, nil))
-	r, err := pgstore.NewRelay(ob, pgstore.RelayConfig{URL: o.amqpURL, Name: ro.name, Ordered: ro.ordered,
+	// The relay's own dial would take amqp091-go's 30 s to give up on a
+	// broker that accepts and never answers, and log nothing meanwhile:
+	// --timeout bounds it, as every dial of the command.
+	url, timeout := o.amqpURL, o.timeout
+	dial := func() (*amqp.Connection, error) {
+		conn, err := amqp.DialConfig(url, amqp.Config{Properties: amqp.Table{"connection_name": "amqpidem relay"},
+			Locale: "en_US", Dial: boundedDial(timeout)})
+		if err != nil && isTimeout(err) {
+			err = fmt.Errorf("RabbitMQ at %s: no connection within --timeout %v: %w", secret.URL(url), timeout, err)
+		}
+		return conn, err
+	}
+	r, err := pgstore.NewRelay(ob, pgstore.RelayConfig{URL: o.amqpURL, Dial: dial, Name: ro.name, Ordered: ro.ordered,
 		Batch: ro.batch, Concurrency: ro.concurrency, Retention: ro.retention, MaxAttempts: ro.maxAttempts, Logger: log})
 	if err != nil {
 		return withCode(exitUsage, "%w", err)
@@ -179,9 +210,33 @@ func runRelay(ctx context.Context, o *options, ro *relayOptions) error {
 		return withCode(exitFailed, "%w", err)
 	case <-ctx.Done():
 	}
-	sctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	log.Info("amqpidem relay: stopping: finishing the publishes in flight", "up_to", relayStopTimeout)
+	sctx, cancel := context.WithTimeout(context.Background(), relayStopTimeout)
 	defer cancel()
-	serr := r.Shutdown(sctx)
+	stopped := make(chan error, 1)
+	go func() { stopped <- r.Shutdown(sctx) }()
+	// Shutdown waits for Run, which waits for what its publishes and
+	// marks are blocked in once sctx ends: bounded here, and said.
+	began := time.Now()
+	hard := time.NewTimer(relayStopTimeout + relayStopGrace)
+	defer hard.Stop()
+	tick := time.NewTicker(relayStopLog)
+	defer tick.Stop()
+	var serr error
+wait:
+	for {
+		select {
+		case serr = <-stopped:
+			break wait
+		case <-tick.C:
+			log.Warn("amqpidem relay: still stopping", "waited", time.Since(began).Round(time.Second), "up_to", relayStopTimeout+relayStopGrace)
+		case <-hard.C:
+			// Its rows stay claimed until their claim ends, then another
+			// relay (or the next run) publishes them.
+			return withCode(exitFailed, "the relay did not stop within %v: exiting with its publishes in flight (their rows are published again once their claim ends)",
+				relayStopTimeout+relayStopGrace)
+		}
+	}
 	<-done
 	pub, refused, dead := r.Counts()
 	log.Info("amqpidem relay: stopped", "published", pub, "refused", refused, "dead", dead)
@@ -192,6 +247,9 @@ func runRelay(ctx context.Context, o *options, ro *relayOptions) error {
 }
 
 func runRelayList(ctx context.Context, o *options, ro *relayOptions) error {
+	if ro.limit < 1 || ro.after < 0 {
+		return withCode(exitUsage, "relay list: --limit %d --after %d: list at least one row, after an ID of 0 or more", ro.limit, ro.after)
+	}
 	return o.withOutbox(ctx, ro, func(ctx context.Context, ob *pgstore.Outbox) error {
 		rows, err := ob.List(ctx, ro.state, ro.after, ro.limit)
 		if err != nil {
@@ -270,22 +328,54 @@ func runRelayRedrive(ctx context.Context, o *options, ro *relayOptions, args []s
 	}
 	// --timeout starts once the operator said yes.
 	cctx, cancel := context.WithTimeout(ctx, o.timeout)
-	n, err := ob.Redrive(cctx, ids...)
+	var n int64
+	var notDead []int64 // of ids: those that were not dead rows
+	if ro.all {
+		n, err = ob.Redrive(cctx)
+	} else {
+		var done []int64
+		done, err = ob.RedriveIDs(cctx, ids...)
+		n = int64(len(done))
+		for _, id := range ids {
+			if !slices.Contains(done, id) && !slices.Contains(notDead, id) {
+				notDead = append(notDead, id)
+			}
+		}
+	}
 	cancel()
 	if err != nil {
 		return withCode(exitFailed, "%w", err)
 	}
 	if o.json {
-		if err := printJSON(o.stdout, map[string]int64{"redriven": n}); err != nil {
+		out := struct {
+			Redriven int64   `json:"redriven"`
+			NotDead  []int64 `json:"not_dead,omitempty"`
+		}{n, notDead}
+		if err := printJSON(o.stdout, out); err != nil {
 			return err
 		}
 	} else {
 		fmt.Fprintf(o.stdout, "%s pending again\n", plural(int(n), "dead row"))
+		if len(notDead) > 0 {
+			fmt.Fprintf(o.stdout, "not dead, left as they were: %s (see relay list --state pending, sent or dead)\n", idList(notDead))
+		}
 	}
 	if n == 0 {
 		return withCode(exitNotFound, "no dead row to re-drive")
 	}
 	return nil
+}
+
+// idList is ids as a person reads them: "3, 4 and 99999".
+func idList(ids []int64) string {
+	s := make([]string, len(ids))
+	for i, id := range ids {
+		s[i] = strconv.FormatInt(id, 10)
+	}
+	if len(s) == 1 {
+		return s[0]
+	}
+	return strings.Join(s[:len(s)-1], ", ") + " and " + s[len(s)-1]
 }
 
 // runRelayRedriveDry lists the dead rows relay redrive would make pending

@@ -37,13 +37,17 @@ func (o *options) openStore(ctx context.Context) (admin lock.Admin, close func()
 		}
 		return s, func() { s.Close(); pool.Close() }, nil
 	}
+	// go-redis logs each failed dial of its pool to the process's
+	// stderr, lines before the one error that says it all.
+	redis.SetLogger(quietRedis{})
 	var client redis.UniversalClient
 	switch {
 	case len(o.redisAddrs) > 0:
 		// A Cluster, or a Sentinel set with a master name: as the
 		// consumers' redis.UniversalClient would be made.
 		client = redis.NewUniversalClient(&redis.UniversalOptions{Addrs: o.redisAddrs, MasterName: o.redisMaster,
-			Username: os.Getenv("AMQPIDEM_REDIS_USERNAME"), Password: os.Getenv("AMQPIDEM_REDIS_PASSWORD")})
+			Username: os.Getenv("AMQPIDEM_REDIS_USERNAME"), Password: os.Getenv("AMQPIDEM_REDIS_PASSWORD"),
+			DialTimeout: o.timeout, ContextTimeoutEnabled: true})
 	case o.redisMaster != "":
 		return nil, nil, withCode(exitUsage, "--redis-master needs the Sentinels' --redis-addrs")
 	default:
@@ -53,6 +57,10 @@ func (o *options) openStore(ctx context.Context) (admin lock.Admin, close func()
 			// of the password it stumbled on.
 			return nil, nil, withCode(exitUsage, "%w", secret.ParseError("--redis", o.redisURL, err))
 		}
+		// --timeout bounds the dial too (go-redis's default is 5 s),
+		// and each call's context its reads and writes (go-redis
+		// ignores a context's deadline unless told).
+		opt.DialTimeout, opt.ContextTimeoutEnabled = o.timeout, true
 		client = redis.NewClient(opt)
 	}
 	s, err := lock.NewRedisStore(client, lock.Config{Prefix: o.prefix, Logger: quiet})
@@ -77,3 +85,9 @@ func (o *options) storeName() string {
 	}
 	return fmt.Sprintf("Redis at %s", secret.URL(o.redisURL))
 }
+
+// quietRedis is go-redis's internal logger, silenced: what it would say
+// comes back as the error of the call.
+type quietRedis struct{}
+
+func (quietRedis) Printf(context.Context, string, ...any) {}
