@@ -917,9 +917,9 @@ func (r *replayer) record(ctx context.Context, endpoint string, dl deadLetter) (
 		// Only a failed lookup: one that succeeded is decided on even
 		// when the run was interrupted meanwhile (the loop stops
 		// before the next dead letter, publish before sending).
-		return "", "", "", withCode(exitFailed, "%s: %w", r.o.storeName(), err)
+		return "", "", "", withCode(exitFailed, "%s: reading the record of key %q: %w", r.o.storeName(), dl.Key, keyFree(err, skey))
 	case err != nil:
-		return "left", "", fmt.Sprintf("its record cannot be read: %v", err), nil
+		return "left", "", fmt.Sprintf("its record cannot be read: %v", keyFree(err, skey)), nil
 	case rec.State == lock.StateCompleted:
 		return "left", "", "record completed: the work was done", nil
 	case rec.State != lock.StateFailed:
@@ -939,9 +939,9 @@ func (r *replayer) record(ctx context.Context, endpoint string, dl deadLetter) (
 	case errors.Is(err, lock.ErrChanged):
 		return "left", "", "record changed while replaying; run replay again", nil
 	case errors.Is(err, lock.ErrUnavailable) || ctx.Err() != nil:
-		return "", "", "", withCode(exitFailed, "%s: %w", r.o.storeName(), err)
+		return "", "", "", withCode(exitFailed, "%s: forgetting the record of key %q: %w", r.o.storeName(), dl.Key, keyFree(err, skey))
 	}
-	return "left", "", fmt.Sprintf("its record cannot be forgotten: %v", err), nil
+	return "left", "", fmt.Sprintf("its record cannot be forgotten: %v", keyFree(err, skey)), nil
 }
 
 // replayCopy is what replay publishes for dead letter d: d's properties,

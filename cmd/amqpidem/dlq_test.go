@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"testing"
@@ -127,5 +128,24 @@ func TestReplayCopyFitsFrameMax(t *testing.T) {
 	}
 	if why := tooLarge(d, with-1); why != "" {
 		t.Errorf("fits without the header: %q", why)
+	}
+}
+
+// unavailableAdmin answers every call as a store that cannot be reached,
+// quoting the store key as lock's errors do.
+type unavailableAdmin struct{ lock.Admin }
+
+func (unavailableAdmin) Inspect(_ context.Context, key string) (lock.Record, error) {
+	return lock.Record{}, fmt.Errorf("lock: inspect %q: %w", key, lock.ErrUnavailable)
+}
+
+// A store error during replay names the key and endpoint as the operator
+// gave them, not the store key ("orders\x00k1") lock's errors quote.
+func TestReplayStoreErrorNamesTheKey(t *testing.T) {
+	r := &replayer{o: &options{timeout: time.Second, redisURL: "redis://127.0.0.1:6379/0"}, queue: "orders",
+		k: &keyFlags{queue: "orders"}, admin: unavailableAdmin{}}
+	_, _, _, err := r.record(context.Background(), "orders", deadLetter{Key: "k1"})
+	if err == nil || strings.Contains(err.Error(), `\x00`) || !strings.Contains(err.Error(), `key "k1"`) || !errors.Is(err, lock.ErrUnavailable) {
+		t.Fatalf("record: %v; want ErrUnavailable naming key \"k1\", without the store key", err)
 	}
 }
