@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -15,59 +14,23 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv"
 	"github.com/amqpidem/amqpidem/lock"
 )
 
-// hangServer is a TCP server on loopback that accepts connections and
-// never answers: a broker node that hangs (overloaded, half dead, a
-// firewall that lets the handshake through).
-type hangServer struct {
-	ln       net.Listener
-	mu       sync.Mutex
-	conns    []net.Conn
-	accepted atomic.Int32
-}
+// hangServer is a broker node that hangs: it accepts connections and
+// never answers.
+type hangServer struct{ *testenv.SilentServer }
 
-func newHangServer(t *testing.T) *hangServer {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := &hangServer{ln: ln}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			s.mu.Lock()
-			s.conns = append(s.conns, c)
-			s.mu.Unlock()
-			s.accepted.Add(1)
-		}
-	}()
-	t.Cleanup(func() {
-		_ = ln.Close()
-		<-done
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		for _, c := range s.conns {
-			_ = c.Close()
-		}
-	})
-	return s
-}
+func newHangServer(t *testing.T) hangServer { return hangServer{testenv.NewSilentServer(t)} }
 
 // url is an AMQP URL of the server.
-func (s *hangServer) url() string { return "amqp://guest:guest@" + s.ln.Addr().String() + "/" }
+func (s hangServer) url() string { return "amqp://guest:guest@" + s.Addr() + "/" }
 
 // waitAccepted waits until the server accepted n connections.
-func (s *hangServer) waitAccepted(t *testing.T, n int) {
+func (s hangServer) waitAccepted(t *testing.T, n int) {
 	t.Helper()
-	eventually(t, 10*time.Second, fmt.Sprintf("%d connections accepted", n), func() bool { return int(s.accepted.Load()) >= n })
+	eventually(t, 10*time.Second, fmt.Sprintf("%d connections accepted", n), func() bool { return s.Accepted() >= n })
 }
 
 // within fails the test unless f returns within d; it returns how long f

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"net"
 	"os/exec"
 	"strings"
 	"sync"
@@ -14,51 +13,10 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/amqpidem/amqpidem/internal/testenv"
 	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
 	"github.com/amqpidem/amqpidem/pgstore"
 )
-
-// silentServer is a TCP server on loopback that accepts connections and
-// never answers: a RabbitMQ node, or a Redis, that hangs.
-type silentServer struct {
-	ln    net.Listener
-	mu    sync.Mutex
-	conns []net.Conn
-}
-
-func newSilentServer(t *testing.T) *silentServer {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := &silentServer{ln: ln}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			s.mu.Lock()
-			s.conns = append(s.conns, c)
-			s.mu.Unlock()
-		}
-	}()
-	t.Cleanup(func() {
-		_ = ln.Close()
-		<-done
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		for _, c := range s.conns {
-			_ = c.Close()
-		}
-	})
-	return s
-}
-
-func (s *silentServer) addr() string { return s.ln.Addr().String() }
 
 // runBin runs the binary with args; it returns stdout, stderr, the exit
 // code and how long it took.
@@ -85,12 +43,12 @@ func runBin(t *testing.T, args ...string) (string, string, int, time.Duration) {
 // and of a Redis that accept the connection and never answer, and the
 // error says which service timed out.
 func TestTimeoutBoundsDials(t *testing.T) {
-	s := newSilentServer(t)
+	s := testenv.NewSilentServer(t)
 	const timeout = 2 * time.Second
 	bound := 3*timeout + 2*time.Second
 	t.Run("rabbitmq", func(t *testing.T) {
 		_, errOut, code, took := runBin(t, "dlq", "list", "q", "--timeout", timeout.String(),
-			"--amqp", "amqp://guest:guest@"+s.addr()+"/")
+			"--amqp", "amqp://guest:guest@"+s.Addr()+"/")
 		if code != 1 || took > bound {
 			t.Fatalf("dlq list against a silent broker: exit %d after %v, want 1 within %v\n%s", code, took, bound, errOut)
 		}
@@ -100,7 +58,7 @@ func TestTimeoutBoundsDials(t *testing.T) {
 	})
 	t.Run("redis", func(t *testing.T) {
 		_, errOut, code, took := runBin(t, "inspect", "k", "--queue", "q", "--timeout", timeout.String(),
-			"--redis", "redis://"+s.addr()+"/0")
+			"--redis", "redis://"+s.Addr()+"/0")
 		// Tighter than bound: go-redis's own dial timeout is 5 s.
 		if bound := timeout + 2*time.Second; code != 1 || took > bound {
 			t.Fatalf("inspect against a silent Redis: exit %d after %v, want 1 within %v\n%s", code, took, bound, errOut)
@@ -114,8 +72,8 @@ func TestTimeoutBoundsDials(t *testing.T) {
 // TestSecondInterruptExits: a second SIGINT ends the command at once,
 // whatever it waits for.
 func TestSecondInterruptExits(t *testing.T) {
-	s := newSilentServer(t)
-	cmd := exec.Command(bin, "dlq", "list", "q", "--timeout", "60s", "--amqp", "amqp://guest:guest@"+s.addr()+"/")
+	s := testenv.NewSilentServer(t)
+	cmd := exec.Command(bin, "dlq", "list", "q", "--timeout", "60s", "--amqp", "amqp://guest:guest@"+s.Addr()+"/")
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	if err := cmd.Start(); err != nil {
@@ -160,10 +118,10 @@ func TestRelaySilentBroker(t *testing.T) {
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	s := newSilentServer(t)
+	s := testenv.NewSilentServer(t)
 	const timeout = 2 * time.Second
 	cmd := exec.Command(bin, "relay", "--timeout", timeout.String(), "--postgres", pgenv.DSN(t), "--pg-schema", cfg.Schema,
-		"--amqp", "amqp://guest:guest@"+s.addr()+"/")
+		"--amqp", "amqp://guest:guest@"+s.Addr()+"/")
 	stderr := &lockedBuffer{}
 	cmd.Stderr = stderr
 	start := time.Now()
