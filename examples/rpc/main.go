@@ -82,7 +82,12 @@ func run(log *slog.Logger) error {
 		return err
 	}
 
-	conn, err := amqp.Dial(envOr("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"))
+	url := envOr("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+	if _, err := amqp.ParseURI(url); err != nil {
+		// Its error quotes the URL, password and all: say less.
+		return errors.New("AMQP_URL does not parse as an AMQP URL (a '%', '#', '/' or '?' in the password must be %-escaped)")
+	}
+	conn, err := amqp.Dial(url)
 	if err != nil {
 		return err
 	}

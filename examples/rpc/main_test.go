@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"log/slog"
+	"strings"
 	"testing"
 	"time"
 
@@ -23,4 +25,15 @@ func TestSelfCheck(t *testing.T) {
 // main.go can be copied whole into another module.
 func TestMainIsTemplate(t *testing.T) {
 	templatecheck.Check(t, "main.go")
+}
+
+// A malformed AMQP_URL stops the example without printing its password
+// (amqp091-go's parse error quotes the whole URL).
+func TestMalformedURLHidesPassword(t *testing.T) {
+	t.Setenv("REDIS_ADDR", testenv.RedisAddr(t))
+	t.Setenv("AMQP_URL", "amqp://guest:s3cr%zz@127.0.0.1:5672/")
+	err := run(slog.New(slog.DiscardHandler))
+	if err == nil || strings.Contains(err.Error(), "s3cr") {
+		t.Fatalf("run: %v; want an error without the password", err)
+	}
 }
