@@ -160,6 +160,10 @@ func (a *app) setup(ctx context.Context, pool *pgxpool.Pool, amqpURL string) err
 	)`); err != nil {
 		return err
 	}
+	if _, err := amqp.ParseURI(amqpURL); err != nil {
+		// Its error quotes the URL, password and all: say less.
+		return errors.New("AMQP_URL does not parse as an AMQP URL (a '%', '#', '/' or '?' in the password must be %-escaped)")
+	}
 	conn, err := amqp.Dial(amqpURL)
 	if err != nil {
 		return err
