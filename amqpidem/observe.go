@@ -69,9 +69,14 @@ const (
 	// PublishOutbox: a message a handler staged (Stage). Its headers hold
 	// the trace context written when it was staged.
 	PublishOutbox
+	// PublishRelay: a row of a producer outbox, published by pgstore's
+	// Relay outside any delivery (the context is the relay's, Queue is
+	// ""). Its headers hold the trace context written with the row
+	// (pgstore.Config.Inject).
+	PublishRelay
 )
 
-// String returns "requeue", "dead_letter", "reply" or "outbox".
+// String returns "requeue", "dead_letter", "reply", "outbox" or "relay".
 func (k PublishKind) String() string {
 	switch k {
 	case PublishRequeue:
@@ -82,6 +87,8 @@ func (k PublishKind) String() string {
 		return "reply"
 	case PublishOutbox:
 		return "outbox"
+	case PublishRelay:
+		return "relay"
 	}
 	return fmt.Sprintf("publish_kind(%d)", int(k))
 }

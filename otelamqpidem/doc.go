@@ -95,7 +95,7 @@
 // messaging.rabbitmq.destination.routing_key, the message's id,
 // correlation id and body size, server.address and server.port,
 // amqpidem.queue, amqpidem.publish.kind ("requeue", "dead_letter",
-// "reply", "outbox") and for a delayed requeue amqpidem.delay. A publish
+// "reply", "outbox", "relay") and for a delayed requeue amqpidem.delay. A publish
 // that failed has status Error and the error as an exception event.
 //
 // Their headers:
@@ -126,6 +126,11 @@
 // crash or a failed publish) and `amqpidem outbox redrive` included. The
 // producer span of a publish of it links to that context and does not
 // replace it (a message staged without a Tracer gets the producer span's).
+//
+// pgstore's Relay takes the same Tracer (RelayConfig.Tracer) for the rows
+// it publishes: each publish gets a producer span, amqpidem.publish.kind
+// "relay", linked to the trace context written with the row
+// (pgstore.Config.Inject), which the message keeps.
 //
 // # Metrics
 //

@@ -239,7 +239,7 @@ func (t *Tracer) Start(ctx context.Context, queue string, d *amqp.Delivery) cont
 func (t *Tracer) StartPublish(ctx context.Context, p amqpidem.Publish) (end func(err error)) {
 	var links []trace.Link
 	var staged trace.SpanContext
-	if p.Kind == amqpidem.PublishOutbox {
+	if p.Kind == amqpidem.PublishOutbox || p.Kind == amqpidem.PublishRelay {
 		staged = trace.SpanContextFromContext(t.propagator.Extract(context.Background(), HeaderCarrier(p.Headers)))
 		if staged.IsValid() {
 			links = append(links, trace.Link{SpanContext: staged})
@@ -280,7 +280,7 @@ func (t *Tracer) StartPublish(ctx context.Context, p amqpidem.Publish) (end func
 	)
 	if p.Headers != nil {
 		switch p.Kind {
-		case amqpidem.PublishOutbox:
+		case amqpidem.PublishOutbox, amqpidem.PublishRelay:
 			if !staged.IsValid() {
 				t.propagator.Inject(sctx, HeaderCarrier(p.Headers))
 			}

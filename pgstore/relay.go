@@ -108,6 +108,11 @@ type RelayConfig struct {
 	// Logger gets the relay's warnings and errors. Default the Outbox's
 	// Config.Logger, or slog.Default().
 	Logger *slog.Logger
+	// Tracer, when set, is told of every publish (Kind
+	// amqpidem.PublishRelay, with the row's headers, which hold the
+	// trace context Config.Inject wrote with it), for a producer span:
+	// an otelamqpidem.Tracer fits. Nil: none.
+	Tracer amqpidem.PublishTracer
 }
 
 // Validate reports the first invalid field, by name. A URL that does not
@@ -781,7 +786,19 @@ func (r *Relay) publish(ctx context.Context, b []byte) error {
 	}
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.PublishTimeout)
 	defer cancel()
-	return r.pub.Publish(ctx, exchange, key, msg)
+	if r.cfg.Tracer == nil {
+		return r.pub.Publish(ctx, exchange, key, msg)
+	}
+	if msg.Headers == nil {
+		msg.Headers = amqp.Table{}
+	}
+	end := r.cfg.Tracer.StartPublish(ctx, amqpidem.Publish{Kind: amqpidem.PublishRelay, Exchange: exchange, RoutingKey: key,
+		Headers: msg.Headers, MessageID: msg.MessageId, CorrelationID: msg.CorrelationId, BodySize: len(msg.Body)})
+	err = r.pub.Publish(ctx, exchange, key, msg)
+	if end != nil {
+		end(err)
+	}
+	return err
 }
 
 // errUndecodable marks a row whose message cannot be read: refused.

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -655,5 +657,68 @@ func TestRelayCleansUpUnderLoad(t *testing.T) {
 			t.Fatalf("after 20 s: %d pending, %d sent, none deleted", pending, sent)
 		}
 		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// relayTracer records what a Relay tells its RelayConfig.Tracer.
+type relayTracer struct {
+	mu    sync.Mutex
+	pubs  []amqpidem.Publish
+	ended []error
+}
+
+func (*relayTracer) Start(ctx context.Context, _ string, _ *amqp.Delivery) context.Context {
+	return ctx
+}
+func (*relayTracer) Inject(context.Context, amqp.Table)  {}
+func (*relayTracer) End(context.Context, amqpidem.Event) {}
+func (t *relayTracer) StartPublish(_ context.Context, p amqpidem.Publish) func(error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	p.Headers = maps.Clone(p.Headers)
+	t.pubs = append(t.pubs, p)
+	return func(err error) {
+		t.mu.Lock()
+		defer t.mu.Unlock()
+		t.ended = append(t.ended, err)
+	}
+}
+
+// TestRelayTracer: the relay tells RelayConfig.Tracer of each publish, as
+// a relay publish with the row's headers (the trace context Write
+// injected), and ends it with the publish's outcome: a producer span per
+// relayed row (issue 37, item 11).
+func TestRelayTracer(t *testing.T) {
+	r := newOutboxRig(t)
+	cfg := r.cfg
+	cfg.Inject = func(_ context.Context, h amqp.Table) { h["traceparent"] = "00-trace-span-01" }
+	ob, err := pgstore.NewOutbox(r.pool, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.ob = ob
+	m := r.msg("traced")
+	m.Publishing.MessageId = "relay-traced-1"
+	r.write(true, m)
+	tr := &relayTracer{}
+	r.relay(pgstore.RelayConfig{Tracer: tr})
+	r.take(1, 10*time.Second)
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		tr.mu.Lock()
+		pubs, ended := slices.Clone(tr.pubs), slices.Clone(tr.ended)
+		tr.mu.Unlock()
+		if len(ended) == 1 {
+			p := pubs[0]
+			if len(pubs) != 1 || p.Kind != amqpidem.PublishRelay || p.RoutingKey != r.queue || p.MessageID != "relay-traced-1" ||
+				p.Headers["traceparent"] != "00-trace-span-01" || ended[0] != nil {
+				t.Fatalf("told %+v, ended %v; want one relay publish with the row's trace context, ended without error", pubs, ended)
+			}
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("told %+v, ended %v; want one publish, ended", pubs, ended)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }

@@ -383,3 +383,26 @@ func TestTracerGlobalDefaults(t *testing.T) {
 	tr.Inject(ctx, h)
 	tr.End(ctx, amqpidem.Event{Queue: "q", Outcome: amqpidem.DeadLettered, Err: errors.New("x")})
 }
+
+// A relayed row's producer span links to the trace context written with
+// the row, which the message keeps: its consumer's span follows the
+// writer's trace, not the relay's.
+func TestTracerRelayPublish(t *testing.T) {
+	tr, rec, _ := newTracer(t)
+	h := amqp.Table{}
+	otelamqpidem.Inject(producerContext(), h, otelamqpidem.WithPropagators(propagation.TraceContext{}))
+	written := h["traceparent"]
+	end := tr.StartPublish(context.Background(), amqpidem.Publish{Kind: amqpidem.PublishRelay, Exchange: "orders", RoutingKey: "placed",
+		Headers: h, MessageID: "m1", BodySize: 3})
+	end(nil)
+	s := only(t, rec)
+	if s.SpanKind() != trace.SpanKindProducer || len(s.Links()) != 1 || s.Links()[0].SpanContext.TraceID() != trace.SpanContextFromContext(producerContext()).TraceID() {
+		t.Errorf("span %q kind %v links %v: want a producer span linked to the row's context", s.Name(), s.SpanKind(), s.Links())
+	}
+	if a := attrs(s); a[otelamqpidem.AttrPublishKind].AsString() != "relay" {
+		t.Errorf("attributes %v: want publish kind relay", a)
+	}
+	if h["traceparent"] != written {
+		t.Errorf("traceparent %v, want the row's %v kept", h["traceparent"], written)
+	}
+}
