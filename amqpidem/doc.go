@@ -74,7 +74,7 @@
 //	published                              that stored them may still publish them
 //	staged message refused by the broker   requeued, tried again; given up after   marked returned
 //	(IsRefused: returned, or its channel   MaxAttempts tries (logged), then ack
-//	closed by the broker over it)
+//	closed by the broker over it)          as OutboxGivenUp
 //	staged message's publish failed on     requeued after UnavailableDelay, not    unchanged
 //	the way (connection or confirm lost)   a try: published again, never given up
 //	another consumer holds a live lease    delayed requeue: 0.25 s, doubled at     unchanged
