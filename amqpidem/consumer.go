@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -416,8 +417,18 @@ func (c *Consumer) isStopping() bool {
 // to be cancelled. A handler that ignores its context delays Shutdown
 // until it returns. Shutdown is idempotent and may be called before,
 // during or after Run.
+//
+// The first call logs, at info level, "amqpidem: shutting down" with the
+// handlers in flight (in_flight), and "amqpidem: shut down" with how it
+// ended (ended: "handlers finished", or "deadline passed, handlers
+// cancelled").
 func (c *Consumer) Shutdown(ctx context.Context) error {
-	c.stopOnce.Do(func() { close(c.stopping) })
+	first := false
+	c.stopOnce.Do(func() {
+		first = true
+		c.proc.cfg.Logger.InfoContext(ctx, "amqpidem: shutting down", "queue", c.cfg.Queue, "in_flight", c.proc.gate.held())
+		close(c.stopping)
+	})
 	var err error
 	select {
 	case <-c.running:
@@ -433,7 +444,20 @@ func (c *Consumer) Shutdown(ctx context.Context) error {
 	c.cancel()
 	kctx, cancel := settleContext(ctx)
 	defer cancel()
-	return errors.Join(err, c.proc.keeper.Shutdown(kctx))
+	err = errors.Join(err, c.proc.keeper.Shutdown(kctx))
+	if first {
+		logShutDown(ctx, c.proc.cfg.Logger, c.cfg.Queue, err)
+	}
+	return err
+}
+
+// logShutDown logs the end of a Shutdown that returned err.
+func logShutDown(ctx context.Context, log *slog.Logger, queue string, err error) {
+	if err == nil {
+		log.InfoContext(ctx, "amqpidem: shut down", "queue", queue, "ended", "handlers finished")
+		return
+	}
+	log.InfoContext(ctx, "amqpidem: shut down", "queue", queue, "ended", "deadline passed, handlers cancelled", "error", err)
 }
 
 // ErrNotReady is what Ready returns, wrapped with the reason, when the
