@@ -1,6 +1,7 @@
 package amqpidem
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -196,8 +197,20 @@ type Consumer struct {
 
 // NewConsumer returns a Consumer running h on cfg.Queue with store. It makes
 // no network call; Run connects.
+//
+// A Completer (pgstore's TxHandler) holds a connection of its store for
+// as long as it runs: on a store with a bounded pool (ConnPool) of no more
+// connections than Concurrency, NewConsumer returns an error wrapping
+// ErrPoolTooSmall, since the heartbeat could not renew the leases of
+// handlers holding every connection. Run warns at start when a plain
+// handler's store pool is that small (its store calls wait for one
+// another), and when Concurrency is above Prefetch (no more than
+// Prefetch handlers ever run at once).
 func NewConsumer(store lock.Store, cfg ConsumerConfig, h Handler) (*Consumer, error) {
 	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if err := checkPool(store, h, cmp.Or(cfg.Concurrency, cfg.Prefetch, DefaultPrefetch)); err != nil {
 		return nil, err
 	}
 	if t, ok := cfg.QueueArgs["x-queue-type"].(string); ok && cfg.QueueType == "" {
@@ -321,6 +334,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		c.pub.wait() // its channels' closes end with the connection
 	}()
 	c.checkStore(checkCtx)
+	c.warnSizes(ctx)
 
 	log := c.proc.cfg.Logger
 	bo := c.cfg.Reconnect()
