@@ -39,11 +39,10 @@
 // # A delivery's way through
 //
 // Every delivery, whether Handle or a Consumer's worker took it, goes the
-// same four steps (in the source, each a method of the one value that
-// carries the delivery, flight.go):
+// same four steps:
 //
 //  1. Arrival: amqpidem's headers are read once, under the rules of
-//     "Headers a publisher can forge" below (headers.go); a Consumer's
+//     "Headers a publisher can forge" below; a Consumer's
 //     delivery waits for its turn at the gate (Concurrency, in delivery
 //     order); its key is taken (Config.Key) and the store looked up
 //     (Acquire): one store call. A handler that is a LeaseTaker
@@ -59,7 +58,7 @@
 //     has a ReplyTo), requeue (a copy confirmed by the broker, then an
 //     ack), dead letter (a copy confirmed by the broker, then an ack),
 //     and, only when no copy can be published at all, a nack with
-//     requeue (settle.go).
+//     requeue.
 //
 // # What happens to a delivery
 //
