@@ -153,6 +153,11 @@ type Config struct {
 	// is logged at error level and the retry waits UnavailableDelay.
 	// Default: Exponential(time.Second, 5*time.Minute).
 	Backoff func() backoff.BackOff
+	// RetryDelay, when set, decides the delay before each retry from the
+	// attempt, the handler's error and the delivery, in place of Backoff
+	// (a handler's RetryAfter error still wins over it). Default nil:
+	// Backoff decides.
+	RetryDelay RetryDelayFunc
 	// MaxAttempts is how many executions a key gets, crashes included,
 	// before it is dead-lettered. Default DefaultMaxAttempts.
 	MaxAttempts int

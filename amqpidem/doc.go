@@ -79,7 +79,9 @@
 //	another consumer holds a live lease    delayed requeue: 0.25 s, doubled at     unchanged
 //	                                       each look, never past that lease's
 //	                                       expiry or InProgressDelay
-//	retryable failure, HandlerTimeout      delayed requeue after Backoff(attempt)  lease released, attempts kept
+//	retryable failure, HandlerTimeout      delayed requeue after RetryAfter's      lease released, attempts kept
+//	                                       delay, else RetryDelay's, else
+//	                                       Backoff's
 //	handler returned ErrStale              short requeue, not an attempt           lease given up, attempt taken back
 //	permanent failure, attempts exhausted, dead letter with fault headers          failed, error stored
 //	result too large for the store
