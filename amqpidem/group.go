@@ -51,7 +51,11 @@ func (g *Group) Run(ctx context.Context) error {
 	for _, c := range g.consumers {
 		go func() { errs <- c.Run(ctx) }()
 	}
-	var failed error
+	var (
+		failed   error
+		shutdown sync.WaitGroup // the shutdown a failure started
+	)
+	defer shutdown.Wait()
 	for range g.consumers {
 		err := <-errs
 		if err == nil || errors.Is(err, ErrConsumerClosed) || failed != nil {
@@ -61,11 +65,11 @@ func (g *Group) Run(ctx context.Context) error {
 		if ctx.Err() == nil && !g.isStopping() {
 			// The others stop within the grace period; their Runs then
 			// return ErrConsumerClosed, which the loop waits for.
-			go func() {
+			shutdown.Go(func() {
 				gctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), groupFailGrace)
 				defer cancel()
 				_ = g.Shutdown(gctx)
-			}()
+			})
 		}
 	}
 	switch {

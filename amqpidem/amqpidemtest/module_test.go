@@ -12,7 +12,8 @@ import (
 // TestFreshModule builds and tests, in a module of its own that requires
 // this checkout, what a new user writes from the documentation: a
 // handler with middleware (amqpidem.Chain), an error-aware retry delay
-// (Config.RetryDelay, amqpidem.RetryAfter), and its test written with
+// (Config.RetryDelay, amqpidem.RetryAfter), two queues in one
+// amqpidem.Group, and its test written with
 // this kit, importing public packages only (testdata/usermodule).
 func TestFreshModule(t *testing.T) {
 	if testing.Short() {
