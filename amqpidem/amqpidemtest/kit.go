@@ -96,9 +96,9 @@ type Message struct {
 
 // Publish is one message the processing published.
 type Publish struct {
-	Exchange   string
-	RoutingKey string
-	Msg        amqp.Publishing
+	Exchange   string          // the exchange published to
+	RoutingKey string          // its routing key (the queue, through the default exchange)
+	Msg        amqp.Publishing // the message, headers included
 	// Delay is, for a requeued copy, how long it would wait before it is
 	// delivered again; zero for the others.
 	Delay time.Duration

@@ -1,6 +1,3 @@
-// Package kit connects package amqpidemtest to amqpidem's processing,
-// which amqpidem does not export: amqpidem sets Wrap when it is loaded.
-// Nothing but amqpidemtest may use it.
 package kit
 
 import (
