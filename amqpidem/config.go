@@ -75,7 +75,10 @@ const (
 // field but Queue is valid and documented.
 type Config struct {
 	// Queue is the queue consumed. Required. It names the dead-letter
-	// queue ("<Queue>.dlq") and the delay queues ("<Queue>.delay.<ms>").
+	// queue ("<Queue>.dlq") and the delay queues: "<Queue>.delay.<ms>" for
+	// a classic queue, "<Queue>.delayq.<ms>" for a quorum one (QueueType),
+	// <ms> the delay tier (DelayTier: delays rounded to two significant
+	// digits, so 4.9 s, 5 s and 5.5 s are three queues).
 	Queue string
 	// Endpoint names the inbox whose records this consumer keeps: a
 	// message's record is kept under StoreKey(Endpoint, key), so two
@@ -143,12 +146,18 @@ type Config struct {
 	// off by a default; a hung handler then holds its lease until the
 	// process stops. Set it to a bound the work can never need.
 	HandlerTimeout time.Duration
-	// Backoff makes a fresh backoff.BackOff for one delivery; the n-th
+	// Backoff makes a fresh backoff.BackOff (github.com/cenkalti/backoff/v4;
+	// v5's API differs) for one delivery; the n-th
 	// NextBackOff is the delay before retry n. backoff.Stop means "no
 	// more retries": the message is dead-lettered. A Backoff that panics
 	// is logged at error level and the retry waits UnavailableDelay.
 	// Default: Exponential(time.Second, 5*time.Minute).
 	Backoff func() backoff.BackOff
+	// RetryDelay, when set, decides the delay before each retry from the
+	// attempt, the handler's error and the delivery, in place of Backoff
+	// (a handler's RetryAfter error still wins over it). Default nil:
+	// Backoff decides.
+	RetryDelay RetryDelayFunc
 	// MaxAttempts is how many executions a key gets, crashes included,
 	// before it is dead-lettered. Default DefaultMaxAttempts.
 	MaxAttempts int

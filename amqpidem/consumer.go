@@ -1,9 +1,11 @@
 package amqpidem
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -195,8 +197,20 @@ type Consumer struct {
 
 // NewConsumer returns a Consumer running h on cfg.Queue with store. It makes
 // no network call; Run connects.
+//
+// A Completer (pgstore's TxHandler) holds a connection of its store for
+// as long as it runs: on a store with a bounded pool (ConnPool) of no more
+// connections than Concurrency, NewConsumer returns an error wrapping
+// ErrPoolTooSmall, since the heartbeat could not renew the leases of
+// handlers holding every connection. Run warns at start when a plain
+// handler's store pool is that small (its store calls wait for one
+// another), and when Concurrency is above Prefetch (no more than
+// Prefetch handlers ever run at once).
 func NewConsumer(store lock.Store, cfg ConsumerConfig, h Handler) (*Consumer, error) {
 	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if err := checkPool(store, h, cmp.Or(cfg.Concurrency, cfg.Prefetch, DefaultPrefetch)); err != nil {
 		return nil, err
 	}
 	if t, ok := cfg.QueueArgs["x-queue-type"].(string); ok && cfg.QueueType == "" {
@@ -320,6 +334,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		c.pub.wait() // its channels' closes end with the connection
 	}()
 	c.checkStore(checkCtx)
+	c.warnSizes(ctx)
 
 	log := c.proc.cfg.Logger
 	bo := c.cfg.Reconnect()
@@ -416,8 +431,18 @@ func (c *Consumer) isStopping() bool {
 // to be cancelled. A handler that ignores its context delays Shutdown
 // until it returns. Shutdown is idempotent and may be called before,
 // during or after Run.
+//
+// The first call logs, at info level, "amqpidem: shutting down" with the
+// handlers in flight (in_flight), and "amqpidem: shut down" with how it
+// ended (ended: "handlers finished", or "deadline passed, handlers
+// cancelled").
 func (c *Consumer) Shutdown(ctx context.Context) error {
-	c.stopOnce.Do(func() { close(c.stopping) })
+	first := false
+	c.stopOnce.Do(func() {
+		first = true
+		c.proc.cfg.Logger.InfoContext(ctx, "amqpidem: shutting down", "queue", c.cfg.Queue, "in_flight", c.proc.gate.held())
+		close(c.stopping)
+	})
 	var err error
 	select {
 	case <-c.running:
@@ -433,7 +458,20 @@ func (c *Consumer) Shutdown(ctx context.Context) error {
 	c.cancel()
 	kctx, cancel := settleContext(ctx)
 	defer cancel()
-	return errors.Join(err, c.proc.keeper.Shutdown(kctx))
+	err = errors.Join(err, c.proc.keeper.Shutdown(kctx))
+	if first {
+		logShutDown(ctx, c.proc.cfg.Logger, c.cfg.Queue, err)
+	}
+	return err
+}
+
+// logShutDown logs the end of a Shutdown that returned err.
+func logShutDown(ctx context.Context, log *slog.Logger, queue string, err error) {
+	if err == nil {
+		log.InfoContext(ctx, "amqpidem: shut down", "queue", queue, "ended", "handlers finished")
+		return
+	}
+	log.InfoContext(ctx, "amqpidem: shut down", "queue", queue, "ended", "deadline passed, handlers cancelled", "error", err)
 }
 
 // ErrNotReady is what Ready returns, wrapped with the reason, when the

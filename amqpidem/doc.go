@@ -39,11 +39,10 @@
 // # A delivery's way through
 //
 // Every delivery, whether Handle or a Consumer's worker took it, goes the
-// same four steps (in the source, each a method of the one value that
-// carries the delivery, flight.go):
+// same four steps:
 //
 //  1. Arrival: amqpidem's headers are read once, under the rules of
-//     "Headers a publisher can forge" below (headers.go); a Consumer's
+//     "Headers a publisher can forge" below; a Consumer's
 //     delivery waits for its turn at the gate (Concurrency, in delivery
 //     order); its key is taken (Config.Key) and the store looked up
 //     (Acquire): one store call. A handler that is a LeaseTaker
@@ -59,7 +58,7 @@
 //     has a ReplyTo), requeue (a copy confirmed by the broker, then an
 //     ack), dead letter (a copy confirmed by the broker, then an ack),
 //     and, only when no copy can be published at all, a nack with
-//     requeue (settle.go).
+//     requeue.
 //
 // # What happens to a delivery
 //
@@ -74,13 +73,15 @@
 //	published                              that stored them may still publish them
 //	staged message refused by the broker   requeued, tried again; given up after   marked returned
 //	(IsRefused: returned, or its channel   MaxAttempts tries (logged), then ack
-//	closed by the broker over it)
+//	closed by the broker over it)          as OutboxGivenUp
 //	staged message's publish failed on     requeued after UnavailableDelay, not    unchanged
 //	the way (connection or confirm lost)   a try: published again, never given up
 //	another consumer holds a live lease    delayed requeue: 0.25 s, doubled at     unchanged
 //	                                       each look, never past that lease's
 //	                                       expiry or InProgressDelay
-//	retryable failure, HandlerTimeout      delayed requeue after Backoff(attempt)  lease released, attempts kept
+//	retryable failure, HandlerTimeout      delayed requeue after RetryAfter's      lease released, attempts kept
+//	                                       delay, else RetryDelay's, else
+//	                                       Backoff's
 //	handler returned ErrStale              short requeue, not an attempt           lease given up, attempt taken back
 //	permanent failure, attempts exhausted, dead letter with fault headers          failed, error stored
 //	result too large for the store

@@ -81,3 +81,24 @@ func ExampleWrap() {
 		go w.Handle(context.Background(), d) // acks, requeues or dead-letters d
 	}
 }
+
+// A handler calling a rate-limited API retries after the delay the API
+// asks for; other errors by kind, through Config.RetryDelay.
+func ExampleRetryAfter() {
+	errRateLimited := errors.New("rate limited")
+	h := amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+		// resp, err := client.Do(req) ...
+		retryAfter := 30 * time.Second // from the 429's Retry-After header
+		return nil, amqpidem.RetryAfter(errRateLimited, retryAfter)
+	})
+	cfg := amqpidem.Config{
+		Queue: "calls",
+		RetryDelay: func(n int, err error, d *amqp.Delivery) time.Duration {
+			if errors.Is(err, context.DeadlineExceeded) {
+				return time.Duration(n) * 10 * time.Second // a slow API: back off gently
+			}
+			return time.Duration(1<<min(n, 8)) * time.Second
+		},
+	}
+	_, _ = h, cfg
+}

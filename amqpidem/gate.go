@@ -16,6 +16,7 @@ import (
 // slot, or its delivery was abandoned). Safe for concurrent use.
 type gate struct {
 	mu    sync.Mutex
+	slots int       // slots in all
 	free  int       // slots not held
 	queue []*ticket // tickets without a slot and not left, oldest first
 }
@@ -35,7 +36,14 @@ const (
 	left                       // gave up: waited in vain, or abandoned
 )
 
-func newGate(slots int) *gate { return &gate{free: slots} }
+func newGate(slots int) *gate { return &gate{slots: slots, free: slots} }
+
+// held is how many slots are held: the handlers running, or about to.
+func (g *gate) held() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.slots - g.free
+}
 
 // enter gives the next delivery its ticket. Calls must come in delivery
 // order.

@@ -74,7 +74,7 @@ func (f *flight) release() {
 	defer cancel()
 	if err := f.p.store.Release(sctx, f.lease); err != nil && !errors.Is(err, lock.ErrLeaseLost) {
 		f.p.cfg.Logger.WarnContext(f.ctx, "amqpidem: release failed; the retry waits for the lease to expire",
-			"queue", f.p.cfg.Queue, "key", f.lease.Key, "fence", f.lease.Fence, "error", err)
+			"queue", f.p.cfg.Queue, "key", f.ev.Key, "fence", f.lease.Fence, "error", err)
 	}
 }
 
@@ -92,7 +92,7 @@ func (f *flight) cancel() {
 	}
 	if !errors.Is(err, lock.ErrLeaseLost) {
 		f.p.cfg.Logger.WarnContext(f.ctx, "amqpidem: cancel failed; the next delivery waits for the lease to expire",
-			"queue", f.p.cfg.Queue, "key", f.lease.Key, "fence", f.lease.Fence, "error", err)
+			"queue", f.p.cfg.Queue, "key", f.ev.Key, "fence", f.lease.Fence, "error", err)
 	}
 }
 

@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"runtime"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -24,7 +26,10 @@ func TestConsumerShutdownInFlight(t *testing.T) {
 		<-ctx.Done() // a job that only stops when told to
 		return nil, ctx.Err()
 	})
-	c, err := amqpidem.NewConsumer(e.store, amqpidem.ConsumerConfig{URL: e.url, Config: amqpidem.Config{Queue: e.queue}}, h)
+	logs := &lockedBuffer{}
+	c, err := amqpidem.NewConsumer(e.store, amqpidem.ConsumerConfig{URL: e.url, Config: amqpidem.Config{
+		Queue: e.queue, Logger: slog.New(slog.NewTextHandler(logs, nil)),
+	}}, h)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -47,6 +52,17 @@ func TestConsumerShutdownInFlight(t *testing.T) {
 	}
 	if err := c.Shutdown(context.Background()); err != nil {
 		t.Fatalf("second Shutdown: %v", err)
+	}
+	// Shutdown says when it starts, with how many handlers run, and how
+	// it ended, once (issue 42, item 5: it logged nothing).
+	got := logs.String()
+	for _, want := range []string{
+		`level=INFO msg="amqpidem: shutting down" queue=` + e.queue + ` in_flight=1`,
+		`level=INFO msg="amqpidem: shut down" queue=` + e.queue + ` ended="deadline passed, handlers cancelled"`,
+	} {
+		if n := strings.Count(got, want); n != 1 {
+			t.Errorf("log has %d of %q, want 1:\n%s", n, want, got)
+		}
 	}
 
 	// The message went back to the queue, and its lease was released.

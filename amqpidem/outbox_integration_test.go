@@ -122,7 +122,7 @@ func TestOutboxRefusedByTheBroker(t *testing.T) {
 	rec.waitFor(t, 30*time.Second, "the three given up", func(evs []amqpidem.Event) bool {
 		n := 0
 		for _, ev := range evs {
-			if ev.Outbox.Returned == 1 && ev.Outcome == amqpidem.Duplicate {
+			if ev.Outbox.Returned == 1 && ev.Outcome == amqpidem.OutboxGivenUp {
 				n++
 			}
 		}

@@ -295,7 +295,8 @@ func TestOutboxUnavailableNotCounted(t *testing.T) {
 // TestOutboxReturnedGivenUp: a message no queue takes is tried with each
 // copy, after UnavailableDelay, and given up after MaxAttempts tries:
 // counted, logged, kept in the record as returned; the delivery is then
-// acked as completed work.
+// acked, as OutboxGivenUp (not as a duplicate: issue 42, item 5), and so
+// logged.
 func TestOutboxReturnedGivenUp(t *testing.T) {
 	var logs bytes.Buffer
 	cfg := Config{MaxAttempts: 3, Logger: slog.New(slog.NewTextHandler(&logs, nil))}
@@ -309,7 +310,7 @@ func TestOutboxReturnedGivenUp(t *testing.T) {
 			t.Fatalf("copy %d: %v %q %v", i, evs[i].Outcome, evs[i].Reason, evs[i].Delay)
 		}
 	}
-	if last := evs[2]; last.Outcome != Duplicate || last.Outbox.Returned != 1 {
+	if last := evs[2]; last.Outcome != OutboxGivenUp || last.Outbox.Returned != 1 {
 		t.Fatalf("last copy: %v %q %+v", last.Outcome, last.Reason, last.Outbox)
 	}
 	res, _ := s.Acquire(context.Background(), lock.Request{Key: StoreKey("q", "a")})
@@ -319,6 +320,10 @@ func TestOutboxReturnedGivenUp(t *testing.T) {
 	}
 	if !strings.Contains(logs.String(), "staged message given up") {
 		t.Fatalf("no warning logged:\n%s", logs.String())
+	}
+	if got := logs.String(); !strings.Contains(got, `msg="amqpidem: message outbox_given_up"`) || !strings.Contains(got, "outcome=outbox_given_up") ||
+		strings.Contains(got, "outcome=duplicate") {
+		t.Fatalf("the last copy is not logged as outbox_given_up:\n%s", got)
 	}
 	// Nothing more happens to it with later copies: an operator re-drives it.
 	b.fail = nil

@@ -34,6 +34,13 @@ const (
 	// broker or store unavailable); the message is requeued or left for
 	// the broker to redeliver, and its result, if any, discarded.
 	Abandoned
+	// OutboxGivenUp: the work is completed, but this delivery gave up on
+	// one or more of the messages it staged (Stage), or an earlier
+	// execution staged, after the broker refused each MaxAttempts times
+	// (Event.Outbox.Returned); acked, with Reason "staged message given
+	// up". Those messages stay in the record (OutboxReturned) for an
+	// operator to publish again. Final, like Completed and Duplicate.
+	OutboxGivenUp
 )
 
 // String returns the outcome in lower case, as logged.
@@ -53,6 +60,8 @@ func (o Outcome) String() string {
 		return "dropped"
 	case Abandoned:
 		return "abandoned"
+	case OutboxGivenUp:
+		return "outbox_given_up"
 	}
 	return fmt.Sprintf("outcome(%d)", int(o))
 }
@@ -63,8 +72,8 @@ type Event struct {
 	Consumer string  // Config.ConsumerName
 	Key      string  // the idempotency key; empty when the message had none
 	Outcome  Outcome // what became of the delivery
-	// Reason says why: always for Busy, Retried, DeadLettered, Dropped and
-	// Abandoned ("attempts exhausted", "lease lost", ...); for Completed
+	// Reason says why: always for Busy, Retried, DeadLettered, Dropped,
+	// Abandoned and OutboxGivenUp ("attempts exhausted", "lease lost", ...); for Completed
 	// and Duplicate only when something was out of the ordinary ("no
 	// key", "store unavailable, failing open", "reply not re-sent",
 	// "reply given up"). Reasons are fixed strings of amqpidem's (a

@@ -258,17 +258,26 @@ func (p *processor) fingerprint(d *amqp.Delivery) (fp string, err error) {
 	return "", nil
 }
 
-// retryDelay is the delay before retry n from Config.Backoff (see
-// Config.retryDelay). A Backoff that panics is logged at error level and
-// retries after UnavailableDelay: MaxAttempts still ends the retries.
-func (p *processor) retryDelay(ctx context.Context, n int) (d time.Duration, ok bool) {
+// retryDelay is the delay before the retry of delivery dl, whose execution
+// n failed with err: a RetryAfterError's, else Config.RetryDelay's, else
+// Config.Backoff's (see Config.retryDelay); ok is false for no more
+// retries. A RetryDelay or Backoff that panics is logged at error level
+// and retries after UnavailableDelay: MaxAttempts still ends the retries.
+func (p *processor) retryDelay(ctx context.Context, n int, err error, dl *amqp.Delivery) (d time.Duration, ok bool) {
+	if d, ok := retryAfter(err); ok {
+		return d, true
+	}
 	defer func() {
 		if v := recover(); v != nil {
-			p.cfg.Logger.ErrorContext(ctx, "amqpidem: Config.Backoff panicked; retrying after UnavailableDelay",
+			p.cfg.Logger.ErrorContext(ctx, "amqpidem: Config.RetryDelay or Backoff panicked; retrying after UnavailableDelay",
 				"queue", p.cfg.Queue, "panic", v, "stack", string(debug.Stack()))
 			d, ok = p.cfg.UnavailableDelay, true
 		}
 	}()
+	if p.cfg.RetryDelay != nil {
+		d = p.cfg.RetryDelay(n, err, dl)
+		return max(d, 0), d >= 0
+	}
 	return p.cfg.retryDelay(n)
 }
 

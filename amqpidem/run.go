@@ -250,7 +250,7 @@ func (f *flight) judge(err error) judgement {
 		j.err = fmt.Errorf("%w after %v: %w", ErrHandlerTimeout, f.p.cfg.HandlerTimeout, err)
 	}
 	if !IsPermanent(j.err) && f.attempt < f.p.cfg.MaxAttempts {
-		if delay, ok := f.p.retryDelay(f.ctx, f.attempt); ok {
+		if delay, ok := f.p.retryDelay(f.ctx, f.attempt, j.err, f.d); ok {
 			j.retry, j.delay = true, delay
 			return j
 		}

@@ -19,8 +19,14 @@ import (
 // and, when no copy can be published at all, a nack with requeue. Each
 // lives here, once.
 
-// ack acknowledges the delivery on its own channel, as o.
+// ack acknowledges the delivery on its own channel, as o; completed work
+// (o Completed or Duplicate) whose staged messages this delivery gave up
+// on (see dispatch) is acked as OutboxGivenUp.
 func (f *flight) ack(o Outcome) {
+	if f.ev.Outbox.Returned > 0 && (o == Completed || o == Duplicate) {
+		o = OutboxGivenUp
+		f.ev.Reason = "staged message given up"
+	}
 	f.ev.Outcome = o
 	if err := f.d.Ack(false); err != nil {
 		// The channel is gone; the broker will deliver it again and the

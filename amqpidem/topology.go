@@ -34,8 +34,8 @@ func delayQueue(queue, queueType string, d time.Duration) string {
 }
 
 // DelayTier is the delay a requeue asked to wait d actually waits: the
-// delay of the queue "<Queue>.delay.<ms>" (or ".delayq.") it goes
-// through. Delays are rounded to two significant digits of milliseconds,
+// delay of the queue it goes through, "<Queue>.delay.<ms>" on a classic
+// work queue, "<Queue>.delayq.<ms>" on a quorum one. Delays are rounded to two significant digits of milliseconds,
 // at least 10 ms, so there are at most 90 tiers per decade: a bounded
 // label for metrics.
 func DelayTier(d time.Duration) time.Duration { return delayTier(d) }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -27,6 +28,7 @@ type Wrapper struct {
 	base     context.Context // cancelled to stop in-flight handlers
 	cancel   context.CancelFunc
 	inflight sync.WaitGroup
+	running  atomic.Int64 // handlers in flight, for Shutdown's log
 	mu       sync.Mutex
 	closed   bool
 	once     sync.Once
@@ -113,8 +115,10 @@ func (w *Wrapper) Handle(ctx context.Context, d amqp.Delivery) Event {
 		return ev
 	}
 	w.inflight.Add(1)
+	w.running.Add(1)
 	w.mu.Unlock()
 	defer w.inflight.Done()
+	defer w.running.Add(-1)
 
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -131,12 +135,15 @@ func (w *Wrapper) Handle(ctx context.Context, d amqp.Delivery) Event {
 // ctx.Err() if handlers had to be cancelled. Shutdown is idempotent. The
 // Wrapper's publish channels are closed in the background: on a
 // connection the broker has blocked (a resource alarm), their close ends
-// when the broker unblocks it or the connection closes.
+// when the broker unblocks it or the connection closes. The first call
+// logs its start and end at info level, as Consumer.Shutdown does.
 func (w *Wrapper) Shutdown(ctx context.Context) error {
 	w.mu.Lock()
-	if !w.closed {
+	first := !w.closed
+	if first {
 		w.closed = true
 		close(w.wake) // requeue delays waited in process end now
+		w.proc.cfg.Logger.InfoContext(ctx, "amqpidem: shutting down", "queue", w.proc.cfg.Queue, "in_flight", w.running.Load())
 	}
 	w.mu.Unlock()
 	err := waitGroup(ctx, &w.inflight)
@@ -151,6 +158,9 @@ func (w *Wrapper) Shutdown(ctx context.Context) error {
 		defer cancel()
 		err = errors.Join(err, w.proc.keeper.Shutdown(kctx))
 	})
+	if first {
+		logShutDown(ctx, w.proc.cfg.Logger, w.proc.cfg.Queue, err)
+	}
 	return err
 }
 

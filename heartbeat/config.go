@@ -34,7 +34,10 @@ type Config struct {
 	// Zero means TTL/5 of each lease; negative is an error. A lease whose
 	// TTL is not longer than the margin is refused by Keep.
 	SafetyMargin time.Duration
-	// Logger receives extension failures, lost and unconfirmed leases.
+	// Logger receives extension failures, lost and unconfirmed leases,
+	// each lease logged by key= and fence=; a key of amqpidem's
+	// (amqpidem.StoreKey: endpoint, NUL, message key) as endpoint= and
+	// key=, the message key alone.
 	// Default slog.Default(); slog.New(slog.DiscardHandler) silences it.
 	Logger *slog.Logger
 }

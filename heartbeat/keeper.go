@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
+	"strings"
 	"sync"
 	"time"
 
@@ -318,7 +320,7 @@ func (k *Keeper) scan(busy bool, out **batch) time.Time {
 
 	for i, e := range lost {
 		k.cfg.Logger.Warn("heartbeat: lease extension not confirmed, cancelling handler",
-			"key", e.lease.Key, "fence", e.lease.Fence, "error", causes[i])
+			keyAttrs(e.lease.Key), "fence", e.lease.Fence, "error", causes[i])
 		e.cancel(causes[i])
 	}
 	if b != nil {
@@ -386,7 +388,7 @@ func (k *Keeper) apply(b *batch) {
 	}
 	for i, e := range lostEntries {
 		k.cfg.Logger.Warn("heartbeat: lease cannot be kept, cancelling handler",
-			"key", e.lease.Key, "fence", e.lease.Fence, "error", lostErrs[i])
+			keyAttrs(e.lease.Key), "fence", e.lease.Fence, "error", lostErrs[i])
 		e.cancel(lostErrs[i])
 	}
 }
@@ -479,4 +481,14 @@ func LeaseFromContext(ctx context.Context) (lock.Lease, bool) {
 		return v, true
 	}
 	return lock.Lease{}, false
+}
+
+// keyAttrs is how a lease's key is logged: a key of amqpidem's (the
+// endpoint, a NUL byte, the message key: amqpidem.StoreKey) as endpoint=
+// and key=, as amqpidem's own records log it; any other key as key=.
+func keyAttrs(key string) slog.Attr {
+	if endpoint, k, ok := strings.Cut(key, "\x00"); ok {
+		return slog.Group("", slog.String("endpoint", endpoint), slog.String("key", k))
+	}
+	return slog.String("key", key)
 }

@@ -80,8 +80,9 @@
 //     WithKeyAttribute (see there why not by default).
 //   - the event's error, if any, as an exception event. The status is
 //     Error, with error.type set to the reason, for the outcomes that need
-//     attention: dead_lettered and abandoned. It stays unset for the
-//     others, a retry included: retrying is the plan working.
+//     attention: dead_lettered, abandoned and outbox_given_up. It stays
+//     unset for the others, a retry included: retrying is the plan
+//     working.
 //
 // # Copies
 //

@@ -95,7 +95,7 @@ var (
 // conventions (v1.43.0) define have their names and the attributes they
 // require as well: messaging.system "rabbitmq", messaging.operation.name
 // "process" and, for the outcomes that need attention (dead_lettered,
-// abandoned), error.type, the reason. messaging.destination.name is left
+// abandoned, outbox_given_up), error.type, the reason. messaging.destination.name is left
 // out: amqpidem.queue names the queue, and the exchange and routing key a
 // delivery came through would multiply the series.
 //

@@ -352,7 +352,8 @@ func (t *Tracer) Inject(ctx context.Context, headers amqp.Table) {
 // End completes the span Start put in ctx with what became of the delivery
 // and ends it: amqpidem's attributes are set; e.Err, if any, is recorded
 // as an exception event; and the status is Error, described by e.Err, for
-// the outcomes that need attention: dead_lettered and abandoned. A
+// the outcomes that need attention: dead_lettered, abandoned and
+// outbox_given_up. A
 // context without a span from Start (Start panicked) ends nothing.
 func (t *Tracer) End(ctx context.Context, e amqpidem.Event) {
 	dl, ok := ctx.Value(spanKey{}).(*delivery)
@@ -420,11 +421,11 @@ func appendOutbox(attrs []attribute.KeyValue, o amqpidem.OutboxCounts) []attribu
 }
 
 // failed reports whether o is an outcome whose span has status Error: the
-// message was given up on (dead-lettered) or its execution could not
-// finish (abandoned). A retry is the plan working, a busy requeue or a
+// message was given up on (dead-lettered), a message it staged was
+// (outbox_given_up), or its execution could not finish (abandoned). A retry is the plan working, a busy requeue or a
 // dropped duplicate is amqpidem doing its job: their status stays unset.
 func failed(o amqpidem.Outcome) bool {
-	return o == amqpidem.DeadLettered || o == amqpidem.Abandoned
+	return o == amqpidem.DeadLettered || o == amqpidem.Abandoned || o == amqpidem.OutboxGivenUp
 }
 
 // errorType is the error.type attribute of a failed span: the reason (a

@@ -60,6 +60,8 @@ type Config struct {
 	// heartbeat has updated its record meanwhile: the message is retried,
 	// and runs into the same failure again. Keep such handlers short, or
 	// use READ COMMITTED with explicit row locks (SELECT ... FOR UPDATE).
+	// A read-only AccessMode is refused: the record is written in the
+	// transaction. Store.TxHandlerWith sets them per handler.
 	TxOptions pgx.TxOptions
 	// RowLeases makes TxHandler take every lease as Acquire does, a record
 	// row committed before its handler runs, rather than holding the
@@ -104,6 +106,8 @@ func (c Config) Validate() error {
 		return err
 	}
 	switch {
+	case c.TxOptions.AccessMode == pgx.ReadOnly:
+		return errors.New("pgstore: Config.TxOptions.AccessMode is read only, but TxHandler writes the record in the transaction")
 	case len(c.Table) > maxTableLen:
 		return fmt.Errorf("pgstore: Config.Table is %d bytes, at most %d allowed", len(c.Table), maxTableLen)
 	case len(c.OutboxTable) > maxTableLen:

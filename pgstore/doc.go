@@ -270,7 +270,11 @@
 // from the acquire on). Size the pool above the number of handlers that
 // can run at once (ConsumerConfig.Concurrency, over every consumer sharing
 // it): leases are renewed through the same pool, and a pool whose every
-// connection is held by a handler cannot renew them. Long transactions
+// connection is held by a handler cannot renew them. The Store reports its
+// pool's size (MaxConns, amqpidem.ConnPool), and amqpidem.NewConsumer
+// refuses a TxHandler whose Concurrency is not below it
+// (amqpidem.ErrPoolTooSmall); it cannot see other consumers sharing the
+// pool. Long transactions
 // hold back VACUUM on the whole database for their duration: keep
 // handlers that run for minutes out of the transaction (the plain
 // handler form works on this store too, with Complete in its own

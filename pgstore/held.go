@@ -86,12 +86,12 @@ func heldPID(owner string) (uint32, bool) {
 // while the database has no held_key (not migrated by this release). Its
 // failures are not retried: a transaction whose outcome is unknown ended
 // with its connection, holding nothing.
-func (s *Store) acquireHeld(ctx context.Context, req lock.Request) (lock.Result, error) {
+func (s *Store) acquireHeld(ctx context.Context, req lock.Request, o txOptions) (lock.Result, error) {
 	req, err := s.cfg.CheckRequest(req)
 	if err != nil {
 		return lock.Result{}, err
 	}
-	if lvl := s.cfg.TxOptions.IsoLevel; lvl != "" && lvl != pgx.ReadCommitted {
+	if lvl := o.opts.IsoLevel; lvl != "" && lvl != pgx.ReadCommitted {
 		// Known here: see the isolation check below.
 		return s.Acquire(ctx, req)
 	}
@@ -115,7 +115,7 @@ func (s *Store) acquireHeld(ctx context.Context, req lock.Request) (lock.Result,
 	)
 	key := []byte(req.Key)
 	b := &pgx.Batch{}
-	b.Queue(s.sql.begin)
+	b.Queue(o.begin)
 	b.Queue(hs.lock, s.cfg.Prefix, key, strconv.FormatInt(req.TTL.Milliseconds(), 10))
 	b.Queue(hs.read, s.cfg.Prefix, key)
 	b.Queue("SAVEPOINT " + savepoint)

@@ -524,6 +524,27 @@ func MigrationSQL(cfg Config) (string, error) {
 	return sql, nil
 }
 
+// DropSQL returns the SQL that removes everything Migrate(cfg) creates
+// (see Migrate): the functions, then the tables, with their indexes and
+// the outbox's id sequence. Each statement is IF EXISTS, so it also runs
+// on a database only partly migrated. The schema (Config.Schema) stays: it
+// may hold other objects. Every record and every outbox message is lost:
+// stop the consumers, writers and relays of the tables first.
+func DropSQL(cfg Config) (string, error) {
+	if err := cfg.Validate(); err != nil {
+		return "", err
+	}
+	n := cfg.withDefaults().names()
+	var b strings.Builder
+	for _, fn := range []string{n.acquire, n.finish, n.finishTx, n.acquireHeld, n.finishHeld, n.heldKey} {
+		b.WriteString("DROP FUNCTION IF EXISTS " + fn + ";\n")
+	}
+	for _, table := range []string{n.table, n.outbox, n.outboxKeys} {
+		b.WriteString("DROP TABLE IF EXISTS " + table + ";\n")
+	}
+	return b.String(), nil
+}
+
 // heldLockClass is the first half of the key of a record's
 // transaction-level advisory lock: "amqi", apart from other programs'
 // advisory locks.
@@ -556,9 +577,22 @@ const lockTimeout = "2s"
 const migrateLock = 0x616d717069646d // "amqpidm"
 
 // Migrate creates, in one transaction, what a Store configured with cfg
-// needs: MigrationSQL(cfg). It is idempotent and safe to run from many
-// processes at once (they take turns on an advisory lock). The role needs
-// the right to create tables and functions in the schema.
+// needs, and the producer outbox (Outbox, Relay) beside it, whether or not
+// the program uses it: MigrationSQL(cfg). With the default names, in
+// Config.Schema (created if missing) or the first schema of the
+// search_path:
+//
+//   - the records table amqpidem_records (Config.Table), its index
+//     amqpidem_records_expires, and its functions amqpidem_records_acquire,
+//     _finish, _finish_tx, _acquire_held, _held_key and _finish_held;
+//   - the outbox table amqpidem_outbox (Config.OutboxTable), the sequence
+//     of its id column (an identity column: amqpidem_outbox_id_seq), its
+//     indexes amqpidem_outbox_pending, _order, _sent and _dead, and the
+//     table amqpidem_outbox_keys (the order keys' counters).
+//
+// DropSQL(cfg) removes them all. Migrate is idempotent and safe to run
+// from many processes at once (they take turns on an advisory lock). The
+// role needs the right to create tables and functions in the schema.
 func Migrate(ctx context.Context, pool *pgxpool.Pool, cfg Config) error {
 	sql, err := MigrationSQL(cfg)
 	if err != nil {

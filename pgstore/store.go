@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/amqpidem/amqpidem/amqpidem"
 	"github.com/amqpidem/amqpidem/lock"
 )
 
@@ -42,7 +43,15 @@ type Store struct {
 	done chan struct{}      // closed when the cleanup goroutine has ended
 }
 
-var _ lock.Store = (*Store)(nil)
+var (
+	_ lock.Store        = (*Store)(nil)
+	_ amqpidem.ConnPool = (*Store)(nil)
+)
+
+// MaxConns is the most connections the Store's pool opens (its
+// pgxpool.Config's MaxConns), for amqpidem.ConnPool: NewConsumer refuses
+// a TxHandler whose Concurrency leaves no connection for the heartbeat.
+func (s *Store) MaxConns() int { return int(s.pool.Stat().MaxConns()) }
 
 // statements are the SQL texts of the Store's calls, for its Config.
 type statements struct {

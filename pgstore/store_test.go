@@ -543,3 +543,53 @@ func TestAmendLockedRecord(t *testing.T) {
 		t.Fatalf("lock_timeout on the connection after Amend: %s ms, want the session's %s ms", setting, reset)
 	}
 }
+
+// TestDropSQL: DropSQL removes every object Migrate created, and nothing
+// else: its schema, holding a table of the application's, is left with
+// only that table (issue 42, item 6).
+func TestDropSQL(t *testing.T) {
+	pool := pgenv.Pool(t, 2)
+	cfg := schema(t, pool, pgstore.Config{})
+	ctx := context.Background()
+	if _, err := pool.Exec(ctx, "CREATE TABLE "+pgx.Identifier{cfg.Schema, "app"}.Sanitize()+" (id int)"); err != nil {
+		t.Fatal(err)
+	}
+	objects := func() []string {
+		rows, err := pool.Query(ctx, `
+			SELECT c.relkind::text || ' ' || c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1
+			UNION ALL
+			SELECT 'function ' || p.proname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = $1
+			ORDER BY 1`, cfg.Schema)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	// What Migrate's documentation lists (with the primary keys' indexes).
+	want := "S amqpidem_outbox_id_seq, function amqpidem_records_acquire, function amqpidem_records_acquire_held, " +
+		"function amqpidem_records_finish, function amqpidem_records_finish_held, function amqpidem_records_finish_tx, " +
+		"function amqpidem_records_held_key, i amqpidem_outbox_dead, i amqpidem_outbox_keys_pkey, i amqpidem_outbox_order, " +
+		"i amqpidem_outbox_pending, i amqpidem_outbox_pkey, i amqpidem_outbox_sent, i amqpidem_records_expires, " +
+		"i amqpidem_records_pkey, r amqpidem_outbox, r amqpidem_outbox_keys, r amqpidem_records, r app"
+	if got := strings.Join(objects(), ", "); got != want {
+		t.Fatalf("after Migrate: %s\nwant %s", got, want)
+	}
+	sql, err := pgstore.DropSQL(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, sql); err != nil {
+		t.Fatalf("DropSQL: %v\n%s", err, sql)
+	}
+	if got, want := strings.Join(objects(), ", "), "r app"; got != want {
+		t.Fatalf("left after DropSQL: %s; want %s", got, want)
+	}
+	// Twice, and on a database never migrated: IF EXISTS.
+	if _, err := pool.Exec(ctx, sql); err != nil {
+		t.Fatalf("DropSQL again: %v", err)
+	}
+}

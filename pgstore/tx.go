@@ -73,13 +73,36 @@ const commitTimeout = 10 * time.Second
 //
 // The returned handler implements amqpidem.LeaseTaker.
 func (s *Store) TxHandler(fn TxFunc) amqpidem.Handler {
-	return &txHandler{s: s, fn: fn}
+	return &txHandler{s: s, fn: fn, tx: txOptions{s.cfg.TxOptions, s.sql.begin}}
+}
+
+// TxHandlerWith is TxHandler with transactions begun with opts in place
+// of Config.TxOptions: an isolation level, access mode or deferrable mode
+// per message type (SERIALIZABLE for the transfers, READ COMMITTED for
+// the rest), on one Store. What Config.TxOptions says of the levels above
+// READ COMMITTED holds for opts: such a handler takes record-row leases,
+// and one that runs longer than a heartbeat interval fails at its
+// completion with a serialization failure. A read-only AccessMode cannot
+// write the record: TxHandlerWith panics, as a programming error.
+func (s *Store) TxHandlerWith(opts pgx.TxOptions, fn TxFunc) amqpidem.Handler {
+	if opts.AccessMode == pgx.ReadOnly {
+		panic("pgstore: TxHandlerWith: a read-only transaction cannot write the record")
+	}
+	return &txHandler{s: s, fn: fn, tx: txOptions{opts, beginSQL(opts)}}
 }
 
 // txHandler is what TxHandler returns.
 type txHandler struct {
 	s  *Store
 	fn TxFunc
+	tx txOptions // how its transactions begin
+}
+
+// txOptions are the options of a TxHandler's transactions, and the
+// statement that begins one with them.
+type txOptions struct {
+	opts  pgx.TxOptions
+	begin string
 }
 
 var _ amqpidem.LeaseTaker = (*txHandler)(nil)
@@ -94,7 +117,7 @@ func (h *txHandler) AcquireLease(ctx context.Context, req lock.Request, d *amqp.
 	if d.Redelivered || h.s.cfg.RowLeases || req.TTL > maxIdleTimeout {
 		return h.s.Acquire(ctx, req)
 	}
-	return h.s.acquireHeld(ctx, req)
+	return h.s.acquireHeld(ctx, req, h.tx)
 }
 
 // maxIdleTimeout is the longest idle_in_transaction_session_timeout the
@@ -238,7 +261,7 @@ func (h *txHandler) run(ctx context.Context, d *amqp.Delivery, lease *lock.Lease
 	var xid string
 	if err == nil {
 		defer h.s.endConn(conn)
-		xid, err = h.s.begin(ctx, conn.Conn())
+		xid, err = h.s.begin(ctx, conn.Conn(), h.tx)
 	}
 	if err != nil {
 		if ctx.Err() != nil {
@@ -279,11 +302,11 @@ func (h *txHandler) run(ctx context.Context, d *amqp.Delivery, lease *lock.Lease
 	return result, nil
 }
 
-// begin begins a transaction on conn with Config.TxOptions and the
-// handler's savepoint, and returns its id, in one round trip.
-func (s *Store) begin(ctx context.Context, conn *pgx.Conn) (string, error) {
+// begin begins a transaction on conn with o and the handler's savepoint,
+// and returns its id, in one round trip.
+func (s *Store) begin(ctx context.Context, conn *pgx.Conn, o txOptions) (string, error) {
 	b := &pgx.Batch{}
-	b.Queue(s.sql.begin)
+	b.Queue(o.begin)
 	b.Queue("SAVEPOINT " + savepoint)
 	b.Queue("SELECT pg_current_xact_id()::text")
 	br := conn.SendBatch(ctx, b)

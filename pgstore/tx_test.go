@@ -82,7 +82,8 @@ func (r *rig) insert(ctx context.Context, tx pgx.Tx, op string) error {
 func (r *rig) run(h amqpidem.Handler, tune func(*amqpidem.ConsumerConfig)) {
 	r.t.Helper()
 	cfg := amqpidem.ConsumerConfig{
-		URL: testenv.AMQPURL(r.t),
+		URL:         testenv.AMQPURL(r.t),
+		Concurrency: 8, // below the pool's 16: a TxHandler holds one each
 		Config: amqpidem.Config{
 			Queue:            r.queue,
 			LeaseTTL:         3 * time.Second,

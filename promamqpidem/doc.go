@@ -24,11 +24,13 @@
 //
 // messages_total counts every delivery processed, once, by its
 // amqpidem.Outcome in lower case (completed, duplicate, busy, retried,
-// dead_lettered, dropped, abandoned: the rows of amqpidem's outcome table)
+// dead_lettered, dropped, abandoned, outbox_given_up: the rows of
+// amqpidem's outcome table)
 // and amqpidem.Event.Reason. Dead letters are its outcome="dead_lettered"
 // series; there is no other dead-letter counter. Busy, retried and
 // abandoned deliveries come back, so one message can be counted several
-// times; completed, duplicate, dead_lettered and dropped are final.
+// times; completed, duplicate, dead_lettered, dropped and outbox_given_up
+// are final.
 //
 // handler_duration_seconds is how long the handler ran, for deliveries
 // whose handler ran (not for duplicates, busy deliveries or dead letters

@@ -691,8 +691,12 @@ func TestConsumerOutbox(t *testing.T) {
 		case <-time.After(10 * time.Millisecond):
 		}
 	}
-	if got, want := value(t, m, "amqpidem_messages_total", "queue", name, "outcome", "completed", "reason", ""), 2.0; got != want {
+	if got, want := value(t, m, "amqpidem_messages_total", "queue", name, "outcome", "completed", "reason", ""), 1.0; got != want {
 		t.Errorf("messages_total completed: got %v, want %v", got, want)
+	}
+	// k2's staged message was given up: its own outcome, not completed.
+	if got, want := value(t, m, "amqpidem_messages_total", "queue", name, "outcome", "outbox_given_up", "reason", "staged message given up"), 1.0; got != want {
+		t.Errorf("messages_total outbox_given_up: got %v, want %v", got, want)
 	}
 	// Each delivery recorded what became of its staged messages: k1 both
 	// published, k2 its one returned.

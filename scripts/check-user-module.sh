@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # check-user-module.sh checks what a module that imports amqpidem inherits:
 # it makes a fresh module in a temporary directory that imports the public
-# packages (amqpidem, heartbeat, lock) of this checkout, runs `go mod tidy`
+# packages (amqpidem, its test kit amqpidemtest, heartbeat, lock) of this checkout, runs `go mod tidy`
 # there, and fails if its go.sum names a test-only dependency of this
 # repository: testcontainers, the Docker client (docker, moby), pgx, toxiproxy,
 # zerolog or porcupine (test/linearizable's model checker). Those belong to
@@ -68,7 +68,7 @@ check() {
 prom='prometheus'
 otel='opentelemetry'
 cli='cobra|pflag'
-check core "$forbidden|$aws|$prom|$otel|$cli" amqpidem heartbeat lock
+check core "$forbidden|$aws|$prom|$otel|$cli" amqpidem amqpidem/amqpidemtest heartbeat lock
 # pgstore's users get pgx, and still none of the tests' dependencies.
 check pgstore "${forbidden/|pgx/}|$aws|$prom|$otel|$cli" amqpidem pgstore
 # dynamostore's get the AWS SDK, and none of the tests' dependencies nor pgx.

@@ -134,7 +134,7 @@ func selfCheck(ctx context.Context) (err error) {
 		name := fmt.Sprintf("payments-%d", i+1)
 		c, err := amqpidem.NewConsumer(store, amqpidem.ConsumerConfig{
 			URL:         env.AMQPURL,
-			Concurrency: concurrency,
+			Concurrency: 4, // no more than Prefetch: the broker never sends more at once
 			Prefetch:    4,
 			Config: amqpidem.Config{
 				Queue:        env.Name,

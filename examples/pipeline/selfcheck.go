@@ -430,7 +430,7 @@ func report(tally1, tally2 *demo.Tally, b *demoBank, w *demoWarehouse, published
 // out those that did not happen.
 func outcomes(c demo.Counts) string {
 	var out []string
-	for o := amqpidem.Completed; o <= amqpidem.Abandoned; o++ {
+	for o := amqpidem.Completed; o <= amqpidem.OutboxGivenUp; o++ {
 		if n := c.Total(o); n > 0 {
 			out = append(out, fmt.Sprintf("%s %d", o, n))
 		}

@@ -192,6 +192,7 @@ func TestTracerOutcomeStatus(t *testing.T) {
 		{amqpidem.DeadLettered, "permanent failure", boom, codes.Error, true, "permanent failure"},
 		{amqpidem.Abandoned, "lease lost", boom, codes.Error, true, "lease lost"},
 		{amqpidem.Abandoned, "", nil, codes.Error, false, "_OTHER"},
+		{amqpidem.OutboxGivenUp, "staged message given up", boom, codes.Error, true, "staged message given up"},
 	} {
 		tr, rec, _ := newTracer(t)
 		ctx := tr.Start(context.Background(), "q", delivery(t))

@@ -1,0 +1,92 @@
+package amqpidem
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"log/slog"
+	"strings"
+	"testing"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// pooledStore is a store with a bounded pool of conns connections.
+type pooledStore struct {
+	lock.Store
+	conns int
+}
+
+func (s pooledStore) MaxConns() int { return s.conns }
+
+// poolCompleter is a Completer of store, as pgstore's TxHandler is.
+type poolCompleter struct {
+	HandlerFunc
+	store lock.Store
+}
+
+func (c poolCompleter) CompleterStore() lock.Store { return c.store }
+
+func (c poolCompleter) HandleComplete(context.Context, *amqp.Delivery, lock.Lease, func([]byte) ([]byte, error)) ([]byte, error) {
+	return nil, nil
+}
+
+// TestConsumerPoolAndPrefetchChecks: a Completer on a pool with no
+// connection beyond Concurrency is refused (its heartbeat could not renew
+// leases: see pgstore's TestTxHandlerPoolAboveConcurrency); a plain
+// handler on such a pool, and a Concurrency above Prefetch, are warned
+// about at start (issue 42, item 3: nothing said so before).
+func TestConsumerPoolAndPrefetchChecks(t *testing.T) {
+	mem, err := lock.NewMemoryStore(lock.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	plain := HandlerFunc(func(context.Context, *amqp.Delivery) ([]byte, error) { return nil, nil })
+	tests := []struct {
+		name        string
+		conns       int
+		prefetch    int
+		concurrency int
+		completer   bool
+		refused     bool
+		warns       []string
+	}{
+		{name: "completer, pool above concurrency", conns: 9, concurrency: 8, completer: true},
+		{name: "completer, pool at concurrency", conns: 8, concurrency: 8, completer: true, refused: true},
+		{name: "completer, default concurrency", conns: 4, completer: true, refused: true},
+		{name: "plain, pool at concurrency", conns: 4, concurrency: 8, warns: []string{"pool is not larger than Concurrency", "max_conns=4 concurrency=8"}},
+		{name: "plain, pool above concurrency", conns: 9, concurrency: 8},
+		{name: "concurrency above prefetch", conns: 100, prefetch: 4, concurrency: 8, warns: []string{"Concurrency is above Prefetch", "prefetch=4 concurrency=8"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var logs bytes.Buffer
+			store := pooledStore{mem, tt.conns}
+			var h Handler = plain
+			if tt.completer {
+				h = poolCompleter{plain, store}
+			}
+			c, err := NewConsumer(store, ConsumerConfig{URL: "amqp://localhost", Prefetch: tt.prefetch, Concurrency: tt.concurrency,
+				Config: Config{Queue: "q", Logger: slog.New(slog.NewTextHandler(&logs, nil))}}, h)
+			if got := errors.Is(err, ErrPoolTooSmall); got != tt.refused {
+				t.Fatalf("refused: got %v (%v), want %v", got, err, tt.refused)
+			}
+			if err != nil {
+				return
+			}
+			t.Cleanup(func() { _ = c.Shutdown(context.Background()) })
+			c.warnSizes(context.Background())
+			got := logs.String()
+			for _, w := range tt.warns {
+				if !strings.Contains(got, w) {
+					t.Errorf("log lacks %q:\n%s", w, got)
+				}
+			}
+			if len(tt.warns) == 0 && strings.Contains(got, "level=WARN") {
+				t.Errorf("warned:\n%s", got)
+			}
+		})
+	}
+}
