@@ -14,6 +14,12 @@ import (
 	"github.com/amqpidem/amqpidem/lock"
 )
 
+// ErrNotMigrated is wrapped by the errors of a Store, Outbox or Check
+// that finds its schema, table or functions missing: Migrate was not run
+// with this Config, or the Config names another table than the one
+// Migrate made.
+var ErrNotMigrated = errors.New("pgstore: not migrated")
+
 // notMigrated are the SQLSTATEs of a schema, table or function that does
 // not exist: Migrate was not run (or for another Config).
 var notMigrated = map[string]bool{"3F000": true, "42P01": true, "42883": true}
@@ -57,7 +63,7 @@ func classify(err error) error {
 	}
 	var pe *pgconn.PgError
 	if errors.As(err, &pe) && notMigrated[pe.Code] {
-		return fmt.Errorf("%w: %w (run pgstore.Migrate, or apply pgstore.MigrationSQL, with this Config)", lock.ErrUnavailable, err)
+		return fmt.Errorf("%w: %w: %w (run pgstore.Migrate, or apply pgstore.MigrationSQL, with this Config)", lock.ErrUnavailable, ErrNotMigrated, err)
 	}
 	return fmt.Errorf("%w: %w", lock.ErrUnavailable, err)
 }

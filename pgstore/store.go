@@ -197,7 +197,7 @@ func (s *Store) Check(ctx context.Context) error {
 	case err != nil:
 		return fmt.Errorf("pgstore: check: %w", classify(err))
 	case comment == nil || !functions:
-		return fmt.Errorf("pgstore: table %s or its functions are missing: run pgstore.Migrate, or apply pgstore.MigrationSQL, with this Config", n.table)
+		return fmt.Errorf("%w: table %s or its functions are missing: run pgstore.Migrate, or apply pgstore.MigrationSQL, with this Config", ErrNotMigrated, n.table)
 	case *comment != tableComment:
 		return fmt.Errorf("pgstore: table %s says %q, this package reads %q: run pgstore.Migrate with this release", n.table, *comment, tableComment)
 	}

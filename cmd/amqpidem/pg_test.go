@@ -112,3 +112,17 @@ func TestInspectForgetCluster(t *testing.T) {
 		t.Fatalf("inspect after forget: exit %d\n%s", code, out)
 	}
 }
+
+// Pointed at a table the consumers do not use, the command says which
+// flags name theirs: it said "run pgstore.Migrate", which an operator
+// must not do to find records that exist elsewhere (issue 42, item 5).
+func TestPostgresWrongTableNamesTheFlags(t *testing.T) {
+	_, cfg := pgStore(t, 4)
+	cmd := exec.Command(bin, "inspect", "pay-9", "--queue", "ledger", "--postgres", pgenv.DSN(t), "--pg-schema", cfg.Schema,
+		"--pg-table", "not_the_consumers")
+	out, err := cmd.CombinedOutput()
+	ee, ok := err.(*exec.ExitError)
+	if !ok || ee.ExitCode() != 1 || !strings.Contains(string(out), "--pg-table") || !strings.Contains(string(out), `"not_the_consumers"`) {
+		t.Fatalf("inspect against another table: %v\n%s", err, out)
+	}
+}

@@ -1,7 +1,9 @@
 package main
 
 import (
+	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -34,6 +36,15 @@ func (o *options) openStore(ctx context.Context) (admin lock.Admin, close func()
 		if err != nil {
 			pool.Close()
 			return nil, nil, withCode(exitUsage, "%w", err)
+		}
+		if err := s.Check(ctx); errors.Is(err, pgstore.ErrNotMigrated) {
+			// An operator's fix is a flag, not a migration: the
+			// consumers' records are most likely in another table.
+			s.Close()
+			pool.Close()
+			return nil, nil, withCode(exitFailed, "PostgreSQL: no amqpidem records table %q in %s: pass --pg-table and --pg-schema as "+
+				"the consumers' pgstore.Config sets Table and Schema, or run pgstore.Migrate if none was made",
+				cmp.Or(o.pgTable, "amqpidem_records"), cmp.Or(o.pgSchema, "the search_path"))
 		}
 		return s, func() { s.Close(); pool.Close() }, nil
 	}
