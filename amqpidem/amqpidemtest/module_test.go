@@ -10,11 +10,11 @@ import (
 )
 
 // TestFreshModule builds and tests, in a module of its own that requires
-// this checkout, what a new user writes from the documentation: a
+// this checkout, what a new user copies from examples/checkout: a
 // handler with middleware (amqpidem.Chain), an error-aware retry delay
 // (Config.RetryDelay, amqpidem.RetryAfter), two queues in one
-// amqpidem.Group, and its test written with
-// this kit, importing public packages only (testdata/usermodule).
+// amqpidem.Group (main.go), and its test written with this kit
+// (charge_test.go), importing public packages only.
 func TestFreshModule(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds a module: not in -short")
@@ -25,8 +25,8 @@ func TestFreshModule(t *testing.T) {
 		t.Fatal(err)
 	}
 	dir := t.TempDir()
-	for _, name := range []string{"main.go", "main_test.go"} {
-		src, err := os.ReadFile(filepath.Join("testdata", "usermodule", name+".txt"))
+	for _, name := range []string{"main.go", "charge_test.go"} {
+		src, err := os.ReadFile(filepath.Join(root, "examples", "checkout", name))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -45,7 +45,7 @@ func TestFreshModule(t *testing.T) {
 		}
 		return string(out)
 	}
-	run("mod", "init", "example.com/usermodule")
+	run("mod", "init", "example.com/checkout")
 	run("mod", "edit", "-require", "github.com/amqpidem/amqpidem@v0.0.0", "-replace", "github.com/amqpidem/amqpidem="+root)
 	run("mod", "tidy")
 	run("vet", "./...")

@@ -2,6 +2,7 @@ package main
 
 import (
 	"errors"
+	"log/slog"
 	"testing"
 	"time"
 
@@ -9,8 +10,12 @@ import (
 	"github.com/amqpidem/amqpidem/amqpidem/amqpidemtest"
 )
 
+// The handler and its retry policy, tested with the kit: no broker, no
+// Redis. A 429 waits what the API asked, a timeout backs off by attempt
+// until it is dead-lettered, a declined card and a panic (recovered by
+// the middleware) are dead-lettered at once.
 func TestCharge(t *testing.T) {
-	k := amqpidemtest.New(t, config(), handler())
+	k := amqpidemtest.New(t, config("payments"), handler(slog.New(slog.DiscardHandler)))
 
 	r := k.Deliver(amqpidemtest.Message{ID: "p1", Body: []byte("ok"), ReplyTo: "replies"})
 	if r.Outcome != amqpidem.Completed || !r.Acked || string(r.Reply.Msg.Body) != "receipt p1" {
@@ -21,7 +26,7 @@ func TestCharge(t *testing.T) {
 	}
 
 	// A 429 waits what the API said, whatever RetryDelay says.
-	if r := k.Deliver(amqpidemtest.Message{ID: "p2", Body: []byte("429")}); r.Outcome != amqpidem.Retried || r.Requeued.Delay != 30*time.Second {
+	if r := k.Deliver(amqpidemtest.Message{ID: "p2", Body: []byte("429")}); r.Outcome != amqpidem.Retried || r.Requeued.Delay != rateLimitWait {
 		t.Fatalf("429: %v %+v", r.Outcome, r.Requeued)
 	}
 
