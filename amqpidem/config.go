@@ -250,8 +250,7 @@ type Config struct {
 	// the delivery acked. No delay queue is declared and no broker
 	// dead-lettering is involved. Use it on a RabbitMQ cluster whose
 	// quorum delay queues can strand copies when a node fails: RabbitMQ
-	// 3.10.8 did so in chaos scenarios 13 and 14 (README, "Running it at
-	// scale").
+	// 3.10.8 did so in chaos scenarios 13 and 14 (docs/scale.md).
 	//
 	// A waiting delivery holds one of the Prefetch deliveries the broker
 	// sends, not a handler slot: set Concurrency explicitly and Prefetch

@@ -173,7 +173,7 @@
 // That safety is the broker's: on a three-node cluster running RabbitMQ
 // 3.10.8, killing or cutting off the node that leads a quorum delay queue
 // left its copies stuck in it, never dead-lettered back (chaos scenarios
-// 13 and 14; README, "Running it at scale"). Config.DelayInProcess avoids
+// 13 and 14; docs/scale.md). Config.DelayInProcess avoids
 // delay queues altogether: the consumer holds the delivery, unacked, for
 // the delay and then publishes the copy straight back, at the cost of
 // prefetch held by waiting deliveries.

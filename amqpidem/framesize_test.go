@@ -10,6 +10,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/internal/wire/wiretest"
 )
 
 // headerFrameSize is the size the broker checks against frame_max: a
@@ -113,20 +114,20 @@ func TestFitHeaders(t *testing.T) {
 
 // FuzzHeaderFrameSize: for any message the outbox codec can hold (read
 // from arbitrary bytes), headerFrameSize is the size of the content header
-// the codec writes, which is the one amqp091-go sends (FuzzReadPublishing
+// the codec writes, which is the one amqp091-go sends (internal/wire's FuzzReadPublishing
 // holds the codec to it): the codec's form is the header's body-size,
 // flags and properties, after a version byte and two empty short strings,
 // where the frame has its overhead, class and weight.
 func FuzzHeaderFrameSize(f *testing.F) {
-	for _, m := range []amqp.Publishing{{}, pubEvery, hdr("n", pubNested(amqp.Table{"a": []any{nil}}, 7, true))} {
+	for _, m := range []amqp.Publishing{{}, wiretest.Every, wiretest.Hdr("n", wiretest.Nested(amqp.Table{"a": []any{nil}}, 7, true))} {
 		b, err := appendPublishing(nil, "", "", m)
 		if err != nil {
 			f.Fatal(err)
 		}
 		f.Add(b)
 	}
-	for _, v := range pubEveryHdrs {
-		b, err := appendPublishing(nil, "", "", hdr("v", v))
+	for _, v := range wiretest.EveryHeaders {
+		b, err := appendPublishing(nil, "", "", wiretest.Hdr("v", v))
 		if err != nil {
 			f.Fatal(err)
 		}

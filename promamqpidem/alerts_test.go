@@ -20,7 +20,7 @@ type deadRelay struct{ fakeRelay }
 func (deadRelay) Dead(context.Context) (int64, error) { return 2, nil }
 
 // TestAlertRuleNames: every amqpidem metric the example alerting rules of
-// docs/alerts and the README's operating section name is one that
+// docs/alerts and docs/operating.md name is one that
 // Metrics or a RelayCollector exports (promtool tests the rules on
 // series of their own, and would not see a name drift).
 func TestAlertRuleNames(t *testing.T) {
@@ -43,7 +43,7 @@ func TestAlertRuleNames(t *testing.T) {
 		exported[f.GetName()] = true
 	}
 	name := regexp.MustCompile(`\bamqpidem_[a-z_]+`)
-	for _, file := range []string{"../docs/alerts/amqpidem.rules.yml", "../README.md"} {
+	for _, file := range []string{"../docs/alerts/amqpidem.rules.yml", "../docs/operating.md"} {
 		b, err := os.ReadFile(file)
 		if err != nil {
 			t.Fatal(err)

@@ -12,19 +12,20 @@ import (
 	"github.com/amqpidem/amqpidem/lock"
 )
 
-// step is one command of the README's transcript and what it printed.
+// step is one command of a transcript and what it printed.
 type step struct {
 	args []string
 	want string
 }
 
-// transcript reads the commands and outputs between the markers of the
-// README's "Operating it" section.
+// transcript reads the commands and outputs between the markers of
+// docs/operating.md (until issue 41, the README's "Operating it" section,
+// hence the test's name).
 func transcript(t *testing.T) []step {
 	t.Helper()
-	steps, ok := transcriptIn(t, "README.md")
+	steps, ok := transcriptIn(t, "docs/operating.md")
 	if !ok {
-		t.Fatalf("README.md has no transcript between %q and %q", transcriptBegin, transcriptEnd)
+		t.Fatalf("docs/operating.md has no transcript between %q and %q", transcriptBegin, transcriptEnd)
 	}
 	return steps
 }
@@ -78,7 +79,7 @@ func normalize(s string) string {
 	return strings.TrimSpace(s)
 }
 
-// The README's transcript is what the commands print: run it against a
+// The transcript of docs/operating.md is what the commands print: run it against a
 // consumer whose handler declines payments until the cause is fixed (just
 // before the first replay with --forget).
 func TestReadmeTranscript(t *testing.T) {

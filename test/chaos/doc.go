@@ -10,7 +10,8 @@
 // operation; internal/workload is the message plans and the publisher;
 // internal/worker is the consumer itself. Scenarios 11a-11e run the
 // consumers on the PostgreSQL store (pgstore) with a sink that absorbs
-// nothing (pgrun_test.go). Scenario 16 runs the producer outbox's relay
+// nothing (pgrun_test.go; the run's classification and checks, shared
+// with the DynamoDB scenarios, are effectrun_test.go). Scenario 16 runs the producer outbox's relay
 // (pgstore.Relay) as separate processes built from cmd/relay. Scenarios
 // 17a-17b run the consumers on the DynamoDB store (dynamostore) with a
 // plain item per execution put in its TransactWriteItems (dynrun_test.go).

@@ -217,8 +217,7 @@ func clusterFaultRun(t *testing.T, name, what string, fault, mend func(*testenv.
 		if !inProcess && strings.HasPrefix(version, "3.10.") && strandedCopies >= stranded {
 			// Seen on Debian 12's 3.10.8 when the killed node led a
 			// delay queue: the queue's at-least-once dead-lettering does
-			// not resume on the new leader (see README, "Running it at
-			// scale"). A broker defect, reported, not failed here;
+			// not resume on the new leader (see docs/scale.md). A broker defect, reported, not failed here;
 			// anything else lost still fails in report.
 			t.Logf("%s; RabbitMQ %s is known to strand them", msg, version)
 		} else {

@@ -1,4 +1,4 @@
-package amqpidem
+package wire
 
 import (
 	"bytes"
@@ -16,93 +16,49 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/internal/wire/wiretest"
 )
-
-// pubNested returns v inside n arrays, or n tables under the key "t" when
-// tables is set.
-func pubNested(v any, n int, tables bool) any {
-	for range n {
-		if tables {
-			v = amqp.Table{"t": v}
-		} else {
-			v = []any{v}
-		}
-	}
-	return v
-}
 
 // pubNestedTable returns Headers whose "h" is v inside n arrays: the
 // innermost array is at depth n.
 func pubNestedTable(v any, n int) amqp.Table {
-	return amqp.Table{"h": pubNested(v, n, false)}
+	return amqp.Table{"h": wiretest.Nested(v, n, false)}
 }
 
-// pubEvery is a message with every property set and a header of every
-// type amqp091-go sends (pubEveryHdrs), nested tables and arrays included;
-// pubEveryRead is what a consumer receives for it. pubTime, its time, has
-// nanoseconds and a zone of its own, which neither survive.
-var (
-	pubTime      = time.Date(2024, 5, 6, 7, 8, 9, 123456789, time.FixedZone("X", 3600))
-	pubEveryHdrs = amqp.Table{
+// pubEveryRead is what a consumer receives for wiretest.Every.
+var pubEveryRead = amqp.Publishing{
+	ContentType: "application/json", ContentEncoding: "gzip", DeliveryMode: amqp.Persistent, Priority: 7,
+	CorrelationId: "corr", ReplyTo: "replies", Expiration: "60000", MessageId: "m-1", Timestamp: time.Unix(wiretest.Time.Unix(), 0),
+	Type: "order.paid", UserId: "guest", AppId: "billing",
+	Headers: amqp.Table{
 		"bool":    true,
 		"false":   false,
 		"uint8":   uint8(200),
 		"int8":    int8(-5),
 		"int16":   int16(-300),
 		"uint16":  uint16(60000),
-		"int":     -70000,
+		"int":     int32(-70000),
 		"int32":   int32(math.MinInt32),
 		"uint32":  uint32(math.MaxUint32),
 		"int64":   int64(math.MinInt64),
 		"float32": float32(1.5),
 		"float64": -2.25,
 		"decimal": amqp.Decimal{Scale: 2, Value: -12345},
-		"time":    pubTime,
+		"time":    time.Unix(wiretest.Time.Unix(), 0),
 		"string":  "héllo",
 		"bytes":   []byte{0, 1, 2},
 		"void":    nil,
-		"array":   []any{"a", 1, int64(2), []any{}, amqp.Table{"k": "v"}},
+		"array":   []any{"a", int32(1), int64(2), []any(nil), amqp.Table{"k": "v"}},
 		"table":   amqp.Table{"inner": amqp.Table{"x": []byte("y")}, "empty": amqp.Table{}},
-	}
-	pubEvery = amqp.Publishing{
-		ContentType: "application/json", ContentEncoding: "gzip", DeliveryMode: amqp.Persistent, Priority: 7,
-		CorrelationId: "corr", ReplyTo: "replies", Expiration: "60000", MessageId: "m-1", Timestamp: pubTime,
-		Type: "order.paid", UserId: "guest", AppId: "billing", Headers: pubEveryHdrs, Body: []byte(`{"id":1}`),
-	}
-	pubEveryRead = amqp.Publishing{
-		ContentType: "application/json", ContentEncoding: "gzip", DeliveryMode: amqp.Persistent, Priority: 7,
-		CorrelationId: "corr", ReplyTo: "replies", Expiration: "60000", MessageId: "m-1", Timestamp: time.Unix(pubTime.Unix(), 0),
-		Type: "order.paid", UserId: "guest", AppId: "billing",
-		Headers: amqp.Table{
-			"bool":    true,
-			"false":   false,
-			"uint8":   uint8(200),
-			"int8":    int8(-5),
-			"int16":   int16(-300),
-			"uint16":  uint16(60000),
-			"int":     int32(-70000),
-			"int32":   int32(math.MinInt32),
-			"uint32":  uint32(math.MaxUint32),
-			"int64":   int64(math.MinInt64),
-			"float32": float32(1.5),
-			"float64": -2.25,
-			"decimal": amqp.Decimal{Scale: 2, Value: -12345},
-			"time":    time.Unix(pubTime.Unix(), 0),
-			"string":  "héllo",
-			"bytes":   []byte{0, 1, 2},
-			"void":    nil,
-			"array":   []any{"a", int32(1), int64(2), []any(nil), amqp.Table{"k": "v"}},
-			"table":   amqp.Table{"inner": amqp.Table{"x": []byte("y")}, "empty": amqp.Table{}},
-		},
-		Body: []byte(`{"id":1}`),
-	}
-)
+	},
+	Body: []byte(`{"id":1}`),
+}
 
-// TestPublishingRoundTrip is the table of what readPublishing gives back
-// for what appendPublishing stored: the same message as a consumer using
+// TestPublishingRoundTrip is the table of what ReadPublishing gives back
+// for what AppendPublishing stored: the same message as a consumer using
 // amqp091-go receives it, for every property and every header type. It
 // also checks that the stored form re-encodes to the same bytes and that
-// readPublishing consumes exactly it.
+// ReadPublishing consumes exactly it.
 func TestPublishingRoundTrip(t *testing.T) {
 	long := strings.Repeat("s", 255)
 	tests := []struct {
@@ -115,7 +71,7 @@ func TestPublishingRoundTrip(t *testing.T) {
 		{name: "zero message: no properties, nil Headers, empty non-nil Body", msg: amqp.Publishing{}, want: amqp.Publishing{}},
 		{name: "exchange and key", exchange: "orders", key: "order.paid", msg: amqp.Publishing{}, want: amqp.Publishing{}},
 		{name: "exchange and key of 255 bytes", exchange: long, key: long, msg: amqp.Publishing{}, want: amqp.Publishing{}},
-		{name: "every property and header type", exchange: "ex", key: "rk", msg: pubEvery, want: pubEveryRead},
+		{name: "every property and header type", exchange: "ex", key: "rk", msg: wiretest.Every, want: pubEveryRead},
 
 		{name: "ContentType", msg: amqp.Publishing{ContentType: "text/plain"}, want: amqp.Publishing{ContentType: "text/plain"}},
 		{name: "ContentEncoding", msg: amqp.Publishing{ContentEncoding: "gzip"}, want: amqp.Publishing{ContentEncoding: "gzip"}},
@@ -127,7 +83,7 @@ func TestPublishingRoundTrip(t *testing.T) {
 		{name: "ReplyTo", msg: amqp.Publishing{ReplyTo: "r"}, want: amqp.Publishing{ReplyTo: "r"}},
 		{name: "Expiration", msg: amqp.Publishing{Expiration: "0"}, want: amqp.Publishing{Expiration: "0"}},
 		{name: "MessageId of 255 bytes", msg: amqp.Publishing{MessageId: long}, want: amqp.Publishing{MessageId: long}},
-		{name: "Timestamp: whole seconds, local time", msg: amqp.Publishing{Timestamp: pubTime}, want: amqp.Publishing{Timestamp: time.Unix(1714975689, 0)}},
+		{name: "Timestamp: whole seconds, local time", msg: amqp.Publishing{Timestamp: wiretest.Time}, want: amqp.Publishing{Timestamp: time.Unix(1714975689, 0)}},
 		{name: "Timestamp at the Unix epoch is sent", msg: amqp.Publishing{Timestamp: time.Unix(0, 0).UTC()}, want: amqp.Publishing{Timestamp: time.Unix(0, 0)}},
 		{name: "Timestamp before 1970", msg: amqp.Publishing{Timestamp: time.Date(1900, 1, 1, 0, 0, 0, 0, time.UTC)}, want: amqp.Publishing{Timestamp: time.Unix(-2208988800, 0)}},
 		{name: "Timestamp in year 1 but not zero", msg: amqp.Publishing{Timestamp: time.Time{}.Add(time.Second)}, want: amqp.Publishing{Timestamp: time.Unix(-62135596799, 0)}},
@@ -140,35 +96,35 @@ func TestPublishingRoundTrip(t *testing.T) {
 		{name: "empty Body reads as empty", msg: amqp.Publishing{Body: []byte{}}, want: amqp.Publishing{Body: []byte{}}},
 		{name: "empty Headers are not sent: nil", msg: amqp.Publishing{Headers: amqp.Table{}}, want: amqp.Publishing{}},
 
-		{name: "bool", msg: hdr("v", true), want: hdr("v", true)},
-		{name: "uint8 reads as byte", msg: hdr("v", uint8(255)), want: hdr("v", byte(255))},
-		{name: "int8", msg: hdr("v", int8(math.MinInt8)), want: hdr("v", int8(math.MinInt8))},
-		{name: "int16", msg: hdr("v", int16(math.MaxInt16)), want: hdr("v", int16(math.MaxInt16))},
-		{name: "uint16", msg: hdr("v", uint16(math.MaxUint16)), want: hdr("v", uint16(math.MaxUint16))},
-		{name: "int reads as int32", msg: hdr("v", 42), want: hdr("v", int32(42))},
-		{name: "int beyond 32 bits loses its high bits, as amqp091-go sends it", msg: hdr("v", 1<<32+5), want: hdr("v", int32(5))},
-		{name: "int32", msg: hdr("v", int32(math.MaxInt32)), want: hdr("v", int32(math.MaxInt32))},
-		{name: "uint32", msg: hdr("v", uint32(7)), want: hdr("v", uint32(7))},
-		{name: "int64", msg: hdr("v", int64(math.MaxInt64)), want: hdr("v", int64(math.MaxInt64))},
-		{name: "float32", msg: hdr("v", float32(math.Inf(-1))), want: hdr("v", float32(math.Inf(-1)))},
-		{name: "float64", msg: hdr("v", math.SmallestNonzeroFloat64), want: hdr("v", math.SmallestNonzeroFloat64)},
-		{name: "negative zero float64", msg: hdr("v", math.Copysign(0, -1)), want: hdr("v", math.Copysign(0, -1))},
-		{name: "Decimal", msg: hdr("v", amqp.Decimal{Scale: 255, Value: math.MinInt32}), want: hdr("v", amqp.Decimal{Scale: 255, Value: math.MinInt32})},
-		{name: "time.Time: whole seconds, local time", msg: hdr("v", pubTime), want: hdr("v", time.Unix(1714975689, 0))},
-		{name: "zero time.Time is sent", msg: hdr("v", time.Time{}), want: hdr("v", time.Unix(-62135596800, 0))},
-		{name: "string", msg: hdr("v", "s"), want: hdr("v", "s")},
-		{name: "empty string", msg: hdr("v", ""), want: hdr("v", "")},
-		{name: "[]byte", msg: hdr("v", []byte{0xff}), want: hdr("v", []byte{0xff})},
-		{name: "nil []byte reads as empty", msg: hdr("v", []byte(nil)), want: hdr("v", []byte{})},
-		{name: "nil", msg: hdr("v", nil), want: hdr("v", nil)},
-		{name: "array", msg: hdr("v", []any{true, "x", nil}), want: hdr("v", []any{true, "x", nil})},
-		{name: "empty array reads as nil", msg: hdr("v", []any{}), want: hdr("v", []any(nil))},
-		{name: "nil array reads as nil", msg: hdr("v", []any(nil)), want: hdr("v", []any(nil))},
-		{name: "table", msg: hdr("v", amqp.Table{"b": 1, "a": "x"}), want: hdr("v", amqp.Table{"b": int32(1), "a": "x"})},
-		{name: "empty nested table reads as empty", msg: hdr("v", amqp.Table{}), want: hdr("v", amqp.Table{})},
-		{name: "nil nested table reads as empty", msg: hdr("v", amqp.Table(nil)), want: hdr("v", amqp.Table{})},
+		{name: "bool", msg: wiretest.Hdr("v", true), want: wiretest.Hdr("v", true)},
+		{name: "uint8 reads as byte", msg: wiretest.Hdr("v", uint8(255)), want: wiretest.Hdr("v", byte(255))},
+		{name: "int8", msg: wiretest.Hdr("v", int8(math.MinInt8)), want: wiretest.Hdr("v", int8(math.MinInt8))},
+		{name: "int16", msg: wiretest.Hdr("v", int16(math.MaxInt16)), want: wiretest.Hdr("v", int16(math.MaxInt16))},
+		{name: "uint16", msg: wiretest.Hdr("v", uint16(math.MaxUint16)), want: wiretest.Hdr("v", uint16(math.MaxUint16))},
+		{name: "int reads as int32", msg: wiretest.Hdr("v", 42), want: wiretest.Hdr("v", int32(42))},
+		{name: "int beyond 32 bits loses its high bits, as amqp091-go sends it", msg: wiretest.Hdr("v", 1<<32+5), want: wiretest.Hdr("v", int32(5))},
+		{name: "int32", msg: wiretest.Hdr("v", int32(math.MaxInt32)), want: wiretest.Hdr("v", int32(math.MaxInt32))},
+		{name: "uint32", msg: wiretest.Hdr("v", uint32(7)), want: wiretest.Hdr("v", uint32(7))},
+		{name: "int64", msg: wiretest.Hdr("v", int64(math.MaxInt64)), want: wiretest.Hdr("v", int64(math.MaxInt64))},
+		{name: "float32", msg: wiretest.Hdr("v", float32(math.Inf(-1))), want: wiretest.Hdr("v", float32(math.Inf(-1)))},
+		{name: "float64", msg: wiretest.Hdr("v", math.SmallestNonzeroFloat64), want: wiretest.Hdr("v", math.SmallestNonzeroFloat64)},
+		{name: "negative zero float64", msg: wiretest.Hdr("v", math.Copysign(0, -1)), want: wiretest.Hdr("v", math.Copysign(0, -1))},
+		{name: "Decimal", msg: wiretest.Hdr("v", amqp.Decimal{Scale: 255, Value: math.MinInt32}), want: wiretest.Hdr("v", amqp.Decimal{Scale: 255, Value: math.MinInt32})},
+		{name: "time.Time: whole seconds, local time", msg: wiretest.Hdr("v", wiretest.Time), want: wiretest.Hdr("v", time.Unix(1714975689, 0))},
+		{name: "zero time.Time is sent", msg: wiretest.Hdr("v", time.Time{}), want: wiretest.Hdr("v", time.Unix(-62135596800, 0))},
+		{name: "string", msg: wiretest.Hdr("v", "s"), want: wiretest.Hdr("v", "s")},
+		{name: "empty string", msg: wiretest.Hdr("v", ""), want: wiretest.Hdr("v", "")},
+		{name: "[]byte", msg: wiretest.Hdr("v", []byte{0xff}), want: wiretest.Hdr("v", []byte{0xff})},
+		{name: "nil []byte reads as empty", msg: wiretest.Hdr("v", []byte(nil)), want: wiretest.Hdr("v", []byte{})},
+		{name: "nil", msg: wiretest.Hdr("v", nil), want: wiretest.Hdr("v", nil)},
+		{name: "array", msg: wiretest.Hdr("v", []any{true, "x", nil}), want: wiretest.Hdr("v", []any{true, "x", nil})},
+		{name: "empty array reads as nil", msg: wiretest.Hdr("v", []any{}), want: wiretest.Hdr("v", []any(nil))},
+		{name: "nil array reads as nil", msg: wiretest.Hdr("v", []any(nil)), want: wiretest.Hdr("v", []any(nil))},
+		{name: "table", msg: wiretest.Hdr("v", amqp.Table{"b": 1, "a": "x"}), want: wiretest.Hdr("v", amqp.Table{"b": int32(1), "a": "x"})},
+		{name: "empty nested table reads as empty", msg: wiretest.Hdr("v", amqp.Table{}), want: wiretest.Hdr("v", amqp.Table{})},
+		{name: "nil nested table reads as empty", msg: wiretest.Hdr("v", amqp.Table(nil)), want: wiretest.Hdr("v", amqp.Table{})},
 		{name: "arrays nested 16 deep", msg: amqp.Publishing{Headers: pubNestedTable(1, maxHeaderDepth)}, want: amqp.Publishing{Headers: pubNestedTable(int32(1), maxHeaderDepth)}},
-		{name: "tables nested 16 deep", msg: amqp.Publishing{Headers: amqp.Table{"h": pubNested(amqp.Table{}, maxHeaderDepth-1, true)}}, want: amqp.Publishing{Headers: amqp.Table{"h": pubNested(amqp.Table{}, maxHeaderDepth-1, true)}}},
+		{name: "tables nested 16 deep", msg: amqp.Publishing{Headers: amqp.Table{"h": wiretest.Nested(amqp.Table{}, maxHeaderDepth-1, true)}}, want: amqp.Publishing{Headers: amqp.Table{"h": wiretest.Nested(amqp.Table{}, maxHeaderDepth-1, true)}}},
 		{name: "empty and 255-byte header names", msg: amqp.Publishing{Headers: amqp.Table{"": 1, long: 2}}, want: amqp.Publishing{Headers: amqp.Table{"": int32(1), long: int32(2)}}},
 		{name: "names in byte order, not rune order", msg: amqp.Publishing{Headers: amqp.Table{"é": 1, "z": 2, "Z": 3}}, want: amqp.Publishing{Headers: amqp.Table{"é": int32(1), "z": int32(2), "Z": int32(3)}}},
 		{name: "8192 entries and elements", msg: amqp.Publishing{Headers: pubWide(maxHeaderElements, 1)}, want: amqp.Publishing{Headers: pubWide(maxHeaderElements, int32(1))}},
@@ -176,17 +132,17 @@ func TestPublishingRoundTrip(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			prefix := []byte("before")
-			stored, err := appendPublishing(prefix, tt.exchange, tt.key, tt.msg)
+			stored, err := AppendPublishing(prefix, tt.exchange, tt.key, tt.msg)
 			if err != nil {
-				t.Fatalf("appendPublishing: %v", err)
+				t.Fatalf("AppendPublishing: %v", err)
 			}
 			if got, want := string(stored[:len(prefix)]), "before"; got != want {
 				t.Fatalf("prefix: got %q, want %q", got, want)
 			}
 			stored = append(stored, "after"...)
-			ex, key, got, rest, err := readPublishing(stored[len(prefix):])
+			ex, key, got, rest, err := ReadPublishing(stored[len(prefix):])
 			if err != nil {
-				t.Fatalf("readPublishing: %v", err)
+				t.Fatalf("ReadPublishing: %v", err)
 			}
 			if ex != tt.exchange || key != tt.key {
 				t.Fatalf("exchange, key: got %q %q, want %q %q", ex, key, tt.exchange, tt.key)
@@ -199,22 +155,17 @@ func TestPublishingRoundTrip(t *testing.T) {
 				want.Body = []byte{}
 			}
 			if !reflect.DeepEqual(got, want) {
-				t.Fatalf("readPublishing:\n got  %#v\n want %#v", got, want)
+				t.Fatalf("ReadPublishing:\n got  %#v\n want %#v", got, want)
 			}
-			again, err := appendPublishing(nil, ex, key, got)
+			again, err := AppendPublishing(nil, ex, key, got)
 			if err != nil {
-				t.Fatalf("appendPublishing of what was read: %v", err)
+				t.Fatalf("AppendPublishing of what was read: %v", err)
 			}
 			if want := stored[len(prefix) : len(stored)-len("after")]; !bytes.Equal(again, want) {
 				t.Fatalf("re-encoded:\n got  %x\n want %x", again, want)
 			}
 		})
 	}
-}
-
-// hdr returns a message whose one header, k, is v.
-func hdr(k string, v any) amqp.Publishing {
-	return amqp.Publishing{Headers: amqp.Table{k: v}}
 }
 
 // pubWide returns Headers of n entries, the first of them an array of n
@@ -240,7 +191,7 @@ func TestPublishingStoredForm(t *testing.T) {
 		Headers: amqp.Table{"b": int16(-2), "a": []any{true}},
 		Body:    []byte("xy"),
 	}
-	got, err := appendPublishing(nil, "e", "k", msg)
+	got, err := AppendPublishing(nil, "e", "k", msg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -291,14 +242,14 @@ func pubCat(parts ...any) []byte {
 	return b
 }
 
-// TestPublishingKeepsNoReference checks that what readPublishing returns
+// TestPublishingKeepsNoReference checks that what ReadPublishing returns
 // shares no memory with its input, which the caller may reuse.
 func TestPublishingKeepsNoReference(t *testing.T) {
-	stored, err := appendPublishing(nil, "ex", "rk", pubEvery)
+	stored, err := AppendPublishing(nil, "ex", "rk", wiretest.Every)
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, _, got, _, err := readPublishing(stored)
+	_, _, got, _, err := ReadPublishing(stored)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -316,14 +267,14 @@ func TestPublishingSequence(t *testing.T) {
 	var b []byte
 	var err error
 	for i := range 3 {
-		if b, err = appendPublishing(b, "ex", fmt.Sprint("rk", i), amqp.Publishing{MessageId: fmt.Sprint("m", i)}); err != nil {
+		if b, err = AppendPublishing(b, "ex", fmt.Sprint("rk", i), amqp.Publishing{MessageId: fmt.Sprint("m", i)}); err != nil {
 			t.Fatal(err)
 		}
 	}
 	for i := range 3 {
 		var key string
 		var msg amqp.Publishing
-		if _, key, msg, b, err = readPublishing(b); err != nil {
+		if _, key, msg, b, err = ReadPublishing(b); err != nil {
 			t.Fatal(err)
 		}
 		if got, want := key+" "+msg.MessageId, fmt.Sprintf("rk%d m%d", i, i); got != want {
@@ -339,12 +290,12 @@ func TestPublishingSequence(t *testing.T) {
 // itself.
 type pubUnsupported string
 
-// TestAppendPublishingRefuses is the table of what appendPublishing
+// TestAppendPublishingRefuses is the table of what AppendPublishing
 // refuses: what amqp091-go would not send or its reader not receive. Each
-// error wraps errBadPublishing and names the field.
+// error wraps ErrBadPublishing and names the field.
 func TestAppendPublishingRefuses(t *testing.T) {
-	if err := pubEveryHdrs.Validate(); err != nil {
-		t.Fatalf("amqp.Table.Validate refuses pubEvery's headers, which appendPublishing accepts: %v", err)
+	if err := wiretest.EveryHeaders.Validate(); err != nil {
+		t.Fatalf("amqp.Table.Validate refuses wiretest.Every's headers, which AppendPublishing accepts: %v", err)
 	}
 	long := strings.Repeat("s", 256)
 	tests := []struct {
@@ -365,29 +316,29 @@ func TestAppendPublishingRefuses(t *testing.T) {
 		{name: "Type", msg: amqp.Publishing{Type: long}, want: "Type: 256 bytes"},
 		{name: "UserId", msg: amqp.Publishing{UserId: long}, want: "UserId: 256 bytes"},
 		{name: "AppId", msg: amqp.Publishing{AppId: long}, want: "AppId: 256 bytes"},
-		{name: "header name of 256 bytes", msg: hdr(long, 1), want: `Headers["ssss`},
-		{name: "nested header name of 256 bytes", msg: hdr("a", []any{amqp.Table{long: 1}}), want: `Headers["a"][0]["sss`},
-		{name: "uint", msg: hdr("v", uint(1)), want: `Headers["v"]: value of type uint, which an AMQP table cannot carry`},
-		{name: "uint64", msg: hdr("v", uint64(1)), want: `Headers["v"]: value of type uint64`},
-		{name: "map[string]any is not an amqp.Table", msg: hdr("v", map[string]any{}), want: `Headers["v"]: value of type map[string]interface {}`},
-		{name: "[]string is not an []any", msg: hdr("v", []string{"a"}), want: `Headers["v"]: value of type []string`},
-		{name: "named string type", msg: hdr("v", pubUnsupported("x")), want: `Headers["v"]: value of type amqpidem.pubUnsupported`},
-		{name: "pointer", msg: hdr("v", new(int32)), want: `Headers["v"]: value of type *int32`},
-		{name: "struct", msg: hdr("v", struct{}{}), want: `Headers["v"]: value of type struct {}`},
-		{name: "time.Duration", msg: hdr("v", time.Second), want: `Headers["v"]: value of type time.Duration`},
-		{name: "deep in arrays and tables", msg: hdr("v", []any{1, amqp.Table{"x": []any{nil, uint(1)}}}), want: `Headers["v"][1]["x"][1]: value of type uint`},
+		{name: "header name of 256 bytes", msg: wiretest.Hdr(long, 1), want: `Headers["ssss`},
+		{name: "nested header name of 256 bytes", msg: wiretest.Hdr("a", []any{amqp.Table{long: 1}}), want: `Headers["a"][0]["sss`},
+		{name: "uint", msg: wiretest.Hdr("v", uint(1)), want: `Headers["v"]: value of type uint, which an AMQP table cannot carry`},
+		{name: "uint64", msg: wiretest.Hdr("v", uint64(1)), want: `Headers["v"]: value of type uint64`},
+		{name: "map[string]any is not an amqp.Table", msg: wiretest.Hdr("v", map[string]any{}), want: `Headers["v"]: value of type map[string]interface {}`},
+		{name: "[]string is not an []any", msg: wiretest.Hdr("v", []string{"a"}), want: `Headers["v"]: value of type []string`},
+		{name: "named string type", msg: wiretest.Hdr("v", pubUnsupported("x")), want: `Headers["v"]: value of type wire.pubUnsupported`},
+		{name: "pointer", msg: wiretest.Hdr("v", new(int32)), want: `Headers["v"]: value of type *int32`},
+		{name: "struct", msg: wiretest.Hdr("v", struct{}{}), want: `Headers["v"]: value of type struct {}`},
+		{name: "time.Duration", msg: wiretest.Hdr("v", time.Second), want: `Headers["v"]: value of type time.Duration`},
+		{name: "deep in arrays and tables", msg: wiretest.Hdr("v", []any{1, amqp.Table{"x": []any{nil, uint(1)}}}), want: `Headers["v"][1]["x"][1]: value of type uint`},
 		{name: "arrays nested 17 deep", msg: amqp.Publishing{Headers: pubNestedTable(1, maxHeaderDepth+1)}, want: `Headers["h"][0][0][0][0][0][0][0][0][0][0][0][0][0][0][0][0]: array nested deeper than 16`},
-		{name: "tables nested 17 deep", msg: hdr("h", pubNested(amqp.Table{}, maxHeaderDepth, true)), want: `table nested deeper than 16`},
+		{name: "tables nested 17 deep", msg: wiretest.Hdr("h", wiretest.Nested(amqp.Table{}, maxHeaderDepth, true)), want: `table nested deeper than 16`},
 		{name: "table of 8193 entries", msg: amqp.Publishing{Headers: pubWide(maxHeaderElements+1, 1)}, want: "Headers: table of 8193 entries, more than 8192"},
-		{name: "array of 8193 elements", msg: hdr("a", make([]any, maxHeaderElements+1)), want: `Headers["a"]: array of 8193 elements, more than 8192`},
-		{name: "nested table of 8193 entries", msg: hdr("t", pubWide(maxHeaderElements+1, 1)), want: `Headers["t"]: table of 8193 entries`},
+		{name: "array of 8193 elements", msg: wiretest.Hdr("a", make([]any, maxHeaderElements+1)), want: `Headers["a"]: array of 8193 elements, more than 8192`},
+		{name: "nested table of 8193 entries", msg: wiretest.Hdr("t", pubWide(maxHeaderElements+1, 1)), want: `Headers["t"]: table of 8193 entries`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			prefix := []byte("before")
-			b, err := appendPublishing(prefix, tt.exchange, tt.key, tt.msg)
-			if !errors.Is(err, errBadPublishing) {
-				t.Fatalf("error: got %v, want one wrapping %v", err, errBadPublishing)
+			b, err := AppendPublishing(prefix, tt.exchange, tt.key, tt.msg)
+			if !errors.Is(err, ErrBadPublishing) {
+				t.Fatalf("error: got %v, want one wrapping %v", err, ErrBadPublishing)
 			}
 			if !strings.Contains(err.Error(), tt.want) {
 				t.Fatalf("error: got %q, want it to hold %q", err, tt.want)
@@ -396,7 +347,7 @@ func TestAppendPublishingRefuses(t *testing.T) {
 				t.Fatalf("returned bytes: got %q, want b as it was, %q", got, want)
 			}
 			if strings.Contains(tt.want, "value of type") && tt.msg.Headers.Validate() == nil {
-				t.Fatalf("amqp.Table.Validate accepts the type appendPublishing refuses: %#v", tt.msg.Headers)
+				t.Fatalf("amqp.Table.Validate accepts the type AppendPublishing refuses: %#v", tt.msg.Headers)
 			}
 		})
 	}
@@ -432,9 +383,9 @@ func pubStoredHeaders(n int, entries ...any) []byte {
 	return pubCat(pubStoredHead(0), uint16(pubFlagHeaders), uint32(len(table)+n), table)
 }
 
-// TestReadPublishingRefuses is the table of stored forms readPublishing
+// TestReadPublishingRefuses is the table of stored forms ReadPublishing
 // refuses: damaged, forged, from another version, or not what
-// appendPublishing writes. Each error wraps errBadStoredPublishing and
+// AppendPublishing writes. Each error wraps ErrBadStored and
 // names the field.
 func TestReadPublishingRefuses(t *testing.T) {
 	deep := []byte("V")
@@ -496,9 +447,9 @@ func TestReadPublishingRefuses(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			_, _, _, _, err := readPublishing(tt.input)
-			if !errors.Is(err, errBadStoredPublishing) {
-				t.Fatalf("error: got %v, want one wrapping %v", err, errBadStoredPublishing)
+			_, _, _, _, err := ReadPublishing(tt.input)
+			if !errors.Is(err, ErrBadStored) {
+				t.Fatalf("error: got %v, want one wrapping %v", err, ErrBadStored)
 			}
 			if !strings.Contains(err.Error(), tt.want) {
 				t.Fatalf("error: got %q, want it to hold %q", err, tt.want)
@@ -510,21 +461,21 @@ func TestReadPublishingRefuses(t *testing.T) {
 // TestReadPublishingTruncated cuts the stored form of a message with every
 // property and header type at every byte: each cut is an error.
 func TestReadPublishingTruncated(t *testing.T) {
-	stored, err := appendPublishing(nil, "ex", "rk", pubEvery)
+	stored, err := AppendPublishing(nil, "ex", "rk", wiretest.Every)
 	if err != nil {
 		t.Fatal(err)
 	}
 	for n := range len(stored) {
-		if _, _, _, _, err := readPublishing(stored[:n]); !errors.Is(err, errBadStoredPublishing) {
-			t.Fatalf("cut at byte %d of %d: got %v, want an error wrapping %v", n, len(stored), err, errBadStoredPublishing)
+		if _, _, _, _, err := ReadPublishing(stored[:n]); !errors.Is(err, ErrBadStored) {
+			t.Fatalf("cut at byte %d of %d: got %v, want an error wrapping %v", n, len(stored), err, ErrBadStored)
 		}
 	}
-	if _, _, _, _, err := readPublishing(stored); err != nil {
+	if _, _, _, _, err := ReadPublishing(stored); err != nil {
 		t.Fatalf("whole: %v", err)
 	}
 }
 
-// TestReadPublishingAllocatesWithinInput gives readPublishing forged
+// TestReadPublishingAllocatesWithinInput gives ReadPublishing forged
 // lengths of gigabytes in a few bytes: it refuses them without allocating
 // what they claim.
 func TestReadPublishingAllocatesWithinInput(t *testing.T) {
@@ -539,8 +490,8 @@ func TestReadPublishingAllocatesWithinInput(t *testing.T) {
 	var before, after runtime.MemStats
 	runtime.ReadMemStats(&before)
 	for _, b := range forged {
-		if _, _, _, _, err := readPublishing(b); !errors.Is(err, errBadStoredPublishing) {
-			t.Fatalf("readPublishing(%x): got %v, want an error", b, err)
+		if _, _, _, _, err := ReadPublishing(b); !errors.Is(err, ErrBadStored) {
+			t.Fatalf("ReadPublishing(%x): got %v, want an error", b, err)
 		}
 	}
 	runtime.ReadMemStats(&after)
@@ -550,7 +501,7 @@ func TestReadPublishingAllocatesWithinInput(t *testing.T) {
 }
 
 // TestPublishingAsReceived publishes messages through a real RabbitMQ with
-// amqp091-go, gets them back, and checks that readPublishing returns, field
+// amqp091-go, gets them back, and checks that ReadPublishing returns, field
 // for field, what the consumer received: the stored form holds what a
 // consumer receives. It needs the RabbitMQ of testenv.AMQPURL.
 func TestPublishingAsReceived(t *testing.T) {
@@ -591,7 +542,7 @@ func TestPublishingAsReceived(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	every := pubEvery
+	every := wiretest.Every
 	every.UserId = uri.Username // RabbitMQ refuses any other user-id
 	tests := []struct {
 		name     string
@@ -605,19 +556,19 @@ func TestPublishingAsReceived(t *testing.T) {
 		{"default exchange", "", queue, amqp.Publishing{Headers: amqp.Table{"n": nil, "a": []any{}, "t": amqp.Table(nil), "x": []byte(nil)}, Body: []byte("b")}},
 		{"large", exchange, "order." + strings.Repeat("k", 200), amqp.Publishing{
 			MessageId: strings.Repeat("m", 255),
-			Headers:   amqp.Table{"deep": pubNested(amqp.Table{"s": strings.Repeat("s", 5000)}, maxHeaderDepth-1, false)},
+			Headers:   amqp.Table{"deep": wiretest.Nested(amqp.Table{"s": strings.Repeat("s", 5000)}, maxHeaderDepth-1, false)},
 			Body:      bytes.Repeat([]byte("body"), 100_000), // several frames
 		}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			stored, err := appendPublishing(nil, tt.exchange, tt.key, tt.msg)
+			stored, err := AppendPublishing(nil, tt.exchange, tt.key, tt.msg)
 			if err != nil {
-				t.Fatalf("appendPublishing: %v", err)
+				t.Fatalf("AppendPublishing: %v", err)
 			}
-			ex, key, got, _, err := readPublishing(stored)
+			ex, key, got, _, err := ReadPublishing(stored)
 			if err != nil {
-				t.Fatalf("readPublishing: %v", err)
+				t.Fatalf("ReadPublishing: %v", err)
 			}
 
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -654,7 +605,7 @@ func TestPublishingAsReceived(t *testing.T) {
 			}
 			for _, f := range fields {
 				if !reflect.DeepEqual(f.got, f.want) {
-					t.Errorf("%s: got %#v from readPublishing, want %#v as received", f.name, f.got, f.want)
+					t.Errorf("%s: got %#v from ReadPublishing, want %#v as received", f.name, f.got, f.want)
 				}
 			}
 		})
@@ -728,7 +679,7 @@ func pubSame(a, b amqp.Publishing) bool {
 	return reflect.DeepEqual(a, b)
 }
 
-// FuzzReadPublishing reads arbitrary bytes: readPublishing never panics,
+// FuzzReadPublishing reads arbitrary bytes: ReadPublishing never panics,
 // and what it reads re-encodes to the very bytes it consumed, which read
 // again give the same message.
 func FuzzReadPublishing(f *testing.F) {
@@ -737,21 +688,21 @@ func FuzzReadPublishing(f *testing.F) {
 		msg           amqp.Publishing
 	}{
 		{"", "", amqp.Publishing{}},
-		{"ex", "rk", pubEvery},
+		{"ex", "rk", wiretest.Every},
 		{"", "q", amqp.Publishing{ContentType: "c", ContentEncoding: "e", DeliveryMode: 1, Priority: 9, CorrelationId: "i", ReplyTo: "r",
 			Expiration: "1", MessageId: "m", Timestamp: time.Unix(1, 0), Type: "t", UserId: "u", AppId: "a", Body: []byte("b")}},
-		{"", "", hdr("n", pubNested(amqp.Table{"a": []any{nil}}, 7, true))},
-		{"", "", hdr("f", []any{float32(math.NaN()), math.NaN(), math.Inf(1), math.Copysign(0, -1)})},
+		{"", "", wiretest.Hdr("n", wiretest.Nested(amqp.Table{"a": []any{nil}}, 7, true))},
+		{"", "", wiretest.Hdr("f", []any{float32(math.NaN()), math.NaN(), math.Inf(1), math.Copysign(0, -1)})},
 	}
 	for _, tt := range seeds {
-		b, err := appendPublishing(nil, tt.exchange, tt.key, tt.msg)
+		b, err := AppendPublishing(nil, tt.exchange, tt.key, tt.msg)
 		if err != nil {
 			f.Fatal(err)
 		}
 		f.Add(b)
 	}
-	for _, v := range pubEveryHdrs {
-		b, err := appendPublishing(nil, "", "", hdr("v", v))
+	for _, v := range wiretest.EveryHeaders {
+		b, err := AppendPublishing(nil, "", "", wiretest.Hdr("v", v))
 		if err != nil {
 			f.Fatal(err)
 		}
@@ -762,10 +713,10 @@ func FuzzReadPublishing(f *testing.F) {
 	f.Add(pubCat(pubStoredHead(0), uint16(pubFlagTimestamp), uint64(0xfffffff1886e0900)))
 
 	f.Fuzz(func(t *testing.T, b []byte) {
-		ex, key, msg, rest, err := readPublishing(b)
+		ex, key, msg, rest, err := ReadPublishing(b)
 		if err != nil {
-			if !errors.Is(err, errBadStoredPublishing) {
-				t.Fatalf("error %v does not wrap %v", err, errBadStoredPublishing)
+			if !errors.Is(err, ErrBadStored) {
+				t.Fatalf("error %v does not wrap %v", err, ErrBadStored)
 			}
 			return
 		}
@@ -773,14 +724,14 @@ func FuzzReadPublishing(f *testing.F) {
 			t.Fatalf("rest %x is not the end of the input %x", rest, b)
 		}
 		used := b[:len(b)-len(rest)]
-		again, err := appendPublishing(nil, ex, key, msg)
+		again, err := AppendPublishing(nil, ex, key, msg)
 		if err != nil {
-			t.Fatalf("appendPublishing refuses what readPublishing read from %x: %v", used, err)
+			t.Fatalf("AppendPublishing refuses what ReadPublishing read from %x: %v", used, err)
 		}
 		if !bytes.Equal(again, used) {
 			t.Fatalf("re-encoded:\n got  %x\n want %x", again, used)
 		}
-		ex2, key2, msg2, rest2, err := readPublishing(again)
+		ex2, key2, msg2, rest2, err := ReadPublishing(again)
 		if err != nil {
 			t.Fatalf("reading the re-encoded form: %v", err)
 		}

@@ -1,0 +1,366 @@
+package pgstore
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+)
+
+// claimed is a row a round took.
+type claimed struct {
+	id       int64
+	message  []byte
+	attempts int
+	orderKey *string // with Ordered: its order key and place in it
+	seq      *int64
+	err      error // of its publish
+}
+
+// errNotTried marks a row of an order key's chain that was not published
+// in its round: one before it was not confirmed, or the claim was too
+// near its end to wait for another publish. Its row is released, due at
+// once (it stays behind the row that held it back).
+var errNotTried = errors.New("not tried: an earlier message of its order key was not published, or the claim was ending")
+
+// round claims up to Batch rows (and, with Ordered, each order key's next
+// rows behind its head), publishes them and records the outcomes. It
+// returns how many of the rows it claimed it tried to publish (the loop
+// looks again at once only when that is not 0: a claim too short for any
+// publish must not make it spin), and an error when the database or the
+// broker could not be reached (the rows it could not publish are
+// released, due after a backoff).
+func (r *Relay) round(ctx context.Context) (int, error) {
+	rows, start, err := r.claim(ctx)
+	if err != nil || len(rows) == 0 {
+		return 0, err
+	}
+	// A chain is published one message at a time, each after the
+	// confirm of the one before, stopping at the first that is not
+	// confirmed; chains go Concurrency at a time. No publish starts
+	// unless the claim outlasts it: a chain's first message (at most
+	// Batch of them, which Validate makes fit in the claim when
+	// publishes are all that runs) while the claim outlasts its publish;
+	// the ones after it only while it outlasts their publish by half of
+	// ClaimTTL, left for marking them sent (markSent). What was not tried
+	// is released for the next round.
+	heads := start.Add(r.cfg.ClaimTTL - r.cfg.PublishTimeout)
+	followers := start.Add(r.cfg.ClaimTTL/2 - r.cfg.PublishTimeout)
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, r.cfg.Concurrency)
+	for _, chain := range chains(rows) {
+		sem <- struct{}{}
+		wg.Add(1)
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			var failed error
+			for i, c := range chain {
+				switch {
+				case failed != nil:
+					c.err = errNotTried
+				case time.Now().After(heads), i > 0 && time.Now().After(followers):
+					c.err, failed = errNotTried, errNotTried
+				default:
+					c.err = r.publish(ctx, c.message)
+					failed = c.err
+				}
+			}
+		}()
+	}
+	wg.Wait()
+
+	var sent, unavailable, notTried []int64
+	var refusedIDs, waits []int64
+	var reasons []string
+	var brokerErr error
+	for _, c := range rows {
+		switch {
+		case c.err == nil:
+			sent = append(sent, c.id)
+		case errors.Is(c.err, errNotTried):
+			notTried = append(notTried, c.id)
+		case refused(c.err):
+			refusedIDs = append(refusedIDs, c.id)
+			reasons = append(reasons, c.err.Error())
+			wait := backoff(r.cfg.RetryBackoff, r.cfg.MaxBackoff, c.attempts+1)
+			waits = append(waits, wait.Milliseconds())
+			r.log.Warn("pgstore: relay: the broker refused a message", "relay", r.cfg.Name, "id", c.id,
+				"attempt", c.attempts+1, "max_attempts", r.cfg.MaxAttempts, "error", c.err)
+		default:
+			unavailable = append(unavailable, c.id)
+			brokerErr = c.err
+		}
+	}
+	r.refusedN.Add(uint64(len(refusedIDs)))
+	// The outcomes are written even when ctx has ended (Shutdown): a
+	// confirmed message left unmarked is published again.
+	mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.PublishTimeout)
+	defer cancel()
+	if len(sent) > 0 {
+		if err := r.markSent(ctx, sent); err != nil {
+			return len(rows) - len(notTried), err
+		}
+	}
+	if len(refusedIDs) > 0 {
+		dead, err := r.refuse(mctx, refusedIDs, reasons, waits)
+		if err != nil {
+			return len(rows) - len(notTried), err
+		}
+		// Each row is due its wait after the refusal's statement, which
+		// has returned: so at the latest now plus the wait, by any clock.
+		now := time.Now()
+		for _, w := range waits {
+			r.retryAt(now.Add(time.Duration(w) * time.Millisecond))
+		}
+		for _, id := range dead {
+			r.dead.Add(1)
+			r.log.Error("pgstore: relay: a message is dead after being refused MaxAttempts times: list it with "+
+				"`amqpidem relay list --state dead`, re-drive it with `amqpidem relay redrive`",
+				"relay", r.cfg.Name, "id", id, "max_attempts", r.cfg.MaxAttempts)
+		}
+	}
+	if len(notTried) == len(rows) {
+		r.log.Warn("pgstore: relay: a claim ended too soon for any publish: raise RelayConfig.ClaimTTL well above PublishTimeout",
+			"relay", r.cfg.Name, "claim_ttl", r.cfg.ClaimTTL, "publish_timeout", r.cfg.PublishTimeout,
+			"claimed_for", time.Since(start))
+	}
+	if len(notTried) > 0 {
+		if _, err := r.o.pool.Exec(mctx, r.sql.release, r.claimant, notTried, 0); err != nil {
+			r.log.Warn("pgstore: relay: release rows (they wait out the claim): "+classify(err).Error(), "relay", r.cfg.Name)
+		}
+	}
+	if len(unavailable) > 0 {
+		wait := r.cfg.RetryBackoff.Milliseconds()
+		if _, err := r.o.pool.Exec(mctx, r.sql.release, r.claimant, unavailable, wait); err != nil {
+			r.log.Warn("pgstore: relay: release rows (they wait out the claim): "+classify(err).Error(), "relay", r.cfg.Name)
+		}
+		return len(rows) - len(notTried), fmt.Errorf("publish %d of %d messages: %w", len(unavailable), len(rows), brokerErr)
+	}
+	return len(rows) - len(notTried), nil
+}
+
+// markSent marks the rows ids sent (deletes them, with a negative
+// Retention) once the broker confirmed them, and counts them published.
+//
+// A confirmed row left unmarked is published again once its claim ends,
+// so a mark that fails (the session lost, the server restarting) is tried
+// again, after 50 ms doubled up to 1 s, on a connection checked to be
+// alive: new tries start for a third of ClaimTTL, each bounded by a
+// sixth, so all end within half of ClaimTTL after the publishes. round
+// stops starting a chain's later publishes in time for that; a slow first
+// wave can still leave less. A mark written after the claim ended may come
+// after another relay took the rows and published them again: copies,
+// with one MessageId. The mark changes only rows still pending: repeating
+// it, or writing it after another relay's, is harmless. It is written
+// even when ctx has ended (Shutdown).
+func (r *Relay) markSent(ctx context.Context, ids []int64) error {
+	if r.beforeMark != nil {
+		r.beforeMark()
+	}
+	ctx = context.WithoutCancel(ctx)
+	window := r.cfg.ClaimTTL / 3
+	per := max(window/2, 100*time.Millisecond)
+	deadline := time.Now().Add(window)
+	wait := 50 * time.Millisecond
+	for try := 1; ; try++ {
+		err := r.markOnce(ctx, ids, try > 1, per)
+		if err == nil {
+			r.published.Add(uint64(len(ids)))
+			if try > 1 {
+				r.log.Info("pgstore: relay: marked the published rows sent on a later try", "relay", r.cfg.Name,
+					"rows", len(ids), "tries", try)
+			}
+			return nil
+		}
+		if time.Until(deadline) < wait {
+			return fmt.Errorf("mark %d published rows sent, %d tries (they will be published again once their claim ends): %w",
+				len(ids), try, err)
+		}
+		if try == 1 {
+			r.log.Warn("pgstore: relay: mark published rows sent (trying again): "+err.Error(), "relay", r.cfg.Name,
+				"rows", len(ids))
+		}
+		time.Sleep(wait)
+		wait = min(2*wait, time.Second)
+	}
+}
+
+// markOnce is one try of markSent, bounded by per. A retry (check) first
+// pings the connection the pool gives, and takes another while it gives
+// dead ones (a session ended under an idle connection), up to MaxConns.
+func (r *Relay) markOnce(ctx context.Context, ids []int64, check bool, per time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, per)
+	defer cancel()
+	c, err := r.acquire(ctx)
+	for dead := int32(0); err == nil && check && dead < r.o.pool.Stat().MaxConns(); dead++ {
+		if err = c.Ping(ctx); err == nil {
+			break
+		}
+		c.Release() // closed: the pool drops it
+		if ctx.Err() != nil {
+			return classify(err)
+		}
+		c, err = r.acquire(ctx)
+	}
+	if err != nil {
+		return err
+	}
+	defer c.Release()
+	_, err = c.Exec(ctx, r.sql.sent, ids)
+	return classify(err)
+}
+
+// acquire returns a connection of the Outbox's pool, waiting poolWait at
+// most: a pool whose connections are all taken (by the application, or too
+// small) is an error that the relay logs and backs off from, never a
+// silent stall.
+func (r *Relay) acquire(ctx context.Context) (*pgxpool.Conn, error) {
+	actx, cancel := context.WithTimeout(ctx, poolWait)
+	defer cancel()
+	c, err := r.o.pool.Acquire(actx)
+	if err == nil {
+		return c, nil
+	}
+	if ctx.Err() == nil && actx.Err() != nil {
+		st := r.o.pool.Stat()
+		return nil, fmt.Errorf("no connection of the pool free within %v (%d of its MaxConns %d in use, by the relay or "+
+			"others): %w", poolWait, st.AcquiredConns(), st.MaxConns(), err)
+	}
+	return nil, classify(err)
+}
+
+// claim takes up to Batch due rows for ClaimTTL, in ID order, and with
+// Ordered the chains behind the order keys' heads among them. It returns
+// them and when it started the claim's statement, which is no later than
+// the claim's start by the database's clock.
+func (r *Relay) claim(ctx context.Context) ([]claimed, time.Time, error) {
+	args := []any{r.claimant, r.cfg.Batch, r.cfg.ClaimTTL.Milliseconds()}
+	if r.cfg.Ordered {
+		args = append(args, r.cfg.Batch-1)
+	}
+	c, err := r.acquire(ctx) // bounded: a busy pool is an error, not a stall
+	if err != nil {
+		return nil, time.Time{}, fmt.Errorf("claim: %w", err)
+	}
+	defer c.Release()
+	start := time.Now()
+	q, err := c.Query(ctx, r.sql.claim, args...)
+	if err != nil {
+		return nil, start, fmt.Errorf("claim: %w", classify(err))
+	}
+	defer q.Close()
+	var rows []claimed
+	for q.Next() {
+		var row claimed
+		if err := q.Scan(&row.id, &row.message, &row.attempts, &row.orderKey, &row.seq); err != nil {
+			return nil, start, fmt.Errorf("claim: %w", classify(err))
+		}
+		if !r.cfg.Ordered {
+			row.orderKey, row.seq = nil, nil // no chains: each row on its own
+		}
+		rows = append(rows, row)
+	}
+	if err := q.Err(); err != nil {
+		return nil, start, fmt.Errorf("claim: %w", classify(err))
+	}
+	return rows, start, nil
+}
+
+// chains groups the claimed rows into what is published in sequence: the
+// rows of one order key in seq order (Ordered), and each other row alone,
+// in ID order of their first rows.
+func chains(rows []claimed) [][]*claimed {
+	slices.SortFunc(rows, func(a, b claimed) int { return cmp.Compare(a.id, b.id) })
+	var out [][]*claimed
+	byKey := map[string]int{} // order key -> its chain in out
+	for i := range rows {
+		c := &rows[i]
+		if c.seq == nil {
+			out = append(out, []*claimed{c})
+			continue
+		}
+		j, ok := byKey[*c.orderKey]
+		if !ok {
+			j = len(out)
+			byKey[*c.orderKey] = j
+			out = append(out, nil)
+		}
+		out[j] = append(out[j], c)
+	}
+	for _, chain := range out {
+		slices.SortFunc(chain, func(a, b *claimed) int { return cmp.Compare(*a.seq, *b.seq) })
+	}
+	return out
+}
+
+// refuse records the broker's refusals and returns the IDs of the rows
+// that are dead now.
+func (r *Relay) refuse(ctx context.Context, ids []int64, reasons []string, waits []int64) ([]int64, error) {
+	q, err := r.o.pool.Query(ctx, r.sql.refuse, r.claimant, r.cfg.MaxAttempts, ids, reasons, waits)
+	if err != nil {
+		return nil, fmt.Errorf("record %d refusals: %w", len(ids), classify(err))
+	}
+	var dead []int64
+	for q.Next() {
+		var id int64
+		var state string
+		if err := q.Scan(&id, &state); err != nil {
+			q.Close()
+			return nil, fmt.Errorf("record %d refusals: %w", len(ids), classify(err))
+		}
+		if state == "d" {
+			dead = append(dead, id)
+		}
+	}
+	if err := q.Err(); err != nil {
+		return nil, fmt.Errorf("record %d refusals: %w", len(ids), classify(err))
+	}
+	return dead, nil
+}
+
+// publish decodes a stored message and publishes it, waiting
+// PublishTimeout at most. A message that cannot be decoded is refused.
+func (r *Relay) publish(ctx context.Context, b []byte) error {
+	exchange, key, msg, err := amqpidem.UnmarshalPublishing(b)
+	if err != nil {
+		return fmt.Errorf("%w: %w", errUndecodable, err)
+	}
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.PublishTimeout)
+	defer cancel()
+	if r.cfg.Tracer == nil {
+		return r.pub.Publish(ctx, exchange, key, msg)
+	}
+	if msg.Headers == nil {
+		msg.Headers = amqp.Table{}
+	}
+	end := r.cfg.Tracer.StartPublish(ctx, amqpidem.Publish{Kind: amqpidem.PublishRelay, Exchange: exchange, RoutingKey: key,
+		Headers: msg.Headers, MessageID: msg.MessageId, CorrelationID: msg.CorrelationId, BodySize: len(msg.Body)})
+	err = r.pub.Publish(ctx, exchange, key, msg)
+	if end != nil {
+		end(err)
+	}
+	return err
+}
+
+// errUndecodable marks a row whose message cannot be read: refused.
+var errUndecodable = errors.New("stored message unreadable")
+
+// refused reports whether err is the broker refusing the message itself
+// (no queue bound to take it, a channel closed over it: an exchange that
+// does not exist, a property refused), or a row that cannot be read: what
+// counts toward MaxAttempts. A connection that failed or ended is not; nor
+// is a plain nack, which says the broker could not take the message now (a
+// quorum queue electing a leader, a queue full with reject-publish), not
+// that the message is wrong: counted, it turned rows dead during a node's
+// restart (chaos scenario 16 with -max-attempts 2).
+func refused(err error) bool {
+	return errors.Is(err, errUndecodable) || amqpidem.IsRefused(err)
+}
