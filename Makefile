@@ -90,7 +90,7 @@ demo:
 # the same tests at a short size (go test ./... without LINEARIZABLE_FULL).
 linearizable: services
 	@out=$$(mktemp); \
-	LINEARIZABLE_FULL=1 go test -count=1 -timeout 30m -v -run 'TestMemory|TestMutations|TestRedis|TestPostgres|TestDynamo' ./test/linearizable/ >$$out 2>&1; rc=$$?; \
+	LINEARIZABLE_FULL=1 go test -count=1 -timeout 30m -v -run 'TestMemory|TestMutations|TestRedis|TestRedisSentinel|TestPostgres|TestDynamo' ./test/linearizable/ >$$out 2>&1; rc=$$?; \
 	grep -E '^(linearizable |--- |ok|FAIL)' $$out; [ $$rc = 0 ] || tail -n 60 $$out; rm -f $$out; exit $$rc
 
 # chaos runs every fault-injection scenario of test/chaos at full size
