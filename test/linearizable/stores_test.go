@@ -172,10 +172,18 @@ func TestPostgres(t *testing.T) {
 	})
 }
 
-// TestDynamo runs against minidyn with call timeouts short enough that
-// some calls time out after DynamoDB applied them, or before.
+// TestDynamo runs against minidyn and DynamoDB Local (testenv.EachDynamo)
+// with call timeouts short enough (4 ms) that some calls time out after
+// DynamoDB applied them, or before.
 func TestDynamo(t *testing.T) {
-	endpoint := testenv.DynamoEndpoint(t)
+	testenv.EachDynamo(t, func(t *testing.T, srv testenv.DynamoServer) {
+		dynamoRuns(t, srv.Name, srv.Endpoint)
+	})
+}
+
+// dynamoRuns runs the none and timeouts runs against the DynamoDB at
+// endpoint, named server in the lines printed.
+func dynamoRuns(t *testing.T, server, endpoint string) {
 	client := dynamodb.New(dynamodb.Options{
 		Region:       testenv.DynamoRegion,
 		BaseEndpoint: aws.String(endpoint),
@@ -212,8 +220,11 @@ func TestDynamo(t *testing.T) {
 				linearizable.Workload{Clients: 8, Keys: 16, Ops: 10000, Duration: 60 * time.Second, TTL: 50 * time.Millisecond, Timeout: tc.timeout, Seed: seed()},
 			)
 			run := linearizable.Start(s, w)
-			res := check(t, fmt.Sprintf("dynamostore-minidyn-%s", tc.fault), p, w, run.History())
+			res := check(t, fmt.Sprintf("dynamostore-%s-%s", server, tc.fault), p, w, run.History())
 			t.Logf("%s: %d ambiguous operations", res.Name, res.Ambiguous)
+			if tc.fault == "timeouts" && res.Ambiguous == 0 {
+				t.Errorf("%s: no call timed out: the fault did not happen (a faster server? lower the timeout)", res.Name)
+			}
 			wantOK(t, res)
 		})
 	}
