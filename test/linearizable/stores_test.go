@@ -48,14 +48,20 @@ func faults(run *linearizable.Run, max int, every time.Duration, fault func()) i
 // every write and returns it with a store on it.
 func redisStore(t *testing.T) (*testenv.Server, *lock.RedisStore) {
 	srv := testenv.RedisServer(t, "--appendonly", "yes", "--appendfsync", "always")
-	client := redis.NewClient(&redis.Options{Addr: srv.Addr, ContextTimeoutEnabled: true,
+	return srv, redisStoreAt(t, srv.Addr)
+}
+
+// redisStoreAt returns a store on the Redis at addr, with the timeouts
+// of the runs under faults.
+func redisStoreAt(t *testing.T, addr string) *lock.RedisStore {
+	client := redis.NewClient(&redis.Options{Addr: addr, ContextTimeoutEnabled: true,
 		DialTimeout: 200 * time.Millisecond, ReadTimeout: 500 * time.Millisecond, WriteTimeout: 500 * time.Millisecond})
 	t.Cleanup(func() { _ = client.Close() })
 	s, err := lock.NewRedisStore(client, lock.Config{Prefix: testenv.Name(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	return srv, s
+	return s
 }
 
 // faultWorkload sizes a run against a real store: under faults, calls
