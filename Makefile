@@ -79,8 +79,12 @@ demo:
 
 # linearizable records every operation of concurrent clients on each store
 # while faults run (memory; Redis on a redis-server of its own, killed with
-# SIGKILL and restarted from its AOF, or stopped with SIGSTOP; pgstore with
-# its backends terminated; dynamostore on minidyn with call timeouts) and
+# SIGKILL and restarted from its AOF, stopped with SIGSTOP, or reached
+# through toxiproxy with latency and cuts; a Redis Sentinel failover with
+# Replicas 1, which must be ok, and without, which must be a violation;
+# pgstore with its backends terminated, and on a PostgreSQL of its own
+# restarted in immediate mode; dynamostore on minidyn and DynamoDB Local
+# with call timeouts) and
 # checks each history with porcupine against the model of one key's record
 # (test/linearizable, docs/testing.md), at full size: about a minute per
 # store and fault. It prints "linearizable <store>-<fault> ops=N keys=K
@@ -90,7 +94,7 @@ demo:
 # the same tests at a short size (go test ./... without LINEARIZABLE_FULL).
 linearizable: services
 	@out=$$(mktemp); \
-	LINEARIZABLE_FULL=1 go test -count=1 -timeout 30m -v -run 'TestMemory|TestMutations|TestRedis|TestPostgres|TestDynamo' ./test/linearizable/ >$$out 2>&1; rc=$$?; \
+	LINEARIZABLE_FULL=1 go test -count=1 -timeout 30m -v -run 'TestMemory|TestMutations|TestRedis|TestRedisToxiproxy|TestRedisSentinel|TestPostgres|TestPostgresRestart|TestDynamo' ./test/linearizable/ >$$out 2>&1; rc=$$?; \
 	grep -E '^(linearizable |--- |ok|FAIL)' $$out; [ $$rc = 0 ] || tail -n 60 $$out; rm -f $$out; exit $$rc
 
 # chaos runs every fault-injection scenario of test/chaos at full size

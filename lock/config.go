@@ -63,6 +63,10 @@ type Config struct {
 	// Replicas answer: set it below the number of replicas to keep
 	// serving with one down. WAIT does not make a write durable on disk,
 	// and a failover to a replica that did not acknowledge still forgets.
+	// Without Replicas the store is not linearizable across a failover:
+	// test/linearizable's redis-sentinel-failover-nowait run shows a
+	// forgotten record coming back with an older fence, and its wait run
+	// passes (docs/testing.md).
 	// Not for a Redis Cluster client (WAIT is per connection and node) or
 	// the other stores: NewRedisStore refuses it there, and MemoryStore
 	// and pgstore refuse it (PostgreSQL's synchronous_standby_names is its

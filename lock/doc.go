@@ -165,6 +165,8 @@
 // costs a round trip's worth of replication per write, and the store is
 // unavailable while fewer replicas answer; it does not help a failover to
 // a replica that did not acknowledge, nor a restart without persistence.
+// Without it, a RedisStore behind Sentinel is not linearizable across a
+// failover, and the linearizability checks of docs/testing.md expect that.
 //
 // go-redis ignores context deadlines unless the client has
 // ContextTimeoutEnabled; otherwise a call can block for ReadTimeout (3 s by

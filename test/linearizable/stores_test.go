@@ -48,14 +48,20 @@ func faults(run *linearizable.Run, max int, every time.Duration, fault func()) i
 // every write and returns it with a store on it.
 func redisStore(t *testing.T) (*testenv.Server, *lock.RedisStore) {
 	srv := testenv.RedisServer(t, "--appendonly", "yes", "--appendfsync", "always")
-	client := redis.NewClient(&redis.Options{Addr: srv.Addr, ContextTimeoutEnabled: true,
+	return srv, redisStoreAt(t, srv.Addr)
+}
+
+// redisStoreAt returns a store on the Redis at addr, with the timeouts
+// of the runs under faults.
+func redisStoreAt(t *testing.T, addr string) *lock.RedisStore {
+	client := redis.NewClient(&redis.Options{Addr: addr, ContextTimeoutEnabled: true,
 		DialTimeout: 200 * time.Millisecond, ReadTimeout: 500 * time.Millisecond, WriteTimeout: 500 * time.Millisecond})
 	t.Cleanup(func() { _ = client.Close() })
 	s, err := lock.NewRedisStore(client, lock.Config{Prefix: testenv.Name(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	return srv, s
+	return s
 }
 
 // faultWorkload sizes a run against a real store: under faults, calls
@@ -172,10 +178,18 @@ func TestPostgres(t *testing.T) {
 	})
 }
 
-// TestDynamo runs against minidyn with call timeouts short enough that
-// some calls time out after DynamoDB applied them, or before.
+// TestDynamo runs against minidyn and DynamoDB Local (testenv.EachDynamo)
+// with call timeouts short enough (4 ms) that some calls time out after
+// DynamoDB applied them, or before.
 func TestDynamo(t *testing.T) {
-	endpoint := testenv.DynamoEndpoint(t)
+	testenv.EachDynamo(t, func(t *testing.T, srv testenv.DynamoServer) {
+		dynamoRuns(t, srv.Name, srv.Endpoint)
+	})
+}
+
+// dynamoRuns runs the none and timeouts runs against the DynamoDB at
+// endpoint, named server in the lines printed.
+func dynamoRuns(t *testing.T, server, endpoint string) {
 	client := dynamodb.New(dynamodb.Options{
 		Region:       testenv.DynamoRegion,
 		BaseEndpoint: aws.String(endpoint),
@@ -212,8 +226,11 @@ func TestDynamo(t *testing.T) {
 				linearizable.Workload{Clients: 8, Keys: 16, Ops: 10000, Duration: 60 * time.Second, TTL: 50 * time.Millisecond, Timeout: tc.timeout, Seed: seed()},
 			)
 			run := linearizable.Start(s, w)
-			res := check(t, fmt.Sprintf("dynamostore-minidyn-%s", tc.fault), p, w, run.History())
+			res := check(t, fmt.Sprintf("dynamostore-%s-%s", server, tc.fault), p, w, run.History())
 			t.Logf("%s: %d ambiguous operations", res.Name, res.Ambiguous)
+			if tc.fault == "timeouts" && res.Ambiguous == 0 {
+				t.Errorf("%s: no call timed out: the fault did not happen (a faster server? lower the timeout)", res.Name)
+			}
 			wantOK(t, res)
 		})
 	}
