@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
 	"github.com/amqpidem/amqpidem/lock"
 	"github.com/amqpidem/amqpidem/pgstore"
 	"github.com/amqpidem/amqpidem/test/chaos/internal/worker"
@@ -44,17 +45,17 @@ type pgRun struct {
 // newPGRun makes the env, the effects table and the store's table (Migrate)
 // in the store's database: the shared one, or with private a private
 // server, started here and returned.
-func newPGRun(t *testing.T, private bool) (*pgRun, *pgServer) {
+func newPGRun(t *testing.T, private bool) (*pgRun, *pgenv.Server) {
 	t.Helper()
 	start := time.Now()
 	e := newEnv(t, envOptions{})
 	consumerBinary(t)
 	r := &pgRun{effectRun: effectRun{env: e, start: start}, storeDSN: e.dsn, app: e.name + "-store", cfg: worker.StoreConfig(e.name, e.schema, 0)}
 	r.sink = r
-	var srv *pgServer
+	var srv *pgenv.Server
 	if private {
-		srv = startPGServer(t)
-		r.storeDSN = srv.dsn
+		srv = pgenv.StartServer(t)
+		r.storeDSN = srv.DSN
 	}
 	pcfg, err := pgxpool.ParseConfig(r.storeDSN)
 	if err != nil {

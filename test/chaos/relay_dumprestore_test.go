@@ -20,6 +20,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
 	"github.com/amqpidem/amqpidem/pgstore"
 )
 
@@ -62,7 +63,7 @@ func TestRelayDumpRestore(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 
-	src := startPGServer(t)
+	src := pgenv.StartServer(t)
 	srcPool := dumpRestorePool(t, src)
 	cfg := pgstore.Config{Schema: dumpRestoreSchema, CleanupInterval: -1}
 	if _, err := srcPool.Exec(ctx, "CREATE SCHEMA "+dumpRestoreSchema); err != nil {
@@ -104,7 +105,7 @@ func TestRelayDumpRestore(t *testing.T) {
 	pgTool(t, src, "pg_dump", "-Fc", "-n", dumpRestoreSchema, "-f", dumpFile)
 	srcPool.Close()
 
-	dst := startPGServer(t)
+	dst := pgenv.StartServer(t)
 	pgTool(t, dst, "pg_restore", "--exit-on-error", "-d", "postgres", dumpFile)
 	dstPool := dumpRestorePool(t, dst)
 	dstXid := currentXid(t, dstPool)
@@ -265,9 +266,9 @@ func (w *dumpRestoreWriter) write(ctx context.Context, pool *pgxpool.Pool, ob *p
 
 // dumpRestorePool is a pool on srv's database postgres, with the outbox's
 // schema first on the search path, closed when the test ends.
-func dumpRestorePool(t *testing.T, srv *pgServer) *pgxpool.Pool {
+func dumpRestorePool(t *testing.T, srv *pgenv.Server) *pgxpool.Pool {
 	t.Helper()
-	pcfg, err := pgxpool.ParseConfig(srv.dsn)
+	pcfg, err := pgxpool.ParseConfig(srv.DSN)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -350,11 +351,11 @@ func waitRows(t *testing.T, pool *pgxpool.Pool, what string, timeout time.Durati
 
 // pgTool runs one of PostgreSQL's client programs (pg_dump, pg_restore),
 // from srv's installation, on srv's database postgres.
-func pgTool(t *testing.T, srv *pgServer, tool string, args ...string) {
+func pgTool(t *testing.T, srv *pgenv.Server, tool string, args ...string) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	args = append([]string{"-h", "127.0.0.1", "-p", strconv.Itoa(srv.port), "-U", "postgres"}, args...)
+	args = append([]string{"-h", "127.0.0.1", "-p", strconv.Itoa(srv.Port), "-U", "postgres"}, args...)
 	if tool == "pg_dump" {
 		args = append(args, "postgres")
 	}
@@ -367,10 +368,10 @@ func pgTool(t *testing.T, srv *pgServer, tool string, args ...string) {
 // pgToolPath finds a client program of srv's PostgreSQL version: beside
 // its postgres (links followed: /usr/local/bin may hold links to initdb
 // and postgres only), else on PATH.
-func pgToolPath(t *testing.T, srv *pgServer, tool string) string {
+func pgToolPath(t *testing.T, srv *pgenv.Server, tool string) string {
 	t.Helper()
-	dirs := []string{srv.bin}
-	if p, err := filepath.EvalSymlinks(filepath.Join(srv.bin, "postgres")); err == nil {
+	dirs := []string{srv.Bin}
+	if p, err := filepath.EvalSymlinks(filepath.Join(srv.Bin, "postgres")); err == nil {
 		dirs = append(dirs, filepath.Dir(p))
 	}
 	for _, d := range dirs {

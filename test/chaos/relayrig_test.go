@@ -19,6 +19,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
 	"github.com/amqpidem/amqpidem/pgstore"
 	"github.com/amqpidem/amqpidem/test/chaos/internal/ledger"
 	"github.com/amqpidem/amqpidem/test/chaos/internal/workload"
@@ -52,7 +53,7 @@ type relayRigOptions struct {
 	queueArgs amqp.Table
 	// pg is a private server holding the outbox, in the env's schema;
 	// nil: the ledger's database.
-	pg *pgServer
+	pg *pgenv.Server
 	// consumerFlags and relayFlags are the processes' flags besides
 	// their broker (-amqp) and, for the relays, their outbox.
 	consumerFlags, relayFlags []string
@@ -111,7 +112,7 @@ func newRelayRig(t *testing.T, o relayRigOptions) *relayRig {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	if o.pg != nil {
-		r.dsn = o.pg.dsn
+		r.dsn = o.pg.DSN
 	}
 	pcfg, err := pgxpool.ParseConfig(r.dsn)
 	if err != nil {

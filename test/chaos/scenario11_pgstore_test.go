@@ -390,7 +390,7 @@ func TestChaos11PGRestart(t *testing.T) {
 				again = append(again, byID[id])
 			}
 		}
-		srv.restart(m.sig, time.Second)
+		srv.Restart(m.sig, time.Second)
 		r.logf("PostgreSQL stopped (%s) and started again with %d operations committed, %d handler transactions open",
 			m.name, len(committed), open)
 		r.publishCopies(again) // must be duplicates: their records survived

@@ -20,6 +20,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
 	"github.com/amqpidem/amqpidem/pgstore"
 	"github.com/amqpidem/amqpidem/test/chaos/internal/workload"
 )
@@ -91,7 +92,7 @@ func TestChaos20RelayOrderedDependent(t *testing.T) {
 		t.Skip("chaos scenarios are skipped under -short")
 	}
 	pgDSN(t)
-	srv := startPGServer(t)
+	srv := pgenv.StartServer(t)
 	f := relayFaults{name: "relay-ordered-dependent", kills: pick(4, 12), pauses: pick(3, 10), pauseMin: 0.3, pauseMax: 2.0}
 	nRows := pick(400, 3000)
 	nKeys, nWriters := pick(3, 4), pick(6, 8)
@@ -152,7 +153,7 @@ func TestChaos20RelayOrderedDependent(t *testing.T) {
 		step: func() bool {
 			switch {
 			case !downAt.IsZero() && time.Since(downAt) >= time.Second:
-				took := srv.start()
+				took := srv.Start()
 				downFor += time.Since(downAt)
 				t.Logf("%s: PostgreSQL accepting connections again, %v after its start, %v after its stop", f.name,
 					took.Round(time.Millisecond), time.Since(downAt).Round(time.Millisecond))
@@ -162,7 +163,7 @@ func TestChaos20RelayOrderedDependent(t *testing.T) {
 			case downAt.IsZero() && restarts < len(stops) && w.committedRows() >= nRows*(restarts+1)/(len(stops)+1):
 				sig := stops[restarts]
 				t0 := time.Now()
-				srv.stop(sig)
+				srv.Stop(sig)
 				downAt = time.Now()
 				t.Logf("%s: PostgreSQL stopped (%v) in %v with %d rows committed", f.name, sig,
 					downAt.Sub(t0).Round(time.Millisecond), w.committedRows())
@@ -173,8 +174,8 @@ func TestChaos20RelayOrderedDependent(t *testing.T) {
 		done:  func() bool { return restarts == len(stops) },
 		under: func() bool { return !downAt.IsZero() },
 	})
-	if srv.pid() == 0 { // the storm's deadline passed while it was down
-		srv.start()
+	if srv.PID() == 0 { // the storm's deadline passed while it was down
+		srv.Start()
 	}
 	<-writersDone
 	if err := w.failure(); err != nil {

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
 	"github.com/amqpidem/amqpidem/pgstore"
 	"github.com/amqpidem/amqpidem/test/linearizable"
 )
@@ -23,8 +24,8 @@ import (
 // during the run. Committed transactions must survive; the calls cut off
 // are ambiguous.
 func TestPostgresRestart(t *testing.T) {
-	srv := startPGServer(t)
-	cfg, err := pgxpool.ParseConfig(srv.dsn)
+	srv := pgenv.StartServer(t)
+	cfg, err := pgxpool.ParseConfig(srv.DSN)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -55,7 +56,7 @@ func TestPostgresRestart(t *testing.T) {
 	p.Busy = true // as TestPostgres
 	run := linearizable.Start(s, w)
 	n := faults(run, 10, 2*time.Second, func() {
-		srv.restart(syscall.SIGQUIT, time.Duration(100+rand.IntN(400))*time.Millisecond)
+		srv.Restart(syscall.SIGQUIT, time.Duration(100+rand.IntN(400))*time.Millisecond)
 	})
 	res := check(t, "pgstore-restart", p, w, run.History())
 	t.Logf("pgstore-restart: %d restarts, %d ambiguous operations", n, res.Ambiguous)

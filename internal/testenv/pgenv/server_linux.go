@@ -1,6 +1,6 @@
 //go:build linux
 
-package linearizable_test
+package pgenv
 
 import (
 	"context"
@@ -24,10 +24,10 @@ import (
 	"github.com/amqpidem/amqpidem/internal/testenv"
 )
 
-// pgServer is a PostgreSQL server private to one test, for the run that
-// restarts PostgreSQL (a copy of test/chaos's, which test files of another
-// package cannot import): the shared server (127.0.0.1:5432) is never
-// restarted, since other packages' tests use it at the same time.
+// Server is a PostgreSQL server private to one test, for the tests that
+// restart PostgreSQL (chaos scenarios, linearizability runs): the shared
+// server (127.0.0.1:5432) is never restarted, since other packages' tests
+// use it at the same time.
 //
 // Its cluster is made by initdb in a directory of its own under the
 // system's temporary directory (owned by the postgres user when the test
@@ -41,15 +41,19 @@ import (
 // next start), SIGINT for "fast".
 // t.Cleanup stops it (immediate, then SIGKILL) and removes the directory,
 // whether the test passed or not.
-type pgServer struct {
+type Server struct {
 	t       *testing.T
 	dir     string // the cluster's directory: data/, the socket, the log
 	data    string
 	logPath string
-	bin     string // directory holding initdb and postgres
 	cred    *syscall.Credential
-	port    int
-	dsn     string
+	// Bin is the directory holding initdb, postgres and the other
+	// programs of the server's version (pg_dump, pg_restore).
+	Bin string
+	// Port is the server's port on 127.0.0.1, and DSN a URL to its
+	// database postgres as the user postgres.
+	Port int
+	DSN  string
 
 	mu   sync.Mutex
 	proc *testenv.Process // the postmaster; nil while stopped
@@ -63,7 +67,7 @@ const (
 	pgStopTimeout = 30 * time.Second
 )
 
-var errPGPortInUse = errors.New("linearizable: PostgreSQL could not bind its port")
+var errPGPortInUse = errors.New("pgenv: PostgreSQL could not bind its port")
 
 // pgBinDir finds the directory of initdb and postgres: PATH, else the
 // newest /usr/lib/postgresql/<version>/bin (Debian keeps them there).
@@ -89,29 +93,30 @@ func pgBinDir() (string, error) {
 	return "", errors.New("no initdb and postgres on PATH or in /usr/lib/postgresql/*/bin")
 }
 
-// startPGServer makes a new cluster and starts it.
-func startPGServer(t *testing.T) *pgServer {
+// StartServer makes a new cluster and starts it; t.Cleanup stops it and
+// removes its directory.
+func StartServer(t *testing.T) *Server {
 	t.Helper()
 	bin, err := pgBinDir()
 	if err != nil {
-		t.Fatalf("linearizable: the PostgreSQL restart run starts a private server and needs PostgreSQL's programs installed: %v", err)
+		t.Fatalf("pgenv: a test that restarts PostgreSQL starts a private server and needs PostgreSQL's programs installed: %v", err)
 	}
-	s := &pgServer{t: t, bin: bin}
+	s := &Server{t: t, Bin: bin}
 	if os.Geteuid() == 0 {
 		u, err := user.Lookup("postgres")
 		if err != nil {
-			t.Fatalf("linearizable: running as root, and PostgreSQL refuses to run as root: it needs a user named postgres to run as: %v", err)
+			t.Fatalf("pgenv: running as root, and PostgreSQL refuses to run as root: it needs a user named postgres to run as: %v", err)
 		}
 		uid, err1 := strconv.ParseUint(u.Uid, 10, 32)
 		gid, err2 := strconv.ParseUint(u.Gid, 10, 32)
 		if err1 != nil || err2 != nil {
-			t.Fatalf("linearizable: user postgres: uid %q gid %q", u.Uid, u.Gid)
+			t.Fatalf("pgenv: user postgres: uid %q gid %q", u.Uid, u.Gid)
 		}
 		s.cred = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid), NoSetGroups: true}
 	}
 	// Not t.TempDir(): its parent is private to root, and the postgres
 	// user must reach the cluster's directory.
-	s.dir, err = os.MkdirTemp("", "amqpidem-linearizable-pg-")
+	s.dir, err = os.MkdirTemp("", "amqpidem-pg-")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -131,7 +136,7 @@ func startPGServer(t *testing.T) *pgServer {
 	initdb.SysProcAttr = s.sysProcAttr()
 	initdb.Dir = s.dir
 	if out, err := initdb.CombinedOutput(); err != nil {
-		t.Fatalf("linearizable: initdb: %v\n%s", err, out)
+		t.Fatalf("pgenv: initdb: %v\n%s", err, out)
 	}
 
 	deadline := time.Now().Add(pgStartTimeout)
@@ -140,21 +145,21 @@ func startPGServer(t *testing.T) *pgServer {
 		if err != nil {
 			t.Fatal(err)
 		}
-		s.port = port
-		s.dsn = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port)
+		s.Port = port
+		s.DSN = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port)
 		err = s.launch(deadline)
 		if err == nil {
 			break
 		}
 		if !errors.Is(err, errPGPortInUse) || attempt == 10 || time.Now().After(deadline) {
-			t.Fatalf("linearizable: starting the private PostgreSQL: %v\n%s", err, s.logTail())
+			t.Fatalf("pgenv: starting the private PostgreSQL: %v\n%s", err, s.logTail())
 		}
 	}
-	t.Logf("linearizable: private PostgreSQL (pid %d) at 127.0.0.1:%d in %s", s.pid(), s.port, s.dir)
+	t.Logf("pgenv: private PostgreSQL (pid %d) at 127.0.0.1:%d in %s", s.PID(), s.Port, s.dir)
 	return s
 }
 
-func (s *pgServer) sysProcAttr() *syscall.SysProcAttr {
+func (s *Server) sysProcAttr() *syscall.SysProcAttr {
 	return &syscall.SysProcAttr{Credential: s.cred, Pdeathsig: syscall.SIGKILL}
 }
 
@@ -168,15 +173,15 @@ func freeLoopbackPort() (int, error) {
 	return l.Addr().(*net.TCPAddr).Port, nil
 }
 
-// launch starts the postmaster on s.port and waits until it accepts
+// launch starts the postmaster on s.Port and waits until it accepts
 // connections. s.mu must not be held.
-func (s *pgServer) launch(deadline time.Time) error {
-	cmd := exec.Command(filepath.Join(s.bin, "postgres"), "-D", s.data, "-p", strconv.Itoa(s.port),
+func (s *Server) launch(deadline time.Time) error {
+	cmd := exec.Command(filepath.Join(s.Bin, "postgres"), "-D", s.data, "-p", strconv.Itoa(s.Port),
 		"-c", "listen_addresses=127.0.0.1",
 		"-c", "unix_socket_directories="+s.dir,
 		"-c", "max_connections=100",
 		"-c", "shared_buffers=16MB",
-		// The run kills the server process, never the machine: what a
+		// The scenario kills the server process, never the machine: what a
 		// commit wrote to the WAL is in the kernel's page cache before the
 		// commit is acknowledged (synchronous_commit stays on), with or
 		// without fsync. fsync=off spares the fsync of every file of the
@@ -208,7 +213,7 @@ func (s *pgServer) launch(deadline time.Time) error {
 		default:
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		conn, err := pgx.Connect(ctx, s.dsn)
+		conn, err := pgx.Connect(ctx, s.DSN)
 		if err == nil {
 			err = conn.Ping(ctx)
 			_ = conn.Close(ctx)
@@ -218,15 +223,15 @@ func (s *pgServer) launch(deadline time.Time) error {
 			return nil
 		}
 		if time.Now().After(deadline) {
-			s.stop(syscall.SIGKILL)
+			s.Stop(syscall.SIGKILL)
 			return fmt.Errorf("postgres did not accept connections within %v: %v", pgStartTimeout, err)
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
 }
 
-// pid returns the postmaster's process id, 0 when stopped.
-func (s *pgServer) pid() int {
+// PID returns the postmaster's process id, 0 when stopped.
+func (s *Server) PID() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.proc == nil {
@@ -235,10 +240,10 @@ func (s *pgServer) pid() int {
 	return s.proc.Pid()
 }
 
-// stop sends sig to the postmaster (SIGQUIT: pg_ctl's immediate mode,
+// Stop sends sig to the postmaster (SIGQUIT: pg_ctl's immediate mode,
 // SIGINT: fast, SIGKILL) and waits for it to exit, killing it after
 // pgStopTimeout. Stopping a stopped server does nothing.
-func (s *pgServer) stop(sig syscall.Signal) {
+func (s *Server) Stop(sig syscall.Signal) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.proc == nil {
@@ -248,24 +253,24 @@ func (s *pgServer) stop(sig syscall.Signal) {
 	s.proc = nil
 }
 
-// restart stops the server with sig, waits down, and starts it again on
+// Restart stops the server with sig, waits down, and starts it again on
 // the same port, failing the test if it does not come back.
-func (s *pgServer) restart(sig syscall.Signal, down time.Duration) {
+func (s *Server) Restart(sig syscall.Signal, down time.Duration) {
 	s.t.Helper()
 	t0 := time.Now()
-	s.stop(sig)
+	s.Stop(sig)
 	stopped := time.Since(t0)
 	time.Sleep(down)
-	took := s.start()
-	s.t.Logf("linearizable: private PostgreSQL stopped (%v) in %v, down %v, accepting connections again %v after its start (pid %d)",
-		sig, stopped.Round(time.Millisecond), down, took.Round(time.Millisecond), s.pid())
+	took := s.Start()
+	s.t.Logf("pgenv: private PostgreSQL stopped (%v) in %v, down %v, accepting connections again %v after its start (pid %d)",
+		sig, stopped.Round(time.Millisecond), down, took.Round(time.Millisecond), s.PID())
 }
 
-// start starts the stopped server again on its port and returns how long
+// Start starts the stopped server again on its port and returns how long
 // it took until it accepted connections (crash recovery included),
-// failing the test if it does not come back. A test that does more
-// while the server is down calls stop, then start.
-func (s *pgServer) start() time.Duration {
+// failing the test if it does not come back. A scenario that does more
+// while the server is down calls Stop, then Start.
+func (s *Server) Start() time.Duration {
 	s.t.Helper()
 	t1 := time.Now()
 	deadline := time.Now().Add(pgStartTimeout)
@@ -277,23 +282,27 @@ func (s *pgServer) start() time.Duration {
 		// While the server was down, the kernel may have given its port to
 		// an outgoing connection for a moment.
 		if !errors.Is(err, errPGPortInUse) || time.Now().After(deadline) {
-			s.t.Fatalf("linearizable: restarting the private PostgreSQL: %v\n%s", err, s.logTail())
+			s.t.Fatalf("pgenv: restarting the private PostgreSQL: %v\n%s", err, s.logTail())
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
 }
 
 // logTail returns the end of the server's log.
-func (s *pgServer) logTail() string {
+func (s *Server) logTail() string {
 	return testenv.LogTail(s.logPath, 4<<10)
 }
 
 // cleanup stops the server at once and removes its directory; the log's
 // end is shown if the test failed.
-func (s *pgServer) cleanup() {
-	s.stop(syscall.SIGQUIT)
+func (s *Server) cleanup() {
+	s.Stop(syscall.SIGQUIT)
 	if s.t.Failed() && s.logPath != "" {
 		s.t.Logf("private PostgreSQL log (%s):\n%s", s.logPath, s.logTail())
+	}
+	if os.Getenv("CHAOS_KEEP") == "1" {
+		s.t.Logf("pgenv: CHAOS_KEEP=1: private PostgreSQL cluster kept in %s", s.dir)
+		return
 	}
 	if err := os.RemoveAll(s.dir); err != nil {
 		s.t.Errorf("removing the private PostgreSQL's directory: %v", err)
