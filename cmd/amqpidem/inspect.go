@@ -5,12 +5,12 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/operator"
 	"github.com/amqpidem/amqpidem/lock"
 )
 
@@ -168,16 +168,9 @@ func (o *options) printRecord(k *keyFlags, key string, r lock.Record, maxBytes i
 	return nil
 }
 
-// leaseText describes a record's lease for people.
-func leaseText(r lock.Record) string {
-	switch {
-	case r.Live():
-		return fmt.Sprintf("held, %v left, owner %s", r.LeaseLeft.Round(time.Millisecond), r.Owner)
-	case r.State == lock.StateInProgress:
-		return fmt.Sprintf("expired (owner %s); the next delivery takes it over", r.Owner)
-	}
-	return "none"
-}
+// leaseText describes a record's lease for people (operator.LeaseText,
+// as the console does).
+func leaseText(r lock.Record) string { return operator.LeaseText(r) }
 
 func newForget(o *options) *cobra.Command {
 	var k keyFlags
@@ -290,20 +283,6 @@ func (o *options) storeError(key string, k *keyFlags, err error) error {
 	return withCode(exitFailed, "key %q of %s: %s: %w", key, k.name(), o.storeName(), keyFree(err, skey))
 }
 
-// keyFree is err without the store key skey in its text: the lock
-// package's errors quote it ("orders\x00order-1042"), which is the
-// endpoint and key joined as no operator typed them. It is the first of
-// err's causes that does not quote skey, else err's text with it
-// replaced.
-func keyFree(err error, skey string) error {
-	if skey == "" {
-		return err
-	}
-	q := strconv.Quote(skey)
-	for e := err; e != nil; e = errors.Unwrap(e) {
-		if !strings.Contains(e.Error(), q) {
-			return e
-		}
-	}
-	return errors.New(strings.ReplaceAll(err.Error(), q, "the record"))
-}
+// keyFree is err without the store key skey in its text
+// (operator.KeyFree): the lock package's errors quote it.
+func keyFree(err error, skey string) error { return operator.KeyFree(err, skey) }
