@@ -3,6 +3,7 @@ package console
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
 	"embed"
 	"errors"
 	"fmt"
@@ -48,6 +49,9 @@ type Config struct {
 	// Logger gets a line per page that failed (a service down, a panic),
 	// without keys or message contents; default slog.Default().
 	Logger *slog.Logger
+	// Actions carries out forget and replay, each after a confirmation
+	// page; nil: the console is read-only.
+	Actions Actions
 	// Commands names the command the pages suggest for actions (default
 	// "amqpidem"), e.g. with the flags that reach the same services.
 	Commands string
@@ -67,6 +71,10 @@ type Console struct {
 	// dlqTurn is held while a page reads a dead-letter queue: two page
 	// loads reading at once would each see only part of it.
 	dlqTurn chan struct{}
+	// csrfKey makes the CSRF tokens of confirmation pages; origins
+	// refuses cross-origin POSTs.
+	csrfKey [32]byte
+	origins *http.CrossOriginProtection
 }
 
 // New returns the console for cfg. Mount it behind authentication: it has
@@ -91,8 +99,14 @@ func New(cfg Config) (*Console, error) {
 	if err != nil {
 		return nil, fmt.Errorf("console: %w", err)
 	}
-	c := &Console{cfg: cfg, pages: pages, mux: http.NewServeMux(), dlqTurn: make(chan struct{}, 1)}
+	c := &Console{cfg: cfg, pages: pages, mux: http.NewServeMux(), dlqTurn: make(chan struct{}, 1),
+		origins: http.NewCrossOriginProtection()}
+	rand.Read(c.csrfKey[:])
 	c.mux.HandleFunc("GET /{$}", c.overview)
+	c.mux.HandleFunc("GET /forget", c.forgetForm)
+	c.mux.HandleFunc("POST /forget", c.forget)
+	c.mux.HandleFunc("GET /replay", c.replayForm)
+	c.mux.HandleFunc("POST /replay", c.replayPost)
 	c.mux.HandleFunc("GET /key", c.key)
 	c.mux.HandleFunc("GET /dlq", c.deadLetters)
 	c.mux.HandleFunc("GET /style.css", c.style)
@@ -121,11 +135,12 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 				Do:   "Reload the page. If it fails again, report it with the log line (it names no key)."})
 		}
 	}()
-	if r.Method != http.MethodGet && r.Method != http.MethodHead {
+	post := r.Method == http.MethodPost && (r.URL.Path == "/forget" || r.URL.Path == "/replay")
+	if r.Method != http.MethodGet && r.Method != http.MethodHead && !post {
 		h.Set("Allow", "GET, HEAD")
-		c.problem(w, r, &problem{Status: http.StatusMethodNotAllowed, Title: "Read-only",
-			What: "This console only shows; it changes nothing, so it answers only GET and HEAD.",
-			Do:   "To replay, forget or redrive, run the command each page names."})
+		c.problem(w, r, &problem{Status: http.StatusMethodNotAllowed, Title: "Not here",
+			What: "This page only shows; it answers only GET and HEAD. Changes are posted from a confirmation page.",
+			Do:   "Start from a record or a dead letter, or run the command each page names.", Overview: true})
 		return
 	}
 	if _, pattern := c.mux.Handler(r); pattern == "" {

@@ -44,10 +44,13 @@ type page struct {
 	Title      string
 	StoreName  string
 	BrokerName string
+	// Actions: the console offers forget and replay (else it is
+	// read-only).
+	Actions bool
 }
 
 func (c *Console) page(title string) page {
-	return page{Title: title, StoreName: c.cfg.StoreName, BrokerName: c.cfg.BrokerName}
+	return page{Title: title, StoreName: c.cfg.StoreName, BrokerName: c.cfg.BrokerName, Actions: c.cfg.Actions != nil}
 }
 
 // queueDepth is a queue of the overview with its dead-letter queue.
@@ -201,20 +204,8 @@ func (c *Console) key(w http.ResponseWriter, r *http.Request) {
 	defer cancel()
 	skey := amqpidem.StoreKey(endpoint, key)
 	rec, err := c.cfg.Admin.Inspect(ctx, skey)
-	switch {
-	case errors.Is(err, lock.ErrNotFound):
-		c.problem(w, r, &problem{Status: http.StatusNotFound, Title: "No record",
-			What: fmt.Sprintf("Key %q of endpoint %q has no record in %s: never seen, expired, or forgotten.", key, endpoint, c.storeName()),
-			Do: "Check the endpoint (a consumer's Config.Endpoint, when it is not its queue) and the key; " +
-				"a store with another prefix or database holds other records.", Overview: true})
-		return
-	case errors.Is(err, lock.ErrInvalidKey):
-		c.problem(w, r, &problem{Status: http.StatusBadRequest, Title: "Not a key",
-			What: fmt.Sprintf("Key %q: %v", key, operator.KeyFree(err, skey)), Do: "Check the key.", Overview: true})
-		return
-	case err != nil:
-		c.problem(w, r, c.failed(r, operator.KeyFree(err, skey), c.storeName(),
-			"Check that the store is up and reachable from this console, then reload."))
+	if err != nil {
+		c.problem(w, r, c.recordProblem(r, endpoint, key, skey, err))
 		return
 	}
 	v := recordView{Key: key, Endpoint: endpoint, Record: rec, Lease: operator.LeaseText(rec), Live: rec.Live()}
@@ -238,6 +229,23 @@ func (c *Console) key(w http.ResponseWriter, r *http.Request) {
 	}{c.page("key " + operator.Escape(key)), v})
 }
 
+// recordProblem is the page for err, the error of reading the record of
+// key of endpoint (store key skey).
+func (c *Console) recordProblem(r *http.Request, endpoint, key, skey string, err error) *problem {
+	switch {
+	case errors.Is(err, lock.ErrNotFound):
+		return &problem{Status: http.StatusNotFound, Title: "No record",
+			What: fmt.Sprintf("Key %q of endpoint %q has no record in %s: never seen, expired, or forgotten.", key, endpoint, c.storeName()),
+			Do: "Check the endpoint (a consumer's Config.Endpoint, when it is not its queue) and the key; " +
+				"a store with another prefix or database holds other records.", Overview: true}
+	case errors.Is(err, lock.ErrInvalidKey):
+		return &problem{Status: http.StatusBadRequest, Title: "Not a key",
+			What: fmt.Sprintf("Key %q: %v", key, operator.KeyFree(err, skey)), Do: "Check the key.", Overview: true}
+	}
+	return c.failed(r, operator.KeyFree(err, skey), c.storeName(),
+		"Check that the store is up and reachable from this console, then reload.")
+}
+
 // letterView is a dead letter as the queue's page shows it.
 type letterView struct {
 	operator.DeadLetter
@@ -249,6 +257,7 @@ type letterView struct {
 func (c *Console) deadLetters(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
 	queue, dlq := q.Get("queue"), q.Get("dlq")
+	dlqParam := dlq
 	if queue == "" || len(queue) > 255 || len(dlq) > 255 {
 		c.problem(w, r, &problem{Status: http.StatusBadRequest, Title: "Which queue?",
 			What: "A dead-letter page needs the queue whose dead letters to show (a name of at most 255 bytes); " +
@@ -302,11 +311,11 @@ func (c *Console) deadLetters(w http.ResponseWriter, r *http.Request) {
 	}
 	c.render(w, r, http.StatusOK, "dlq.html", struct {
 		page
-		Queue, DLQ          string
-		Count               int
-		Letters             []letterView
-		Unproven, Unchecked int
-	}{c.page("dead letters of " + operator.Escape(queue)), queue, dlq, count, views, unproven, unchecked})
+		Queue, DLQ, DLQParam string
+		Count                int
+		Letters              []letterView
+		Unproven, Unchecked  int
+	}{c.page("dead letters of " + operator.Escape(queue)), queue, dlq, dlqParam, count, views, unproven, unchecked})
 }
 
 // peek reads up to limit messages of the queue dlq without acknowledging
