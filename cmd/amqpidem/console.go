@@ -30,11 +30,12 @@ const minConsoleToken = 16
 func newConsole(o *options) *cobra.Command {
 	var f dlqFlags
 	var listen, tokenFile string
+	var readOnly bool
 	var queues []string
 	limit := 100
 	c := &cobra.Command{
-		Use:   "console [--listen 127.0.0.1:8080] [--queue Q]...",
-		Short: "Serve a read-only web console of records and dead letters",
+		Use:   "console [--listen 127.0.0.1:8080] [--queue Q]... [--read-only]",
+		Short: "Serve a web console of records and dead letters (forget, replay after confirmation)",
 		Long: `console serves a web console on --listen: an overview of the --queue
 queues with the depth of their dead-letter queues, the record of a key (as
 inspect shows it) and the dead letters of a queue (as dlq list reads them:
@@ -42,9 +43,15 @@ without consuming them; on a quorum dead-letter queue with a delivery
 limit each page load counts as a delivery of each message read). It uses
 the same store and broker flags and environment as the other commands.
 
-It is read-only: it changes nothing and names the command to run for
-replay and forget. Every value from a message or a record is shown
-escaped; no URL or DSN is shown with its password.
+It forgets a failed record and replays the dead letters of a key, each
+only after a page that says what it means and what a dry run of it
+reports, and a confirmation (a POST carrying the page's CSRF token): by
+the rules of forget (only a failed record, and only the one shown) and
+of dlq replay (--key, with --forget when asked), run by this process as
+the commands run them; each action is logged on stderr. --read-only
+leaves out the actions: the console changes nothing and names the
+commands to run. Every value from a message or a record is shown escaped;
+no URL or DSN is shown with its password.
 
 It listens on the loopback interface unless --listen names another
 address, which it refuses unless a token is set: in AMQPIDEM_CONSOLE_TOKEN
@@ -88,19 +95,24 @@ It runs until interrupted (exit code 0).`,
 				return withCode(exitUsage, "%w", secret.ParseError("--amqp", o.amqpURL, err))
 			}
 			logger := slog.New(slog.NewTextHandler(o.stderr, nil))
-			h, err := console.New(console.Config{Admin: admin, StoreName: o.storeName(),
+			cfg := console.Config{Admin: admin, StoreName: o.storeName(),
 				Dial: o.dial, BrokerName: "RabbitMQ at " + secret.URL(o.amqpURL), SigningKey: signingKey,
-				Queues: queues, DeadLetterLimit: limit, Timeout: o.timeout, Logger: logger})
+				Queues: queues, DeadLetterLimit: limit, Timeout: o.timeout, Logger: logger}
+			if !readOnly {
+				cfg.Actions = &consoleActions{o: o, admin: admin, keyFile: f.keyFile}
+			}
+			h, err := console.New(cfg)
 			if err != nil {
 				return withCode(exitUsage, "%w", err)
 			}
-			return serveConsole(c.Context(), o, listen, guard(h, token), token != nil)
+			return serveConsole(c.Context(), o, listen, guard(h, token), token != nil, readOnly)
 		},
 	}
 	c.Flags().StringVar(&listen, "listen", "127.0.0.1:8080", "the `address` to serve on (host:port)")
 	c.Flags().StringSliceVar(&queues, "queue", nil, "a `queue` the overview lists, with its dead-letter queue's depth (repeat, or comma-separated)")
 	c.Flags().StringVar(&tokenFile, "token-file", "", "a `file` holding the token every request must carry (default: "+consoleTokenEnv+")")
 	c.Flags().StringVar(&f.keyFile, "signing-key-file", "", "a `file` holding the consumers' Config.SigningKey (default: AMQPIDEM_SIGNING_KEY)")
+	c.Flags().BoolVar(&readOnly, "read-only", false, "offer no action: change nothing, only show")
 	c.Flags().IntVar(&limit, "limit", limit, "read at most this many dead letters per page (at most 1000)")
 	return c
 }
@@ -181,7 +193,7 @@ func guard(h http.Handler, token []byte) http.Handler {
 }
 
 // serveConsole serves h on listen until ctx ends.
-func serveConsole(ctx context.Context, o *options, listen string, h http.Handler, auth bool) error {
+func serveConsole(ctx context.Context, o *options, listen string, h http.Handler, auth, readOnly bool) error {
 	ln, err := net.Listen("tcp", listen)
 	if err != nil {
 		return withCode(exitFailed, "--listen %s: %w", listen, err)
@@ -193,7 +205,11 @@ func serveConsole(ctx context.Context, o *options, listen string, h http.Handler
 	if auth {
 		how = "token required"
 	}
-	fmt.Fprintf(o.stderr, "amqpidem console: serving http://%s/ (read-only; %s); interrupt to stop\n", ln.Addr(), how)
+	mode := "forget and replay after confirmation"
+	if readOnly {
+		mode = "read-only"
+	}
+	fmt.Fprintf(o.stderr, "amqpidem console: serving http://%s/ (%s; %s); interrupt to stop\n", ln.Addr(), mode, how)
 	done := make(chan error, 1)
 	go func() { done <- srv.Serve(ln) }()
 	select {

@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -21,6 +22,14 @@ const consoleToken = "console-token-0123456789abcdef"
 // process id) when the test ends, checking that it exits with code 0.
 func (r *rig) startConsole(env []string, args ...string) string {
 	r.t.Helper()
+	base, _ := r.startConsoleLog(env, args...)
+	return base
+}
+
+// startConsoleLog is startConsole, also returning what the console has
+// written to stderr so far, when called.
+func (r *rig) startConsoleLog(env []string, args ...string) (string, func() string) {
+	r.t.Helper()
 	cmd := exec.Command(bin, append(append([]string{"console"}, args...), r.flags...)...)
 	cmd.Env = append(append(os.Environ(), "AMQPIDEM_SIGNING_KEY="+rigSigningKey), env...)
 	stderr, err := cmd.StderrPipe()
@@ -31,15 +40,25 @@ func (r *rig) startConsole(env []string, args ...string) string {
 		r.t.Fatal(err)
 	}
 	served := make(chan string, 1)
+	var mu sync.Mutex
+	var log strings.Builder
 	go func() {
 		sc := bufio.NewScanner(stderr)
 		for sc.Scan() {
+			mu.Lock()
+			log.WriteString(sc.Text() + "\n")
+			mu.Unlock()
 			if _, rest, ok := strings.Cut(sc.Text(), "serving "); ok {
 				served <- strings.Fields(rest)[0]
 			}
 		}
 		io.Copy(io.Discard, stderr)
 	}()
+	logged := func() string {
+		mu.Lock()
+		defer mu.Unlock()
+		return log.String()
+	}
 	r.t.Cleanup(func() {
 		cmd.Process.Signal(os.Interrupt)
 		if err := cmd.Wait(); err != nil {
@@ -48,11 +67,11 @@ func (r *rig) startConsole(env []string, args ...string) string {
 	})
 	select {
 	case u := <-served:
-		return u
+		return u, logged
 	case <-time.After(30 * time.Second):
 		r.t.Fatal("the console did not say where it serves within 30 s")
 	}
-	return ""
+	return "", logged
 }
 
 func status(t *testing.T, req *http.Request) int {
