@@ -71,6 +71,7 @@ const (
 	Failed
 )
 
+// String is the status in a word: done, refused or failed.
 func (s Status) String() string {
 	switch s {
 	case Done:
