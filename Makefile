@@ -71,6 +71,7 @@ lint:
 	go vet ./...
 	go mod tidy -diff
 	cd $(CONTAINERS) && go vet ./... && go mod tidy -diff
+	cd console/internal/browser && GOWORK=off go vet ./... && GOWORK=off go mod tidy -diff
 
 # demo runs the example consumer against the local services.
 demo:
