@@ -1,4 +1,4 @@
-.PHONY: services test check-user-module alerts bench lint demo chaos linearizable
+.PHONY: services test check-user-module alerts bench lint demo chaos linearizable browser
 
 # CONTAINERS is the Docker fallback of internal/testenv: a program in a
 # module of its own, so that testcontainers-go stays out of this module's
@@ -71,6 +71,7 @@ lint:
 	go vet ./...
 	go mod tidy -diff
 	cd $(CONTAINERS) && go vet ./... && go mod tidy -diff
+	cd console/internal/browser && GOWORK=off go vet ./... && GOWORK=off go mod tidy -diff
 
 # demo runs the example consumer against the local services.
 demo:
@@ -104,3 +105,9 @@ linearizable: services
 # scenario lines to file.
 chaos: services
 	CHAOS_FULL=1 go test -count=1 -timeout 30m -v -run '^TestChaos' ./test/chaos/
+
+# browser runs the console's tests in Chromium (chromedp; Debian's chromium
+# package, or CHROMIUM=path), in their own module so that chromedp stays
+# out of this module's go.mod (see console/internal/browser).
+browser: services
+	cd console/internal/browser && GOWORK=off go test -count=1 ./...

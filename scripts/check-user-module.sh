@@ -13,7 +13,8 @@
 # (aws-sdk-go-v2, smithy-go), which no other module may get, and none of the
 # others either. Modules importing the Prometheus or the
 # OpenTelemetry adapter get that adapter's dependencies and none of the
-# other's, nor cobra (the CLI's).
+# other's, nor cobra (the CLI's). A module importing the console gets
+# nothing more than the core's, and the core packages never import it.
 #
 # It prints the go.sum line and module counts. `make test` runs it.
 set -euo pipefail
@@ -83,3 +84,11 @@ fi
 # otelamqpidem/internal/sdktest for that reason).
 check prometheus "$forbidden|$aws|$otel|$cli" amqpidem promamqpidem
 check opentelemetry "$forbidden|$aws|$prom|$cli|opentelemetry.io/otel/sdk" amqpidem otelamqpidem
+# The console's users (a package they mount in an admin server) get nothing
+# the core's do not: html/template and embed are the standard library's.
+check console "$forbidden|$aws|$prom|$otel|$cli" amqpidem console
+# ... and the core never imports the console.
+if deps=$(cd "$root" && go list -deps ./amqpidem ./amqpidem/amqpidemtest ./heartbeat ./lock | grep -E "^$module/(console|internal/operator)$"); then
+	printf 'check-user-module: FAIL: the core packages import %s\n' "$deps" >&2
+	exit 1
+fi

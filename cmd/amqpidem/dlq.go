@@ -14,6 +14,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/operator"
 )
 
 // callContext bounds one command's service calls by --timeout.
@@ -54,13 +55,13 @@ func (f *dlqFlags) signingKey() ([]byte, error) {
 // signingKeyEnv holds the consumers' Config.SigningKey for dlq commands.
 const signingKeyEnv = "AMQPIDEM_SIGNING_KEY"
 
-// Origins of a dead letter (deadLetter.Origin): whether its headers are
-// proven amqpidem's.
+// Origins of a dead letter (deadLetter.Origin), internal/operator's: the
+// console shows the same.
 const (
-	originSigned    = "signed"        // HeaderSignature verifies under the key
-	originUnsigned  = "unsigned"      // no HeaderSignature
-	originBad       = "bad signature" // forged, changed, or another key's
-	originUnchecked = "unchecked"     // signed, but no key to check it with
+	originSigned    = operator.OriginSigned
+	originUnsigned  = operator.OriginUnsigned
+	originBad       = operator.OriginBad
+	originUnchecked = operator.OriginUnchecked
 )
 
 func (f *dlqFlags) name(queue string) string {
@@ -81,24 +82,9 @@ the queue QUEUE.dlq), with the fault headers amqpidem gives them.`,
 	return c
 }
 
-// deadLetter is one dead letter as dlq list and replay report it.
-type deadLetter struct {
-	Index              int        `json:"index"`
-	Key                string     `json:"key"`
-	Endpoint           string     `json:"endpoint,omitempty"`
-	MessageID          string     `json:"message_id,omitempty"`
-	Reason             string     `json:"reason"`
-	Error              string     `json:"error"`
-	Attempts           int64      `json:"attempts"`
-	FirstSeen          *time.Time `json:"first_seen,omitempty"`
-	OriginalExchange   string     `json:"original_exchange"`
-	OriginalRoutingKey string     `json:"original_routing_key"`
-	Consumer           string     `json:"consumer,omitempty"`
-	BodyBytes          int        `json:"body_bytes"`
-	// Origin says whether the headers above are proven amqpidem's: one
-	// of the origin constants.
-	Origin string `json:"origin"`
-}
+// deadLetter is one dead letter as dlq list and replay report it:
+// internal/operator's, which the console shows too.
+type deadLetter = operator.DeadLetter
 
 // printDeadLetters writes the text output of dlq list: how many dead
 // letters queue holds, then list as a table. Every value from a dead
@@ -144,71 +130,8 @@ func originNote(w io.Writer, list []deadLetter) {
 }
 
 // describe reads dead letter d, the i-th read, checking its signature
-// with key (see origin).
-func describe(i int, d *amqp.Delivery, key []byte) deadLetter {
-	h := d.Headers
-	dl := deadLetter{Index: i, MessageID: d.MessageId, Reason: text(h, amqpidem.HeaderReason), Error: text(h, amqpidem.HeaderError),
-		Attempts: number(h, amqpidem.HeaderAttempt), OriginalExchange: text(h, amqpidem.HeaderOriginalExchange),
-		OriginalRoutingKey: text(h, amqpidem.HeaderOriginalRoutingKey), Consumer: text(h, amqpidem.HeaderConsumer),
-		BodyBytes: len(d.Body)}
-	dl.Endpoint = text(h, amqpidem.HeaderEndpoint)
-	if _, ok := h[amqpidem.HeaderKey]; ok {
-		dl.Key = text(h, amqpidem.HeaderKey)
-	} else {
-		dl.Key = d.MessageId // a dead letter of an older amqpidem: the default key
-	}
-	if t, ok := h[amqpidem.HeaderFirstSeen].(time.Time); ok {
-		dl.FirstSeen = timePtr(t)
-	}
-	dl.Origin = origin(key, d)
-	return dl
-}
-
-// origin says whether d's headers are proven amqpidem's under key.
-func origin(key []byte, d *amqp.Delivery) string {
-	err := amqpidem.VerifySignature(key, d.Headers, d.Body)
-	switch {
-	case err == nil:
-		return originSigned
-	case errors.Is(err, amqpidem.ErrUnsigned):
-		return originUnsigned
-	case len(key) == 0:
-		return originUnchecked
-	}
-	return originBad
-}
-
-// text reads a string header ("" when absent or of another type).
-func text(h amqp.Table, name string) string {
-	switch v := h[name].(type) {
-	case string:
-		return v
-	case []byte:
-		return string(v)
-	}
-	return ""
-}
-
-// number reads an integer header of any AMQP integer type.
-func number(h amqp.Table, name string) int64 {
-	switch v := h[name].(type) {
-	case int8:
-		return int64(v)
-	case int16:
-		return int64(v)
-	case int32:
-		return int64(v)
-	case int64:
-		return v
-	case uint8:
-		return int64(v)
-	case uint16:
-		return int64(v)
-	case uint32:
-		return int64(v)
-	}
-	return 0
-}
+// with key (see operator.Origin).
+func describe(i int, d *amqp.Delivery, key []byte) deadLetter { return operator.Describe(i, d, key) }
 
 // dlqSession is a connection and a channel that peeks at a dead-letter
 // queue: basic.get without ack, so that every message not acked goes back

@@ -5,12 +5,12 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/operator"
 	"github.com/amqpidem/amqpidem/lock"
 )
 
@@ -168,16 +168,9 @@ func (o *options) printRecord(k *keyFlags, key string, r lock.Record, maxBytes i
 	return nil
 }
 
-// leaseText describes a record's lease for people.
-func leaseText(r lock.Record) string {
-	switch {
-	case r.Live():
-		return fmt.Sprintf("held, %v left, owner %s", r.LeaseLeft.Round(time.Millisecond), r.Owner)
-	case r.State == lock.StateInProgress:
-		return fmt.Sprintf("expired (owner %s); the next delivery takes it over", r.Owner)
-	}
-	return "none"
-}
+// leaseText describes a record's lease for people (operator.LeaseText,
+// as the console does).
+func leaseText(r lock.Record) string { return operator.LeaseText(r) }
 
 func newForget(o *options) *cobra.Command {
 	var k keyFlags
@@ -202,35 +195,7 @@ record.`,
 		Args: exactArgs(1, "one KEY"),
 		RunE: func(c *cobra.Command, args []string) error {
 			return o.withRecord(c, &k, args[0], func(ctx context.Context, admin lock.Admin, skey string, r lock.Record) error {
-				if r.Live() && !force {
-					return withCode(exitRefused, "key %q of %s: a lease is live (%v left, owner %s): a consumer may be running it now; --force forgets it anyway",
-						args[0], k.name(), r.LeaseLeft.Round(time.Millisecond), r.Owner)
-				}
-				if n := unpublished(r); n > 0 && !force {
-					return withCode(exitRefused, "key %q of %s: %s not published yet (pending or returned; see inspect): forgetting the record drops them; amqpidem outbox redrive publishes them; --force forgets anyway",
-						args[0], k.name(), plural(n, "staged message"))
-				}
-				if dryRun {
-					if o.json {
-						return printJSON(o.stdout, struct {
-							WouldForget recordJSON `json:"would_forget"`
-						}{toJSON(&k, args[0], r, 1024)})
-					}
-					fmt.Fprintf(o.stdout, "would forget the %s record of %q on %s (attempts %d, fence %d) (--dry-run: nothing changed)\n",
-						r.State, args[0], k.name(), r.Attempts, r.Fence)
-					return nil
-				}
-				if err := admin.Forget(ctx, skey, r.State, r.Fence); err != nil {
-					return o.storeError(args[0], &k, err)
-				}
-				if o.json {
-					return printJSON(o.stdout, struct {
-						Forgot recordJSON `json:"forgot"`
-					}{toJSON(&k, args[0], r, 1024)})
-				}
-				fmt.Fprintf(o.stdout, "forgot the %s record of %q on %s (attempts %d, fence %d): its next delivery runs the handler again\n",
-					r.State, args[0], k.name(), r.Attempts, r.Fence)
-				return nil
+				return o.forgetRecord(ctx, admin, &k, args[0], skey, r, force, dryRun)
 			})
 		},
 	}
@@ -238,6 +203,43 @@ record.`,
 	c.Flags().BoolVar(&force, "force", false, "forget a record whose lease is live, or that keeps staged messages not published")
 	c.Flags().BoolVar(&dryRun, "dry-run", false, "say which record would be forgotten, change nothing")
 	return c
+}
+
+// forgetRecord is forget's rules and action on r, the record of key
+// (store key skey) just read: it refuses a live lease or a completed
+// record keeping staged messages not published without force, says what
+// it would do under dryRun, else deletes the record if it is still the
+// one read. The console's forget runs it too.
+func (o *options) forgetRecord(ctx context.Context, admin lock.Admin, k *keyFlags, key, skey string, r lock.Record, force, dryRun bool) error {
+	if r.Live() && !force {
+		return withCode(exitRefused, "key %q of %s: a lease is live (%v left, owner %s): a consumer may be running it now; --force forgets it anyway",
+			key, k.name(), r.LeaseLeft.Round(time.Millisecond), r.Owner)
+	}
+	if n := unpublished(r); n > 0 && !force {
+		return withCode(exitRefused, "key %q of %s: %s not published yet (pending or returned; see inspect): forgetting the record drops them; amqpidem outbox redrive publishes them; --force forgets anyway",
+			key, k.name(), plural(n, "staged message"))
+	}
+	if dryRun {
+		if o.json {
+			return printJSON(o.stdout, struct {
+				WouldForget recordJSON `json:"would_forget"`
+			}{toJSON(k, key, r, 1024)})
+		}
+		fmt.Fprintf(o.stdout, "would forget the %s record of %q on %s (attempts %d, fence %d) (--dry-run: nothing changed)\n",
+			r.State, key, k.name(), r.Attempts, r.Fence)
+		return nil
+	}
+	if err := admin.Forget(ctx, skey, r.State, r.Fence); err != nil {
+		return o.storeError(key, k, err)
+	}
+	if o.json {
+		return printJSON(o.stdout, struct {
+			Forgot recordJSON `json:"forgot"`
+		}{toJSON(k, key, r, 1024)})
+	}
+	fmt.Fprintf(o.stdout, "forgot the %s record of %q on %s (attempts %d, fence %d): its next delivery runs the handler again\n",
+		r.State, key, k.name(), r.Attempts, r.Fence)
+	return nil
 }
 
 // unpublished counts the staged messages of r not published yet.
@@ -290,20 +292,6 @@ func (o *options) storeError(key string, k *keyFlags, err error) error {
 	return withCode(exitFailed, "key %q of %s: %s: %w", key, k.name(), o.storeName(), keyFree(err, skey))
 }
 
-// keyFree is err without the store key skey in its text: the lock
-// package's errors quote it ("orders\x00order-1042"), which is the
-// endpoint and key joined as no operator typed them. It is the first of
-// err's causes that does not quote skey, else err's text with it
-// replaced.
-func keyFree(err error, skey string) error {
-	if skey == "" {
-		return err
-	}
-	q := strconv.Quote(skey)
-	for e := err; e != nil; e = errors.Unwrap(e) {
-		if !strings.Contains(e.Error(), q) {
-			return e
-		}
-	}
-	return errors.New(strings.ReplaceAll(err.Error(), q, "the record"))
-}
+// keyFree is err without the store key skey in its text
+// (operator.KeyFree): the lock package's errors quote it.
+func keyFree(err error, skey string) error { return operator.KeyFree(err, skey) }

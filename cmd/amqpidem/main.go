@@ -2,7 +2,8 @@
 // the record of an idempotency key (inspect, forget), the messages its
 // handler staged (outbox redrive) and the dead letters of a queue (dlq
 // list, dlq replay); and it runs the relay of pgstore's producer outbox
-// (relay; relay list, status, redrive). Run "amqpidem --help" for the commands,
+// (relay; relay list, status, redrive); console serves a web page of
+// records and dead letters. Run "amqpidem --help" for the commands,
 // "amqpidem <command> --help" for one.
 //
 // Exit codes: 0 done; 1 failed (a service could not be reached, a publish
@@ -107,7 +108,12 @@ func runWithStdin(ctx context.Context, args []string, stdin io.Reader, stdinTerm
 	root.SetArgs(args)
 	root.SetOut(stdout)
 	root.SetErr(stderr)
-	err := root.ExecuteContext(ctx)
+	return codeOf(root.ExecuteContext(ctx), stderr)
+}
+
+// codeOf is the exit code of a command that returned err, which it
+// writes to stderr.
+func codeOf(err error, stderr io.Writer) int {
 	if err == nil {
 		return exitOK
 	}
@@ -130,7 +136,7 @@ the record of an idempotency key in the store (Redis, or PostgreSQL with
 --postgres, or DynamoDB with --dynamodb-table) with the messages its
 handler staged, and the dead letters of a queue in RabbitMQ; and it runs
 the relay of pgstore's producer outbox (relay), and lists and re-drives
-its rows.
+its rows; console serves a web page of records and dead letters.
 
 Services come from flags, else from the environment:
   AMQPIDEM_REDIS_URL     (default redis://127.0.0.1:6379/0)
@@ -168,7 +174,7 @@ Exit codes: 0 done, 1 failed, 2 bad usage, 3 nothing found,
 	hideEnvDefault(root, "dynamodb-endpoint", "AMQPIDEM_DYNAMODB_ENDPOINT")
 	hideEnvDefault(root, "amqp", "AMQPIDEM_AMQP_URL")
 
-	root.AddCommand(newInspect(o), newForget(o), newOutbox(o), newDLQ(o), newRelay(o))
+	root.AddCommand(newInspect(o), newForget(o), newOutbox(o), newDLQ(o), newRelay(o), newConsole(o))
 	return root
 }
 

@@ -8,8 +8,9 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
-	"unicode"
 	"unicode/utf8"
+
+	"github.com/amqpidem/amqpidem/internal/operator"
 )
 
 // printJSON writes v as indented JSON.
@@ -35,64 +36,13 @@ func table(w io.Writer, rows [][]string) {
 	tw.Flush()
 }
 
-// escapeText is s safe to print on a terminal: every control character
-// (C0 such as ESC, newline and tab, DEL, and C1 such as U+009B CSI), every
-// bidirectional formatting character (U+202E and its kin, which reorder
-// what follows them), the line and paragraph separators and every byte
-// that is not UTF-8 are written as Go-style escapes (\n, \r, \t, \x1b,
-// \u009b, \u202e; \xff for a stray byte). Printable UTF-8 and backslashes
-// are kept as they are, so escapeText(escapeText(s)) == escapeText(s); a
-// value that itself holds a backslash escape reads the same as one holding
-// the character, which --json tells apart. All the text output of the CLI
-// that can hold a value from a message, a record or a store goes through
-// it; --json output is escaped by encoding/json.
-func escapeText(s string) string {
-	if !needsEscape(s) {
-		return s
-	}
-	var b strings.Builder
-	b.Grow(len(s) + 16)
-	for i := 0; i < len(s); {
-		r, size := utf8.DecodeRuneInString(s[i:])
-		switch {
-		case r == utf8.RuneError && size == 1:
-			fmt.Fprintf(&b, `\x%02x`, s[i])
-		case r == '\n':
-			b.WriteString(`\n`)
-		case r == '\r':
-			b.WriteString(`\r`)
-		case r == '\t':
-			b.WriteString(`\t`)
-		case r < 0x80 && unsafeRune(r):
-			fmt.Fprintf(&b, `\x%02x`, r)
-		case unsafeRune(r):
-			fmt.Fprintf(&b, `\u%04x`, r)
-		default:
-			b.WriteString(s[i : i+size])
-		}
-		i += size
-	}
-	return b.String()
-}
-
-// needsEscape reports whether escapeText would change s.
-func needsEscape(s string) bool {
-	for i := 0; i < len(s); {
-		r, size := utf8.DecodeRuneInString(s[i:])
-		if (r == utf8.RuneError && size == 1) || unsafeRune(r) {
-			return true
-		}
-		i += size
-	}
-	return false
-}
-
-// unsafeRune reports whether r must not reach a terminal raw: a control
-// character (C0, DEL, C1), a bidirectional formatting character, or a line
-// or paragraph separator.
-func unsafeRune(r rune) bool {
-	return unicode.IsControl(r) || unicode.Is(unicode.Bidi_Control, r) || r == '\u2028' || r == '\u2029'
-}
+// escapeText is s safe to print on a terminal: operator.Escape, which the
+// console uses too. Every control character, bidi formatting character,
+// line or paragraph separator and byte that is not UTF-8 is written as a
+// Go-style escape; escapeText(escapeText(s)) == escapeText(s). All the
+// text output of the CLI that can hold a value from a message, a record or
+// a store goes through it; --json output is escaped by encoding/json.
+func escapeText(s string) string { return operator.Escape(s) }
 
 // shown is b as text for a person or a script: the text when it is UTF-8,
 // else hex prefixed "0x"; cut to max bytes. It reports whether it was cut.

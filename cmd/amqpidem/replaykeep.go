@@ -10,6 +10,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/operator"
 	"github.com/amqpidem/amqpidem/lock"
 )
 
@@ -30,7 +31,7 @@ const deliveryCount = "x-delivery-count"
 // dead letter, if not its place: those put back follow the others. A
 // classic queue's messages (no such header) are simply given back.
 func (r *replayer) keep(ctx context.Context, s *dlqSession, d *amqp.Delivery) error {
-	if number(d.Headers, deliveryCount) < 1 {
+	if operator.Number(d.Headers, deliveryCount) < 1 {
 		return nil
 	}
 	msg := replayCopy(d, 0)
@@ -42,7 +43,7 @@ func (r *replayer) keep(ctx context.Context, s *dlqSession, d *amqp.Delivery) er
 	msg.Expiration = d.Expiration
 	if err := r.pub.publish(ctx, "", s.queue, msg, r.o.timeout); err != nil {
 		return withCode(exitFailed, "putting back a dead letter read %d times before at the end of %s: %w (it goes back in its place, counting one more delivery; its copy may be at the end too)",
-			number(d.Headers, deliveryCount), s.queue, err)
+			operator.Number(d.Headers, deliveryCount), s.queue, err)
 	}
 	if err := d.Ack(false); err != nil {
 		return withCode(exitFailed, "removing a dead letter of %s once its copy was put back at the end: %w (it may now be there twice)", s.queue, err)

@@ -23,12 +23,13 @@ func TestHelpHidesEnvironmentCredentials(t *testing.T) {
 	t.Setenv("AMQPIDEM_REDIS_URL", "redis://:redis-s3cret@redis:6379/0")
 	t.Setenv("AMQPIDEM_POSTGRES_DSN", "postgres://app:pg-s3cret@db/app")
 	t.Setenv("AMQPIDEM_DYNAMODB_ENDPOINT", "http://key:dynamo-s3cret@dynamo:8000")
-	for _, args := range [][]string{{"--help"}, {"dlq", "list", "--help"}, {"relay", "--help"}} {
+	t.Setenv("AMQPIDEM_CONSOLE_TOKEN", "console-s3cret-0123456789")
+	for _, args := range [][]string{{"--help"}, {"dlq", "list", "--help"}, {"relay", "--help"}, {"console", "--help"}} {
 		out, errOut, code := runCLI(t, args...)
 		if code != 0 {
 			t.Errorf("%v: exit %d\n%s", args, code, errOut)
 		}
-		for _, pass := range []string{"amqp-s3cret", "redis-s3cret", "pg-s3cret", "dynamo-s3cret"} {
+		for _, pass := range []string{"amqp-s3cret", "redis-s3cret", "pg-s3cret", "dynamo-s3cret", "console-s3cret"} {
 			if strings.Contains(out+errOut, pass) {
 				t.Errorf("%v prints the password %q:\n%s", args, pass, out+errOut)
 			}

@@ -1,0 +1,213 @@
+package console
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"embed"
+	"errors"
+	"fmt"
+	"html/template"
+	"log/slog"
+	"net/http"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// Config says where the console reads from. Every field is optional: a
+// page whose service is not configured says so.
+type Config struct {
+	// Admin reads the records of keys: the consumers' store (every Store
+	// of this module is a lock.Admin), with the consumers' Prefix.
+	Admin lock.Admin
+	// StoreName names the store on pages and in messages, e.g. "Redis at
+	// 127.0.0.1:6379". Shown as given: never put a password in it.
+	StoreName string
+	// Dial opens a connection to RabbitMQ; a page that reads dead letters
+	// opens one and closes it before it answers, which gives back every
+	// message it read.
+	Dial func() (*amqp.Connection, error)
+	// BrokerName names the broker on pages and in messages, e.g.
+	// "RabbitMQ at amqp://guest:xxxxx@127.0.0.1:5672/". Shown as given.
+	BrokerName string
+	// SigningKey is the consumers' amqpidem.Config.SigningKey: dead
+	// letters whose signature checks out under it are shown "signed".
+	// Without it, signed ones are shown "unchecked".
+	SigningKey []byte
+	// Queues are the queues the overview lists, with the depth of each
+	// one's dead-letter queue (QUEUE.dlq).
+	Queues []string
+	// DeadLetterLimit is how many dead letters a page reads at most
+	// (default 100; a page's limit parameter may ask for fewer, or up to
+	// 1000).
+	DeadLetterLimit int
+	// Timeout bounds each page's service calls (default 10 s).
+	Timeout time.Duration
+	// Logger gets a line per page that failed (a service down, a panic),
+	// without keys or message contents; default slog.Default().
+	Logger *slog.Logger
+	// Actions carries out forget and replay, each after a confirmation
+	// page; nil: the console is read-only.
+	Actions Actions
+	// Commands names the command the pages suggest for actions (default
+	// "amqpidem"), e.g. with the flags that reach the same services.
+	Commands string
+}
+
+// maxDeadLetterLimit bounds a page's limit parameter.
+const maxDeadLetterLimit = 1000
+
+//go:embed assets
+var assets embed.FS
+
+// Console is the console's http.Handler.
+type Console struct {
+	cfg   Config
+	pages *template.Template
+	mux   *http.ServeMux
+	// dlqTurn is held while a page reads a dead-letter queue: two page
+	// loads reading at once would each see only part of it.
+	dlqTurn chan struct{}
+	// csrfKey makes the CSRF tokens of confirmation pages; origins
+	// refuses cross-origin POSTs.
+	csrfKey [32]byte
+	origins *http.CrossOriginProtection
+}
+
+// New returns the console for cfg. Mount it behind authentication: it has
+// none of its own.
+func New(cfg Config) (*Console, error) {
+	if cfg.DeadLetterLimit <= 0 {
+		cfg.DeadLetterLimit = 100
+	}
+	if cfg.DeadLetterLimit > maxDeadLetterLimit {
+		return nil, fmt.Errorf("console: DeadLetterLimit %d is more than %d", cfg.DeadLetterLimit, maxDeadLetterLimit)
+	}
+	if cfg.Timeout <= 0 {
+		cfg.Timeout = 10 * time.Second
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.Commands == "" {
+		cfg.Commands = "amqpidem"
+	}
+	pages, err := template.New("").Funcs(funcs).ParseFS(assets, "assets/*.html")
+	if err != nil {
+		return nil, fmt.Errorf("console: %w", err)
+	}
+	c := &Console{cfg: cfg, pages: pages, mux: http.NewServeMux(), dlqTurn: make(chan struct{}, 1),
+		origins: http.NewCrossOriginProtection()}
+	rand.Read(c.csrfKey[:])
+	c.mux.HandleFunc("GET /{$}", c.overview)
+	c.mux.HandleFunc("GET /forget", c.forgetForm)
+	c.mux.HandleFunc("POST /forget", c.forget)
+	c.mux.HandleFunc("GET /replay", c.replayForm)
+	c.mux.HandleFunc("POST /replay", c.replayPost)
+	c.mux.HandleFunc("GET /key", c.key)
+	c.mux.HandleFunc("GET /dlq", c.deadLetters)
+	c.mux.HandleFunc("GET /style.css", c.style)
+	return c, nil
+}
+
+// ServeHTTP serves the console's pages. Every response forbids scripts,
+// framing and loading from elsewhere, is not cached and sends no Referer;
+// a method other than GET or HEAD, or an unknown path, gets a page saying
+// so.
+func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	h := w.Header()
+	h.Set("Content-Security-Policy", "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
+	h.Set("X-Content-Type-Options", "nosniff")
+	h.Set("X-Frame-Options", "DENY")
+	h.Set("Referrer-Policy", "no-referrer")
+	h.Set("Cache-Control", "no-store")
+	defer func() {
+		if v := recover(); v != nil {
+			if v == http.ErrAbortHandler {
+				panic(v)
+			}
+			c.cfg.Logger.Error("amqpidem console: a page failed", "path", r.URL.Path, "panic", fmt.Sprint(v))
+			c.problem(w, r, &problem{Status: http.StatusInternalServerError, Title: "This page failed",
+				What: "The console failed while making this page; the failure is in its log.",
+				Do:   "Reload the page. If it fails again, report it with the log line (it names no key)."})
+		}
+	}()
+	post := r.Method == http.MethodPost && (r.URL.Path == "/forget" || r.URL.Path == "/replay")
+	if r.Method != http.MethodGet && r.Method != http.MethodHead && !post {
+		h.Set("Allow", "GET, HEAD")
+		c.problem(w, r, &problem{Status: http.StatusMethodNotAllowed, Title: "Not here",
+			What: "This page only shows; it answers only GET and HEAD. Changes are posted from a confirmation page.",
+			Do:   "Start from a record or a dead letter, or run the command each page names.", Overview: true})
+		return
+	}
+	if _, pattern := c.mux.Handler(r); pattern == "" {
+		c.problem(w, r, &problem{Status: http.StatusNotFound, Title: "No such page",
+			What: "The console has an overview, a page per key and a page per queue's dead letters, nothing else here.",
+			Do:   "Start from the overview.", Overview: true})
+		return
+	}
+	c.mux.ServeHTTP(w, r)
+}
+
+// problem is a page saying what went wrong and what to do about it.
+type problem struct {
+	Status int
+	Title  string
+	// What happened; Do, what to do. Both may quote input: they are
+	// escaped like every other value.
+	What, Do string
+	// Overview: link back to the overview.
+	Overview bool
+}
+
+func (p *problem) Error() string { return p.Title + ": " + p.What }
+
+// problem writes p as a page.
+func (c *Console) problem(w http.ResponseWriter, r *http.Request, p *problem) {
+	c.render(w, r, p.Status, "problem.html", p)
+}
+
+// render writes the page name with data and status.
+func (c *Console) render(w http.ResponseWriter, r *http.Request, status int, name string, data any) {
+	var b bytes.Buffer
+	if err := c.pages.ExecuteTemplate(&b, name, data); err != nil {
+		c.cfg.Logger.Error("amqpidem console: rendering a page failed", "page", name, "err", err)
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		w.WriteHeader(http.StatusInternalServerError)
+		fmt.Fprintln(w, "The console failed while making this page; the failure is in its log. Reload the page.")
+		return
+	}
+	w.Header().Set("Content-Type", "text/html; charset=utf-8")
+	w.WriteHeader(status)
+	if r.Method != http.MethodHead {
+		w.Write(b.Bytes())
+	}
+}
+
+// style serves the console's style sheet.
+func (c *Console) style(w http.ResponseWriter, r *http.Request) {
+	b, _ := assets.ReadFile("assets/style.css")
+	w.Header().Set("Content-Type", "text/css; charset=utf-8")
+	w.Header().Set("Cache-Control", "max-age=300")
+	if r.Method != http.MethodHead {
+		w.Write(b)
+	}
+}
+
+// failed is the problem page for err, an error of a service: a problem as
+// it is, else "the service did not answer" (503) naming it.
+func (c *Console) failed(r *http.Request, err error, service, do string) *problem {
+	var p *problem
+	if errors.As(err, &p) {
+		return p
+	}
+	if errors.Is(err, context.DeadlineExceeded) {
+		err = fmt.Errorf("no answer within %v", c.cfg.Timeout)
+	}
+	c.cfg.Logger.Warn("amqpidem console: a service failed", "path", r.URL.Path, "service", service, "err", err)
+	return &problem{Status: http.StatusServiceUnavailable, Title: service + " did not answer",
+		What: fmt.Sprintf("%s: %v", service, err), Do: do, Overview: true}
+}

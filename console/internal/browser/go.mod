@@ -1,0 +1,21 @@
+module github.com/amqpidem/amqpidem/console/internal/browser
+
+go 1.26.0
+
+require (
+	github.com/amqpidem/amqpidem v0.0.0
+	github.com/chromedp/chromedp v0.23.0
+	github.com/rabbitmq/amqp091-go v1.16.0
+)
+
+require (
+	github.com/cenkalti/backoff/v4 v4.3.0 // indirect
+	github.com/cespare/xxhash/v2 v2.3.0 // indirect
+	github.com/chromedp/cdproto v0.159.0 // indirect
+	github.com/go-json-experiment/json v0.0.0-20260213210345-44df1a37e875 // indirect
+	github.com/redis/go-redis/v9 v9.23.0 // indirect
+	go.uber.org/atomic v1.12.0 // indirect
+	golang.org/x/sys v0.49.0 // indirect
+)
+
+replace github.com/amqpidem/amqpidem => ../../..
