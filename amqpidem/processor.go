@@ -40,6 +40,10 @@ type processor struct {
 	handler Handler
 	// taker is handler when it takes its leases itself (LeaseTaker).
 	taker LeaseTaker
+	// batch, for a batch consumer (NewBatchConsumer), gathers the
+	// deliveries to run into batches; handler then runs a message without
+	// a lease as a batch of one.
+	batch *batcher
 	// userKey is set when Config.Key is the user's: it is called under
 	// recover (the default, MessageID, cannot panic).
 	userKey bool

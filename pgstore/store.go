@@ -57,6 +57,7 @@ func (s *Store) MaxConns() int { return int(s.pool.Stat().MaxConns()) }
 type statements struct {
 	acquire, finish, finishTx, extend, stillHeld, cleanup, check, amend string
 	begin, finishHeld                                                   string
+	finishBatch                                                         string
 }
 
 // New returns a Store on pool. It does no I/O: the table must exist
@@ -87,6 +88,9 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 			finish:  "SELECT " + n.finish + "($1, $2, $3, $4, $5, $6, $7)",
 			// finish_tx answers nothing: it raises where finish answers 0.
 			finishTx: "SELECT " + n.finishTx + "($1, $2, $3, $4, $5, $6, $7)",
+			// finish_tx for each record of a batch (batch.go), in order.
+			finishBatch: "SELECT " + n.finishTx + "($1, x.key, x.owner, x.fence, 'c', x.value, x.ret) " +
+				"FROM unnest($2::bytea[], $3::text[], $4::bigint[], $5::bytea[], $6::bigint[]) AS x(key, owner, fence, value, ret)",
 			// A lease held by a transaction (held.go).
 			begin:      beginSQL(cfg.TxOptions),
 			finishHeld: "SELECT " + n.finishHeld + "($1, $2, $3, $4, $5, $6, $7, $8)",
