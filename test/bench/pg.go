@@ -35,14 +35,25 @@ import (
 //	              autocommit INSERT INTO idem(key) ... ON CONFLICT DO NOTHING
 //	              and, if it inserted, the effect in a transaction of its
 //	              own, then acks
+//	pg-batch      amqpidem.NewBatchConsumer with store.BatchTxHandler:
+//	              batches of up to pgBatchSize messages (prefetch and
+//	              concurrency twice that, whatever -prefetch and
+//	              -concurrency say), each batch's effects and records in
+//	              one transaction; every key new
 const (
 	pgUnique    variant = "pg-unique"
 	pgDuplicate variant = "pg-duplicate"
 	pgNaive     variant = "pg-naive"
+	pgBatch     variant = "pg-batch"
 )
 
+// pgBatchSize is pg-batch's ConsumerConfig.BatchSize.
+const pgBatchSize = 100
+
 // isPG says whether v is one of the PostgreSQL variants.
-func (v variant) isPG() bool { return v == pgUnique || v == pgDuplicate || v == pgNaive }
+func (v variant) isPG() bool {
+	return v == pgUnique || v == pgDuplicate || v == pgNaive || v == pgBatch
+}
 
 // defaultPGDSN is the PostgreSQL the bench uses unless PG_DSN or -pg-dsn
 // names another: the one scripts/services.sh and docker-compose.yml start.
@@ -334,7 +345,7 @@ func (p *pgEnv) open(ctx context.Context, v variant, app, prefix string) (r *pgR
 	}
 	st := r.pool.Stat()
 	r.tr0, r.waits0, r.wait0 = r.tr.counts(), st.EmptyAcquireCount(), st.EmptyAcquireWaitTime()
-	if v == pgUnique || v == pgDuplicate {
+	if v == pgUnique || v == pgDuplicate || v == pgBatch {
 		if r.store, err = pgstore.New(r.pool, p.storeConfig(prefix)); err != nil {
 			if r.own {
 				r.pool.Close()
@@ -606,11 +617,31 @@ func (p *pgEnv) pgTxFunc(queue string) pgstore.TxFunc {
 	}
 }
 
+// pgBatchFunc is pg-batch's work: each message's effect, in the
+// transaction BatchTxHandler commits with the batch's records.
+func (p *pgEnv) pgBatchFunc(queue string) pgstore.BatchTxFunc {
+	return func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		for _, d := range ds {
+			if err := p.pgEffect(ctx, tx, d, queue); err != nil {
+				return nil, err
+			}
+		}
+		return nil, nil
+	}
+}
+
 // startPG starts variant v's consumer on queue with r's pool.
 func (e *env) startPG(ctx context.Context, v variant, r *pgRun, queue, prefix string, t *tally) (consumer, error) {
 	if v == pgNaive {
 		return startPlain(ctx, e.opts.AMQPURL, queue, e.opts.Prefetch, e.opts.Concurrency,
 			e.pg.pgNaiveHandle(r.pool, prefix+"-naive:", queue), t)
+	}
+	if v == pgBatch {
+		return startIdem(ctx, r.store, idemConfig{
+			url: e.opts.AMQPURL, queue: queue, queueType: "classic",
+			leaseTTL: leaseTTL, retention: retention, want: amqpidem.Completed,
+			batch: r.store.BatchTxHandler(e.pg.pgBatchFunc(queue)), batchSize: pgBatchSize,
+		}, t)
 	}
 	want := amqpidem.Completed
 	if v == pgDuplicate {
@@ -631,7 +662,7 @@ func (e *env) startPG(ctx context.Context, v variant, r *pgRun, queue, prefix st
 // did not run.
 func printPGLines(out io.Writer, rep *report) {
 	measured := rep.Variants["classic"]
-	if !slices.Contains(measured, pgUnique) || !slices.Contains(measured, pgNaive) {
+	if !slices.Contains(measured, pgNaive) || !slices.Contains(measured, pgUnique) && !slices.Contains(measured, pgBatch) {
 		return
 	}
 	r := 0.0
@@ -639,6 +670,19 @@ func printPGLines(out io.Writer, rep *report) {
 		r = median(rates(rep.Runs, "classic", pgUnique)) / n
 	}
 	fmt.Fprintf(out, "ratio pg-unique/pg-naive classic %.2f\n", r)
+	if slices.Contains(measured, pgBatch) {
+		b := 0.0
+		if n := median(rates(rep.Runs, "classic", pgNaive)); n > 0 {
+			b = median(rates(rep.Runs, "classic", pgBatch)) / n
+		}
+		fmt.Fprintf(out, "ratio pg-batch/pg-naive classic %.2f\n", b)
+		fmt.Fprintf(out, "commits_per_msg pg-batch %.3f\n", perMessage(rep.Runs, "classic", pgBatch, func(r runResult) float64 {
+			if r.PG == nil {
+				return 0
+			}
+			return float64(r.PG.Committed())
+		}))
+	}
 	if !rep.PGCPU {
 		return
 	}

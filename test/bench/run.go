@@ -46,7 +46,7 @@ const (
 )
 
 // variants in the order of the tables.
-var variants = []variant{bare, unique, duplicate, outbox, naive, memstore, uniqueWait, pgUnique, pgDuplicate, pgNaive, dynamoUnique, dynamoDuplicate}
+var variants = []variant{bare, unique, duplicate, outbox, naive, memstore, uniqueWait, pgUnique, pgDuplicate, pgNaive, pgBatch, dynamoUnique, dynamoDuplicate}
 
 // replays says whether v replays the keys another variant completed in
 // the same round, so that it cannot run alone.
@@ -701,7 +701,7 @@ func (e *env) units(qt string) [][]variant {
 		all = append(all, []variant{uniqueWait})
 	}
 	if e.pg != nil && qt == "classic" {
-		all = append(all, []variant{pgUnique, pgDuplicate}, []variant{pgNaive})
+		all = append(all, []variant{pgUnique, pgDuplicate}, []variant{pgNaive}, []variant{pgBatch})
 	}
 	if e.dyn != nil && qt == "classic" {
 		all = append(all, []variant{dynamoUnique, dynamoDuplicate})
