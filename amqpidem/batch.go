@@ -107,25 +107,71 @@ func (b batchOnly) Handle(ctx context.Context, d *amqp.Delivery) ([]byte, error)
 }
 
 // batcher gathers the flights whose handler is to run (their lease taken
-// and kept) into batches. It starts no goroutine: the first flight of a
-// batch, its leader, waits for the others (up to size, or wait), runs the
-// batch on its own goroutine and then wakes them; each flight settles
-// itself.
+// and kept) into batches, and, when the store is a lock.BatchAcquirer,
+// the lease requests of arriving deliveries into one call. It starts no
+// goroutine: the first of a group, its leader, waits for the others (up
+// to size, or wait), makes the group's call on its own goroutine and
+// then wakes them; each flight settles itself.
 type batcher struct {
 	h    BatchHandler
-	bc   BatchCompleter // h, when it completes records itself
+	bc   BatchCompleter     // h, when it completes records itself
+	ba   lock.BatchAcquirer // the store, when it takes leases in batches
 	size int
 	wait time.Duration
 
-	mu   sync.Mutex
-	open *batchGroup // the batch being gathered, if any
+	runs gathering[*flight]
+	acqs gathering[*acquireCall]
 }
 
-// batchGroup is one batch being gathered, then run.
-type batchGroup struct {
-	flights []*flight
-	full    chan struct{} // closed when it has size flights
-	done    chan struct{} // closed once every flight's out is set
+// gathering collects items into groups of at most size.
+type gathering[T any] struct {
+	mu   sync.Mutex
+	open *group[T] // the group being gathered, if any
+}
+
+// group is one group being gathered, then handled by its leader.
+type group[T any] struct {
+	items []T
+	full  chan struct{} // closed when it has size items
+	done  chan struct{} // closed by the leader once every item is answered
+}
+
+// join adds x to the group being gathered, or starts one with x's caller
+// as its leader.
+func (g *gathering[T]) join(x T, size int) (gr *group[T], leader bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.open == nil {
+		g.open = &group[T]{full: make(chan struct{}), done: make(chan struct{})}
+		leader = true
+	}
+	gr = g.open
+	gr.items = append(gr.items, x)
+	if len(gr.items) >= size {
+		close(gr.full)
+		g.open = nil
+	}
+	return gr, leader
+}
+
+// gather is the leader's wait: until gr is full, wait has passed, or
+// stop or done is closed; it then seals gr (no more joins) and returns
+// its items.
+func (g *gathering[T]) gather(gr *group[T], wait time.Duration, stop, done <-chan struct{}) []T {
+	t := time.NewTimer(wait)
+	select {
+	case <-gr.full:
+	case <-t.C:
+	case <-stop:
+	case <-done:
+	}
+	t.Stop()
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.open == gr {
+		g.open = nil
+	}
+	return gr.items
 }
 
 // batchOut is what a batch came to for one of its flights.
@@ -138,32 +184,49 @@ type batchOut struct {
 	timedOut bool
 }
 
-// join adds f to the batch being gathered, or starts one with f as its
-// leader.
-func (b *batcher) join(f *flight) (g *batchGroup, leader bool) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.open == nil {
-		b.open = &batchGroup{full: make(chan struct{}), done: make(chan struct{})}
-		leader = true
-	}
-	g = b.open
-	g.flights = append(g.flights, f)
-	if len(g.flights) >= b.size {
-		close(g.full)
-		b.open = nil
-	}
-	return g, leader
+// acquireCall is one lease request waiting for its group's AcquireBatch.
+type acquireCall struct {
+	req lock.Request
+	res lock.Result
+	err error
 }
 
-// seal stops g from taking more flights and returns them.
-func (b *batcher) seal(g *batchGroup) []*flight {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.open == g {
-		b.open = nil
+// acquireBatched takes req's lease with the requests of the deliveries
+// arriving with it, in one AcquireBatch call of at most BatchSize
+// requests, made within BatchWait of the first.
+func (p *processor) acquireBatched(ctx context.Context, req lock.Request) (lock.Result, error) {
+	b := p.batch
+	c := &acquireCall{req: req}
+	gr, leader := b.acqs.join(c, b.size)
+	if !leader {
+		<-gr.done
+		return c.res, c.err
 	}
-	return g.flights
+	calls := b.acqs.gather(gr, b.wait, p.stopping, ctx.Done())
+	reqs := make([]lock.Request, len(calls))
+	for i, c := range calls {
+		reqs[i] = c.req
+	}
+	func() {
+		defer func() {
+			if v := recover(); v != nil {
+				err := fmt.Errorf("amqpidem: the store's AcquireBatch panicked: %w", &PanicError{Value: v, Stack: debug.Stack()})
+				for _, c := range calls {
+					c.res, c.err = lock.Result{}, err
+				}
+			}
+		}()
+		rs, errs := b.ba.AcquireBatch(ctx, reqs)
+		for i, c := range calls {
+			if len(rs) != len(calls) || len(errs) != len(calls) {
+				c.err = fmt.Errorf("amqpidem: the store's AcquireBatch answered %d results for %d requests", len(rs), len(calls))
+				continue
+			}
+			c.res, c.err = rs[i], errs[i]
+		}
+	}()
+	close(gr.done)
+	return c.res, c.err
 }
 
 // runBatched is run's second half for a batch consumer: f joins a batch
@@ -172,23 +235,15 @@ func (b *batcher) seal(g *batchGroup) []*flight {
 func (f *flight) runBatched() {
 	p := f.p
 	b := p.batch
-	g, leader := b.join(f)
+	gr, leader := b.runs.join(f, b.size)
 	if leader {
-		t := time.NewTimer(b.wait)
-		select {
-		case <-g.full:
-		case <-t.C:
-		case <-p.stopping:
-		case <-f.hctx.Done():
-		}
-		t.Stop()
-		fs := b.seal(g)
+		fs := b.runs.gather(gr, b.wait, p.stopping, f.hctx.Done())
 		start := time.Now()
 		p.runBatch(f.ctx, fs)
 		p.cfg.Logger.DebugContext(f.ctx, "amqpidem: batch ran", "queue", p.cfg.Queue, "size", len(fs), "duration", time.Since(start))
-		close(g.done)
+		close(gr.done)
 	} else {
-		<-g.done
+		<-gr.done
 	}
 	f.settleBatched()
 }

@@ -263,8 +263,10 @@ func NewConsumer(store lock.Store, cfg ConsumerConfig, h Handler) (*Consumer, er
 // deliveries, with store (see docs/batches.md in the repository).
 //
 // Each delivery goes its own way up to its handler, as with NewConsumer:
-// its key, fingerprint and lease are taken (one store call each, made
-// concurrently by up to Concurrency deliveries), and a duplicate, a
+// its key, fingerprint and lease are taken (with a store that is a
+// lock.BatchAcquirer, as pgstore's is, the leases of up to BatchSize
+// deliveries arriving within BatchWait in one call; otherwise one store
+// call each, made concurrently), and a duplicate, a
 // conflict, a busy key, a failed or expired one is settled on its own,
 // as the outcome table of the package documentation says. The deliveries
 // whose handler is to run then wait, their leases kept by the heartbeat,
@@ -300,7 +302,8 @@ func NewBatchConsumer(store lock.Store, cfg ConsumerConfig, h BatchHandler) (*Co
 	if err != nil {
 		return nil, err
 	}
-	c.proc.batch = &batcher{h: h, bc: bc, size: cfg.BatchSize, wait: cfg.BatchWait}
+	ba, _ := store.(lock.BatchAcquirer)
+	c.proc.batch = &batcher{h: h, bc: bc, ba: ba, size: cfg.BatchSize, wait: cfg.BatchWait}
 	return c, nil
 }
 

@@ -141,6 +141,9 @@ func (p *processor) checkRetention(ctx context.Context, l lock.Lease) {
 // LeaseTaker (reported to a StoreObserver as the store's acquire), else
 // from the store. A panic of either is an error wrapping a *PanicError.
 func (p *processor) acquire(ctx context.Context, req lock.Request, d *amqp.Delivery) (res lock.Result, err error) {
+	if p.taker == nil && p.batch != nil && p.batch.ba != nil {
+		return p.acquireBatched(ctx, req)
+	}
 	if p.taker == nil {
 		defer recoverAcquire(&res, &err, "the store's Acquire")
 		return p.store.Acquire(ctx, req)

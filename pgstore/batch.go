@@ -214,3 +214,78 @@ func (s *Store) finishBatch(ctx context.Context, conn *pgx.Conn, leases []lock.L
 	}
 	return nil
 }
+
+var _ lock.BatchAcquirer = (*Store)(nil)
+
+// AcquireBatch takes the leases of reqs (lock.BatchAcquirer) with one
+// statement, calling the acquire function for each key in key order (so
+// that two batches with keys in common do not deadlock), in one round
+// trip and one autocommit transaction: each answer is Acquire's. A key
+// that comes twice in reqs is taken for its first request and then asked
+// again with Acquire, which answers the second InProgress. The statement
+// is not retried: if it fails, every request gets its error (wrapping
+// lock.ErrUnavailable when the server may not have answered), and a
+// lease it may have taken blocks its key for its TTL.
+func (s *Store) AcquireBatch(ctx context.Context, reqs []lock.Request) ([]lock.Result, []error) {
+	results := make([]lock.Result, len(reqs))
+	errs := make([]error, len(reqs))
+	start := s.cfg.Now()
+	var order, again []int
+	seen := make(map[string]bool, len(reqs))
+	for i := range reqs {
+		req, err := s.cfg.CheckRequest(reqs[i])
+		switch {
+		case err != nil:
+			errs[i] = err
+			continue
+		case seen[req.Key]:
+			again = append(again, i)
+		default:
+			seen[req.Key] = true
+			order = append(order, i)
+		}
+		reqs[i] = req
+	}
+	slices.SortFunc(order, func(a, b int) int { return cmp.Compare(reqs[a].Key, reqs[b].Key) })
+	keys := make([][]byte, len(order))
+	owners := make([]string, len(order))
+	ttls := make([]int64, len(order))
+	rets := make([]int64, len(order))
+	fps := make([][]byte, len(order))
+	for j, i := range order {
+		r := reqs[i]
+		keys[j], owners[j], ttls[j], rets[j], fps[j] = []byte(r.Key), lock.NewOwner(), r.TTL.Milliseconds(), r.Retention.Milliseconds(), []byte(r.Fingerprint)
+	}
+	if len(order) > 0 {
+		rows, err := s.pool.Query(ctx, s.sql.acquireBatch, s.cfg.Prefix, keys, owners, ttls, rets, fps)
+		j := 0
+		if err == nil {
+			for rows.Next() && j < len(order) {
+				var status, attempts int
+				var fence, remaining int64
+				var value []byte
+				if err = rows.Scan(&status, &fence, &attempts, &remaining, &value); err != nil {
+					break
+				}
+				i := order[j]
+				results[i], errs[i] = s.result(reqs[i], status, fence, attempts, remaining, value, owners[j], start)
+				j++
+			}
+			rows.Close()
+			err = cmp.Or(err, rows.Err())
+			if err == nil && j != len(order) {
+				err = fmt.Errorf("pgstore: acquire batch answered %d rows for %d keys", j, len(order))
+			}
+		}
+		if err != nil {
+			err = fmt.Errorf("pgstore: acquire batch of %d: %w", len(order), classify(err))
+			for _, i := range order {
+				results[i], errs[i] = lock.Result{}, err
+			}
+		}
+	}
+	for _, i := range again {
+		results[i], errs[i] = s.Acquire(ctx, reqs[i])
+	}
+	return results, errs
+}

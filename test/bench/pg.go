@@ -617,16 +617,17 @@ func (p *pgEnv) pgTxFunc(queue string) pgstore.TxFunc {
 	}
 }
 
-// pgBatchFunc is pg-batch's work: each message's effect, in the
-// transaction BatchTxHandler commits with the batch's records.
+// pgBatchFunc is pg-batch's work: each message's effect (the same
+// INSERT as the other variants', one per message), sent together in one
+// pgx.Batch, in the transaction BatchTxHandler commits with the batch's
+// records.
 func (p *pgEnv) pgBatchFunc(queue string) pgstore.BatchTxFunc {
 	return func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		b := &pgx.Batch{}
 		for _, d := range ds {
-			if err := p.pgEffect(ctx, tx, d, queue); err != nil {
-				return nil, err
-			}
+			b.Queue(p.effectSQL, d.MessageId, queue)
 		}
-		return nil, nil
+		return nil, tx.SendBatch(ctx, b).Close()
 	}
 }
 
