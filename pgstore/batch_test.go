@@ -501,3 +501,44 @@ func TestBatchKill9(t *testing.T) {
 		}
 	}
 }
+
+// TestBatchAcquire: AcquireBatch answers each request as Acquire would:
+// a new key acquired, a key twice in one call busy the second time, a
+// completed key completed with its value, another payload a conflict, a
+// key the store refuses an error of its own; one statement for them all.
+func TestBatchAcquire(t *testing.T) {
+	pool := pgenv.Pool(t, 4)
+	cfg := schema(t, pool, pgstore.Config{CleanupInterval: -1})
+	s := newStore(t, pool, cfg)
+	ctx := context.Background()
+	res, err := s.Acquire(ctx, lock.Request{Key: "done", Fingerprint: "f"})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatalf("Acquire: %+v, %v", res, err)
+	}
+	if err := s.Complete(ctx, res.Lease, []byte("v")); err != nil {
+		t.Fatal(err)
+	}
+	reqs := []lock.Request{
+		{Key: "new", Fingerprint: "a"},
+		{Key: "new", Fingerprint: "a"},
+		{Key: "done", Fingerprint: "f"},
+		{Key: "done", Fingerprint: "other"},
+		{Key: ""},
+	}
+	rs, errs := s.AcquireBatch(ctx, reqs)
+	want := []lock.Status{lock.Acquired, lock.InProgress, lock.Completed, lock.Conflict}
+	for i, w := range want {
+		if errs[i] != nil || rs[i].Status != w {
+			t.Errorf("request %d: %v, %v; want %v", i, rs[i].Status, errs[i], w)
+		}
+	}
+	if errs[4] == nil {
+		t.Error("an empty key was not refused")
+	}
+	if string(rs[2].Value) != "v" {
+		t.Errorf("completed value %q, want v", rs[2].Value)
+	}
+	if err := s.Complete(ctx, rs[0].Lease, nil); err != nil {
+		t.Errorf("the batch's lease does not complete: %v", err)
+	}
+}
