@@ -365,6 +365,7 @@ func TestBatchLeaseLost(t *testing.T) {
 const (
 	envChildSchema = "AMQPIDEM_BATCH_CHILD_SCHEMA"
 	envChildQueue  = "AMQPIDEM_BATCH_CHILD_QUEUE"
+	envChildPause  = "AMQPIDEM_BATCH_CHILD_PAUSE"
 )
 
 // batchEffects is the batch function of the kill test: each message's
@@ -409,6 +410,12 @@ func TestBatchKillChild(t *testing.T) {
 		if err != nil {
 			t.Error(err)
 		}
+		if os.Getenv(envChildPause) != "" {
+			// Paused (SIGSTOP) here by TestBatchSigstop, past its leases'
+			// TTL, then resumed: its commit must find the leases lost.
+			time.Sleep(3 * time.Second)
+			return
+		}
 		time.Sleep(time.Minute) // killed here, between the effects and the commit
 	}))
 	cfg := batchConfig(t, queue, nil)
@@ -427,37 +434,7 @@ func TestBatchKillChild(t *testing.T) {
 // and a new consumer runs every message once (the redelivered ones whose
 // batch committed before the kill as duplicates).
 func TestBatchKill9(t *testing.T) {
-	r := newRig(t)
-	marks := pgx.Identifier{r.cfg.Schema, "marks"}.Sanitize()
-	ctx := context.Background()
-	if _, err := r.pool.Exec(ctx, "CREATE TABLE "+marks+" (op text NOT NULL)"); err != nil {
-		t.Fatal(err)
-	}
-	ops := ids("k", 200)
-	r.publish(ops...)
-	cmd := exec.Command(os.Args[0], "-test.run=^TestBatchKillChild$", "-test.v")
-	cmd.Env = append(os.Environ(), envChildSchema+"="+r.cfg.Schema, envChildQueue+"="+r.queue)
-	proc, err := testenv.StartProcess(cmd, filepath.Join(t.TempDir(), "child.log"), "")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(proc.Kill)
-	var hung []string
-	deadline := time.Now().Add(60 * time.Second)
-	for len(hung) == 0 {
-		if time.Now().After(deadline) || !proc.Running() {
-			t.Fatalf("the child never hung in its third batch:\n%s", proc.Output())
-		}
-		rows, err := r.pool.Query(ctx, "SELECT op FROM "+marks)
-		if err != nil {
-			t.Fatal(err)
-		}
-		hung, err = pgx.CollectRows(rows, pgx.RowTo[string])
-		if err != nil {
-			t.Fatal(err)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	r, ops, proc, hung := startHungChild(t, false)
 	proc.Kill()
 	got := r.effects()
 	for _, op := range hung {
@@ -470,12 +447,111 @@ func TestBatchKill9(t *testing.T) {
 		before += n
 	}
 	t.Logf("killed in a batch of %d, with %d effects committed before", len(hung), before)
+	r.runBatch(r.store.BatchTxHandler(batchEffects(pgx.Identifier{r.cfg.Schema, "effects"}.Sanitize(), nil)),
+		func(c *amqpidem.ConsumerConfig) { c.Observer = nil }) // this test reads the tables, not the events
+	r.drained(ops)
+}
 
-	effects := pgx.Identifier{r.cfg.Schema, "effects"}.Sanitize()
-	// No events: this test reads the tables, not the events channel.
-	r.runBatch(r.store.BatchTxHandler(batchEffects(effects, nil)), func(c *amqpidem.ConsumerConfig) { c.Observer = nil })
+// TestBatchSigstop: a consumer process paused (SIGSTOP) in the middle of
+// a batch, after its effects were written and before their commit, for
+// longer than its leases' TTL, while another consumer runs the same
+// messages (copies published again) and commits them; resumed, its
+// commit finds its leases lost and commits nothing: every message's
+// effect once.
+func TestBatchSigstop(t *testing.T) {
+	r, ops, proc, hung := startHungChild(t, true)
+	if err := proc.Pause(); err != nil {
+		t.Skipf("cannot pause the child here: %v", err)
+	}
+	r.runBatch(r.store.BatchTxHandler(batchEffects(pgx.Identifier{r.cfg.Schema, "effects"}.Sanitize(), nil)),
+		func(c *amqpidem.ConsumerConfig) { c.Observer = nil })
+	r.publish(hung...) // copies, for this consumer to take over once the paused one's leases expired
 	table := pgx.Identifier{r.cfg.Schema, pgstore.DefaultTable}.Sanitize()
-	deadline = time.Now().Add(60 * time.Second)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var n int
+		if err := r.pool.QueryRow(context.Background(), "SELECT count(*) FROM "+table+" WHERE state = 'c' AND key = ANY($1)",
+			storeKeys(r.queue, hung)).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n == len(hung) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of the paused batch's %d messages completed by the other consumer after 30s", n, len(hung))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if err := proc.Resume(); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(4 * time.Second) // the paused batch wakes, tries its commit, settles
+	if !proc.Running() {
+		t.Fatalf("the child exited:\n%s", proc.Output())
+	}
+	r.drained(ops)
+}
+
+// storeKeys returns the record keys of ops on queue.
+func storeKeys(queue string, ops []string) [][]byte {
+	keys := make([][]byte, len(ops))
+	for i, op := range ops {
+		keys[i] = []byte(amqpidem.StoreKey(queue, op))
+	}
+	return keys
+}
+
+// startHungChild publishes 200 messages and starts TestBatchKillChild in
+// a child process (pausing rather than hanging, with pause), and returns
+// once its third batch has written its effects and hangs before its
+// commit, with the ops of that batch.
+func startHungChild(t *testing.T, pause bool) (r *rig, ops []string, proc *testenv.Process, hung []string) {
+	r = newRig(t)
+	marks := pgx.Identifier{r.cfg.Schema, "marks"}.Sanitize()
+	ctx := context.Background()
+	if _, err := r.pool.Exec(ctx, "CREATE TABLE "+marks+" (op text NOT NULL)"); err != nil {
+		t.Fatal(err)
+	}
+	ops = ids("k", 200)
+	r.publish(ops...)
+	cmd := exec.Command(os.Args[0], "-test.run=^TestBatchKillChild$", "-test.v")
+	cmd.Env = append(os.Environ(), envChildSchema+"="+r.cfg.Schema, envChildQueue+"="+r.queue)
+	if pause {
+		cmd.Env = append(cmd.Env, envChildPause+"=1")
+	}
+	proc, err := testenv.StartProcess(cmd, filepath.Join(t.TempDir(), "child.log"), "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = proc.Resume()
+		proc.Kill()
+	})
+	deadline := time.Now().Add(60 * time.Second)
+	for len(hung) == 0 {
+		if time.Now().After(deadline) || !proc.Running() {
+			t.Fatalf("the child never hung in its third batch:\n%s", proc.Output())
+		}
+		rows, err := r.pool.Query(ctx, "SELECT op FROM "+marks)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if hung, err = pgx.CollectRows(rows, pgx.RowTo[string]); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return r, ops, proc, hung
+}
+
+// drained waits until every op's record is completed and the queue has
+// no message ready, then checks that every op's effect is there once.
+func (r *rig) drained(ops []string) {
+	t := r.t
+	t.Helper()
+	ctx := context.Background()
+	table := pgx.Identifier{r.cfg.Schema, pgstore.DefaultTable}.Sanitize()
+	deadline := time.Now().Add(60 * time.Second)
 	for {
 		var completed int
 		if err := r.pool.QueryRow(ctx, "SELECT count(*) FROM "+table+" WHERE state = 'c'").Scan(&completed); err != nil {
@@ -494,51 +570,10 @@ func TestBatchKill9(t *testing.T) {
 		time.Sleep(100 * time.Millisecond)
 	}
 	time.Sleep(500 * time.Millisecond) // duplicates on their way settle
-	got = r.effects()
+	got := r.effects()
 	for _, op := range ops {
 		if got[op] != 1 {
 			t.Errorf("%s: %d effects, want 1", op, got[op])
 		}
-	}
-}
-
-// TestBatchAcquire: AcquireBatch answers each request as Acquire would:
-// a new key acquired, a key twice in one call busy the second time, a
-// completed key completed with its value, another payload a conflict, a
-// key the store refuses an error of its own; one statement for them all.
-func TestBatchAcquire(t *testing.T) {
-	pool := pgenv.Pool(t, 4)
-	cfg := schema(t, pool, pgstore.Config{CleanupInterval: -1})
-	s := newStore(t, pool, cfg)
-	ctx := context.Background()
-	res, err := s.Acquire(ctx, lock.Request{Key: "done", Fingerprint: "f"})
-	if err != nil || res.Status != lock.Acquired {
-		t.Fatalf("Acquire: %+v, %v", res, err)
-	}
-	if err := s.Complete(ctx, res.Lease, []byte("v")); err != nil {
-		t.Fatal(err)
-	}
-	reqs := []lock.Request{
-		{Key: "new", Fingerprint: "a"},
-		{Key: "new", Fingerprint: "a"},
-		{Key: "done", Fingerprint: "f"},
-		{Key: "done", Fingerprint: "other"},
-		{Key: ""},
-	}
-	rs, errs := s.AcquireBatch(ctx, reqs)
-	want := []lock.Status{lock.Acquired, lock.InProgress, lock.Completed, lock.Conflict}
-	for i, w := range want {
-		if errs[i] != nil || rs[i].Status != w {
-			t.Errorf("request %d: %v, %v; want %v", i, rs[i].Status, errs[i], w)
-		}
-	}
-	if errs[4] == nil {
-		t.Error("an empty key was not refused")
-	}
-	if string(rs[2].Value) != "v" {
-		t.Errorf("completed value %q, want v", rs[2].Value)
-	}
-	if err := s.Complete(ctx, rs[0].Lease, nil); err != nil {
-		t.Errorf("the batch's lease does not complete: %v", err)
 	}
 }
