@@ -202,6 +202,8 @@ func TestShortRun(t *testing.T) {
 			t.Error("PostgreSQL's CPU was not measured: its postmaster is not readable here")
 		}
 		want = append(want, `^pg_cpu_us pg-unique classic \d+\.\d$`, `^pg_cpu_us pg-naive classic \d+\.\d$`)
+		// Issue 39's.
+		want = append(want, `^ratio pg-batch/pg-naive classic \d+\.\d\d$`, `^commits_per_msg pg-batch \d+\.\d\d\d$`)
 	}
 	if len(lines) < len(want) {
 		t.Fatalf("output has %d lines, want at least %d", len(lines), len(want))

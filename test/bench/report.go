@@ -34,7 +34,7 @@ func median(xs []float64) float64 {
 }
 
 // ratioVariants are the variants with a final ratio line, in order:
-// issue 4's three, issue 13's, then issue 11's; memstore's ratio is in the
+// issue 4's three, issue 13's, then issue 11's and 39's; memstore's ratio is in the
 // table only.
 var ratioVariants = []variant{unique, duplicate, naive, uniqueWait, pgUnique, pgDuplicate, pgNaive, pgBatch}
 
