@@ -329,6 +329,11 @@ func (i *idem) stop(ctx context.Context) error {
 	return err
 }
 
+// noopBatchHandler is the batch variant's handler: nothing, no results.
+var noopBatchHandler = amqpidem.BatchHandlerFunc(func(context.Context, []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+	return nil, nil
+})
+
 // noopHandler is the amqpidem variants' handler: nothing, no result.
 var noopHandler = amqpidem.HandlerFunc(func(context.Context, *amqp.Delivery) ([]byte, error) {
 	return nil, nil

@@ -13,6 +13,9 @@
 //	memstore   unique on a lock.MemoryStore: amqpidem's own cost without
 //	           Redis, so what the store's round trips and Redis's CPU take
 //	           can be read off (not an idempotent setup: one process only)
+//	batch      unique as a batch consumer (issue 39): NewBatchConsumer, a
+//	           no-op BatchHandler, batches of 100, prefetch and
+//	           concurrency the batch consumer's defaults (200)
 //	unique-wait  unique with lock.Config.Replicas 1 (issue 13): every write
 //	           waits for a replica of Redis that the bench starts
 //	           (redis-server on PATH; skipped, saying why, without)

@@ -36,7 +36,7 @@ func median(xs []float64) float64 {
 // ratioVariants are the variants with a final ratio line, in order:
 // issue 4's three, issue 13's, then issue 11's and 39's; memstore's ratio is in the
 // table only.
-var ratioVariants = []variant{unique, duplicate, naive, uniqueWait, pgUnique, pgDuplicate, pgNaive, pgBatch}
+var ratioVariants = []variant{unique, duplicate, naive, batchV, uniqueWait, pgUnique, pgDuplicate, pgNaive, pgBatch}
 
 // ratios are each variant's median throughput over bare's, per queue type,
 // in the order of the final lines, for the variants measured on it.

@@ -43,10 +43,16 @@ const (
 	// confirmed to a queue of the run's own (see outboxSink), amends the
 	// record, then acks.
 	outbox variant = "outbox"
+	// batchV is unique as a batch consumer (issue 39):
+	// amqpidem.NewBatchConsumer, a no-op BatchHandler, batches of up to
+	// pgBatchSize; prefetch and concurrency the batch consumer's defaults
+	// (twice that). Its leases and records are Redis calls of their own,
+	// which the RedisStore sends in pipelines.
+	batchV variant = "batch"
 )
 
 // variants in the order of the tables.
-var variants = []variant{bare, unique, duplicate, outbox, naive, memstore, uniqueWait, pgUnique, pgDuplicate, pgNaive, pgBatch, dynamoUnique, dynamoDuplicate}
+var variants = []variant{bare, unique, duplicate, outbox, naive, memstore, batchV, uniqueWait, pgUnique, pgDuplicate, pgNaive, pgBatch, dynamoUnique, dynamoDuplicate}
 
 // replays says whether v replays the keys another variant completed in
 // the same round, so that it cannot run alone.
@@ -680,6 +686,13 @@ func (e *env) start(ctx context.Context, qt string, v variant, queue, prefix str
 	if v == duplicate {
 		want = amqpidem.Duplicate
 	}
+	if v == batchV {
+		return startIdem(ctx, store, idemConfig{
+			url: e.opts.AMQPURL, queue: queue, queueType: qt,
+			leaseTTL: leaseTTL, retention: retention, want: want,
+			batch: noopBatchHandler, batchSize: pgBatchSize,
+		}, t)
+	}
 	var handler amqpidem.Handler = noopHandler
 	if v == outbox {
 		handler = stagingHandler(outboxSink(queue))
@@ -696,7 +709,7 @@ func (e *env) start(ctx context.Context, qt string, v variant, queue, prefix str
 // order of the first round; a group runs in its order (a duplicate after
 // the unique run it replays).
 func (e *env) units(qt string) [][]variant {
-	all := [][]variant{{bare}, {unique, duplicate}, {outbox}, {naive}, {memstore}}
+	all := [][]variant{{bare}, {unique, duplicate}, {outbox}, {naive}, {memstore}, {batchV}}
 	if e.replica != nil {
 		all = append(all, []variant{uniqueWait})
 	}
