@@ -28,8 +28,12 @@ const (
 // one. Each message is then settled on its own, as the outcome table of
 // the package documentation says for a single message.
 type BatchResult struct {
+	// Result is what is stored for the message, and sent to its ReplyTo,
+	// when Err is nil.
 	Result []byte
-	Err    error
+	// Err is the message's failure: retried with backoff, or
+	// dead-lettered when Permanent or its attempts are exhausted.
+	Err error
 }
 
 // BatchHandler handles the new messages of a batch together (see
@@ -62,8 +66,10 @@ func (f BatchHandlerFunc) HandleBatch(ctx context.Context, ds []*amqp.Delivery) 
 // BatchItem is one message of a batch given to a BatchCompleter: its
 // delivery and the lease under which its record is to be completed.
 type BatchItem struct {
+	// Delivery is the message, as the handler gets it (not to be acked).
 	Delivery *amqp.Delivery
-	Lease    lock.Lease
+	// Lease is the lease its record is completed under.
+	Lease lock.Lease
 }
 
 // BatchCompleter is a BatchHandler that completes the records of a
