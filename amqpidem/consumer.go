@@ -87,8 +87,10 @@ type ConsumerConfig struct {
 	// BatchWait is how long a batch consumer's batch waits for more
 	// deliveries once its first is ready to run: a batch runs when it has
 	// BatchSize deliveries or BatchWait has passed, whichever comes
-	// first. It bounds the latency batching adds. Default
-	// DefaultBatchWait. NewConsumer ignores it.
+	// first. It bounds the latency batching adds: with a store that
+	// takes leases in batches (lock.BatchAcquirer), a delivery waits up
+	// to BatchWait for its lease's batch, then up to a fifth of it for
+	// its handler's. Default DefaultBatchWait. NewConsumer ignores it.
 	BatchWait time.Duration
 }
 

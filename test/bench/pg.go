@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -684,7 +685,8 @@ func printPGLines(out io.Writer, rep *report) {
 // printPGBatchLines prints issue 39's lines, when pg-batch and pg-naive
 // ran: pg-batch's median rate over pg-naive's, and its transactions
 // committed per message (counted client side, as the table's commits/msg:
-// the batch's COMMIT and its leases' autocommit, heartbeat included).
+// the batch's COMMIT and its leases' autocommit, heartbeat included), and
+// the p99 latency it adds over bare at each fixed rate (ms).
 func printPGBatchLines(out io.Writer, rep *report) {
 	measured := rep.Variants["classic"]
 	if !slices.Contains(measured, pgBatch) || !slices.Contains(measured, pgNaive) {
@@ -701,6 +703,22 @@ func printPGBatchLines(out io.Writer, rep *report) {
 		}
 		return float64(r.PG.Committed())
 	}))
+	for _, l := range rep.Latency {
+		if l.Variant != pgBatch || l.QueueType != "classic" || l.Samples == 0 {
+			continue
+		}
+		for _, b := range rep.Latency {
+			if b.Variant == bare && b.QueueType == "classic" && b.Rate == l.Rate && b.Samples > 0 {
+				note := ""
+				if b.saturated() || l.saturated() {
+					note = " saturated"
+				}
+				fmt.Fprintf(out, "latency_p99_ms pg-batch %s classic %.1f%s\n", strconv.FormatFloat(l.Rate, 'f', -1, 64),
+					float64(l.P99-b.P99)/float64(time.Millisecond), note)
+				break
+			}
+		}
+	}
 }
 
 // redactDSN hides a DSN's password.

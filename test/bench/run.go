@@ -360,6 +360,23 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 		}
 	}
 
+	// 3a. pg-batch's latency at the fixed rates (issue 39), beside
+	// bare's (measured above when unique is).
+	if e.pg != nil && opts.measures(pgBatch) && slices.Contains(opts.QueueTypes, "classic") {
+		for _, rate := range opts.LatencyRates {
+			for _, v := range []variant{bare, pgBatch} {
+				if v == bare && opts.measures(unique) {
+					continue
+				}
+				l, err := e.latency(ctx, "classic", v, rate)
+				rep.Latency = append(rep.Latency, l)
+				if err != nil {
+					return rep, fmt.Errorf("latency classic %s at %s msg/s: %w", v, thousands(rate), err)
+				}
+			}
+		}
+	}
+
 	// 3b. The producer outbox's relay.
 	switch {
 	case !opts.Relay:
