@@ -152,3 +152,93 @@ func (c completerOf) CompleterStore() lock.Store { return c.store }
 func (c completerOf) HandleBatchComplete(context.Context, []amqpidem.BatchItem, func(int, []byte) ([]byte, error)) ([]amqpidem.BatchResult, error) {
 	return nil, errors.New("not used")
 }
+
+// TestBatchShutdownForced: Shutdown whose deadline passes while a batch
+// runs cancels the batch's context; Run returns once the handler did, its
+// messages go back to the queue ("shutdown", leases released), and a new
+// consumer runs each of them once.
+func TestBatchShutdownForced(t *testing.T) {
+	e := newEnv(t, nil)
+	rec := &recorder{}
+	started := make(chan int, 1)
+	block := amqpidem.BatchHandlerFunc(func(ctx context.Context, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		select {
+		case started <- len(ds):
+		default:
+		}
+		<-ctx.Done()
+		return nil, ctx.Err()
+	})
+	cfg := amqpidem.ConsumerConfig{
+		URL: e.url, BatchSize: 5, BatchWait: 50 * time.Millisecond,
+		Config: amqpidem.Config{Queue: e.queue, Observer: rec, Logger: slog.New(slog.DiscardHandler)},
+	}
+	c, err := amqpidem.NewBatchConsumer(e.store, cfg, block)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keys := []string{"s0", "s1", "s2", "s3", "s4"}
+	for _, k := range keys {
+		e.publish(amqp.Publishing{MessageId: k, Body: []byte(k)})
+	}
+	done := make(chan error, 1)
+	go func() { done <- c.Run(context.Background()) }()
+	select {
+	case n := <-started:
+		t.Logf("first batch of %d", n)
+	case <-time.After(10 * time.Second):
+		t.Fatal("no batch started")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	if err := c.Shutdown(ctx); !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("Shutdown: %v, want the deadline passed", err)
+	}
+	select {
+	case err := <-done:
+		if !errors.Is(err, amqpidem.ErrConsumerClosed) {
+			t.Errorf("Run: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not return after a forced Shutdown")
+	}
+	rec.mu.Lock()
+	for _, ev := range rec.events {
+		if ev.Outcome != amqpidem.Abandoned {
+			t.Errorf("%s: %v %q during the forced shutdown, want abandoned", ev.Key, ev.Outcome, ev.Reason)
+		}
+	}
+	rec.mu.Unlock()
+
+	var mu sync.Mutex
+	runs := map[string]int{}
+	rec2 := &recorder{}
+	cfg.Observer = rec2
+	c2, err := amqpidem.NewBatchConsumer(e.store, cfg, amqpidem.BatchHandlerFunc(func(_ context.Context, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, d := range ds {
+			runs[d.MessageId]++
+		}
+		return nil, nil
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	testrun.Consumer(t, c2)
+	rec2.waitFor(t, 20*time.Second, "every message completed by the second consumer", func(evs []amqpidem.Event) bool {
+		for _, k := range keys {
+			if count(evs, k, amqpidem.Completed) != 1 {
+				return false
+			}
+		}
+		return true
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	for _, k := range keys {
+		if runs[k] != 1 {
+			t.Errorf("%s ran %d times after the shutdown, want 1", k, runs[k])
+		}
+	}
+}
