@@ -5,9 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -366,6 +368,7 @@ const (
 	envChildSchema = "AMQPIDEM_BATCH_CHILD_SCHEMA"
 	envChildQueue  = "AMQPIDEM_BATCH_CHILD_QUEUE"
 	envChildPause  = "AMQPIDEM_BATCH_CHILD_PAUSE"
+	envChildRandom = "AMQPIDEM_BATCH_CHILD_RANDOM"
 )
 
 // batchEffects is the batch function of the kill test: each message's
@@ -401,6 +404,21 @@ func TestBatchKillChild(t *testing.T) {
 		t.Fatal(err)
 	}
 	effects := pgx.Identifier{schemaName, "effects"}.Sanitize()
+	if os.Getenv(envChildRandom) != "" {
+		// TestBatchKillRandom's: killed whenever, poison messages mixed in.
+		cfg := batchConfig(t, queue, nil)
+		cfg.MaxAttempts = 3
+		slow := func(ops []string) {
+			time.Sleep(30 * time.Millisecond) // so that kills land in batches too
+			poisoned(ops)
+		}
+		c, err := amqpidem.NewBatchConsumer(store, cfg, store.BatchTxHandler(batchEffects(effects, slow)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = c.Run(context.Background())
+		return
+	}
 	var n atomic.Int32
 	h := store.BatchTxHandler(batchEffects(effects, func(ops []string) {
 		if n.Add(1) != 3 {
@@ -576,4 +594,92 @@ func (r *rig) drained(ops []string) {
 			t.Errorf("%s: %d effects, want 1", op, got[op])
 		}
 	}
+}
+
+// poisoned panics when ops hold a poison message (an op starting with
+// "poison"): the batch's effects, written, roll back, and the batch is
+// split.
+func poisoned(ops []string) {
+	for _, op := range ops {
+		if strings.HasPrefix(op, "poison") {
+			panic("poison " + op)
+		}
+	}
+}
+
+// TestBatchKillRandom: consumer processes killed (SIGKILL) at random
+// moments, three in a row (in a batch, between a commit and its acks,
+// while gathering), with poison messages mixed in, then a last consumer:
+// every good message's effect is there once, every poison message's
+// never, its record failed and its dead letter published (at least once:
+// a kill between a dead letter and its ack publishes it again).
+func TestBatchKillRandom(t *testing.T) {
+	r := newRig(t)
+	ctx := context.Background()
+	good := ids("g", 300)
+	poison := ids("poison", 6)
+	var ops []string
+	for i, op := range good {
+		ops = append(ops, op)
+		if i%50 == 25 {
+			ops = append(ops, poison[i/50])
+		}
+	}
+	r.publish(ops...)
+	for i := range 3 {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestBatchKillChild$", "-test.v")
+		cmd.Env = append(os.Environ(), envChildSchema+"="+r.cfg.Schema, envChildQueue+"="+r.queue, envChildRandom+"=1")
+		proc, err := testenv.StartProcess(cmd, filepath.Join(t.TempDir(), fmt.Sprintf("child%d.log", i)), "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(time.Duration(200+rand.IntN(400)) * time.Millisecond)
+		proc.Kill()
+		got := r.effects()
+		t.Logf("kill %d: %d of %d good effects committed", i+1, len(got), len(good))
+	}
+	effects := pgx.Identifier{r.cfg.Schema, "effects"}.Sanitize()
+	r.runBatch(r.store.BatchTxHandler(batchEffects(effects, poisoned)), func(c *amqpidem.ConsumerConfig) {
+		c.Observer, c.MaxAttempts = nil, 3
+	})
+	table := pgx.Identifier{r.cfg.Schema, pgstore.DefaultTable}.Sanitize()
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		var completed, failed int
+		if err := r.pool.QueryRow(ctx, "SELECT count(*) FILTER (WHERE state = 'c'), count(*) FILTER (WHERE state = 'f') FROM "+table).Scan(&completed, &failed); err != nil {
+			t.Fatal(err)
+		}
+		q, err := r.ch.QueueDeclarePassive(r.queue, true, false, false, false, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if completed == len(good) && failed == len(poison) && q.Messages == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d completed (want %d), %d failed (want %d), %d ready after 60s", completed, len(good), failed, len(poison), q.Messages)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	time.Sleep(500 * time.Millisecond)
+	got := r.effects()
+	for _, op := range good {
+		if got[op] != 1 {
+			t.Errorf("%s: %d effects, want 1", op, got[op])
+		}
+	}
+	for _, op := range poison {
+		if got[op] != 0 {
+			t.Errorf("%s: %d effects, want 0", op, got[op])
+		}
+	}
+	dlq, err := r.ch.QueueDeclarePassive(r.queue+".dlq", true, false, false, false, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if dlq.Messages < len(poison) {
+		t.Errorf("%d dead letters, want at least %d", dlq.Messages, len(poison))
+	}
+	t.Logf("%d dead letters for %d poison messages", dlq.Messages, len(poison))
+	_, _ = r.ch.QueueDelete(r.queue+".dlq", false, false, false)
 }
