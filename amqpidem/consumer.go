@@ -79,6 +79,19 @@ type ConsumerConfig struct {
 	// ConsumerTag names the AMQP consumer. Default: "amqpidem.", the
 	// consumer name and a random suffix.
 	ConsumerTag string
+
+	// BatchSize is the most deliveries a batch consumer (NewBatchConsumer)
+	// gives its handler at once; a batch never holds more than
+	// Concurrency. Default DefaultBatchSize. NewConsumer ignores it.
+	BatchSize int
+	// BatchWait is how long a batch consumer's batch waits for more
+	// deliveries once its first is ready to run: a batch runs when it has
+	// BatchSize deliveries or BatchWait has passed, whichever comes
+	// first. It bounds the latency batching adds: with a store that
+	// takes leases in batches (lock.BatchAcquirer), a delivery waits up
+	// to BatchWait for its lease's batch, then up to a fifth of it for
+	// its handler's. Default DefaultBatchWait. NewConsumer ignores it.
+	BatchWait time.Duration
 }
 
 // maxPrefetch is the largest QoS prefetch count: the field is 16 bits.
@@ -97,6 +110,10 @@ func (c ConsumerConfig) Validate() error {
 		return fmt.Errorf("amqpidem: ConsumerConfig.Prefetch %d is above %d, the largest prefetch count AMQP carries", c.Prefetch, maxPrefetch)
 	case c.Concurrency < 0:
 		return fmt.Errorf("amqpidem: ConsumerConfig.Concurrency %d must not be negative", c.Concurrency)
+	case c.BatchSize < 0:
+		return fmt.Errorf("amqpidem: ConsumerConfig.BatchSize %d must not be negative", c.BatchSize)
+	case c.BatchWait < 0:
+		return fmt.Errorf("amqpidem: ConsumerConfig.BatchWait %v must not be negative", c.BatchWait)
 	}
 	return c.Config.Validate()
 }
@@ -241,6 +258,54 @@ func NewConsumer(store lock.Store, cfg ConsumerConfig, h Handler) (*Consumer, er
 		stopping: stopping, done: make(chan struct{}), running: make(chan struct{}),
 	}
 	cleanUpWhenUnreachable(c, proc.keeper, pub) // Run closes the publishing connection
+	return c, nil
+}
+
+// NewBatchConsumer returns a Consumer running h on batches of cfg.Queue's
+// deliveries, with store (see docs/batches.md in the repository).
+//
+// Each delivery goes its own way up to its handler, as with NewConsumer:
+// its key, fingerprint and lease are taken (with a store that is a
+// lock.BatchAcquirer, as pgstore's is, the leases of up to BatchSize
+// deliveries arriving within BatchWait in one call; otherwise one store
+// call each, made concurrently), and a duplicate, a
+// conflict, a busy key, a failed or expired one is settled on its own,
+// as the outcome table of the package documentation says. The deliveries
+// whose handler is to run then wait, their leases kept by the heartbeat,
+// until BatchSize of them are ready or BatchWait has passed since the
+// first, and h gets them together: the new deliveries only. Each is then
+// settled by its own BatchResult, as a single message's outcome (see
+// BatchHandler for a batch's error, which splits the batch). A
+// BatchCompleter (pgstore's BatchTxHandler) completes the records of the
+// batch in its own transaction, once; otherwise each record is completed
+// after h returns, one store call per message.
+//
+// Prefetch defaults to twice BatchSize (at most 65535), so that a batch
+// gathers while the one before it runs; Concurrency, to Prefetch. A
+// message processed without a lease (ProcessMissingKey, FailOpen) runs
+// as a batch of its own.
+func NewBatchConsumer(store lock.Store, cfg ConsumerConfig, h BatchHandler) (*Consumer, error) {
+	if h == nil {
+		return nil, errors.New("amqpidem: nil batch handler")
+	}
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	bc, _ := h.(BatchCompleter)
+	if bc != nil && !sameStore(bc.CompleterStore(), store) {
+		return nil, errors.New("amqpidem: the batch handler completes records in another store than the one given (a BatchCompleter's CompleterStore must be the Consumer's store)")
+	}
+	cfg.BatchSize = cmp.Or(cfg.BatchSize, DefaultBatchSize)
+	cfg.BatchWait = cmp.Or(cfg.BatchWait, DefaultBatchWait)
+	if cfg.Prefetch == 0 {
+		cfg.Prefetch = min(2*cfg.BatchSize, maxPrefetch)
+	}
+	c, err := NewConsumer(store, cfg, batchOnly{h})
+	if err != nil {
+		return nil, err
+	}
+	ba, _ := store.(lock.BatchAcquirer)
+	c.proc.batch = &batcher{h: h, bc: bc, ba: ba, size: cfg.BatchSize, wait: cfg.BatchWait}
 	return c, nil
 }
 

@@ -104,6 +104,22 @@
 //	shutdown while running                 ctx cancelled, copy back to the queue   lease released
 //	shutdown before the handler started    copy back to the queue                  none, or lease given up, attempt taken back
 //
+// # Batches
+//
+// NewBatchConsumer runs a BatchHandler on batches of new deliveries (up to
+// ConsumerConfig.BatchSize, gathered for at most BatchWait); every
+// delivery's key, fingerprint and lease are taken first, and duplicates,
+// conflicts, busy and failed keys are settled on their own, as in the
+// table above: the handler gets new deliveries only, answers per message
+// (BatchResult), and each message is settled as a single one would be. A
+// batch's error or panic splits it in halves, run again, down to single
+// messages, so that one poison message costs its neighbours reruns, not
+// attempts. With pgstore's BatchTxHandler the handler's writes and the
+// batch's records commit in one transaction (a lease lost by any member:
+// nothing of it commits). Stage and FromContext do not work in a batch
+// handler yet, nor does Wrap; see docs/batches.md in the repository for
+// the table of a batch's failures and the limits.
+//
 // # The outbox
 //
 // Stage adds a message to the handler execution's outbox: it is stored

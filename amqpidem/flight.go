@@ -55,6 +55,11 @@ type flight struct {
 	// copyErr is the last error publishing a requeued copy gave, for
 	// the PublishTracer's span.
 	copyErr error
+	// out is what its batch came to, for a batch consumer's flight
+	// (runBatched); batchTimedOut says that HandlerTimeout cut off the
+	// batch it ran in alone.
+	out           batchOut
+	batchTimedOut bool
 }
 
 // slot is a delivery's hold on one of the gate's slots.

@@ -40,6 +40,10 @@ type processor struct {
 	handler Handler
 	// taker is handler when it takes its leases itself (LeaseTaker).
 	taker LeaseTaker
+	// batch, for a batch consumer (NewBatchConsumer), gathers the
+	// deliveries to run into batches; handler then runs a message without
+	// a lease as a batch of one.
+	batch *batcher
 	// userKey is set when Config.Key is the user's: it is called under
 	// recover (the default, MessageID, cannot panic).
 	userKey bool
@@ -137,6 +141,9 @@ func (p *processor) checkRetention(ctx context.Context, l lock.Lease) {
 // LeaseTaker (reported to a StoreObserver as the store's acquire), else
 // from the store. A panic of either is an error wrapping a *PanicError.
 func (p *processor) acquire(ctx context.Context, req lock.Request, d *amqp.Delivery) (res lock.Result, err error) {
+	if p.taker == nil && p.batch != nil && p.batch.ba != nil {
+		return p.acquireBatched(ctx, req)
+	}
 	if p.taker == nil {
 		defer recoverAcquire(&res, &err, "the store's Acquire")
 		return p.store.Acquire(ctx, req)

@@ -41,6 +41,10 @@ func (f *flight) run() {
 		f.requeue(Abandoned, "lease lost", MinInProgressDelay, cause)
 		return
 	}
+	if p.batch != nil {
+		f.runBatched()
+		return
+	}
 	if p.cfg.HandlerTimeout > 0 {
 		var cancel context.CancelFunc
 		f.hctx, cancel = context.WithTimeoutCause(f.hctx, p.cfg.HandlerTimeout, ErrHandlerTimeout)
@@ -264,7 +268,7 @@ func (f *flight) judge(err error) judgement {
 
 // timedOut reports whether HandlerTimeout cut the handler off.
 func (f *flight) timedOut() bool {
-	return errors.Is(context.Cause(f.hctx), ErrHandlerTimeout)
+	return f.batchTimedOut || errors.Is(context.Cause(f.hctx), ErrHandlerTimeout)
 }
 
 // timeHandler runs h, a handler's call that recovers its panics, timed

@@ -202,6 +202,11 @@ func TestShortRun(t *testing.T) {
 			t.Error("PostgreSQL's CPU was not measured: its postmaster is not readable here")
 		}
 		want = append(want, `^pg_cpu_us pg-unique classic \d+\.\d$`, `^pg_cpu_us pg-naive classic \d+\.\d$`)
+		// Issue 39's.
+		want = append(want, `^ratio pg-batch/pg-naive classic \d+\.\d\d$`, `^commits_per_msg pg-batch \d+\.\d\d\d$`)
+		for _, r := range opts.LatencyRates {
+			want = append(want, `^latency_p99_ms pg-batch `+strconv.FormatFloat(r, 'f', -1, 64)+` classic -?\d+\.\d( saturated)?$`)
+		}
 	}
 	if len(lines) < len(want) {
 		t.Fatalf("output has %d lines, want at least %d", len(lines), len(want))

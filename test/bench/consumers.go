@@ -254,6 +254,11 @@ type idemConfig struct {
 	want amqpidem.Outcome
 	// steps, if set, times each delivery's steps (Tracer and Observer).
 	steps *steps
+	// batch, if set, is run by a batch consumer (NewBatchConsumer) with
+	// batchSize, in place of handler; prefetch and concurrency are then
+	// the batch consumer's defaults (twice batchSize) when zero.
+	batch     amqpidem.BatchHandler
+	batchSize int
 }
 
 func startIdem(ctx context.Context, store lock.Store, cfg idemConfig, t *tally) (*idem, error) {
@@ -278,7 +283,7 @@ func startIdem(ctx context.Context, store lock.Store, cfg idemConfig, t *tally) 
 		cfg.steps.inner = obs
 		observer, tracer = cfg.steps, cfg.steps
 	}
-	c, err := amqpidem.NewConsumer(store, amqpidem.ConsumerConfig{
+	ccfg := amqpidem.ConsumerConfig{
 		Config: amqpidem.Config{
 			Queue: cfg.queue,
 			// One inbox for the round's queues: the duplicate variant
@@ -294,7 +299,15 @@ func startIdem(ctx context.Context, store lock.Store, cfg idemConfig, t *tally) 
 		Prefetch:    cfg.prefetch,
 		Concurrency: cfg.concurrency,
 		QueueArgs:   queueArgs(cfg.queueType),
-	}, cfg.handler)
+	}
+	var c *amqpidem.Consumer
+	var err error
+	if cfg.batch != nil {
+		ccfg.BatchSize = cfg.batchSize
+		c, err = amqpidem.NewBatchConsumer(store, ccfg, cfg.batch)
+	} else {
+		c, err = amqpidem.NewConsumer(store, ccfg, cfg.handler)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -315,6 +328,11 @@ func (i *idem) stop(ctx context.Context) error {
 	}
 	return err
 }
+
+// noopBatchHandler is the batch variant's handler: nothing, no results.
+var noopBatchHandler = amqpidem.BatchHandlerFunc(func(context.Context, []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+	return nil, nil
+})
 
 // noopHandler is the amqpidem variants' handler: nothing, no result.
 var noopHandler = amqpidem.HandlerFunc(func(context.Context, *amqp.Delivery) ([]byte, error) {

@@ -76,7 +76,20 @@ func (e *env) latency(ctx context.Context, qt string, v variant, rate float64) (
 			took[i].Store(at.UnixNano() - sent[i].Load())
 		}
 	})
-	c, err := e.start(ctx, qt, v, queue, prefix, nil, t, nil)
+	// A PostgreSQL variant's pool and store, as in a throughput run.
+	var pr *pgRun
+	if v.isPG() {
+		if pr, err = e.pg.open(ctx, v, queue, prefix); err != nil {
+			return res, err
+		}
+		defer func() {
+			cctx, ccancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+			defer ccancel()
+			_, cerr := pr.close(cctx)
+			err = errors.Join(err, cerr)
+		}()
+	}
+	c, err := e.start(ctx, qt, v, queue, prefix, pr, t, nil)
 	if err != nil {
 		return res, err
 	}

@@ -24,7 +24,7 @@ func (e *env) openPG(ctx context.Context, rep *report) error {
 	case !e.opts.PG:
 		rep.PGSkipped = "-pg=false"
 		return nil
-	case !e.opts.measures(pgUnique) && !e.opts.measures(pgNaive):
+	case !e.opts.measures(pgUnique) && !e.opts.measures(pgNaive) && !e.opts.measures(pgBatch):
 		rep.PGSkipped = "-variants names none of them"
 		return nil
 	case !slices.Contains(e.opts.QueueTypes, "classic"):

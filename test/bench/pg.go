@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -34,14 +35,25 @@ import (
 //	              autocommit INSERT INTO idem(key) ... ON CONFLICT DO NOTHING
 //	              and, if it inserted, the effect in a transaction of its
 //	              own, then acks
+//	pg-batch      amqpidem.NewBatchConsumer with store.BatchTxHandler:
+//	              batches of up to pgBatchSize messages (prefetch and
+//	              concurrency twice that, whatever -prefetch and
+//	              -concurrency say), each batch's effects and records in
+//	              one transaction; every key new
 const (
 	pgUnique    variant = "pg-unique"
 	pgDuplicate variant = "pg-duplicate"
 	pgNaive     variant = "pg-naive"
+	pgBatch     variant = "pg-batch"
 )
 
+// pgBatchSize is pg-batch's ConsumerConfig.BatchSize.
+const pgBatchSize = 100
+
 // isPG says whether v is one of the PostgreSQL variants.
-func (v variant) isPG() bool { return v == pgUnique || v == pgDuplicate || v == pgNaive }
+func (v variant) isPG() bool {
+	return v == pgUnique || v == pgDuplicate || v == pgNaive || v == pgBatch
+}
 
 // defaultPGDSN is the PostgreSQL the bench uses unless PG_DSN or -pg-dsn
 // names another: the one scripts/services.sh and docker-compose.yml start.
@@ -333,7 +345,7 @@ func (p *pgEnv) open(ctx context.Context, v variant, app, prefix string) (r *pgR
 	}
 	st := r.pool.Stat()
 	r.tr0, r.waits0, r.wait0 = r.tr.counts(), st.EmptyAcquireCount(), st.EmptyAcquireWaitTime()
-	if v == pgUnique || v == pgDuplicate {
+	if v == pgUnique || v == pgDuplicate || v == pgBatch {
 		if r.store, err = pgstore.New(r.pool, p.storeConfig(prefix)); err != nil {
 			if r.own {
 				r.pool.Close()
@@ -460,11 +472,32 @@ func (p *pgEnv) pgTxFunc(queue string) pgstore.TxFunc {
 	}
 }
 
+// pgBatchFunc is pg-batch's work: each message's effect (the same
+// INSERT as the other variants', one per message), sent together in one
+// pgx.Batch, in the transaction BatchTxHandler commits with the batch's
+// records.
+func (p *pgEnv) pgBatchFunc(queue string) pgstore.BatchTxFunc {
+	return func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		b := &pgx.Batch{}
+		for _, d := range ds {
+			b.Queue(p.effectSQL, d.MessageId, queue)
+		}
+		return nil, tx.SendBatch(ctx, b).Close()
+	}
+}
+
 // startPG starts variant v's consumer on queue with r's pool.
 func (e *env) startPG(ctx context.Context, v variant, r *pgRun, queue, prefix string, t *tally) (consumer, error) {
 	if v == pgNaive {
 		return startPlain(ctx, e.opts.AMQPURL, queue, e.opts.Prefetch, e.opts.Concurrency,
 			e.pg.pgNaiveHandle(r.pool, prefix+"-naive:", queue), t)
+	}
+	if v == pgBatch {
+		return startIdem(ctx, r.store, idemConfig{
+			url: e.opts.AMQPURL, queue: queue, queueType: "classic",
+			leaseTTL: leaseTTL, retention: retention, want: amqpidem.Completed,
+			batch: r.store.BatchTxHandler(e.pg.pgBatchFunc(queue)), batchSize: pgBatchSize,
+		}, t)
 	}
 	want := amqpidem.Completed
 	if v == pgDuplicate {
@@ -486,6 +519,7 @@ func (e *env) startPG(ctx context.Context, v variant, r *pgRun, queue, prefix st
 func printPGLines(out io.Writer, rep *report) {
 	measured := rep.Variants["classic"]
 	if !slices.Contains(measured, pgUnique) || !slices.Contains(measured, pgNaive) {
+		printPGBatchLines(out, rep)
 		return
 	}
 	r := 0.0
@@ -493,12 +527,51 @@ func printPGLines(out io.Writer, rep *report) {
 		r = median(rates(rep.Runs, "classic", pgUnique)) / n
 	}
 	fmt.Fprintf(out, "ratio pg-unique/pg-naive classic %.2f\n", r)
-	if !rep.PGCPU {
+	if rep.PGCPU {
+		for _, v := range []variant{pgUnique, pgNaive} {
+			cpu := perMessage(rep.Runs, "classic", v, func(r runResult) float64 { return float64(r.PGCPU) })
+			fmt.Fprintf(out, "pg_cpu_us %s classic %.1f\n", v, cpu/1e3)
+		}
+	}
+	printPGBatchLines(out, rep)
+}
+
+// printPGBatchLines prints issue 39's lines, when pg-batch and pg-naive
+// ran: pg-batch's median rate over pg-naive's, and its transactions
+// committed per message (counted client side, as the table's commits/msg:
+// the batch's COMMIT and its leases' autocommit, heartbeat included), and
+// the p99 latency it adds over bare at each fixed rate (ms).
+func printPGBatchLines(out io.Writer, rep *report) {
+	measured := rep.Variants["classic"]
+	if !slices.Contains(measured, pgBatch) || !slices.Contains(measured, pgNaive) {
 		return
 	}
-	for _, v := range []variant{pgUnique, pgNaive} {
-		cpu := perMessage(rep.Runs, "classic", v, func(r runResult) float64 { return float64(r.PGCPU) })
-		fmt.Fprintf(out, "pg_cpu_us %s classic %.1f\n", v, cpu/1e3)
+	b := 0.0
+	if n := median(rates(rep.Runs, "classic", pgNaive)); n > 0 {
+		b = median(rates(rep.Runs, "classic", pgBatch)) / n
+	}
+	fmt.Fprintf(out, "ratio pg-batch/pg-naive classic %.2f\n", b)
+	fmt.Fprintf(out, "commits_per_msg pg-batch %.3f\n", perMessage(rep.Runs, "classic", pgBatch, func(r runResult) float64 {
+		if r.PG == nil {
+			return 0
+		}
+		return float64(r.PG.Committed())
+	}))
+	for _, l := range rep.Latency {
+		if l.Variant != pgBatch || l.QueueType != "classic" || l.Samples == 0 {
+			continue
+		}
+		for _, b := range rep.Latency {
+			if b.Variant == bare && b.QueueType == "classic" && b.Rate == l.Rate && b.Samples > 0 {
+				note := ""
+				if b.saturated() || l.saturated() {
+					note = " saturated"
+				}
+				fmt.Fprintf(out, "latency_p99_ms pg-batch %s classic %.1f%s\n", strconv.FormatFloat(l.Rate, 'f', -1, 64),
+					float64(l.P99-b.P99)/float64(time.Millisecond), note)
+				break
+			}
+		}
 	}
 }
 

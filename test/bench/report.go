@@ -34,9 +34,9 @@ func median(xs []float64) float64 {
 }
 
 // ratioVariants are the variants with a final ratio line, in order:
-// issue 4's three, issue 13's, then issue 11's; memstore's ratio is in the
+// issue 4's three, issue 13's, then issue 11's and 39's; memstore's ratio is in the
 // table only.
-var ratioVariants = []variant{unique, duplicate, naive, uniqueWait, pgUnique, pgDuplicate, pgNaive}
+var ratioVariants = []variant{unique, duplicate, naive, batchV, uniqueWait, pgUnique, pgDuplicate, pgNaive, pgBatch}
 
 // ratios are each variant's median throughput over bare's, per queue type,
 // in the order of the final lines, for the variants measured on it.
@@ -216,7 +216,7 @@ func printPG(out io.Writer, e *env, rep *report) {
 	fmt.Fprintln(tw, "variant\tmedian\tvs bare\tvs pg-naive\tstatements/msg\tround trips/msg\tcommits/msg\txact_commit Δ/msg\tprepares/run\tpool waits/msg\tpool wait/msg\tpg cpu/msg\tclient cpu/msg\tmachine cpu/msg\teffect rows/msg\t")
 	b := median(rates(rep.Runs, qt, bare))
 	naiveRate := median(rates(rep.Runs, qt, pgNaive))
-	for _, v := range []variant{pgUnique, pgDuplicate, pgNaive} {
+	for _, v := range []variant{pgUnique, pgDuplicate, pgNaive, pgBatch} {
 		m := median(rates(rep.Runs, qt, v))
 		vs := func(base float64) string {
 			if base <= 0 {

@@ -256,6 +256,13 @@ func (e *env) start(ctx context.Context, qt string, v variant, queue, prefix str
 	if v == duplicate {
 		want = amqpidem.Duplicate
 	}
+	if v == batchV {
+		return startIdem(ctx, store, idemConfig{
+			url: e.opts.AMQPURL, queue: queue, queueType: qt,
+			leaseTTL: leaseTTL, retention: retention, want: want,
+			batch: noopBatchHandler, batchSize: pgBatchSize,
+		}, t)
+	}
 	var handler amqpidem.Handler = noopHandler
 	if v == outbox {
 		handler = stagingHandler(outboxSink(queue))
@@ -272,12 +279,12 @@ func (e *env) start(ctx context.Context, qt string, v variant, queue, prefix str
 // order of the first round; a group runs in its order (a duplicate after
 // the unique run it replays).
 func (e *env) units(qt string) [][]variant {
-	all := [][]variant{{bare}, {unique, duplicate}, {outbox}, {naive}, {memstore}}
+	all := [][]variant{{bare}, {unique, duplicate}, {outbox}, {naive}, {memstore}, {batchV}}
 	if e.replica != nil {
 		all = append(all, []variant{uniqueWait})
 	}
 	if e.pg != nil && qt == "classic" {
-		all = append(all, []variant{pgUnique, pgDuplicate}, []variant{pgNaive})
+		all = append(all, []variant{pgUnique, pgDuplicate}, []variant{pgNaive}, []variant{pgBatch})
 	}
 	if e.dyn != nil && qt == "classic" {
 		all = append(all, []variant{dynamoUnique, dynamoDuplicate})

@@ -35,10 +35,16 @@ const (
 	// confirmed to a queue of the run's own (see outboxSink), amends the
 	// record, then acks.
 	outbox variant = "outbox"
+	// batchV is unique as a batch consumer (issue 39):
+	// amqpidem.NewBatchConsumer, a no-op BatchHandler, batches of up to
+	// pgBatchSize; prefetch and concurrency the batch consumer's defaults
+	// (twice that). Its leases and records are Redis calls of their own,
+	// which the RedisStore sends in pipelines.
+	batchV variant = "batch"
 )
 
 // variants in the order of the tables.
-var variants = []variant{bare, unique, duplicate, outbox, naive, memstore, uniqueWait, pgUnique, pgDuplicate, pgNaive, dynamoUnique, dynamoDuplicate}
+var variants = []variant{bare, unique, duplicate, outbox, naive, memstore, batchV, uniqueWait, pgUnique, pgDuplicate, pgNaive, pgBatch, dynamoUnique, dynamoDuplicate}
 
 // replays says whether v replays the keys another variant completed in
 // the same round, so that it cannot run alone.
@@ -341,6 +347,23 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 				rep.Latency = append(rep.Latency, l)
 				if err != nil {
 					return rep, fmt.Errorf("latency %s %s at %s msg/s: %w", qt, v, thousands(rate), err)
+				}
+			}
+		}
+	}
+
+	// 3a. pg-batch's latency at the fixed rates (issue 39), beside
+	// bare's (measured above when unique is).
+	if e.pg != nil && opts.measures(pgBatch) && slices.Contains(opts.QueueTypes, "classic") {
+		for _, rate := range opts.LatencyRates {
+			for _, v := range []variant{bare, pgBatch} {
+				if v == bare && opts.measures(unique) {
+					continue
+				}
+				l, err := e.latency(ctx, "classic", v, rate)
+				rep.Latency = append(rep.Latency, l)
+				if err != nil {
+					return rep, fmt.Errorf("latency classic %s at %s msg/s: %w", v, thousands(rate), err)
 				}
 			}
 		}

@@ -1,0 +1,417 @@
+package amqpidem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime/debug"
+	"sync"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// Defaults of ConsumerConfig's batch fields (NewBatchConsumer).
+const (
+	// DefaultBatchSize is the most deliveries in one batch.
+	DefaultBatchSize = 100
+	// DefaultBatchWait is how long a batch waits for more deliveries
+	// once its first one is ready to run.
+	DefaultBatchWait = 10 * time.Millisecond
+)
+
+// BatchResult is a batch handler's answer for one message of its batch,
+// as a Handler's return values are for one message: Err nil for success
+// (Result stored, and sent to ReplyTo), a retryable error, or a Permanent
+// one. Each message is then settled on its own, as the outcome table of
+// the package documentation says for a single message.
+type BatchResult struct {
+	// Result is what is stored for the message, and sent to its ReplyTo,
+	// when Err is nil.
+	Result []byte
+	// Err is the message's failure: retried with backoff, or
+	// dead-lettered when Permanent or its attempts are exhausted.
+	Err error
+}
+
+// BatchHandler handles the new messages of a batch together (see
+// NewBatchConsumer). It answers per message, in the order of ds, like
+// AWS Lambda's ReportBatchItemFailures: a nil slice means every message
+// succeeded with no result; otherwise it must hold one BatchResult per
+// delivery. A non-nil error, or a panic, is the batch's: none of its
+// messages is taken as done, and the batch is split in halves, each run
+// again on its own, down to single messages, whose error is then their
+// own (retried with backoff, dead-lettered after MaxAttempts or when
+// Permanent). So a poison message costs about log2(len(ds)) reruns of
+// its neighbours, not their attempts.
+//
+// ctx is cancelled when the lease of any message of the batch is lost or
+// could not be renewed, when HandlerTimeout passes (it bounds a batch),
+// and on a forced shutdown. The deliveries must not be acked (amqpidem
+// settles each). FromContext and Stage do not work on a batch's ctx.
+type BatchHandler interface {
+	HandleBatch(ctx context.Context, ds []*amqp.Delivery) ([]BatchResult, error)
+}
+
+// BatchHandlerFunc adapts a function to BatchHandler.
+type BatchHandlerFunc func(ctx context.Context, ds []*amqp.Delivery) ([]BatchResult, error)
+
+// HandleBatch calls f.
+func (f BatchHandlerFunc) HandleBatch(ctx context.Context, ds []*amqp.Delivery) ([]BatchResult, error) {
+	return f(ctx, ds)
+}
+
+// BatchItem is one message of a batch given to a BatchCompleter: its
+// delivery and the lease under which its record is to be completed.
+type BatchItem struct {
+	// Delivery is the message, as the handler gets it (not to be acked).
+	Delivery *amqp.Delivery
+	// Lease is the lease its record is completed under.
+	Lease lock.Lease
+}
+
+// BatchCompleter is a BatchHandler that completes the records of a
+// batch's messages itself, in the transaction of its effects (pgstore's
+// BatchTxHandler), instead of amqpidem completing each after it returns.
+//
+// HandleBatchComplete handles items and, for each message it answers with
+// a nil Err, completes its record under its lease with value(i, result),
+// where i is the message's index in items; value refuses (an error
+// wrapping lock.ErrResultTooLarge) a result too large to store, which is
+// then that message's Err. It returns, like HandleBatch, one BatchResult
+// per item (or nil for all done, no results) and a batch error. A nil
+// batch error means every record of an item answered with a nil Err was
+// completed, with the effects, and committed; a non-nil one means nothing
+// was committed, or, wrapping lock.ErrUnavailable, that whether the commit
+// landed is unknown (the records tell). A record it found not held by its
+// lease any more is a batch error wrapping lock.ErrLeaseLost, nothing
+// committed. It never touches the records of items it answered with an
+// error: amqpidem settles those.
+type BatchCompleter interface {
+	BatchHandler
+	CompleterStore() lock.Store
+	HandleBatchComplete(ctx context.Context, items []BatchItem, value func(i int, result []byte) ([]byte, error)) ([]BatchResult, error)
+}
+
+// batchOnly is the Handler of a batch consumer: it runs a message that
+// has no lease (ProcessMissingKey, FailOpen) as a batch of one.
+type batchOnly struct{ h BatchHandler }
+
+func (b batchOnly) Handle(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+	rs, err := b.h.HandleBatch(ctx, []*amqp.Delivery{d})
+	switch {
+	case err != nil:
+		return nil, err
+	case len(rs) == 0:
+		return nil, nil
+	case len(rs) != 1:
+		return nil, fmt.Errorf("amqpidem: HandleBatch returned %d results for 1 message", len(rs))
+	}
+	return rs[0].Result, rs[0].Err
+}
+
+// batcher gathers the flights whose handler is to run (their lease taken
+// and kept) into batches, and, when the store is a lock.BatchAcquirer,
+// the lease requests of arriving deliveries into one call. It starts no
+// goroutine: the first of a group, its leader, waits for the others (up
+// to size, or wait), makes the group's call on its own goroutine and
+// then wakes them; each flight settles itself.
+type batcher struct {
+	h    BatchHandler
+	bc   BatchCompleter     // h, when it completes records itself
+	ba   lock.BatchAcquirer // the store, when it takes leases in batches
+	size int
+	wait time.Duration
+
+	runs gathering[*flight]
+	acqs gathering[*acquireCall]
+}
+
+// gathering collects items into groups of at most size.
+type gathering[T any] struct {
+	mu   sync.Mutex
+	open *group[T] // the group being gathered, if any
+}
+
+// group is one group being gathered, then handled by its leader.
+type group[T any] struct {
+	items []T
+	full  chan struct{} // closed when it has size items
+	done  chan struct{} // closed by the leader once every item is answered
+}
+
+// join adds x to the group being gathered, or starts one with x's caller
+// as its leader.
+func (g *gathering[T]) join(x T, size int) (gr *group[T], leader bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.open == nil {
+		g.open = &group[T]{full: make(chan struct{}), done: make(chan struct{})}
+		leader = true
+	}
+	gr = g.open
+	gr.items = append(gr.items, x)
+	if len(gr.items) >= size {
+		close(gr.full)
+		g.open = nil
+	}
+	return gr, leader
+}
+
+// gather is the leader's wait: until gr is full, wait has passed, or
+// stop or done is closed; it then seals gr (no more joins) and returns
+// its items.
+func (g *gathering[T]) gather(gr *group[T], wait time.Duration, stop, done <-chan struct{}) []T {
+	t := time.NewTimer(wait)
+	select {
+	case <-gr.full:
+	case <-t.C:
+	case <-stop:
+	case <-done:
+	}
+	t.Stop()
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.open == gr {
+		g.open = nil
+	}
+	return gr.items
+}
+
+// batchOut is what a batch came to for one of its flights.
+type batchOut struct {
+	result []byte
+	err    error
+	// completed: a BatchCompleter committed its record with the batch.
+	completed bool
+	// timedOut: the batch it ran in alone was cut off by HandlerTimeout.
+	timedOut bool
+}
+
+// acquireCall is one lease request waiting for its group's AcquireBatch.
+type acquireCall struct {
+	req lock.Request
+	res lock.Result
+	err error
+}
+
+// acquireBatched takes req's lease with the requests of the deliveries
+// arriving with it, in one AcquireBatch call of at most BatchSize
+// requests, made within BatchWait of the first.
+func (p *processor) acquireBatched(ctx context.Context, req lock.Request) (lock.Result, error) {
+	b := p.batch
+	c := &acquireCall{req: req}
+	gr, leader := b.acqs.join(c, b.size)
+	if !leader {
+		<-gr.done
+		return c.res, c.err
+	}
+	calls := b.acqs.gather(gr, b.wait, p.stopping, ctx.Done())
+	reqs := make([]lock.Request, len(calls))
+	for i, c := range calls {
+		reqs[i] = c.req
+	}
+	func() {
+		defer func() {
+			if v := recover(); v != nil {
+				err := fmt.Errorf("amqpidem: the store's AcquireBatch panicked: %w", &PanicError{Value: v, Stack: debug.Stack()})
+				for _, c := range calls {
+					c.res, c.err = lock.Result{}, err
+				}
+			}
+		}()
+		rs, errs := b.ba.AcquireBatch(ctx, reqs)
+		for i, c := range calls {
+			if len(rs) != len(calls) || len(errs) != len(calls) {
+				c.err = fmt.Errorf("amqpidem: the store's AcquireBatch answered %d results for %d requests", len(rs), len(calls))
+				continue
+			}
+			c.res, c.err = rs[i], errs[i]
+		}
+	}()
+	close(gr.done)
+	return c.res, c.err
+}
+
+// runBatched is run's second half for a batch consumer: f joins a batch
+// and waits for it (or gathers and runs it, as its leader), then settles
+// by what the batch came to for it.
+func (f *flight) runBatched() {
+	p := f.p
+	b := p.batch
+	gr, leader := b.runs.join(f, b.size)
+	if leader {
+		// With leases taken in batches, the deliveries of one lease batch
+		// come here together, having waited BatchWait already: a fifth of
+		// it is enough to gather them, and bounds the latency added.
+		wait := b.wait
+		if b.ba != nil {
+			wait /= 5
+		}
+		fs := b.runs.gather(gr, wait, p.stopping, f.hctx.Done())
+		start := time.Now()
+		p.runBatch(f.ctx, fs)
+		p.cfg.Logger.DebugContext(f.ctx, "amqpidem: batch ran", "queue", p.cfg.Queue, "size", len(fs), "duration", time.Since(start))
+		close(gr.done)
+	} else {
+		<-gr.done
+	}
+	f.settleBatched()
+}
+
+// runBatch runs the flights fs as one batch and sets each one's out. A
+// flight whose lease was lost (or the consumer forced to stop) before or
+// during the batch is taken out of it, and the rest run again without
+// it; a batch error splits the batch in halves, each run again, down to
+// single flights, whose out is then that error. A BatchCompleter's commit
+// whose outcome is unknown (lock.ErrUnavailable) is not run again: each
+// flight settles as "store unavailable".
+func (p *processor) runBatch(ctx context.Context, fs []*flight) {
+	for len(fs) > 0 {
+		live := fs[:0:0]
+		for _, f := range fs {
+			if f.hctx.Err() != nil {
+				f.out = batchOut{err: context.Cause(f.hctx)}
+				continue
+			}
+			live = append(live, f)
+		}
+		if len(live) == 0 {
+			return
+		}
+		rs, err, timedOut := p.callBatch(ctx, live)
+		if err == nil {
+			for i, f := range live {
+				f.out = batchOut{completed: p.batch.bc != nil}
+				if rs != nil {
+					f.out.result, f.out.err = rs[i].Result, rs[i].Err
+					f.out.completed = f.out.completed && rs[i].Err == nil
+				}
+			}
+			return
+		}
+		// A commit whose outcome is unknown may have landed: running any
+		// of its flights again could commit their effects twice, so each
+		// settles on its own, the record deciding its redelivery.
+		unknown := p.batch.bc != nil && errors.Is(err, lock.ErrUnavailable) && !IsPermanent(err)
+		lost := false
+		for _, f := range live {
+			lost = lost || f.hctx.Err() != nil
+		}
+		switch {
+		case unknown || len(live) == 1:
+			for _, f := range live {
+				f.out = batchOut{err: err, timedOut: timedOut && len(live) == 1}
+			}
+			return
+		case lost:
+			fs = live // the lost ones are taken out, the rest run again
+			continue
+		}
+		mid := len(live) / 2
+		p.runBatch(ctx, live[:mid])
+		fs = live[mid:]
+	}
+}
+
+// callBatch runs the batch handler on fs, under a context cancelled when
+// any of their leases is lost (or they are forced to stop) and bounded by
+// HandlerTimeout; a panic is the batch's error, a *PanicError, and so are
+// results that do not match the batch. timedOut says whether
+// HandlerTimeout cut it off.
+func (p *processor) callBatch(ctx context.Context, fs []*flight) (rs []BatchResult, err error, timedOut bool) {
+	bctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	for _, f := range fs {
+		hctx := f.hctx
+		stop := context.AfterFunc(hctx, func() { cancel(context.Cause(hctx)) })
+		defer stop()
+	}
+	if p.cfg.HandlerTimeout > 0 {
+		var c context.CancelFunc
+		bctx, c = context.WithTimeoutCause(bctx, p.cfg.HandlerTimeout, ErrHandlerTimeout)
+		defer c()
+	}
+	ds := make([]*amqp.Delivery, len(fs))
+	for i, f := range fs {
+		ds[i] = handlerDelivery(f.d)
+		p.handlerStarted(f.hctx, Info{Queue: p.cfg.Queue, Key: f.ev.Key, Attempt: f.attempt, Fence: f.lease.Fence})
+	}
+	start := time.Now()
+	func() {
+		defer func() {
+			if v := recover(); v != nil {
+				rs, err = nil, &PanicError{Value: v, Stack: debug.Stack()}
+			}
+		}()
+		if p.batch.bc == nil {
+			rs, err = p.batch.h.HandleBatch(bctx, ds)
+			return
+		}
+		items := make([]BatchItem, len(fs))
+		for i, f := range fs {
+			items[i] = BatchItem{Delivery: ds[i], Lease: f.lease}
+		}
+		rs, err = p.batch.bc.HandleBatchComplete(bctx, items, func(i int, result []byte) ([]byte, error) {
+			return p.batchValue(fs[i], result)
+		})
+	}()
+	for _, f := range fs {
+		f.ev.Handler += time.Since(start)
+		p.handlerEnded(f.hctx, Info{Queue: p.cfg.Queue, Key: f.ev.Key, Attempt: f.attempt, Fence: f.lease.Fence})
+	}
+	if err == nil && rs != nil && len(rs) != len(fs) {
+		// A BatchCompleter checks this before it commits.
+		err = fmt.Errorf("amqpidem: HandleBatch returned %d results for %d messages", len(rs), len(fs))
+	}
+	return rs, err, errors.Is(context.Cause(bctx), ErrHandlerTimeout)
+}
+
+// batchValue is the value stored for f's result: as runCompleter's value
+// makes it, with no staged messages.
+func (p *processor) batchValue(f *flight, result []byte) ([]byte, error) {
+	stored := encodeValue(f.d.ReplyTo, result, nil, 0)
+	if len(result) > p.cfg.MaxResultSize || len(stored) > p.valueLimit {
+		return nil, fmt.Errorf("%w: a result of %d bytes (at most %d allowed) makes %d bytes, at most %d allowed",
+			lock.ErrResultTooLarge, len(result), p.cfg.MaxResultSize, len(stored), p.valueLimit)
+	}
+	return stored, nil
+}
+
+// settleBatched settles f by what its batch came to (f.out), as run and
+// runCompleter settle a single message.
+func (f *flight) settleBatched() {
+	o := f.out
+	f.slot.free()
+	f.batchTimedOut = o.timedOut
+	switch {
+	case o.err == nil && o.completed:
+		f.stopKeep()
+		f.replyAndAck(o.result, Completed)
+	case o.err == nil && len(o.result) > f.p.cfg.MaxResultSize:
+		f.stopKeep()
+		f.fail("result too large", fmt.Errorf("%w: %d bytes, at most %d allowed", lock.ErrResultTooLarge, len(o.result), f.p.cfg.MaxResultSize))
+	case o.err == nil:
+		f.complete(o.result, nil)
+	case errors.Is(o.err, lock.ErrResultTooLarge) && !IsPermanent(o.err):
+		f.stopKeep()
+		f.fail("result too large", o.err)
+	case f.p.batch.bc != nil && errors.Is(o.err, lock.ErrLeaseLost) && !IsPermanent(o.err):
+		// Nothing of the batch committed; the record decides the next
+		// delivery.
+		f.stopKeep()
+		f.release()
+		f.requeue(Abandoned, "lease lost", MinInProgressDelay, o.err)
+	case f.p.batch.bc != nil && errors.Is(o.err, lock.ErrUnavailable) && !IsPermanent(o.err):
+		// Not committed, or committed with the answer lost: then the
+		// record is completed, refuses the release, and the redelivery is
+		// acked as a duplicate.
+		f.stopKeep()
+		f.release()
+		f.requeue(Abandoned, "store unavailable", f.p.cfg.UnavailableDelay, o.err)
+	default:
+		f.failed(o.err)
+	}
+}

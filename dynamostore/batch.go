@@ -1,0 +1,201 @@
+package dynamostore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/aws/aws-sdk-go-v2/aws"
+	"github.com/aws/aws-sdk-go-v2/service/dynamodb"
+	"github.com/aws/aws-sdk-go-v2/service/dynamodb/types"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// BatchTxFunc does the work of a batch's messages, adding its writes to
+// tx, and answers per message as amqpidem.BatchHandler does: nil for every
+// message done with no result, or one amqpidem.BatchResult per delivery
+// of ds, in order; a non-nil error is the whole batch's (nothing is sent,
+// and amqpidem splits the batch). A message answered with an error must
+// have added no write of its own to tx: the others' writes and records
+// are sent.
+type BatchTxFunc func(ctx context.Context, tx *Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error)
+
+// BatchTxHandler returns a batch handler (amqpidem.NewBatchConsumer) that
+// runs fn on a batch, then sends the writes fn added to its Tx together
+// with the completion of the record of every message fn answered without
+// an error (each conditional on its lease, as TxHandler's), in one
+// TransactWriteItems: the batch's writes and records commit together, or
+// not at all.
+//
+// A batch whose writes and records exceed MaxTxItems is a batch error
+// wrapping ErrTxTooLarge, nothing sent: amqpidem splits it until the
+// halves fit (a single message whose writes do not fit with its record
+// fails, as with TxHandler). Set ConsumerConfig.BatchSize to what fits
+// (MaxTxItems over the items per message plus one) to spare the splits.
+// MaxTxBytes holds for the whole batch too. Otherwise a transaction that
+// does not commit becomes what TxHandler says, for the whole batch: a
+// record's condition failed (a lease lost) is a batch error wrapping
+// lock.ErrLeaseLost, a condition of fn's items one wrapping
+// ErrConditionFailed (or OnConditionFailed's), both with nothing written
+// and the batch split to find the message at fault; a conflict,
+// throttling or an answer that never came wraps lock.ErrUnavailable, and
+// every message of the batch is requeued, never run again in place.
+//
+// Leases are taken one call per message (concurrently), before the batch
+// runs. The returned handler implements amqpidem.BatchCompleter. A
+// message processed without a lease runs fn as a batch of one, its writes
+// sent with no record.
+func (s *Store) BatchTxHandler(fn BatchTxFunc) amqpidem.BatchHandler {
+	return &batchTxHandler{s: s, fn: fn, tx: &txHandler{s: s}}
+}
+
+// batchTxHandler is what BatchTxHandler returns.
+type batchTxHandler struct {
+	s  *Store
+	fn BatchTxFunc
+	tx *txHandler // its commit
+}
+
+var _ amqpidem.BatchCompleter = (*batchTxHandler)(nil)
+
+// CompleterStore returns the Store the handler writes records to.
+func (h *batchTxHandler) CompleterStore() lock.Store { return h.s }
+
+// HandleBatch runs fn and sends its writes, with no records.
+func (h *batchTxHandler) HandleBatch(ctx context.Context, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+	var tx Tx
+	rs, err := h.run(ctx, &tx, ds)
+	if err != nil || tx.Len() == 0 {
+		return rs, err
+	}
+	if tx.Len() > MaxTxItems {
+		return nil, fmt.Errorf("%w: %d items, at most %d", ErrTxTooLarge, tx.Len(), MaxTxItems)
+	}
+	if err := h.tx.commit(ctx, &tx, nil, lock.Lease{}, 0); err != nil {
+		return nil, err
+	}
+	return rs, nil
+}
+
+// run runs fn on ds and checks its answer's length.
+func (h *batchTxHandler) run(ctx context.Context, tx *Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+	rs, err := h.fn(ctx, tx, ds)
+	if err == nil && rs != nil && len(rs) != len(ds) {
+		err = fmt.Errorf("dynamostore: the batch function returned %d results for %d messages", len(rs), len(ds))
+	}
+	return rs, err
+}
+
+// HandleBatchComplete runs fn on the items' deliveries, then sends its
+// writes and the completions of the records of the messages done in one
+// TransactWriteItems (see BatchTxHandler).
+func (h *batchTxHandler) HandleBatchComplete(ctx context.Context, items []amqpidem.BatchItem, value func(int, []byte) ([]byte, error)) ([]amqpidem.BatchResult, error) {
+	ds := make([]*amqp.Delivery, len(items))
+	for i, it := range items {
+		if err := lock.CheckLease(it.Lease); err != nil {
+			return nil, err
+		}
+		ds[i] = it.Delivery
+	}
+	var tx Tx
+	rs, err := h.run(ctx, &tx, ds)
+	if err != nil {
+		return nil, err
+	}
+	if rs == nil {
+		rs = make([]amqpidem.BatchResult, len(ds))
+	} else {
+		rs = append([]amqpidem.BatchResult(nil), rs...)
+	}
+	_, nowMs := h.s.now()
+	var records []types.TransactWriteItem
+	var leases []lock.Lease
+	for i := range rs {
+		if rs[i].Err != nil {
+			continue
+		}
+		lease := items[i].Lease
+		v, err := value(i, rs[i].Result)
+		if err == nil && len(v) > h.s.cfg.MaxResultSize {
+			err = fmt.Errorf("%w: key %q: %d bytes, at most %d allowed", lock.ErrResultTooLarge, lease.Key, len(v), h.s.cfg.MaxResultSize)
+		}
+		if err != nil {
+			rs[i] = amqpidem.BatchResult{Err: err}
+			continue
+		}
+		u := h.s.finishWrite(lease, stateCompleted, v, nowMs)
+		records = append(records, types.TransactWriteItem{Update: &types.Update{
+			TableName:                           aws.String(h.s.cfg.Table),
+			Key:                                 keyAttr(h.s.cfg.Prefix, lease.Key),
+			UpdateExpression:                    aws.String("SET " + u.set),
+			ConditionExpression:                 aws.String(leaseCond),
+			ExpressionAttributeNames:            u.names,
+			ExpressionAttributeValues:           u.values,
+			ReturnValuesOnConditionCheckFailure: types.ReturnValuesOnConditionCheckFailureAllOld,
+		}})
+		leases = append(leases, lease)
+	}
+	switch n := tx.Len() + len(records); {
+	case len(records) == 0:
+		return rs, nil // nothing done: fn's writes are for none of them
+	case n > MaxTxItems:
+		return nil, fmt.Errorf("%w: %d items and %d records, at most %d in all", ErrTxTooLarge, tx.Len(), len(records), MaxTxItems)
+	}
+	return rs, h.commitBatch(ctx, &tx, records, leases)
+}
+
+// commitBatch sends tx's items and the records' completions after them in
+// one TransactWriteItems, and says what its failure means for the batch.
+func (h *batchTxHandler) commitBatch(ctx context.Context, tx *Tx, records []types.TransactWriteItem, leases []lock.Lease) error {
+	all := append(tx.items[:len(tx.items):len(tx.items)], records...)
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
+	defer cancel()
+	_, err := h.s.client.TransactWriteItems(cctx, &dynamodb.TransactWriteItemsInput{TransactItems: all})
+	if err == nil {
+		return nil
+	}
+	var tce *types.TransactionCanceledException
+	if !errors.As(err, &tce) {
+		if refusedWhole(err) {
+			return fmt.Errorf("dynamostore: batch transaction refused, nothing written: %w", classify(err))
+		}
+		// Whatever the error, it may have been written: said as
+		// lock.ErrUnavailable, so that the batch is not run again.
+		return fmt.Errorf("%w: dynamostore: batch transaction (its outcome may be unknown: the records tell): %w", lock.ErrUnavailable, classify(err))
+	}
+	reasons := tce.CancellationReasons
+	if len(reasons) == len(all) {
+		for j, r := range reasons[tx.Len():] {
+			if aws.ToString(r.Code) == "ConditionalCheckFailed" {
+				l := leases[j]
+				return fmt.Errorf("%w: complete key %q fence %d in a batch: nothing written", lock.ErrLeaseLost, l.Key, l.Fence)
+			}
+		}
+	}
+	var unavailable []string
+	for i, r := range reasons {
+		code := aws.ToString(r.Code)
+		switch {
+		case code == "" || code == "None":
+		case code == "ConditionalCheckFailed" && i < tx.Len():
+			if tx.OnConditionFailed != nil {
+				if err := tx.OnConditionFailed(i, r.Item); err != nil {
+					return err
+				}
+			}
+			return fmt.Errorf("%w: item %d: %s (the batch did not commit)", ErrConditionFailed, i, aws.ToString(r.Message))
+		case code == "TransactionConflict" || code == "ThrottlingError" || code == "ProvisionedThroughputExceeded" ||
+			code == "RequestLimitExceeded" || code == "InternalServerError":
+			unavailable = append(unavailable, fmt.Sprintf("item %d: %s", i, code))
+		default:
+			return fmt.Errorf("dynamostore: batch transaction refused: item %d: %s: %s: %w", i, code, aws.ToString(r.Message), err)
+		}
+	}
+	if len(unavailable) > 0 {
+		return fmt.Errorf("%w: batch transaction cancelled (%v): %w", lock.ErrUnavailable, unavailable, err)
+	}
+	return fmt.Errorf("dynamostore: batch transaction cancelled: %w", classify(err))
+}

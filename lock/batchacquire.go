@@ -1,0 +1,16 @@
+package lock
+
+import "context"
+
+// BatchAcquirer is a Store that takes the leases of many keys in one call
+// (pgstore's Store does, in one statement). amqpidem's batch consumers
+// use it, when the store has it, to take the leases of a batch's
+// deliveries together.
+type BatchAcquirer interface {
+	// AcquireBatch is Acquire for each of reqs, in as few round trips as
+	// the store allows: results[i] and errs[i] are what Acquire would
+	// answer for reqs[i]. Both slices have len(reqs) entries. An error
+	// for the whole call is every entry's error; a lease it may have
+	// taken then blocks its key for its TTL, as with Acquire.
+	AcquireBatch(ctx context.Context, reqs []Request) (results []Result, errs []error)
+}

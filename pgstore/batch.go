@@ -1,0 +1,291 @@
+package pgstore
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// BatchTxFunc does the work of a batch's messages in tx and answers per
+// message, as amqpidem.BatchHandler does: nil for every message done with
+// no result, or one amqpidem.BatchResult per delivery of ds, in order;
+// a non-nil error is the whole batch's (nothing commits, and amqpidem
+// splits the batch to find the message at fault). tx is as TxFunc's
+// (Commit keeps the work for the commit with the records, Rollback undoes
+// it); run its statements with ctx.
+//
+// A message answered with an error must leave nothing of its own in tx:
+// the others' work and records commit. Do each message's work under a
+// savepoint of its own (tx.Begin, then Rollback on its failure) when one
+// can fail after writing.
+type BatchTxFunc func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error)
+
+// BatchTxHandler returns a batch handler (amqpidem.NewBatchConsumer) that
+// runs fn on a batch in one transaction (begun with Config.TxOptions) and
+// completes the records of every message fn answered without an error in
+// that same transaction, with one statement, sent with the COMMIT: fn's
+// writes and the batch's records commit together, once, or not at all.
+// The messages are acked after the commit.
+//
+//   - fn returns an error, panics, or a statement of it failed: the
+//     transaction rolls back, and amqpidem splits the batch.
+//   - A lease of the batch was lost (another consumer took a key over):
+//     that record refuses its completion (compare-and-set on owner and
+//     fence), the whole transaction rolls back, and amqpidem runs the
+//     batch again without that message, which is requeued.
+//   - The commit's outcome is unknown (the connection dropped during
+//     COMMIT): every message of the batch is requeued, and its redelivery
+//     finds its record completed (acked as a duplicate) or still held (the
+//     effects rolled back with it, and it runs again). The batch is not
+//     run again in place, which could commit its effects twice.
+//
+// Leases are taken one per message with Acquire (record-row leases; the
+// deliveries of a batch take theirs concurrently), before the batch runs.
+// A batch holds one pooled connection while it runs.
+//
+// The returned handler implements amqpidem.BatchCompleter. A message
+// processed without a lease (amqpidem.ProcessMissingKey, FailOpen) runs
+// fn as a batch of one, in a transaction of its own, with no record.
+func (s *Store) BatchTxHandler(fn BatchTxFunc) amqpidem.BatchHandler {
+	return &batchTxHandler{s: s, fn: fn, tx: txOptions{s.cfg.TxOptions, s.sql.begin}}
+}
+
+// batchTxHandler is what BatchTxHandler returns.
+type batchTxHandler struct {
+	s  *Store
+	fn BatchTxFunc
+	tx txOptions
+}
+
+var _ amqpidem.BatchCompleter = (*batchTxHandler)(nil)
+
+// CompleterStore returns the Store the handler writes records to.
+func (h *batchTxHandler) CompleterStore() lock.Store { return h.s }
+
+// HandleBatch runs fn in a transaction with no records, and commits.
+func (h *batchTxHandler) HandleBatch(ctx context.Context, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+	return h.run(ctx, ds, nil, nil)
+}
+
+// HandleBatchComplete runs fn on the items' deliveries in a transaction,
+// then completes the records of those done and commits, in one round
+// trip (see BatchTxHandler).
+func (h *batchTxHandler) HandleBatchComplete(ctx context.Context, items []amqpidem.BatchItem, value func(int, []byte) ([]byte, error)) ([]amqpidem.BatchResult, error) {
+	ds := make([]*amqp.Delivery, len(items))
+	leases := make([]lock.Lease, len(items))
+	for i, it := range items {
+		if err := lock.CheckLease(it.Lease); err != nil {
+			return nil, err
+		}
+		if isHeld(it.Lease) {
+			return nil, fmt.Errorf("pgstore: key %q: a batch cannot complete a lease held by a transaction", it.Lease.Key)
+		}
+		ds[i], leases[i] = it.Delivery, it.Lease
+	}
+	return h.run(ctx, ds, leases, value)
+}
+
+// run begins a transaction, runs fn in it, and commits it with the
+// records of leases (when not nil) whose messages fn answered without an
+// error, completed with value.
+func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []lock.Lease, value func(int, []byte) ([]byte, error)) ([]amqpidem.BatchResult, error) {
+	conn, err := h.s.pool.Acquire(ctx)
+	var xid string
+	if err == nil {
+		defer h.s.endConn(conn)
+		xid, err = h.s.begin(ctx, conn.Conn(), h.tx)
+	}
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil, fmt.Errorf("pgstore: begin: %w", err)
+		}
+		return nil, fmt.Errorf("pgstore: begin: %w", classify(err))
+	}
+	t := &handlerTx{conn: conn.Conn()}
+	rs, ferr := h.fn(ctx, t, ds)
+	if ferr == nil && rs != nil && len(rs) != len(ds) {
+		ferr = fmt.Errorf("pgstore: the batch function returned %d results for %d messages", len(rs), len(ds))
+	}
+	end, err := h.s.ending(ctx, t, xid, ferr, false)
+	if end == endFailed {
+		return nil, err
+	}
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
+	defer cancel()
+	if leases == nil {
+		if end == endCommitted {
+			return rs, nil
+		}
+		return rs, commit(cctx, conn.Conn())
+	}
+	if rs == nil {
+		rs = make([]amqpidem.BatchResult, len(ds))
+	} else {
+		rs = slices.Clone(rs)
+	}
+	// The records to complete, in key order: two transactions that
+	// update some of the same rows (a lease lost to the other) lock them
+	// in the same order, and do not deadlock.
+	var done []int
+	values := make([][]byte, len(ds))
+	for i := range rs {
+		if rs[i].Err != nil {
+			continue
+		}
+		v, err := value(i, rs[i].Result)
+		if err == nil && len(v) > h.s.cfg.MaxResultSize {
+			err = fmt.Errorf("%w: key %q: %d bytes, at most %d allowed", lock.ErrResultTooLarge, leases[i].Key, len(v), h.s.cfg.MaxResultSize)
+		}
+		if err != nil {
+			rs[i] = amqpidem.BatchResult{Err: err}
+			continue
+		}
+		values[i] = v
+		done = append(done, i)
+	}
+	slices.SortFunc(done, func(a, b int) int { return cmp.Compare(leases[a].Key, leases[b].Key) })
+	switch {
+	case len(done) == 0:
+		return rs, nil // nothing to commit: endConn rolls it back
+	case end == endCommitted:
+		// fn committed its work itself: the records are completed on
+		// their own, one by one (no longer atomic with the work, as with
+		// TxHandler).
+		for _, i := range done {
+			if err := h.s.finish(cctx, conn, leases[i], "complete", "c", values[i]); err != nil {
+				rs[i] = amqpidem.BatchResult{Err: err}
+			}
+		}
+		return rs, nil
+	}
+	return rs, h.s.finishBatch(cctx, conn.Conn(), leases, values, done)
+}
+
+// finishBatch completes the records of leases[i], for i in done, with
+// values[i] in the transaction open on conn and commits it, in one round
+// trip: one statement calling finish_tx for each (any of which raises
+// leaseLostCode where its lease is no longer held, aborting the
+// transaction) and the COMMIT, which the server skips once it was
+// aborted.
+func (s *Store) finishBatch(ctx context.Context, conn *pgx.Conn, leases []lock.Lease, values [][]byte, done []int) error {
+	keys := make([][]byte, len(done))
+	owners := make([]string, len(done))
+	fences := make([]int64, len(done))
+	vals := make([][]byte, len(done))
+	rets := make([]int64, len(done))
+	for j, i := range done {
+		l := leases[i]
+		keys[j], owners[j], fences[j], vals[j], rets[j] = []byte(l.Key), l.Owner, l.Fence, values[i], l.Retention.Milliseconds()
+		if vals[j] == nil {
+			vals[j] = []byte{} // NULL would not be a result
+		}
+	}
+	b := &pgx.Batch{}
+	b.Queue(s.sql.finishBatch, s.cfg.Prefix, keys, owners, fences, vals, rets)
+	b.Queue("COMMIT")
+	br := conn.SendBatch(ctx, b)
+	_, ferr := br.Exec()
+	tag, cerr := br.Exec()
+	err := cmp.Or(ferr, cerr, br.Close())
+	var pe *pgconn.PgError
+	switch {
+	case ferr != nil && errors.As(ferr, &pe) && pe.Code == leaseLostCode:
+		return fmt.Errorf("%w: complete batch of %d: %s", lock.ErrLeaseLost, len(done), pe.Message)
+	case ferr != nil && errors.As(ferr, &pe):
+		// The server refused the completion: the COMMIT was skipped,
+		// nothing committed.
+		return fmt.Errorf("pgstore: complete batch of %d: %w", len(done), classify(ferr))
+	case err != nil:
+		// Whatever the error, the COMMIT may have landed: said as
+		// lock.ErrUnavailable, so that the batch is not run again.
+		return fmt.Errorf("%w: pgstore: commit of a batch of %d (its outcome may be unknown: the records tell): %w",
+			lock.ErrUnavailable, len(done), classify(err))
+	case tag.String() != "COMMIT":
+		return fmt.Errorf("pgstore: commit of a batch of %d answered %q: nothing committed", len(done), tag.String())
+	}
+	return nil
+}
+
+var _ lock.BatchAcquirer = (*Store)(nil)
+
+// AcquireBatch takes the leases of reqs (lock.BatchAcquirer) with one
+// statement, calling the acquire function for each key in key order (so
+// that two batches with keys in common do not deadlock), in one round
+// trip and one autocommit transaction: each answer is Acquire's. A key
+// that comes twice in reqs is taken for its first request and then asked
+// again with Acquire, which answers the second InProgress. The statement
+// is not retried: if it fails, every request gets its error (wrapping
+// lock.ErrUnavailable when the server may not have answered), and a
+// lease it may have taken blocks its key for its TTL.
+func (s *Store) AcquireBatch(ctx context.Context, reqs []lock.Request) ([]lock.Result, []error) {
+	results := make([]lock.Result, len(reqs))
+	errs := make([]error, len(reqs))
+	start := s.cfg.Now()
+	var order, again []int
+	seen := make(map[string]bool, len(reqs))
+	for i := range reqs {
+		req, err := s.cfg.CheckRequest(reqs[i])
+		switch {
+		case err != nil:
+			errs[i] = err
+			continue
+		case seen[req.Key]:
+			again = append(again, i)
+		default:
+			seen[req.Key] = true
+			order = append(order, i)
+		}
+		reqs[i] = req
+	}
+	slices.SortFunc(order, func(a, b int) int { return cmp.Compare(reqs[a].Key, reqs[b].Key) })
+	keys := make([][]byte, len(order))
+	owners := make([]string, len(order))
+	ttls := make([]int64, len(order))
+	rets := make([]int64, len(order))
+	fps := make([][]byte, len(order))
+	for j, i := range order {
+		r := reqs[i]
+		keys[j], owners[j], ttls[j], rets[j], fps[j] = []byte(r.Key), lock.NewOwner(), r.TTL.Milliseconds(), r.Retention.Milliseconds(), []byte(r.Fingerprint)
+	}
+	if len(order) > 0 {
+		rows, err := s.pool.Query(ctx, s.sql.acquireBatch, s.cfg.Prefix, keys, owners, ttls, rets, fps)
+		j := 0
+		if err == nil {
+			for rows.Next() && j < len(order) {
+				var status, attempts int
+				var fence, remaining int64
+				var value []byte
+				if err = rows.Scan(&status, &fence, &attempts, &remaining, &value); err != nil {
+					break
+				}
+				i := order[j]
+				results[i], errs[i] = s.result(reqs[i], status, fence, attempts, remaining, value, owners[j], start)
+				j++
+			}
+			rows.Close()
+			err = cmp.Or(err, rows.Err())
+			if err == nil && j != len(order) {
+				err = fmt.Errorf("pgstore: acquire batch answered %d rows for %d keys", j, len(order))
+			}
+		}
+		if err != nil {
+			err = fmt.Errorf("pgstore: acquire batch of %d: %w", len(order), classify(err))
+			for _, i := range order {
+				results[i], errs[i] = lock.Result{}, err
+			}
+		}
+	}
+	for _, i := range again {
+		results[i], errs[i] = s.Acquire(ctx, reqs[i])
+	}
+	return results, errs
+}
