@@ -55,7 +55,10 @@ func (e *env) latency(ctx context.Context, qt string, v variant, rate float64) (
 	warm := min(n-1, int(rate*e.opts.LatencyWarmup.Seconds()))
 	res.N = n
 
-	prefix := fmt.Sprintf("%s-%s-lat-%s", e.base, qt, v)
+	// The rate in the name too: a PostgreSQL variant's records outlive the
+	// run (deleteKeys reaches Redis only), and the next rate's probe would
+	// be a duplicate of this one's.
+	prefix := fmt.Sprintf("%s-%s-lat-%s-%.0f", e.base, qt, v, rate)
 	queue := prefix
 	if err := e.brk.declare(queue, qt); err != nil {
 		return res, err
