@@ -18,9 +18,12 @@ import (
 // tx, and answers per message as amqpidem.BatchHandler does: nil for every
 // message done with no result, or one amqpidem.BatchResult per delivery
 // of ds, in order; a non-nil error is the whole batch's (nothing is sent,
-// and amqpidem splits the batch). A message answered with an error must
-// have added no write of its own to tx: the others' writes and records
-// are sent.
+// and amqpidem splits the batch). A message answered with an error may
+// have added writes to tx before it failed: they are never sent. When
+// some messages of a batch fail and others succeed, and tx holds writes,
+// fn runs again on those that succeeded, with a new Tx, until a run's
+// messages all succeed; only that run's writes are sent, with their
+// records.
 type BatchTxFunc func(ctx context.Context, tx *Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error)
 
 // BatchTxHandler returns a batch handler (amqpidem.NewBatchConsumer) that
@@ -93,17 +96,42 @@ func (h *batchTxHandler) run(ctx context.Context, tx *Tx, ds []*amqp.Delivery) (
 // writes and the completions of the records of the messages done in one
 // TransactWriteItems (see BatchTxHandler).
 func (h *batchTxHandler) HandleBatchComplete(ctx context.Context, items []amqpidem.BatchItem, value func(int, []byte) ([]byte, error)) ([]amqpidem.BatchResult, error) {
+	rs, ok, err := h.complete(ctx, items, value)
+	if err != nil || ok == nil {
+		return rs, err
+	}
+	// Some messages failed after fn added writes to its Tx, which may be
+	// theirs: run the others again, without them (see BatchTxFunc).
+	sub := make([]amqpidem.BatchItem, len(ok))
+	for j, i := range ok {
+		sub[j] = items[i]
+	}
+	srs, err := h.HandleBatchComplete(ctx, sub, func(j int, result []byte) ([]byte, error) { return value(ok[j], result) })
+	if err != nil {
+		return nil, err // the rest failed as a batch: amqpidem splits it all
+	}
+	for j, i := range ok {
+		rs[i] = srs[j]
+	}
+	return rs, nil
+}
+
+// complete runs fn on the items' deliveries and sends its writes with the
+// records of the messages done, as HandleBatchComplete says; unless some
+// messages failed and others did not while fn's Tx holds writes: then it
+// sends nothing and returns in ok the messages to run again.
+func (h *batchTxHandler) complete(ctx context.Context, items []amqpidem.BatchItem, value func(int, []byte) ([]byte, error)) (rs []amqpidem.BatchResult, ok []int, err error) {
 	ds := make([]*amqp.Delivery, len(items))
 	for i, it := range items {
 		if err := lock.CheckLease(it.Lease); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		ds[i] = it.Delivery
 	}
 	var tx Tx
-	rs, err := h.run(ctx, &tx, ds)
+	rs, err = h.run(ctx, &tx, ds)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if rs == nil {
 		rs = make([]amqpidem.BatchResult, len(ds))
@@ -113,6 +141,7 @@ func (h *batchTxHandler) HandleBatchComplete(ctx context.Context, items []amqpid
 	_, nowMs := h.s.now()
 	var records []types.TransactWriteItem
 	var leases []lock.Lease
+	var done []int
 	for i := range rs {
 		if rs[i].Err != nil {
 			continue
@@ -137,14 +166,17 @@ func (h *batchTxHandler) HandleBatchComplete(ctx context.Context, items []amqpid
 			ReturnValuesOnConditionCheckFailure: types.ReturnValuesOnConditionCheckFailureAllOld,
 		}})
 		leases = append(leases, lease)
+		done = append(done, i)
 	}
 	switch n := tx.Len() + len(records); {
 	case len(records) == 0:
-		return rs, nil // nothing done: fn's writes are for none of them
+		return rs, nil, nil // nothing done: fn's writes are for none of them
+	case len(records) < len(ds) && tx.Len() > 0:
+		return rs, done, nil // the failed ones' writes may be in tx
 	case n > MaxTxItems:
-		return nil, fmt.Errorf("%w: %d items and %d records, at most %d in all", ErrTxTooLarge, tx.Len(), len(records), MaxTxItems)
+		return nil, nil, fmt.Errorf("%w: %d items and %d records, at most %d in all", ErrTxTooLarge, tx.Len(), len(records), MaxTxItems)
 	}
-	return rs, h.commitBatch(ctx, &tx, records, leases)
+	return rs, nil, h.commitBatch(ctx, &tx, records, leases)
 }
 
 // commitBatch sends tx's items and the records' completions after them in

@@ -36,12 +36,14 @@ func TestBatchTxHandler(t *testing.T) {
 		h := s.BatchTxHandler(func(ctx context.Context, tx *dynamostore.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
 			rs := make([]amqpidem.BatchResult, len(ds))
 			for i, d := range ds {
-				if d.MessageId == "declined" {
-					rs[i].Err = amqpidem.Permanent(errors.New("declined"))
-					continue
-				}
+				// Written before the call that declines it, as users
+				// write handlers: the declined message's writes must
+				// never be sent.
 				bump(tx, table, prefix+"-"+d.MessageId)
 				bump(tx, table, prefix+"-"+d.MessageId+"-twin")
+				if d.MessageId == "declined" {
+					rs[i].Err = amqpidem.Permanent(errors.New("declined"))
+				}
 			}
 			if 3*len(ds) > dynamostore.MaxTxItems {
 				mu.Lock()

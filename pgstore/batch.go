@@ -23,10 +23,15 @@ import (
 // (Commit keeps the work for the commit with the records, Rollback undoes
 // it); run its statements with ctx.
 //
-// A message answered with an error must leave nothing of its own in tx:
-// the others' work and records commit. Do each message's work under a
-// savepoint of its own (tx.Begin, then Rollback on its failure) when one
-// can fail after writing.
+// A message answered with an error may have written in tx before it
+// failed: its writes never commit. When some messages of a batch fail and
+// others succeed, the transaction rolls back and fn runs again on those
+// that succeeded, in a new transaction, until a run's messages all
+// succeed; only that run commits, with their records. A handler that
+// fails messages often pays for that rerun: do each message's work under
+// a savepoint of its own (tx.Begin, then Rollback on its failure) and
+// answer its error after rolling the savepoint back, and the rerun is
+// still made (the library cannot see savepoints), but on less work.
 type BatchTxFunc func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error)
 
 // BatchTxHandler returns a batch handler (amqpidem.NewBatchConsumer) that
@@ -91,7 +96,42 @@ func (h *batchTxHandler) HandleBatchComplete(ctx context.Context, items []amqpid
 		}
 		ds[i], leases[i] = it.Delivery, it.Lease
 	}
-	return h.run(ctx, ds, leases, value)
+	return h.complete(ctx, ds, leases, value)
+}
+
+// errRunAgain is run's answer when some of the batch's messages failed
+// and others did not: the transaction, which may hold the failed ones'
+// writes, was not committed; the messages answered without an error must
+// run again without the others (complete).
+var errRunAgain = errors.New("pgstore: some messages of the batch failed: run the rest again")
+
+// complete runs fn on the batch ds with leases and commits it with the
+// records of its messages, as run does, running it again without the
+// failed messages until a run's messages all succeed (see BatchTxHandler):
+// the failed ones' writes never commit.
+func (h *batchTxHandler) complete(ctx context.Context, ds []*amqp.Delivery, leases []lock.Lease, value func(int, []byte) ([]byte, error)) ([]amqpidem.BatchResult, error) {
+	rs, err := h.run(ctx, ds, leases, value)
+	if !errors.Is(err, errRunAgain) {
+		return rs, err
+	}
+	var ok []int
+	for i := range rs {
+		if rs[i].Err == nil {
+			ok = append(ok, i)
+		}
+	}
+	subDs, subLeases := make([]*amqp.Delivery, len(ok)), make([]lock.Lease, len(ok))
+	for j, i := range ok {
+		subDs[j], subLeases[j] = ds[i], leases[i]
+	}
+	srs, err := h.complete(ctx, subDs, subLeases, func(j int, result []byte) ([]byte, error) { return value(ok[j], result) })
+	if err != nil {
+		return nil, err // the rest failed as a batch: amqpidem splits it all
+	}
+	for j, i := range ok {
+		rs[i] = srs[j]
+	}
+	return rs, nil
 }
 
 // run begins a transaction, runs fn in it, and commits it with the
@@ -156,6 +196,10 @@ func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []
 	switch {
 	case len(done) == 0:
 		return rs, nil // nothing to commit: endConn rolls it back
+	case len(done) < len(ds) && end != endCommitted:
+		// The failed messages' writes may be in the transaction:
+		// endConn rolls it back, and complete runs the rest again.
+		return rs, errRunAgain
 	case end == endCommitted:
 		// fn committed its work itself: the records are completed on
 		// their own, one by one (no longer atomic with the work, as with

@@ -683,3 +683,44 @@ func TestBatchKillRandom(t *testing.T) {
 	t.Logf("%d dead letters for %d poison messages", dlq.Messages, len(poison))
 	_, _ = r.ch.QueueDelete(r.queue+".dlq", false, false, false)
 }
+
+// TestBatchFailedMessageWritesRolledBack: a handler written the way users
+// write them, each message's row inserted before the call that fails it,
+// without a savepoint. The failed messages' rows must never commit: a
+// retried message's effect would be there twice, a dead-lettered one's
+// once though its record says it failed. The batch runs again without
+// them, and only that run commits.
+func TestBatchFailedMessageWritesRolledBack(t *testing.T) {
+	r := newRig(t)
+	var tries atomic.Int32
+	r.runBatch(r.store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		rs := make([]amqpidem.BatchResult, len(ds))
+		for i, d := range ds {
+			if err := r.insert(ctx, tx, d.MessageId); err != nil {
+				return nil, err
+			}
+			switch {
+			case d.MessageId == "w002" && tries.Add(1) == 1:
+				rs[i].Err = errors.New("payment API timed out")
+			case d.MessageId == "w005":
+				rs[i].Err = amqpidem.Permanent(errors.New("declined"))
+			default:
+				rs[i].Result = []byte("ok " + d.MessageId)
+			}
+		}
+		return rs, nil
+	}), nil)
+	ops := ids("w", 10)
+	r.publish(ops...)
+	r.settled(ops, amqpidem.Completed, amqpidem.DeadLettered)
+	got := r.effects()
+	for _, op := range ops {
+		want := 1
+		if op == "w005" {
+			want = 0
+		}
+		if got[op] != want {
+			t.Errorf("%s: %d effects, want %d", op, got[op], want)
+		}
+	}
+}
