@@ -300,6 +300,9 @@ func NewBatchConsumer(store lock.Store, cfg ConsumerConfig, h BatchHandler) (*Co
 	if cfg.Prefetch == 0 {
 		cfg.Prefetch = min(2*cfg.BatchSize, maxPrefetch)
 	}
+	if err := checkBatchPool(store, bc, batchesAtOnce(cmp.Or(cfg.Concurrency, cfg.Prefetch), cfg.BatchSize)); err != nil {
+		return nil, err
+	}
 	c, err := NewConsumer(store, cfg, batchOnly{h})
 	if err != nil {
 		return nil, err

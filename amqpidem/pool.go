@@ -45,6 +45,27 @@ func checkPool(store any, h Handler, concurrency int) error {
 	return nil
 }
 
+// checkBatchPool refuses a BatchCompleter (pgstore's BatchTxHandler) on a
+// store whose pool has no connection beyond one per batch that may run at
+// once (batches): each running batch holds one for its transaction, and
+// the heartbeat renewing its leases needs another, as in checkPool.
+func checkBatchPool(store any, bc BatchCompleter, batches int) error {
+	p, ok := store.(ConnPool)
+	if !ok || bc == nil {
+		return nil
+	}
+	if n := p.MaxConns(); n <= batches {
+		return fmt.Errorf("%w: its pool has %d connections and up to %d batches run at once (Concurrency over BatchSize), "+
+			"but each running batch holds one and the heartbeat needs another to renew their leases: "+
+			"give the pool more than %d connections, or lower Concurrency", ErrPoolTooSmall, n, batches, batches)
+	}
+	return nil
+}
+
+// batchesAtOnce is how many batches of up to size deliveries a consumer
+// of concurrency handlers runs at once, at most.
+func batchesAtOnce(concurrency, size int) int { return (concurrency + size - 1) / size }
+
 // warnSizes logs, at start, what in c's configuration holds handlers back
 // without saying so: a store pool with no more connections than
 // Concurrency (the store calls of its deliveries wait for one another) and
@@ -52,7 +73,13 @@ func checkPool(store any, h Handler, concurrency int) error {
 func (c *Consumer) warnSizes(ctx context.Context) {
 	log := c.proc.cfg.Logger
 	if p, ok := c.proc.given.(ConnPool); ok {
-		if n := p.MaxConns(); n <= c.cfg.Concurrency {
+		// What holds a connection at once: a handler each, or a batch
+		// each for a batch consumer.
+		holders := c.cfg.Concurrency
+		if b := c.proc.batch; b != nil {
+			holders = batchesAtOnce(c.cfg.Concurrency, b.size)
+		}
+		if n := p.MaxConns(); n <= holders {
 			log.WarnContext(ctx, "amqpidem: the store's connection pool is not larger than Concurrency; "+
 				"store calls wait for a free connection (give the pool more connections than Concurrency)",
 				"queue", c.cfg.Queue, "max_conns", n, "concurrency", c.cfg.Concurrency)

@@ -90,3 +90,63 @@ func TestConsumerPoolAndPrefetchChecks(t *testing.T) {
 		})
 	}
 }
+
+// poolBatchCompleter is a BatchCompleter (pgstore's BatchTxHandler) on a
+// pooled store.
+type poolBatchCompleter struct{ store lock.Store }
+
+func (poolBatchCompleter) HandleBatch(context.Context, []*amqp.Delivery) ([]BatchResult, error) {
+	return nil, nil
+}
+func (c poolBatchCompleter) CompleterStore() lock.Store { return c.store }
+func (poolBatchCompleter) HandleBatchComplete(context.Context, []BatchItem, func(int, []byte) ([]byte, error)) ([]BatchResult, error) {
+	return nil, nil
+}
+
+// A batch consumer holds a connection per running batch, not per
+// delivery: NewBatchConsumer refuses a transactional batch handler whose
+// pool has no connection beyond the batches that may run at once (their
+// leases would go unrenewed), and warns about the pool only then, not
+// because Concurrency (twice BatchSize by default) is above it.
+func TestBatchConsumerPoolCheck(t *testing.T) {
+	mem, err := lock.NewMemoryStore(lock.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	plain := BatchHandlerFunc(func(context.Context, []*amqp.Delivery) ([]BatchResult, error) { return nil, nil })
+	for _, tt := range []struct {
+		name      string
+		conns     int
+		completer bool
+		refused   bool
+		warns     bool
+	}{
+		{name: "completer, a connection beyond the 2 batches", conns: 3, completer: true},
+		{name: "completer, a connection per batch only", conns: 2, completer: true, refused: true},
+		{name: "plain, pool above the batches", conns: 3},
+		{name: "plain, pool at the batches", conns: 2, warns: true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			var logs bytes.Buffer
+			store := pooledStore{mem, tt.conns}
+			var h BatchHandler = plain
+			if tt.completer {
+				h = poolBatchCompleter{store}
+			}
+			// Prefetch and Concurrency by default: 200, 2 batches of 100.
+			c, err := NewBatchConsumer(store, ConsumerConfig{URL: "amqp://localhost",
+				Config: Config{Queue: "q", Logger: slog.New(slog.NewTextHandler(&logs, nil))}}, h)
+			if got := errors.Is(err, ErrPoolTooSmall); got != tt.refused {
+				t.Fatalf("refused: got %v (%v), want %v", got, err, tt.refused)
+			}
+			if err != nil {
+				return
+			}
+			t.Cleanup(func() { _ = c.Shutdown(context.Background()) })
+			c.warnSizes(context.Background())
+			if got := strings.Contains(logs.String(), "pool is not larger"); got != tt.warns {
+				t.Errorf("warned: %v, want %v:\n%s", got, tt.warns, logs.String())
+			}
+		})
+	}
+}
