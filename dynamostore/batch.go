@@ -219,8 +219,7 @@ func (h *batchTxHandler) commitBatch(ctx context.Context, tx *Tx, records []type
 				}
 			}
 			return fmt.Errorf("%w: item %d: %s (the batch did not commit)", ErrConditionFailed, i, aws.ToString(r.Message))
-		case code == "TransactionConflict" || code == "ThrottlingError" || code == "ProvisionedThroughputExceeded" ||
-			code == "RequestLimitExceeded" || code == "InternalServerError":
+		case transientCancel(code):
 			unavailable = append(unavailable, fmt.Sprintf("item %d: %s", i, code))
 		default:
 			return fmt.Errorf("dynamostore: batch transaction refused: item %d: %s: %s: %w", i, code, aws.ToString(r.Message), err)

@@ -269,8 +269,7 @@ func (h *txHandler) commit(ctx context.Context, tx *Tx, record *types.Update, le
 				return fmt.Errorf("%w: item %d: %s (OnConditionFailed answered nil; the transaction did not commit)", ErrConditionFailed, i, aws.ToString(r.Message))
 			}
 			return fmt.Errorf("%w: item %d: %s", ErrConditionFailed, i, aws.ToString(r.Message))
-		case code == "TransactionConflict" || code == "ThrottlingError" || code == "ProvisionedThroughputExceeded" ||
-			code == "RequestLimitExceeded" || code == "InternalServerError":
+		case transientCancel(code):
 			unavailable = append(unavailable, fmt.Sprintf("item %d: %s", i, code))
 		default:
 			return fmt.Errorf("dynamostore: transaction refused: item %d: %s: %s: %w", i, code, aws.ToString(r.Message), err)
@@ -280,6 +279,18 @@ func (h *txHandler) commit(ctx context.Context, tx *Tx, record *types.Update, le
 		return fmt.Errorf("%w: transaction cancelled (%v): %w", lock.ErrUnavailable, unavailable, err)
 	}
 	return fmt.Errorf("dynamostore: transaction cancelled: %w", classify(err))
+}
+
+// transientCancel reports whether code, an item's cancellation reason in a
+// TransactionCanceledException, says DynamoDB could not take the
+// transaction now (a conflict, throttling, an internal error), not that
+// it refuses it: lock.ErrUnavailable.
+func transientCancel(code string) bool {
+	switch code {
+	case "TransactionConflict", "ThrottlingError", "ProvisionedThroughputExceeded", "RequestLimitExceeded", "InternalServerError":
+		return true
+	}
+	return false
 }
 
 // stillHeld reads lease's record (strongly consistent) after a transaction
