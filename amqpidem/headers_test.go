@@ -4,6 +4,7 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
+	"maps"
 	"math"
 	"reflect"
 	"strings"
@@ -154,6 +155,7 @@ var fuzzKeys = []string{
 	HeaderAttempt, HeaderError, HeaderDeadLetterPending, HeaderExpiresAt, HeaderTimestampMillis,
 	HeaderReplyTries, HeaderOriginalExchange, HeaderOriginalRoutingKey, HeaderUserID, HeaderFirstSeen,
 	HeaderOriginalExpiration, HeaderReason, HeaderConsumer, HeaderKey, HeaderEndpoint, "tenant", "x-death",
+	HeaderBusy, HeaderSignature,
 }
 
 // fuzzTable turns b into a header table: each entry takes a key byte (an
@@ -255,6 +257,8 @@ func referenceHeaders(t amqp.Table, maxAttempts int) headers {
 	h.expiresAt, h.expires = integer(t[HeaderExpiresAt])
 	n, _ := integer(t[HeaderReplyTries])
 	h.replyTries = clamp(n)
+	n, _ = integer(t[HeaderBusy])
+	h.busy = int(math.Min(math.Max(float64(n), 0), maxBusyDoublings))
 	ex, exOK := text(t[HeaderOriginalExchange], true)
 	rk, rkOK := text(t[HeaderOriginalRoutingKey], true)
 	if exOK && rkOK {
@@ -303,7 +307,8 @@ func FuzzParseHeaders(f *testing.F) {
 		if a := arrivalHeaders(table, max); a.attempt != h.attempt || a.publishedMs != h.publishedMs {
 			t.Fatalf("arrivalHeaders: attempt %d publishedMs %d; parseHeaders: %d, %d", a.attempt, a.publishedMs, h.attempt, h.publishedMs)
 		}
-		if h.attempt < 0 || h.attempt > max || h.replyTries < 0 || h.replyTries > max || h.publishedMs < 0 {
+		if h.attempt < 0 || h.attempt > max || h.replyTries < 0 || h.replyTries > max || h.publishedMs < 0 ||
+			h.busy < 0 || h.busy > maxBusyDoublings {
 			t.Fatalf("counts out of range: %+v", h)
 		}
 		if len(h.pendingText) > maxHeaderText {
@@ -312,7 +317,27 @@ func FuzzParseHeaders(f *testing.F) {
 
 		now := time.UnixMilli(1_700_000_000_000)
 		d := &amqp.Delivery{Headers: table, Exchange: "ex", RoutingKey: "rk", Expiration: expiration}
+		// A signature over any table verifies until a signed header or
+		// the body changes; a table's own, forged one never does.
+		key := []byte("fuzz-signing-key-0123")
+		if VerifySignature(key, table, d.Body) == nil {
+			t.Fatalf("a forged signature verifies: %v", table)
+		}
+		signedCopy := maps.Clone(table)
+		if signedCopy == nil {
+			signedCopy = amqp.Table{}
+		}
+		signedCopy[HeaderSignature] = signature(key, signedCopy, d.Body)
+		if err := VerifySignature(key, signedCopy, d.Body); err != nil {
+			t.Fatalf("a table's own signature does not verify: %v", err)
+		}
+		if VerifySignature(key, signedCopy, []byte("x")) == nil {
+			t.Fatalf("a signature verifies another body")
+		}
 		msg := copyAt(d, &h, amqp.Table{HeaderAttempt: int64(h.attempt + 1)}, now)
+		if _, ok := msg.Headers[HeaderBusy]; ok {
+			t.Fatalf("a copy carries %s from the delivery", HeaderBusy)
+		}
 		for _, k := range []string{HeaderOriginalExchange, HeaderOriginalRoutingKey} {
 			if s, ok := msg.Headers[k].(string); !ok || len(s) > maxShortText {
 				t.Fatalf("copy's %s: %#v", k, msg.Headers[k])
