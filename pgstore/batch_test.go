@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -722,5 +723,50 @@ func TestBatchFailedMessageWritesRolledBack(t *testing.T) {
 		if got[op] != want {
 			t.Errorf("%s: %d effects, want %d", op, got[op], want)
 		}
+	}
+}
+
+// TestBatchPgxIdiom: a batch function written as pgx users write one,
+// defer tx.Rollback(ctx) and return tx.Commit(ctx), still commits its
+// effects with the batch's records in one transaction, each once, and a
+// message failed in it leaves no write behind.
+func TestBatchPgxIdiom(t *testing.T) {
+	r := newRig(t)
+	var declined atomic.Int32
+	r.runBatch(r.store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		defer tx.Rollback(ctx) //nolint:errcheck // harmless after Commit, as with pgx
+		rs := make([]amqpidem.BatchResult, len(ds))
+		for i, d := range ds {
+			if err := r.insert(ctx, tx, d.MessageId); err != nil {
+				return nil, err
+			}
+			if d.MessageId == "p003" {
+				declined.Add(1)
+				rs[i].Err = amqpidem.Permanent(errors.New("declined"))
+			}
+		}
+		return rs, tx.Commit(ctx)
+	}), nil)
+	ops := ids("p", 20)
+	r.publish(ops...)
+	r.settled(ops, amqpidem.Completed, amqpidem.DeadLettered)
+	got := r.effects()
+	for _, op := range ops {
+		want := 1
+		if op == "p003" {
+			want = 0
+		}
+		if got[op] != want {
+			t.Errorf("%s: %d effects, want %d", op, got[op], want)
+		}
+	}
+	same, _ := r.xmins(slices.DeleteFunc(slices.Clone(ops), func(op string) bool { return op == "p003" }))
+	for op, ok := range same {
+		if !ok {
+			t.Errorf("%s: effect and completed record not written by one transaction", op)
+		}
+	}
+	if declined.Load() == 0 {
+		t.Fatal("p003 never ran")
 	}
 }
