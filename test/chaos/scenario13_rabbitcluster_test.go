@@ -161,8 +161,14 @@ func clusterFaultRun(t *testing.T, name, what string, fault, mend func(*testenv.
 		t.Fatal(err)
 	}
 	e.publishCopies(again)
+	leftCopies := 0 // copies of completed operations stuck in delay queues
 	if stranded == 0 {
-		e.waitDrained(4*time.Minute, 2*time.Second)
+		// Every operation is applied, and the copies published again are
+		// duplicates; copies a busy or failed-duplicate requeue sent
+		// through a delay queue the fault broke stay there (seen in CI,
+		// 3.10.8: 18 busy copies in the 250 ms queue): counted, and
+		// judged below with the stranded operations.
+		leftCopies = e.waitDrainedOrStuck(4*time.Minute, 2*time.Second, 30*time.Second)
 	} else { // the stranded copies stay in their delay queues
 		// A republished operation that fails again is retried through
 		// the next delay queue, which the same fault may have broken
@@ -204,9 +210,9 @@ func clusterFaultRun(t *testing.T, name, what string, fault, mend func(*testenv.
 		}
 	}
 	r := e.report(name, counted, false)
-	figures := fmt.Sprintf("%s ops=%d applied_at_fault=%d delayed_in_flight=%d dead_letters_in_flight=%d fault_for=%v applied_during_fault=%d reexecuted=%d redundant_dead_letters=%d stranded=%d stranded_copies=%d broker=%s",
+	figures := fmt.Sprintf("%s ops=%d applied_at_fault=%d delayed_in_flight=%d dead_letters_in_flight=%d fault_for=%v applied_during_fault=%d reexecuted=%d redundant_dead_letters=%d stranded=%d stranded_copies=%d stuck_duplicate_copies=%d broker=%s",
 		name, len(good)+len(permanent), appliedAtKill, delayed, deadLetters, downFor.Round(100*time.Millisecond), appliedWhileDown,
-		r.Reexecuted, redundant, stranded, strandedCopies, version)
+		r.Reexecuted, redundant, stranded, strandedCopies, leftCopies, version)
 	e.figures(figures)
 	if appliedAtKill >= nOK+nFlaky {
 		t.Errorf("every operation was applied before the fault: it must come mid-run")
@@ -219,6 +225,18 @@ func clusterFaultRun(t *testing.T, name, what string, fault, mend func(*testenv.
 			// delay queue: the queue's at-least-once dead-lettering does
 			// not resume on the new leader (see docs/scale.md). A broker defect, reported, not failed here;
 			// anything else lost still fails in report.
+			t.Logf("%s; RabbitMQ %s is known to strand them", msg, version)
+		} else {
+			t.Error(msg)
+		}
+	}
+	if leftCopies > 0 {
+		// Nothing is missing (report above checked every operation):
+		// the copies are duplicates of completed work, which would be
+		// acked without running if the broker ever delivered them.
+		msg := fmt.Sprintf("%d copies of completed operations stayed in quorum delay queues after the fault, never dead-lettered back to %s",
+			leftCopies, e.queue)
+		if !inProcess && strings.HasPrefix(version, "3.10.") {
 			t.Logf("%s; RabbitMQ %s is known to strand them", msg, version)
 		} else {
 			t.Error(msg)
@@ -308,6 +326,58 @@ func (e *env) waitProgress(what string, want int, count func() int, timeout, sta
 		}
 		if time.Now().After(deadline) {
 			e.t.Fatalf("timed out after %v waiting for %d %s (%d)", timeout, want, what, n)
+		}
+		time.Sleep(time.Second)
+	}
+}
+
+// waitDrainedOrStuck is waitDrained, unless the copies left in delay
+// queues stop moving: when the queue is empty and the delay queues' depths
+// have not changed for stall, it returns how many copies they hold (a
+// delay queue whose dead-lettering the fault broke). It fails the test
+// after timeout, and returns 0 once every queue but the dead-letter queue
+// has been empty for quiet.
+func (e *env) waitDrainedOrStuck(timeout, quiet, stall time.Duration) int {
+	e.t.Helper()
+	deadline := time.Now().Add(timeout)
+	var last map[string][2]int
+	var emptySince, sameSince time.Time
+	for {
+		depths, err := e.listQueues()
+		if err != nil {
+			e.t.Logf("list queues: %v", err)
+		} else {
+			copies, same := 0, last != nil
+			for q, d := range depths {
+				if strings.HasSuffix(q, ".dlq") || !strings.HasPrefix(q, e.queue) {
+					continue
+				}
+				if q != e.queue {
+					copies += d[0]
+				}
+				if last[q] != d {
+					same = false
+				}
+			}
+			switch {
+			case copies == 0 && depths[e.queue] == [2]int{}:
+				if emptySince.IsZero() {
+					emptySince = time.Now()
+				}
+				if time.Since(emptySince) >= quiet {
+					return 0
+				}
+			case !same || depths[e.queue] != [2]int{}:
+				emptySince, sameSince = time.Time{}, time.Now()
+			case time.Since(sameSince) >= stall:
+				out, _ := e.ctl("list_queues", "-q", "name", "type", "leader", "messages", "messages_ready", "messages_unacknowledged")
+				e.t.Logf("no progress for %v with the queue empty and %d copies in delay queues; the queues:\n%s", stall, copies, out)
+				return copies
+			}
+			last = depths
+		}
+		if time.Now().After(deadline) {
+			e.t.Fatalf("timed out after %v waiting for the queues to drain (queues: %v)", timeout, last)
 		}
 		time.Sleep(time.Second)
 	}
