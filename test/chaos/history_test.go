@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 	"time"
 
 	"github.com/anishathalye/porcupine"
@@ -38,6 +39,15 @@ func (e *env) historyFlags(base string) []string {
 // server's clock in milliseconds (DeadlineSlack), a millisecond or two
 // either way between it and the consumers' wall clocks.
 var redisClock = linearizable.Params{Early: lock.DeadlineSlack + 2*time.Millisecond, Late: 2 * time.Millisecond}
+
+// pgClock is the Params of pgstore on this host, used through its
+// TxHandler: leases by the server's clock as Redis's are (redisClock); an
+// Acquire may answer a busy InProgress (Params.Busy); leases held by
+// transactions (owner tokens beginning with 't', pgstore's mark) write no
+// record until their outcome, and end with their session, which a
+// killed consumer's connections end at once (Params.SessionsEnd).
+var pgClock = linearizable.Params{Early: redisClock.Early, Late: redisClock.Late, Busy: true,
+	Held: func(owner string) bool { return strings.HasPrefix(owner, "t") }, SessionsEnd: true}
 
 // checkHistory merges the histories the scenario's consumer processes
 // recorded (recordHistory), each process a client, and checks them with
