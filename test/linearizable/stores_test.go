@@ -167,6 +167,8 @@ func TestPostgres(t *testing.T) {
 		}
 		return k
 	}
+	// First, while the pool has no connection a fault ended.
+	t.Run("held-late-write", func(t *testing.T) { heldLateWrite(t, store(t), p) })
 	// The record-row leases of Acquire, and those TxHandler takes
 	// (heldStore): held by a transaction, or a record row.
 	for _, lease := range []string{"", "held-"} {
@@ -208,7 +210,6 @@ func TestPostgres(t *testing.T) {
 			wantOK(t, res)
 		})
 	}
-	t.Run("held-late-write", func(t *testing.T) { heldLateWrite(t, store(t), p) })
 }
 
 // TestDynamo runs against minidyn and DynamoDB Local (testenv.EachDynamo)
