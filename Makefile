@@ -83,7 +83,8 @@ demo:
 # SIGKILL and restarted from its AOF, stopped with SIGSTOP, or reached
 # through toxiproxy with latency and cuts; a Redis Sentinel failover with
 # Replicas 1, which must be ok, and without, which must be a violation;
-# pgstore with its backends terminated, and on a PostgreSQL of its own
+# pgstore (record-row leases, and leases held by TxHandler's transactions)
+# with its backends terminated, and on a PostgreSQL of its own
 # restarted in immediate mode; dynamostore on minidyn and DynamoDB Local
 # with call timeouts) and
 # checks each history with porcupine against the model of one key's record

@@ -93,6 +93,7 @@ type env struct {
 	rng      *rand.Rand
 
 	mu        sync.Mutex
+	history   bool // consumers record their store's history (recordHistory)
 	procs     []*proc
 	starts    map[string]int
 	exchanges []string

@@ -134,7 +134,7 @@ func (e *env) startConsumer(name string, extra ...string) (*proc, error) {
 		"-queue", e.queue,
 		"-prefix", e.name,
 		"-events", base + ".events",
-	}, extra...)
+	}, append(e.historyFlags(base), extra...)...)
 	cmd := exec.Command(bin, args...)
 	stdout, err := os.Create(base + ".stdout")
 	if err != nil {

@@ -21,6 +21,9 @@ import (
 //     absorbs the second write (reexecuted, never duplicated).
 //   - after the record is completed, before the ack: the redelivery is a
 //     duplicate; the handler never runs again.
+//
+// Every consumer records its store's history, and the merged history is
+// checked for linearizability at the end (chaos-kill9).
 func TestChaos02Kill9(t *testing.T) {
 	e := newEnv(t, envOptions{})
 	nOps, perWindow, kills := pick(400, 3000), pick(3, 10), pick(4, 15)
@@ -32,6 +35,7 @@ func TestChaos02Kill9(t *testing.T) {
 			ops[i*perWindow+j].Plan.Crash = w
 		}
 	}
+	e.recordHistory()
 	sup := e.supervise(4, "-lease", "2s", "-in-progress-delay", "300ms", "-max-attempts", "20", "-concurrency", "4")
 	e.publish(ops)
 
@@ -52,6 +56,7 @@ func TestChaos02Kill9(t *testing.T) {
 	}
 	e.terminateAll()
 	r := e.report("kill9", nil, false)
+	e.checkHistory("kill9", redisClock)
 	t.Logf("kill9: %d external kill -9, %d crash windows taken, %d restarts", killed, r.Crashes, restarts)
 
 	// Every planned window is normally taken; a kill -9 that lands between

@@ -6,7 +6,10 @@
 // A Recorder wraps a store (lock.Store, lock.Admin, lock.Amender) and
 // writes down every call: the client, the key, the input, the output or
 // error, and the call and return times (monotonic, since the recorder was
-// made). Model is the sequential specification of one key's record,
+// made; a file recorder's are the wall clock's, and it writes each call
+// and each return to its file as they happen, so that the histories of
+// several processes, some killed in the middle of a call, merge into one:
+// ReadHistories). Model is the sequential specification of one key's record,
 // partitioned by key; Check runs porcupine on a history with a time budget
 // and, on a violation, writes porcupine's HTML visualization of the
 // failing partition. Run drives concurrent clients against a store while

@@ -1,8 +1,12 @@
 package linearizable
 
 import (
+	"bufio"
 	"context"
+	"encoding/json"
 	"errors"
+	"fmt"
+	"os"
 	"sync"
 	"time"
 
@@ -125,24 +129,144 @@ type Store interface {
 	lock.Amender
 }
 
-// Recorder records the operations of its clients on a store.
+// Recorder records the operations of its clients on a store. It is safe
+// for concurrent use.
 type Recorder struct {
 	store Store
 	start time.Time
+	wall  bool     // times from the wall clock (NewFileRecorder)
+	file  *os.File // where calls and returns are written, if anywhere
 
-	mu  sync.Mutex
-	ops []Op
+	mu   sync.Mutex
+	ops  []Op
+	seq  int64
+	werr error // the first error writing file
 }
 
 // NewRecorder returns a recorder of operations on s; times count from now.
 func NewRecorder(s Store) *Recorder { return &Recorder{store: s, start: time.Now()} }
 
+// NewFileRecorder returns a recorder of operations on s that writes every
+// call when it is made and every return when it comes to a new file at
+// path, one JSON line each (a write of its own, unbuffered), so that a
+// process killed in the middle of a call leaves the call without its
+// return: ReadHistories reads such a call as one whose answer was lost,
+// which may take effect at any time from its call on. Its times are the
+// wall clock's (ns since the Unix epoch), which the processes of one
+// machine share, so that the files of several processes merge into one
+// history. Close closes the file.
+func NewFileRecorder(s Store, path string) (*Recorder, error) {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL|os.O_APPEND, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	return &Recorder{store: s, start: time.Now(), wall: true, file: f}, nil
+}
+
+// Close closes the recorder's file, if it has one, and returns the first
+// error writing it.
+func (r *Recorder) Close() error {
+	if r.file == nil {
+		return nil
+	}
+	err := r.file.Close()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return errors.Join(r.werr, err)
+}
+
+// line is one line of a recorder's file: a call (In set) or the return
+// (Out set) of the operation Seq.
+type line struct {
+	Seq int64   `json:"seq"`
+	In  *Input  `json:"in,omitempty"`
+	Out *Output `json:"out,omitempty"`
+}
+
+// write writes l to the recorder's file, if it has one.
+func (r *Recorder) write(l line) {
+	if r.file == nil {
+		return
+	}
+	b, err := json.Marshal(l)
+	if err == nil {
+		_, err = r.file.Write(append(b, '\n'))
+	}
+	if err != nil {
+		r.mu.Lock()
+		if r.werr == nil {
+			r.werr = err
+		}
+		r.mu.Unlock()
+	}
+}
+
+// begin numbers the call in and writes it.
+func (r *Recorder) begin(in Input) int64 {
+	r.mu.Lock()
+	r.seq++
+	seq := r.seq
+	r.mu.Unlock()
+	r.write(line{Seq: seq, In: &in})
+	return seq
+}
+
+// ReadHistories reads the files of file recorders (NewFileRecorder) and
+// merges them into one history, the operations of the i-th file recorded
+// as client i's. A call written without its return (the process was
+// killed during it) is recorded as ambiguous, "no return": it may have
+// taken effect at any time from its call on, or never, as Knossos treats
+// a crashed client's call. A last line cut short by the kill is ignored.
+func ReadHistories(paths ...string) ([]Op, error) {
+	var ops []Op
+	for client, path := range paths {
+		f, err := os.Open(path)
+		if err != nil {
+			return nil, err
+		}
+		calls := map[int64]int{} // seq → index in ops
+		sc := bufio.NewScanner(f)
+		sc.Buffer(make([]byte, 64<<10), 16<<20)
+		for n := 1; sc.Scan(); n++ {
+			var l line
+			if err := json.Unmarshal(sc.Bytes(), &l); err != nil {
+				continue // a line cut short by a kill
+			}
+			switch {
+			case l.In != nil:
+				calls[l.Seq] = len(ops)
+				ops = append(ops, Op{Client: client, In: *l.In,
+					Out: Output{Err: ErrAmbiguous, Error: "no return (the process ended during the call)"}})
+			case l.Out != nil:
+				i, ok := calls[l.Seq]
+				if !ok {
+					f.Close()
+					return nil, fmt.Errorf("%s:%d: a return of call %d, which has no call line", path, n, l.Seq)
+				}
+				ops[i].Out = *l.Out
+			}
+		}
+		err = sc.Err()
+		f.Close()
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", path, err)
+		}
+	}
+	return ops, nil
+}
+
 // Client returns client id's view of the store: every call through it is
 // recorded as id's.
 func (r *Recorder) Client(id int) *Client { return &Client{r: r, id: id} }
 
-// Now returns the recorder's clock: ns since it was made (monotonic).
-func (r *Recorder) Now() int64 { return int64(time.Since(r.start)) }
+// Now returns the recorder's clock: ns since it was made (monotonic), or,
+// for a file recorder, ns since the Unix epoch by the wall clock.
+func (r *Recorder) Now() int64 {
+	if r.wall {
+		return time.Now().UnixNano()
+	}
+	return int64(time.Since(r.start))
+}
 
 // History returns a copy of the operations recorded so far.
 func (r *Recorder) History() []Op {
@@ -158,7 +282,9 @@ func (r *Recorder) Len() int {
 	return len(r.ops)
 }
 
-func (r *Recorder) add(op Op) {
+// add records op, the call numbered seq having returned.
+func (r *Recorder) add(seq int64, op Op) {
+	r.write(line{Seq: seq, Out: &op.Out})
 	r.mu.Lock()
 	r.ops = append(r.ops, op)
 	r.mu.Unlock()
@@ -172,19 +298,33 @@ type Client struct {
 
 var _ Store = (*Client)(nil)
 
-func (c *Client) record(in Input, out Output, err error) {
+// call stamps in with the time and writes it (a file recorder's call
+// line); record records its answer.
+func (c *Client) call(in Input) (Input, int64) {
+	in.Call = c.r.Now()
+	return in, c.r.begin(in)
+}
+
+func (c *Client) record(seq int64, in Input, out Output, err error) {
 	out.Return = c.r.Now()
 	out.Err = Classify(err)
 	if err != nil {
 		out.Error = err.Error()
 	}
-	c.r.add(Op{Client: c.id, In: in, Out: out})
+	c.r.add(seq, Op{Client: c.id, In: in, Out: out})
 }
 
 // Acquire calls the store's Acquire and records it.
 func (c *Client) Acquire(ctx context.Context, req lock.Request) (lock.Result, error) {
-	in := Input{Kind: KindAcquire, Key: req.Key, TTL: req.TTL, Fingerprint: req.Fingerprint, Call: c.r.Now()}
-	res, err := c.r.store.Acquire(ctx, req)
+	return c.AcquireBy(ctx, req, c.r.store.Acquire)
+}
+
+// AcquireBy records an Acquire of req that acquire answers in the
+// store's place: a LeaseTaker's AcquireLease, which takes the store's
+// lease its own way.
+func (c *Client) AcquireBy(ctx context.Context, req lock.Request, acquire func(context.Context, lock.Request) (lock.Result, error)) (lock.Result, error) {
+	in, seq := c.call(Input{Kind: KindAcquire, Key: req.Key, TTL: req.TTL, Fingerprint: req.Fingerprint})
+	res, err := acquire(ctx, req)
 	out := Output{Status: res.Status, Fence: res.Fence, Attempts: res.Attempts}
 	switch res.Status {
 	case lock.Acquired:
@@ -194,28 +334,42 @@ func (c *Client) Acquire(ctx context.Context, req lock.Request) (lock.Result, er
 	case lock.Failed:
 		out.Value = res.Error
 	}
-	c.record(in, out, err)
+	c.record(seq, in, out, err)
 	return res, err
 }
 
 // Extend calls the store's Extend and records one operation per lease.
 func (c *Client) Extend(ctx context.Context, leases ...lock.Lease) []error {
-	call := c.r.Now()
-	errs := c.r.store.Extend(ctx, leases...)
+	ins := make([]Input, len(leases))
+	seqs := make([]int64, len(leases))
 	for i, l := range leases {
+		ins[i], seqs[i] = c.call(Input{Kind: KindExtend, Key: l.Key, Owner: l.Owner, Fence: l.Fence, TTL: l.TTL})
+	}
+	errs := c.r.store.Extend(ctx, leases...)
+	for i := range leases {
 		var err error
 		if i < len(errs) {
 			err = errs[i]
 		}
-		c.record(Input{Kind: KindExtend, Key: l.Key, Owner: l.Owner, Fence: l.Fence, TTL: l.TTL, Call: call}, Output{}, err)
+		c.record(seqs[i], ins[i], Output{}, err)
 	}
 	return errs
 }
 
+// Begin records the call of kind (KindComplete, KindFail, KindRelease or
+// KindCancel) ending lease l with value, made outside the store (a
+// Completer's HandleComplete, which completes the record in the
+// handler's transaction): it writes the call now and returns the function
+// to call with its error when it returns.
+func (c *Client) Begin(kind Kind, l lock.Lease, value string) func(error) {
+	in, seq := c.call(Input{Kind: kind, Key: l.Key, Owner: l.Owner, Fence: l.Fence, Value: value})
+	return func(err error) { c.record(seq, in, Output{}, err) }
+}
+
 func (c *Client) finish(kind Kind, l lock.Lease, value string, f func() error) error {
-	in := Input{Kind: kind, Key: l.Key, Owner: l.Owner, Fence: l.Fence, Value: value, Call: c.r.Now()}
+	end := c.Begin(kind, l, value)
 	err := f()
-	c.record(in, Output{}, err)
+	end(err)
 	return err
 }
 
@@ -241,15 +395,15 @@ func (c *Client) Cancel(ctx context.Context, l lock.Lease) error {
 
 // Amend calls the store's Amend and records it.
 func (c *Client) Amend(ctx context.Context, key string, fence int64, old, value []byte) error {
-	in := Input{Kind: KindAmend, Key: key, Fence: fence, Old: string(old), Value: string(value), Call: c.r.Now()}
+	in, seq := c.call(Input{Kind: KindAmend, Key: key, Fence: fence, Old: string(old), Value: string(value)})
 	err := c.r.store.Amend(ctx, key, fence, old, value)
-	c.record(in, Output{}, err)
+	c.record(seq, in, Output{}, err)
 	return err
 }
 
 // Inspect calls the store's Inspect and records it.
 func (c *Client) Inspect(ctx context.Context, key string) (lock.Record, error) {
-	in := Input{Kind: KindInspect, Key: key, Call: c.r.Now()}
+	in, seq := c.call(Input{Kind: KindInspect, Key: key})
 	rec, err := c.r.store.Inspect(ctx, key)
 	out := Output{State: rec.State, Owner: rec.Owner, Fence: rec.Fence, Attempts: rec.Attempts}
 	switch rec.State {
@@ -258,14 +412,14 @@ func (c *Client) Inspect(ctx context.Context, key string) (lock.Record, error) {
 	case lock.StateFailed:
 		out.Value = rec.Error
 	}
-	c.record(in, out, err)
+	c.record(seq, in, out, err)
 	return rec, err
 }
 
 // Forget calls the store's Forget and records it.
 func (c *Client) Forget(ctx context.Context, key string, state lock.State, fence int64) error {
-	in := Input{Kind: KindForget, Key: key, State: state, Fence: fence, Call: c.r.Now()}
+	in, seq := c.call(Input{Kind: KindForget, Key: key, State: state, Fence: fence})
 	err := c.r.store.Forget(ctx, key, state, fence)
-	c.record(in, Output{}, err)
+	c.record(seq, in, Output{}, err)
 	return err
 }

@@ -34,7 +34,29 @@ type Params struct {
 	// check: without it, an InProgress answer needs a lease that may
 	// still be live.
 	Busy bool
+	// Held tells the leases held by a transaction (pgstore's TxHandler,
+	// by their owner token) from the others; nil: none is. Such a lease
+	// writes no record until its outcome: while it is held the key reads
+	// as absent (Inspect and Forget find no record, a busy Acquire
+	// answers fence 0 and attempts 0), its outcome is written as a first
+	// attempt (attempts 1), and Cancel writes nothing (the key is absent
+	// again) and answers nil whatever the record. It is taken only on a
+	// key with no record. Extend does not renew it (the server ends its
+	// session once its transaction sat idle for the TTL, and then Extend
+	// answers ErrLeaseLost, as a call ending it may); it lasts as long as
+	// its session is busy.
+	Held func(owner string) bool
+	// SessionsEnd: the run's faults end database sessions (backends
+	// terminated, the server restarted), and with its session a lease
+	// held by a transaction, which the key's next Acquire may then take
+	// over before the lease's TTL. Its work, in that session, rolled
+	// back with it. A call ending such a lease that answers ErrLeaseLost
+	// may then have written its outcome (see docs/testing.md).
+	SessionsEnd bool
 }
+
+// held reports whether owner's lease is held by a transaction.
+func (p Params) held(owner string) bool { return p.Held != nil && owner != "" && p.Held(owner) }
 
 // state is one key's record as the model knows it. It is comparable, so
 // that porcupine can compare states with ==.
@@ -59,6 +81,9 @@ type state struct {
 	// Earliest, and it must be expired after Latest (math.MaxInt64: never
 	// known, after an answer that was lost).
 	Earliest, Latest int64
+	// Held: the current lease (St 'p') is held by a transaction
+	// (Params.Held), and the key has no record.
+	Held bool
 }
 
 var seed = maphash.MakeSeed()
@@ -119,6 +144,15 @@ func step(p Params, s state, in Input, out Output) []interface{} {
 	case KindExtend:
 		held := s.Exists && s.OwnerKnown && s.Owner == in.Owner && s.Fence == in.Fence && s.St == 'p'
 		ext := s
+		if s.Held {
+			// Not renewed: the session's idle timeout ends it, or not.
+			if out.Err == ErrLost && held {
+				return one(out.Return >= s.Earliest, s)
+			}
+			if out.Err == ErrNone || ambiguous(out.Err) {
+				return one(held || ambiguous(out.Err), s)
+			}
+		}
 		ext.Earliest = max(s.Earliest, in.Call+int64(in.TTL)-int64(p.Early))
 		switch {
 		case ambiguous(out.Err):
@@ -142,13 +176,44 @@ func step(p Params, s state, in Input, out Output) []interface{} {
 		apply := held && s.St == 'p'
 		next := s
 		if apply {
-			next.St, next.Earliest, next.Latest = target, 0, 0
+			next.St, next.Earliest, next.Latest, next.Held = target, 0, 0, false
 			switch target {
 			case 'c', 'f':
 				next.Value = in.Value
 			case 'x':
 				next.Attempts = max(s.Attempts-1, 0)
 			}
+			if s.Held {
+				// The outcome is the record's first attempt; a
+				// cancelled one leaves none.
+				next.Attempts = 1
+				if target == 'x' {
+					next = state{Floor: s.Floor}
+				}
+			}
+		}
+		if target == 'x' && p.held(in.Owner) && !ambiguous(out.Err) {
+			// A held lease's Cancel answers nil whatever the record.
+			if out.Err != ErrNone {
+				return nil
+			}
+			if apply {
+				return []interface{}{next}
+			}
+			return []interface{}{s}
+		}
+		if out.Err == ErrLost && apply && s.Held {
+			if p.SessionsEnd {
+				// The outcome written on the lease's session may
+				// have committed as the session ended, its answer
+				// lost; the check pgstore then makes on another
+				// connection finds the record moved on (taken over
+				// since) and answers ErrLeaseLost (docs/testing.md).
+				return []interface{}{s, next}
+			}
+			// Past its TTL its session may have ended, and the lease
+			// with it, no takeover needed.
+			return one(out.Return >= s.Earliest, s)
 		}
 		switch {
 		case ambiguous(out.Err):
@@ -184,8 +249,8 @@ func step(p Params, s state, in Input, out Output) []interface{} {
 		case ambiguous(out.Err):
 			return []interface{}{s}
 		case out.Err == ErrNotFound:
-			return one(!s.Exists, s)
-		case out.Err != ErrNone || !s.Exists || out.State.Letter() != s.St || out.Attempts != s.Attempts:
+			return one(!s.Exists || s.Held, s)
+		case out.Err != ErrNone || !s.Exists || s.Held || out.State.Letter() != s.St || out.Attempts != s.Attempts:
 			return nil
 		case s.OwnerKnown && out.Owner != s.Owner:
 			return nil
@@ -195,7 +260,7 @@ func step(p Params, s state, in Input, out Output) []interface{} {
 		next, ok := learnFence(s, out.Fence)
 		return one(ok, next)
 	case KindForget:
-		match := s.Exists && s.St == in.State.Letter() && (!s.FenceKnown || s.Fence == in.Fence)
+		match := s.Exists && !s.Held && s.St == in.State.Letter() && (!s.FenceKnown || s.Fence == in.Fence)
 		gone := state{Floor: max(s.Floor, in.Fence)}
 		switch {
 		case ambiguous(out.Err):
@@ -212,11 +277,11 @@ func step(p Params, s state, in Input, out Output) []interface{} {
 			}
 			return []interface{}{gone}
 		case out.Err == ErrNotFound:
-			return one(!s.Exists, s)
+			return one(!s.Exists || s.Held, s)
 		case out.Err == ErrChanged:
 			// With the fence unknown, the store may have refused it
 			// for another fence.
-			return one(s.Exists && (!match || !s.FenceKnown), s)
+			return one(s.Exists && !s.Held && (!match || !s.FenceKnown), s)
 		}
 		return nil
 	}
@@ -240,14 +305,16 @@ func learnFence(s state, fence int64) (state, bool) {
 func stepAcquire(p Params, s state, in Input, out Output) []interface{} {
 	// What a granted lease makes of the record, its fence and owner
 	// aside.
+	// A lease held by a transaction leaves no record.
+	none := !s.Exists || s.Held
 	granted := s
 	granted.St = 'p'
 	granted.Earliest = in.Call + int64(in.TTL) - int64(p.Early)
-	if !s.Exists {
+	if none {
 		granted = state{Exists: true, St: 'p', Floor: s.Floor, FP: in.Fingerprint, Earliest: granted.Earliest}
 	}
 	granted.Attempts++
-	conflict := s.Exists && in.Fingerprint != "" && s.FP != "" && in.Fingerprint != s.FP
+	conflict := !none && in.Fingerprint != "" && s.FP != "" && in.Fingerprint != s.FP
 	free := !s.Exists || s.St == 'r' || s.St == 'x'
 	if ambiguous(out.Err) {
 		if conflict || !(free || s.St == 'p') {
@@ -266,7 +333,7 @@ func stepAcquire(p Params, s state, in Input, out Output) []interface{} {
 	switch {
 	case out.Status == lock.InProgress && p.Busy && !final:
 		// Busy: the record as it is, whatever its lease and fingerprint.
-		if !s.Exists {
+		if none {
 			return one(out.Fence == 0 && out.Attempts == 0, s)
 		}
 		if out.Attempts != s.Attempts {
@@ -310,6 +377,17 @@ func stepAcquire(p Params, s state, in Input, out Output) []interface{} {
 		granted.Owner, granted.OwnerKnown, granted.Fence, granted.FenceKnown = out.Owner, true, out.Fence, true
 		granted.Floor = out.Fence
 		granted.Latest = out.Return + int64(in.TTL)
+		if p.held(out.Owner) {
+			// Only on a key with no record; it lasts while its session
+			// is busy.
+			if !none {
+				return nil
+			}
+			granted.Held, granted.Latest = true, math.MaxInt64
+			if p.SessionsEnd {
+				granted.Earliest = in.Call
+			}
+		}
 		return []interface{}{granted}
 	}
 	return nil
@@ -363,6 +441,9 @@ func describeState(s state) string {
 		fence = fmt.Sprint(s.Fence)
 	}
 	d := fmt.Sprintf("%s owner=%s fence=%s floor=%d attempts=%d fp=%q", lock.StateOf(s.St), owner, fence, s.Floor, s.Attempts, s.FP)
+	if s.Held {
+		d = "held by a transaction, no record: " + d
+	}
 	switch s.St {
 	case 'p':
 		latest := "never"

@@ -14,7 +14,9 @@ import (
 //	LINEARIZABLE_EARLY=3ms LINEARIZABLE_LATE=2ms go test -run TestReplay -v ./test/linearizable/
 //
 // EARLY and LATE are the Params of the run (see the test that wrote it);
-// LINEARIZABLE_BUSY=1 sets Params.Busy (pgstore's runs).
+// LINEARIZABLE_BUSY=1 sets Params.Busy (pgstore's runs), LINEARIZABLE_HELD=1
+// Params.Held (pgstore's held runs, chaos-pg-kill9), LINEARIZABLE_SESSIONS_END=1
+// Params.SessionsEnd (runs whose faults end sessions).
 func TestReplay(t *testing.T) {
 	path := os.Getenv("LINEARIZABLE_REPLAY")
 	if path == "" {
@@ -36,5 +38,9 @@ func TestReplay(t *testing.T) {
 		}
 	}
 	p.Busy = os.Getenv("LINEARIZABLE_BUSY") != ""
+	if os.Getenv("LINEARIZABLE_HELD") != "" {
+		p.Held = heldOwner
+	}
+	p.SessionsEnd = os.Getenv("LINEARIZABLE_SESSIONS_END") != ""
 	t.Logf("%d operations; violations:\n%s", len(history), linearizable.Explain(p, history, time.Minute))
 }

@@ -6,6 +6,8 @@
 // -store-dynamo likewise in DynamoDB (dynamostore). With -stage-to it
 // is stage A of a two-stage pipeline: its handler stages one message per
 // operation for stage B (amqpidem.Stage) instead of writing the ledger.
+// With -history it records its store's history (every call and return,
+// wall-clock times) in a file, for a linearizability check.
 // The tests build it once per run and start, kill, pause and restart it.
 //
 //	consumer -name c1 -queue Q -prefix P -schema S \
@@ -50,6 +52,7 @@ func main() {
 	flag.StringVar(&cfg.Queue, "queue", "", "queue to consume (required)")
 	flag.StringVar(&cfg.Prefix, "prefix", "", "Redis key prefix")
 	flag.StringVar(&cfg.EventsPath, "events", "", "append every outcome to this file as JSON lines")
+	flag.StringVar(&cfg.HistoryPath, "history", "", "record every call on the store and its return in this new file, for a linearizability check (test/linearizable)")
 	flag.DurationVar(&cfg.LeaseTTL, "lease", 0, "amqpidem Config.LeaseTTL (0: default)")
 	flag.DurationVar(&cfg.StoreLeaseTTL, "store-lease", 0, "lock Config.LeaseTTL (0: default)")
 	flag.DurationVar(&cfg.Retention, "retention", 0, "amqpidem Config.Retention (0: default)")

@@ -90,7 +90,11 @@ func (w *Worker) openDynamo() (lock.Store, amqpidem.Handler, *dynamostore.Store,
 	if !ok {
 		return nil, nil, nil, errors.New("worker: dynamostore's TxHandler is not an amqpidem.Completer")
 	}
-	st := &store{Store: ds, w: w}
+	rec, err := w.recorded(ds)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	st := &store{Store: rec, w: w}
 	return st, &txCompleter{Completer: c, store: st, w: w}, ds, nil
 }
 

@@ -16,6 +16,7 @@ import (
 	"github.com/amqpidem/amqpidem/pgstore"
 	"github.com/amqpidem/amqpidem/test/chaos/internal/ledger"
 	"github.com/amqpidem/amqpidem/test/chaos/internal/workload"
+	"github.com/amqpidem/amqpidem/test/linearizable"
 )
 
 // EffectsTable is the pg mode's side-effect sink: one row per execution
@@ -91,8 +92,14 @@ func (w *Worker) openPG(ctx context.Context) (lock.Store, amqpidem.Handler, func
 		pool.Close()
 		return nil, nil, nil, errors.New("worker: pgstore's TxHandler is not an amqpidem.Completer")
 	}
+	rec, err := w.recorded(ps)
+	if err != nil {
+		ps.Close()
+		pool.Close()
+		return nil, nil, nil, err
+	}
 	w.pgStore, w.pgPool = ps, pool
-	st := &store{Store: ps, w: w}
+	st := &store{Store: rec, w: w}
 	closeAll := func() {
 		ps.Close()
 		pool.Close()
@@ -219,7 +226,14 @@ func (c *txCompleter) AcquireLease(ctx context.Context, req lock.Request, d *amq
 		return c.store.Acquire(ctx, req)
 	}
 	at := time.Now()
-	res, err := t.AcquireLease(ctx, req, d)
+	acquire := func(ctx context.Context, req lock.Request) (lock.Result, error) { return t.AcquireLease(ctx, req, d) }
+	var res lock.Result
+	var err error
+	if c.w.rec != nil {
+		res, err = c.w.rec.AcquireBy(ctx, req, acquire)
+	} else {
+		res, err = acquire(ctx, req)
+	}
 	if err == nil && res.Status == lock.Acquired {
 		c.w.track(messageKey(req.Key), res.Lease.Fence, at)
 	}
@@ -228,7 +242,21 @@ func (c *txCompleter) AcquireLease(ctx context.Context, req lock.Request, d *amq
 
 func (c *txCompleter) HandleComplete(ctx context.Context, d *amqp.Delivery, lease lock.Lease,
 	value func([]byte) ([]byte, error)) ([]byte, error) {
+	var end func(error) // the history's Complete, once the handler succeeded
+	if c.w.rec != nil {
+		inner := value
+		value = func(result []byte) ([]byte, error) {
+			v, err := inner(result)
+			if err == nil && end == nil {
+				end = c.w.rec.Begin(linearizable.KindComplete, lease, string(v))
+			}
+			return v, err
+		}
+	}
 	res, err := c.Completer.HandleComplete(ctx, d, lease, value)
+	if end != nil {
+		end(err)
+	}
 	done := time.Now()
 	key := messageKey(lease.Key)
 	p := c.w.lookup(key, lease.Fence)

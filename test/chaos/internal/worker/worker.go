@@ -33,6 +33,7 @@ import (
 	"github.com/amqpidem/amqpidem/lock"
 	"github.com/amqpidem/amqpidem/pgstore"
 	"github.com/amqpidem/amqpidem/test/chaos/internal/ledger"
+	"github.com/amqpidem/amqpidem/test/linearizable"
 )
 
 // Defaults of Config.
@@ -63,6 +64,14 @@ type Config struct {
 	// EventsPath is a file to which every Observer event is appended as a
 	// JSON line (see EventRecord). Empty: none.
 	EventsPath string
+	// HistoryPath, when set, is a new file to which every call of the
+	// consumer on its store, and every return, is written as it happens
+	// (linearizable.NewFileRecorder, wall-clock times): Acquire, Extend,
+	// Complete, Fail, Release, Cancel and Amend, with a transactional
+	// handler's AcquireLease and HandleComplete as the Acquire and
+	// Complete they are. A test merges the files of a run's processes
+	// (linearizable.ReadHistories) and checks the history. Empty: none.
+	HistoryPath string
 
 	// LeaseTTL, Retention, InProgressDelay, UnavailableDelay and
 	// MaxAttempts are amqpidem.Config's.
@@ -155,6 +164,10 @@ type Worker struct {
 	events   *eventLog
 	consumer *amqpidem.Consumer
 	seq      atomic.Int64
+	// history records the store's calls (Config.HistoryPath); nil: none.
+	history     *linearizable.Recorder
+	rec         *linearizable.Client // history's client, the process's
+	historyOnce sync.Once
 
 	// leases holds, per lease, what the store wrapper and the handler
 	// share. Entries are removed on Complete (a stage A worker's on the
@@ -326,8 +339,14 @@ func New(ctx context.Context, cfg Config) (*Worker, error) {
 		if cfg.StageTo != "" {
 			handler = amqpidem.HandlerFunc(w.handleStage)
 		}
-		st, check = &store{Store: rs, w: w}, rs.Check
+		rec, err := w.recorded(rs)
+		if err != nil {
+			return nil, err
+		}
+		st, check = &store{Store: rec, w: w}, rs.Check
 	}
+
+	closers = append(closers, func() { _ = w.closeHistory() })
 
 	hb := cfg.Heartbeat
 	w.consumer, err = amqpidem.NewConsumer(st, amqpidem.ConsumerConfig{
@@ -391,6 +410,30 @@ func (w *Worker) Shutdown(ctx context.Context) error {
 	if w.events != nil {
 		err = errors.Join(err, w.events.close())
 	}
+	return errors.Join(err, w.closeHistory())
+}
+
+// recorded returns s, or, with Config.HistoryPath, s recorded there: the
+// process's client of a file recorder on s.
+func (w *Worker) recorded(s linearizable.Store) (lock.Store, error) {
+	if w.cfg.HistoryPath == "" {
+		return s, nil
+	}
+	r, err := linearizable.NewFileRecorder(s, w.cfg.HistoryPath)
+	if err != nil {
+		return nil, fmt.Errorf("worker: history: %w", err)
+	}
+	w.history, w.rec = r, r.Client(0)
+	return w.rec, nil
+}
+
+// closeHistory closes the history's file, if there is one, once.
+func (w *Worker) closeHistory() error {
+	if w.history == nil {
+		return nil
+	}
+	var err error
+	w.historyOnce.Do(func() { err = w.history.Close() })
 	return err
 }
 
