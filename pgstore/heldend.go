@@ -43,8 +43,14 @@ func (s *Store) endHeld(ctx context.Context, l lock.Lease, op, state string, val
 // the same session, under the key's session-level lock (finishHeldOn).
 // Once the session ended (the server ended it, say: nothing of its
 // transaction committed), finish_held runs on a connection of the pool: it
-// writes the outcome if no other holder came meanwhile.
+// writes the outcome if no other holder came meanwhile. When the outcome
+// went out on the session and the session ended before its answer came
+// back, the outcome is unknown: it may have committed, and a later lease
+// taken its record over before finish_held looked. Then finish_held's
+// "lease lost" is not an answer (the outcome may be written), and the
+// error is the lost answer's, lock.ErrUnavailable.
 func (s *Store) finishHeld(ctx context.Context, h *heldTx, l lock.Lease, op, state string, value []byte) error {
+	var unanswered error // the outcome sent on h's session, its answer lost
 	if h.conn != nil {
 		pc := h.conn.Conn().PgConn()
 		usable := !pc.IsClosed() && !pc.IsBusy()
@@ -58,14 +64,21 @@ func (s *Store) finishHeld(ctx context.Context, h *heldTx, l lock.Lease, op, sta
 		}
 		closed := pc.IsClosed()
 		s.endHeldConn(h)
-		if usable && !closed {
+		if usable && (!closed || err == nil) {
 			return err
+		}
+		if usable {
+			unanswered = err
 		}
 	}
 	s.awaitSessionEnd(ctx, l)
 	_, err := s.pool.Exec(ctx, s.sql.finishHeld, s.cfg.Prefix, []byte(l.Key), l.Owner, l.Fence, state, value,
 		l.Retention.Milliseconds(), h.fp)
-	return s.heldError(op, l, err)
+	err = s.heldError(op, l, err)
+	if unanswered != nil && errors.Is(err, lock.ErrLeaseLost) {
+		return unanswered
+	}
+	return err
 }
 
 // awaitSessionEnd waits, up to a second, until the backend that held l

@@ -50,8 +50,7 @@ type Params struct {
 	// terminated, the server restarted), and with its session a lease
 	// held by a transaction, which the key's next Acquire may then take
 	// over before the lease's TTL. Its work, in that session, rolled
-	// back with it. A call ending such a lease that answers ErrLeaseLost
-	// may then have written its outcome (see docs/testing.md).
+	// back with it.
 	SessionsEnd bool
 }
 
@@ -203,14 +202,6 @@ func step(p Params, s state, in Input, out Output) []interface{} {
 			return []interface{}{s}
 		}
 		if out.Err == ErrLost && apply && s.Held {
-			if p.SessionsEnd {
-				// The outcome written on the lease's session may
-				// have committed as the session ended, its answer
-				// lost; the check pgstore then makes on another
-				// connection finds the record moved on (taken over
-				// since) and answers ErrLeaseLost (docs/testing.md).
-				return []interface{}{s, next}
-			}
 			// Past its TTL its session may have ended, and the lease
 			// with it, no takeover needed.
 			return one(out.Return >= s.Earliest, s)
