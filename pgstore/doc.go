@@ -135,6 +135,19 @@
 //     vanishes in the middle of a statement, or whose COMMIT waits for a
 //     synchronous standby, is not idle: it keeps the lock until the server
 //     notices (TCP keepalives).
+//   - That recorded attempt is written late, after the session ended, by
+//     a holder that can no longer tell whether another lease came and
+//     went meanwhile: it is written whenever the key is free and has no
+//     live record. So when a later lease was cancelled (or its session
+//     ended too) before it, the record is the earlier holder's outcome,
+//     with a lower fence than the later lease's; when a later lease
+//     completed and its record was forgotten, the earlier holder's record
+//     comes back. Its work rolled back with its session, so no effect is
+//     duplicated; what can be off is the outcome recorded (a failure or a
+//     release of an older attempt). This is not linearizable
+//     (test/linearizable's pgstore-held-late-write shows it), and kept:
+//     without it, a handler that outlives its session every time would
+//     never have its attempts counted nor reach MaxAttempts.
 //   - A handler that ends the transaction itself (see "Writing a
 //     TxHandler") keeps the key: the session-level lock outlives its
 //     COMMIT, and the record is written on the same session before the
