@@ -188,6 +188,10 @@ type batchOut struct {
 	completed bool
 	// timedOut: the batch it ran in alone was cut off by HandlerTimeout.
 	timedOut bool
+	// completeErr is the store's answer for good when completeBatch
+	// could not complete its record (lock.ErrLeaseLost,
+	// lock.ErrResultTooLarge).
+	completeErr error
 }
 
 // acquireCall is one lease request waiting for its group's AcquireBatch.
@@ -253,6 +257,7 @@ func (f *flight) runBatched() {
 		fs := b.runs.gather(gr, wait, p.stopping, f.hctx.Done())
 		start := time.Now()
 		p.runBatch(f.ctx, fs)
+		p.completeBatch(f.ctx, fs)
 		p.cfg.Logger.DebugContext(f.ctx, "amqpidem: batch ran", "queue", p.cfg.Queue, "size", len(fs), "duration", time.Since(start))
 		close(gr.done)
 	} else {
@@ -313,6 +318,56 @@ func (p *processor) runBatch(ctx context.Context, fs []*flight) {
 		mid := len(live) / 2
 		p.runBatch(ctx, live[:mid])
 		fs = live[mid:]
+	}
+}
+
+// completeBatch completes, in one store call, the records of the flights
+// of fs that succeeded, when the store is a lock.BatchCompleter and the
+// handler is not a BatchCompleter (which committed them with its
+// effects). A flight whose record CompleteBatch answered for good (nil,
+// lock.ErrLeaseLost or lock.ErrResultTooLarge) settles by that answer; one
+// it could not answer completes its record alone (settle's retries,
+// which a record already completed by this lease answers nil).
+func (p *processor) completeBatch(ctx context.Context, fs []*flight) {
+	cs, _ := p.given.(lock.BatchCompleter)
+	if cs == nil || p.batch.bc != nil {
+		return
+	}
+	var done []*flight
+	var leases []lock.Lease
+	var values [][]byte
+	for _, f := range fs {
+		if f.out.err != nil || f.out.completed {
+			continue
+		}
+		v, err := p.batchValue(f, f.out.result)
+		if err != nil {
+			f.out.err = err // settled as "result too large"
+			continue
+		}
+		done, leases, values = append(done, f), append(leases, f.lease), append(values, v)
+	}
+	if len(done) == 0 {
+		return
+	}
+	start := time.Now()
+	errs := cs.CompleteBatch(context.WithoutCancel(ctx), leases, values)
+	if o, ok := p.store.(*observedStore); ok {
+		o.report(ctx, "complete", start, len(leases), errs...)
+	}
+	for i, f := range done {
+		var err error
+		if len(errs) == len(done) {
+			err = errs[i]
+		} else {
+			err = fmt.Errorf("amqpidem: the store's CompleteBatch answered %d errors for %d leases", len(errs), len(done))
+		}
+		switch {
+		case err == nil:
+			f.out.completed = true
+		case errors.Is(err, lock.ErrLeaseLost), errors.Is(err, lock.ErrResultTooLarge):
+			f.out.completeErr = err
+		}
 	}
 }
 
@@ -390,6 +445,13 @@ func (f *flight) settleBatched() {
 	case o.err == nil && o.completed:
 		f.stopKeep()
 		f.replyAndAck(o.result, Completed)
+	case o.err == nil && errors.Is(o.completeErr, lock.ErrLeaseLost):
+		// As complete settles it: someone took the key over.
+		f.stopKeep()
+		f.requeue(Abandoned, "lease lost", MinInProgressDelay, o.completeErr)
+	case o.err == nil && o.completeErr != nil:
+		f.stopKeep()
+		f.fail("result too large", o.completeErr)
 	case o.err == nil && len(o.result) > f.p.cfg.MaxResultSize:
 		f.stopKeep()
 		f.fail("result too large", fmt.Errorf("%w: %d bytes, at most %d allowed", lock.ErrResultTooLarge, len(o.result), f.p.cfg.MaxResultSize))
