@@ -64,10 +64,25 @@ func (s *batchCalls) CompleteBatch(ctx context.Context, leases []lock.Lease, res
 	return s.RedisStore.CompleteBatch(ctx, leases, results)
 }
 
+// batchObserver keeps the batches it is told of.
+type batchObserver struct {
+	mu      sync.Mutex
+	batches []amqpidem.BatchInfo
+}
+
+func (o *batchObserver) Observe(context.Context, amqpidem.Event) {}
+
+func (o *batchObserver) ObserveBatch(_ context.Context, b amqpidem.BatchInfo) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.batches = append(o.batches, b)
+}
+
 // TestBatchRedisRoundTrips: a batch consumer on Redis takes a batch's
 // leases in one AcquireBatch, one round trip (the keys are new), and
 // completes its records in one CompleteBatch, one round trip, counted
-// exactly by a go-redis hook; each message once.
+// exactly by a go-redis hook; each message once. Each batch is told to a
+// BatchObserver (through Observers) and logged once at debug.
 func TestBatchRedisRoundTrips(t *testing.T) {
 	e := newEnv(t, nil)
 	client := testenv.RedisClient(t)
@@ -95,9 +110,12 @@ func TestBatchRedisRoundTrips(t *testing.T) {
 	for i := range n {
 		e.publish(amqp.Publishing{MessageId: fmt.Sprintf("m%03d", i), Body: []byte("x")})
 	}
+	obs := &batchObserver{}
+	logs := &lockedBuffer{}
 	c, err := amqpidem.NewBatchConsumer(store, amqpidem.ConsumerConfig{
 		URL: e.url, BatchSize: n, BatchWait: time.Second,
-		Config: amqpidem.Config{Queue: e.queue, LeaseTTL: time.Minute, Observer: rec, Logger: slog.New(slog.DiscardHandler)},
+		Config: amqpidem.Config{Queue: e.queue, LeaseTTL: time.Minute, Observer: amqpidem.Observers(rec, obs),
+			Logger: slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug}))},
 	}, h)
 	if err != nil {
 		t.Fatal(err)
@@ -135,6 +153,25 @@ func TestBatchRedisRoundTrips(t *testing.T) {
 	}
 	if got := trips.other.Load(); got != 0 {
 		t.Errorf("commands sent alone: got %d, want 0", got)
+	}
+
+	obs.mu.Lock()
+	defer obs.mu.Unlock()
+	size := 0
+	for _, b := range obs.batches {
+		size += b.Size
+		if b.Queue != e.queue || b.Runs != 1 || b.Duration <= 0 {
+			t.Errorf("batch observed: got %+v, want queue %s, 1 run, a duration", b, e.queue)
+		}
+	}
+	if got, want := int64(len(obs.batches)), batches.Load(); got != want {
+		t.Errorf("batches observed: got %d, want %d", got, want)
+	}
+	if size != n {
+		t.Errorf("sizes observed add up to %d, want %d", size, n)
+	}
+	if got, want := int64(strings.Count(logs.String(), `msg="amqpidem: batch ran"`)), batches.Load(); got != want {
+		t.Errorf("debug lines for batches: got %d, want %d", got, want)
 	}
 }
 
