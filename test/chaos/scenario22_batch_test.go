@@ -18,6 +18,7 @@ import (
 
 	"github.com/cenkalti/backoff/v4"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
@@ -36,12 +37,24 @@ import (
 // commit together, once. A poison message fails every batch it is in;
 // the batch is split until it is alone, dead-lettered after its
 // attempts, and the rest of its batch applied once.
+//
+// Scenario 22b, batch-kill9, is the same on the Redis store with a plain
+// BatchHandler (records completed by CompleteBatch after the handler):
+// there the effects are the handler's own, and a kill between a batch's
+// effects and its records' completion (the window no lease can close)
+// runs them again. Its sink absorbs by op id (batch_applied, as scenario
+// 2's ledger), and logs every execution (batch_executions, no unique
+// key): duplicated counts ops with more than one execution not absorbed,
+// reexecuted those whose re-execution was absorbed.
 
 // Environment of a scenario 22 child.
 const (
 	envBatchChild  = "CHAOS_BATCH_CHILD_SCHEMA"
 	envBatchQueue  = "CHAOS_BATCH_CHILD_QUEUE"
+	envBatchStore  = "CHAOS_BATCH_CHILD_STORE" // "pg" or "redis"
 	batchEffectsTB = "batch_effects"
+	batchAppliedTB = "batch_applied"
+	batchExecTB    = "batch_executions"
 )
 
 // TestChaos22PGBatchChild is the consumer TestChaos22PGBatchKill9 runs
@@ -52,23 +65,33 @@ func TestChaos22PGBatchChild(t *testing.T) {
 		t.Skip("run by TestChaos22PGBatchKill9")
 	}
 	pool := pgenv.Pool(t, 8)
-	store, err := pgstore.New(pool, pgstore.Config{Config: lock.Config{LeaseTTL: 2 * time.Second}, Schema: schema, CleanupInterval: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	effects := pgx.Identifier{schema, batchEffectsTB}.Sanitize()
-	h := store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
-		for _, d := range ds {
-			if strings.HasPrefix(d.MessageId, "poison") {
-				return nil, fmt.Errorf("poison %s", d.MessageId) // the batch's error: split
-			}
-			if _, err := tx.Exec(ctx, "INSERT INTO "+effects+" (op, pid) VALUES ($1, $2)", d.MessageId, os.Getpid()); err != nil {
-				return nil, err
-			}
+	var store lock.Store
+	var h amqpidem.BatchHandler
+	if os.Getenv(envBatchStore) == "redis" {
+		rs, err := lock.NewRedisStore(testenv.RedisClient(t), lock.Config{Prefix: queue, LeaseTTL: 2 * time.Second})
+		if err != nil {
+			t.Fatal(err)
 		}
-		time.Sleep(50 * time.Millisecond) // so that kills land inside batches too
-		return nil, nil
-	})
+		store, h = rs, amqpidem.BatchHandlerFunc(absorbingEffects(pool, schema))
+	} else {
+		ps, err := pgstore.New(pool, pgstore.Config{Config: lock.Config{LeaseTTL: 2 * time.Second}, Schema: schema, CleanupInterval: -1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		effects := pgx.Identifier{schema, batchEffectsTB}.Sanitize()
+		store, h = ps, ps.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+			for _, d := range ds {
+				if strings.HasPrefix(d.MessageId, "poison") {
+					return nil, fmt.Errorf("poison %s", d.MessageId) // the batch's error: split
+				}
+				if _, err := tx.Exec(ctx, "INSERT INTO "+effects+" (op, pid) VALUES ($1, $2)", d.MessageId, os.Getpid()); err != nil {
+					return nil, err
+				}
+			}
+			time.Sleep(50 * time.Millisecond) // so that kills land inside batches too
+			return nil, nil
+		})
+	}
 	c, err := amqpidem.NewBatchConsumer(store, amqpidem.ConsumerConfig{
 		URL:       testenv.AMQPURL(t),
 		BatchSize: 20,
@@ -89,6 +112,31 @@ func TestChaos22PGBatchChild(t *testing.T) {
 	ctx, stop := signalContext()
 	defer stop()
 	_ = c.Run(ctx)
+}
+
+// absorbingEffects is scenario 22b's batch handler: each batch's effects
+// in one autocommit statement, outside any transaction of the store's,
+// into a sink that absorbs by op id (batch_applied) and logs every
+// execution (batch_executions, absorbed or not).
+func absorbingEffects(pool *pgxpool.Pool, schema string) func(context.Context, []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+	applied, execs := pgx.Identifier{schema, batchAppliedTB}.Sanitize(), pgx.Identifier{schema, batchExecTB}.Sanitize()
+	return func(ctx context.Context, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		ops := make([]string, len(ds))
+		for i, d := range ds {
+			if strings.HasPrefix(d.MessageId, "poison") {
+				return nil, fmt.Errorf("poison %s", d.MessageId) // the batch's error: split
+			}
+			ops[i] = d.MessageId
+		}
+		_, err := pool.Exec(ctx, `WITH ins AS (INSERT INTO `+applied+` (op) SELECT unnest($1::text[]) ON CONFLICT DO NOTHING RETURNING op)
+			INSERT INTO `+execs+` (op, pid, absorbed) SELECT o, $2, NOT EXISTS (SELECT 1 FROM ins WHERE ins.op = o) FROM unnest($1::text[]) AS o`,
+			ops, os.Getpid())
+		if err != nil {
+			return nil, err
+		}
+		time.Sleep(50 * time.Millisecond) // so that kills land between effects and completions too
+		return nil, nil
+	}
 }
 
 // signalContext is cancelled by SIGTERM: a child stopped in good order.
@@ -116,7 +164,15 @@ type batchChild struct {
 // kill -9 of a random one at random moments (then restarted), poison
 // messages mixed in. Each good op's effect row once, each poison op's
 // never, its record failed and its dead letter published.
-func TestChaos22PGBatchKill9(t *testing.T) {
+func TestChaos22PGBatchKill9(t *testing.T) { runBatchKill9(t, "pg") }
+
+// TestChaos22RedisBatchKill9: the same on the Redis store (scenario 22b):
+// each good op applied once (re-executions absorbed by op id, counted),
+// each poison op never, its record failed and its dead letter published.
+func TestChaos22RedisBatchKill9(t *testing.T) { runBatchKill9(t, "redis") }
+
+// runBatchKill9 is scenario 22 on store "pg" or "redis".
+func runBatchKill9(t *testing.T, kind string) {
 	if os.Getenv(envBatchChild) != "" {
 		t.Skip("a child")
 	}
@@ -136,6 +192,14 @@ func TestChaos22PGBatchKill9(t *testing.T) {
 	// No unique key on op: a second commit of an op's effect is a second row.
 	if _, err := pool.Exec(ctx, "CREATE TABLE "+effects+" (seq bigserial PRIMARY KEY, op text NOT NULL, pid int NOT NULL)"); err != nil {
 		t.Fatal(err)
+	}
+	appliedTB, execs := pgx.Identifier{schema, batchAppliedTB}.Sanitize(), pgx.Identifier{schema, batchExecTB}.Sanitize()
+	if _, err := pool.Exec(ctx, "CREATE TABLE "+appliedTB+" (op text PRIMARY KEY); CREATE TABLE "+execs+
+		" (seq bigserial PRIMARY KEY, op text NOT NULL, pid int NOT NULL, absorbed bool NOT NULL)"); err != nil {
+		t.Fatal(err)
+	}
+	if kind == "redis" {
+		effects = appliedTB // applied ops: one row each at most
 	}
 	scfg := pgstore.Config{Schema: schema, CleanupInterval: -1}
 	if err := pgstore.Migrate(ctx, pool, scfg); err != nil {
@@ -175,7 +239,7 @@ func TestChaos22PGBatchKill9(t *testing.T) {
 
 	start := func() *batchChild {
 		cmd := exec.Command(os.Args[0], "-test.run=^TestChaos22PGBatchChild$", "-test.count=1")
-		cmd.Env = append(os.Environ(), envBatchChild+"="+schema, envBatchQueue+"="+name)
+		cmd.Env = append(os.Environ(), envBatchChild+"="+schema, envBatchQueue+"="+name, envBatchStore+"="+kind)
 		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
@@ -213,11 +277,23 @@ func TestChaos22PGBatchKill9(t *testing.T) {
 		children[i] = start()
 	}
 	// Settle: every good op applied, every poison op failed in its record.
-	store, err := pgstore.New(pool, scfg)
-	if err != nil {
-		t.Fatal(err)
+	var store lock.Admin
+	if kind == "redis" {
+		rdb := testenv.RedisClient(t)
+		testenv.DeleteKeys(t, rdb, name+"*")
+		rs, err := lock.NewRedisStore(rdb, lock.Config{Prefix: name})
+		if err != nil {
+			t.Fatal(err)
+		}
+		store = rs
+	} else {
+		ps, err := pgstore.New(pool, scfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ps.Close()
+		store = ps
 	}
-	defer store.Close()
 	failed := func() int {
 		n := 0
 		for _, p := range poison {
@@ -248,6 +324,23 @@ func TestChaos22PGBatchKill9(t *testing.T) {
 	var n int
 	if _, err := pgx.ForEachRow(rows, []any{&op, &n}, func() error { perOp[op] = n; return nil }); err != nil {
 		t.Fatal(err)
+	}
+	// With the Redis store, an op's count is its executions not absorbed
+	// (at most one row of it in batch_applied, which decides lost).
+	reexecuted := 0
+	if kind == "redis" {
+		reexecuted = count("SELECT count(DISTINCT op) FROM " + execs + " WHERE absorbed")
+		rows, err := pool.Query(ctx, "SELECT op, count(*) FILTER (WHERE NOT absorbed) FROM "+execs+" GROUP BY op")
+		if err != nil {
+			t.Fatal(err)
+		}
+		notAbsorbed := map[string]int{}
+		if _, err := pgx.ForEachRow(rows, []any{&op, &n}, func() error { notAbsorbed[op] = n; return nil }); err != nil {
+			t.Fatal(err)
+		}
+		for op := range perOp {
+			perOp[op] = notAbsorbed[op]
+		}
 	}
 	lost, duplicated, poisonApplied := 0, 0, 0
 	for _, op := range ops {
@@ -288,16 +381,20 @@ func TestChaos22PGBatchKill9(t *testing.T) {
 			t.Errorf("%s: no dead letter", p)
 		}
 	}
-	line := fmt.Sprintf("scenario pg-batch-kill9 ops=%d lost=%d duplicated=%d poison=%d poison_applied=%d poison_failed=%d dead_letters=%d poison_dead_lettered_once=%d good_dead_lettered=%d kills=%d",
-		nGood, lost, duplicated, nPoison, poisonApplied, failed(), deadLetters, deadOnce, deadGood, killed)
+	scenario, extra := "pg-batch-kill9", ""
+	if kind == "redis" {
+		scenario, extra = "batch-kill9", fmt.Sprintf(" reexecuted=%d", reexecuted)
+	}
+	line := fmt.Sprintf("scenario %s ops=%d lost=%d duplicated=%d poison=%d poison_applied=%d poison_failed=%d dead_letters=%d poison_dead_lettered_once=%d good_dead_lettered=%d kills=%d%s",
+		scenario, nGood, lost, duplicated, nPoison, poisonApplied, failed(), deadLetters, deadOnce, deadGood, killed, extra)
 	printFigures(t, line)
 	if lost != 0 || duplicated != 0 || poisonApplied != 0 || deadGood != 0 {
-		t.Errorf("pg-batch-kill9: lost %d, duplicated %d, poison effects %d, good ops dead-lettered %d: want all 0", lost, duplicated, poisonApplied, deadGood)
+		t.Errorf("%s: lost %d, duplicated %d, poison effects %d, good ops dead-lettered %d: want all 0", scenario, lost, duplicated, poisonApplied, deadGood)
 	}
 	if killed == 0 {
-		t.Errorf("pg-batch-kill9: every op was applied before the first kill -9: the scenario tested nothing")
+		t.Errorf("%s: every op was applied before the first kill -9: the scenario tested nothing", scenario)
 	}
 	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
-		t.Errorf("pg-batch-kill9: ran out of time")
+		t.Errorf("%s: ran out of time", scenario)
 	}
 }
