@@ -95,6 +95,62 @@ type BatchCompleter interface {
 	HandleBatchComplete(ctx context.Context, items []BatchItem, value func(i int, result []byte) ([]byte, error)) ([]BatchResult, error)
 }
 
+// BatchInfo describes one batch a batch consumer ran, for a
+// BatchObserver.
+type BatchInfo struct {
+	// Queue is the consumer's queue (Config.Queue).
+	Queue string
+	// Size is how many deliveries the batch gathered: those whose
+	// handler was to run.
+	Size int
+	// Runs is how many times the handler was called for it: 1, or more
+	// when a batch error split it or a lost lease made it run again
+	// without some of its messages (a BatchTxHandler's own reruns
+	// without its failed messages are one call).
+	Runs int
+	// Duration is how long the batch took from the end of its gathering
+	// to its records' completion (the handler's runs, the transaction,
+	// CompleteBatch), before its messages were settled with the broker.
+	Duration time.Duration
+}
+
+// BatchObserver is an Observer that is also told of every batch a batch
+// consumer runs (promamqpidem and otelamqpidem record its size and
+// duration). ObserveBatch is called synchronously by the batch's leader
+// once the batch has run, before its messages are settled, and must be
+// fast; each message is still observed on its own (Observe). A panic in
+// it is logged.
+type BatchObserver interface {
+	Observer
+	ObserveBatch(ctx context.Context, b BatchInfo)
+}
+
+// ObserveBatch tells those of m that are BatchObservers of b.
+func (m multiObserver) ObserveBatch(ctx context.Context, b BatchInfo) {
+	m.each(func(o Observer) {
+		if bo, ok := o.(BatchObserver); ok {
+			bo.ObserveBatch(ctx, b)
+		}
+	})
+}
+
+// observeBatch logs the batch that ran, at debug, and tells the
+// Observer, if it is a BatchObserver.
+func (p *processor) observeBatch(ctx context.Context, b BatchInfo) {
+	p.cfg.Logger.DebugContext(ctx, "amqpidem: batch ran", "queue", b.Queue, "size", b.Size, "runs", b.Runs, "duration", b.Duration)
+	bo, ok := p.cfg.Observer.(BatchObserver)
+	if !ok {
+		return
+	}
+	defer func() {
+		if v := recover(); v != nil {
+			p.cfg.Logger.ErrorContext(ctx, "amqpidem: Observer panicked", "queue", b.Queue, "op", "batch",
+				"panic", v, "stack", string(debug.Stack()))
+		}
+	}()
+	bo.ObserveBatch(ctx, b)
+}
+
 // batchOnly is the Handler of a batch consumer: it runs a message that
 // has no lease (ProcessMissingKey, FailOpen) as a batch of one.
 type batchOnly struct{ h BatchHandler }
@@ -188,6 +244,10 @@ type batchOut struct {
 	completed bool
 	// timedOut: the batch it ran in alone was cut off by HandlerTimeout.
 	timedOut bool
+	// completeErr is the store's answer for good when completeBatch
+	// could not complete its record (lock.ErrLeaseLost,
+	// lock.ErrResultTooLarge).
+	completeErr error
 }
 
 // acquireCall is one lease request waiting for its group's AcquireBatch.
@@ -252,8 +312,9 @@ func (f *flight) runBatched() {
 		}
 		fs := b.runs.gather(gr, wait, p.stopping, f.hctx.Done())
 		start := time.Now()
-		p.runBatch(f.ctx, fs)
-		p.cfg.Logger.DebugContext(f.ctx, "amqpidem: batch ran", "queue", p.cfg.Queue, "size", len(fs), "duration", time.Since(start))
+		runs := p.runBatch(f.ctx, fs)
+		p.completeBatch(f.ctx, fs)
+		p.observeBatch(f.ctx, BatchInfo{Queue: p.cfg.Queue, Size: len(fs), Runs: runs, Duration: time.Since(start)})
 		close(gr.done)
 	} else {
 		<-gr.done
@@ -267,8 +328,9 @@ func (f *flight) runBatched() {
 // it; a batch error splits the batch in halves, each run again, down to
 // single flights, whose out is then that error. A BatchCompleter's commit
 // whose outcome is unknown (lock.ErrUnavailable) is not run again: each
-// flight settles as "store unavailable".
-func (p *processor) runBatch(ctx context.Context, fs []*flight) {
+// flight settles as "store unavailable". It returns how many times it
+// called the handler.
+func (p *processor) runBatch(ctx context.Context, fs []*flight) (runs int) {
 	for len(fs) > 0 {
 		live := fs[:0:0]
 		for _, f := range fs {
@@ -279,8 +341,9 @@ func (p *processor) runBatch(ctx context.Context, fs []*flight) {
 			live = append(live, f)
 		}
 		if len(live) == 0 {
-			return
+			return runs
 		}
+		runs++
 		rs, err, timedOut := p.callBatch(ctx, live)
 		if err == nil {
 			for i, f := range live {
@@ -290,7 +353,7 @@ func (p *processor) runBatch(ctx context.Context, fs []*flight) {
 					f.out.completed = f.out.completed && rs[i].Err == nil
 				}
 			}
-			return
+			return runs
 		}
 		// A commit whose outcome is unknown may have landed: running any
 		// of its flights again could commit their effects twice, so each
@@ -305,14 +368,65 @@ func (p *processor) runBatch(ctx context.Context, fs []*flight) {
 			for _, f := range live {
 				f.out = batchOut{err: err, timedOut: timedOut && len(live) == 1}
 			}
-			return
+			return runs
 		case lost:
 			fs = live // the lost ones are taken out, the rest run again
 			continue
 		}
 		mid := len(live) / 2
-		p.runBatch(ctx, live[:mid])
+		runs += p.runBatch(ctx, live[:mid])
 		fs = live[mid:]
+	}
+	return runs
+}
+
+// completeBatch completes, in one store call, the records of the flights
+// of fs that succeeded, when the store is a lock.BatchCompleter and the
+// handler is not a BatchCompleter (which committed them with its
+// effects). A flight whose record CompleteBatch answered for good (nil,
+// lock.ErrLeaseLost or lock.ErrResultTooLarge) settles by that answer; one
+// it could not answer completes its record alone (settle's retries,
+// which a record already completed by this lease answers nil).
+func (p *processor) completeBatch(ctx context.Context, fs []*flight) {
+	cs, _ := p.given.(lock.BatchCompleter)
+	if cs == nil || p.batch.bc != nil {
+		return
+	}
+	var done []*flight
+	var leases []lock.Lease
+	var values [][]byte
+	for _, f := range fs {
+		if f.out.err != nil || f.out.completed {
+			continue
+		}
+		v, err := p.batchValue(f, f.out.result)
+		if err != nil {
+			f.out.err = err // settled as "result too large"
+			continue
+		}
+		done, leases, values = append(done, f), append(leases, f.lease), append(values, v)
+	}
+	if len(done) == 0 {
+		return
+	}
+	start := time.Now()
+	errs := cs.CompleteBatch(context.WithoutCancel(ctx), leases, values)
+	if o, ok := p.store.(*observedStore); ok {
+		o.report(ctx, "complete", start, len(leases), errs...)
+	}
+	for i, f := range done {
+		var err error
+		if len(errs) == len(done) {
+			err = errs[i]
+		} else {
+			err = fmt.Errorf("amqpidem: the store's CompleteBatch answered %d errors for %d leases", len(errs), len(done))
+		}
+		switch {
+		case err == nil:
+			f.out.completed = true
+		case errors.Is(err, lock.ErrLeaseLost), errors.Is(err, lock.ErrResultTooLarge):
+			f.out.completeErr = err
+		}
 	}
 }
 
@@ -390,6 +504,13 @@ func (f *flight) settleBatched() {
 	case o.err == nil && o.completed:
 		f.stopKeep()
 		f.replyAndAck(o.result, Completed)
+	case o.err == nil && errors.Is(o.completeErr, lock.ErrLeaseLost):
+		// As complete settles it: someone took the key over.
+		f.stopKeep()
+		f.requeue(Abandoned, "lease lost", MinInProgressDelay, o.completeErr)
+	case o.err == nil && o.completeErr != nil:
+		f.stopKeep()
+		f.fail("result too large", o.completeErr)
 	case o.err == nil && len(o.result) > f.p.cfg.MaxResultSize:
 		f.stopKeep()
 		f.fail("result too large", fmt.Errorf("%w: %d bytes, at most %d allowed", lock.ErrResultTooLarge, len(o.result), f.p.cfg.MaxResultSize))

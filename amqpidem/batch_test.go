@@ -23,7 +23,8 @@ import (
 // batch and is acked once as completed; duplicates never reach the
 // handler; a message failing its batch is split out and dead-lettered
 // after its attempts, its neighbours completed on their first; a message
-// answered Permanent is dead-lettered at once.
+// answered Permanent is dead-lettered at once. A batch split by the
+// poison is observed with its runs counted.
 func TestBatchHandlerRedis(t *testing.T) {
 	e := newEnv(t, nil)
 	rec := &recorder{}
@@ -50,10 +51,11 @@ func TestBatchHandlerRedis(t *testing.T) {
 		}
 		return rs, nil
 	})
+	obs := &batchObserver{}
 	cfg := amqpidem.ConsumerConfig{
 		URL: e.url, BatchSize: 10, BatchWait: 20 * time.Millisecond,
 		Config: amqpidem.Config{
-			Queue: e.queue, MaxAttempts: 3, Observer: rec, Logger: slog.New(slog.DiscardHandler),
+			Queue: e.queue, MaxAttempts: 3, Observer: amqpidem.Observers(rec, obs), Logger: slog.New(slog.DiscardHandler),
 			Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(20 * time.Millisecond) },
 		},
 	}
@@ -108,6 +110,19 @@ func TestBatchHandlerRedis(t *testing.T) {
 	}
 	if big < 2 {
 		t.Errorf("batch sizes %v: never more than one message", sizes)
+	}
+	// The poison message's batches were split: their runs are counted.
+	obs.mu.Lock()
+	defer obs.mu.Unlock()
+	runs := 0
+	for _, b := range obs.batches {
+		runs = max(runs, b.Runs)
+		if b.Runs < 1 {
+			t.Errorf("batch observed with %d runs", b.Runs)
+		}
+	}
+	if runs < 2 {
+		t.Errorf("batches observed %+v: none ran more than once, want the poison's split counted", obs.batches)
 	}
 }
 

@@ -266,7 +266,7 @@ func NewConsumer(store lock.Store, cfg ConsumerConfig, h Handler) (*Consumer, er
 //
 // Each delivery goes its own way up to its handler, as with NewConsumer:
 // its key, fingerprint and lease are taken (with a store that is a
-// lock.BatchAcquirer, as pgstore's is, the leases of up to BatchSize
+// lock.BatchAcquirer, as pgstore's and lock's are, the leases of up to BatchSize
 // deliveries arriving within BatchWait in one call; otherwise one store
 // call each, made concurrently), and a duplicate, a
 // conflict, a busy key, a failed or expired one is settled on its own,
@@ -277,8 +277,10 @@ func NewConsumer(store lock.Store, cfg ConsumerConfig, h Handler) (*Consumer, er
 // settled by its own BatchResult, as a single message's outcome (see
 // BatchHandler for a batch's error, which splits the batch). A
 // BatchCompleter (pgstore's BatchTxHandler) completes the records of the
-// batch in its own transaction, once; otherwise each record is completed
-// after h returns, one store call per message.
+// batch in its own transaction, once; otherwise the records are
+// completed after h returns: in one call when the store is a
+// lock.BatchCompleter (lock's RedisStore and MemoryStore), else one
+// store call per message.
 //
 // Prefetch defaults to twice BatchSize (at most 65535), so that a batch
 // gathers while the one before it runs; Concurrency, to Prefetch. A

@@ -133,6 +133,16 @@
 // an error for its key alone: other keys in the same call are answered as
 // usual.
 //
+// RedisStore and MemoryStore are a BatchAcquirer and a BatchCompleter
+// (pgstore's Store is a BatchAcquirer): AcquireBatch takes many keys'
+// leases, each key decided on its own exactly as Acquire decides it, in
+// one pipeline of native transactions and a second holding only the keys
+// the acquire script must decide (one pipeline on a Cluster or an older
+// server, all through the script); CompleteBatch completes many records
+// in one pipeline. A batch is a transport, not a transaction: each key's
+// transition stays atomic on its own, and one key's answer never decides
+// another's.
+//
 // Forget does not delete a record at once: it leaves a tombstone that
 // keeps the key's fence for one second, which every reader takes for no
 // record, so that a record made again at once still gets a higher fence

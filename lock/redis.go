@@ -185,8 +185,7 @@ func (s *RedisStore) acquire(ctx context.Context, req Request, owner *[32]byte) 
 			return res, nil
 		case err == nil:
 			// The record needs the server's clock: the script decides.
-		case errors.Is(err, ErrUnavailable), errors.Is(err, ErrBadRecord), errors.Is(err, ErrKeyCollision),
-			errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
+		case scriptCannotHelp(err):
 			return Result{}, err
 		default:
 			// The transaction was refused where a script may not be
@@ -201,15 +200,28 @@ func (s *RedisStore) acquire(ctx context.Context, req Request, owner *[32]byte) 
 			ctx = context.WithoutCancel(ctx)
 		}
 	}
+	c := scriptCall(req, owner, rkey)
+	s.batch.do(ctx, c)
+	reply, err := c.val, c.err
+	putCall(c)
+	return scriptReply(req, owner, rkey, start, reply, err)
+}
+
+// scriptCall returns the acquire script's call for a checked request, from
+// the pool.
+func scriptCall(req Request, owner *[32]byte, rkey string) *call {
 	c := getCall(acquireScript, rkey, 5)
 	c.str(0, string(owner[:]))
 	c.int(1, req.TTL.Milliseconds())
 	c.int(2, req.Retention.Milliseconds())
 	c.str(3, req.Fingerprint)
 	c.str(4, req.Key)
-	s.batch.do(ctx, c)
-	reply, err := c.val, c.err
-	putCall(c)
+	return c
+}
+
+// scriptReply turns the acquire script's reply (or err) for req into
+// Acquire's answer; start is the local time before the call was sent.
+func scriptReply(req Request, owner *[32]byte, rkey string, start time.Time, reply any, err error) (Result, error) {
 	if err != nil {
 		return Result{}, fmt.Errorf("lock: acquire %q: %w", req.Key, classify(err))
 	}
@@ -265,18 +277,33 @@ func newLease(req Request, owner string, fence int64, attempt int, start time.Ti
 // done is false and the caller runs the acquire script. The decisions
 // are the script's, in the same order: collision, conflict, outcome.
 func (s *RedisStore) nativeAcquire(ctx context.Context, req Request, owner *[32]byte, rkey string, start time.Time) (res Result, done bool, err error) {
+	c := nativeCall(req, owner, rkey)
+	s.batch.do(ctx, c)
+	set, exp, err := c.val, c.exp, c.err
+	putCall(c)
+	return nativeReply(req, owner, rkey, start, set, exp, err)
+}
+
+// nativeCall returns the native Acquire's call for a checked request, from
+// the pool: the record it makes if there is none, and its expiry in ms.
+func nativeCall(req Request, owner *[32]byte, rkey string) *call {
 	ttl := req.TTL.Milliseconds()
 	keep := ttl + req.Retention.Milliseconds()
 	c := getCall(nil, rkey, 2)
 	c.slots[0] = appendRecord(c.slots[0][:0], string(owner[:]), ttl, keep, req.Fingerprint, req.Key)
 	c.args[0] = &c.slots[0]
 	c.int(1, keep)
-	s.batch.do(ctx, c)
-	set, exp, err := c.val, c.exp, c.err
-	putCall(c)
+	return c
+}
+
+// nativeReply turns a native Acquire's replies (SET's and PEXPIRETIME's,
+// or err) for req into Acquire's answer, or done false when the acquire
+// script must decide (see nativeAcquire).
+func nativeReply(req Request, owner *[32]byte, rkey string, start time.Time, set, exp any, err error) (res Result, done bool, _ error) {
 	if err != nil {
 		return Result{}, false, fmt.Errorf("lock: acquire %q: %w", req.Key, classify(err))
 	}
+	keep := req.TTL.Milliseconds() + req.Retention.Milliseconds()
 	expireAt, _ := exp.(int64)
 	if expireAt == 0 {
 		return Result{}, false, fmt.Errorf("lock: acquire %q: unexpected reply %v", req.Key, []any{set, exp})

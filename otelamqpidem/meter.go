@@ -60,6 +60,15 @@ const (
 	// MetricOutboxMessages counts the messages handlers staged
 	// (amqpidem.Stage), by what became of them.
 	MetricOutboxMessages = "amqpidem.outbox.messages"
+	// MetricBatchSize is the number of deliveries in each batch a batch
+	// consumer (amqpidem.NewBatchConsumer) ran.
+	MetricBatchSize = "amqpidem.batch.size"
+	// MetricBatchDuration is how long each batch took, from the end of
+	// its gathering to its records' completion.
+	MetricBatchDuration = "amqpidem.batch.duration"
+	// MetricBatchHandlerRuns counts calls of batch handlers: above the
+	// batches' count when batch errors split them.
+	MetricBatchHandlerRuns = "amqpidem.batch.handler.runs"
 )
 
 // Histogram bucket boundaries, in seconds, given to the SDK as advice (a
@@ -73,10 +82,12 @@ var (
 	endToEndBuckets = []float64{0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600}
 	// storeBuckets start at half a millisecond: a Redis round trip.
 	storeBuckets = []float64{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10}
+	// batchSizeBuckets count deliveries, not seconds.
+	batchSizeBuckets = []float64{1, 2, 5, 10, 20, 50, 100, 200, 500, 1000}
 )
 
-// Meter is an amqpidem.Observer that is also a HandlerObserver and a
-// StoreObserver, recording OpenTelemetry metrics:
+// Meter is an amqpidem.Observer that is also a HandlerObserver, a
+// StoreObserver and a BatchObserver, recording OpenTelemetry metrics:
 //
 //	messaging.client.consumed.messages  counter {message}: queue, outcome, reason (+ messaging, error.type)
 //	messaging.process.duration     histogram s, from the start of processing to settlement: queue, outcome (+ messaging, error.type)
@@ -87,6 +98,9 @@ var (
 //	amqpidem.lease.extensions      counter {lease}, heartbeat renewals: queue, result (renewed, lost, error)
 //	amqpidem.requeues              counter {message}, delayed requeues (busy, retried, abandoned): queue, outcome, delay_tier
 //	amqpidem.outbox.messages       counter {message}, staged messages: queue, outbox.result (staged, published, republished, returned)
+//	amqpidem.batch.size            histogram {message}, deliveries per batch of a batch consumer: queue
+//	amqpidem.batch.duration        histogram s, a batch from its gathering's end to its records' completion: queue
+//	amqpidem.batch.handler.runs    counter {call}, batch handler calls (more than the batches when split): queue
 //
 // The attributes are amqpidem.queue, amqpidem.outcome, amqpidem.reason,
 // amqpidem.op, amqpidem.result, amqpidem.delay_tier and
@@ -138,11 +152,15 @@ type Meter struct {
 	extensions metric.Int64Counter
 	requeues   metric.Int64Counter
 	outbox     metric.Int64Counter
+	batchSize  metric.Int64Histogram
+	batchTime  metric.Float64Histogram
+	batchRuns  metric.Int64Counter
 }
 
 var (
 	_ amqpidem.HandlerObserver = (*Meter)(nil)
 	_ amqpidem.StoreObserver   = (*Meter)(nil)
+	_ amqpidem.BatchObserver   = (*Meter)(nil)
 )
 
 // NewMeter returns a Meter whose instruments come from the MeterProvider
@@ -183,6 +201,17 @@ func NewMeter(opts ...Option) (*Meter, error) {
 	err = errors.Join(err, e)
 	m.outbox, e = mt.Int64Counter(MetricOutboxMessages, metric.WithUnit("{message}"),
 		metric.WithDescription("Messages handlers staged (amqpidem.Stage), by result: staged (stored with the handler's outcome), published (published and confirmed, republished included), republished (published by a later delivery than the one that stored it, after a crash or a failed publish), returned (given up after the broker returned or refused it MaxAttempts times)."))
+	err = errors.Join(err, e)
+	m.batchSize, e = mt.Int64Histogram(MetricBatchSize, metric.WithUnit("{message}"),
+		metric.WithDescription("Deliveries in each batch a batch consumer ran: those whose handler was to run."),
+		metric.WithExplicitBucketBoundaries(batchSizeBuckets...))
+	err = errors.Join(err, e)
+	m.batchTime, e = mt.Float64Histogram(MetricBatchDuration, metric.WithUnit("s"),
+		metric.WithDescription("How long each batch took, from the end of its gathering to its records' completion."),
+		metric.WithExplicitBucketBoundaries(handlerBuckets...))
+	err = errors.Join(err, e)
+	m.batchRuns, e = mt.Int64Counter(MetricBatchHandlerRuns, metric.WithUnit("{call}"),
+		metric.WithDescription("Calls of batch handlers: above the batches' count when batch errors split them."))
 	err = errors.Join(err, e)
 	if err != nil {
 		return nil, err
@@ -275,5 +304,16 @@ func (m *Meter) ObserveStore(ctx context.Context, c amqpidem.StoreCall) {
 		if n.count > 0 {
 			m.extensions.Add(ctx, int64(n.count), metric.WithAttributes(queue, AttrResult.String(n.result)))
 		}
+	}
+}
+
+// ObserveBatch records a batch a batch consumer ran
+// (amqpidem.BatchObserver): its size, its duration and its handler calls.
+func (m *Meter) ObserveBatch(ctx context.Context, b amqpidem.BatchInfo) {
+	queue := metric.WithAttributes(AttrQueue.String(b.Queue))
+	m.batchSize.Record(ctx, int64(b.Size), queue)
+	m.batchTime.Record(ctx, b.Duration.Seconds(), queue)
+	if b.Runs > 0 {
+		m.batchRuns.Add(ctx, int64(b.Runs), queue)
 	}
 }

@@ -30,6 +30,7 @@ func TestAlertRuleNames(t *testing.T) {
 	m.HandlerStarted(ctx, info)
 	m.HandlerEnded(ctx, info)
 	m.ObserveStore(ctx, amqpidem.StoreCall{Queue: q, Op: "extend", Leases: 1, Duration: time.Millisecond})
+	m.ObserveBatch(ctx, amqpidem.BatchInfo{Queue: q, Size: 1, Runs: 1, Duration: time.Millisecond})
 	m.Observe(ctx, amqpidem.Event{Queue: q, Outcome: amqpidem.Retried, Delay: time.Second, Handler: time.Millisecond,
 		Published: time.Now(), Outbox: amqpidem.OutboxCounts{Staged: 1}})
 	reg := prometheus.NewPedanticRegistry()

@@ -21,6 +21,9 @@
 //	amqpidem_lease_extensions_total{queue,result}                   counter
 //	amqpidem_requeues_total{queue,outcome,delay_tier}               counter
 //	amqpidem_outbox_messages_total{queue,result}                    counter
+//	amqpidem_batch_size{queue}                                      histogram
+//	amqpidem_batch_duration_seconds{queue}                          histogram
+//	amqpidem_batch_handler_runs_total{queue}                        counter
 //
 // messages_total counts every delivery processed, once, by its
 // amqpidem.Outcome in lower case (completed, duplicate, busy, retried,
@@ -58,6 +61,15 @@
 // a handler that watches its context). It is kept from HandlerStarted and
 // HandlerEnded, which must get the same context, as amqpidem's calls do;
 // with Observers, so does every observer.
+//
+// batch_size, batch_duration_seconds and batch_handler_runs_total are a
+// batch consumer's (amqpidem.NewBatchConsumer, through
+// amqpidem.BatchObserver): each batch's deliveries (BatchSizeBuckets),
+// how long it took from the end of its gathering to its records'
+// completion, and how many times its handler was called (more than
+// once when a batch error split it: batch_handler_runs_total over
+// batch_size_count is the rerun cost). Each message of a batch is still
+// counted on its own in the other metrics.
 //
 // store_call_duration_seconds times every call amqpidem makes to its
 // lock.Store (op: acquire, extend, complete, fail, release, cancel, and

@@ -105,8 +105,8 @@ func (o Options) Validate() error {
 // Metrics records what a Consumer or Wrapper does as Prometheus metrics:
 // set it as amqpidem.Config.Observer (or as one of amqpidem.Observers) and
 // register it, once, on a prometheus.Registerer. It implements
-// amqpidem.Observer, amqpidem.HandlerObserver, amqpidem.StoreObserver and
-// prometheus.Collector. One Metrics may observe any number of consumers
+// amqpidem.Observer, amqpidem.HandlerObserver, amqpidem.StoreObserver,
+// amqpidem.BatchObserver and prometheus.Collector. One Metrics may observe any number of consumers
 // and queues; the queue label tells them apart.
 //
 // A Metrics is safe for concurrent use; each of its hooks costs a few
@@ -121,6 +121,9 @@ type Metrics struct {
 	extensions *prometheus.CounterVec
 	requeues   *prometheus.CounterVec
 	outbox     *prometheus.CounterVec
+	batchSize  *prometheus.HistogramVec
+	batchTime  *prometheus.HistogramVec
+	batchRuns  *prometheus.CounterVec
 	oldest     *oldestHandlers
 	all        []prometheus.Collector
 	now        func() time.Time // time.Now; tests set their own
@@ -130,6 +133,7 @@ type Metrics struct {
 var (
 	_ amqpidem.HandlerObserver = (*Metrics)(nil)
 	_ amqpidem.StoreObserver   = (*Metrics)(nil)
+	_ amqpidem.BatchObserver   = (*Metrics)(nil)
 	_ prometheus.Collector     = (*Metrics)(nil)
 )
 
@@ -181,12 +185,21 @@ func newMetrics(o Options) *Metrics {
 		outbox: prometheus.NewCounterVec(prometheus.CounterOpts(opts("outbox_messages_total",
 			"Messages handlers staged (amqpidem.Stage), by result: staged (stored with the handler's outcome), published (published and confirmed, republished included), republished (published by a later delivery than the one that stored it, after a crash or a failed publish), returned (given up after the broker returned or refused it MaxAttempts times).")),
 			[]string{"queue", "result"}),
+		batchSize: histogram("batch_size",
+			"Deliveries in each batch a batch consumer (amqpidem.NewBatchConsumer) ran: those whose handler was to run.",
+			BatchSizeBuckets, "queue"),
+		batchTime: histogram("batch_duration_seconds",
+			"How long each batch took, from the end of its gathering to its records' completion (handler runs, transaction, record writes).",
+			o.DurationBuckets, "queue"),
+		batchRuns: prometheus.NewCounterVec(prometheus.CounterOpts(opts("batch_handler_runs_total",
+			"Calls of batch handlers: above batch_size_count when batch errors split batches or lost leases ran them again.")),
+			[]string{"queue"}),
 	}
 	m.now = time.Now
 	m.oldest = &oldestHandlers{m: m, desc: prometheus.NewDesc(prometheus.BuildFQName(o.Namespace, "", "oldest_handler_age_seconds"),
 		"Age of the oldest handler running now, 0 when none runs: a handler that does not return (its lease kept alive by the heartbeat) makes it grow.",
 		[]string{"queue"}, o.ConstLabels)}
-	m.all = []prometheus.Collector{m.messages, m.handler, m.processing, m.endToEnd, m.inFlight, m.storeCalls, m.extensions, m.requeues, m.outbox, m.oldest}
+	m.all = []prometheus.Collector{m.messages, m.handler, m.processing, m.endToEnd, m.inFlight, m.storeCalls, m.extensions, m.requeues, m.outbox, m.batchSize, m.batchTime, m.batchRuns, m.oldest}
 	return m
 }
 
@@ -385,5 +398,18 @@ func (m *Metrics) ObserveStore(_ context.Context, c amqpidem.StoreCall) {
 	}
 	if failed > 0 {
 		m.extensions.WithLabelValues(c.Queue, "error").Add(float64(failed))
+	}
+}
+
+// BatchSizeBuckets are the bucket boundaries of batch_size, in deliveries.
+var BatchSizeBuckets = []float64{1, 2, 5, 10, 20, 50, 100, 200, 500, 1000}
+
+// ObserveBatch records a batch a batch consumer ran
+// (amqpidem.BatchObserver): its size, its duration and its handler calls.
+func (m *Metrics) ObserveBatch(_ context.Context, b amqpidem.BatchInfo) {
+	m.batchSize.WithLabelValues(b.Queue).Observe(float64(b.Size))
+	m.batchTime.WithLabelValues(b.Queue).Observe(b.Duration.Seconds())
+	if b.Runs > 0 {
+		m.batchRuns.WithLabelValues(b.Queue).Add(float64(b.Runs))
 	}
 }

@@ -57,6 +57,7 @@ func Run(t *testing.T, newStore NewStore) {
 		{"AmendConcurrentOneWinner", testAmendConcurrent},
 		{"AmendKeepsExpiry", testAmendExpiry},
 		{"AmendBadInput", testAmendBadInput},
+		{"AcquireBatchPerKey", testAcquireBatch},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) { tc.fn(t, store) })

@@ -399,3 +399,26 @@ func TestMeterSemconvNames(t *testing.T) {
 		t.Error("amqpidem.handler.duration: not recorded; amqpidem's own metrics keep their names")
 	}
 }
+
+// ObserveBatch records a batch's size, duration and handler calls.
+func TestMeterObserveBatch(t *testing.T) {
+	m, reader := newMeter(t)
+	ctx := context.Background()
+	m.ObserveBatch(ctx, amqpidem.BatchInfo{Queue: "orders", Size: 100, Runs: 1, Duration: 20 * time.Millisecond})
+	m.ObserveBatch(ctx, amqpidem.BatchInfo{Queue: "orders", Size: 7, Runs: 5, Duration: 30 * time.Millisecond})
+	ms := collect(t, reader)
+	size, ok := ms[otelamqpidem.MetricBatchSize].Data.(metricdata.Histogram[int64])
+	if !ok || len(size.DataPoints) != 1 {
+		t.Fatalf("%s: got %+v, want one int64 histogram point", otelamqpidem.MetricBatchSize, ms[otelamqpidem.MetricBatchSize].Data)
+	}
+	if dp := size.DataPoints[0]; dp.Count != 2 || dp.Sum != 107 {
+		t.Errorf("batch.size: got count %d sum %d, want 2 and 107", dp.Count, dp.Sum)
+	}
+	dp, _ := hist(t, ms, otelamqpidem.MetricBatchDuration, queue)
+	if dp.Count != 2 || math.Abs(dp.Sum-0.05) > 1e-9 {
+		t.Errorf("batch.duration: got count %d sum %v, want 2 and 0.05", dp.Count, dp.Sum)
+	}
+	if got, _ := sum(t, ms, otelamqpidem.MetricBatchHandlerRuns, queue); got != 6 {
+		t.Errorf("batch.handler.runs: got %d, want 6", got)
+	}
+}

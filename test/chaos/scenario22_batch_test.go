@@ -1,0 +1,400 @@
+//go:build linux
+
+package chaos_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"os/signal"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
+	"github.com/amqpidem/amqpidem/lock"
+	"github.com/amqpidem/amqpidem/pgstore"
+)
+
+// Scenario 22, batches (issue 39): batch consumers (NewBatchConsumer,
+// pgstore's BatchTxHandler, batches of up to 20) in child processes of
+// this test binary, killed (SIGKILL) at random moments and restarted,
+// with poison messages mixed in. The effect is one plain row per message
+// per committed batch, with no unique key on the op (batch_effects):
+// lost=0 and duplicated=0 hold only if each batch's effects and records
+// commit together, once. A poison message fails every batch it is in;
+// the batch is split until it is alone, dead-lettered after its
+// attempts, and the rest of its batch applied once.
+//
+// Scenario 22b, batch-kill9, is the same on the Redis store with a plain
+// BatchHandler (records completed by CompleteBatch after the handler):
+// there the effects are the handler's own, and a kill between a batch's
+// effects and its records' completion (the window no lease can close)
+// runs them again. Its sink absorbs by op id (batch_applied, as scenario
+// 2's ledger), and logs every execution (batch_executions, no unique
+// key): duplicated counts ops with more than one execution not absorbed,
+// reexecuted those whose re-execution was absorbed.
+
+// Environment of a scenario 22 child.
+const (
+	envBatchChild  = "CHAOS_BATCH_CHILD_SCHEMA"
+	envBatchQueue  = "CHAOS_BATCH_CHILD_QUEUE"
+	envBatchStore  = "CHAOS_BATCH_CHILD_STORE" // "pg" or "redis"
+	batchEffectsTB = "batch_effects"
+	batchAppliedTB = "batch_applied"
+	batchExecTB    = "batch_executions"
+)
+
+// TestChaos22PGBatchChild is the consumer TestChaos22PGBatchKill9 runs
+// in a child process: it consumes until killed or stopped.
+func TestChaos22PGBatchChild(t *testing.T) {
+	schema, queue := os.Getenv(envBatchChild), os.Getenv(envBatchQueue)
+	if schema == "" {
+		t.Skip("run by TestChaos22PGBatchKill9")
+	}
+	pool := pgenv.Pool(t, 8)
+	var store lock.Store
+	var h amqpidem.BatchHandler
+	if os.Getenv(envBatchStore) == "redis" {
+		rs, err := lock.NewRedisStore(testenv.RedisClient(t), lock.Config{Prefix: queue, LeaseTTL: 2 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		store, h = rs, amqpidem.BatchHandlerFunc(absorbingEffects(pool, schema))
+	} else {
+		ps, err := pgstore.New(pool, pgstore.Config{Config: lock.Config{LeaseTTL: 2 * time.Second}, Schema: schema, CleanupInterval: -1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		effects := pgx.Identifier{schema, batchEffectsTB}.Sanitize()
+		store, h = ps, ps.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+			for _, d := range ds {
+				if strings.HasPrefix(d.MessageId, "poison") {
+					return nil, fmt.Errorf("poison %s", d.MessageId) // the batch's error: split
+				}
+				if _, err := tx.Exec(ctx, "INSERT INTO "+effects+" (op, pid) VALUES ($1, $2)", d.MessageId, os.Getpid()); err != nil {
+					return nil, err
+				}
+			}
+			time.Sleep(50 * time.Millisecond) // so that kills land inside batches too
+			return nil, nil
+		})
+	}
+	c, err := amqpidem.NewBatchConsumer(store, amqpidem.ConsumerConfig{
+		URL:       testenv.AMQPURL(t),
+		BatchSize: 20,
+		BatchWait: 20 * time.Millisecond,
+		Prefetch:  40,
+		Config: amqpidem.Config{
+			Queue:            queue,
+			LeaseTTL:         2 * time.Second,
+			MaxAttempts:      3,
+			UnavailableDelay: 100 * time.Millisecond,
+			Backoff:          func() backoff.BackOff { return backoff.NewConstantBackOff(50 * time.Millisecond) },
+			Logger:           slog.New(slog.DiscardHandler),
+		},
+	}, h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, stop := signalContext()
+	defer stop()
+	_ = c.Run(ctx)
+}
+
+// absorbingEffects is scenario 22b's batch handler: each batch's effects
+// in one autocommit statement, outside any transaction of the store's,
+// into a sink that absorbs by op id (batch_applied) and logs every
+// execution (batch_executions, absorbed or not).
+func absorbingEffects(pool *pgxpool.Pool, schema string) func(context.Context, []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+	applied, execs := pgx.Identifier{schema, batchAppliedTB}.Sanitize(), pgx.Identifier{schema, batchExecTB}.Sanitize()
+	return func(ctx context.Context, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		ops := make([]string, len(ds))
+		for i, d := range ds {
+			if strings.HasPrefix(d.MessageId, "poison") {
+				return nil, fmt.Errorf("poison %s", d.MessageId) // the batch's error: split
+			}
+			ops[i] = d.MessageId
+		}
+		_, err := pool.Exec(ctx, `WITH ins AS (INSERT INTO `+applied+` (op) SELECT unnest($1::text[]) ON CONFLICT DO NOTHING RETURNING op)
+			INSERT INTO `+execs+` (op, pid, absorbed) SELECT o, $2, NOT EXISTS (SELECT 1 FROM ins WHERE ins.op = o) FROM unnest($1::text[]) AS o`,
+			ops, os.Getpid())
+		if err != nil {
+			return nil, err
+		}
+		time.Sleep(50 * time.Millisecond) // so that kills land between effects and completions too
+		return nil, nil
+	}
+}
+
+// signalContext is cancelled by SIGTERM: a child stopped in good order.
+func signalContext() (context.Context, func()) {
+	ctx, cancel := context.WithCancel(context.Background())
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGTERM)
+	go func() {
+		select {
+		case <-sig:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	return ctx, cancel
+}
+
+// batchChild is one running child consumer.
+type batchChild struct {
+	cmd  *exec.Cmd
+	done chan struct{}
+}
+
+// TestChaos22PGBatchKill9: three batch consumer processes on pgstore,
+// kill -9 of a random one at random moments (then restarted), poison
+// messages mixed in. Each good op's effect row once, each poison op's
+// never, its record failed and its dead letter published.
+func TestChaos22PGBatchKill9(t *testing.T) { runBatchKill9(t, "pg") }
+
+// TestChaos22RedisBatchKill9: the same on the Redis store (scenario 22b):
+// each good op applied once (re-executions absorbed by op id, counted),
+// each poison op never, its record failed and its dead letter published.
+func TestChaos22RedisBatchKill9(t *testing.T) { runBatchKill9(t, "redis") }
+
+// runBatchKill9 is scenario 22 on store "pg" or "redis".
+func runBatchKill9(t *testing.T, kind string) {
+	if os.Getenv(envBatchChild) != "" {
+		t.Skip("a child")
+	}
+	url := testenv.AMQPURL(t)
+	name := testenv.Name(t)
+	schema := strings.ToLower(strings.NewReplacer("-", "_", ".", "_").Replace(name))
+	pool := pgenv.Pool(t, 4)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	if _, err := pool.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+	})
+	effects := pgx.Identifier{schema, batchEffectsTB}.Sanitize()
+	// No unique key on op: a second commit of an op's effect is a second row.
+	if _, err := pool.Exec(ctx, "CREATE TABLE "+effects+" (seq bigserial PRIMARY KEY, op text NOT NULL, pid int NOT NULL)"); err != nil {
+		t.Fatal(err)
+	}
+	appliedTB, execs := pgx.Identifier{schema, batchAppliedTB}.Sanitize(), pgx.Identifier{schema, batchExecTB}.Sanitize()
+	if _, err := pool.Exec(ctx, "CREATE TABLE "+appliedTB+" (op text PRIMARY KEY); CREATE TABLE "+execs+
+		" (seq bigserial PRIMARY KEY, op text NOT NULL, pid int NOT NULL, absorbed bool NOT NULL)"); err != nil {
+		t.Fatal(err)
+	}
+	if kind == "redis" {
+		effects = appliedTB // applied ops: one row each at most
+	}
+	scfg := pgstore.Config{Schema: schema, CleanupInterval: -1}
+	if err := pgstore.Migrate(ctx, pool, scfg); err != nil {
+		t.Fatal(err)
+	}
+	testenv.DeleteQueues(t, url, name, name+".dlq")
+
+	nGood, nPoison, kills := pick(3000, 20000), pick(6, 20), pick(8, 30)
+	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 39))
+	var ops, poison []string
+	for i := range nGood {
+		ops = append(ops, fmt.Sprintf("g%05d", i))
+		if i%(nGood/nPoison) == nGood/nPoison/2 && len(poison) < nPoison {
+			p := fmt.Sprintf("poison%03d", len(poison))
+			poison = append(poison, p)
+			ops = append(ops, p)
+		}
+	}
+
+	conn, err := amqp.Dial(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ch.QueueDeclare(name, true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	for _, op := range ops {
+		if err := ch.PublishWithContext(ctx, "", name, false, false, amqp.Publishing{MessageId: op, DeliveryMode: amqp.Persistent}); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	start := func() *batchChild {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestChaos22PGBatchChild$", "-test.count=1")
+		cmd.Env = append(os.Environ(), envBatchChild+"="+schema, envBatchQueue+"="+name, envBatchStore+"="+kind)
+		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		c := &batchChild{cmd: cmd, done: make(chan struct{})}
+		go func() { _ = cmd.Wait(); close(c.done) }()
+		return c
+	}
+	children := []*batchChild{start(), start(), start()}
+	t.Cleanup(func() { // only the processes started here, by PID
+		for _, c := range children {
+			_ = c.cmd.Process.Kill()
+			<-c.done
+		}
+	})
+	count := func(sql string, args ...any) int {
+		t.Helper()
+		var n int
+		if err := pool.QueryRow(ctx, sql, args...).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	applied := func() int { return count("SELECT count(DISTINCT op) FROM " + effects) }
+
+	killed := 0
+	for killed < kills && applied() < nGood {
+		time.Sleep(time.Duration(100+rng.IntN(400)) * time.Millisecond)
+		i := rng.IntN(len(children))
+		if err := children[i].cmd.Process.Signal(syscall.SIGKILL); err != nil {
+			t.Fatal(err)
+		}
+		<-children[i].done
+		killed++
+		children[i] = start()
+	}
+	// Settle: every good op applied, every poison op failed in its record.
+	var store lock.Admin
+	if kind == "redis" {
+		rdb := testenv.RedisClient(t)
+		testenv.DeleteKeys(t, rdb, name+"*")
+		rs, err := lock.NewRedisStore(rdb, lock.Config{Prefix: name})
+		if err != nil {
+			t.Fatal(err)
+		}
+		store = rs
+	} else {
+		ps, err := pgstore.New(pool, scfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ps.Close()
+		store = ps
+	}
+	failed := func() int {
+		n := 0
+		for _, p := range poison {
+			rec, err := store.Inspect(ctx, amqpidem.StoreKey(name, p))
+			if err == nil && rec.State == lock.StateFailed {
+				n++
+			}
+		}
+		return n
+	}
+	for applied() < nGood || failed() < nPoison {
+		if ctx.Err() != nil {
+			t.Fatalf("not settled: %d of %d ops applied, %d of %d poison ops failed", applied(), nGood, failed(), nPoison)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	for _, c := range children {
+		_ = c.cmd.Process.Signal(syscall.SIGTERM)
+		<-c.done
+	}
+
+	rows, err := pool.Query(ctx, "SELECT op, count(*) FROM "+effects+" GROUP BY op")
+	if err != nil {
+		t.Fatal(err)
+	}
+	perOp := map[string]int{}
+	var op string
+	var n int
+	if _, err := pgx.ForEachRow(rows, []any{&op, &n}, func() error { perOp[op] = n; return nil }); err != nil {
+		t.Fatal(err)
+	}
+	// With the Redis store, an op's count is its executions not absorbed
+	// (at most one row of it in batch_applied, which decides lost).
+	reexecuted := 0
+	if kind == "redis" {
+		reexecuted = count("SELECT count(DISTINCT op) FROM " + execs + " WHERE absorbed")
+		rows, err := pool.Query(ctx, "SELECT op, count(*) FILTER (WHERE NOT absorbed) FROM "+execs+" GROUP BY op")
+		if err != nil {
+			t.Fatal(err)
+		}
+		notAbsorbed := map[string]int{}
+		if _, err := pgx.ForEachRow(rows, []any{&op, &n}, func() error { notAbsorbed[op] = n; return nil }); err != nil {
+			t.Fatal(err)
+		}
+		for op := range perOp {
+			perOp[op] = notAbsorbed[op]
+		}
+	}
+	lost, duplicated, poisonApplied := 0, 0, 0
+	for _, op := range ops {
+		switch {
+		case strings.HasPrefix(op, "poison"):
+			poisonApplied += perOp[op]
+		case perOp[op] == 0:
+			lost++
+		case perOp[op] > 1:
+			duplicated++
+		}
+	}
+	// Dead letters: each poison op's, at least once (a kill between a dead
+	// letter's publish and its delivery's ack publishes it again).
+	dead := map[string]int{}
+	for {
+		d, ok, err := ch.Get(name+".dlq", true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !ok {
+			break
+		}
+		dead[d.MessageId]++
+	}
+	deadLetters, deadOnce, deadGood := 0, 0, 0
+	for id, n := range dead {
+		deadLetters += n
+		if !strings.HasPrefix(id, "poison") {
+			deadGood += n
+		}
+	}
+	for _, p := range poison {
+		if dead[p] == 1 {
+			deadOnce++
+		}
+		if dead[p] == 0 {
+			t.Errorf("%s: no dead letter", p)
+		}
+	}
+	scenario, extra := "pg-batch-kill9", ""
+	if kind == "redis" {
+		scenario, extra = "batch-kill9", fmt.Sprintf(" reexecuted=%d", reexecuted)
+	}
+	line := fmt.Sprintf("scenario %s ops=%d lost=%d duplicated=%d poison=%d poison_applied=%d poison_failed=%d dead_letters=%d poison_dead_lettered_once=%d good_dead_lettered=%d kills=%d%s",
+		scenario, nGood, lost, duplicated, nPoison, poisonApplied, failed(), deadLetters, deadOnce, deadGood, killed, extra)
+	printFigures(t, line)
+	if lost != 0 || duplicated != 0 || poisonApplied != 0 || deadGood != 0 {
+		t.Errorf("%s: lost %d, duplicated %d, poison effects %d, good ops dead-lettered %d: want all 0", scenario, lost, duplicated, poisonApplied, deadGood)
+	}
+	if killed == 0 {
+		t.Errorf("%s: every op was applied before the first kill -9: the scenario tested nothing", scenario)
+	}
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		t.Errorf("%s: ran out of time", scenario)
+	}
+}
