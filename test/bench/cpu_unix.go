@@ -3,6 +3,8 @@
 package main
 
 import (
+	"net"
+	"net/url"
 	"os"
 	"strconv"
 	"strings"
@@ -105,4 +107,55 @@ func treeCPU(pid int) time.Duration {
 		}
 	}
 	return total
+}
+
+// brokerPID is the pid of the RabbitMQ node at amqpURL when it runs on
+// this machine: amqpURL's host is a loopback one and exactly one process
+// named beam.smp has "rabbit" in its command line. Else 0: its CPU is not
+// measured (a broker elsewhere, or in a container this /proc does not
+// show, or two nodes that cannot be told apart here).
+func brokerPID(amqpURL string) int {
+	u, err := url.Parse(amqpURL)
+	if err != nil {
+		return 0
+	}
+	if h := u.Hostname(); h != "localhost" {
+		if ip := net.ParseIP(h); ip == nil || !ip.IsLoopback() {
+			return 0
+		}
+	}
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return 0
+	}
+	found := 0
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		comm, _ := os.ReadFile("/proc/" + e.Name() + "/comm")
+		if strings.TrimSpace(string(comm)) != "beam.smp" {
+			continue
+		}
+		args, _ := os.ReadFile("/proc/" + e.Name() + "/cmdline")
+		if !strings.Contains(string(args), "rabbit") {
+			continue
+		}
+		if found != 0 {
+			return 0
+		}
+		found = pid
+	}
+	return found
+}
+
+// pidCPU is the CPU time of process pid so far (its children it waited
+// for included), or 0 when pid is 0 or not readable.
+func pidCPU(pid int) time.Duration {
+	if pid == 0 {
+		return 0
+	}
+	_, cpu, _ := procStat(pid)
+	return cpu
 }

@@ -41,10 +41,14 @@ const (
 	// (twice that). Its leases and records are Redis calls of their own,
 	// which the RedisStore sends in pipelines.
 	batchV variant = "batch"
+	// publishV is unique whose handler publishes one message per message
+	// itself, confirmed, through amqpidem.Publisher (issue 40): what a
+	// user does without the outbox, at-least-once (publish.go).
+	publishV variant = "publish"
 )
 
 // variants in the order of the tables.
-var variants = []variant{bare, unique, duplicate, outbox, naive, memstore, batchV, uniqueWait, pgUnique, pgDuplicate, pgNaive, pgBatch, dynamoUnique, dynamoDuplicate}
+var variants = []variant{bare, unique, duplicate, outbox, publishV, naive, memstore, batchV, uniqueWait, pgUnique, pgDuplicate, pgNaive, pgBatch, dynamoUnique, dynamoDuplicate}
 
 // replays says whether v replays the keys another variant completed in
 // the same round, so that it cannot run alone.
@@ -76,6 +80,9 @@ type env struct {
 	// replica is the bench's replica of Redis, for unique-wait; nil when
 	// that variant does not run (see report.WaitSkipped).
 	replica *replica
+	// broker is the pid of the RabbitMQ node when it runs on this
+	// machine (brokerPID), else 0: its CPU is not measured.
+	broker int
 }
 
 // report is everything a run measured; bench_test reads it.
@@ -101,6 +108,12 @@ type report struct {
 	// OutboxRatios are outbox's median rate over unique's, per queue
 	// type measuring both (issue 23's figure).
 	OutboxRatios []ratio
+	// BrokerPID is the RabbitMQ node's pid when it runs on this machine
+	// (its CPU measured: machine_us), else 0.
+	BrokerPID int
+	// PublishRatios are outbox's median rate over publish's, per queue
+	// type measuring both (issue 40's figure).
+	PublishRatios []ratio
 	// Allocs are the allocations per message on lock.RedisStore's path.
 	Allocs  *allocsResult
 	Profile string
@@ -152,7 +165,14 @@ type runResult struct {
 	ClientAllocs        uint64        // heap objects this process allocated while consuming
 	ClientBytes         uint64        // and their bytes
 	RedisCPU            time.Duration // the Redis server, while consuming
-	MachineCPU          time.Duration // every process on the machine, while consuming
+	MachineCPU          time.Duration // every process on the machine, while consuming (/proc/stat)
+	BrokerCPU           time.Duration // the RabbitMQ node, while consuming (0: not measured)
+	// ProcCPU is the machine CPU of the run's own processes while
+	// consuming: this one, redis-server, the RabbitMQ node, and
+	// PostgreSQL's for a pg variant (issue 40's machine_us); 0 when the
+	// broker's is not measured. Unlike MachineCPU, other work on the
+	// machine does not count in it.
+	ProcCPU time.Duration
 
 	// The PostgreSQL variants: what the run's pool did over its life,
 	// PostgreSQL's CPU (every process of the server) while consuming, and
@@ -161,8 +181,8 @@ type runResult struct {
 	PGCPU               time.Duration
 	EffectRows, Effects int
 
-	// Staged is, for outbox, the staged messages that reached the run's
-	// outbox queue (one per message is right).
+	// Staged is, for outbox and publish, the messages staged (published)
+	// that reached the run's outbox queue (one per message is right).
 	Staged int
 	// Steps are the profiled run's step times (amqpidem variants on Redis
 	// or MemoryStore); nil otherwise.
@@ -195,6 +215,8 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 	if e.brk, err = dialBroker(opts.AMQPURL); err != nil {
 		return rep, err
 	}
+	e.broker = brokerPID(opts.AMQPURL)
+	rep.BrokerPID = e.broker
 	defer func() {
 		// Whatever happened: delete this run's queues and keys.
 		cctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -275,10 +297,19 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 			}
 		}
 		rep.N[qt] = n
-		if opts.measures(outbox) {
+		// outbox and publish run the same N, sized by outbox's rate
+		// (publish's when outbox is not measured).
+		cal := variant("")
+		switch {
+		case opts.measures(outbox):
+			cal = outbox
+		case opts.measures(publishV):
+			cal = publishV
+		}
+		if cal != "" {
 			if n = opts.N; n == 0 {
-				if n, err = e.calibrate(ctx, qt, outbox, max(opts.CalibrateN/4, opts.MinN)); err != nil {
-					return rep, fmt.Errorf("calibration of outbox on %s: %w", qt, err)
+				if n, err = e.calibrate(ctx, qt, cal, max(opts.CalibrateN/4, opts.MinN)); err != nil {
+					return rep, fmt.Errorf("calibration of %s on %s: %w", cal, qt, err)
 				}
 			}
 			rep.NOutbox[qt] = n
@@ -334,7 +365,8 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 	}
 	fmt.Fprintln(out)
 	rep.Ratios = ratios(rep.Runs, opts.QueueTypes, rep.Variants)
-	rep.OutboxRatios = outboxRatios(rep.Runs, opts.QueueTypes, rep.Variants)
+	rep.OutboxRatios = outboxRatios(rep.Runs, opts.QueueTypes, rep.Variants, unique)
+	rep.PublishRatios = outboxRatios(rep.Runs, opts.QueueTypes, rep.Variants, publishV)
 
 	// 3. Latency at half the bare median rate, and at the fixed rates.
 	for _, qt := range opts.QueueTypes {
@@ -430,6 +462,9 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 	for _, r := range rep.OutboxRatios {
 		fmt.Fprintf(out, "ratio outbox/unique %s %.2f\n", r.QueueType, r.Value)
 	}
+	for _, r := range rep.PublishRatios {
+		fmt.Fprintf(out, "ratio outbox/publish %s %.2f\n", r.QueueType, r.Value)
+	}
 	printTargets(out, opts, rep)
 	printAllocs(out, rep)
 	printDynamoRatios(out, rep)
@@ -443,7 +478,7 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 		if r.EffectRows != r.Effects {
 			bad = append(bad, fmt.Sprintf("round %d %s %s: %d effect rows, want %d", r.Round, r.QueueType, r.Variant, r.EffectRows, r.Effects))
 		}
-		if r.Variant == outbox && r.Staged != r.N {
+		if (r.Variant == outbox || r.Variant == publishV) && r.Staged != r.N {
 			bad = append(bad, fmt.Sprintf("round %d %s %s: %d staged messages reached the outbox queue, want %d", r.Round, r.QueueType, r.Variant, r.Staged, r.N))
 		}
 	}
