@@ -112,7 +112,7 @@ func printReport(out io.Writer, e *env, rep *report) {
 	o := e.opts
 	fmt.Fprintf(out, "\n== throughput: median of %d run(s), msg/s; prefetch %d, concurrency %d ==\n", o.Repeats, o.Prefetch, o.Concurrency)
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "queue\tvariant\tN\tmedian\truns\tvs bare\tredis rt/msg\tclient cpu/msg\tclient allocs/msg\tclient bytes/msg\tredis cpu/msg\tbroker cpu/msg\tmachine cpu/msg\tall cpu/msg\t")
+	fmt.Fprintln(tw, "queue\tvariant\tN\tmedian\truns\tvs bare\tredis rt/msg\tclient reads/msg\tclient writes/msg\tclient cpu/msg\tclient allocs/msg\tclient bytes/msg\tredis cpu/msg\tbroker cpu/msg\tmachine cpu/msg\tall cpu/msg\t")
 	for _, qt := range o.QueueTypes {
 		b := median(rates(rep.Runs, qt, bare))
 		for _, v := range rep.Variants[qt] {
@@ -134,12 +134,16 @@ func printReport(out io.Writer, e *env, rep *report) {
 			bcpu := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.BrokerCPU) })
 			pcpu := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ProcCPU) })
 			mcpu := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.MachineCPU) })
-			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\t%.2f\t%.1fµs\t%.1f\t%.0f\t%.1fµs\t%s\t%s\t%.1fµs\t\n", qt, v, rep.n(qt, v), thousands(m),
-				strings.Join(each, " "), vs, rt, ccpu/1e3, calloc, cbytes, rcpu/1e3, usOrUnknown(bcpu), usOrUnknown(pcpu), mcpu/1e3)
+			reads := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.Reads) })
+			writes := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.Writes) })
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\t%.2f\t%.2f\t%.2f\t%.1fµs\t%.1f\t%.0f\t%.1fµs\t%s\t%s\t%.1fµs\t\n", qt, v, rep.n(qt, v), thousands(m),
+				strings.Join(each, " "), vs, rt, reads, writes, ccpu/1e3, calloc, cbytes, rcpu/1e3, usOrUnknown(bcpu), usOrUnknown(pcpu), mcpu/1e3)
 		}
 	}
 	tw.Flush()
-	fmt.Fprintln(out, "(redis rt/msg: go-redis Process + ProcessPipeline calls per message; client allocs/msg,\n"+
+	fmt.Fprintln(out, "(redis rt/msg: go-redis Process + ProcessPipeline calls per message; client reads/msg,\n"+
+		" writes/msg: this process's read and write system calls (/proc/self/io; a write is a flush of a\n"+
+		" connection's buffer, to RabbitMQ or Redis) per message; client allocs/msg,\n"+
 		" bytes/msg: the heap objects this process allocated while consuming, and their bytes, per message\n"+
 		" (exact: the garbage collector's work follows them); cpu/msg: CPU time while consuming, per message,\n"+
 		" of this process, of redis-server (INFO cpu), of the RabbitMQ node (/proc/<pid>/stat; \"?\": not\n"+

@@ -159,6 +159,7 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 	cpu0, rcpu0, mcpu0, pcpu0, bcpu0 := proccpu.Self(), redisCPU(ctx, e.admin), machineCPU(), e.pgCPU(), pidCPU(e.broker)
 	allocs0, bytes0 := heapAllocs()
 	rt0 := e.rts.n.Load()
+	sr0, sw0 := selfSyscalls()
 	if profile != nil {
 		f, err := os.Create(*profile)
 		if err != nil {
@@ -197,6 +198,8 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 	}
 	werr := t.wait(ctx, e.opts.RunTimeout, c)
 	res.RoundTrips = e.rts.n.Load() - rt0
+	sr1, sw1 := selfSyscalls()
+	res.Reads, res.Writes = sr1-sr0, sw1-sw0
 	res.ClientCPU, res.RedisCPU = proccpu.Self()-cpu0, redisCPU(ctx, e.admin)-rcpu0
 	allocs1, bytes1 := heapAllocs()
 	res.ClientAllocs, res.ClientBytes = allocs1-allocs0, bytes1-bytes0

@@ -161,12 +161,16 @@ type runResult struct {
 	Rate                float64       // (N-1)/Span, messages per second
 	Publish             time.Duration // prefill time
 	RoundTrips          int64         // Redis round trips while consuming
-	ClientCPU           time.Duration // this process, while consuming
-	ClientAllocs        uint64        // heap objects this process allocated while consuming
-	ClientBytes         uint64        // and their bytes
-	RedisCPU            time.Duration // the Redis server, while consuming
-	MachineCPU          time.Duration // every process on the machine, while consuming (/proc/stat)
-	BrokerCPU           time.Duration // the RabbitMQ node, while consuming (0: not measured)
+	// Reads and Writes are the read and write system calls of this
+	// process while consuming (/proc/self/io): a write is a flush of a
+	// connection's buffer, to RabbitMQ or Redis.
+	Reads, Writes int64
+	ClientCPU     time.Duration // this process, while consuming
+	ClientAllocs  uint64        // heap objects this process allocated while consuming
+	ClientBytes   uint64        // and their bytes
+	RedisCPU      time.Duration // the Redis server, while consuming
+	MachineCPU    time.Duration // every process on the machine, while consuming (/proc/stat)
+	BrokerCPU     time.Duration // the RabbitMQ node, while consuming (0: not measured)
 	// ProcCPU is the machine CPU of the run's own processes while
 	// consuming: this one, redis-server, the RabbitMQ node, and
 	// PostgreSQL's for a pg variant (issue 40's machine_us); 0 when the
