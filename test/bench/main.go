@@ -52,9 +52,9 @@
 // pre-filled by a confirming publisher; throughput is measured from the
 // first ack to the N-th. N is sized by a calibration so that a bare run
 // lasts -duration (for the pg variants, so that a pg-naive run does; for
-// outbox, so that an outbox run does). Runs are repeated in rounds, the
-// order of the variants rotating from round to round, and medians are
-// reported. Then: the latency each message gains at
+// outbox and publish, so that an outbox run does). Runs are repeated in
+// rounds, the order of the variants rotating from round to round, and
+// medians are reported. Then: the latency each message gains at
 // half the bare maximum rate and at fixed offered rates (-latency-rates,
 // default 1,000 and 5,000 msg/s; bare and unique), Redis round trips per
 // message (go-redis hook: Process plus ProcessPipeline calls), and the
