@@ -111,9 +111,11 @@ func treeCPU(pid int) time.Duration {
 
 // brokerPID is the pid of the RabbitMQ node at amqpURL when it runs on
 // this machine: amqpURL's host is a loopback one and exactly one process
-// named beam.smp has "rabbit" in its command line. Else 0: its CPU is not
-// measured (a broker elsewhere, or in a container this /proc does not
-// show, or two nodes that cannot be told apart here).
+// named beam.smp boots RabbitMQ ("-s rabbit boot" in its command line;
+// rabbitmqctl and rabbitmq-diagnostics are Erlang VMs named beam.smp too,
+// which do not). Else 0: its CPU is not measured (a broker elsewhere, or
+// in a container this /proc does not show, or two nodes that cannot be
+// told apart here).
 func brokerPID(amqpURL string) int {
 	u, err := url.Parse(amqpURL)
 	if err != nil {
@@ -139,7 +141,7 @@ func brokerPID(amqpURL string) int {
 			continue
 		}
 		args, _ := os.ReadFile("/proc/" + e.Name() + "/cmdline")
-		if !strings.Contains(string(args), "rabbit") {
+		if !strings.Contains(string(args), "\x00-s\x00rabbit\x00boot\x00") {
 			continue
 		}
 		if found != 0 {
@@ -151,13 +153,14 @@ func brokerPID(amqpURL string) int {
 }
 
 // pidCPU is the CPU time of process pid so far (its children it waited
-// for included), or 0 when pid is 0 or not readable.
-func pidCPU(pid int) time.Duration {
+// for included); ok is false when pid is 0 or not readable (the process
+// ended: a broker restarted by someone else's test).
+func pidCPU(pid int) (cpu time.Duration, ok bool) {
 	if pid == 0 {
-		return 0
+		return 0, false
 	}
-	_, cpu, _ := procStat(pid)
-	return cpu
+	_, cpu, ok = procStat(pid)
+	return cpu, ok
 }
 
 // selfSyscalls is the read and write system calls this process has made

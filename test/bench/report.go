@@ -108,6 +108,23 @@ func perMessage(runs []runResult, qt string, v variant, f func(runResult) float6
 	return sum / n
 }
 
+// perMeasured is perMessage's sum over the measured runs of qt and v where f is above
+// 0 (measured: the broker's CPU, not read in a run where the node
+// restarted), divided by their messages; 0 when there are none.
+func perMeasured(runs []runResult, qt string, v variant, f func(runResult) float64) float64 {
+	var sum, n float64
+	for _, r := range runs {
+		if x := f(r); r.Round > 0 && r.QueueType == qt && r.Variant == v && x > 0 {
+			sum += x
+			n += float64(r.N)
+		}
+	}
+	if n == 0 {
+		return 0
+	}
+	return sum / n
+}
+
 func printReport(out io.Writer, e *env, rep *report) {
 	o := e.opts
 	fmt.Fprintf(out, "\n== throughput: median of %d run(s), msg/s; prefetch %d, concurrency %d ==\n", o.Repeats, o.Prefetch, o.Concurrency)
@@ -131,8 +148,8 @@ func printReport(out io.Writer, e *env, rep *report) {
 			calloc := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ClientAllocs) })
 			cbytes := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ClientBytes) })
 			rcpu := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.RedisCPU) })
-			bcpu := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.BrokerCPU) })
-			pcpu := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ProcCPU) })
+			bcpu := perMeasured(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.BrokerCPU) })
+			pcpu := perMeasured(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ProcCPU) })
 			mcpu := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.MachineCPU) })
 			reads := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.Reads) })
 			writes := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.Writes) })
@@ -283,7 +300,7 @@ func printPG(out io.Writer, e *env, rep *report) {
 			pg(func(c *pgCounts) float64 { return float64(c.Wait) })/1e3,
 			pgcpu,
 			perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ClientCPU) })/1e3,
-			usOrUnknown(perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ProcCPU) })),
+			usOrUnknown(perMeasured(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ProcCPU) })),
 			perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.EffectRows) }))
 	}
 	tw.Flush()
@@ -377,7 +394,7 @@ func printTargets(out io.Writer, o options, rep *report) {
 		// (this process, Redis, RabbitMQ, PostgreSQL where used), and
 		// unique's over bare's.
 		proc := func(v variant) float64 {
-			return perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ProcCPU) })
+			return perMeasured(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ProcCPU) })
 		}
 		for _, v := range rep.Variants[qt] {
 			if m := proc(v); m > 0 {

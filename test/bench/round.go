@@ -156,7 +156,11 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 	}
 
 	t := newTally(n, nil)
-	cpu0, rcpu0, mcpu0, pcpu0, bcpu0 := proccpu.Self(), redisCPU(ctx, e.admin), machineCPU(), e.pgCPU(), pidCPU(e.broker)
+	// The broker's pid is looked up for each run: someone else's test
+	// may restart the node between runs.
+	broker := brokerPID(e.opts.AMQPURL)
+	bcpu0, bok0 := pidCPU(broker)
+	cpu0, rcpu0, mcpu0, pcpu0 := proccpu.Self(), redisCPU(ctx, e.admin), machineCPU(), e.pgCPU()
 	allocs0, bytes0 := heapAllocs()
 	rt0 := e.rts.n.Load()
 	sr0, sw0 := selfSyscalls()
@@ -203,8 +207,13 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 	res.ClientCPU, res.RedisCPU = proccpu.Self()-cpu0, redisCPU(ctx, e.admin)-rcpu0
 	allocs1, bytes1 := heapAllocs()
 	res.ClientAllocs, res.ClientBytes = allocs1-allocs0, bytes1-bytes0
-	res.MachineCPU, res.PGCPU, res.BrokerCPU = machineCPU()-mcpu0, e.pgCPU()-pcpu0, pidCPU(e.broker)-bcpu0
-	if e.broker != 0 {
+	res.MachineCPU, res.PGCPU = machineCPU()-mcpu0, e.pgCPU()-pcpu0
+	// Measured only when the node was read at both ends, the same
+	// process (not restarted meanwhile: its CPU would start again).
+	if bcpu1, bok1 := pidCPU(broker); bok0 && bok1 && bcpu1 >= bcpu0 && brokerPID(e.opts.AMQPURL) == broker {
+		res.BrokerCPU = bcpu1 - bcpu0
+	}
+	if res.BrokerCPU > 0 {
 		res.ProcCPU = res.ClientCPU + res.RedisCPU + res.BrokerCPU
 		if v.isPG() {
 			res.ProcCPU += res.PGCPU

@@ -80,9 +80,6 @@ type env struct {
 	// replica is the bench's replica of Redis, for unique-wait; nil when
 	// that variant does not run (see report.WaitSkipped).
 	replica *replica
-	// broker is the pid of the RabbitMQ node when it runs on this
-	// machine (brokerPID), else 0: its CPU is not measured.
-	broker int
 }
 
 // report is everything a run measured; bench_test reads it.
@@ -108,8 +105,9 @@ type report struct {
 	// OutboxRatios are outbox's median rate over unique's, per queue
 	// type measuring both (issue 23's figure).
 	OutboxRatios []ratio
-	// BrokerPID is the RabbitMQ node's pid when it runs on this machine
-	// (its CPU measured: machine_us), else 0.
+	// BrokerPID is the RabbitMQ node's pid when it ran on this machine
+	// at the start (its CPU measured: machine_us; each run looks it up
+	// again), else 0.
 	BrokerPID int
 	// PublishRatios are outbox's median rate over publish's, per queue
 	// type measuring both (issue 40's figure).
@@ -219,8 +217,7 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 	if e.brk, err = dialBroker(opts.AMQPURL); err != nil {
 		return rep, err
 	}
-	e.broker = brokerPID(opts.AMQPURL)
-	rep.BrokerPID = e.broker
+	rep.BrokerPID = brokerPID(opts.AMQPURL)
 	defer func() {
 		// Whatever happened: delete this run's queues and keys.
 		cctx, cancel := context.WithTimeout(context.Background(), time.Minute)
