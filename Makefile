@@ -40,13 +40,17 @@ alerts:
 # bench runs the lock and heartbeat micro benchmarks, then the end-to-end
 # measurement of test/bench: a bare amqp091-go consumer, amqpidem with
 # unique and with duplicate messages, amqpidem whose handler stages one
-# message per message (outbox), and the naive SET NX + SET approach, side
+# message per message (outbox) or publishes it itself with confirms
+# (publish, the at-least-once baseline), and the naive SET NX + SET approach, side
 # by side on classic and quorum queues, and on PostgreSQL (pgstore's TxHandler,
 # unique and duplicate, against a hand-written INSERT ON CONFLICT consumer), and
 # on DynamoDB (dynamostore's TxHandler, unique and duplicate, on the server of
 # DYNAMODB_ENDPOINT, default minidyn's 127.0.0.1:8000). It ends with "ratio
 # <variant>/bare <queue type> 0.00" lines, then "ratio outbox/unique <queue
-# type> 0.00", and, after issue 14's and 26's figures, "ratio
+# type> 0.00" and "ratio outbox/publish <queue type> 0.00", then issue 14's,
+# 40's ("machine_us <variant> <queue type> 0.0": CPU per message of this
+# process, redis-server, RabbitMQ and PostgreSQL where used; "machine_x
+# unique <queue type> 0.00": unique's over bare's) and 26's figures, "ratio
 # dynamo-unique/bare classic 0.00" and dynamo-duplicate's, then the producer
 # outbox relay's "relay_msgs_per_s classic 0", "relay_p99_ms classic 0.0" and
 # "relay_ordered_drain_ms 1000 0" (issue 34: ms for an ordered relay to drain

@@ -3,6 +3,8 @@
 package main
 
 import (
+	"net"
+	"net/url"
 	"os"
 	"strconv"
 	"strings"
@@ -105,4 +107,83 @@ func treeCPU(pid int) time.Duration {
 		}
 	}
 	return total
+}
+
+// brokerPID is the pid of the RabbitMQ node at amqpURL when it runs on
+// this machine: amqpURL's host is a loopback one and exactly one process
+// named beam.smp boots RabbitMQ ("-s rabbit boot" in its command line;
+// rabbitmqctl and rabbitmq-diagnostics are Erlang VMs named beam.smp too,
+// which do not). Else 0: its CPU is not measured (a broker elsewhere, or
+// in a container this /proc does not show, or two nodes that cannot be
+// told apart here).
+func brokerPID(amqpURL string) int {
+	u, err := url.Parse(amqpURL)
+	if err != nil {
+		return 0
+	}
+	if h := u.Hostname(); h != "localhost" {
+		if ip := net.ParseIP(h); ip == nil || !ip.IsLoopback() {
+			return 0
+		}
+	}
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return 0
+	}
+	found := 0
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		comm, _ := os.ReadFile("/proc/" + e.Name() + "/comm")
+		if strings.TrimSpace(string(comm)) != "beam.smp" {
+			continue
+		}
+		args, _ := os.ReadFile("/proc/" + e.Name() + "/cmdline")
+		if !strings.Contains(string(args), "\x00-s\x00rabbit\x00boot\x00") {
+			continue
+		}
+		if found != 0 {
+			return 0
+		}
+		found = pid
+	}
+	return found
+}
+
+// pidCPU is the CPU time of process pid so far (its children it waited
+// for included); ok is false when pid is 0 or not readable (the process
+// ended: a broker restarted by someone else's test).
+func pidCPU(pid int) (cpu time.Duration, ok bool) {
+	if pid == 0 {
+		return 0, false
+	}
+	_, cpu, ok = procStat(pid)
+	return cpu, ok
+}
+
+// selfSyscalls is the read and write system calls this process has made
+// so far (/proc/self/io: syscr, syscw; socket reads and writes included),
+// or 0, 0 when they cannot be read. Each flush of a connection's buffer
+// is one write, so that writes per message count the flushes.
+func selfSyscalls() (reads, writes int64) {
+	data, err := os.ReadFile("/proc/self/io")
+	if err != nil {
+		return 0, 0
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		name, v, ok := strings.Cut(line, ": ")
+		if !ok {
+			continue
+		}
+		n, _ := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+		switch name {
+		case "syscr":
+			reads = n
+		case "syscw":
+			writes = n
+		}
+	}
+	return reads, writes
 }

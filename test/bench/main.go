@@ -9,6 +9,10 @@
 //	           published confirmed to a queue of the run's own, the record
 //	           amended to say so, then the ack (outbox.go says where the
 //	           staged messages go; -outbox-sink whether they are consumed)
+//	publish    unique whose handler publishes that same message itself,
+//	           confirmed, through amqpidem.Publisher (issue 40): what a
+//	           user does without the outbox, at-least-once; to the same
+//	           kind of queue (publish.go)
 //	naive      SET key NX, no-op handler, SET key done, ack (two round trips)
 //	memstore   unique on a lock.MemoryStore: amqpidem's own cost without
 //	           Redis, so what the store's round trips and Redis's CPU take
@@ -48,9 +52,9 @@
 // pre-filled by a confirming publisher; throughput is measured from the
 // first ack to the N-th. N is sized by a calibration so that a bare run
 // lasts -duration (for the pg variants, so that a pg-naive run does; for
-// outbox, so that an outbox run does). Runs are repeated in rounds, the
-// order of the variants rotating from round to round, and medians are
-// reported. Then: the latency each message gains at
+// outbox and publish, so that an outbox run does). Runs are repeated in
+// rounds, the order of the variants rotating from round to round, and
+// medians are reported. Then: the latency each message gains at
 // half the bare maximum rate and at fixed offered rates (-latency-rates,
 // default 1,000 and 5,000 msg/s; bare and unique), Redis round trips per
 // message (go-redis hook: Process plus ProcessPipeline calls), and the
@@ -64,20 +68,32 @@
 //	ratio unique/bare classic 0.83
 //
 // (pg-unique, pg-duplicate and pg-naive have such lines too, on classic;
-// outbox's is in the table only.) Then, per queue type measuring both,
-// issue 23's figure, outbox's median rate over unique's:
+// outbox's and publish's are in the table only.) Then, per queue type
+// measuring both, issue 23's figure, outbox's median rate over unique's,
+// and issue 40's, outbox's over publish's (exactly-once publishing against
+// at-least-once):
 //
 //	ratio outbox/unique classic 0.80
+//	ratio outbox/publish classic 0.95
 //
 // Then, per queue type, issue 14's figures: Redis CPU per unique, per
-// duplicate and per outbox message in µs, the consumer's CPU per unique message over the
-// bare consumer's, and the p99 that unique adds over bare, in ms, at each
-// fixed rate (" saturated" when either could not keep up with it):
+// duplicate and per outbox message in µs; issue 40's: the machine's CPU
+// per message of every variant measured, in µs (this process, plus
+// redis-server, plus the RabbitMQ node read from /proc/<pid>/stat, plus
+// PostgreSQL's processes for a pg variant; left out when the node is not
+// on this machine), and unique's over bare's; and the p99 that unique
+// adds over bare, in ms, at each fixed rate (" saturated" when either
+// could not keep up with it). (consumer_x, the consumer's CPU over bare's,
+// is retired: it rewarded moving work onto the broker; the table keeps
+// the client's CPU.)
 //
 //	redis_us unique classic 24.2
 //	redis_us duplicate classic 10.6
 //	redis_us outbox classic 30.1
-//	consumer_x unique classic 1.44
+//	machine_us bare classic 68.0
+//	machine_us unique classic 94.0
+//	...
+//	machine_x unique classic 1.38
 //	latency_p99_ms 1000 classic 1.4
 //	latency_p99_ms 5000 classic 3.9
 //

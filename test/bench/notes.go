@@ -91,10 +91,10 @@ func randomHex(n int) string {
 	return hex.EncodeToString(b)
 }
 
-// stagedNote is, for an outbox run, how many staged messages reached its
-// outbox queue.
+// stagedNote is, for an outbox or publish run, how many staged (or
+// published) messages reached its outbox queue.
 func stagedNote(r runResult) string {
-	if r.Variant != outbox {
+	if r.Variant != outbox && r.Variant != publishV {
 		return ""
 	}
 	return fmt.Sprintf("  %d staged", r.Staged)

@@ -62,21 +62,34 @@ func ratios(runs []runResult, queueTypes []string, measured map[string][]variant
 // unique's rate, on both queue types.
 const outboxTarget = 0.75
 
-// outboxRatios are outbox's median throughput over unique's, per queue
-// type measuring both.
-func outboxRatios(runs []runResult, queueTypes []string, measured map[string][]variant) []ratio {
+// outboxPublishTarget is issue 40's target: outbox at least this share
+// of publish's rate (exactly-once publishing at the cost of at-least-once),
+// on both queue types.
+const outboxPublishTarget = 0.9
+
+// outboxRatios are outbox's median throughput over base's (unique's:
+// issue 23; publish's: issue 40), per queue type measuring both.
+func outboxRatios(runs []runResult, queueTypes []string, measured map[string][]variant, base variant) []ratio {
 	var out []ratio
 	for _, qt := range queueTypes {
-		if !slices.Contains(measured[qt], outbox) || !slices.Contains(measured[qt], unique) {
+		if !slices.Contains(measured[qt], outbox) || !slices.Contains(measured[qt], base) {
 			continue
 		}
 		r := ratio{Variant: outbox, QueueType: qt}
-		if u := median(rates(runs, qt, unique)); u > 0 {
+		if u := median(rates(runs, qt, base)); u > 0 {
 			r.Value = median(rates(runs, qt, outbox)) / u
 		}
 		out = append(out, r)
 	}
 	return out
+}
+
+// usOrUnknown prints ns as µs, or "?" when not measured (0).
+func usOrUnknown(ns float64) string {
+	if ns <= 0 {
+		return "?"
+	}
+	return fmt.Sprintf("%.1fµs", ns/1e3)
 }
 
 // perMessage sums a per-run figure over the measured runs of qt and v and
@@ -95,11 +108,28 @@ func perMessage(runs []runResult, qt string, v variant, f func(runResult) float6
 	return sum / n
 }
 
+// perMeasured is perMessage's sum over the measured runs of qt and v where f is above
+// 0 (measured: the broker's CPU, not read in a run where the node
+// restarted), divided by their messages; 0 when there are none.
+func perMeasured(runs []runResult, qt string, v variant, f func(runResult) float64) float64 {
+	var sum, n float64
+	for _, r := range runs {
+		if x := f(r); r.Round > 0 && r.QueueType == qt && r.Variant == v && x > 0 {
+			sum += x
+			n += float64(r.N)
+		}
+	}
+	if n == 0 {
+		return 0
+	}
+	return sum / n
+}
+
 func printReport(out io.Writer, e *env, rep *report) {
 	o := e.opts
 	fmt.Fprintf(out, "\n== throughput: median of %d run(s), msg/s; prefetch %d, concurrency %d ==\n", o.Repeats, o.Prefetch, o.Concurrency)
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "queue\tvariant\tN\tmedian\truns\tvs bare\tredis rt/msg\tclient cpu/msg\tclient allocs/msg\tclient bytes/msg\tredis cpu/msg\tmachine cpu/msg\t")
+	fmt.Fprintln(tw, "queue\tvariant\tN\tmedian\truns\tvs bare\tredis rt/msg\tclient reads/msg\tclient writes/msg\tclient cpu/msg\tclient allocs/msg\tclient bytes/msg\tredis cpu/msg\tbroker cpu/msg\tmachine cpu/msg\tall cpu/msg\t")
 	for _, qt := range o.QueueTypes {
 		b := median(rates(rep.Runs, qt, bare))
 		for _, v := range rep.Variants[qt] {
@@ -118,23 +148,37 @@ func printReport(out io.Writer, e *env, rep *report) {
 			calloc := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ClientAllocs) })
 			cbytes := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ClientBytes) })
 			rcpu := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.RedisCPU) })
+			bcpu := perMeasured(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.BrokerCPU) })
+			pcpu := perMeasured(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ProcCPU) })
 			mcpu := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.MachineCPU) })
-			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\t%.2f\t%.1fµs\t%.1f\t%.0f\t%.1fµs\t%.1fµs\t\n", qt, v, rep.n(qt, v), thousands(m),
-				strings.Join(each, " "), vs, rt, ccpu/1e3, calloc, cbytes, rcpu/1e3, mcpu/1e3)
+			reads := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.Reads) })
+			writes := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.Writes) })
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\t%.2f\t%.2f\t%.2f\t%.1fµs\t%.1f\t%.0f\t%.1fµs\t%s\t%s\t%.1fµs\t\n", qt, v, rep.n(qt, v), thousands(m),
+				strings.Join(each, " "), vs, rt, reads, writes, ccpu/1e3, calloc, cbytes, rcpu/1e3, usOrUnknown(bcpu), usOrUnknown(pcpu), mcpu/1e3)
 		}
 	}
 	tw.Flush()
-	fmt.Fprintln(out, "(redis rt/msg: go-redis Process + ProcessPipeline calls per message; client allocs/msg,\n"+
+	fmt.Fprintln(out, "(redis rt/msg: go-redis Process + ProcessPipeline calls per message; client reads/msg,\n"+
+		" writes/msg: this process's read and write system calls (/proc/self/io; a write is a flush of a\n"+
+		" connection's buffer, to RabbitMQ or Redis) per message; client allocs/msg,\n"+
 		" bytes/msg: the heap objects this process allocated while consuming, and their bytes, per message\n"+
-		" (exact: the garbage collector's work follows them); cpu/msg: CPU time of this\n"+
-		" process, of redis-server and of the whole machine (RabbitMQ included; /proc/stat, so other work\n"+
-		" on the machine counts too) while consuming, per message)")
+		" (exact: the garbage collector's work follows them); cpu/msg: CPU time while consuming, per message,\n"+
+		" of this process, of redis-server (INFO cpu), of the RabbitMQ node (/proc/<pid>/stat; \"?\": not\n"+
+		" on this machine), of the machine (the sum of those, and of PostgreSQL's processes for a pg\n"+
+		" variant: the machine_us lines) and of all (/proc/stat: other work on the machine counts too))")
 	if len(rep.OutboxRatios) > 0 {
 		fmt.Fprintf(out, "(outbox: one staged message of %d bytes per message, to a queue of the run's own, %s)\n",
 			stagedBodySize, sinkText(o.OutboxSink))
 		fmt.Fprintf(out, "target of issue 23 (medians of this run): outbox at least %.2f of unique's rate\n", outboxTarget)
 		for _, r := range rep.OutboxRatios {
 			fmt.Fprintf(out, "  %-7s outbox/unique = %.2f  %s\n", r.QueueType, r.Value, metOrNot(r.Value >= outboxTarget))
+		}
+	}
+	if len(rep.PublishRatios) > 0 {
+		fmt.Fprintf(out, "(publish: unique whose handler publishes that message itself, confirmed, with amqpidem.Publisher, to such a queue)\n")
+		fmt.Fprintf(out, "target of issue 40 (medians of this run): outbox at least %.2f of publish's rate\n", outboxPublishTarget)
+		for _, r := range rep.PublishRatios {
+			fmt.Fprintf(out, "  %-7s outbox/publish = %.2f  %s\n", r.QueueType, r.Value, metOrNot(r.Value >= outboxPublishTarget))
 		}
 	}
 	if rep.WaitSkipped != "" {
@@ -247,7 +291,7 @@ func printPG(out io.Writer, e *env, rep *report) {
 		if e.pg.postmaster != 0 {
 			pgcpu = fmt.Sprintf("%.1fµs", perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.PGCPU) })/1e3)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%.2f\t%.2f\t%.2f\t%s\t%.0f\t%.3f\t%.1fµs\t%s\t%.1fµs\t%.1fµs\t%.2f\t\n", v, thousands(m), vs(b), vs(naiveRate),
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%.2f\t%.2f\t%.2f\t%s\t%.0f\t%.3f\t%.1fµs\t%s\t%.1fµs\t%s\t%.2f\t\n", v, thousands(m), vs(b), vs(naiveRate),
 			pg(func(c *pgCounts) float64 { return float64(c.Statements) }),
 			pg(func(c *pgCounts) float64 { return float64(c.RoundTrips()) }),
 			pg(func(c *pgCounts) float64 { return float64(c.Committed()) }),
@@ -256,7 +300,7 @@ func printPG(out io.Writer, e *env, rep *report) {
 			pg(func(c *pgCounts) float64 { return float64(c.Wait) })/1e3,
 			pgcpu,
 			perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ClientCPU) })/1e3,
-			perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.MachineCPU) })/1e3,
+			usOrUnknown(perMeasured(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ProcCPU) })),
 			perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.EffectRows) }))
 	}
 	tw.Flush()
@@ -325,9 +369,12 @@ func latencyPairs(runs []latencyResult) [][2]*latencyResult {
 }
 
 // printTargets prints issue 14's machine-readable lines, after the ratio
-// lines: Redis CPU per unique, duplicate and outbox message (µs), the
-// consumer's CPU per unique message over the bare consumer's, and the p99
-// latency unique adds over bare (ms) at each fixed offered rate. A line is left
+// lines: Redis CPU per unique, duplicate and outbox message (µs), issue
+// 40's machine CPU per message of every variant (µs) and unique's over
+// bare's, and the p99 latency unique adds over bare (ms) at each fixed
+// offered rate. (The consumer's CPU over bare's, consumer_x, is retired:
+// it rewarded moving work onto the broker; the table keeps the client's
+// CPU.) A line is left
 // out where the bench has no figure (a variant not measured, a platform
 // without CPU times); a rate that bare or unique could not keep up with
 // ends its line with "saturated".
@@ -343,12 +390,19 @@ func printTargets(out io.Writer, o options, rep *report) {
 			}
 			fmt.Fprintf(out, "redis_us %s %s %.1f\n", v, qt, rcpu/1e3)
 		}
-		if slices.Contains(rep.Variants[qt], unique) {
-			cb := perMessage(rep.Runs, qt, bare, func(r runResult) float64 { return float64(r.ClientCPU) })
-			cu := perMessage(rep.Runs, qt, unique, func(r runResult) float64 { return float64(r.ClientCPU) })
-			if cb > 0 {
-				fmt.Fprintf(out, "consumer_x unique %s %.2f\n", qt, cu/cb)
+		// Issue 40's: the machine's CPU per message of every variant
+		// (this process, Redis, RabbitMQ, PostgreSQL where used), and
+		// unique's over bare's.
+		proc := func(v variant) float64 {
+			return perMeasured(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ProcCPU) })
+		}
+		for _, v := range rep.Variants[qt] {
+			if m := proc(v); m > 0 {
+				fmt.Fprintf(out, "machine_us %s %s %.1f\n", v, qt, m/1e3)
 			}
+		}
+		if b, u := proc(bare), proc(unique); b > 0 && u > 0 {
+			fmt.Fprintf(out, "machine_x unique %s %.2f\n", qt, u/b)
 		}
 		for _, pair := range latencyPairs(rep.Latency) {
 			b, u := pair[0], pair[1]

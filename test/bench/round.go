@@ -21,7 +21,7 @@ func (rep *report) n(qt string, v variant) int {
 		return rep.NPG
 	case v.isDynamo():
 		return rep.NDynamo
-	case v == outbox:
+	case v == outbox, v == publishV:
 		return rep.NOutbox[qt]
 	}
 	return rep.N[qt]
@@ -139,8 +139,9 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 		}
 	}
 
-	// outbox's handler stages to a queue of the run's own (outbox.go).
-	if v == outbox {
+	// outbox's handler stages to a queue of the run's own (outbox.go),
+	// publish's publishes to one (publish.go).
+	if v == outbox || v == publishV {
 		s, err := e.openSink(ctx, qt, queue, n)
 		if err != nil {
 			return res, err
@@ -155,9 +156,14 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 	}
 
 	t := newTally(n, nil)
+	// The broker's pid is looked up for each run: someone else's test
+	// may restart the node between runs.
+	broker := brokerPID(e.opts.AMQPURL)
+	bcpu0, bok0 := pidCPU(broker)
 	cpu0, rcpu0, mcpu0, pcpu0 := proccpu.Self(), redisCPU(ctx, e.admin), machineCPU(), e.pgCPU()
 	allocs0, bytes0 := heapAllocs()
 	rt0 := e.rts.n.Load()
+	sr0, sw0 := selfSyscalls()
 	if profile != nil {
 		f, err := os.Create(*profile)
 		if err != nil {
@@ -196,10 +202,23 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 	}
 	werr := t.wait(ctx, e.opts.RunTimeout, c)
 	res.RoundTrips = e.rts.n.Load() - rt0
+	sr1, sw1 := selfSyscalls()
+	res.Reads, res.Writes = sr1-sr0, sw1-sw0
 	res.ClientCPU, res.RedisCPU = proccpu.Self()-cpu0, redisCPU(ctx, e.admin)-rcpu0
 	allocs1, bytes1 := heapAllocs()
 	res.ClientAllocs, res.ClientBytes = allocs1-allocs0, bytes1-bytes0
 	res.MachineCPU, res.PGCPU = machineCPU()-mcpu0, e.pgCPU()-pcpu0
+	// Measured only when the node was read at both ends, the same
+	// process (not restarted meanwhile: its CPU would start again).
+	if bcpu1, bok1 := pidCPU(broker); bok0 && bok1 && bcpu1 >= bcpu0 && brokerPID(e.opts.AMQPURL) == broker {
+		res.BrokerCPU = bcpu1 - bcpu0
+	}
+	if res.BrokerCPU > 0 {
+		res.ProcCPU = res.ClientCPU + res.RedisCPU + res.BrokerCPU
+		if v.isPG() {
+			res.ProcCPU += res.PGCPU
+		}
+	}
 	if profile != nil {
 		pprof.StopCPUProfile()
 		if err := writeAllocs(*profile + ".allocs"); err != nil {
@@ -267,19 +286,23 @@ func (e *env) start(ctx context.Context, qt string, v variant, queue, prefix str
 	if v == outbox {
 		handler = stagingHandler(outboxSink(queue))
 	}
-	return startIdem(ctx, store, idemConfig{
+	cfg := idemConfig{
 		url: e.opts.AMQPURL, queue: queue, queueType: qt,
 		prefetch: e.opts.Prefetch, concurrency: e.opts.Concurrency,
 		leaseTTL: leaseTTL, retention: retention,
 		handler: handler, want: want, steps: st,
-	}, t)
+	}
+	if v == publishV {
+		return e.startPublishing(ctx, store, cfg, t)
+	}
+	return startIdem(ctx, store, cfg, t)
 }
 
 // units are the groups of variants of a round on queue type qt, in the
 // order of the first round; a group runs in its order (a duplicate after
 // the unique run it replays).
 func (e *env) units(qt string) [][]variant {
-	all := [][]variant{{bare}, {unique, duplicate}, {outbox}, {naive}, {memstore}, {batchV}}
+	all := [][]variant{{bare}, {unique, duplicate}, {outbox}, {publishV}, {naive}, {memstore}, {batchV}}
 	if e.replica != nil {
 		all = append(all, []variant{uniqueWait})
 	}

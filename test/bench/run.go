@@ -41,10 +41,14 @@ const (
 	// (twice that). Its leases and records are Redis calls of their own,
 	// which the RedisStore sends in pipelines.
 	batchV variant = "batch"
+	// publishV is unique whose handler publishes one message per message
+	// itself, confirmed, through amqpidem.Publisher (issue 40): what a
+	// user does without the outbox, at-least-once (publish.go).
+	publishV variant = "publish"
 )
 
 // variants in the order of the tables.
-var variants = []variant{bare, unique, duplicate, outbox, naive, memstore, batchV, uniqueWait, pgUnique, pgDuplicate, pgNaive, pgBatch, dynamoUnique, dynamoDuplicate}
+var variants = []variant{bare, unique, duplicate, outbox, publishV, naive, memstore, batchV, uniqueWait, pgUnique, pgDuplicate, pgNaive, pgBatch, dynamoUnique, dynamoDuplicate}
 
 // replays says whether v replays the keys another variant completed in
 // the same round, so that it cannot run alone.
@@ -101,6 +105,13 @@ type report struct {
 	// OutboxRatios are outbox's median rate over unique's, per queue
 	// type measuring both (issue 23's figure).
 	OutboxRatios []ratio
+	// BrokerPID is the RabbitMQ node's pid when it ran on this machine
+	// at the start (its CPU measured: machine_us; each run looks it up
+	// again), else 0.
+	BrokerPID int
+	// PublishRatios are outbox's median rate over publish's, per queue
+	// type measuring both (issue 40's figure).
+	PublishRatios []ratio
 	// Allocs are the allocations per message on lock.RedisStore's path.
 	Allocs  *allocsResult
 	Profile string
@@ -148,11 +159,22 @@ type runResult struct {
 	Rate                float64       // (N-1)/Span, messages per second
 	Publish             time.Duration // prefill time
 	RoundTrips          int64         // Redis round trips while consuming
-	ClientCPU           time.Duration // this process, while consuming
-	ClientAllocs        uint64        // heap objects this process allocated while consuming
-	ClientBytes         uint64        // and their bytes
-	RedisCPU            time.Duration // the Redis server, while consuming
-	MachineCPU          time.Duration // every process on the machine, while consuming
+	// Reads and Writes are the read and write system calls of this
+	// process while consuming (/proc/self/io): a write is a flush of a
+	// connection's buffer, to RabbitMQ or Redis.
+	Reads, Writes int64
+	ClientCPU     time.Duration // this process, while consuming
+	ClientAllocs  uint64        // heap objects this process allocated while consuming
+	ClientBytes   uint64        // and their bytes
+	RedisCPU      time.Duration // the Redis server, while consuming
+	MachineCPU    time.Duration // every process on the machine, while consuming (/proc/stat)
+	BrokerCPU     time.Duration // the RabbitMQ node, while consuming (0: not measured)
+	// ProcCPU is the machine CPU of the run's own processes while
+	// consuming: this one, redis-server, the RabbitMQ node, and
+	// PostgreSQL's for a pg variant (issue 40's machine_us); 0 when the
+	// broker's is not measured. Unlike MachineCPU, other work on the
+	// machine does not count in it.
+	ProcCPU time.Duration
 
 	// The PostgreSQL variants: what the run's pool did over its life,
 	// PostgreSQL's CPU (every process of the server) while consuming, and
@@ -161,8 +183,8 @@ type runResult struct {
 	PGCPU               time.Duration
 	EffectRows, Effects int
 
-	// Staged is, for outbox, the staged messages that reached the run's
-	// outbox queue (one per message is right).
+	// Staged is, for outbox and publish, the messages staged (published)
+	// that reached the run's outbox queue (one per message is right).
 	Staged int
 	// Steps are the profiled run's step times (amqpidem variants on Redis
 	// or MemoryStore); nil otherwise.
@@ -195,6 +217,7 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 	if e.brk, err = dialBroker(opts.AMQPURL); err != nil {
 		return rep, err
 	}
+	rep.BrokerPID = brokerPID(opts.AMQPURL)
 	defer func() {
 		// Whatever happened: delete this run's queues and keys.
 		cctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -275,10 +298,19 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 			}
 		}
 		rep.N[qt] = n
-		if opts.measures(outbox) {
+		// outbox and publish run the same N, sized by outbox's rate
+		// (publish's when outbox is not measured).
+		cal := variant("")
+		switch {
+		case opts.measures(outbox):
+			cal = outbox
+		case opts.measures(publishV):
+			cal = publishV
+		}
+		if cal != "" {
 			if n = opts.N; n == 0 {
-				if n, err = e.calibrate(ctx, qt, outbox, max(opts.CalibrateN/4, opts.MinN)); err != nil {
-					return rep, fmt.Errorf("calibration of outbox on %s: %w", qt, err)
+				if n, err = e.calibrate(ctx, qt, cal, max(opts.CalibrateN/4, opts.MinN)); err != nil {
+					return rep, fmt.Errorf("calibration of %s on %s: %w", cal, qt, err)
 				}
 			}
 			rep.NOutbox[qt] = n
@@ -334,7 +366,8 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 	}
 	fmt.Fprintln(out)
 	rep.Ratios = ratios(rep.Runs, opts.QueueTypes, rep.Variants)
-	rep.OutboxRatios = outboxRatios(rep.Runs, opts.QueueTypes, rep.Variants)
+	rep.OutboxRatios = outboxRatios(rep.Runs, opts.QueueTypes, rep.Variants, unique)
+	rep.PublishRatios = outboxRatios(rep.Runs, opts.QueueTypes, rep.Variants, publishV)
 
 	// 3. Latency at half the bare median rate, and at the fixed rates.
 	for _, qt := range opts.QueueTypes {
@@ -430,6 +463,9 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 	for _, r := range rep.OutboxRatios {
 		fmt.Fprintf(out, "ratio outbox/unique %s %.2f\n", r.QueueType, r.Value)
 	}
+	for _, r := range rep.PublishRatios {
+		fmt.Fprintf(out, "ratio outbox/publish %s %.2f\n", r.QueueType, r.Value)
+	}
 	printTargets(out, opts, rep)
 	printAllocs(out, rep)
 	printDynamoRatios(out, rep)
@@ -443,7 +479,7 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 		if r.EffectRows != r.Effects {
 			bad = append(bad, fmt.Sprintf("round %d %s %s: %d effect rows, want %d", r.Round, r.QueueType, r.Variant, r.EffectRows, r.Effects))
 		}
-		if r.Variant == outbox && r.Staged != r.N {
+		if (r.Variant == outbox || r.Variant == publishV) && r.Staged != r.N {
 			bad = append(bad, fmt.Sprintf("round %d %s %s: %d staged messages reached the outbox queue, want %d", r.Round, r.QueueType, r.Variant, r.Staged, r.N))
 		}
 	}
