@@ -3,6 +3,7 @@
 package main
 
 import (
+	"cmp"
 	"net"
 	"net/url"
 	"os"
@@ -110,12 +111,15 @@ func treeCPU(pid int) time.Duration {
 }
 
 // brokerPID is the pid of the RabbitMQ node at amqpURL when it runs on
-// this machine: amqpURL's host is a loopback one and exactly one process
-// named beam.smp boots RabbitMQ ("-s rabbit boot" in its command line;
-// rabbitmqctl and rabbitmq-diagnostics are Erlang VMs named beam.smp too,
-// which do not). Else 0: its CPU is not measured (a broker elsewhere, or
-// in a container this /proc does not show, or two nodes that cannot be
-// told apart here).
+// this machine: amqpURL's host is a loopback one, and the node is the one
+// process named beam.smp that boots RabbitMQ ("-s rabbit boot" in its
+// command line; rabbitmqctl and rabbitmq-diagnostics are Erlang VMs named
+// beam.smp too, which do not) or, when several do (another test's cluster
+// nodes), the one of them holding the socket listening on amqpURL's port
+// (/proc/net/tcp, and its /proc/<pid>/fd, readable by root or the
+// broker's user). Else 0: its CPU is not measured (a broker elsewhere, or
+// in a container this /proc does not show, or nodes that cannot be told
+// apart here).
 func brokerPID(amqpURL string) int {
 	u, err := url.Parse(amqpURL)
 	if err != nil {
@@ -130,7 +134,7 @@ func brokerPID(amqpURL string) int {
 	if err != nil {
 		return 0
 	}
-	found := 0
+	var nodes []int
 	for _, e := range entries {
 		pid, err := strconv.Atoi(e.Name())
 		if err != nil {
@@ -141,15 +145,61 @@ func brokerPID(amqpURL string) int {
 			continue
 		}
 		args, _ := os.ReadFile("/proc/" + e.Name() + "/cmdline")
-		if !strings.Contains(string(args), "\x00-s\x00rabbit\x00boot\x00") {
+		if strings.Contains(string(args), "\x00-s\x00rabbit\x00boot\x00") {
+			nodes = append(nodes, pid)
+		}
+	}
+	if len(nodes) == 1 {
+		return nodes[0]
+	}
+	port, err := strconv.Atoi(cmp.Or(u.Port(), "5672"))
+	if err != nil {
+		return 0
+	}
+	for _, pid := range nodes {
+		if listensOn(pid, port) {
+			return pid
+		}
+	}
+	return 0
+}
+
+// listensOn reports whether process pid holds a TCP socket listening on
+// port (false when its /proc/<pid>/fd cannot be read).
+func listensOn(pid, port int) bool {
+	inodes := listening(port)
+	fds, _ := os.ReadDir("/proc/" + strconv.Itoa(pid) + "/fd")
+	for _, fd := range fds {
+		link, err := os.Readlink("/proc/" + strconv.Itoa(pid) + "/fd/" + fd.Name())
+		if inode, ok := strings.CutPrefix(link, "socket:["); err == nil && ok && inodes[strings.TrimSuffix(inode, "]")] {
+			return true
+		}
+	}
+	return false
+}
+
+// listening is the inodes of the TCP sockets listening on port, from
+// /proc/net/tcp and /proc/net/tcp6.
+func listening(port int) map[string]bool {
+	inodes := map[string]bool{}
+	for _, f := range []string{"/proc/net/tcp", "/proc/net/tcp6"} {
+		data, err := os.ReadFile(f)
+		if err != nil {
 			continue
 		}
-		if found != 0 {
-			return 0
+		for _, line := range strings.Split(string(data), "\n")[1:] {
+			// sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+			fields := strings.Fields(line)
+			if len(fields) < 10 || fields[3] != "0A" { // 0A: LISTEN
+				continue
+			}
+			_, p, ok := strings.Cut(fields[1], ":")
+			if n, err := strconv.ParseInt(p, 16, 32); ok && err == nil && n == int64(port) {
+				inodes[fields[9]] = true
+			}
 		}
-		found = pid
 	}
-	return found
+	return inodes
 }
 
 // pidCPU is the CPU time of process pid so far (its children it waited

@@ -3,7 +3,9 @@
 package main
 
 import (
+	"net"
 	"os"
+	"runtime"
 	"testing"
 )
 
@@ -33,4 +35,26 @@ func TestSelfSyscalls(t *testing.T) {
 
 func writeOnce(path string) error {
 	return os.WriteFile(path, []byte("x"), 0o600)
+}
+
+// TestListensOn checks how brokerPID tells RabbitMQ nodes apart: by the
+// process holding the socket that listens on the AMQP port.
+func TestListensOn(t *testing.T) {
+	if runtime.GOOS != "linux" {
+		t.Skip("/proc/net/tcp is Linux's")
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	if !listensOn(os.Getpid(), port) {
+		t.Fatalf("this process listens on %d: listensOn says it does not", port)
+	}
+	if err := ln.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if listensOn(os.Getpid(), port) {
+		t.Fatalf("the listener on %d is closed: listensOn says this process still listens", port)
+	}
 }

@@ -210,10 +210,10 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 	res.MachineCPU, res.PGCPU = machineCPU()-mcpu0, e.pgCPU()-pcpu0
 	// Measured only when the node was read at both ends, the same
 	// process (not restarted meanwhile: its CPU would start again).
+	// A short run may see no tick (10 ms) of the node's CPU: measured
+	// as 0, not unmeasured.
 	if bcpu1, bok1 := pidCPU(broker); bok0 && bok1 && bcpu1 >= bcpu0 && brokerPID(e.opts.AMQPURL) == broker {
 		res.BrokerCPU = bcpu1 - bcpu0
-	}
-	if res.BrokerCPU > 0 {
 		res.ProcCPU = res.ClientCPU + res.RedisCPU + res.BrokerCPU
 		if v.isPG() {
 			res.ProcCPU += res.PGCPU

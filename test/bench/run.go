@@ -168,7 +168,7 @@ type runResult struct {
 	ClientBytes   uint64        // and their bytes
 	RedisCPU      time.Duration // the Redis server, while consuming
 	MachineCPU    time.Duration // every process on the machine, while consuming (/proc/stat)
-	BrokerCPU     time.Duration // the RabbitMQ node, while consuming (0: not measured)
+	BrokerCPU     time.Duration // the RabbitMQ node, while consuming (0: not measured, or under a tick)
 	// ProcCPU is the machine CPU of the run's own processes while
 	// consuming: this one, redis-server, the RabbitMQ node, and
 	// PostgreSQL's for a pg variant (issue 40's machine_us); 0 when the
