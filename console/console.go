@@ -44,6 +44,12 @@ type Config struct {
 	// (default 100; a page's limit parameter may ask for fewer, or up to
 	// 1000).
 	DeadLetterLimit int
+	// ListScan bounds the records a records page reads from the store
+	// (lock.ListRequest.Scan, summed over its List calls): default 2000,
+	// at most 100,000. A page shows at most 50 records; when the
+	// records read hold fewer that pass its filter, it links to the
+	// next page, which goes on where this one stopped.
+	ListScan int
 	// Timeout bounds each page's service calls (default 10 s).
 	Timeout time.Duration
 	// Logger gets a line per page that failed (a service down, a panic),
@@ -59,6 +65,9 @@ type Config struct {
 
 // maxDeadLetterLimit bounds a page's limit parameter.
 const maxDeadLetterLimit = 1000
+
+// maxListScan bounds Config.ListScan.
+const maxListScan = 100000
 
 //go:embed assets
 var assets embed.FS
@@ -86,6 +95,12 @@ func New(cfg Config) (*Console, error) {
 	if cfg.DeadLetterLimit > maxDeadLetterLimit {
 		return nil, fmt.Errorf("console: DeadLetterLimit %d is more than %d", cfg.DeadLetterLimit, maxDeadLetterLimit)
 	}
+	if cfg.ListScan <= 0 {
+		cfg.ListScan = defaultListScan
+	}
+	if cfg.ListScan > maxListScan {
+		return nil, fmt.Errorf("console: ListScan %d is more than %d", cfg.ListScan, maxListScan)
+	}
 	if cfg.Timeout <= 0 {
 		cfg.Timeout = 10 * time.Second
 	}
@@ -109,6 +124,7 @@ func New(cfg Config) (*Console, error) {
 	c.mux.HandleFunc("POST /replay", c.replayPost)
 	c.mux.HandleFunc("GET /key", c.key)
 	c.mux.HandleFunc("GET /dlq", c.deadLetters)
+	c.mux.HandleFunc("GET /records", c.records)
 	c.mux.HandleFunc("GET /style.css", c.style)
 	return c, nil
 }
@@ -145,7 +161,7 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	if _, pattern := c.mux.Handler(r); pattern == "" {
 		c.problem(w, r, &problem{Status: http.StatusNotFound, Title: "No such page",
-			What: "The console has an overview, a page per key and a page per queue's dead letters, nothing else here.",
+			What: "The console has an overview, a page per key, pages of an endpoint's records by state and a page per queue's dead letters, nothing else here.",
 			Do:   "Start from the overview.", Overview: true})
 		return
 	}

@@ -5,7 +5,15 @@
 // Pages (server-rendered, no script, no resource from elsewhere):
 //
 //   - the overview (/): the configured queues with the depth of their
-//     dead-letter queues, and forms to look up a key or a queue;
+//     dead-letter queues, their endpoints' records counted by state
+//     (failed, stalled: in progress with an expired lease, in progress,
+//     completed) among the first 1000 or so the store lists, and forms to
+//     look up a key, an endpoint's records or a queue;
+//   - an endpoint's records (/records?endpoint=E[&state=S][&cursor=C]),
+//     by state or stalled, page by page with lock.Lister: a page reads at
+//     most about Config.ListScan records of the store and shows up to 50,
+//     linking to the next page, which goes on where it stopped (never a
+//     full scan: a page costs the same on 100,000 records as on 100);
 //   - a key (/key?endpoint=E&key=K): its record as lock.Admin.Inspect
 //     reads it (state, attempts, fence, lease, times, error, result size,
 //     staged messages), under amqpidem.StoreKey(E, K);
@@ -61,9 +69,10 @@
 // the admin server's (the CSRF token protects a signed-in operator from
 // other sites, not the console from anyone who can reach it). It reads one dead-letter queue at a time (page loads
 // wait their turn, so that two never split a queue's messages between
-// them) and at most Config.DeadLetterLimit of its messages per page; it
-// lists no records by state (the stores have no listing yet): a key is
-// looked up by name.
+// them) and at most Config.DeadLetterLimit of its messages per page. Its
+// counts by state are of the records one page reads, not of the store (a
+// count of every record would be a full scan). A store whose Admin is no
+// lock.Lister has no records pages: its keys are looked up by name.
 //
 // Mounted under a path, strip it: links are relative, so
 //

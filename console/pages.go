@@ -68,7 +68,21 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 		page
 		Queues   []queueDepth
 		QueueErr string
-	}{page: c.page("amqpidem console")}
+		// Counts are the queues' endpoints' records by state; CountErr
+		// says why there are none.
+		Counts   []stateCount
+		CountErr string
+		Scan     int
+	}{page: c.page("amqpidem console"), Scan: overviewScan}
+	if len(c.cfg.Queues) > 0 {
+		if l, p := c.lister(); p != nil {
+			data.CountErr = p.What
+		} else {
+			ctx, cancel := context.WithTimeout(r.Context(), c.cfg.Timeout)
+			data.Counts = c.counts(ctx, l)
+			cancel()
+		}
+	}
 	if len(c.cfg.Queues) > 0 && c.cfg.Dial != nil {
 		ctx, cancel := context.WithTimeout(r.Context(), c.cfg.Timeout)
 		defer cancel()

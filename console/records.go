@@ -1,0 +1,199 @@
+package console
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/url"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/operator"
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// Bounds of the records pages, in records read from the store per page
+// load (lock.ListRequest.Scan, summed over the page's List calls).
+const (
+	// recordsPage is how many records a records page shows at most.
+	recordsPage = 50
+	// defaultListScan is Config.ListScan's default.
+	defaultListScan = 2000
+	// overviewScan is how many records the overview reads per endpoint
+	// to count them by state.
+	overviewScan = 1000
+)
+
+// filters are the records pages' state filters: a lock.State, or
+// "stalled" (in progress with an expired lease: its consumer died or
+// stopped renewing it, and the next delivery takes it over).
+var filters = []string{string(lock.StateFailed), "stalled", string(lock.StateInProgress), string(lock.StateCompleted),
+	string(lock.StateReleased), string(lock.StateCancelled)}
+
+// stalled is the records pages' filter of expired leases.
+const stalled = "stalled"
+
+// listed is a record as a records page shows it.
+type listed struct {
+	Key, Endpoint string
+	lock.Record
+	Lease string
+	// Stalled: in progress with its lease expired.
+	Stalled bool
+}
+
+// lister is the store's lock.Lister, or the problem page saying there is
+// none.
+func (c *Console) lister() (lock.Lister, *problem) {
+	if c.cfg.Admin == nil {
+		return nil, &problem{Status: http.StatusServiceUnavailable, Title: "No store",
+			What: "This console was given no store to read records from.",
+			Do:   "Give it the consumers' store (Config.Admin; the command's --redis, --postgres or --dynamodb-table).", Overview: true}
+	}
+	l, ok := c.cfg.Admin.(lock.Lister)
+	if !ok {
+		return nil, &problem{Status: http.StatusNotImplemented, Title: "This store cannot list",
+			What: fmt.Sprintf("%s cannot list its records (its Admin is no lock.Lister): keys are looked up by name only.", c.storeName()),
+			Do:   "Look up a key from the overview, or give the console a store of this module.", Overview: true}
+	}
+	return l, nil
+}
+
+// records is GET /records?endpoint=E&state=S[&cursor=C]: a page of the
+// endpoint's records in a state, read with lock.Lister in calls that
+// together read at most Config.ListScan records, with a link to the next
+// page when the store has more.
+func (c *Console) records(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	endpoint, filter, cursor := q.Get("endpoint"), q.Get("state"), q.Get("cursor")
+	if endpoint == "" || len(endpoint) > lock.MaxKeyLen || len(cursor) > 4*lock.MaxKeyLen {
+		c.problem(w, r, &problem{Status: http.StatusBadRequest, Title: "Which endpoint?",
+			What: fmt.Sprintf("A records page needs the consumer's endpoint (its Config.Endpoint, by default its queue), at most %d bytes.", lock.MaxKeyLen),
+			Do:   "Fill in the endpoint in the overview's form, or follow a count of the overview.", Overview: true})
+		return
+	}
+	state := lock.State(filter)
+	switch {
+	case filter == stalled:
+		state = lock.StateInProgress
+	case filter != "" && state.Letter() == 0:
+		c.problem(w, r, &problem{Status: http.StatusBadRequest, Title: "No such state",
+			What: fmt.Sprintf("state %q is none of failed, stalled, in_progress, completed, released, cancelled.", filter),
+			Do:   "Pick a state from the records page's links, or leave state out for every state.", Overview: true})
+		return
+	}
+	l, p := c.lister()
+	if p != nil {
+		c.problem(w, r, p)
+		return
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), c.cfg.Timeout)
+	defer cancel()
+	prefix := amqpidem.StoreKey(endpoint, "")
+	req := lock.ListRequest{Prefix: prefix, State: state, Cursor: cursor}
+	var (
+		shown   []listed
+		scanned int
+		calls   int
+	)
+	for {
+		req.Scan = min(c.cfg.ListScan-scanned, lock.MaxListScan)
+		page, err := l.List(ctx, req)
+		calls++
+		if err != nil {
+			c.problem(w, r, c.listProblem(r, err, calls == 1 && cursor != ""))
+			return
+		}
+		scanned += page.Scanned
+		for _, rec := range page.Records {
+			v := listed{Key: rec.Key[len(prefix):], Endpoint: endpoint, Record: rec, Lease: operator.LeaseText(rec),
+				Stalled: rec.State == lock.StateInProgress && !rec.Live()}
+			if filter == stalled && !v.Stalled {
+				continue
+			}
+			shown = append(shown, v)
+		}
+		req.Cursor = page.Next
+		// Stop at a full page, at the end, or when the page load's
+		// budget is spent: the next page goes on from here.
+		if len(shown) >= recordsPage || page.Next == "" || scanned >= c.cfg.ListScan {
+			break
+		}
+	}
+	data := struct {
+		page
+		Endpoint, Filter string
+		Filters          []string
+		Records          []listed
+		Scanned, Budget  int
+		Next, First      string
+	}{page: c.page("records of " + operator.Escape(endpoint)), Endpoint: endpoint, Filter: filter, Filters: filters,
+		Records: shown, Scanned: scanned, Budget: c.cfg.ListScan}
+	if req.Cursor != "" {
+		data.Next = "records?" + url.Values{"endpoint": {endpoint}, "state": {filter}, "cursor": {req.Cursor}}.Encode()
+	}
+	if cursor != "" {
+		data.First = "records?" + url.Values{"endpoint": {endpoint}, "state": {filter}}.Encode()
+	}
+	c.render(w, r, http.StatusOK, "records.html", data)
+}
+
+// listProblem is the page for err, an error of List; badCursor: the
+// request's cursor was the page's first.
+func (c *Console) listProblem(r *http.Request, err error, badCursor bool) *problem {
+	switch {
+	case errors.Is(err, lock.ErrBadCursor) && badCursor:
+		return &problem{Status: http.StatusBadRequest, Title: "Bad cursor",
+			What: "This page's cursor is not one the store gave: it was cut or changed, or comes from another store.",
+			Do:   "Start the listing again from its first page.", Overview: true}
+	case errors.Is(err, lock.ErrListUnsupported):
+		return &problem{Status: http.StatusNotImplemented, Title: "This store cannot list",
+			What: err.Error(), Do: "Look up a key by name from the overview.", Overview: true}
+	}
+	return c.failed(r, err, c.storeName(), "Check that the store is up and reachable from this console, then reload.")
+}
+
+// stateCount is an endpoint's records counted by state, among at most
+// overviewScan read.
+type stateCount struct {
+	Endpoint string
+	// Counts by filter; Read is how many records were read, All whether
+	// they were all the endpoint's.
+	Failed, Stalled, InProgress, Completed, Other int
+	Read                                         int
+	All                                          bool
+	Err                                          string
+}
+
+// counts reads the records of each configured queue's endpoint, at most
+// overviewScan each, and counts them by state.
+func (c *Console) counts(ctx context.Context, l lock.Lister) []stateCount {
+	out := make([]stateCount, 0, len(c.cfg.Queues))
+	for _, q := range c.cfg.Queues {
+		sc := stateCount{Endpoint: q}
+		prefix := amqpidem.StoreKey(q, "")
+		page, err := l.List(ctx, lock.ListRequest{Prefix: prefix, Scan: overviewScan})
+		if err != nil {
+			sc.Err = fmt.Sprintf("%s: %v", c.storeName(), err)
+			out = append(out, sc)
+			continue
+		}
+		sc.Read, sc.All = page.Scanned, page.Next == ""
+		for _, rec := range page.Records {
+			switch {
+			case rec.State == lock.StateFailed:
+				sc.Failed++
+			case rec.State == lock.StateInProgress && !rec.Live():
+				sc.Stalled++
+			case rec.State == lock.StateInProgress:
+				sc.InProgress++
+			case rec.State == lock.StateCompleted:
+				sc.Completed++
+			default:
+				sc.Other++
+			}
+		}
+		out = append(out, sc)
+	}
+	return out
+}
