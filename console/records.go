@@ -160,9 +160,9 @@ type stateCount struct {
 	// Counts by filter; Read is how many records were read, All whether
 	// they were all the endpoint's.
 	Failed, Stalled, InProgress, Completed, Other int
-	Read                                         int
-	All                                          bool
-	Err                                          string
+	Read                                          int
+	All                                           bool
+	Err                                           string
 }
 
 // counts reads the records of each configured queue's endpoint, at most
