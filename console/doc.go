@@ -11,7 +11,7 @@
 //     look up a key, an endpoint's records or a queue;
 //   - an endpoint's records (/records?endpoint=E[&state=S][&cursor=C]),
 //     by state or stalled, page by page with lock.Lister: a page reads at
-//     most about Config.ListScan records of the store and shows up to 50,
+//     most about Config.ListScan records of the store and shows about 50,
 //     linking to the next page, which goes on where it stopped (never a
 //     full scan: a page costs the same on 100,000 records as on 100);
 //   - a key (/key?endpoint=E&key=K): its record as lock.Admin.Inspect

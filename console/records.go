@@ -15,7 +15,9 @@ import (
 // Bounds of the records pages, in records read from the store per page
 // load (lock.ListRequest.Scan, summed over the page's List calls).
 const (
-	// recordsPage is how many records a records page shows at most.
+	// recordsPage is how many records a records page shows: about as
+	// many (a store's page is never cut, so that the next one goes on
+	// where it ended).
 	recordsPage = 50
 	// defaultListScan is Config.ListScan's default.
 	defaultListScan = 2000
@@ -97,7 +99,16 @@ func (c *Console) records(w http.ResponseWriter, r *http.Request) {
 		calls   int
 	)
 	for {
-		req.Scan = min(c.cfg.ListScan-scanned, lock.MaxListScan)
+		// Read about as many records as should give the rest of the
+		// page, by the share that matched so far (all, at first): a
+		// page of 50 reads 50 records when each matches, the whole
+		// budget when few do.
+		want := recordsPage - len(shown)
+		guess := want
+		if scanned > 0 {
+			guess = want * scanned / max(len(shown), 1)
+		}
+		req.Scan = max(min(guess, c.cfg.ListScan-scanned, lock.MaxListScan), 1)
 		page, err := l.List(ctx, req)
 		calls++
 		if err != nil {
