@@ -73,7 +73,15 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 		Counts   []stateCount
 		CountErr string
 		Scan     int
+		// Relay is the outbox's backlog (when Config.Relay is set).
+		Relay *relayStatus
 	}{page: c.page("amqpidem console"), Scan: overviewScan}
+	if c.cfg.Relay != nil {
+		ctx, cancel := context.WithTimeout(r.Context(), c.cfg.Timeout)
+		st := c.relayStatus(ctx, r)
+		cancel()
+		data.Relay = &st
+	}
 	if len(c.cfg.Queues) > 0 {
 		if l, p := c.lister(); p != nil {
 			data.CountErr = p.What
