@@ -21,10 +21,16 @@
 //     reason, error, attempts, first seen and origin (signed, unsigned, bad
 //     signature, unchecked) of each, read as "amqpidem dlq list" reads
 //     them;
+//   - with Config.Relay, the producer outbox's dead and pending rows
+//     (/relay?state=dead|pending[&after=ID]), 50 a page in ID order, with
+//     the backlog (pending rows, the oldest one's age, dead rows), which
+//     the overview shows too;
 //   - with Config.Actions, confirmation pages for forgetting a failed
 //     record (/forget?endpoint=E&key=K) and replaying the dead letters of
 //     a key, with or without forgetting its failed record first
-//     (/replay?queue=Q&key=K[&forget=1]), and their POSTs.
+//     (/replay?queue=Q&key=K[&forget=1]), and, when Actions is also a
+//     Redriver, for redriving a dead outbox row (/redrive?id=N), and
+//     their POSTs.
 //
 // Guarantees:
 //

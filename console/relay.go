@@ -62,6 +62,8 @@ const relayPage = 50
 // relayStatus is the outbox's backlog as the overview and the relay page
 // show it.
 type relayStatus struct {
+	// Name is Config.RelayName, or "the outbox".
+	Name    string
 	Pending int64
 	Oldest  string
 	Dead    int64
@@ -70,7 +72,7 @@ type relayStatus struct {
 
 // relayStatus reads the outbox's backlog; Err says why it is unknown.
 func (c *Console) relayStatus(ctx context.Context, r *http.Request) relayStatus {
-	var st relayStatus
+	st := relayStatus{Name: c.relayName()}
 	n, oldest, err := c.cfg.Relay.Backlog(ctx)
 	if err == nil {
 		st.Pending, st.Oldest = n, oldest.Round(time.Millisecond).String()
