@@ -23,6 +23,8 @@ import (
 var funcs = template.FuncMap{
 	"esc":  operator.Escape,
 	"when": when,
+	// secs is a duration to the second, for a table.
+	"secs": func(d time.Duration) time.Duration { return d.Round(time.Second) },
 	"dash": func(s string) string {
 		if s == "" {
 			return "-"
