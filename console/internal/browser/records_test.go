@@ -64,7 +64,9 @@ func TestBrowserRecordsAndRelay(t *testing.T) {
 	if err := pgstore.Migrate(bg, pool, cfg); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{cfg.Schema}.Sanitize()+" CASCADE") })
+	t.Cleanup(func() {
+		pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{cfg.Schema}.Sanitize()+" CASCADE")
+	})
 	store, err := pgstore.New(pool, cfg)
 	if err != nil {
 		t.Fatal(err)
