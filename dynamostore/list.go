@@ -94,6 +94,10 @@ func (s *Store) List(ctx context.Context, req lock.ListRequest) (lock.ListPage, 
 		switch r.state {
 		case stateInProgress:
 			rec.LeaseLeft = max(0, time.Duration(r.deadline-nowMs)*time.Millisecond)
+		case stateCompleted:
+			if req.Values {
+				rec.Value = r.value
+			}
 		case stateFailed:
 			rec.Error = string(r.value)
 		}

@@ -53,6 +53,10 @@ type ListRequest struct {
 	// Cursor is where the page starts: "" for the first page, then the
 	// Next of the page before.
 	Cursor string
+	// Values asks for each completed record's Value (its stored result,
+	// up to the store's MaxResultSize bytes each); without it Value is
+	// nil.
+	Values bool
 	// Scan bounds the work of one call: at most this many records are
 	// read (for a RedisStore, about this many: it is SCAN's COUNT, which
 	// a bucket of several keys can exceed by a few). Zero means
@@ -64,7 +68,7 @@ type ListRequest struct {
 type ListPage struct {
 	// Records are the records read that pass the filters, in the
 	// store's order, each as Inspect would report it but without Value
-	// (a completed record's result: Inspect the key for it).
+	// unless ListRequest.Values asks for it.
 	Records []Record
 	// Scanned is how many records the call read, filtered out or not.
 	Scanned int

@@ -46,6 +46,10 @@ func (m *MemoryStore) List(ctx context.Context, req ListRequest) (ListPage, erro
 		switch r.state {
 		case 'p':
 			rec.LeaseLeft = max(r.deadline.Sub(now), 0)
+		case 'c':
+			if req.Values {
+				rec.Value = append([]byte(nil), r.value...)
+			}
 		case 'f':
 			rec.Error = string(r.value)
 		}

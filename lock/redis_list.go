@@ -91,6 +91,10 @@ func (s *RedisStore) List(ctx context.Context, req ListRequest) (ListPage, error
 		switch rec.State {
 		case StateInProgress:
 			rec.LeaseLeft = time.Duration(max(r.deadline-nowMs, 0)) * time.Millisecond
+		case StateCompleted:
+			if req.Values {
+				rec.Value = []byte(r.value)
+			}
 		case StateFailed:
 			rec.Error = r.value
 		}

@@ -17,10 +17,11 @@ var _ lock.Lister = (*Store)(nil)
 // range scan of the primary key's index (ns, key), LIMIT rows long,
 // whatever the state filter: the filter is applied to the rows read, so
 // that a page costs what its Scan says even when few records match. A
-// completed record's value is not read; a failed one's is its error.
+// completed record's value is read only when $6 asks for it; a failed
+// one's is its error.
 func listSQL(table string) string {
 	return `SELECT clock_timestamp(), t.key, t.state, t.owner, t.fence, t.deadline, t.attempts, t.fingerprint,
-			CASE WHEN t.state = 'f' THEN t.value END, t.created_at, t.ended_at, t.expires_at
+			CASE WHEN t.state = 'f' OR (t.state = 'c' AND $6) THEN t.value END, t.created_at, t.ended_at, t.expires_at
 		FROM ` + table + ` t
 		WHERE t.ns = $1 AND t.key > $2 AND t.key >= $3 AND ($5::bytea IS NULL OR t.key < $5)
 		ORDER BY t.key
@@ -46,7 +47,7 @@ func (s *Store) List(ctx context.Context, req lock.ListRequest) (lock.ListPage, 
 			return lock.ListPage{}, fmt.Errorf("%w: %q", lock.ErrBadCursor, req.Cursor)
 		}
 	}
-	rows, err := s.pool.Query(ctx, listSQL(s.cfg.names().table), s.cfg.Prefix, after, []byte(req.Prefix), req.Scan, prefixEnd(req.Prefix))
+	rows, err := s.pool.Query(ctx, listSQL(s.cfg.names().table), s.cfg.Prefix, after, []byte(req.Prefix), req.Scan, prefixEnd(req.Prefix), req.Values)
 	if err != nil {
 		return lock.ListPage{}, fmt.Errorf("pgstore: list: %w", classify(err))
 	}
@@ -80,6 +81,10 @@ func (s *Store) List(ctx context.Context, req lock.ListRequest) (lock.ListPage, 
 		case lock.StateInProgress:
 			if deadline != nil && deadline.After(now) {
 				r.LeaseLeft = deadline.Sub(now)
+			}
+		case lock.StateCompleted:
+			if req.Values {
+				r.Value = val
 			}
 		case lock.StateFailed:
 			r.Error = string(val)

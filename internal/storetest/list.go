@@ -118,6 +118,11 @@ func testList(t *testing.T, store func(*testing.T, lock.Config) lock.Store) {
 	if seen, _ := listAll(t, l, lock.ListRequest{Prefix: "a\x00", State: lock.StateFailed, Scan: 50}); len(seen) != 8 || seen["a\x00k-12"] != 0 {
 		t.Fatalf("after Forget: listed %d failed keys (the forgotten one %d times), want 8 and 0", len(seen), seen["a\x00k-12"])
 	}
+	// Values: a completed record's result, with it only.
+	_, withValues := listAll(t, l, lock.ListRequest{Prefix: "a\x00", State: lock.StateCompleted, Values: true, Scan: 1000})
+	if got, want := string(withValues["a\x00k-03"].Value), "result of a\x00k-03"; got != want || len(withValues) != 12 {
+		t.Fatalf("Values: %d completed records, k-03's value %q, want 12 and %q", len(withValues), got, want)
+	}
 	for _, bad := range []lock.ListRequest{{State: "done"}, {Scan: -1}, {Scan: lock.MaxListScan + 1}} {
 		if _, err := l.List(ctx(t), bad); err == nil {
 			t.Fatalf("List(%+v): no error", bad)
