@@ -10,7 +10,8 @@
 //     completed) among the first 1000 or so the store lists, and forms to
 //     look up a key, an endpoint's records or a queue;
 //   - an endpoint's records (/records?endpoint=E[&state=S][&cursor=C]),
-//     by state or stalled, page by page with lock.Lister: a page reads at
+//     by state, stalled or unpublished (completed with staged messages
+//     pending or returned), page by page with lock.Lister: a page reads at
 //     most about Config.ListScan records of the store and shows about 50,
 //     linking to the next page, which goes on where it stopped (never a
 //     full scan: a page costs the same on 100,000 records as on 100);

@@ -29,11 +29,22 @@ const (
 // filters are the records pages' state filters: a lock.State, or
 // "stalled" (in progress with an expired lease: its consumer died or
 // stopped renewing it, and the next delivery takes it over).
-var filters = []string{string(lock.StateFailed), "stalled", string(lock.StateInProgress), string(lock.StateCompleted),
+var filters = []string{string(lock.StateFailed), stalled, unpublished, string(lock.StateInProgress), string(lock.StateCompleted),
 	string(lock.StateReleased), string(lock.StateCancelled)}
 
-// stalled is the records pages' filter of expired leases.
-const stalled = "stalled"
+// stalled is the records pages' filter of expired leases; unpublished
+// that of completed records with staged messages (amqpidem.Stage) not
+// published: pending (the next delivery of the message publishes them)
+// or returned by the broker ("amqpidem outbox redrive" publishes them
+// again).
+const (
+	stalled     = "stalled"
+	unpublished = "unpublished"
+)
+
+// valuesScan bounds the records a page reads with their values (the
+// unpublished filter): each may be up to the store's MaxResultSize.
+const valuesScan = 500
 
 // listed is a record as a records page shows it.
 type listed struct {
@@ -42,6 +53,9 @@ type listed struct {
 	Lease string
 	// Stalled: in progress with its lease expired.
 	Stalled bool
+	// Staged says how many staged messages are in each state, for the
+	// unpublished filter ("" otherwise).
+	Staged string
 }
 
 // lister is the store's lock.Lister, or the problem page saying there is
@@ -75,12 +89,15 @@ func (c *Console) records(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	state := lock.State(filter)
+	budget := c.cfg.ListScan
 	switch {
 	case filter == stalled:
 		state = lock.StateInProgress
+	case filter == unpublished:
+		state, budget = lock.StateCompleted, min(budget, valuesScan)
 	case filter != "" && state.Letter() == 0:
 		c.problem(w, r, &problem{Status: http.StatusBadRequest, Title: "No such state",
-			What: fmt.Sprintf("state %q is none of failed, stalled, in_progress, completed, released, cancelled.", filter),
+			What: fmt.Sprintf("state %q is none of failed, stalled, unpublished, in_progress, completed, released, cancelled.", filter),
 			Do:   "Pick a state from the records page's links, or leave state out for every state.", Overview: true})
 		return
 	}
@@ -92,7 +109,7 @@ func (c *Console) records(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), c.cfg.Timeout)
 	defer cancel()
 	prefix := amqpidem.StoreKey(endpoint, "")
-	req := lock.ListRequest{Prefix: prefix, State: state, Cursor: cursor}
+	req := lock.ListRequest{Prefix: prefix, State: state, Cursor: cursor, Values: filter == unpublished}
 	var (
 		shown   []listed
 		scanned int
@@ -108,7 +125,7 @@ func (c *Console) records(w http.ResponseWriter, r *http.Request) {
 		if scanned > 0 {
 			guess = want * scanned / max(len(shown), 1)
 		}
-		req.Scan = max(min(guess, c.cfg.ListScan-scanned, lock.MaxListScan), 1)
+		req.Scan = max(min(guess, budget-scanned, lock.MaxListScan), 1)
 		page, err := l.List(ctx, req)
 		calls++
 		if err != nil {
@@ -122,12 +139,18 @@ func (c *Console) records(w http.ResponseWriter, r *http.Request) {
 			if filter == stalled && !v.Stalled {
 				continue
 			}
+			if filter == unpublished {
+				if v.Staged = stagedLeft(rec.Value); v.Staged == "" {
+					continue
+				}
+				v.Value = nil
+			}
 			shown = append(shown, v)
 		}
 		req.Cursor = page.Next
 		// Stop at a full page, at the end, or when the page load's
 		// budget is spent: the next page goes on from here.
-		if len(shown) >= recordsPage || page.Next == "" || scanned >= c.cfg.ListScan {
+		if len(shown) >= recordsPage || page.Next == "" || scanned >= budget {
 			break
 		}
 	}
@@ -139,7 +162,7 @@ func (c *Console) records(w http.ResponseWriter, r *http.Request) {
 		Scanned, Budget  int
 		Next, First      string
 	}{page: c.page("records of " + operator.Escape(endpoint)), Endpoint: endpoint, Filter: filter, Filters: filters,
-		Records: shown, Scanned: scanned, Budget: c.cfg.ListScan}
+		Records: shown, Scanned: scanned, Budget: budget}
 	if req.Cursor != "" {
 		data.Next = "records?" + url.Values{"endpoint": {endpoint}, "state": {filter}, "cursor": {req.Cursor}}.Encode()
 	}
@@ -207,4 +230,32 @@ func (c *Console) counts(ctx context.Context, l lock.Lister) []stateCount {
 		out = append(out, sc)
 	}
 	return out
+}
+
+// stagedLeft says how many of the messages staged in value, a completed
+// record's, are not published ("2 pending, 1 returned"), or "" when
+// none is; a value whose staged messages cannot be read says so.
+func stagedLeft(value []byte) string {
+	msgs, err := amqpidem.StoredOutbox(value)
+	if err != nil {
+		return "unreadable: " + err.Error()
+	}
+	pending, returned := 0, 0
+	for _, m := range msgs {
+		switch m.State {
+		case amqpidem.OutboxPending:
+			pending++
+		case amqpidem.OutboxReturned:
+			returned++
+		}
+	}
+	switch {
+	case pending > 0 && returned > 0:
+		return fmt.Sprintf("%d pending, %d returned", pending, returned)
+	case pending > 0:
+		return fmt.Sprintf("%d pending", pending)
+	case returned > 0:
+		return fmt.Sprintf("%d returned", returned)
+	}
+	return ""
 }
