@@ -54,8 +54,8 @@ func browse(t *testing.T) context.Context {
 // row, an operator follows the overview's count of failed records to
 // their list (a hostile key shown as text, no element made of it), opens
 // a failed key's record, follows the dead-row count to the relay page,
-// redrives the dead row after its confirmation, and the row is pending
-// again. Each page is photographed into docs/images for docs/console.md.
+// is refused a redrive posted by a page of another origin, redrives the
+// dead row after its confirmation, and the row is pending again. Each page is photographed into docs/images for docs/console.md.
 func TestBrowserRecordsAndRelay(t *testing.T) {
 	ctx := browse(t)
 	pool := pgenv.Pool(t, 4)
@@ -171,6 +171,18 @@ func TestBrowserRecordsAndRelay(t *testing.T) {
 		chromedp.Click(`a[href*="key=pay-2003"]`), chromedp.WaitVisible(`table.record`))
 	mustShow("key page", "pay-2003", "failed", "insufficient funds")
 	shoot(t, ctx, "console-key.png")
+
+	// A page of another origin posting a redrive without the token (a
+	// forged request riding the operator's browser) is refused, and the
+	// row stays dead.
+	forged := `data:text/html,<form method="post" action="` + base + `redrive"><input name="id" value="` +
+		fmt.Sprint(deadID) + `"></form><script>document.forms[0].submit()</script>`
+	do(chromedp.Navigate(forged), chromedp.WaitVisible(`main.problem`))
+	mustShow("forged redrive", "Not confirmed here", "nothing was changed")
+	var before string
+	if err := pool.QueryRow(bg, "SELECT state FROM "+table+" WHERE id = $1", deadID).Scan(&before); err != nil || before != "d" {
+		t.Fatalf("the row after a forged redrive: state %q (%v), want still dead", before, err)
+	}
 
 	do(chromedp.Navigate(base), chromedp.WaitVisible(`a.count.dead`), chromedp.Click(`a.count.dead`), chromedp.WaitVisible(`table.rows`))
 	mustShow("relay", "NOT_FOUND - no exchange 'billing'", "invoice.created")
