@@ -32,7 +32,7 @@ func newConsole(o *options) *cobra.Command {
 	var listen, tokenFile, outboxTable string
 	var readOnly bool
 	var queues []string
-	limit := 100
+	limit, listScan := 100, 2000
 	c := &cobra.Command{
 		Use:   "console [--listen 127.0.0.1:8080] [--queue Q]... [--read-only]",
 		Short: "Serve a web console of records, dead letters and the relay (forget, replay, redrive after confirmation)",
@@ -101,7 +101,7 @@ It runs until interrupted (exit code 0).`,
 			logger := slog.New(slog.NewTextHandler(o.stderr, nil))
 			cfg := console.Config{Admin: admin, StoreName: o.storeName(),
 				Dial: o.dial, BrokerName: "RabbitMQ at " + secret.URL(o.amqpURL), SigningKey: signingKey,
-				Queues: queues, DeadLetterLimit: limit, Timeout: o.timeout, Logger: logger}
+				Queues: queues, DeadLetterLimit: limit, ListScan: listScan, Timeout: o.timeout, Logger: logger}
 			if o.pgDSN != "" {
 				ro := &relayOptions{table: outboxTable}
 				ob, pool, err := o.openOutbox(c.Context(), ro)
@@ -128,6 +128,7 @@ It runs until interrupted (exit code 0).`,
 	c.Flags().BoolVar(&readOnly, "read-only", false, "offer no action: change nothing, only show")
 	c.Flags().StringVar(&outboxTable, "outbox-table", "", "pgstore Config.OutboxTable of the relay page, with --postgres (default amqpidem_outbox)")
 	c.Flags().IntVar(&limit, "limit", limit, "read at most this many dead letters per page (at most 1000)")
+	c.Flags().IntVar(&listScan, "list-scan", listScan, "read at most about this many records of the store per records page (at most 100000)")
 	return c
 }
 
