@@ -16,8 +16,7 @@ const (
 )
 
 // ErrListUnsupported means the store cannot list its records as it is
-// configured: a RedisStore on a Redis Cluster client, a dynamostore
-// Store whose client has no Scan.
+// configured: a dynamostore Store whose client has no Scan.
 var ErrListUnsupported = errors.New("lock: listing not supported")
 
 // Lister lists a store's records page by page, for operators' tools (the

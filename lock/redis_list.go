@@ -3,8 +3,10 @@ package lock
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -20,34 +22,77 @@ var _ Lister = (*RedisStore)(nil)
 // record's one-second tombstone) and values that do not decode as a
 // record are passed over.
 //
-// On a Redis Cluster client it returns ErrListUnsupported: SCAN reads one
-// node.
+// On a Redis Cluster client it lists the masters one after the other, in
+// the order of their addresses, each as above; the cursor is the master's
+// place in that order and its SCAN cursor ("2:1536"). A cluster whose
+// masters change during a listing may skip or repeat records.
 func (s *RedisStore) List(ctx context.Context, req ListRequest) (ListPage, error) {
 	req, err := req.Check()
 	if err != nil {
 		return ListPage{}, err
 	}
-	if _, cluster := s.client.(*redis.ClusterClient); cluster {
-		return ListPage{}, fmt.Errorf("%w: SCAN on a Redis Cluster reads one node", ErrListUnsupported)
+	cc, cluster := s.client.(*redis.ClusterClient)
+	if !cluster {
+		var cursor uint64
+		if req.Cursor != "" {
+			if cursor, err = strconv.ParseUint(req.Cursor, 10, 64); err != nil || cursor == 0 {
+				return ListPage{}, fmt.Errorf("%w: %q", ErrBadCursor, req.Cursor)
+			}
+		}
+		page, next, err := s.listNode(ctx, s.client, req, cursor)
+		if next != 0 {
+			page.Next = strconv.FormatUint(next, 10)
+		}
+		return page, err
 	}
-	var cursor uint64
+	node, cursor := 0, uint64(0)
 	if req.Cursor != "" {
-		if cursor, err = strconv.ParseUint(req.Cursor, 10, 64); err != nil || cursor == 0 {
+		n, c, ok := strings.Cut(req.Cursor, ":")
+		node, err = strconv.Atoi(n)
+		if err == nil {
+			cursor, err = strconv.ParseUint(c, 10, 64)
+		}
+		if !ok || err != nil || node < 0 {
 			return ListPage{}, fmt.Errorf("%w: %q", ErrBadCursor, req.Cursor)
 		}
 	}
-	keys, next, err := s.client.Scan(ctx, cursor, globEscape(s.cfg.Prefix)+":{*", int64(req.Scan)).Result()
+	var mu sync.Mutex
+	var masters []*redis.Client
+	err = cc.ForEachMaster(ctx, func(_ context.Context, c *redis.Client) error {
+		mu.Lock()
+		defer mu.Unlock()
+		masters = append(masters, c)
+		return nil
+	})
 	if err != nil {
 		return ListPage{}, fmt.Errorf("lock: list: %w", classify(err))
 	}
+	slices.SortFunc(masters, func(a, b *redis.Client) int { return strings.Compare(a.Options().Addr, b.Options().Addr) })
+	if node >= len(masters) {
+		return ListPage{}, fmt.Errorf("%w: %q names master %d of %d", ErrBadCursor, req.Cursor, node, len(masters))
+	}
+	page, next, err := s.listNode(ctx, masters[node], req, cursor)
+	switch {
+	case next != 0:
+		page.Next = strconv.Itoa(node) + ":" + strconv.FormatUint(next, 10)
+	case node+1 < len(masters):
+		page.Next = strconv.Itoa(node+1) + ":0"
+	}
+	return page, err
+}
+
+// listNode is one SCAN step of client, a server (or a cluster's master),
+// from cursor, with the records it found; next is SCAN's next cursor.
+func (s *RedisStore) listNode(ctx context.Context, client redis.Cmdable, req ListRequest, cursor uint64) (ListPage, uint64, error) {
+	keys, next, err := client.Scan(ctx, cursor, globEscape(s.cfg.Prefix)+":{*", int64(req.Scan)).Result()
+	if err != nil {
+		return ListPage{}, 0, fmt.Errorf("lock: list: %w", classify(err))
+	}
 	page := ListPage{Scanned: len(keys)}
-	if next != 0 {
-		page.Next = strconv.FormatUint(next, 10)
-	}
 	if len(keys) == 0 {
-		return page, nil
+		return page, next, nil
 	}
-	pipe := s.client.Pipeline()
+	pipe := client.Pipeline()
 	clock := pipe.Time(ctx)
 	gets := make([]*redis.StringCmd, len(keys))
 	exps := make([]*redis.DurationCmd, len(keys))
@@ -59,7 +104,7 @@ func (s *RedisStore) List(ctx context.Context, req ListRequest) (ListPage, error
 		// A key that expired between SCAN and GET is redis.Nil in its
 		// own command; any other error is the pipeline's.
 		if !isNilOnly(gets, err) {
-			return ListPage{}, fmt.Errorf("lock: list: %w", classify(err))
+			return ListPage{}, 0, fmt.Errorf("lock: list: %w", classify(err))
 		}
 	}
 	now := clock.Val()
@@ -100,7 +145,7 @@ func (s *RedisStore) List(ctx context.Context, req ListRequest) (ListPage, error
 		}
 		page.Records = append(page.Records, rec)
 	}
-	return page, nil
+	return page, next, nil
 }
 
 // isNilOnly reports whether err, a pipeline's error, is only a GET of a
