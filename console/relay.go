@@ -27,12 +27,16 @@ type Relay interface {
 
 // RelayRow is a row of the outbox as the relay page shows it.
 type RelayRow struct {
-	ID                              int64
+	// ID is the row's, in the order rows were written.
+	ID int64
+	// MessageID, Exchange and RoutingKey are the stored message's; shown
+	// escaped.
 	MessageID, Exchange, RoutingKey string
 	// Attempts counts the publishes the broker refused; LastError is the
 	// last refusal.
 	Attempts  int
 	LastError string
+	// CreatedAt is when the row was written.
 	CreatedAt time.Time
 	// Unreadable says why the stored message could not be read ("" when
 	// it could).
