@@ -44,6 +44,19 @@ type Config struct {
 	// (default 100; a page's limit parameter may ask for fewer, or up to
 	// 1000).
 	DeadLetterLimit int
+	// ListScan bounds the records a records page reads from the store
+	// (lock.ListRequest.Scan, summed over its List calls): default 2000,
+	// at most 100,000. A page shows about 50 records; when the
+	// records read hold fewer that pass its filter, it links to the
+	// next page, which goes on where this one stopped.
+	ListScan int
+	// Relay reads the producer outbox for the relay page and the
+	// overview's backlog; nil: no relay page. With Actions that are a
+	// Redriver, dead rows can be redriven after confirmation.
+	Relay Relay
+	// RelayName names the outbox on pages, e.g. "outbox
+	// public.amqpidem_outbox". Shown as given.
+	RelayName string
 	// Timeout bounds each page's service calls (default 10 s).
 	Timeout time.Duration
 	// Logger gets a line per page that failed (a service down, a panic),
@@ -59,6 +72,9 @@ type Config struct {
 
 // maxDeadLetterLimit bounds a page's limit parameter.
 const maxDeadLetterLimit = 1000
+
+// maxListScan bounds Config.ListScan.
+const maxListScan = 100000
 
 //go:embed assets
 var assets embed.FS
@@ -86,6 +102,12 @@ func New(cfg Config) (*Console, error) {
 	if cfg.DeadLetterLimit > maxDeadLetterLimit {
 		return nil, fmt.Errorf("console: DeadLetterLimit %d is more than %d", cfg.DeadLetterLimit, maxDeadLetterLimit)
 	}
+	if cfg.ListScan <= 0 {
+		cfg.ListScan = defaultListScan
+	}
+	if cfg.ListScan > maxListScan {
+		return nil, fmt.Errorf("console: ListScan %d is more than %d", cfg.ListScan, maxListScan)
+	}
 	if cfg.Timeout <= 0 {
 		cfg.Timeout = 10 * time.Second
 	}
@@ -109,6 +131,10 @@ func New(cfg Config) (*Console, error) {
 	c.mux.HandleFunc("POST /replay", c.replayPost)
 	c.mux.HandleFunc("GET /key", c.key)
 	c.mux.HandleFunc("GET /dlq", c.deadLetters)
+	c.mux.HandleFunc("GET /records", c.records)
+	c.mux.HandleFunc("GET /relay", c.relay)
+	c.mux.HandleFunc("GET /redrive", c.redriveForm)
+	c.mux.HandleFunc("POST /redrive", c.redrive)
 	c.mux.HandleFunc("GET /style.css", c.style)
 	return c, nil
 }
@@ -135,7 +161,7 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 				Do:   "Reload the page. If it fails again, report it with the log line (it names no key)."})
 		}
 	}()
-	post := r.Method == http.MethodPost && (r.URL.Path == "/forget" || r.URL.Path == "/replay")
+	post := r.Method == http.MethodPost && (r.URL.Path == "/forget" || r.URL.Path == "/replay" || r.URL.Path == "/redrive")
 	if r.Method != http.MethodGet && r.Method != http.MethodHead && !post {
 		h.Set("Allow", "GET, HEAD")
 		c.problem(w, r, &problem{Status: http.StatusMethodNotAllowed, Title: "Not here",
@@ -145,7 +171,7 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	if _, pattern := c.mux.Handler(r); pattern == "" {
 		c.problem(w, r, &problem{Status: http.StatusNotFound, Title: "No such page",
-			What: "The console has an overview, a page per key and a page per queue's dead letters, nothing else here.",
+			What: "The console has an overview, a page per key, pages of an endpoint's records by state, a page per queue's dead letters and the relay's rows, nothing else here.",
 			Do:   "Start from the overview.", Overview: true})
 		return
 	}

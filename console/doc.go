@@ -5,7 +5,16 @@
 // Pages (server-rendered, no script, no resource from elsewhere):
 //
 //   - the overview (/): the configured queues with the depth of their
-//     dead-letter queues, and forms to look up a key or a queue;
+//     dead-letter queues, their endpoints' records counted by state
+//     (failed, stalled: in progress with an expired lease, in progress,
+//     completed) among the first 1000 or so the store lists, and forms to
+//     look up a key, an endpoint's records or a queue;
+//   - an endpoint's records (/records?endpoint=E[&state=S][&cursor=C]),
+//     by state, stalled or unpublished (completed with staged messages
+//     pending or returned), page by page with lock.Lister: a page reads at
+//     most about Config.ListScan records of the store and shows about 50,
+//     linking to the next page, which goes on where it stopped (never a
+//     full scan: a page costs the same on 100,000 records as on 100);
 //   - a key (/key?endpoint=E&key=K): its record as lock.Admin.Inspect
 //     reads it (state, attempts, fence, lease, times, error, result size,
 //     staged messages), under amqpidem.StoreKey(E, K);
@@ -13,10 +22,16 @@
 //     reason, error, attempts, first seen and origin (signed, unsigned, bad
 //     signature, unchecked) of each, read as "amqpidem dlq list" reads
 //     them;
+//   - with Config.Relay, the producer outbox's dead and pending rows
+//     (/relay?state=dead|pending[&after=ID]), 50 a page in ID order, with
+//     the backlog (pending rows, the oldest one's age, dead rows), which
+//     the overview shows too;
 //   - with Config.Actions, confirmation pages for forgetting a failed
 //     record (/forget?endpoint=E&key=K) and replaying the dead letters of
 //     a key, with or without forgetting its failed record first
-//     (/replay?queue=Q&key=K[&forget=1]), and their POSTs.
+//     (/replay?queue=Q&key=K[&forget=1]), and, when Actions is also a
+//     Redriver, for redriving a dead outbox row (/redrive?id=N), and
+//     their POSTs.
 //
 // Guarantees:
 //
@@ -61,9 +76,10 @@
 // the admin server's (the CSRF token protects a signed-in operator from
 // other sites, not the console from anyone who can reach it). It reads one dead-letter queue at a time (page loads
 // wait their turn, so that two never split a queue's messages between
-// them) and at most Config.DeadLetterLimit of its messages per page; it
-// lists no records by state (the stores have no listing yet): a key is
-// looked up by name.
+// them) and at most Config.DeadLetterLimit of its messages per page. Its
+// counts by state are of the records one page reads, not of the store (a
+// count of every record would be a full scan). A store whose Admin is no
+// lock.Lister has no records pages: its keys are looked up by name.
 //
 // Mounted under a path, strip it: links are relative, so
 //

@@ -23,6 +23,8 @@ import (
 var funcs = template.FuncMap{
 	"esc":  operator.Escape,
 	"when": when,
+	// secs is a duration to the second, for a table.
+	"secs": func(d time.Duration) time.Duration { return d.Round(time.Second) },
 	"dash": func(s string) string {
 		if s == "" {
 			return "-"
@@ -68,7 +70,29 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 		page
 		Queues   []queueDepth
 		QueueErr string
-	}{page: c.page("amqpidem console")}
+		// Counts are the queues' endpoints' records by state; CountErr
+		// says why there are none.
+		Counts   []stateCount
+		CountErr string
+		Scan     int
+		// Relay is the outbox's backlog (when Config.Relay is set).
+		Relay *relayStatus
+	}{page: c.page("amqpidem console"), Scan: overviewScan}
+	if c.cfg.Relay != nil {
+		ctx, cancel := context.WithTimeout(r.Context(), c.cfg.Timeout)
+		st := c.relayStatus(ctx, r)
+		cancel()
+		data.Relay = &st
+	}
+	if len(c.cfg.Queues) > 0 {
+		if l, p := c.lister(); p != nil {
+			data.CountErr = p.What
+		} else {
+			ctx, cancel := context.WithTimeout(r.Context(), c.cfg.Timeout)
+			data.Counts = c.counts(ctx, l)
+			cancel()
+		}
+	}
 	if len(c.cfg.Queues) > 0 && c.cfg.Dial != nil {
 		ctx, cancel := context.WithTimeout(r.Context(), c.cfg.Timeout)
 		defer cancel()

@@ -29,16 +29,19 @@ const minConsoleToken = 16
 
 func newConsole(o *options) *cobra.Command {
 	var f dlqFlags
-	var listen, tokenFile string
+	var listen, tokenFile, outboxTable string
 	var readOnly bool
 	var queues []string
-	limit := 100
+	limit, listScan := 100, 2000
 	c := &cobra.Command{
 		Use:   "console [--listen 127.0.0.1:8080] [--queue Q]... [--read-only]",
-		Short: "Serve a web console of records and dead letters (forget, replay after confirmation)",
+		Short: "Serve a web console of records, dead letters and the relay (forget, replay, redrive after confirmation)",
 		Long: `console serves a web console on --listen: an overview of the --queue
-queues with the depth of their dead-letter queues, the record of a key (as
-inspect shows it) and the dead letters of a queue (as dlq list reads them:
+queues with the depth of their dead-letter queues and their records
+counted by state, an endpoint's records by state page by page (failed,
+stalled leases, ...), the record of a key (as inspect shows it), with
+--postgres the producer outbox's pending and dead rows (as relay status
+and relay list read them), and the dead letters of a queue (as dlq list reads them:
 without consuming them; on a quorum dead-letter queue with a delivery
 limit each page load counts as a delivery of each message read). It uses
 the same store and broker flags and environment as the other commands.
@@ -46,8 +49,9 @@ the same store and broker flags and environment as the other commands.
 It forgets a failed record and replays the dead letters of a key, each
 only after a page that says what it means and what a dry run of it
 reports, and a confirmation (a POST carrying the page's CSRF token): by
-the rules of forget (only a failed record, and only the one shown) and
-of dlq replay (--key, with --forget when asked), run by this process as
+the rules of forget (only a failed record, and only the one shown), of
+dlq replay (--key, with --forget when asked) and of relay redrive (a
+dead row by its ID), run by this process as
 the commands run them; each action is logged on stderr. --read-only
 leaves out the actions: the console changes nothing and names the
 commands to run. Every value from a message or a record is shown escaped;
@@ -97,9 +101,18 @@ It runs until interrupted (exit code 0).`,
 			logger := slog.New(slog.NewTextHandler(o.stderr, nil))
 			cfg := console.Config{Admin: admin, StoreName: o.storeName(),
 				Dial: o.dial, BrokerName: "RabbitMQ at " + secret.URL(o.amqpURL), SigningKey: signingKey,
-				Queues: queues, DeadLetterLimit: limit, Timeout: o.timeout, Logger: logger}
+				Queues: queues, DeadLetterLimit: limit, ListScan: listScan, Timeout: o.timeout, Logger: logger}
+			if o.pgDSN != "" {
+				ro := &relayOptions{table: outboxTable}
+				ob, pool, err := o.openOutbox(c.Context(), ro)
+				if err != nil {
+					return err
+				}
+				defer pool.Close()
+				cfg.Relay, cfg.RelayName = outboxRelay{ob}, "outbox "+o.outboxTable(ro)
+			}
 			if !readOnly {
-				cfg.Actions = &consoleActions{o: o, admin: admin, keyFile: f.keyFile}
+				cfg.Actions = &consoleActions{o: o, admin: admin, keyFile: f.keyFile, outboxTable: outboxTable}
 			}
 			h, err := console.New(cfg)
 			if err != nil {
@@ -113,7 +126,9 @@ It runs until interrupted (exit code 0).`,
 	c.Flags().StringVar(&tokenFile, "token-file", "", "a `file` holding the token every request must carry (default: "+consoleTokenEnv+")")
 	c.Flags().StringVar(&f.keyFile, "signing-key-file", "", "a `file` holding the consumers' Config.SigningKey (default: AMQPIDEM_SIGNING_KEY)")
 	c.Flags().BoolVar(&readOnly, "read-only", false, "offer no action: change nothing, only show")
+	c.Flags().StringVar(&outboxTable, "outbox-table", "", "pgstore Config.OutboxTable of the relay page, with --postgres (default amqpidem_outbox)")
 	c.Flags().IntVar(&limit, "limit", limit, "read at most this many dead letters per page (at most 1000)")
+	c.Flags().IntVar(&listScan, "list-scan", listScan, "read at most about this many records of the store per records page (at most 100000)")
 	return c
 }
 

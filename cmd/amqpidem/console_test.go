@@ -87,7 +87,7 @@ func status(t *testing.T, req *http.Request) int {
 
 // TestConsoleRefusesNonLoopbackWithoutToken: the console will not serve
 // an address other than the loopback interface's without a token, nor
-// take a token too short.
+// take a token too short, nor a --list-scan above its bound.
 func TestConsoleRefusesNonLoopbackWithoutToken(t *testing.T) {
 	r := newRig(t, 1)
 	for _, listen := range []string{"0.0.0.0:0", ":0", "[::]:0", "192.0.2.1:0"} {
@@ -95,6 +95,9 @@ func TestConsoleRefusesNonLoopbackWithoutToken(t *testing.T) {
 		if code != 2 || !strings.Contains(errOut, "not a loopback address") || !strings.Contains(errOut, "AMQPIDEM_CONSOLE_TOKEN") {
 			t.Fatalf("console --listen %s without a token: exit %d, stderr %q; want 2 and a refusal naming the token", listen, code, errOut)
 		}
+	}
+	if _, errOut, code := r.cli("console", "--list-scan", "100001"); code != 2 || !strings.Contains(errOut, "ListScan 100001 is more than 100000") {
+		t.Fatalf("console --list-scan 100001: exit %d, stderr %q; want 2 naming the bound", code, errOut)
 	}
 	cmd := exec.Command(bin, append([]string{"console", "--listen", "0.0.0.0:0"}, r.flags...)...)
 	cmd.Env = append(os.Environ(), "AMQPIDEM_CONSOLE_TOKEN=short")

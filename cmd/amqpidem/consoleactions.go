@@ -9,7 +9,7 @@ import (
 	"github.com/amqpidem/amqpidem/lock"
 )
 
-// consoleActions are the console's forget and replay, carried out by the
+// consoleActions are the console's forget, replay and redrive, carried out by the
 // command's own code: forget's rules (forgetRecord) and dlq replay run in
 // this process, with this process's store and broker flags, their report
 // what the command would print, their exit code the outcome's status.
@@ -18,6 +18,9 @@ type consoleActions struct {
 	admin lock.Admin
 	// keyFile is the console's --signing-key-file, given to dlq replay.
 	keyFile string
+	// outboxTable is the console's --outbox-table, given to relay
+	// redrive.
+	outboxTable string
 }
 
 // outcome is the console's Outcome of a command that returned err,
@@ -78,15 +81,7 @@ func (a *consoleActions) Replay(ctx context.Context, req console.ReplayRequest) 
 	if a.keyFile != "" {
 		args = append(args, "--signing-key-file="+a.keyFile)
 	}
-	args = append(args, "--", req.Queue) // a queue named "-x" is not a flag
-	var report bytes.Buffer
-	o := a.o.here(&report)
-	root := newRoot(o)
-	*o = *a.o.here(&report) // newRoot set the flags' defaults from the environment: this process's flags instead
-	root.SetArgs(args)
-	root.SetOut(&report)
-	root.SetErr(&report)
-	return outcome(&report, root.ExecuteContext(ctx))
+	return a.run(ctx, append(args, "--", req.Queue)) // a queue named "-x" is not a flag
 }
 
 // here is a copy of o's service flags for a command run in this process,

@@ -52,6 +52,7 @@ func Run(t *testing.T, newStore NewStore) {
 		{"ResultSizeLimit", testResultLimit},
 		{"AdminInspect", testInspect},
 		{"AdminForget", testForget},
+		{"ListByState", testList},
 		{"AmendCompletedValue", testAmend},
 		{"AmendRefusedUnlessCompletedWithFenceAndValue", testAmendRefused},
 		{"AmendConcurrentOneWinner", testAmendConcurrent},

@@ -53,7 +53,8 @@ func chromium(t *testing.T) string {
 // (no element made of it, no script run), asks to replay a failed
 // message's dead letter, is shown that a plain replay would leave it,
 // follows "replay with forget", confirms, and the fixed handler runs
-// exactly once.
+// exactly once. The dead letters page and the confirmation are
+// photographed into docs/images for docs/console.md.
 func TestBrowserReplayWithForget(t *testing.T) {
 	exe := chromium(t)
 	url := testenv.AMQPURL(t)
@@ -123,7 +124,7 @@ func TestBrowserReplayWithForget(t *testing.T) {
 	base := startConsole(t, "--redis", "redis://"+testenv.RedisAddr(t)+"/0", "--amqp", url, "--prefix", prefix, "--queue", queue)
 
 	alloc, cancel := chromedp.NewExecAllocator(context.Background(), append(chromedp.DefaultExecAllocatorOptions[:],
-		chromedp.ExecPath(exe), chromedp.NoSandbox, chromedp.DisableGPU)...)
+		chromedp.ExecPath(exe), chromedp.NoSandbox, chromedp.DisableGPU, chromedp.WindowSize(1200, 800))...)
 	t.Cleanup(cancel)
 	ctx, cancel := chromedp.NewContext(alloc)
 	t.Cleanup(cancel)
@@ -157,6 +158,7 @@ func TestBrowserReplayWithForget(t *testing.T) {
 		chromedp.SendKeys(`form[action="dlq"] input[name="queue"]`, queue),
 		chromedp.Submit(`form[action="dlq"] input[name="queue"]`),
 		chromedp.WaitVisible(`table.letters`))
+	shoot(t, ctx, "console-dlq.png")
 	page := text()
 	title, err := chromedp.Run(ctx, chromedp.Title())
 	if err != nil {
@@ -185,6 +187,7 @@ func TestBrowserReplayWithForget(t *testing.T) {
 	if page = text(); !strings.Contains(page, "would replay") {
 		t.Fatalf("forget-and-replay confirmation:\n%s", page)
 	}
+	shoot(t, ctx, "console-replay-forget.png")
 	do(chromedp.Click(`button.confirm`), chromedp.WaitVisible(`pre.result`))
 	if page = text(); !strings.Contains(page, "replayed (forgot failed record)") || !strings.Contains(page, ": done") {
 		t.Fatalf("the replay's result:\n%s", page)

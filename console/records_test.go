@@ -1,0 +1,222 @@
+package console_test
+
+import (
+	"context"
+	"fmt"
+	"html"
+	"net/http"
+	"net/url"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/console"
+	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// records is what fill made in a store, by key.
+type records map[string]lock.State
+
+// fill makes, for endpoint in s, completed records, failed ones (the
+// first with the hostile key), live leases and stalled ones (leases left
+// to expire), n of each kind as given; it returns their states, stalled
+// ones as "stalled".
+func fill(t *testing.T, s lock.Store, endpoint string, completed, failed, live, stale int) records {
+	t.Helper()
+	ctx := context.Background()
+	out := records{}
+	take := func(key string, ttl time.Duration) lock.Lease {
+		res, err := s.Acquire(ctx, lock.Request{Key: amqpidem.StoreKey(endpoint, key), TTL: ttl})
+		if err != nil || res.Status != lock.Acquired {
+			t.Fatalf("Acquire(%q): %v %v", key, res.Status, err)
+		}
+		return res.Lease
+	}
+	for i := range completed {
+		k := fmt.Sprintf("done-%03d", i)
+		if err := s.Complete(ctx, take(k, time.Minute), []byte("ok")); err != nil {
+			t.Fatal(err)
+		}
+		out[k] = lock.StateCompleted
+	}
+	for i := range failed {
+		k := fmt.Sprintf("declined-%03d", i)
+		if i == 0 {
+			k = hostileKey
+		}
+		if err := s.Fail(ctx, take(k, time.Minute), "card declined <b>\x1b[31m"); err != nil {
+			t.Fatal(err)
+		}
+		out[k] = lock.StateFailed
+	}
+	for i := range live {
+		k := fmt.Sprintf("running-%03d", i)
+		take(k, time.Minute)
+		out[k] = lock.StateInProgress
+	}
+	for i := range stale {
+		k := fmt.Sprintf("stalled-%03d", i)
+		take(k, 20*time.Millisecond)
+		out[k] = "stalled"
+	}
+	time.Sleep(50 * time.Millisecond) // the stalled leases expire
+	return out
+}
+
+var (
+	keyLink  = regexp.MustCompile(`<a href="key\?endpoint=[^"]*&amp;key=([^"]*)"><code>`)
+	nextLink = regexp.MustCompile(`<a class="next" href="([^"]*)"`)
+	scanned  = regexp.MustCompile(`<span class="scanned">(\d+)</span>`)
+)
+
+// listPages follows a records listing from path to its end and returns
+// how many times each key was shown, checking each page's bound.
+func listPages(t *testing.T, get func(string) string, path string, budget int) map[string]int {
+	t.Helper()
+	seen := map[string]int{}
+	for pages := 0; path != ""; pages++ {
+		if pages > 10000 {
+			t.Fatalf("%s: no end", path)
+		}
+		page := get(path)
+		noRaw(t, path, page)
+		m := scanned.FindStringSubmatch(page)
+		if m == nil {
+			t.Fatalf("%s: no count of records read:\n%s", path, page)
+		}
+		if n, _ := strconv.Atoi(m[1]); n > 2*budget {
+			t.Fatalf("%s: read %d records for a budget of %d", path, n, budget)
+		}
+		for _, k := range keyLink.FindAllStringSubmatch(page, -1) {
+			key, err := unquery(k[1])
+			if err != nil {
+				t.Fatal(err)
+			}
+			seen[key]++
+		}
+		path = ""
+		if m := nextLink.FindStringSubmatch(page); m != nil {
+			path = "/" + html.UnescapeString(m[1])
+		}
+	}
+	return seen
+}
+
+// unquery is a query value as a page's link carries it: HTML-escaped,
+// percent-encoded.
+func unquery(s string) (string, error) { return url.QueryUnescape(html.UnescapeString(s)) }
+
+// TestConsoleRecords: the records pages of an endpoint, on Redis, list
+// each record of the state asked once over their pages, each page reading
+// at most about Config.ListScan records, the hostile key escaped; stalled
+// ones are the expired leases.
+func TestConsoleRecords(t *testing.T) {
+	endpoint := testenv.Name(t)
+	store, err := lock.NewRedisStore(testenv.RedisClient(t), lock.Config{Prefix: "console-" + endpoint})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := fill(t, store, endpoint, 90, 7, 2, 3)
+	fill(t, store, endpoint+"-other", 10, 3, 0, 0) // another endpoint's: never shown
+	srv := serve(t, nil, console.Config{Admin: store, ListScan: 40})
+	var all strings.Builder // every page read
+	getter := func(path string) string {
+		p := get(t, srv, path, http.StatusOK)
+		all.WriteString(p)
+		return p
+	}
+	for _, filter := range []string{"failed", "stalled", "in_progress", "completed", ""} {
+		seen := listPages(t, getter, "/records?endpoint="+endpoint+"&state="+filter, 40)
+		n := 0
+		for k, st := range want {
+			match := filter == "" || string(st) == filter || (filter == "in_progress" && st == "stalled")
+			if !match {
+				if seen[k] != 0 {
+					t.Fatalf("state %q: %q (%s) shown", filter, k, st)
+				}
+				continue
+			}
+			n++
+			if got, want := seen[k], 1; got != want {
+				t.Fatalf("state %q: %q shown %d times, want %d", filter, k, got, want)
+			}
+		}
+		if got, want := len(seen), n; got != want {
+			t.Fatalf("state %q: %d keys shown, want %d", filter, got, want)
+		}
+	}
+	// The hostile key was listed once (above), on a page without it raw
+	// (noRaw), and errors are escaped.
+	mustContain(t, "records pages", all.String(), "card declined &lt;b&gt;\\x1b[31m", "(lease expired)")
+}
+
+// TestConsoleOverviewCounts: the overview counts each queue's records by
+// state, each count linking to its records.
+func TestConsoleOverviewCounts(t *testing.T) {
+	store, err := lock.NewMemoryStore(lock.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fill(t, store, "payments", 12, 4, 2, 3)
+	fill(t, store, "orders", 5, 1, 0, 0)
+	srv := serve(t, nil, console.Config{Admin: store, Queues: []string{"payments", "orders"}})
+	page := get(t, srv, "/", http.StatusOK)
+	mustContain(t, "overview", page,
+		`<a class="count failed" href="records?endpoint=payments&amp;state=failed">4</a>`,
+		`<a class="count stalled" href="records?endpoint=payments&amp;state=stalled">3</a>`,
+		`<a href="records?endpoint=payments&amp;state=in_progress">2</a>`,
+		`<a href="records?endpoint=payments&amp;state=completed">12</a>`,
+		`<a class="count failed" href="records?endpoint=orders&amp;state=failed">1</a>`)
+	noRaw(t, "overview", page)
+	stalled := get(t, srv, "/records?endpoint=payments&state=stalled", http.StatusOK)
+	mustContain(t, "stalled", stalled, "stalled-000", "(lease expired)", "End of the listing.")
+	if strings.Contains(stalled, "running-000") {
+		t.Fatalf("a live lease among the stalled:\n%s", stalled)
+	}
+}
+
+// adminOnly is a lock.Admin that cannot list.
+type adminOnly struct{ lock.Admin }
+
+// TestConsoleRecordsBadInput: a records page without an endpoint, with a
+// state that is none, with a cursor the store did not give, on a store
+// that cannot list or is down, says what to do, with the status that fits.
+func TestConsoleRecordsBadInput(t *testing.T) {
+	store, err := lock.NewRedisStore(testenv.RedisClient(t), lock.Config{Prefix: "console-" + testenv.Name(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := serve(t, nil, console.Config{Admin: store})
+	for _, c := range []struct {
+		path   string
+		status int
+		want   string
+	}{
+		{"/records", http.StatusBadRequest, "Which endpoint?"},
+		{"/records?endpoint=e&state=done%3Cscript%3E", http.StatusBadRequest, "state &#34;done&lt;script&gt;&#34; is none of"},
+		{"/records?endpoint=e&cursor=%3Cscript%3E", http.StatusBadRequest, "Start the listing again"},
+	} {
+		page := get(t, srv, c.path, c.status)
+		mustContain(t, c.path, page, c.want, "What to do:")
+		noRaw(t, c.path, page)
+	}
+	mustContain(t, "no lister", get(t, serve(t, nil, console.Config{Admin: adminOnly{store}}), "/records?endpoint=e", http.StatusNotImplemented),
+		"cannot list", "What to do:")
+	mustContain(t, "no store", get(t, serve(t, nil, console.Config{}), "/records?endpoint=e", http.StatusServiceUnavailable), "No store")
+	dead := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1})
+	t.Cleanup(func() { dead.Close() })
+	deadStore, err := lock.NewRedisStore(dead, lock.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	down := serve(t, nil, console.Config{Admin: deadStore, StoreName: "Redis at 127.0.0.1:1", Queues: []string{"orders"}, Timeout: 5 * time.Second})
+	page := get(t, down, "/records?endpoint=orders&state=failed", http.StatusServiceUnavailable)
+	mustContain(t, "store down", page, "Redis at 127.0.0.1:1 did not answer", "Check that the store is up")
+	mustContain(t, "overview, store down", get(t, down, "/", http.StatusOK), "Redis at 127.0.0.1:1: lock: list")
+}
