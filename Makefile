@@ -1,4 +1,4 @@
-.PHONY: services test check-user-module alerts bench lint demo chaos linearizable browser
+.PHONY: services test check-user-module alerts bench lint demo chaos linearizable browser screenshots
 
 # CONTAINERS is the Docker fallback of internal/testenv: a program in a
 # module of its own, so that testcontainers-go stays out of this module's
@@ -16,9 +16,11 @@ services:
 
 # test checks that a module importing amqpidem inherits none of the tests'
 # dependencies and that the example alerting rules pass their unit tests,
-# then runs every test with the race detector.
+# runs every test with the race detector, then the console's tests in
+# Chromium (browser).
 test: services check-user-module alerts
 	go test -race -count=1 -timeout 20m ./...
+	$(MAKE) --no-print-directory browser
 
 # check-user-module fails if a fresh module importing amqpidem, heartbeat and
 # lock gets testcontainers, the Docker client, pgx, toxiproxy, zerolog, porcupine,
@@ -112,7 +114,16 @@ chaos: services
 	CHAOS_FULL=1 go test -count=1 -timeout 30m -v -run '^TestChaos' ./test/chaos/
 
 # browser runs the console's tests in Chromium (chromedp; Debian's chromium
-# package, or CHROMIUM=path), in their own module so that chromedp stays
-# out of this module's go.mod (see console/internal/browser).
+# package, or CHROMIUM=path; scripts/chromium.sh finds it, or installs it
+# as root on Debian), in their own module so that chromedp stays out of
+# this module's go.mod (see console/internal/browser). make test runs it.
 browser: services
-	cd console/internal/browser && GOWORK=off go test -count=1 ./...
+	chromium=$$(bash scripts/chromium.sh) && cd console/internal/browser && \
+		CHROMIUM=$$chromium GOWORK=off go test -count=1 ./...
+
+# screenshots runs the browser tests writing their screenshots into
+# docs/images, where docs/console.md and the README show them (other runs
+# write them into a temporary directory).
+screenshots: services
+	chromium=$$(bash scripts/chromium.sh) && cd console/internal/browser && \
+		CHROMIUM=$$chromium SCREENSHOTS=1 GOWORK=off go test -count=1 ./...

@@ -20,17 +20,29 @@ import (
 	"github.com/amqpidem/amqpidem/pgstore"
 )
 
-// images is where the tests write the screenshots docs/console.md shows.
+// images is where the tests write the screenshots docs/console.md shows,
+// when SCREENSHOTS=1 (make screenshots).
 const images = "../../../docs/images"
 
-// shoot writes a screenshot of the page in ctx to docs/images/name.
+// shoot takes a screenshot of the page in ctx, and writes it to
+// docs/images/name when SCREENSHOTS=1 (make screenshots), else into a
+// temporary directory: every run takes them, so that a page that cannot
+// be photographed fails the test, but only asked-for runs change the
+// repository's images (each run's differ in their timestamps).
 func shoot(t *testing.T, ctx context.Context, name string) {
 	t.Helper()
 	png, err := chromedp.Run(ctx, chromedp.FullScreenshot(100))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := os.WriteFile(filepath.Join(images, name), png, 0o644); err != nil {
+	if len(png) == 0 {
+		t.Fatalf("screenshot %s: empty", name)
+	}
+	dir := images
+	if os.Getenv("SCREENSHOTS") != "1" {
+		dir = t.TempDir()
+	}
+	if err := os.WriteFile(filepath.Join(dir, name), png, 0o644); err != nil {
 		t.Fatal(err)
 	}
 }
