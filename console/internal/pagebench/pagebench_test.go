@@ -1,4 +1,4 @@
-package console_test
+package pagebench_test
 
 import (
 	"context"
@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -27,6 +28,13 @@ import (
 const benchRecords = 100_000
 
 // benchKey is the i-th seeded key; every hundredth is failed.
+// nextLink finds a records page's link to the next page, scanned the
+// records it read (as the console's records tests do).
+var (
+	nextLink = regexp.MustCompile(`<a class="next" href="([^"]*)"`)
+	scanned  = regexp.MustCompile(`<span class="scanned">(\d+)</span>`)
+)
+
 func benchKey(i int) string { return fmt.Sprintf("order-%06d", i) }
 
 // seedRedis makes benchRecords records of endpoint in a RedisStore with a
