@@ -3,10 +3,8 @@ package amqpidem_test
 import (
 	"context"
 	"errors"
-	"io"
 	"net"
 	"net/url"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -14,93 +12,47 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv"
 )
 
-// freezeGate forwards connections on loopback to a broker and, while
-// frozen, stops reading what clients send, as RabbitMQ does with a
-// connection it has blocked (a memory or disk alarm) once it publishes:
-// the broker's frames still come, the client's wait.
+// freezeGate forwards connections on loopback to a broker (a
+// testenv.Proxy) and, while frozen, stops reading what clients send, as
+// RabbitMQ does with a connection it has blocked (a memory or disk alarm)
+// once it publishes: the broker's frames still come, the client's wait.
 type freezeGate struct {
-	ln     net.Listener
+	proxy  *testenv.Proxy
 	frozen atomic.Bool
-	mu     sync.Mutex
-	conns  []net.Conn
-	wg     sync.WaitGroup
 }
 
 func newFreezeGate(t *testing.T, upstream string) *freezeGate {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	g := &freezeGate{ln: ln}
-	g.wg.Add(1)
-	go func() {
-		defer g.wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			up, err := net.Dial("tcp", upstream)
-			if err != nil {
-				_ = c.Close()
-				continue
-			}
-			g.mu.Lock()
-			g.conns = append(g.conns, c, up)
-			g.mu.Unlock()
-			g.wg.Add(2)
-			go func() { // client to broker: held while frozen
-				defer g.wg.Done()
-				defer up.Close()
-				buf := make([]byte, 32<<10)
-				for {
-					n, err := c.Read(buf)
-					for g.frozen.Load() { // what came while frozen waits too
-						time.Sleep(5 * time.Millisecond)
-					}
-					if n > 0 {
-						if _, werr := up.Write(buf[:n]); werr != nil {
-							return
-						}
-					}
-					if err != nil {
-						return
-					}
-				}
-			}()
-			go func() {
-				defer g.wg.Done()
-				defer c.Close()
-				_, _ = io.Copy(c, up)
-			}()
-		}
-	}()
-	t.Cleanup(func() {
-		g.frozen.Store(false)
-		_ = ln.Close()
-		g.mu.Lock()
-		for _, c := range g.conns {
-			_ = c.Close()
-		}
-		g.mu.Unlock()
-		g.wg.Wait()
-	})
+	g := &freezeGate{}
+	g.proxy = testenv.StartProxy(t, upstream, g.up, nil)
+	t.Cleanup(func() { g.frozen.Store(false) }) // before the proxy's: up waits while frozen
 	return g
 }
 
-// url is the AMQP URL of brokerURL's broker through the gate.
-func (g *freezeGate) url(t *testing.T, brokerURL string) string {
-	t.Helper()
-	u, err := url.Parse(brokerURL)
-	if err != nil {
-		t.Fatal(err)
+// up copies what a client sends to the broker, holding it while frozen.
+func (g *freezeGate) up(c, up net.Conn) {
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := c.Read(buf)
+		for g.frozen.Load() { // what came while frozen waits too
+			time.Sleep(5 * time.Millisecond)
+		}
+		if n > 0 {
+			if _, werr := up.Write(buf[:n]); werr != nil {
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
 	}
-	u.Host = g.ln.Addr().String()
-	return u.String()
 }
+
+// url is the AMQP URL of brokerURL's broker through the gate.
+func (g *freezeGate) url(t *testing.T, brokerURL string) string { return g.proxy.URL(t, brokerURL) }
 
 // A publish whose confirm does not come in time on a connection the
 // broker has stopped reading (blocked) returns at its context: the channel

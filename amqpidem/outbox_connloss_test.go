@@ -15,23 +15,21 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv"
 )
 
-// publishCutter is a TCP proxy to the broker that cuts a connection, both
-// ways, when its client sends a basic.publish with routing key key,
+// publishCutter, on a testenv.Proxy to the broker, cuts a connection,
+// both ways, when its client sends a basic.publish with routing key key,
 // without forwarding that publish: the first cuts such publishes, then it
 // forwards them. Everything else passes through. It stands for a network
 // or a broker node lost at the worst moment for a staged message.
 type publishCutter struct {
-	ln     net.Listener
-	target string // the broker's host:port
-	key    string
+	proxy *testenv.Proxy
+	key   string
 
-	mu    sync.Mutex
-	left  int // cuts still to make
-	cut   int // cuts made
-	conns []net.Conn
-	wg    sync.WaitGroup
+	mu   sync.Mutex
+	left int // cuts still to make
+	cut  int // cuts made
 }
 
 // newPublishCutter starts a publishCutter in front of the broker at
@@ -42,67 +40,19 @@ func newPublishCutter(t *testing.T, amqpURL, key string, cuts int) *publishCutte
 	if err != nil {
 		t.Fatal(err)
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &publishCutter{ln: ln, target: u.Host, key: key, left: cuts}
-	p.wg.Add(1)
-	go p.accept()
-	t.Cleanup(func() {
-		_ = ln.Close()
-		p.mu.Lock()
-		for _, c := range p.conns {
-			_ = c.Close()
-		}
-		p.mu.Unlock()
-		p.wg.Wait()
-	})
+	p := &publishCutter{key: key, left: cuts}
+	p.proxy = testenv.StartProxy(t, u.Host, p.forward, nil)
 	return p
 }
 
 // url is amqpURL with the proxy's address in place of the broker's.
-func (p *publishCutter) url(amqpURL string) string {
-	u, _ := url.Parse(amqpURL)
-	u.Host = p.ln.Addr().String()
-	return u.String()
-}
+func (p *publishCutter) url(t *testing.T, amqpURL string) string { return p.proxy.URL(t, amqpURL) }
 
 // cuts returns how many connections it cut.
 func (p *publishCutter) cuts() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.cut
-}
-
-func (p *publishCutter) accept() {
-	defer p.wg.Done()
-	for {
-		c, err := p.ln.Accept()
-		if err != nil {
-			return
-		}
-		up, err := net.Dial("tcp", p.target)
-		if err != nil {
-			_ = c.Close()
-			continue
-		}
-		p.mu.Lock()
-		p.conns = append(p.conns, c, up)
-		p.mu.Unlock()
-		p.wg.Add(2)
-		go func() {
-			defer p.wg.Done()
-			_, _ = io.Copy(c, up)
-			_ = c.Close()
-		}()
-		go func() {
-			defer p.wg.Done()
-			p.forward(c, up)
-			_ = c.Close()
-			_ = up.Close()
-		}()
-	}
 }
 
 // forward copies the client's frames to the broker, one at a time, until
@@ -175,13 +125,14 @@ func TestOutboxConnectionLostIsNotRefusal(t *testing.T) {
 	t.Cleanup(func() { _, _ = e.ch.QueueDelete(next, false, false, false) })
 	const maxAttempts = 5
 	proxy := newPublishCutter(t, e.url, next, maxAttempts+2)
+	proxyURL := proxy.url(t, e.url)
 	logs, logger := newConnLogs()
 	rec := &recorder{}
 	h := amqpidem.HandlerFunc(func(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
 		return nil, amqpidem.Stage(ctx, "", next, amqp.Publishing{Body: []byte("after " + string(d.Body))})
 	})
 	startConsumer(t, e, amqpidem.ConsumerConfig{
-		Dial: func() (*amqp.Connection, error) { return amqp.Dial(proxy.url(e.url)) },
+		Dial: func() (*amqp.Connection, error) { return amqp.Dial(proxyURL) },
 		Config: amqpidem.Config{Observer: rec, Logger: logger, MaxAttempts: maxAttempts,
 			UnavailableDelay: 50 * time.Millisecond, DelayInProcess: true},
 	}, h)

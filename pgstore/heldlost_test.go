@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"io"
 	"net"
 	"net/url"
 	"sync"
@@ -16,44 +15,19 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv"
 	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
 	"github.com/amqpidem/amqpidem/lock"
 	"github.com/amqpidem/amqpidem/pgstore"
 )
 
-// commitCutter is a TCP proxy to PostgreSQL that, once armed, loses the
-// server's answer to the next COMMIT: when a CommandComplete "COMMIT"
-// comes from the server (the transaction committed), it forwards nothing
-// of it, runs then (while the client waits), and closes both sides.
+// commitCutter loses, once armed, the server's answer to the next COMMIT
+// on a testenv.Proxy to PostgreSQL: when a CommandComplete "COMMIT" comes
+// from the server (the transaction committed), it forwards nothing of
+// it, runs then (while the client waits), and ends the connection.
 type commitCutter struct {
-	ln     net.Listener
-	target string
-
-	mu    sync.Mutex
-	then  func() // armed when non-nil
-	conns []net.Conn
-	wg    sync.WaitGroup
-}
-
-func newCommitCutter(t *testing.T, target string) *commitCutter {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &commitCutter{ln: ln, target: target}
-	p.wg.Add(1)
-	go p.accept()
-	t.Cleanup(func() {
-		_ = ln.Close()
-		p.mu.Lock()
-		for _, c := range p.conns {
-			_ = c.Close()
-		}
-		p.mu.Unlock()
-		p.wg.Wait()
-	})
-	return p
+	mu   sync.Mutex
+	then func() // armed when non-nil
 }
 
 // arm makes the proxy cut the next COMMIT's answer, running then first.
@@ -63,40 +37,12 @@ func (p *commitCutter) arm(then func()) {
 	p.then = then
 }
 
-func (p *commitCutter) accept() {
-	defer p.wg.Done()
-	for {
-		client, err := p.ln.Accept()
-		if err != nil {
-			return
-		}
-		server, err := net.Dial("tcp", p.target)
-		if err != nil {
-			_ = client.Close()
-			continue
-		}
-		p.mu.Lock()
-		p.conns = append(p.conns, client, server)
-		p.mu.Unlock()
-		p.wg.Add(2)
-		go func() {
-			defer p.wg.Done()
-			_, _ = io.Copy(server, client)
-			_ = server.Close()
-		}()
-		go func() {
-			defer p.wg.Done()
-			defer client.Close()
-			p.serverToClient(server, client)
-		}()
-	}
-}
-
 // commitComplete is a CommandComplete message of a COMMIT: 'C', its
 // length (4 + 7), "COMMIT\x00".
 var commitComplete = []byte("C\x00\x00\x00\x0bCOMMIT\x00")
 
-func (p *commitCutter) serverToClient(server, client net.Conn) {
+// down copies what the server sends to the client until an armed cut.
+func (p *commitCutter) down(server, client net.Conn) {
 	buf := make([]byte, 64<<10)
 	for {
 		n, err := server.Read(buf)
@@ -110,7 +56,6 @@ func (p *commitCutter) serverToClient(server, client net.Conn) {
 			p.mu.Unlock()
 			if cut {
 				then()
-				_ = server.Close()
 				return
 			}
 			if _, werr := client.Write(buf[:n]); werr != nil {
@@ -136,9 +81,9 @@ func TestHeldLeaseCommitAnswerLost(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cut := newCommitCutter(t, u.Host)
-	u.Host = cut.ln.Addr().String()
-	pcfg, err := pgxpool.ParseConfig(u.String())
+	cut := &commitCutter{}
+	proxy := testenv.StartProxy(t, u.Host, nil, cut.down)
+	pcfg, err := pgxpool.ParseConfig(proxy.URL(t, u.String()))
 	if err != nil {
 		t.Fatal(err)
 	}
