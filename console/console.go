@@ -57,6 +57,17 @@ type Config struct {
 	// RelayName names the outbox on pages, e.g. "outbox
 	// public.amqpidem_outbox". Shown as given.
 	RelayName string
+	// LeaseTTL is the lease TTL the consumers use (amqpidem.Config.LeaseTTL,
+	// else their store's lock.Config.LeaseTTL): default
+	// lock.DefaultLeaseTTL, as theirs. A record stores its lease's
+	// deadline, not its last renewal: the console shows TTL minus the
+	// time left as how long ago a lease was renewed, and flags a live
+	// lease not renewed for more than two heartbeat intervals (2/3 of the
+	// TTL: the heartbeat renews every TTL/3) as stalled. Told a TTL longer
+	// than the consumers', it flags stalled leases late or not at all;
+	// shorter, it flags healthy ones; a lease with more left than
+	// LeaseTTL is shown without an age.
+	LeaseTTL time.Duration
 	// Timeout bounds each page's service calls (default 10 s).
 	Timeout time.Duration
 	// Logger gets a line per page that failed (a service down, a panic),
@@ -110,6 +121,12 @@ func New(cfg Config) (*Console, error) {
 	}
 	if cfg.Timeout <= 0 {
 		cfg.Timeout = 10 * time.Second
+	}
+	if cfg.LeaseTTL == 0 {
+		cfg.LeaseTTL = lock.DefaultLeaseTTL
+	}
+	if cfg.LeaseTTL < lock.MinTTL {
+		return nil, fmt.Errorf("console: LeaseTTL %v is below lock.MinTTL %v", cfg.LeaseTTL, lock.MinTTL)
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()

@@ -75,9 +75,10 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 		Counts   []stateCount
 		CountErr string
 		Scan     int
+		LeaseTTL time.Duration
 		// Relay is the outbox's backlog (when Config.Relay is set).
 		Relay *relayStatus
-	}{page: c.page("amqpidem console"), Scan: overviewScan}
+	}{page: c.page("amqpidem console"), Scan: overviewScan, LeaseTTL: c.cfg.LeaseTTL}
 	if c.cfg.Relay != nil {
 		ctx, cancel := context.WithTimeout(r.Context(), c.cfg.Timeout)
 		st := c.relayStatus(ctx, r)
@@ -191,6 +192,7 @@ type recordView struct {
 	lock.Record
 	Lease       string
 	Live        bool
+	Health      leaseHealth
 	ResultBytes int
 	Outbox      []stagedView
 	OutboxErr   string
@@ -232,7 +234,8 @@ func (c *Console) key(w http.ResponseWriter, r *http.Request) {
 		c.problem(w, r, c.recordProblem(r, endpoint, key, skey, err))
 		return
 	}
-	v := recordView{Key: key, Endpoint: endpoint, Record: rec, Lease: operator.LeaseText(rec), Live: rec.Live()}
+	v := recordView{Key: key, Endpoint: endpoint, Record: rec, Lease: operator.LeaseText(rec), Live: rec.Live(),
+		Health: health(rec, c.cfg.LeaseTTL)}
 	if rec.State == lock.StateCompleted {
 		v.ResultBytes = len(amqpidem.StoredResult(rec.Value))
 		msgs, err := amqpidem.StoredOutbox(rec.Value)

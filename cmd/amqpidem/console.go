@@ -19,6 +19,7 @@ import (
 
 	"github.com/amqpidem/amqpidem/console"
 	"github.com/amqpidem/amqpidem/internal/secret"
+	"github.com/amqpidem/amqpidem/lock"
 )
 
 // consoleTokenEnv holds the token the console asks of every request.
@@ -32,6 +33,7 @@ func newConsole(o *options) *cobra.Command {
 	var listen, tokenFile, outboxTable string
 	var readOnly bool
 	var queues []string
+	leaseTTL := lock.DefaultLeaseTTL
 	limit, listScan := 100, 2000
 	c := &cobra.Command{
 		Use:   "console [--listen 127.0.0.1:8080] [--queue Q]... [--read-only]",
@@ -101,7 +103,7 @@ It runs until interrupted (exit code 0).`,
 			logger := slog.New(slog.NewTextHandler(o.stderr, nil))
 			cfg := console.Config{Admin: admin, StoreName: o.storeName(),
 				Dial: o.dial, BrokerName: "RabbitMQ at " + secret.URL(o.amqpURL), SigningKey: signingKey,
-				Queues: queues, DeadLetterLimit: limit, ListScan: listScan, Timeout: o.timeout, Logger: logger}
+				Queues: queues, DeadLetterLimit: limit, ListScan: listScan, LeaseTTL: leaseTTL, Timeout: o.timeout, Logger: logger}
 			if o.pgDSN != "" {
 				ro := &relayOptions{table: outboxTable}
 				ob, pool, err := o.openOutbox(c.Context(), ro)
@@ -128,6 +130,7 @@ It runs until interrupted (exit code 0).`,
 	c.Flags().BoolVar(&readOnly, "read-only", false, "offer no action: change nothing, only show")
 	c.Flags().StringVar(&outboxTable, "outbox-table", "", "pgstore Config.OutboxTable of the relay page, with --postgres (default amqpidem_outbox)")
 	c.Flags().IntVar(&limit, "limit", limit, "read at most this many dead letters per page (at most 1000)")
+	c.Flags().DurationVar(&leaseTTL, "lease-ttl", leaseTTL, "the consumers' lease `TTL` (their Config.LeaseTTL): a lease not renewed for 2/3 of it is shown as a stalled heartbeat")
 	c.Flags().IntVar(&listScan, "list-scan", listScan, "read at most about this many records of the store per records page (at most 100000)")
 	return c
 }
