@@ -78,7 +78,14 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 		LeaseTTL time.Duration
 		// Relay is the outbox's backlog (when Config.Relay is set).
 		Relay *relayStatus
+		// Rates are the charts of Config.Metrics (when it is set).
+		Rates *rates
 	}{page: c.page("amqpidem console"), Scan: overviewScan, LeaseTTL: c.cfg.LeaseTTL}
+	if c.sampler != nil {
+		rt := c.sampler.rates()
+		rt.Source = c.cfg.MetricsName
+		data.Rates = &rt
+	}
 	if c.cfg.Relay != nil {
 		ctx, cancel := context.WithTimeout(r.Context(), c.cfg.Timeout)
 		st := c.relayStatus(ctx, r)

@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"strings"
 	"time"
@@ -20,6 +21,7 @@ import (
 	"github.com/amqpidem/amqpidem/console"
 	"github.com/amqpidem/amqpidem/internal/secret"
 	"github.com/amqpidem/amqpidem/lock"
+	"github.com/amqpidem/amqpidem/promamqpidem"
 )
 
 // consoleTokenEnv holds the token the console asks of every request.
@@ -30,7 +32,8 @@ const minConsoleToken = 16
 
 func newConsole(o *options) *cobra.Command {
 	var f dlqFlags
-	var listen, tokenFile, outboxTable string
+	var listen, tokenFile, outboxTable, metricsURL string
+	metricsInterval := 10 * time.Second
 	var readOnly bool
 	var queues []string
 	leaseTTL := lock.DefaultLeaseTTL
@@ -113,6 +116,14 @@ It runs until interrupted (exit code 0).`,
 				defer pool.Close()
 				cfg.Relay, cfg.RelayName = outboxRelay{ob}, "outbox "+o.outboxTable(ro)
 			}
+			if metricsURL != "" {
+				u, err := url.Parse(metricsURL)
+				if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+					return withCode(exitUsage, "--metrics-url %s: want an http or https URL of a consumer's /metrics", secret.URL(metricsURL))
+				}
+				cfg.Metrics = &promamqpidem.Scraper{URL: metricsURL, Client: &http.Client{Timeout: min(o.timeout, metricsInterval)}}
+				cfg.MetricsName, cfg.MetricsInterval = secret.URL(metricsURL), metricsInterval
+			}
 			if !readOnly {
 				cfg.Actions = &consoleActions{o: o, admin: admin, keyFile: f.keyFile, outboxTable: outboxTable}
 			}
@@ -120,6 +131,7 @@ It runs until interrupted (exit code 0).`,
 			if err != nil {
 				return withCode(exitUsage, "%w", err)
 			}
+			defer h.Close()
 			return serveConsole(c.Context(), o, listen, guard(h, token), token != nil, readOnly)
 		},
 	}
@@ -130,6 +142,8 @@ It runs until interrupted (exit code 0).`,
 	c.Flags().BoolVar(&readOnly, "read-only", false, "offer no action: change nothing, only show")
 	c.Flags().StringVar(&outboxTable, "outbox-table", "", "pgstore Config.OutboxTable of the relay page, with --postgres (default amqpidem_outbox)")
 	c.Flags().IntVar(&limit, "limit", limit, "read at most this many dead letters per page (at most 1000)")
+	c.Flags().StringVar(&metricsURL, "metrics-url", "", "a consumer's Prometheus `URL` (promamqpidem's metrics, e.g. http://127.0.0.1:9090/metrics): the overview charts its rates")
+	c.Flags().DurationVar(&metricsInterval, "metrics-interval", metricsInterval, "how often to read --metrics-url (the charts keep the last 10 minutes)")
 	c.Flags().DurationVar(&leaseTTL, "lease-ttl", leaseTTL, "the consumers' lease `TTL` (their Config.LeaseTTL): a lease not renewed for 2/3 of it is shown as a stalled heartbeat")
 	c.Flags().IntVar(&listScan, "list-scan", listScan, "read at most about this many records of the store per records page (at most 100000)")
 	return c
