@@ -88,6 +88,14 @@ type Config struct {
 	// shorter, it flags healthy ones; a lease with more left than
 	// LeaseTTL is shown without an age.
 	LeaseTTL time.Duration
+	// CountBudget bounds the time the store may take to count the
+	// endpoints' records for the overview when it is a lock.Counter
+	// (default 100 ms, shared by the endpoints of a page load; pgstore's
+	// statement timeout): over it, or with a
+	// store that cannot count (Redis, DynamoDB: only by a full scan), the
+	// overview counts among the first 1000 or so records the store lists
+	// and marks the counts as lower bounds.
+	CountBudget time.Duration
 	// Timeout bounds each page's service calls (default 10 s).
 	Timeout time.Duration
 	// Logger gets a line per page that failed (a service down, a panic),
@@ -144,6 +152,9 @@ func New(cfg Config) (*Console, error) {
 	}
 	if cfg.Timeout <= 0 {
 		cfg.Timeout = 10 * time.Second
+	}
+	if cfg.CountBudget <= 0 {
+		cfg.CountBudget = 100 * time.Millisecond
 	}
 	if cfg.LeaseTTL == 0 {
 		cfg.LeaseTTL = lock.DefaultLeaseTTL

@@ -72,15 +72,16 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 		QueueErr string
 		// Counts are the queues' endpoints' records by state; CountErr
 		// says why there are none.
-		Counts   []stateCount
-		CountErr string
-		Scan     int
-		LeaseTTL time.Duration
+		Counts      []stateCount
+		CountErr    string
+		Scan        int
+		LeaseTTL    time.Duration
+		CountBudget time.Duration
 		// Relay is the outbox's backlog (when Config.Relay is set).
 		Relay *relayStatus
 		// Rates are the charts of Config.Metrics (when it is set).
 		Rates *rates
-	}{page: c.page("amqpidem console"), Scan: overviewScan, LeaseTTL: c.cfg.LeaseTTL}
+	}{page: c.page("amqpidem console"), Scan: overviewScan, LeaseTTL: c.cfg.LeaseTTL, CountBudget: c.cfg.CountBudget}
 	if c.sampler != nil {
 		rt := c.sampler.rates()
 		rt.Source = c.cfg.MetricsName

@@ -192,26 +192,62 @@ func (c *Console) listProblem(r *http.Request, err error, badCursor bool) *probl
 	return c.failed(r, err, c.storeName(), "Check that the store is up and reachable from this console, then reload.")
 }
 
-// stateCount is an endpoint's records counted by state, among at most
+// stateCount is an endpoint's records counted by state: exactly, by a
+// lock.Counter within Config.CountBudget, else among at most
 // overviewScan read.
 type stateCount struct {
 	Endpoint string
-	// Counts by filter; Read is how many records were read, All whether
-	// they were all the endpoint's.
-	// InProgress counts the live leases whose heartbeat did not stall.
+	// Counts by filter; InProgress counts the live leases whose
+	// heartbeat did not stall.
 	Failed, Expired, Stalled, InProgress, Completed, Other int
-	Read                                                   int
-	All                                                    bool
-	Err                                                    string
+	// Exact: counted by the store (Total is every record); else Read is
+	// how many records were read, All whether they were all the
+	// endpoint's (else each count is a lower bound), and CountErr why
+	// the store's count was not used ("" when the store has none).
+	Exact    bool
+	Total    int
+	Read     int
+	All      bool
+	CountErr string
+	Err      string
 }
 
-// counts reads the records of each configured queue's endpoint, at most
-// overviewScan each, and counts them by state.
+// counts counts the records of each configured queue's endpoint by state:
+// with a store that is a lock.Counter, exactly within Config.CountBudget;
+// else, or when that fails, among at most overviewScan records read.
 func (c *Console) counts(ctx context.Context, l lock.Lister) []stateCount {
 	out := make([]stateCount, 0, len(c.cfg.Queues))
+	counter, _ := c.cfg.Admin.(lock.Counter)
+	// The endpoints' counts share the budget: a page load spends at most
+	// CountBudget counting, however many queues it shows.
+	countEnd := time.Now().Add(c.cfg.CountBudget)
 	for _, q := range c.cfg.Queues {
 		sc := stateCount{Endpoint: q}
 		prefix := amqpidem.StoreKey(q, "")
+		left := time.Until(countEnd)
+		if counter != nil && left < time.Millisecond {
+			sc.CountErr = fmt.Sprintf("the %v budget of the store's counts was spent on the endpoints above", c.cfg.CountBudget)
+		}
+		if counter != nil && left >= time.Millisecond {
+			n, err := counter.Count(ctx, lock.CountRequest{Prefix: prefix, Budget: left,
+				LeaseBelow: c.cfg.LeaseTTL - c.cfg.LeaseTTL*stallNum/stallDen})
+			if err == nil {
+				sc.Exact = true
+				sc.Failed, sc.Completed = n.States[lock.StateFailed], n.States[lock.StateCompleted]
+				sc.Expired, sc.Stalled = n.Expired, n.LeaseBelow
+				sc.InProgress = n.States[lock.StateInProgress] - n.Expired - n.LeaseBelow
+				sc.Other = n.States[lock.StateReleased] + n.States[lock.StateCancelled]
+				for _, v := range n.States {
+					sc.Total += v
+				}
+				out = append(out, sc)
+				continue
+			}
+			sc.CountErr = err.Error()
+			if errors.Is(err, lock.ErrCountBudget) {
+				sc.CountErr = fmt.Sprintf("the store's count took more than its %v budget", c.cfg.CountBudget)
+			}
+		}
 		page, err := l.List(ctx, lock.ListRequest{Prefix: prefix, Scan: overviewScan})
 		if err != nil {
 			sc.Err = fmt.Sprintf("%s: %v", c.storeName(), err)

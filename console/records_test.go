@@ -271,3 +271,82 @@ func TestLeaseHealth(t *testing.T) {
 		}
 	}
 }
+
+// counter is a lock.Counter over a MemoryStore: it counts what a full
+// listing gives, or fails with err.
+type counter struct {
+	*lock.MemoryStore
+	err   error
+	calls int
+}
+
+func (c *counter) Count(ctx context.Context, req lock.CountRequest) (lock.Counts, error) {
+	c.calls++
+	if c.err != nil {
+		return lock.Counts{}, c.err
+	}
+	out := lock.Counts{States: map[lock.State]int{}}
+	for cursor := ""; ; {
+		page, err := c.List(ctx, lock.ListRequest{Prefix: req.Prefix, Cursor: cursor, Scan: lock.MaxListScan})
+		if err != nil {
+			return lock.Counts{}, err
+		}
+		for _, r := range page.Records {
+			out.States[r.State]++
+			switch {
+			case r.State == lock.StateInProgress && !r.Live():
+				out.Expired++
+			case r.Live() && r.LeaseLeft < req.LeaseBelow:
+				out.LeaseBelow++
+			}
+		}
+		if cursor = page.Next; cursor == "" {
+			return out, nil
+		}
+	}
+}
+
+// TestConsoleOverviewExactOrAtLeast: the overview shows a Counter's
+// counts as exact; when the count fails over its budget, or the store
+// cannot count, it counts among a page, exact when the page held every
+// record and "at least" when it did not.
+func TestConsoleOverviewExactOrAtLeast(t *testing.T) {
+	small, err := lock.NewMemoryStore(lock.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fill(t, small, "payments", 12, 4, 2, 1, 3)
+	big, err := lock.NewMemoryStore(lock.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fill(t, big, "shipments", 1100, 0, 0, 0, 0) // more than a page of 1000
+	overview := func(admin lock.Admin, queue string) string {
+		return get(t, serve(t, nil, console.Config{Admin: admin, Queues: []string{queue}, LeaseTTL: leaseTTL}), "/", http.StatusOK)
+	}
+	page := overview(&counter{MemoryStore: small}, "payments")
+	mustContain(t, "exact", page, "exact: 22 records",
+		`<a class="count stalled" href="records?endpoint=payments&amp;state=stalled">1</a>`,
+		`<a class="count expired" href="records?endpoint=payments&amp;state=expired">3</a>`,
+		`<a href="records?endpoint=payments&amp;state=in_progress">2</a>`)
+	page = overview(&counter{MemoryStore: big}, "shipments")
+	mustContain(t, "exact", page, "exact: 1100 records", `<a href="records?endpoint=shipments&amp;state=completed">1100</a>`)
+	if strings.Contains(page, "at least <a") {
+		t.Fatalf("exact counts marked at least:\n%s", page)
+	}
+	over := fmt.Errorf("count: %w", lock.ErrCountBudget)
+	page = overview(&counter{MemoryStore: small, err: over}, "payments")
+	mustContain(t, "over budget, one page", page, "the store&#39;s count took more than its 100ms budget", "exact: all 22 records read")
+	if strings.Contains(page, "at least <a") {
+		t.Fatalf("the counts of a page holding every record marked at least:\n%s", page)
+	}
+	page = overview(&counter{MemoryStore: big, err: over}, "shipments")
+	mustContain(t, "over budget, more than a page", page, "took more than its 100ms budget",
+		"among the first 1000 records read (more not read)",
+		`at least <a href="records?endpoint=shipments&amp;state=completed">1000</a>`)
+	page = overview(big, "shipments") // no Counter
+	mustContain(t, "no counter", page, `at least <a href="records?endpoint=shipments&amp;state=completed">1000</a>`)
+	if strings.Contains(page, "took more than") {
+		t.Fatalf("a store without a count said to be over budget:\n%s", page)
+	}
+}
