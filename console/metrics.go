@@ -197,9 +197,11 @@ type rates struct {
 	// Queues are the charts, once two samples were read.
 	Queues []queueRates
 	// Samples is how many are held; Interval and Window those of the
-	// Config; Err the last read's failure, ErrAt its time.
-	Samples          int
-	Interval, Window time.Duration
+	// Config (Window as the ring holds it); Span the time from the
+	// oldest sample held to the last, which the charts' x axis spans;
+	// Err the last read's failure, ErrAt its time.
+	Samples                int
+	Interval, Window, Span time.Duration
 	Err              string
 	ErrAt            time.Time
 	Dropped          int
@@ -222,8 +224,9 @@ func (s *sampler) rates() rates {
 		queues = append(queues, q)
 	}
 	slices.Sort(queues)
-	end := last.at
-	begin := end.Add(-out.Window)
+	first := s.ring[s.start]
+	out.Span = last.at.Sub(first.at)
+	begin := first.at
 	for _, q := range queues {
 		qr := queueRates{Queue: q}
 		for k := range rateKinds {
@@ -254,7 +257,10 @@ func (s *sampler) rates() rates {
 				}
 				var b strings.Builder
 				for i, p := range pts {
-					x := float64(chartW) * p.at.Sub(begin).Seconds() / out.Window.Seconds()
+					x := float64(chartW)
+					if out.Span > 0 {
+						x = float64(chartW) * p.at.Sub(begin).Seconds() / out.Span.Seconds()
+					}
 					y := float64(chartH - 1)
 					if peak > 0 {
 						y = float64(chartH-1) - float64(chartH-2)*p.rate/peak

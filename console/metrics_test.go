@@ -31,7 +31,8 @@ func TestRates(t *testing.T) {
 	got := Rates(t, nil, 5, at, counts)
 	want := []string{
 		// processed: 15/s, 20/s, then a restart: 11 over 2 s.
-		// x: 160 units over the 4 s window; y: 35 (0) up to 1 (peak).
+		// x: 160 units over the 4 s the samples span; y: 35 (0) up to 1
+	// (peak).
 		"payments processed 5.50/s 20.0/s 40.0,9.5 80.0,1.0 160.0,25.6",
 		"payments completed 2.00/s 20.0/s 40.0,18.0 80.0,1.0 160.0,31.6",
 		"payments duplicates 0/s 2.00/s 40.0,1.0 80.0,35.0 160.0,35.0",
@@ -40,6 +41,10 @@ func TestRates(t *testing.T) {
 	}
 	if strings.Join(got, "\n") != strings.Join(want, "\n") {
 		t.Fatalf("rates:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+	// A ring not yet full draws over the time it holds: the same.
+	if got := Rates(t, nil, 100, at, counts); strings.Join(got, "\n") != strings.Join(want, "\n") {
+		t.Fatalf("rates of a ring of 100:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
 	}
 	// A ring of 3 keeps the last 3 samples: 2 rates.
 	got = Rates(t, []string{"payments", "orders"}, 3, at, counts)

@@ -178,7 +178,7 @@ func TestBrowserRecordsAndRelay(t *testing.T) {
 
 	// The rates need two reads of the consumer's metrics, and the
 	// consumer's deliveries between them: reload until the completed
-	// rate is above 0.
+	// rate is above 0 and the charts hold 8 rates (4 s).
 	deadline := time.Now().Add(60 * time.Second)
 	for {
 		do(chromedp.Navigate(base), chromedp.WaitVisible(`table.counts`))
@@ -186,7 +186,11 @@ func TestBrowserRecordsAndRelay(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if rate != "" && rate != "0/s" {
+		points, err := chromedp.Run(ctx, chromedp.Evaluate[int](`(document.querySelector("svg.spark polyline") || {points: {numberOfItems: 0}}).points.numberOfItems`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if rate != "" && rate != "0/s" && points >= 8 {
 			break
 		}
 		if time.Now().After(deadline) {
