@@ -202,9 +202,9 @@ type rates struct {
 	// Err the last read's failure, ErrAt its time.
 	Samples                int
 	Interval, Window, Span time.Duration
-	Err              string
-	ErrAt            time.Time
-	Dropped          int
+	Err                    string
+	ErrAt                  time.Time
+	Dropped                int
 }
 
 // rates draws the charts from the ring.

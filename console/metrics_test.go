@@ -32,7 +32,7 @@ func TestRates(t *testing.T) {
 	want := []string{
 		// processed: 15/s, 20/s, then a restart: 11 over 2 s.
 		// x: 160 units over the 4 s the samples span; y: 35 (0) up to 1
-	// (peak).
+		// (peak).
 		"payments processed 5.50/s 20.0/s 40.0,9.5 80.0,1.0 160.0,25.6",
 		"payments completed 2.00/s 20.0/s 40.0,18.0 80.0,1.0 160.0,31.6",
 		"payments duplicates 0/s 2.00/s 40.0,1.0 80.0,35.0 160.0,35.0",

@@ -43,8 +43,11 @@ func newConsole(o *options) *cobra.Command {
 		Short: "Serve a web console of records, dead letters and the relay (forget, replay, redrive after confirmation)",
 		Long: `console serves a web console on --listen: an overview of the --queue
 queues with the depth of their dead-letter queues and their records
-counted by state, an endpoint's records by state page by page (failed,
-stalled leases, ...), the record of a key (as inspect shows it), with
+counted by state (exactly with --postgres when the count fits in 100 ms,
+else among a first page, marked "at least"), with --metrics-url charts of
+a consumer's delivery rates read from its Prometheus metrics, an
+endpoint's records by state page by page (failed, expired leases, leases
+whose heartbeat stalled under --lease-ttl, ...), the record of a key (as inspect shows it), with
 --postgres the producer outbox's pending and dead rows (as relay status
 and relay list read them), and the dead letters of a queue (as dlq list reads them:
 without consuming them; on a quorum dead-letter queue with a delivery

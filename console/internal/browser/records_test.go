@@ -21,8 +21,8 @@ import (
 	"github.com/amqpidem/amqpidem/amqpidem"
 	"github.com/amqpidem/amqpidem/internal/testenv"
 	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
-	"github.com/amqpidem/amqpidem/lock"
 	"github.com/amqpidem/amqpidem/internal/testrun"
+	"github.com/amqpidem/amqpidem/lock"
 	"github.com/amqpidem/amqpidem/pgstore"
 	"github.com/amqpidem/amqpidem/promamqpidem"
 )
