@@ -84,9 +84,10 @@ type Config struct {
 	// time left as how long ago a lease was renewed, and flags a live
 	// lease not renewed for more than two heartbeat intervals (2/3 of the
 	// TTL: the heartbeat renews every TTL/3) as stalled. Told a TTL longer
-	// than the consumers', it flags stalled leases late or not at all;
-	// shorter, it flags healthy ones; a lease with more left than
-	// LeaseTTL is shown without an age.
+	// than the consumers', it flags healthy leases (each looks renewed at
+	// least the difference ago); shorter, it flags stalls late (when less
+	// than a third of the shorter TTL is left), and a lease with more left
+	// than LeaseTTL is shown without an age.
 	LeaseTTL time.Duration
 	// CountBudget bounds the time the store may take to count the
 	// endpoints' records for the overview when it is a lock.Counter

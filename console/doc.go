@@ -80,8 +80,9 @@
 // console is told the consumers' lease TTL (Config.LeaseTTL, default
 // lock.DefaultLeaseTTL) and shows TTL minus the time left as how long ago
 // a lease was renewed; more than 2/3 of the TTL (two heartbeat intervals:
-// package heartbeat renews every TTL/3) is a stalled heartbeat. Told the
-// wrong TTL, it flags stalls late (longer) or healthy leases (shorter).
+// package heartbeat renews every TTL/3) is a stalled heartbeat. Told a
+// TTL longer than the consumers', it flags healthy leases; shorter, it
+// flags stalls late.
 //
 // Rates: Config.Metrics (promamqpidem's Metrics or Scraper; the console
 // imports neither) is read by one goroutine of the Console every

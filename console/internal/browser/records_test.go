@@ -297,8 +297,11 @@ func runConsumer(t *testing.T, store lock.Store, queue string) string {
 	reg.MustRegister(m)
 	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	t.Cleanup(srv.Close)
+	// Its leases last 3m, the --lease-ttl the console is told: with the
+	// default 30 s, the console would take them for leases renewed 2.5
+	// minutes ago, stalled.
 	c, err := amqpidem.NewConsumer(store, amqpidem.ConsumerConfig{URL: url, Config: amqpidem.Config{Queue: queue,
-		Logger: slog.New(slog.DiscardHandler), SigningKey: []byte(signingKey), Observer: m}},
+		Logger: slog.New(slog.DiscardHandler), SigningKey: []byte(signingKey), Observer: m, LeaseTTL: 3 * time.Minute}},
 		amqpidem.HandlerFunc(func(_ context.Context, d *amqp.Delivery) ([]byte, error) {
 			if strings.HasPrefix(d.MessageId, "bad-") {
 				return nil, amqpidem.Permanent(errors.New("card declined"))
