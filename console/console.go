@@ -57,6 +57,46 @@ type Config struct {
 	// RelayName names the outbox on pages, e.g. "outbox
 	// public.amqpidem_outbox". Shown as given.
 	RelayName string
+	// Metrics reads the consumers' delivery counters: with it, the
+	// overview charts each queue's rates (processed, completed,
+	// duplicates, requeued, dead-lettered per second) over the last
+	// MetricsWindow. A *promamqpidem.Metrics (the consumer's own, when
+	// the console runs in its process) or a *promamqpidem.Scraper (a
+	// consumer's /metrics URL) is one. New starts a goroutine that reads
+	// it every MetricsInterval; Close stops it. Nil: no charts.
+	Metrics Metrics
+	// MetricsName names the metrics' source on the overview, e.g.
+	// "http://127.0.0.1:9090/metrics". Shown as given.
+	MetricsName string
+	// MetricsInterval is how often Metrics is read (default 10 s, at
+	// least 100 ms); each read is bounded by Timeout and by the
+	// interval.
+	MetricsInterval time.Duration
+	// MetricsWindow is how far back the charts go (default 10 minutes):
+	// the console keeps MetricsWindow/MetricsInterval+1 samples, at most
+	// 1000, each a few numbers per queue (of Queues; without Queues, of
+	// the first 20 queues the metrics name).
+	MetricsWindow time.Duration
+	// LeaseTTL is the lease TTL the consumers use (amqpidem.Config.LeaseTTL,
+	// else their store's lock.Config.LeaseTTL): default
+	// lock.DefaultLeaseTTL, as theirs. A record stores its lease's
+	// deadline, not its last renewal: the console shows TTL minus the
+	// time left as how long ago a lease was renewed, and flags a live
+	// lease not renewed for more than two heartbeat intervals (2/3 of the
+	// TTL: the heartbeat renews every TTL/3) as stalled. Told a TTL longer
+	// than the consumers', it flags healthy leases (each looks renewed at
+	// least the difference ago); shorter, it flags stalls late (when less
+	// than a third of the shorter TTL is left), and a lease with more left
+	// than LeaseTTL is shown without an age.
+	LeaseTTL time.Duration
+	// CountBudget bounds the time the store may take to count the
+	// endpoints' records for the overview when it is a lock.Counter
+	// (default 100 ms, shared by the endpoints of a page load; pgstore's
+	// statement timeout): over it, or with a
+	// store that cannot count (Redis, DynamoDB: only by a full scan), the
+	// overview counts among the first 1000 or so records the store lists
+	// and marks the counts as lower bounds.
+	CountBudget time.Duration
 	// Timeout bounds each page's service calls (default 10 s).
 	Timeout time.Duration
 	// Logger gets a line per page that failed (a service down, a panic),
@@ -79,7 +119,7 @@ const maxListScan = 100000
 //go:embed assets
 var assets embed.FS
 
-// Console is the console's http.Handler.
+// Console is the console's http.Handler. It is safe for concurrent use.
 type Console struct {
 	cfg   Config
 	pages *template.Template
@@ -91,10 +131,13 @@ type Console struct {
 	// refuses cross-origin POSTs.
 	csrfKey [32]byte
 	origins *http.CrossOriginProtection
+	// sampler reads Config.Metrics; nil without.
+	sampler *sampler
 }
 
 // New returns the console for cfg. Mount it behind authentication: it has
-// none of its own.
+// none of its own. With Config.Metrics it starts reading the metrics;
+// Close stops that.
 func New(cfg Config) (*Console, error) {
 	if cfg.DeadLetterLimit <= 0 {
 		cfg.DeadLetterLimit = 100
@@ -111,11 +154,32 @@ func New(cfg Config) (*Console, error) {
 	if cfg.Timeout <= 0 {
 		cfg.Timeout = 10 * time.Second
 	}
+	if cfg.CountBudget <= 0 {
+		cfg.CountBudget = 100 * time.Millisecond
+	}
+	if cfg.LeaseTTL == 0 {
+		cfg.LeaseTTL = lock.DefaultLeaseTTL
+	}
+	if cfg.LeaseTTL < lock.MinTTL {
+		return nil, fmt.Errorf("console: LeaseTTL %v is below lock.MinTTL %v", cfg.LeaseTTL, lock.MinTTL)
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
 	if cfg.Commands == "" {
 		cfg.Commands = "amqpidem"
+	}
+	if cfg.MetricsInterval == 0 {
+		cfg.MetricsInterval = defaultMetricsInterval
+	}
+	if cfg.MetricsWindow == 0 {
+		cfg.MetricsWindow = defaultMetricsWindow
+	}
+	if cfg.MetricsInterval < 100*time.Millisecond {
+		return nil, fmt.Errorf("console: MetricsInterval %v is below 100ms", cfg.MetricsInterval)
+	}
+	if cfg.MetricsWindow < cfg.MetricsInterval {
+		return nil, fmt.Errorf("console: MetricsWindow %v is shorter than MetricsInterval %v", cfg.MetricsWindow, cfg.MetricsInterval)
 	}
 	pages, err := template.New("").Funcs(funcs).ParseFS(assets, "assets/*.html")
 	if err != nil {
@@ -136,7 +200,22 @@ func New(cfg Config) (*Console, error) {
 	c.mux.HandleFunc("GET /redrive", c.redriveForm)
 	c.mux.HandleFunc("POST /redrive", c.redrive)
 	c.mux.HandleFunc("GET /style.css", c.style)
+	if cfg.Metrics != nil {
+		c.sampler = newSampler(cfg.Metrics, cfg.Queues, cfg.MetricsInterval, cfg.MetricsWindow, cfg.Timeout)
+		go c.sampler.run()
+	}
 	return c, nil
+}
+
+// Close stops the goroutine that reads Config.Metrics, and waits for it
+// (a read in flight is cancelled). The console still serves pages, without
+// new samples. Close is idempotent, and does nothing without
+// Config.Metrics; a Console with Metrics must be closed.
+func (c *Console) Close() error {
+	if c.sampler != nil {
+		c.sampler.close()
+	}
+	return nil
 }
 
 // ServeHTTP serves the console's pages. Every response forbids scripts,

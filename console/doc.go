@@ -6,11 +6,15 @@
 //
 //   - the overview (/): the configured queues with the depth of their
 //     dead-letter queues, their endpoints' records counted by state
-//     (failed, stalled: in progress with an expired lease, in progress,
-//     completed) among the first 1000 or so the store lists, and forms to
-//     look up a key, an endpoint's records or a queue;
+//     (failed, expired: in progress with an expired lease, stalled: a
+//     live lease whose heartbeat stalled, in progress, completed), exactly
+//     when the store is a lock.Counter that counts within
+//     Config.CountBudget, else among the first 1000 or so the store lists
+//     (marked "at least" unless those were all); with Config.Metrics,
+//     small charts of each queue's delivery rates over the last minutes;
+//     and forms to look up a key, an endpoint's records or a queue;
 //   - an endpoint's records (/records?endpoint=E[&state=S][&cursor=C]),
-//     by state, stalled or unpublished (completed with staged messages
+//     by state, expired, stalled or unpublished (completed with staged messages
 //     pending or returned), page by page with lock.Lister: a page reads at
 //     most about Config.ListScan records of the store and shows about 50,
 //     linking to the next page, which goes on where it stopped (never a
@@ -72,13 +76,27 @@
 //     password ("amqpidem console"'s do not). The console itself names no
 //     URL or DSN.
 //
+// Leases: a record keeps its lease's deadline, not its last renewal. The
+// console is told the consumers' lease TTL (Config.LeaseTTL, default
+// lock.DefaultLeaseTTL) and shows TTL minus the time left as how long ago
+// a lease was renewed; more than 2/3 of the TTL (two heartbeat intervals:
+// package heartbeat renews every TTL/3) is a stalled heartbeat. Told a
+// TTL longer than the consumers', it flags healthy leases; shorter, it
+// flags stalls late.
+//
+// Rates: Config.Metrics (promamqpidem's Metrics or Scraper; the console
+// imports neither) is read by one goroutine of the Console every
+// Config.MetricsInterval into a ring of at most 1000 samples; Close stops
+// it. Without Metrics, New starts no goroutine.
+//
 // Limits: the console has no authentication of its own; mount it behind
 // the admin server's (the CSRF token protects a signed-in operator from
 // other sites, not the console from anyone who can reach it). It reads one dead-letter queue at a time (page loads
 // wait their turn, so that two never split a queue's messages between
-// them) and at most Config.DeadLetterLimit of its messages per page. Its
-// counts by state are of the records one page reads, not of the store (a
-// count of every record would be a full scan). A store whose Admin is no
+// them) and at most Config.DeadLetterLimit of its messages per page. On a
+// store that cannot count within the budget (Redis, DynamoDB: a count
+// would be a full scan) its counts by state are of the records one page
+// reads, and say so. A store whose Admin is no
 // lock.Lister has no records pages: its keys are looked up by name.
 //
 // Mounted under a path, strip it: links are relative, so

@@ -72,12 +72,21 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 		QueueErr string
 		// Counts are the queues' endpoints' records by state; CountErr
 		// says why there are none.
-		Counts   []stateCount
-		CountErr string
-		Scan     int
+		Counts      []stateCount
+		CountErr    string
+		Scan        int
+		LeaseTTL    time.Duration
+		CountBudget time.Duration
 		// Relay is the outbox's backlog (when Config.Relay is set).
 		Relay *relayStatus
-	}{page: c.page("amqpidem console"), Scan: overviewScan}
+		// Rates are the charts of Config.Metrics (when it is set).
+		Rates *rates
+	}{page: c.page("amqpidem console"), Scan: overviewScan, LeaseTTL: c.cfg.LeaseTTL, CountBudget: c.cfg.CountBudget}
+	if c.sampler != nil {
+		rt := c.sampler.rates()
+		rt.Source = c.cfg.MetricsName
+		data.Rates = &rt
+	}
 	if c.cfg.Relay != nil {
 		ctx, cancel := context.WithTimeout(r.Context(), c.cfg.Timeout)
 		st := c.relayStatus(ctx, r)
@@ -191,6 +200,7 @@ type recordView struct {
 	lock.Record
 	Lease       string
 	Live        bool
+	Health      leaseHealth
 	ResultBytes int
 	Outbox      []stagedView
 	OutboxErr   string
@@ -232,7 +242,8 @@ func (c *Console) key(w http.ResponseWriter, r *http.Request) {
 		c.problem(w, r, c.recordProblem(r, endpoint, key, skey, err))
 		return
 	}
-	v := recordView{Key: key, Endpoint: endpoint, Record: rec, Lease: operator.LeaseText(rec), Live: rec.Live()}
+	v := recordView{Key: key, Endpoint: endpoint, Record: rec, Lease: operator.LeaseText(rec), Live: rec.Live(),
+		Health: health(rec, c.cfg.LeaseTTL)}
 	if rec.State == lock.StateCompleted {
 		v.ResultBytes = len(amqpidem.StoredResult(rec.Value))
 		msgs, err := amqpidem.StoredOutbox(rec.Value)

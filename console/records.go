@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
+	"time"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
 	"github.com/amqpidem/amqpidem/internal/operator"
@@ -27,17 +28,20 @@ const (
 )
 
 // filters are the records pages' state filters: a lock.State, or
-// "stalled" (in progress with an expired lease: its consumer died or
-// stopped renewing it, and the next delivery takes it over).
-var filters = []string{string(lock.StateFailed), stalled, unpublished, string(lock.StateInProgress), string(lock.StateCompleted),
+// "expired" (in progress with an expired lease: its consumer died or
+// stopped renewing it, and the next delivery takes it over), "stalled"
+// (in progress with a live lease whose heartbeat stalled: see
+// leaseHealth) or "unpublished".
+var filters = []string{string(lock.StateFailed), expired, stalled, unpublished, string(lock.StateInProgress), string(lock.StateCompleted),
 	string(lock.StateReleased), string(lock.StateCancelled)}
 
-// stalled is the records pages' filter of expired leases; unpublished
-// that of completed records with staged messages (amqpidem.Stage) not
-// published: pending (the next delivery of the message publishes them)
-// or returned by the broker ("amqpidem outbox redrive" publishes them
-// again).
+// expired and stalled are the records pages' filters of expired leases
+// and of live leases whose heartbeat stalled; unpublished that of
+// completed records with staged messages (amqpidem.Stage) not published:
+// pending (the next delivery of the message publishes them) or returned
+// by the broker ("amqpidem outbox redrive" publishes them again).
 const (
+	expired     = "expired"
 	stalled     = "stalled"
 	unpublished = "unpublished"
 )
@@ -51,8 +55,8 @@ type listed struct {
 	Key, Endpoint string
 	lock.Record
 	Lease string
-	// Stalled: in progress with its lease expired.
-	Stalled bool
+	// Health is its lease's age and health under Config.LeaseTTL.
+	Health leaseHealth
 	// Staged says how many staged messages are in each state, for the
 	// unpublished filter ("" otherwise).
 	Staged string
@@ -91,13 +95,13 @@ func (c *Console) records(w http.ResponseWriter, r *http.Request) {
 	state := lock.State(filter)
 	budget := c.cfg.ListScan
 	switch {
-	case filter == stalled:
+	case filter == stalled || filter == expired:
 		state = lock.StateInProgress
 	case filter == unpublished:
 		state, budget = lock.StateCompleted, min(budget, valuesScan)
 	case filter != "" && state.Letter() == 0:
 		c.problem(w, r, &problem{Status: http.StatusBadRequest, Title: "No such state",
-			What: fmt.Sprintf("state %q is none of failed, stalled, unpublished, in_progress, completed, released, cancelled.", filter),
+			What: fmt.Sprintf("state %q is none of failed, expired, stalled, unpublished, in_progress, completed, released, cancelled.", filter),
 			Do:   "Pick a state from the records page's links, or leave state out for every state.", Overview: true})
 		return
 	}
@@ -135,8 +139,8 @@ func (c *Console) records(w http.ResponseWriter, r *http.Request) {
 		scanned += page.Scanned
 		for _, rec := range page.Records {
 			v := listed{Key: rec.Key[len(prefix):], Endpoint: endpoint, Record: rec, Lease: operator.LeaseText(rec),
-				Stalled: rec.State == lock.StateInProgress && !rec.Live()}
-			if filter == stalled && !v.Stalled {
+				Health: health(rec, c.cfg.LeaseTTL)}
+			if (filter == stalled && !v.Health.Stalled) || (filter == expired && !v.Health.Expired) {
 				continue
 			}
 			if filter == unpublished {
@@ -161,8 +165,9 @@ func (c *Console) records(w http.ResponseWriter, r *http.Request) {
 		Records          []listed
 		Scanned, Budget  int
 		Next, First      string
+		LeaseTTL         time.Duration
 	}{page: c.page("records of " + operator.Escape(endpoint)), Endpoint: endpoint, Filter: filter, Filters: filters,
-		Records: shown, Scanned: scanned, Budget: budget}
+		Records: shown, Scanned: scanned, Budget: budget, LeaseTTL: c.cfg.LeaseTTL}
 	if req.Cursor != "" {
 		data.Next = "records?" + url.Values{"endpoint": {endpoint}, "state": {filter}, "cursor": {req.Cursor}}.Encode()
 	}
@@ -187,25 +192,62 @@ func (c *Console) listProblem(r *http.Request, err error, badCursor bool) *probl
 	return c.failed(r, err, c.storeName(), "Check that the store is up and reachable from this console, then reload.")
 }
 
-// stateCount is an endpoint's records counted by state, among at most
+// stateCount is an endpoint's records counted by state: exactly, by a
+// lock.Counter within Config.CountBudget, else among at most
 // overviewScan read.
 type stateCount struct {
 	Endpoint string
-	// Counts by filter; Read is how many records were read, All whether
-	// they were all the endpoint's.
-	Failed, Stalled, InProgress, Completed, Other int
-	Read                                          int
-	All                                           bool
-	Err                                           string
+	// Counts by filter; InProgress counts the live leases whose
+	// heartbeat did not stall.
+	Failed, Expired, Stalled, InProgress, Completed, Other int
+	// Exact: counted by the store (Total is every record); else Read is
+	// how many records were read, All whether they were all the
+	// endpoint's (else each count is a lower bound), and CountErr why
+	// the store's count was not used ("" when the store has none).
+	Exact    bool
+	Total    int
+	Read     int
+	All      bool
+	CountErr string
+	Err      string
 }
 
-// counts reads the records of each configured queue's endpoint, at most
-// overviewScan each, and counts them by state.
+// counts counts the records of each configured queue's endpoint by state:
+// with a store that is a lock.Counter, exactly within Config.CountBudget;
+// else, or when that fails, among at most overviewScan records read.
 func (c *Console) counts(ctx context.Context, l lock.Lister) []stateCount {
 	out := make([]stateCount, 0, len(c.cfg.Queues))
+	counter, _ := c.cfg.Admin.(lock.Counter)
+	// The endpoints' counts share the budget: a page load spends at most
+	// CountBudget counting, however many queues it shows.
+	countEnd := time.Now().Add(c.cfg.CountBudget)
 	for _, q := range c.cfg.Queues {
 		sc := stateCount{Endpoint: q}
 		prefix := amqpidem.StoreKey(q, "")
+		left := time.Until(countEnd)
+		if counter != nil && left < time.Millisecond {
+			sc.CountErr = fmt.Sprintf("the %v budget of the store's counts was spent on the endpoints above", c.cfg.CountBudget)
+		}
+		if counter != nil && left >= time.Millisecond {
+			n, err := counter.Count(ctx, lock.CountRequest{Prefix: prefix, Budget: left,
+				LeaseBelow: c.cfg.LeaseTTL - c.cfg.LeaseTTL*stallNum/stallDen})
+			if err == nil {
+				sc.Exact = true
+				sc.Failed, sc.Completed = n.States[lock.StateFailed], n.States[lock.StateCompleted]
+				sc.Expired, sc.Stalled = n.Expired, n.LeaseBelow
+				sc.InProgress = n.States[lock.StateInProgress] - n.Expired - n.LeaseBelow
+				sc.Other = n.States[lock.StateReleased] + n.States[lock.StateCancelled]
+				for _, v := range n.States {
+					sc.Total += v
+				}
+				out = append(out, sc)
+				continue
+			}
+			sc.CountErr = err.Error()
+			if errors.Is(err, lock.ErrCountBudget) {
+				sc.CountErr = fmt.Sprintf("the store's count took more than its %v budget", c.cfg.CountBudget)
+			}
+		}
 		page, err := l.List(ctx, lock.ListRequest{Prefix: prefix, Scan: overviewScan})
 		if err != nil {
 			sc.Err = fmt.Sprintf("%s: %v", c.storeName(), err)
@@ -214,10 +256,13 @@ func (c *Console) counts(ctx context.Context, l lock.Lister) []stateCount {
 		}
 		sc.Read, sc.All = page.Scanned, page.Next == ""
 		for _, rec := range page.Records {
+			h := health(rec, c.cfg.LeaseTTL)
 			switch {
 			case rec.State == lock.StateFailed:
 				sc.Failed++
-			case rec.State == lock.StateInProgress && !rec.Live():
+			case h.Expired:
+				sc.Expired++
+			case h.Stalled:
 				sc.Stalled++
 			case rec.State == lock.StateInProgress:
 				sc.InProgress++

@@ -23,11 +23,20 @@ import (
 // records is what fill made in a store, by key.
 type records map[string]lock.State
 
+// leaseTTL is the lease TTL the records tests tell the console. fill's
+// live leases are taken with it; its stalled ones with a third of it: a
+// lease with TTL/3 left under a TTL of leaseTTL is what a lease last
+// renewed 2/3 of the TTL ago looks like (the store keeps the deadline
+// alone), which the console calls a stalled heartbeat.
+const leaseTTL = 3 * time.Minute
+
 // fill makes, for endpoint in s, completed records, failed ones (the
-// first with the hostile key), live leases and stalled ones (leases left
-// to expire), n of each kind as given; it returns their states, stalled
-// ones as "stalled".
-func fill(t *testing.T, s lock.Store, endpoint string, completed, failed, live, stale int) records {
+// first with the hostile key), live leases, stalled ones (live leases
+// that look renewed longer than two heartbeat intervals ago under
+// leaseTTL) and expired ones (leases left to expire), n of each kind as
+// given; it returns their states, stalled ones as "stalled" and expired
+// ones as "expired".
+func fill(t *testing.T, s lock.Store, endpoint string, completed, failed, live, stalled, stale int) records {
 	t.Helper()
 	ctx := context.Background()
 	out := records{}
@@ -57,15 +66,20 @@ func fill(t *testing.T, s lock.Store, endpoint string, completed, failed, live, 
 	}
 	for i := range live {
 		k := fmt.Sprintf("running-%03d", i)
-		take(k, time.Minute)
+		take(k, leaseTTL)
 		out[k] = lock.StateInProgress
 	}
-	for i := range stale {
+	for i := range stalled {
 		k := fmt.Sprintf("stalled-%03d", i)
-		take(k, 20*time.Millisecond)
+		take(k, leaseTTL/3)
 		out[k] = "stalled"
 	}
-	time.Sleep(50 * time.Millisecond) // the stalled leases expire
+	for i := range stale {
+		k := fmt.Sprintf("expired-%03d", i)
+		take(k, 20*time.Millisecond)
+		out[k] = "expired"
+	}
+	time.Sleep(50 * time.Millisecond) // the expired leases expire
 	return out
 }
 
@@ -114,28 +128,29 @@ func unquery(s string) (string, error) { return url.QueryUnescape(html.UnescapeS
 
 // TestConsoleRecords: the records pages of an endpoint, on Redis, list
 // each record of the state asked once over their pages, each page reading
-// at most about Config.ListScan records, the hostile key escaped; stalled
-// ones are the expired leases.
+// at most about Config.ListScan records, the hostile key escaped; expired
+// ones are the expired leases, stalled ones the live leases renewed more
+// than two heartbeat intervals ago.
 func TestConsoleRecords(t *testing.T) {
 	endpoint := testenv.Name(t)
 	store, err := lock.NewRedisStore(testenv.RedisClient(t), lock.Config{Prefix: "console-" + endpoint})
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := fill(t, store, endpoint, 90, 7, 2, 3)
-	fill(t, store, endpoint+"-other", 10, 3, 0, 0) // another endpoint's: never shown
-	srv := serve(t, nil, console.Config{Admin: store, ListScan: 40})
+	want := fill(t, store, endpoint, 90, 7, 2, 2, 3)
+	fill(t, store, endpoint+"-other", 10, 3, 0, 0, 0) // another endpoint's: never shown
+	srv := serve(t, nil, console.Config{Admin: store, ListScan: 40, LeaseTTL: leaseTTL})
 	var all strings.Builder // every page read
 	getter := func(path string) string {
 		p := get(t, srv, path, http.StatusOK)
 		all.WriteString(p)
 		return p
 	}
-	for _, filter := range []string{"failed", "stalled", "in_progress", "completed", ""} {
+	for _, filter := range []string{"failed", "expired", "stalled", "in_progress", "completed", ""} {
 		seen := listPages(t, getter, "/records?endpoint="+endpoint+"&state="+filter, 40)
 		n := 0
 		for k, st := range want {
-			match := filter == "" || string(st) == filter || (filter == "in_progress" && st == "stalled")
+			match := filter == "" || string(st) == filter || (filter == "in_progress" && (st == "stalled" || st == "expired"))
 			if !match {
 				if seen[k] != 0 {
 					t.Fatalf("state %q: %q (%s) shown", filter, k, st)
@@ -153,32 +168,44 @@ func TestConsoleRecords(t *testing.T) {
 	}
 	// The hostile key was listed once (above), on a page without it raw
 	// (noRaw), and errors are escaped.
-	mustContain(t, "records pages", all.String(), "card declined &lt;b&gt;\\x1b[31m", "(lease expired)")
+	mustContain(t, "records pages", all.String(), "card declined &lt;b&gt;\\x1b[31m", "(lease expired)", "(heartbeat stalled)")
 }
 
 // TestConsoleOverviewCounts: the overview counts each queue's records by
-// state, each count linking to its records.
+// state, expired and stalled leases apart, each count linking to its
+// records; the stalled and expired pages show how long ago each lease was
+// renewed.
 func TestConsoleOverviewCounts(t *testing.T) {
 	store, err := lock.NewMemoryStore(lock.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	fill(t, store, "payments", 12, 4, 2, 3)
-	fill(t, store, "orders", 5, 1, 0, 0)
-	srv := serve(t, nil, console.Config{Admin: store, Queues: []string{"payments", "orders"}})
+	fill(t, store, "payments", 12, 4, 2, 1, 3)
+	fill(t, store, "orders", 5, 1, 0, 0, 0)
+	srv := serve(t, nil, console.Config{Admin: store, Queues: []string{"payments", "orders"}, LeaseTTL: leaseTTL})
 	page := get(t, srv, "/", http.StatusOK)
 	mustContain(t, "overview", page,
 		`<a class="count failed" href="records?endpoint=payments&amp;state=failed">4</a>`,
-		`<a class="count stalled" href="records?endpoint=payments&amp;state=stalled">3</a>`,
+		`<a class="count expired" href="records?endpoint=payments&amp;state=expired">3</a>`,
+		`<a class="count stalled" href="records?endpoint=payments&amp;state=stalled">1</a>`,
 		`<a href="records?endpoint=payments&amp;state=in_progress">2</a>`,
 		`<a href="records?endpoint=payments&amp;state=completed">12</a>`,
 		`<a class="count failed" href="records?endpoint=orders&amp;state=failed">1</a>`)
 	noRaw(t, "overview", page)
-	stalled := get(t, srv, "/records?endpoint=payments&state=stalled", http.StatusOK)
-	mustContain(t, "stalled", stalled, "stalled-000", "(lease expired)", "End of the listing.")
-	if strings.Contains(stalled, "running-000") {
-		t.Fatalf("a live lease among the stalled:\n%s", stalled)
+	expiredPage := get(t, srv, "/records?endpoint=payments&state=expired", http.StatusOK)
+	mustContain(t, "expired", expiredPage, "expired-000", "(lease expired)", "End of the listing.")
+	stalledPage := get(t, srv, "/records?endpoint=payments&state=stalled", http.StatusOK)
+	mustContain(t, "stalled", stalledPage, "stalled-000", "(heartbeat stalled)", "heartbeat stalled: renewed 2m0", "End of the listing.")
+	for _, k := range []string{"running-000", "expired-000"} {
+		if strings.Contains(stalledPage, k) {
+			t.Fatalf("%s among the stalled:\n%s", k, stalledPage)
+		}
 	}
+	if strings.Contains(expiredPage, "running-000") || strings.Contains(expiredPage, "stalled-000") {
+		t.Fatalf("a live lease among the expired:\n%s", expiredPage)
+	}
+	running := get(t, srv, "/records?endpoint=payments&state=in_progress", http.StatusOK)
+	mustContain(t, "in progress", running, "running-000", `<span class="renewed">renewed `)
 }
 
 // adminOnly is a lock.Admin that cannot list.
@@ -219,4 +246,107 @@ func TestConsoleRecordsBadInput(t *testing.T) {
 	page := get(t, down, "/records?endpoint=orders&state=failed", http.StatusServiceUnavailable)
 	mustContain(t, "store down", page, "Redis at 127.0.0.1:1 did not answer", "Check that the store is up")
 	mustContain(t, "overview, store down", get(t, down, "/", http.StatusOK), "Redis at 127.0.0.1:1: lock: list")
+}
+
+// TestLeaseHealth: how long ago a lease was renewed is the TTL less the
+// time it has left; more than 2/3 of the TTL is a stalled heartbeat; an
+// expired lease is expired, and a lease with more left than the TTL has no
+// age.
+func TestLeaseHealth(t *testing.T) {
+	ttl := 30 * time.Second
+	for _, c := range []struct {
+		rec  lock.Record
+		want string
+	}{
+		{lock.Record{State: lock.StateInProgress, LeaseLeft: 29 * time.Second}, "renewed 1s ago"},
+		{lock.Record{State: lock.StateInProgress, LeaseLeft: 10 * time.Second}, "renewed 20s ago"},
+		{lock.Record{State: lock.StateInProgress, LeaseLeft: 9900 * time.Millisecond}, "heartbeat stalled: renewed 20.1s ago"},
+		{lock.Record{State: lock.StateInProgress, LeaseLeft: time.Second}, "heartbeat stalled: renewed 29s ago"},
+		{lock.Record{State: lock.StateInProgress}, "expired"},
+		{lock.Record{State: lock.StateInProgress, LeaseLeft: time.Minute}, ""},
+		{lock.Record{State: lock.StateCompleted}, ""},
+	} {
+		if got := console.LeaseHealth(c.rec, ttl); got != c.want {
+			t.Errorf("LeaseLeft %v, state %s: got %q, want %q", c.rec.LeaseLeft, c.rec.State, got, c.want)
+		}
+	}
+}
+
+// counter is a lock.Counter over a MemoryStore: it counts what a full
+// listing gives, or fails with err.
+type counter struct {
+	*lock.MemoryStore
+	err   error
+	calls int
+}
+
+func (c *counter) Count(ctx context.Context, req lock.CountRequest) (lock.Counts, error) {
+	c.calls++
+	if c.err != nil {
+		return lock.Counts{}, c.err
+	}
+	out := lock.Counts{States: map[lock.State]int{}}
+	for cursor := ""; ; {
+		page, err := c.List(ctx, lock.ListRequest{Prefix: req.Prefix, Cursor: cursor, Scan: lock.MaxListScan})
+		if err != nil {
+			return lock.Counts{}, err
+		}
+		for _, r := range page.Records {
+			out.States[r.State]++
+			switch {
+			case r.State == lock.StateInProgress && !r.Live():
+				out.Expired++
+			case r.Live() && r.LeaseLeft < req.LeaseBelow:
+				out.LeaseBelow++
+			}
+		}
+		if cursor = page.Next; cursor == "" {
+			return out, nil
+		}
+	}
+}
+
+// TestConsoleOverviewExactOrAtLeast: the overview shows a Counter's
+// counts as exact; when the count fails over its budget, or the store
+// cannot count, it counts among a page, exact when the page held every
+// record and "at least" when it did not.
+func TestConsoleOverviewExactOrAtLeast(t *testing.T) {
+	small, err := lock.NewMemoryStore(lock.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fill(t, small, "payments", 12, 4, 2, 1, 3)
+	big, err := lock.NewMemoryStore(lock.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fill(t, big, "shipments", 1100, 0, 0, 0, 0) // more than a page of 1000
+	overview := func(admin lock.Admin, queue string) string {
+		return get(t, serve(t, nil, console.Config{Admin: admin, Queues: []string{queue}, LeaseTTL: leaseTTL}), "/", http.StatusOK)
+	}
+	page := overview(&counter{MemoryStore: small}, "payments")
+	mustContain(t, "exact", page, "exact: 22 records",
+		`<a class="count stalled" href="records?endpoint=payments&amp;state=stalled">1</a>`,
+		`<a class="count expired" href="records?endpoint=payments&amp;state=expired">3</a>`,
+		`<a href="records?endpoint=payments&amp;state=in_progress">2</a>`)
+	page = overview(&counter{MemoryStore: big}, "shipments")
+	mustContain(t, "exact", page, "exact: 1100 records", `<a href="records?endpoint=shipments&amp;state=completed">1100</a>`)
+	if strings.Contains(page, "at least <a") {
+		t.Fatalf("exact counts marked at least:\n%s", page)
+	}
+	over := fmt.Errorf("count: %w", lock.ErrCountBudget)
+	page = overview(&counter{MemoryStore: small, err: over}, "payments")
+	mustContain(t, "over budget, one page", page, "the store&#39;s count took more than its 100ms budget", "exact: all 22 records read")
+	if strings.Contains(page, "at least <a") {
+		t.Fatalf("the counts of a page holding every record marked at least:\n%s", page)
+	}
+	page = overview(&counter{MemoryStore: big, err: over}, "shipments")
+	mustContain(t, "over budget, more than a page", page, "took more than its 100ms budget",
+		"among the first 1000 records read (more not read)",
+		`at least <a href="records?endpoint=shipments&amp;state=completed">1000</a>`)
+	page = overview(big, "shipments") // no Counter
+	mustContain(t, "no counter", page, `at least <a href="records?endpoint=shipments&amp;state=completed">1000</a>`)
+	if strings.Contains(page, "took more than") {
+		t.Fatalf("a store without a count said to be over budget:\n%s", page)
+	}
 }

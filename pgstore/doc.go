@@ -307,4 +307,10 @@
 // on. A server where a statement can block on sending to a stalled client
 // (a result larger than the socket buffers) does not count that time as
 // idle: such a holder keeps its held lease until TCP gives up on it.
+//
+// For operators' tools the Store is a lock.Lister (List reads a bounded
+// page of the primary key's index) and a lock.Counter (Count counts a
+// prefix's records by state in one statement whose statement_timeout is
+// the request's budget: its cost grows with the records counted, the
+// budget bounds it).
 package pgstore

@@ -129,6 +129,15 @@
 // consumers in different processes apart with the target's instance
 // label, or with Options.ConstLabels.
 //
+// # The console's rate charts
+//
+// The console (package console) charts messages_total's rates without
+// importing this package: Metrics.Outcomes reads a Metrics' own counters
+// (for a console mounted in the consumer's process), and a Scraper reads
+// a consumer's /metrics URL ("amqpidem console --metrics-url"), parsing
+// the Prometheus text format with prometheus/common's expfmt. Both give
+// the counts by queue and outcome, summed over reasons.
+//
 // # Limits
 //
 //   - A delivery is observed after it was settled. One being processed

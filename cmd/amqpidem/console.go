@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"strings"
 	"time"
@@ -19,6 +20,8 @@ import (
 
 	"github.com/amqpidem/amqpidem/console"
 	"github.com/amqpidem/amqpidem/internal/secret"
+	"github.com/amqpidem/amqpidem/lock"
+	"github.com/amqpidem/amqpidem/promamqpidem"
 )
 
 // consoleTokenEnv holds the token the console asks of every request.
@@ -29,17 +32,22 @@ const minConsoleToken = 16
 
 func newConsole(o *options) *cobra.Command {
 	var f dlqFlags
-	var listen, tokenFile, outboxTable string
+	var listen, tokenFile, outboxTable, metricsURL string
+	metricsInterval := 10 * time.Second
 	var readOnly bool
 	var queues []string
+	leaseTTL := lock.DefaultLeaseTTL
 	limit, listScan := 100, 2000
 	c := &cobra.Command{
 		Use:   "console [--listen 127.0.0.1:8080] [--queue Q]... [--read-only]",
 		Short: "Serve a web console of records, dead letters and the relay (forget, replay, redrive after confirmation)",
 		Long: `console serves a web console on --listen: an overview of the --queue
 queues with the depth of their dead-letter queues and their records
-counted by state, an endpoint's records by state page by page (failed,
-stalled leases, ...), the record of a key (as inspect shows it), with
+counted by state (exactly with --postgres when the count fits in 100 ms,
+else among a first page, marked "at least"), with --metrics-url charts of
+a consumer's delivery rates read from its Prometheus metrics, an
+endpoint's records by state page by page (failed, expired leases, leases
+whose heartbeat stalled under --lease-ttl, ...), the record of a key (as inspect shows it), with
 --postgres the producer outbox's pending and dead rows (as relay status
 and relay list read them), and the dead letters of a queue (as dlq list reads them:
 without consuming them; on a quorum dead-letter queue with a delivery
@@ -101,7 +109,7 @@ It runs until interrupted (exit code 0).`,
 			logger := slog.New(slog.NewTextHandler(o.stderr, nil))
 			cfg := console.Config{Admin: admin, StoreName: o.storeName(),
 				Dial: o.dial, BrokerName: "RabbitMQ at " + secret.URL(o.amqpURL), SigningKey: signingKey,
-				Queues: queues, DeadLetterLimit: limit, ListScan: listScan, Timeout: o.timeout, Logger: logger}
+				Queues: queues, DeadLetterLimit: limit, ListScan: listScan, LeaseTTL: leaseTTL, Timeout: o.timeout, Logger: logger}
 			if o.pgDSN != "" {
 				ro := &relayOptions{table: outboxTable}
 				ob, pool, err := o.openOutbox(c.Context(), ro)
@@ -111,6 +119,14 @@ It runs until interrupted (exit code 0).`,
 				defer pool.Close()
 				cfg.Relay, cfg.RelayName = outboxRelay{ob}, "outbox "+o.outboxTable(ro)
 			}
+			if metricsURL != "" {
+				u, err := url.Parse(metricsURL)
+				if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+					return withCode(exitUsage, "--metrics-url %s: want an http or https URL of a consumer's /metrics", secret.URL(metricsURL))
+				}
+				cfg.Metrics = &promamqpidem.Scraper{URL: metricsURL, Client: &http.Client{Timeout: min(o.timeout, metricsInterval)}}
+				cfg.MetricsName, cfg.MetricsInterval = secret.URL(metricsURL), metricsInterval
+			}
 			if !readOnly {
 				cfg.Actions = &consoleActions{o: o, admin: admin, keyFile: f.keyFile, outboxTable: outboxTable}
 			}
@@ -118,6 +134,7 @@ It runs until interrupted (exit code 0).`,
 			if err != nil {
 				return withCode(exitUsage, "%w", err)
 			}
+			defer h.Close()
 			return serveConsole(c.Context(), o, listen, guard(h, token), token != nil, readOnly)
 		},
 	}
@@ -128,6 +145,9 @@ It runs until interrupted (exit code 0).`,
 	c.Flags().BoolVar(&readOnly, "read-only", false, "offer no action: change nothing, only show")
 	c.Flags().StringVar(&outboxTable, "outbox-table", "", "pgstore Config.OutboxTable of the relay page, with --postgres (default amqpidem_outbox)")
 	c.Flags().IntVar(&limit, "limit", limit, "read at most this many dead letters per page (at most 1000)")
+	c.Flags().StringVar(&metricsURL, "metrics-url", "", "a consumer's Prometheus `URL` (promamqpidem's metrics, e.g. http://127.0.0.1:9090/metrics): the overview charts its rates")
+	c.Flags().DurationVar(&metricsInterval, "metrics-interval", metricsInterval, "how often to read --metrics-url (the charts keep the last 10 minutes)")
+	c.Flags().DurationVar(&leaseTTL, "lease-ttl", leaseTTL, "the consumers' lease `TTL` (their Config.LeaseTTL): a lease not renewed for 2/3 of it is shown as a stalled heartbeat")
 	c.Flags().IntVar(&listScan, "list-scan", listScan, "read at most about this many records of the store per records page (at most 100000)")
 	return c
 }
