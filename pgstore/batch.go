@@ -23,6 +23,11 @@ import (
 // (Commit keeps the work for the commit with the records, Rollback undoes
 // it); run its statements with ctx.
 //
+// amqpidem.DeliveryContext(ctx, d) is the context of the message d: its
+// Info, and its outbox (amqpidem.Stage), whose messages are stored with
+// its record in the batch's transaction, and published after the commit,
+// before its ack, as with TxHandler.
+//
 // A message answered with an error may have written in tx before it
 // failed: its writes never commit. When some messages of a batch fail and
 // others succeed, the transaction rolls back and fn runs again on those
@@ -31,7 +36,9 @@ import (
 // fails messages often pays for that rerun: do each message's work under
 // a savepoint of its own (tx.Begin, then Rollback on its failure) and
 // answer its error after rolling the savepoint back, and the rerun is
-// still made (the library cannot see savepoints), but on less work.
+// still made (the library cannot see savepoints), but on less work. The
+// messages staged by a run that did not commit are dropped with it: a
+// rerun stages afresh.
 type BatchTxFunc func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error)
 
 // BatchTxHandler returns a batch handler (amqpidem.NewBatchConsumer) that
@@ -120,6 +127,10 @@ func (h *batchTxHandler) complete(ctx context.Context, ds []*amqp.Delivery, leas
 			ok = append(ok, i)
 		}
 	}
+	// What the first run staged rolled back with it: the rerun stages
+	// afresh (amqpidem.DeliveryContext), and only the committed run's
+	// staged messages are stored with the records.
+	amqpidem.DiscardStaged(ctx)
 	subDs, subLeases := make([]*amqp.Delivery, len(ok)), make([]lock.Lease, len(ok))
 	for j, i := range ok {
 		subDs[j], subLeases[j] = ds[i], leases[i]
