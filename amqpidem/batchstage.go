@@ -72,8 +72,8 @@ type batchRun struct {
 	// Set by the leader alone, in callBatch: what each message staged
 	// (the handler returned), and, for a BatchCompleter, the value last
 	// made for its record and how many staged messages it holds.
-	staged [][][]byte
-	stored [][]byte
+	staged  [][][]byte
+	stored  [][]byte
 	nStaged []int
 }
 
