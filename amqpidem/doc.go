@@ -118,9 +118,10 @@
 // batch's records commit in one transaction (a lease lost by any member:
 // nothing of it commits). Stage and FromContext work on the context of
 // one message of the batch, DeliveryContext(ctx, d): its staged messages
-// are stored with its own record, with the batch's commit. Wrap has no
-// batch form; see docs/batches.md in the repository for the table of a
-// batch's failures and the limits.
+// are stored with its own record, with the batch's commit. WrapBatch is
+// Wrap's batch form, for a delivery loop of one's own that calls Handle
+// from a goroutine per delivery; see docs/batches.md in the repository
+// for the table of a batch's failures and the limits.
 //
 // # The outbox
 //
