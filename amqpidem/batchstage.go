@@ -47,8 +47,10 @@ func DeliveryContext(ctx context.Context, d *amqp.Delivery) context.Context {
 // messages staged by the run that commits are stored. A message whose
 // value was already asked for (HandleBatchComplete's value) can stage
 // again after it, and the next value asked for it holds only what it
-// staged since. Contexts DeliveryContext returned before keep staging
-// in the new outboxes. It does nothing outside a batch handler's context.
+// staged since. Contexts DeliveryContext returned before the call stage
+// nothing more (Stage answers ErrNoOutbox): the rerun calls
+// DeliveryContext again. It does nothing outside a batch handler's
+// context.
 func DiscardStaged(ctx context.Context) {
 	if r, ok := ctx.Value(batchRunKey{}).(*batchRun); ok {
 		r.discard()
