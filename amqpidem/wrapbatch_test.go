@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"sync"
 	"testing"
 	"time"
@@ -28,6 +29,7 @@ func TestWrapBatchOwnLoop(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _, _ = e.ch.QueueDelete(next, false, false, false) })
+	baseline := runtime.NumGoroutine()
 	var mu sync.Mutex
 	runs := map[string]int{}
 	var sizes []int
@@ -98,6 +100,10 @@ func TestWrapBatchOwnLoop(t *testing.T) {
 	if err := w.Shutdown(context.Background()); err != nil {
 		t.Fatal(err)
 	}
+	if err := ch.Close(); err != nil {
+		t.Fatal(err)
+	}
+	waitGoroutines(t, baseline) // no goroutine of the Wrapper's outlives its Shutdown
 	mu.Lock()
 	defer mu.Unlock()
 	for i := range n {
