@@ -50,7 +50,10 @@ type BatchResult struct {
 // ctx is cancelled when the lease of any message of the batch is lost or
 // could not be renewed, when HandlerTimeout passes (it bounds a batch),
 // and on a forced shutdown. The deliveries must not be acked (amqpidem
-// settles each). FromContext and Stage do not work on a batch's ctx.
+// settles each). FromContext and Stage do not work on a batch's ctx
+// itself: DeliveryContext(ctx, d) is the context of the message d, on
+// which FromContext gives its Info and Stage stages messages with its
+// outcome.
 type BatchHandler interface {
 	HandleBatch(ctx context.Context, ds []*amqp.Delivery) ([]BatchResult, error)
 }
@@ -248,6 +251,12 @@ type batchOut struct {
 	// could not complete its record (lock.ErrLeaseLost,
 	// lock.ErrResultTooLarge).
 	completeErr error
+	// staged is what the message staged (DeliveryContext), to be stored
+	// with its result; stored is the value its record was completed with
+	// when it holds staged messages (nStaged of them), to publish them.
+	staged  [][]byte
+	stored  []byte
+	nStaged int
 }
 
 // acquireCall is one lease request waiting for its group's AcquireBatch.
@@ -344,10 +353,10 @@ func (p *processor) runBatch(ctx context.Context, fs []*flight) (runs int) {
 			return runs
 		}
 		runs++
-		rs, err, timedOut := p.callBatch(ctx, live)
+		rs, err, timedOut, run := p.callBatch(ctx, live)
 		if err == nil {
 			for i, f := range live {
-				f.out = batchOut{completed: p.batch.bc != nil}
+				f.out = batchOut{completed: p.batch.bc != nil, staged: run.staged[i], stored: run.stored[i], nStaged: run.nStaged[i]}
 				if rs != nil {
 					f.out.result, f.out.err = rs[i].Result, rs[i].Err
 					f.out.completed = f.out.completed && rs[i].Err == nil
@@ -399,10 +408,13 @@ func (p *processor) completeBatch(ctx context.Context, fs []*flight) {
 		if f.out.err != nil || f.out.completed {
 			continue
 		}
-		v, err := p.batchValue(f, f.out.result)
+		v, err := p.batchValue(f, f.out.result, f.out.staged)
 		if err != nil {
 			f.out.err = err // settled as "result too large"
 			continue
+		}
+		if len(f.out.staged) > 0 {
+			f.out.stored, f.out.nStaged = v, len(f.out.staged)
 		}
 		done, leases, values = append(done, f), append(leases, f.lease), append(values, v)
 	}
@@ -435,7 +447,7 @@ func (p *processor) completeBatch(ctx context.Context, fs []*flight) {
 // HandlerTimeout; a panic is the batch's error, a *PanicError, and so are
 // results that do not match the batch. timedOut says whether
 // HandlerTimeout cut it off.
-func (p *processor) callBatch(ctx context.Context, fs []*flight) (rs []BatchResult, err error, timedOut bool) {
+func (p *processor) callBatch(ctx context.Context, fs []*flight) (rs []BatchResult, err error, timedOut bool, run *batchRun) {
 	bctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	for _, f := range fs {
@@ -453,6 +465,7 @@ func (p *processor) callBatch(ctx context.Context, fs []*flight) (rs []BatchResu
 		ds[i] = handlerDelivery(f.d)
 		p.handlerStarted(f.hctx, Info{Queue: p.cfg.Queue, Key: f.ev.Key, Attempt: f.attempt, Fence: f.lease.Fence})
 	}
+	run, bctx = p.newBatchRun(bctx, fs, ds)
 	start := time.Now()
 	func() {
 		defer func() {
@@ -469,9 +482,13 @@ func (p *processor) callBatch(ctx context.Context, fs []*flight) (rs []BatchResu
 			items[i] = BatchItem{Delivery: ds[i], Lease: f.lease}
 		}
 		rs, err = p.batch.bc.HandleBatchComplete(bctx, items, func(i int, result []byte) ([]byte, error) {
-			return p.batchValue(fs[i], result)
+			staged := run.seal(i)
+			v, err := p.batchValue(fs[i], result, staged)
+			run.stored[i], run.nStaged[i] = v, len(staged)
+			return v, err
 		})
 	}()
+	run.staged = run.sealAll()
 	for _, f := range fs {
 		f.ev.Handler += time.Since(start)
 		p.handlerEnded(f.hctx, Info{Queue: p.cfg.Queue, Key: f.ev.Key, Attempt: f.attempt, Fence: f.lease.Fence})
@@ -480,16 +497,20 @@ func (p *processor) callBatch(ctx context.Context, fs []*flight) (rs []BatchResu
 		// A BatchCompleter checks this before it commits.
 		err = fmt.Errorf("amqpidem: HandleBatch returned %d results for %d messages", len(rs), len(fs))
 	}
-	return rs, err, errors.Is(context.Cause(bctx), ErrHandlerTimeout)
+	return rs, err, errors.Is(context.Cause(bctx), ErrHandlerTimeout), run
 }
 
-// batchValue is the value stored for f's result: as runCompleter's value
-// makes it, with no staged messages.
-func (p *processor) batchValue(f *flight, result []byte) ([]byte, error) {
-	stored := encodeValue(f.d.ReplyTo, result, nil, 0)
+// batchValue is the value stored for f's result and the messages it
+// staged: as runCompleter's value makes it.
+func (p *processor) batchValue(f *flight, result []byte, staged [][]byte) ([]byte, error) {
+	var claim int64
+	if len(staged) > 0 {
+		claim = f.claim()
+	}
+	stored := encodeValue(f.d.ReplyTo, result, staged, claim)
 	if len(result) > p.cfg.MaxResultSize || len(stored) > p.valueLimit {
-		return nil, fmt.Errorf("%w: a result of %d bytes (at most %d allowed) makes %d bytes, at most %d allowed",
-			lock.ErrResultTooLarge, len(result), p.cfg.MaxResultSize, len(stored), p.valueLimit)
+		return nil, fmt.Errorf("%w: a result of %d bytes (at most %d allowed) and %d staged messages make %d bytes, at most %d allowed",
+			lock.ErrResultTooLarge, len(result), p.cfg.MaxResultSize, len(staged), len(stored), p.valueLimit)
 	}
 	return stored, nil
 }
@@ -503,6 +524,14 @@ func (f *flight) settleBatched() {
 	switch {
 	case o.err == nil && o.completed:
 		f.stopKeep()
+		if o.nStaged > 0 {
+			// As complete and runCompleter publish what a message staged.
+			f.ev.Outbox.Staged = o.nStaged
+			f.p.checkRetention(f.ctx, f.lease)
+			if !f.dispatch(o.stored, f.lease.Fence, true) {
+				return
+			}
+		}
 		f.replyAndAck(o.result, Completed)
 	case o.err == nil && errors.Is(o.completeErr, lock.ErrLeaseLost):
 		// As complete settles it: someone took the key over.
@@ -515,7 +544,7 @@ func (f *flight) settleBatched() {
 		f.stopKeep()
 		f.fail("result too large", fmt.Errorf("%w: %d bytes, at most %d allowed", lock.ErrResultTooLarge, len(o.result), f.p.cfg.MaxResultSize))
 	case o.err == nil:
-		f.complete(o.result, nil)
+		f.complete(o.result, o.staged)
 	case errors.Is(o.err, lock.ErrResultTooLarge) && !IsPermanent(o.err):
 		f.stopKeep()
 		f.fail("result too large", o.err)

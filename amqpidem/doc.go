@@ -116,9 +116,12 @@
 // messages, so that one poison message costs its neighbours reruns, not
 // attempts. With pgstore's BatchTxHandler the handler's writes and the
 // batch's records commit in one transaction (a lease lost by any member:
-// nothing of it commits). Stage and FromContext do not work in a batch
-// handler yet, nor does Wrap; see docs/batches.md in the repository for
-// the table of a batch's failures and the limits.
+// nothing of it commits). Stage and FromContext work on the context of
+// one message of the batch, DeliveryContext(ctx, d): its staged messages
+// are stored with its own record, with the batch's commit. WrapBatch is
+// Wrap's batch form, for a delivery loop of one's own that calls Handle
+// from a goroutine per delivery; see docs/batches.md in the repository
+// for the table of a batch's failures and the limits.
 //
 // # The outbox
 //

@@ -21,7 +21,19 @@ import (
 // a non-nil error is the whole batch's (nothing commits, and amqpidem
 // splits the batch to find the message at fault). tx is as TxFunc's
 // (Commit keeps the work for the commit with the records, Rollback undoes
-// it); run its statements with ctx.
+// it, and either closes tx: Commit once, after the last message); run its
+// statements with ctx. Each way of ending comes to what TxFunc says,
+// for the whole batch, with one difference: when fn ended the transaction
+// itself and it committed (a COMMIT statement, or a library given
+// tx.Conn()), a batch error or a message's retryable error after that is
+// made each message's own error, Permanent, wrapping ErrTxEnded: their
+// work committed, and a batch error would be split and its halves run
+// again.
+//
+// amqpidem.DeliveryContext(ctx, d) is the context of the message d: its
+// Info, and its outbox (amqpidem.Stage), whose messages are stored with
+// its record in the batch's transaction, and published after the commit,
+// before its ack, as with TxHandler.
 //
 // A message answered with an error may have written in tx before it
 // failed: its writes never commit. When some messages of a batch fail and
@@ -31,7 +43,9 @@ import (
 // fails messages often pays for that rerun: do each message's work under
 // a savepoint of its own (tx.Begin, then Rollback on its failure) and
 // answer its error after rolling the savepoint back, and the rerun is
-// still made (the library cannot see savepoints), but on less work.
+// still made (the library cannot see savepoints), but on less work. The
+// messages staged by a run that did not commit are dropped with it: a
+// rerun stages afresh.
 type BatchTxFunc func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error)
 
 // BatchTxHandler returns a batch handler (amqpidem.NewBatchConsumer) that
@@ -120,6 +134,10 @@ func (h *batchTxHandler) complete(ctx context.Context, ds []*amqp.Delivery, leas
 			ok = append(ok, i)
 		}
 	}
+	// What the first run staged rolled back with it: the rerun stages
+	// afresh (amqpidem.DeliveryContext), and only the committed run's
+	// staged messages are stored with the records.
+	amqpidem.DiscardStaged(ctx)
 	subDs, subLeases := make([]*amqp.Delivery, len(ok)), make([]lock.Lease, len(ok))
 	for j, i := range ok {
 		subDs[j], subLeases[j] = ds[i], leases[i]
@@ -156,8 +174,30 @@ func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []
 		ferr = fmt.Errorf("pgstore: the batch function returned %d results for %d messages", len(rs), len(ds))
 	}
 	end, err := h.s.ending(ctx, t, xid, ferr, false)
+	if end == endFailed && errors.Is(err, errWorkCommitted) {
+		// fn committed its work itself, then failed: as a batch error it
+		// would be split and its halves run again, committing their work
+		// a second time. Each message fails on its own instead
+		// (Permanent: never run again), its record not completed.
+		rs := make([]amqpidem.BatchResult, len(ds))
+		for i := range rs {
+			rs[i].Err = err
+		}
+		return rs, nil
+	}
 	if end == endFailed {
 		return nil, err
+	}
+	if end == endCommitted {
+		// fn committed its work itself: a message it answered with an
+		// error has its writes committed too, so it must not run again.
+		rs = slices.Clone(rs)
+		for i := range rs {
+			if rs[i].Err != nil && !amqpidem.IsPermanent(rs[i].Err) {
+				rs[i].Err = amqpidem.Permanent(fmt.Errorf("%w, %w; it answered this message with an error, so it is not run again: %w",
+					ErrTxEnded, errWorkCommitted, rs[i].Err))
+			}
+		}
 	}
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
 	defer cancel()

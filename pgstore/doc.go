@@ -241,6 +241,16 @@
 // internal/txtest in the repository runs each of these through a Consumer
 // on both leases.
 //
+// A BatchTxFunc's tx is the same, for the whole batch: Commit once, after
+// the last message (a Commit per message closes tx, and the next
+// message's statements answer pgx.ErrTxClosed: the batch fails and is
+// split). A savepoint per message (tx.Begin, then Rollback on its
+// failure) keeps a failed message's writes out. A batch function that
+// ended the transaction itself and committed, then failed the batch or a
+// message, has each such message fail on its own, Permanent, wrapping
+// ErrTxEnded: its work committed, so it is never split nor run again.
+// pgstore's TestBatchTxHandlerIdioms runs each of these.
+//
 // # The producer outbox
 //
 // Outbox.Write stores a message in the caller's transaction, in the outbox

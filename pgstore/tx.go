@@ -185,7 +185,7 @@ func (s *Store) ending(ctx context.Context, t *handlerTx, xid string, ferr error
 		case committed && ferr == nil:
 			return endCommitted, nil
 		case committed:
-			return endFailed, amqpidem.Permanent(fmt.Errorf("%w, and its work committed; then it returned an error, so it is not run again: %w", ErrTxEnded, ferr))
+			return endFailed, amqpidem.Permanent(fmt.Errorf("%w, %w; then it returned an error, so it is not run again: %w", ErrTxEnded, errWorkCommitted, ferr))
 		case closed:
 			// Rolled back with the session (or unknown, with the
 			// server out of reach): the store is the cause.
@@ -207,6 +207,11 @@ func (s *Store) ending(ctx context.Context, t *handlerTx, xid string, ferr error
 	}
 	return endCommit, nil
 }
+
+// errWorkCommitted is in the error of a handler that ended its
+// transaction itself, committed, and then failed (ending): its work is
+// done and must not run again.
+var errWorkCommitted = errors.New("and its work committed")
 
 // connClosed is the error of a run whose connection closed before its
 // commit, fn having returned ferr: nothing of the transaction committed.
