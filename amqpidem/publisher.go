@@ -404,11 +404,11 @@ func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.
 		// The broker would close the channel over it (501 FRAME_ERROR).
 		return tooLarge(exchange, key, &msg, fm)
 	}
-	err, shared := p.publishOn(ctx, exchange, key, msg, false)
+	shared, err := p.publishOn(ctx, exchange, key, msg, false)
 	if errors.Is(err, errChannelRefused) || shared && errors.Is(err, ErrNotConfirmed) && IsRefused(err) {
 		// The broker closed a channel other publishes were in flight on:
 		// over this message or another. Alone, its answer is its own.
-		err, _ = p.publishOn(ctx, exchange, key, msg, true)
+		_, err = p.publishOn(ctx, exchange, key, msg, true)
 	}
 	return err
 }
@@ -423,11 +423,11 @@ var errChannelRefused = errors.New("amqpidem: the broker closed the channel befo
 
 // publishOn publishes msg once on a channel taken with get (alone: to
 // itself), and waits for its confirm; see publish. shared reports whether
-// other publishes were in flight on the channel meanwhile.
-func (p *publisher) publishOn(ctx context.Context, exchange, key string, msg amqp.Publishing, alone bool) (err error, shared bool) {
+// other publishes took the channel while msg was in flight on it.
+func (p *publisher) publishOn(ctx context.Context, exchange, key string, msg amqp.Publishing, alone bool) (shared bool, err error) {
 	pc, w, err := p.get(ctx, msg.MessageId, alone)
 	if err != nil {
-		return err, false
+		return false, err
 	}
 	healthy := false
 	defer func() { shared = p.put(pc, w, healthy) }()
@@ -437,15 +437,15 @@ func (p *publisher) publishOn(ctx context.Context, exchange, key string, msg amq
 		if pc.ch.IsClosed() {
 			reason := pc.closeReason()
 			if IsRefused(fmt.Errorf("%w: %w", ErrNotConfirmed, reason)) {
-				return fmt.Errorf("%w: exchange %q routing key %q: %w", errChannelRefused, exchange, key, reason), false
+				return false, fmt.Errorf("%w: exchange %q routing key %q: %w", errChannelRefused, exchange, key, reason)
 			}
 		}
-		return fmt.Errorf("amqpidem: publish to %q/%q: %w", exchange, key, err), false
+		return false, fmt.Errorf("amqpidem: publish to %q/%q: %w", exchange, key, err)
 	}
 	acked, err := dc.WaitContext(ctx)
 	if err != nil {
 		// The confirm may still come; this channel's state is unknown.
-		return fmt.Errorf("amqpidem: publish to %q/%q: waiting for confirm: %w", exchange, key, err), false
+		return false, fmt.Errorf("amqpidem: publish to %q/%q: waiting for confirm: %w", exchange, key, err)
 	}
 	healthy = true
 	p.mu.Lock()
@@ -459,16 +459,16 @@ func (p *publisher) publishOn(ctx context.Context, exchange, key string, msg amq
 		reason = pc.closeReason()
 	}
 	if r != nil {
-		return fmt.Errorf("%w: exchange %q routing key %q: %d %s (no queue is bound to take it: declare the queue, "+
-			"or start its consumer, which declares it, before publishing)", ErrUnroutable, exchange, key, r.ReplyCode, r.ReplyText), false
+		return false, fmt.Errorf("%w: exchange %q routing key %q: %d %s (no queue is bound to take it: declare the queue, "+
+			"or start its consumer, which declares it, before publishing)", ErrUnroutable, exchange, key, r.ReplyCode, r.ReplyText)
 	}
 	if !acked {
 		if closed {
-			return fmt.Errorf("%w: exchange %q routing key %q: the broker closed the channel: %w", ErrNotConfirmed, exchange, key, reason), false
+			return false, fmt.Errorf("%w: exchange %q routing key %q: the broker closed the channel: %w", ErrNotConfirmed, exchange, key, reason)
 		}
-		return fmt.Errorf("%w: exchange %q routing key %q", ErrNotConfirmed, exchange, key), false
+		return false, fmt.Errorf("%w: exchange %q routing key %q", ErrNotConfirmed, exchange, key)
 	}
-	return nil, false
+	return false, nil
 }
 
 // redeclareAfter is how often a self-expiring delay queue is declared
