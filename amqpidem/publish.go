@@ -17,8 +17,15 @@ import (
 // may not have been taken, so publish it again with the same MessageId,
 // and the consumer runs it once.
 //
-// Publisher is safe for concurrent use; up to 64 publishes are in flight at
-// once, each on a confirm-mode channel of its own. Close it when done.
+// Publisher is safe for concurrent use. Concurrent publishes share
+// confirm-mode channels, up to 16 awaiting their confirm on each and 64
+// channels: a returned message fails its own Publish, matched by its
+// MessageId, and when the broker closes a channel over one message (an
+// exchange that does not exist, a property it refuses), the other
+// publishes in flight on it are published again, each alone on a channel,
+// so that only the one the broker refuses fails with a refusal
+// (IsRefused); a message the broker took before it closed the channel so
+// reaches its queue twice, with the same MessageId. Close it when done.
 type Publisher struct {
 	p   *publisher
 	own *pubConn // the connection DialPublisher dials, closed by Close; nil for NewPublisher

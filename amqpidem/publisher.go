@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -58,19 +59,42 @@ type ChannelOpener interface {
 	Channel() (*amqp.Channel, error)
 }
 
-// maxPubChannels bounds the confirm-mode channels a publisher keeps open,
-// and so the publishes waiting for their confirm at once: each channel
-// carries one at a time. Channels are opened as publishes need them. With
-// 8, a consumer whose handlers each staged a message (make bench, variant
-// outbox) spent most of its time waiting for a free channel: 64 doubled
-// its rate (0.17 to 0.30 of unique's on classic queues, 0.20 to 0.36 on
-// quorum ones), 128 did not add to it.
+// maxPubChannels bounds the confirm-mode channels a publisher keeps open.
+// Channels are opened as publishes need them: a publish takes the first
+// open channel with room (pubPerChannel publishes awaiting their confirm),
+// and a new one only when none has. With one publish per channel, a
+// consumer whose handlers each staged a message (make bench, variant
+// outbox) spent most of its time waiting for a free channel with 8
+// channels; 64 doubled its rate.
 const maxPubChannels = 64
 
+// pubPerChannel is how many publishes await their confirm at once on one
+// channel. Several per channel cost the broker less per message than a
+// channel each (issue 40: a test program measured 30-45% less of
+// RabbitMQ's CPU with 16 per channel than with one, make bench's outbox
+// variant 15% less on classic queues and 32% on quorum ones): see
+// docs/performance.md.
+const pubPerChannel = 16
+
 // publisher publishes confirmed, mandatory copies (requeues, dead letters,
-// replies) on channels of its own. One publish at a time per channel, so
-// that a basic.return, which the broker sends before the confirm of the
-// same message, belongs to the publish that waits on that channel.
+// replies, staged messages) on channels of its own, up to pubPerChannel
+// of them in flight on a channel. Two things make that as exact as one
+// publish per channel:
+//
+//   - A basic.return is matched to its publish by the message's MessageId:
+//     the broker sends it before the confirm of the same message, so a
+//     publish that got its confirm reads the returns that came until then
+//     and takes the one with its own id. No two publishes in flight on a
+//     channel share a MessageId; a message without one is published alone
+//     on its channel.
+//   - A channel the broker closes over one message (an exchange that does
+//     not exist, a property it refuses) fails every publish in flight on
+//     it. A publish that was not alone on its channel takes that as no
+//     verdict on its own message: it publishes it again, alone on a
+//     channel, and only that publish's answer counts (IsRefused). The
+//     message that made the broker close the channel is refused again;
+//     the others are confirmed (those the broker had taken before it closed
+//     the channel are so published twice, with the same MessageId).
 type publisher struct {
 	conn ChannelOpener
 	// queueType is the work queues' type, "classic" or "quorum": it picks
@@ -78,39 +102,89 @@ type publisher struct {
 	queueType string
 	// delayArgs are Config.DelayQueueArgs, added to every delay queue's.
 	delayArgs amqp.Table
-	pool      chan *pubChannel // idle channels
-	sem       chan struct{}    // bounds open channels
+	sem       chan struct{} // bounds open channels
 	// closing counts the channels being closed in the background (see
-	// put): a blocked connection answers channel.close only once the
+	// drop): a blocked connection answers channel.close only once the
 	// broker unblocks it, or never, if the connection closes first.
 	closing sync.WaitGroup
 
 	mu       sync.Mutex
+	chans    []*pubChannel        // open channels, in the order opened
+	changed  chan struct{}        // closed (and replaced) when a publish ends: room on a channel
 	declared map[string]time.Time // queues declared on this connection, and when
 	closed   bool
 }
 
 // pubChannel is a confirm-mode channel of a publisher, the channel its
 // basic.returns arrive on, and the one that says why the broker closed it.
+// Its other fields are guarded by the publisher's mu.
 type pubChannel struct {
 	ch      *amqp.Channel
 	returns chan amqp.Return
 	closes  chan *amqp.Error
+
+	inflight int                 // publishes (or a declare) using it
+	waits    map[string]*pubWait // publishes in flight, by MessageId
+	alone    bool                // one publish (or a declare) has it to itself
+	retired  bool                // a publish gave up on its confirm: take no more
+	removed  bool                // out of chans, being closed
+	joined   uint64              // publishes that ever took it
+
+	reasonMu sync.Mutex
+	reason   error // why the broker closed it, once read (closeReason)
+}
+
+// pubWait is one publish in flight on a pubChannel.
+type pubWait struct {
+	id       string
+	seq      uint64 // pubChannel.joined when it took the channel
+	shared   bool   // another publish was in flight on the channel when it took it
+	returned *amqp.Return
 }
 
 // closeReason says why the broker closed pc's channel (a publish to an
 // exchange that does not exist, a user id or expiration it refuses, the
 // connection's end): the *amqp.Error it sent, which the caller may tell
-// apart by its Code, or amqp.ErrClosed when it said nothing.
+// apart by its Code, or amqp.ErrClosed when it said nothing. Call it only
+// once the channel is closed (IsClosed): amqp091-go marks it closed and
+// then sends the reason, or closes the notify channel, so it waits for
+// that, briefly. Every publish in flight on the channel gets the reason.
 func (pc *pubChannel) closeReason() error {
-	select {
-	case e, ok := <-pc.closes:
-		if ok && e != nil {
-			return e
+	pc.reasonMu.Lock()
+	defer pc.reasonMu.Unlock()
+	if pc.reason == nil {
+		pc.reason = amqp.ErrClosed
+		if e, ok := <-pc.closes; ok && e != nil {
+			pc.reason = e
 		}
-	default:
 	}
-	return amqp.ErrClosed
+	return pc.reason
+}
+
+// drainReturns gives the returns that came on pc so far to the publishes
+// in flight they belong to: by MessageId, or to the one publish of a
+// channel it has to itself. A return nobody waits for (its publish gave
+// up on the confirm) is dropped. Called with p.mu held.
+func (pc *pubChannel) drainReturns() {
+	for {
+		select {
+		case r, ok := <-pc.returns:
+			if !ok {
+				return
+			}
+			w := pc.waits[r.MessageId]
+			if pc.alone {
+				for _, only := range pc.waits {
+					w = only
+				}
+			}
+			if w != nil && w.returned == nil {
+				w.returned = &r
+			}
+		default:
+			return
+		}
+	}
 }
 
 // newPublisher returns a publisher opening its channels with conn, for
@@ -120,41 +194,134 @@ func newPublisher(conn ChannelOpener, queueType string) *publisher {
 	return &publisher{
 		conn:      conn,
 		queueType: queueType,
-		pool:      make(chan *pubChannel, maxPubChannels),
 		sem:       make(chan struct{}, maxPubChannels),
+		changed:   make(chan struct{}),
 		declared:  make(map[string]time.Time),
 	}
 }
 
-// get returns an idle channel or opens one.
-func (p *publisher) get(ctx context.Context) (*pubChannel, error) {
+// get takes room on a channel for a publish of MessageId id, or for a
+// declare: on an open channel that has room and no publish of that id in
+// flight, or on a new one. alone (also when id is empty) takes a channel
+// with nothing in flight and keeps it to itself. It returns the channel
+// and the publish's wait, to be given back with put.
+func (p *publisher) get(ctx context.Context, id string, alone bool) (*pubChannel, *pubWait, error) {
+	alone = alone || id == ""
 	for {
-		select {
-		case pc := <-p.pool:
-			if pc.ch.IsClosed() {
-				<-p.sem
-				continue
-			}
-			return pc, nil
-		default:
+		p.mu.Lock()
+		if p.closed {
+			p.mu.Unlock()
+			return nil, nil, errors.New("amqpidem: publisher closed")
 		}
-		select {
-		case pc := <-p.pool:
-			if pc.ch.IsClosed() {
-				<-p.sem
+		var dead []*pubChannel
+		var pick *pubChannel
+		for _, pc := range p.chans {
+			switch {
+			case pc.ch.IsClosed() || pc.retired:
+				if pc.inflight == 0 {
+					dead = append(dead, pc)
+				}
+				continue
+			case pc.alone:
+				continue
+			case alone && pc.inflight > 0, !alone && pc.inflight >= pubPerChannel:
 				continue
 			}
-			return pc, nil
+			if _, dup := pc.waits[id]; dup && !alone {
+				continue
+			}
+			pick = pc
+			break
+		}
+		p.removeLocked(dead)
+		if pick != nil {
+			w := p.joinLocked(pick, id, alone)
+			p.mu.Unlock()
+			p.dropAll(dead)
+			return pick, w, nil
+		}
+		changed := p.changed
+		p.mu.Unlock()
+		p.dropAll(dead)
+		select {
 		case p.sem <- struct{}{}:
 			pc, err := p.open(ctx)
 			if err != nil {
 				<-p.sem
-				return nil, err
+				return nil, nil, err
 			}
-			return pc, nil
+			p.mu.Lock()
+			if p.closed {
+				p.mu.Unlock()
+				p.drop(pc)
+				return nil, nil, errors.New("amqpidem: publisher closed")
+			}
+			p.chans = append(p.chans, pc)
+			w := p.joinLocked(pc, id, alone)
+			p.mu.Unlock()
+			return pc, w, nil
+		case <-changed:
 		case <-ctx.Done():
-			return nil, ctx.Err()
+			return nil, nil, ctx.Err()
 		}
+	}
+}
+
+// joinLocked takes room on pc for a publish of id. Called with p.mu held.
+func (p *publisher) joinLocked(pc *pubChannel, id string, alone bool) *pubWait {
+	pc.joined++
+	w := &pubWait{id: id, seq: pc.joined, shared: pc.inflight > 0}
+	pc.inflight++
+	pc.alone = alone
+	if pc.waits == nil {
+		pc.waits = make(map[string]*pubWait, pubPerChannel)
+	}
+	pc.waits[id] = w
+	return w
+}
+
+// put gives back the room w took on pc; healthy false (the publish gave up
+// on its confirm: the channel's state is unknown) retires the channel,
+// closed once nothing is in flight on it. It reports whether another
+// publish took pc while w was in flight.
+func (p *publisher) put(pc *pubChannel, w *pubWait, healthy bool) (shared bool) {
+	p.mu.Lock()
+	shared = w.shared || pc.joined != w.seq
+	pc.inflight--
+	if pc.waits[w.id] == w {
+		delete(pc.waits, w.id)
+	}
+	pc.alone = false
+	if !healthy {
+		pc.retired = true
+	}
+	var dead []*pubChannel
+	if pc.inflight == 0 && (pc.retired || p.closed || pc.ch.IsClosed()) {
+		dead = []*pubChannel{pc}
+		p.removeLocked(dead)
+	}
+	close(p.changed)
+	p.changed = make(chan struct{})
+	p.mu.Unlock()
+	p.dropAll(dead)
+	return shared
+}
+
+// removeLocked takes dead out of p.chans. Called with p.mu held.
+func (p *publisher) removeLocked(dead []*pubChannel) {
+	for _, pc := range dead {
+		pc.removed = true
+	}
+	if len(dead) == 0 {
+		return
+	}
+	p.chans = slices.DeleteFunc(p.chans, func(pc *pubChannel) bool { return pc.removed })
+}
+
+// dropAll drops each channel of dead (see drop).
+func (p *publisher) dropAll(dead []*pubChannel) {
+	for _, pc := range dead {
+		p.drop(pc)
 	}
 }
 
@@ -193,21 +360,12 @@ func (p *publisher) open(ctx context.Context) (*pubChannel, error) {
 		return nil, fmt.Errorf("amqpidem: confirm mode: %w", err)
 	}
 	// Buffered: the connection's reader goroutine blocks on a full notify
-	// channel. Returns are drained before each publish.
-	return &pubChannel{ch: ch, returns: ch.NotifyReturn(make(chan amqp.Return, 4)),
+	// channel (for up to 5 s, then drops the return). Each publish drains
+	// it once confirmed; a return not drained yet belongs to a publish in
+	// flight, or to one that gave up, which retires the channel (no more
+	// publishes on it): pubPerChannel returns at most wait in it.
+	return &pubChannel{ch: ch, returns: ch.NotifyReturn(make(chan amqp.Return, pubPerChannel)),
 		closes: ch.NotifyClose(make(chan *amqp.Error, 1))}, nil
-}
-
-// put gives a healthy channel back, or drops a broken one (see drop).
-func (p *publisher) put(pc *pubChannel, healthy bool) {
-	p.mu.Lock()
-	closed := p.closed
-	p.mu.Unlock()
-	if healthy && !closed && !pc.ch.IsClosed() {
-		p.pool <- pc
-		return
-	}
-	p.drop(pc)
 }
 
 // drop closes pc and frees its place. The close is made in the background:
@@ -238,54 +396,81 @@ func (p *publisher) drop(pc *pubChannel) {
 // apart). A message whose headers would not fit in the connection's
 // frame_max is not sent: ErrTooLarge. When it returns nil the broker has
 // taken responsibility for the message.
+//
+// A message shares its channel with other publishes in flight (see
+// publisher); when the broker closes that channel, the message is
+// published again alone on a channel, so that the broker's refusal of
+// another message is not taken for a refusal of this one.
 func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
 	if fm := p.frameMax(); !fits(&msg, fm) {
 		// The broker would close the channel over it (501 FRAME_ERROR).
 		return tooLarge(exchange, key, &msg, fm)
 	}
-	pc, err := p.get(ctx)
+	shared, err := p.publishOn(ctx, exchange, key, msg, false)
+	if errors.Is(err, errChannelRefused) || shared && errors.Is(err, ErrNotConfirmed) && IsRefused(err) {
+		// The broker closed a channel other publishes were in flight on:
+		// over this message or another. Alone, its answer is its own.
+		_, err = p.publishOn(ctx, exchange, key, msg, true)
+	}
+	return err
+}
+
+// errChannelRefused is the error of a publish whose channel the broker
+// closed, with a channel-level reason, before the message was sent: over
+// another message in flight on it. publish tries such a message again
+// alone; on a channel a publish had to itself (the broker closed it over
+// something else), it is the publish's error, which IsRefused reports
+// false for.
+var errChannelRefused = errors.New("amqpidem: the broker closed the channel before the publish")
+
+// publishOn publishes msg once on a channel taken with get (alone: to
+// itself), and waits for its confirm; see publish. shared reports whether
+// other publishes took the channel while msg was in flight on it.
+func (p *publisher) publishOn(ctx context.Context, exchange, key string, msg amqp.Publishing, alone bool) (shared bool, err error) {
+	pc, w, err := p.get(ctx, msg.MessageId, alone)
 	if err != nil {
-		return err
+		return false, err
 	}
 	healthy := false
-	defer func() { p.put(pc, healthy) }()
+	defer func() { shared = p.put(pc, w, healthy) }()
 
-	for drained := false; !drained; {
-		select {
-		case _, ok := <-pc.returns: // left over from a publish that timed out
-			if !ok { // closed with the channel since get looked
-				return fmt.Errorf("amqpidem: publish to %q/%q: channel closed: %w", exchange, key, pc.closeReason())
-			}
-		default:
-			drained = true
-		}
-	}
 	dc, err := pc.ch.PublishWithDeferredConfirmWithContext(ctx, exchange, key, true, false, msg)
 	if err != nil {
-		return fmt.Errorf("amqpidem: publish to %q/%q: %w", exchange, key, err)
+		if pc.ch.IsClosed() {
+			reason := pc.closeReason()
+			if IsRefused(fmt.Errorf("%w: %w", ErrNotConfirmed, reason)) {
+				return false, fmt.Errorf("%w: exchange %q routing key %q: %w", errChannelRefused, exchange, key, reason)
+			}
+		}
+		return false, fmt.Errorf("amqpidem: publish to %q/%q: %w", exchange, key, err)
 	}
 	acked, err := dc.WaitContext(ctx)
 	if err != nil {
 		// The confirm may still come; this channel's state is unknown.
-		return fmt.Errorf("amqpidem: publish to %q/%q: waiting for confirm: %w", exchange, key, err)
+		return false, fmt.Errorf("amqpidem: publish to %q/%q: waiting for confirm: %w", exchange, key, err)
 	}
 	healthy = true
-	select {
-	case r, ok := <-pc.returns:
-		if ok {
-			return fmt.Errorf("%w: exchange %q routing key %q: %d %s (no queue is bound to take it: declare the queue, "+
-				"or start its consumer, which declares it, before publishing)", ErrUnroutable, exchange, key, r.ReplyCode, r.ReplyText)
-		}
-		// Closed with the channel: nothing was returned.
-	default:
+	p.mu.Lock()
+	// The broker sent this message's return, if any, before its confirm.
+	pc.drainReturns()
+	r := w.returned
+	p.mu.Unlock()
+	closed := !acked && pc.ch.IsClosed()
+	var reason error
+	if closed {
+		reason = pc.closeReason()
+	}
+	if r != nil {
+		return false, fmt.Errorf("%w: exchange %q routing key %q: %d %s (no queue is bound to take it: declare the queue, "+
+			"or start its consumer, which declares it, before publishing)", ErrUnroutable, exchange, key, r.ReplyCode, r.ReplyText)
 	}
 	if !acked {
-		if pc.ch.IsClosed() {
-			return fmt.Errorf("%w: exchange %q routing key %q: the broker closed the channel: %w", ErrNotConfirmed, exchange, key, pc.closeReason())
+		if closed {
+			return false, fmt.Errorf("%w: exchange %q routing key %q: the broker closed the channel: %w", ErrNotConfirmed, exchange, key, reason)
 		}
-		return fmt.Errorf("%w: exchange %q routing key %q", ErrNotConfirmed, exchange, key)
+		return false, fmt.Errorf("%w: exchange %q routing key %q", ErrNotConfirmed, exchange, key)
 	}
-	return nil
+	return false, nil
 }
 
 // redeclareAfter is how often a self-expiring delay queue is declared
@@ -303,12 +488,12 @@ func (p *publisher) declare(ctx context.Context, name string, args amqp.Table, r
 	if done && (!refresh || time.Since(at) < redeclareAfter) {
 		return nil
 	}
-	pc, err := p.get(ctx)
+	pc, w, err := p.get(ctx, "", true)
 	if err != nil {
 		return err
 	}
 	_, err = pc.ch.QueueDeclare(name, true, false, false, false, args)
-	p.put(pc, err == nil)
+	p.put(pc, w, err == nil)
 	if err != nil {
 		return declareError(name, args, err)
 	}
@@ -353,15 +538,15 @@ func (p *publisher) forget(name string) {
 func (p *publisher) close() {
 	p.mu.Lock()
 	p.closed = true
-	p.mu.Unlock()
-	for {
-		select {
-		case pc := <-p.pool:
-			p.drop(pc)
-		default:
-			return
+	var idle []*pubChannel
+	for _, pc := range p.chans {
+		if pc.inflight == 0 {
+			idle = append(idle, pc)
 		}
 	}
+	p.removeLocked(idle)
+	p.mu.Unlock()
+	p.dropAll(idle)
 }
 
 // wait waits for the channels being closed in the background: until the
