@@ -477,7 +477,14 @@ func literal(s string) string {
 // transaction-level advisory lock in the functions of table (held_key), of
 // the key p_key of namespace p_ns.
 func heldKeyHash(table string) string {
-	return "hashtext(" + literal(table+":") + " || p_ns || ':' || encode(p_key, 'hex'))"
+	return heldKeyHashOf(table, "p_ns", "p_key")
+}
+
+// heldKeyHashOf is heldKeyHash of the namespace and key given as the SQL
+// expressions ns and key, for a statement outside the functions (the
+// batch statements of store.go).
+func heldKeyHashOf(table, ns, key string) string {
+	return "hashtext(" + literal(table+":") + " || " + ns + " || ':' || encode(" + key + ", 'hex'))"
 }
 
 // clockUS is the SQL of the server's clock in µs, a fence. The functions

@@ -84,17 +84,12 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 		pool: pool,
 		cfg:  cfg,
 		sql: statements{
-			acquire: "SELECT status, fence, attempts, remaining_ms, value FROM " + n.acquire + "($1, $2, $3, $4, $5, $6)",
-			// acquire for each key of a batch (batch.go), in one statement.
-			acquireBatch: "SELECT a.status, a.fence, a.attempts, a.remaining_ms, a.value " +
-				"FROM unnest($2::bytea[], $3::text[], $4::bigint[], $5::bigint[], $6::bytea[]) WITH ORDINALITY AS x(key, owner, ttl, ret, fp, n) " +
-				"CROSS JOIN LATERAL " + n.acquire + "($1, x.key, x.owner, x.ttl, x.ret, x.fp) a ORDER BY x.n",
-			finish: "SELECT " + n.finish + "($1, $2, $3, $4, $5, $6, $7)",
+			acquire:      "SELECT status, fence, attempts, remaining_ms, value FROM " + n.acquire + "($1, $2, $3, $4, $5, $6)",
+			acquireBatch: acquireBatchSQL(n),
+			finish:       "SELECT " + n.finish + "($1, $2, $3, $4, $5, $6, $7)",
 			// finish_tx answers nothing: it raises where finish answers 0.
-			finishTx: "SELECT " + n.finishTx + "($1, $2, $3, $4, $5, $6, $7)",
-			// finish_tx for each record of a batch (batch.go), in order.
-			finishBatch: "SELECT " + n.finishTx + "($1, x.key, x.owner, x.fence, 'c', x.value, x.ret) " +
-				"FROM unnest($2::bytea[], $3::text[], $4::bigint[], $5::bytea[], $6::bigint[]) AS x(key, owner, fence, value, ret)",
+			finishTx:    "SELECT " + n.finishTx + "($1, $2, $3, $4, $5, $6, $7)",
+			finishBatch: finishBatchSQL(n),
 			// A lease held by a transaction (held.go).
 			begin:      beginSQL(cfg.TxOptions),
 			finishHeld: "SELECT " + n.finishHeld + "($1, $2, $3, $4, $5, $6, $7, $8)",
