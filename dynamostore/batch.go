@@ -47,8 +47,8 @@ type BatchTxFunc func(ctx context.Context, tx *Tx, ds []*amqp.Delivery) ([]amqpi
 // throttling or an answer that never came wraps lock.ErrUnavailable, and
 // every message of the batch is requeued, never run again in place.
 //
-// Leases are taken one call per message (concurrently), before the batch
-// runs. The returned handler implements amqpidem.BatchCompleter. A
+// The batch consumer takes the batch's leases with AcquireBatch (up to
+// MaxTxItems keys in one TransactWriteItems), before the batch runs. The returned handler implements amqpidem.BatchCompleter. A
 // message processed without a lease runs fn as a batch of one, its writes
 // sent with no record.
 func (s *Store) BatchTxHandler(fn BatchTxFunc) amqpidem.BatchHandler {
