@@ -4,7 +4,6 @@ package chaos_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
@@ -262,20 +261,28 @@ func runDynBatchKill9(t *testing.T, srv testenv.DynamoServer) {
 		}
 		return n
 	}
+	settled := true
 	for applied() < nGood || failed() < nPoison {
 		if ctx.Err() != nil {
+			// Not settled: report what is missing (an op acked with no
+			// effect is lost), then the figures as they are.
 			counts := perOp(context.Background())
 			var missing []string
 			for _, op := range ops {
-				if counts[op] == 0 || strings.HasPrefix(op, "poison") {
+				if len(missing) < 20 && (counts[op] == 0 || strings.HasPrefix(op, "poison")) {
 					rec, err := store.Inspect(context.Background(), amqpidem.StoreKey(name, op))
 					missing = append(missing, fmt.Sprintf("%s: %d items, record %v attempts %d (%v)", op, counts[op], rec.State, rec.Attempts, err))
 				}
 			}
-			t.Fatalf("not settled: %d of %d ops applied; unapplied and poison ops:\n%s", len(counts), nGood, strings.Join(missing, "\n"))
+			t.Errorf("not settled: %d of %d ops applied; unapplied and poison ops (the first 20):\n%s", applied(), nGood, strings.Join(missing, "\n"))
+			settled = false
+			break
 		}
 		time.Sleep(300 * time.Millisecond)
 	}
+	// The figures, read with a context of their own (ctx may be over).
+	ctx, cancel = context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
 	for _, c := range children {
 		_ = c.cmd.Process.Signal(syscall.SIGTERM)
 		<-c.done
@@ -329,10 +336,10 @@ func runDynBatchKill9(t *testing.T, srv testenv.DynamoServer) {
 	if lost != 0 || duplicated != 0 || poisonApplied != 0 || deadGood != 0 {
 		t.Errorf("%s: lost %d, duplicated %d, poison effects %d, good ops dead-lettered %d: want all 0", scenario, lost, duplicated, poisonApplied, deadGood)
 	}
+	if !settled {
+		t.Errorf("%s: ran out of time", scenario)
+	}
 	if killed == 0 {
 		t.Errorf("%s: every op was applied before the first kill -9: the scenario tested nothing", scenario)
-	}
-	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
-		t.Errorf("%s: ran out of time", scenario)
 	}
 }
