@@ -107,8 +107,9 @@ type acquireBatch struct {
 // send decides the keys of chunk on the items seen and sends the writes of
 // those still to take in one TransactWriteItems. It returns the keys to
 // send again (the transaction was cancelled: they are decided on the items
-// its failed conditions saw) and those to take one by one (its answer was
-// an error: b.sent holds it).
+// its failed conditions saw) and those to take one by one (it was
+// cancelled with no reason per item, or its answer was another error,
+// which b.sent then holds).
 func (b *acquireBatch) send(ctx context.Context, chunk []int) (again, fail []int) {
 	s := b.s
 	var items []types.TransactWriteItem
@@ -156,6 +157,11 @@ func (b *acquireBatch) send(ctx context.Context, chunk []int) (again, fail []int
 			}
 		}
 		return keys, nil
+	}
+	if errors.As(err, &tce) {
+		// Cancelled, nothing written, but with no reason per item: each
+		// key is taken on its own.
+		return nil, keys
 	}
 	err = fmt.Errorf("dynamostore: acquire batch of %d: %w", len(items), classify(err))
 	for _, i := range keys {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/aws/aws-sdk-go-v2/aws"
 	"github.com/aws/aws-sdk-go-v2/service/dynamodb"
+	"github.com/aws/aws-sdk-go-v2/service/dynamodb/types"
 
 	"github.com/amqpidem/amqpidem/dynamostore"
 	"github.com/amqpidem/amqpidem/internal/testenv"
@@ -283,6 +284,27 @@ func TestAcquireBatchRefused(t *testing.T) {
 		}
 		if res, err := s.Acquire(context.Background(), lock.Request{Key: "a"}); err != nil || res.Status != lock.Acquired {
 			t.Fatalf("after the refused batch: %v, %v; want the key free", res.Status, err)
+		}
+	})
+}
+
+// TestAcquireBatchCancelledWithoutReasons: a transaction cancelled with no
+// reason per item wrote nothing; its keys are taken one by one, not
+// answered with its error.
+func TestAcquireBatchCancelledWithoutReasons(t *testing.T) {
+	eachServer(t, func(t *testing.T, srv *server) {
+		client, table := srv.sharedTable(t)
+		cancelled := &types.TransactionCanceledException{Message: aws.String("Transaction cancelled")}
+		s, err := dynamostore.New(&failingTx{client, cancelled}, dynamostore.Config{Table: table, Config: lock.Config{Prefix: testenv.Name(t)}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		reqs := []lock.Request{{Key: "a"}, {Key: "b"}}
+		rs, errs := s.AcquireBatch(context.Background(), reqs)
+		for i := range reqs {
+			if errs[i] != nil || rs[i].Status != lock.Acquired {
+				t.Fatalf("%q: %v, %v; want its lease, taken on its own", reqs[i].Key, rs[i].Status, errs[i])
+			}
 		}
 	})
 }
