@@ -33,12 +33,17 @@ type BatchTxFunc func(ctx context.Context, tx *Tx, ds []*amqp.Delivery) ([]amqpi
 // TransactWriteItems: the batch's writes and records commit together, or
 // not at all.
 //
-// A batch whose writes and records exceed MaxTxItems is a batch error
-// wrapping ErrTxTooLarge, nothing sent: amqpidem splits it until the
-// halves fit (a single message whose writes do not fit with its record
-// fails, as with TxHandler). Set ConsumerConfig.BatchSize to what fits
-// (MaxTxItems over the items per message plus one) to spare the splits.
-// MaxTxBytes holds for the whole batch too. Otherwise a transaction that
+// A batch of more than one message whose writes and records exceed
+// MaxTxItems, or whose attribute values and keys add up to more than
+// MaxTxBytes, is a batch error wrapping ErrTxTooLarge, nothing sent:
+// amqpidem splits it in halves, each run again, until they fit, and no
+// message of it is refused or counts an attempt for it (a single message
+// whose writes do not fit with its record fails, as with TxHandler; a
+// batch that DynamoDB refuses as over 4 MB on its own reckoning, which
+// counts the whole items an update leaves, is split the same way). Set
+// ConsumerConfig.BatchSize to what fits (MaxTxItems over the items per
+// message plus one, and 4 MB over the bytes per message) to spare the
+// splits, each of which runs fn again on the halves. Otherwise a transaction that
 // does not commit becomes what TxHandler says, for the whole batch: a
 // record's condition failed (a lease lost) is a batch error wrapping
 // lock.ErrLeaseLost, a condition of fn's items one wrapping
@@ -47,8 +52,8 @@ type BatchTxFunc func(ctx context.Context, tx *Tx, ds []*amqp.Delivery) ([]amqpi
 // throttling or an answer that never came wraps lock.ErrUnavailable, and
 // every message of the batch is requeued, never run again in place.
 //
-// Leases are taken one call per message (concurrently), before the batch
-// runs. The returned handler implements amqpidem.BatchCompleter. A
+// The batch consumer takes the batch's leases with AcquireBatch (up to
+// MaxTxItems keys in one TransactWriteItems), before the batch runs. The returned handler implements amqpidem.BatchCompleter. A
 // message processed without a lease runs fn as a batch of one, its writes
 // sent with no record.
 func (s *Store) BatchTxHandler(fn BatchTxFunc) amqpidem.BatchHandler {
@@ -101,7 +106,9 @@ func (h *batchTxHandler) HandleBatchComplete(ctx context.Context, items []amqpid
 		return rs, err
 	}
 	// Some messages failed after fn added writes to its Tx, which may be
-	// theirs: run the others again, without them (see BatchTxFunc).
+	// theirs: run the others again, without them (see BatchTxFunc),
+	// staging afresh (what this run staged is not stored).
+	amqpidem.DiscardStaged(ctx)
 	sub := make([]amqpidem.BatchItem, len(ok))
 	for j, i := range ok {
 		sub[j] = items[i]
@@ -175,6 +182,10 @@ func (h *batchTxHandler) complete(ctx context.Context, items []amqpidem.BatchIte
 		return rs, done, nil // the failed ones' writes may be in tx
 	case n > MaxTxItems:
 		return nil, nil, fmt.Errorf("%w: %d items and %d records, at most %d in all", ErrTxTooLarge, tx.Len(), len(records), MaxTxItems)
+	case len(records) > 1:
+		if size := txSize(tx.items) + txSize(records); size > MaxTxBytes {
+			return nil, nil, fmt.Errorf("%w: %d items and %d records of about %d bytes, at most %d in all", ErrTxTooLarge, tx.Len(), len(records), size, MaxTxBytes)
+		}
 	}
 	return rs, nil, h.commitBatch(ctx, &tx, records, leases)
 }
@@ -229,4 +240,74 @@ func (h *batchTxHandler) commitBatch(ctx context.Context, tx *Tx, records []type
 		return fmt.Errorf("%w: batch transaction cancelled (%v): %w", lock.ErrUnavailable, unavailable, err)
 	}
 	return fmt.Errorf("dynamostore: batch transaction cancelled: %w", classify(err))
+}
+
+// txSize is about the bytes items add to a transaction: their keys, a
+// Put's item, and the values an Update or a ConditionCheck carries (its
+// condition's operands among them), as DynamoDB sizes attributes. It
+// leaves out what an Update keeps of the item it changes, which DynamoDB
+// counts too.
+func txSize(items []types.TransactWriteItem) int {
+	n := 0
+	for _, it := range items {
+		switch {
+		case it.Put != nil:
+			n += attrsSize(it.Put.Item) + attrsSize(it.Put.ExpressionAttributeValues)
+		case it.Update != nil:
+			n += attrsSize(it.Update.Key) + attrsSize(it.Update.ExpressionAttributeValues)
+		case it.Delete != nil:
+			n += attrsSize(it.Delete.Key) + attrsSize(it.Delete.ExpressionAttributeValues)
+		case it.ConditionCheck != nil:
+			n += attrsSize(it.ConditionCheck.Key) + attrsSize(it.ConditionCheck.ExpressionAttributeValues)
+		}
+	}
+	return n
+}
+
+// attrsSize is the size of the attributes m, names and values.
+func attrsSize(m map[string]types.AttributeValue) int {
+	n := 0
+	for k, v := range m {
+		n += len(k) + attrSize(v)
+	}
+	return n
+}
+
+// attrSize is the size of one attribute value.
+func attrSize(v types.AttributeValue) int {
+	switch v := v.(type) {
+	case *types.AttributeValueMemberS:
+		return len(v.Value)
+	case *types.AttributeValueMemberB:
+		return len(v.Value)
+	case *types.AttributeValueMemberN:
+		return len(v.Value)
+	case *types.AttributeValueMemberSS:
+		n := 0
+		for _, s := range v.Value {
+			n += len(s)
+		}
+		return n
+	case *types.AttributeValueMemberNS:
+		n := 0
+		for _, s := range v.Value {
+			n += len(s)
+		}
+		return n
+	case *types.AttributeValueMemberBS:
+		n := 0
+		for _, b := range v.Value {
+			n += len(b)
+		}
+		return n
+	case *types.AttributeValueMemberL:
+		n := 3
+		for _, e := range v.Value {
+			n += 1 + attrSize(e)
+		}
+		return n
+	case *types.AttributeValueMemberM:
+		return 3 + attrsSize(v.Value) + len(v.Value)
+	}
+	return 1 // BOOL, NULL
 }

@@ -128,6 +128,31 @@
 // success. Where the effect may be there already, read it in fn and add no
 // write for it, so that the record commits alone.
 //
+// # Batches
+//
+// With amqpidem.NewBatchConsumer, the Store takes a batch's leases with
+// AcquireBatch: the conditional writes of up to MaxTxItems keys in one
+// TransactWriteItems, each key decided as Acquire decides it, on the same
+// item, with the same fencing. A batch of new keys costs one round trip,
+// one with duplicates, keys in progress or taken over two (measured on
+// DynamoDB Local, TestAcquireBatchRoundTrips: 100 new keys 1, against
+// Acquire's 100); keys whose items change under 3 transactions in a row,
+// and every key of a transaction whose answer was lost, are taken one by
+// one with Acquire's writes and retries. BatchTxHandler sends the
+// handler's writes and the batch's records in one TransactWriteItems.
+//
+// The largest batch one transaction commits is bounded by DynamoDB's
+// limits, records included: MaxTxItems (100) items, so 100/(k+1)
+// messages whose handler writes k items each (50 with one item each), and
+// MaxTxBytes (4 MB). A batch over them is not refused: nothing is sent,
+// and amqpidem splits it in halves, each run again (fn included) until
+// they fit, no message refused and no attempt counted. Only a single
+// message whose own writes do not fit with its record fails, as with
+// TxHandler. Set ConsumerConfig.BatchSize to what fits to spare the
+// reruns. A transactional write costs twice the write capacity of a
+// plain one, for the leases of AcquireBatch too, and a cancelled
+// transaction (a batch with duplicates) is charged as well.
+//
 // # Limits
 //
 // A record is one item, at most 400 KB: Config.MaxResultSize may not

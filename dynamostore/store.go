@@ -111,67 +111,25 @@ func (s *Store) Acquire(ctx context.Context, req lock.Request) (lock.Result, err
 		return lock.Result{}, err
 	}
 	owner := lock.NewOwner()
-	return lock.RetryAcquire(ctx, func(ctx context.Context) (lock.Result, error) { return s.acquire(ctx, req, owner) }, answered)
+	return lock.RetryAcquire(ctx, func(ctx context.Context) (lock.Result, error) { return s.acquire(ctx, req, owner, nil) }, answered)
 }
 
-// acquire decides on the item last seen (none at first) and writes the
-// lease by compare-and-set on it, until a write succeeds or the item seen
-// decides without one.
-func (s *Store) acquire(ctx context.Context, req lock.Request, owner string) (lock.Result, error) {
-	var seen map[string]types.AttributeValue
+// acquire decides on the item last seen (seen, nil for none) and writes
+// the lease by compare-and-set on it, until a write succeeds or the item
+// seen decides without one.
+func (s *Store) acquire(ctx context.Context, req lock.Request, owner string, seen map[string]types.AttributeValue) (lock.Result, error) {
 	for range acquireRounds {
-		start, nowMs := s.now()
-		next := record{
-			key:         req.Key,
-			state:       stateInProgress,
-			owner:       owner,
-			fence:       start.UnixMicro(),
-			deadline:    nowMs + req.TTL.Milliseconds(),
-			attempts:    1,
-			fingerprint: req.Fingerprint,
-			created:     nowMs,
-			expires:     nowMs + req.TTL.Milliseconds() + req.Retention.Milliseconds(),
+		w, err := s.acquireWrite(req, owner, seen)
+		if err != nil || w.done {
+			return w.res, err
 		}
-		u := newUpdate()
-		cond := "attribute_not_exists(#pk)"
-		if seen == nil {
-			u.cond([]string{attrPK}, nil)
-		} else {
-			old, err := decode(req.Key, seen)
-			if err != nil {
-				return lock.Result{}, err
-			}
-			// A lease in progress is judged by its deadline and the skew
-			// even when the item has expired (Retention at most
-			// MaxClockSkew): its holder may still hold it.
-			if !old.gone(nowMs) || s.mayBeHeld(old, nowMs) {
-				if res, done := s.decide(req, owner, old, start, nowMs); done {
-					return res, nil
-				}
-				// A takeover: the same record, a new lease. The record
-				// keeps the fingerprint it was made with, none included,
-				// as every store does (Conflict: "first seen with").
-				next.attempts = old.attempts + 1
-				next.created = old.created
-				next.fingerprint = old.fingerprint
-			}
-			next.fence = max(old.fence+1, next.fence)
-			// Compare-and-set on the item as seen: a new lease changes the
-			// fence, an outcome the state, an Extend the deadline and expiry.
-			cond = "#st = :seen_st AND #fe = :seen_fe AND #dl = :seen_dl AND #ex = :seen_ex"
-			u.cond([]string{attrState, attrFence, attrDeadline, attrExpires}, map[string]types.AttributeValue{
-				":seen_st": seen[attrState], ":seen_fe": seen[attrFence],
-				":seen_dl": seen[attrDeadline], ":seen_ex": seen[attrExpires],
-			})
-		}
-		u.all(s, next)
-		_, err := s.client.UpdateItem(ctx, &dynamodb.UpdateItemInput{
+		_, err = s.client.UpdateItem(ctx, &dynamodb.UpdateItemInput{
 			TableName:                           aws.String(s.cfg.Table),
 			Key:                                 keyAttr(s.cfg.Prefix, req.Key),
-			UpdateExpression:                    aws.String("SET " + u.set),
-			ConditionExpression:                 aws.String(cond),
-			ExpressionAttributeNames:            u.names,
-			ExpressionAttributeValues:           u.values,
+			UpdateExpression:                    aws.String("SET " + w.u.set),
+			ConditionExpression:                 aws.String(w.cond),
+			ExpressionAttributeNames:            w.u.names,
+			ExpressionAttributeValues:           w.u.values,
 			ReturnValuesOnConditionCheckFailure: types.ReturnValuesOnConditionCheckFailureAllOld,
 		})
 		if item, failed := conditionFailed(err); failed {
@@ -181,9 +139,72 @@ func (s *Store) acquire(ctx context.Context, req lock.Request, owner string) (lo
 		if err != nil {
 			return lock.Result{}, fmt.Errorf("dynamostore: acquire %q: %w", req.Key, classify(err))
 		}
-		return acquired(req, next, start), nil
+		return acquired(req, w.next, w.start), nil
 	}
 	return lock.Result{}, fmt.Errorf("%w: acquire %q: the record changed under %d conditional writes in a row", lock.ErrUnavailable, req.Key, acquireRounds)
+}
+
+// acquireStep is one round of an Acquire: the answer, when the item seen
+// decides it (done), or else the conditional write that takes the lease
+// (u, cond) and the lease it writes (next, made at start).
+type acquireStep struct {
+	done  bool
+	res   lock.Result
+	u     *update
+	cond  string
+	next  record
+	start time.Time
+}
+
+// acquireWrite decides req on the item seen (nil: none), or makes the
+// write that takes its lease for owner by compare-and-set on that item.
+func (s *Store) acquireWrite(req lock.Request, owner string, seen map[string]types.AttributeValue) (acquireStep, error) {
+	start, nowMs := s.now()
+	next := record{
+		key:         req.Key,
+		state:       stateInProgress,
+		owner:       owner,
+		fence:       start.UnixMicro(),
+		deadline:    nowMs + req.TTL.Milliseconds(),
+		attempts:    1,
+		fingerprint: req.Fingerprint,
+		created:     nowMs,
+		expires:     nowMs + req.TTL.Milliseconds() + req.Retention.Milliseconds(),
+	}
+	u := newUpdate()
+	cond := "attribute_not_exists(#pk)"
+	if seen == nil {
+		u.cond([]string{attrPK}, nil)
+	} else {
+		old, err := decode(req.Key, seen)
+		if err != nil {
+			return acquireStep{}, err
+		}
+		// A lease in progress is judged by its deadline and the skew
+		// even when the item has expired (Retention at most
+		// MaxClockSkew): its holder may still hold it.
+		if !old.gone(nowMs) || s.mayBeHeld(old, nowMs) {
+			if res, done := s.decide(req, owner, old, start, nowMs); done {
+				return acquireStep{done: true, res: res}, nil
+			}
+			// A takeover: the same record, a new lease. The record
+			// keeps the fingerprint it was made with, none included,
+			// as every store does (Conflict: "first seen with").
+			next.attempts = old.attempts + 1
+			next.created = old.created
+			next.fingerprint = old.fingerprint
+		}
+		next.fence = max(old.fence+1, next.fence)
+		// Compare-and-set on the item as seen: a new lease changes the
+		// fence, an outcome the state, an Extend the deadline and expiry.
+		cond = "#st = :seen_st AND #fe = :seen_fe AND #dl = :seen_dl AND #ex = :seen_ex"
+		u.cond([]string{attrState, attrFence, attrDeadline, attrExpires}, map[string]types.AttributeValue{
+			":seen_st": seen[attrState], ":seen_fe": seen[attrFence],
+			":seen_dl": seen[attrDeadline], ":seen_ex": seen[attrExpires],
+		})
+	}
+	u.all(s, next)
+	return acquireStep{u: u, cond: cond, next: next, start: start}, nil
 }
 
 // mayBeHeld reports whether r is a lease that a holder whose clock is
