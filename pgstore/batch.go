@@ -67,9 +67,9 @@ type BatchTxFunc func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]am
 //     effects rolled back with it, and it runs again). The batch is not
 //     run again in place, which could commit its effects twice.
 //
-// Leases are taken one per message with Acquire (record-row leases; the
-// deliveries of a batch take theirs concurrently), before the batch runs.
-// A batch holds one pooled connection while it runs.
+// The batch consumer takes a batch's leases with AcquireBatch (record-row
+// leases, one statement for the batch), before the batch runs. A batch
+// holds one pooled connection while it runs.
 //
 // The returned handler implements amqpidem.BatchCompleter. A message
 // processed without a lease (amqpidem.ProcessMissingKey, FailOpen) runs
@@ -174,11 +174,13 @@ func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []
 		ferr = fmt.Errorf("pgstore: the batch function returned %d results for %d messages", len(rs), len(ds))
 	}
 	end, err := h.s.ending(ctx, t, xid, ferr, false)
-	if end == endFailed && errors.Is(err, errWorkCommitted) {
-		// fn committed its work itself, then failed: as a batch error it
-		// would be split and its halves run again, committing their work
-		// a second time. Each message fails on its own instead
-		// (Permanent: never run again), its record not completed.
+	if end == endFailed && (errors.Is(err, errWorkCommitted) || errors.Is(err, errWorkUnknown)) {
+		// fn committed its work itself (or may have: the server could not
+		// tell), then failed: as a batch error it would be split and its
+		// halves run again, committing their work a second time. Each
+		// message fails on its own instead (Permanent, or the store's
+		// unavailability: never run again in place), its record not
+		// completed.
 		rs := make([]amqpidem.BatchResult, len(ds))
 		for i := range rs {
 			rs[i].Err = err
@@ -212,9 +214,8 @@ func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []
 	} else {
 		rs = slices.Clone(rs)
 	}
-	// The records to complete, in key order: two transactions that
-	// update some of the same rows (a lease lost to the other) lock them
-	// in the same order, and do not deadlock.
+	// The records to complete, in key order (the order finish_tx is
+	// called in for the records the batch's UPDATE leaves to it).
 	var done []int
 	values := make([][]byte, len(ds))
 	for i := range rs {
@@ -246,7 +247,7 @@ func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []
 		// TxHandler).
 		for _, i := range done {
 			if err := h.s.finish(cctx, conn, leases[i], "complete", "c", values[i]); err != nil {
-				rs[i] = amqpidem.BatchResult{Err: err}
+				rs[i] = amqpidem.BatchResult{Err: recordAfterCommit(err)}
 			}
 		}
 		return rs, nil
@@ -256,10 +257,11 @@ func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []
 
 // finishBatch completes the records of leases[i], for i in done, with
 // values[i] in the transaction open on conn and commits it, in one round
-// trip: one statement calling finish_tx for each (any of which raises
-// leaseLostCode where its lease is no longer held, aborting the
-// transaction) and the COMMIT, which the server skips once it was
-// aborted.
+// trip: the settings of its statement (set_config, for the transaction),
+// the statement (finishBatchSQL: one UPDATE for the records still held,
+// finish_tx for the others, which raises leaseLostCode where a lease is no
+// longer held, aborting the transaction) and the COMMIT, which the server
+// skips once it was aborted.
 func (s *Store) finishBatch(ctx context.Context, conn *pgx.Conn, leases []lock.Lease, values [][]byte, done []int) error {
 	keys := make([][]byte, len(done))
 	owners := make([]string, len(done))
@@ -277,7 +279,9 @@ func (s *Store) finishBatch(ctx context.Context, conn *pgx.Conn, leases []lock.L
 	// A generic plan of the statement, which a prepared statement gets
 	// after five runs, guesses ten keys and pairs each record with each
 	// key: a custom plan, made for the batch's arrays, costs a fifth of it.
-	b.Queue("SET LOCAL plan_cache_mode = force_custom_plan")
+	// And a row another transaction holds is waited for at most as long
+	// as the functions wait (lockTimeout), not until commitTimeout.
+	b.Queue("SELECT set_config('plan_cache_mode', 'force_custom_plan', true), set_config('lock_timeout', '" + lockTimeout + "', true)")
 	b.Queue(s.sql.finishBatch, s.cfg.Prefix, keys, owners, fences, vals, rets)
 	b.Queue("COMMIT")
 	br := conn.SendBatch(ctx, b)

@@ -2,6 +2,7 @@ package pgstore_test
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -9,6 +10,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/lock"
+	"github.com/amqpidem/amqpidem/pgstore"
 )
 
 // TestAcquireBatchHeldKey: a key whose lease a transaction holds (no
@@ -59,4 +61,36 @@ func TestAcquireBatchHeldKey(t *testing.T) {
 		}
 	}
 	r.idle()
+}
+
+// TestAcquireBatchRowBeingWritten: a key whose record row another
+// transaction is inserting (not committed) makes AcquireBatch wait at
+// most the functions' lock_timeout (2 s), then fail with
+// lock.ErrUnavailable, as the acquire function does; not wait for that
+// transaction to end.
+func TestAcquireBatchRowBeingWritten(t *testing.T) {
+	r := newRig(t)
+	ctx := context.Background()
+	const key = "being-written"
+	tx, err := r.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, `INSERT INTO `+pgx.Identifier{r.cfg.Schema, pgstore.DefaultTable}.Sanitize()+`
+			(ns, key, state, owner, fence, deadline, attempts, fingerprint, value, created_at, ended_at, expires_at)
+		VALUES ($1, $2, 'p', 'writer', 1, now() + interval '1 hour', 1, '', NULL, now(), NULL, now() + interval '1 hour')`,
+		lock.DefaultPrefix, []byte(key)); err != nil {
+		t.Fatal(err)
+	}
+	cctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+	defer cancel()
+	t0 := time.Now()
+	_, errs := r.store.AcquireBatch(cctx, []lock.Request{{Key: "being-written-new"}, {Key: key}})
+	took := time.Since(t0)
+	for i, err := range errs {
+		if !errors.Is(err, lock.ErrUnavailable) || errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("request %d after %v: %v; want lock.ErrUnavailable from the lock timeout", i, took, err)
+		}
+	}
 }

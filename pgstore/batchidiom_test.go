@@ -370,3 +370,33 @@ func TestBatchTxHandlerCommitThenErrorNotRerun(t *testing.T) {
 		}
 	}
 }
+
+// TestBatchTxHandlerCommitUnknownNotRerun: as
+// TestBatchTxHandlerCommitThenErrorNotRerun, with the server unable to
+// say whether the function's own COMMIT committed (the status question
+// fails): its work may be done, so no message of it may run again in
+// place; a batch error would have been split and its halves run again.
+func TestBatchTxHandlerCommitUnknownNotRerun(t *testing.T) {
+	pgstore.SetXactStatusSQL(t, "SELECT length($1::text) / 0 = 1")
+	r := newRig(t)
+	r.runBatch(r.store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		for _, d := range ds {
+			if err := r.insert(ctx, tx, d.MessageId); err != nil {
+				return nil, err
+			}
+		}
+		if _, err := tx.Exec(ctx, "COMMIT"); err != nil {
+			return nil, err
+		}
+		return nil, errors.New("failed after its own COMMIT")
+	}), func(c *amqpidem.ConsumerConfig) { c.BatchWait = 200 * time.Millisecond })
+	ops := ids("u", 8)
+	r.publish(ops...)
+	evs := r.settled(ops, amqpidem.DeadLettered, amqpidem.Completed)
+	got := r.effects()
+	for _, op := range ops {
+		if got[op] != 1 || evs[op][len(evs[op])-1].Outcome != amqpidem.DeadLettered {
+			t.Errorf("%s: %d effect rows, events %s; want 1, dead-lettered", op, got[op], outcomes(evs[op]))
+		}
+	}
+}

@@ -21,15 +21,14 @@ package pgstore
 //
 // The INSERT runs to its end before any acquire call: the first branch
 // of the UNION reads all its rows. Its advisory locks, like the
-// function's, are held until the statement's transaction ends. Unlike the
-// function, it has no lock_timeout: a key whose row another transaction is
-// inserting or deleting makes it wait for that transaction, which is
-// always a short one (an Acquire, a record's completion sent with its
-// COMMIT, the cleanup's DELETE); a lease held by a transaction holds the
-// advisory lock, and its key is left to the function.
+// function's, are held until the statement's transaction ends. Like the
+// function, it waits at most lock_timeout (set for the statement's
+// transaction, the first thing x does) for a key's row that another
+// transaction is writing; then the statement fails, every key of the
+// batch with it (lock.ErrUnavailable), as when a function call timed out.
 func acquireBatchSQL(n names) string {
 	return `WITH x AS (
-	SELECT x.*, clock_timestamp() AS now_ts
+	SELECT x.*, clock_timestamp() AS now_ts, set_config('lock_timeout', '` + lockTimeout + `', true) AS lt
 	FROM unnest($2::bytea[], $3::text[], $4::bigint[], $5::bigint[], $6::bytea[])
 		WITH ORDINALITY AS x(key, owner, ttl, ret, fp, n)
 ), ins AS (
@@ -66,7 +65,7 @@ SELECT status, fence, attempts, remaining_ms, value FROM (
 // every row of the namespace for a join on the key). A row updated since
 // its lookup (the heartbeat renewed the lease) is not found by its old
 // ctid and goes to finish_tx, which decides it. finishBatch runs it under
-// a custom plan (see there).
+// a custom plan and the functions' lock_timeout (see there).
 func finishBatchSQL(n names) string {
 	return `WITH x AS (
 	SELECT x.*, clock_timestamp() AS now_ts

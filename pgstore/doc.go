@@ -246,9 +246,13 @@
 // message's statements answer pgx.ErrTxClosed: the batch fails and is
 // split). A savepoint per message (tx.Begin, then Rollback on its
 // failure) keeps a failed message's writes out. A batch function that
-// ended the transaction itself and committed, then failed the batch or a
-// message, has each such message fail on its own, Permanent, wrapping
-// ErrTxEnded: its work committed, so it is never split nor run again.
+// ended the transaction itself and committed (or the server could not say
+// whether it did), then failed the batch or a message, has each such
+// message fail on its own, Permanent, wrapping ErrTxEnded: its work
+// committed, so it is never split nor run again. So does a message whose
+// work a function (a TxFunc too) committed itself when its record could
+// then not be completed (its lease lost, the store out of reach):
+// released, the message would run again.
 // pgstore's TestBatchTxHandlerIdioms runs each of these.
 //
 // # The producer outbox

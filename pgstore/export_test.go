@@ -17,3 +17,11 @@ func SetHeldRetry(t interface{ Cleanup(func()) }, d time.Duration) {
 	heldRetry = d
 	t.Cleanup(func() { heldRetry = old })
 }
+
+// SetXactStatusSQL sets the query that asks whether a transaction
+// committed, until the test ends.
+func SetXactStatusSQL(t interface{ Cleanup(func()) }, q string) {
+	old := xactStatusSQL
+	xactStatusSQL = q
+	t.Cleanup(func() { xactStatusSQL = old })
+}

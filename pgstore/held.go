@@ -372,9 +372,12 @@ func (h *txHandler) completeHeld(ctx context.Context, d *amqp.Delivery, lease lo
 	}
 	if err != nil {
 		if !errors.Is(err, lock.ErrLeaseLost) {
-			// amqpidem releases the lease next: its record keeps the
+			// amqpidem ends the lease next: its record keeps the
 			// fingerprint.
 			h.s.putHeld(lease, &heldTx{fp: ht.fp})
+		}
+		if end == endCommitted {
+			return nil, recordAfterCommit(err)
 		}
 		return nil, err
 	}

@@ -424,3 +424,45 @@ func TestHeldLeaseCommitFailsThenRelease(t *testing.T) {
 	}
 	r.idle()
 }
+
+// TestTxHandlerCommittedThenRecordLost: a handler that commits its work
+// itself, after which its lease is taken by another owner, so that its
+// record cannot be completed: its work is done, so the error is
+// Permanent (dead-lettered), never one that releases the lease for a
+// redelivery to run the work again. On both leases.
+func TestTxHandlerCommittedThenRecordLost(t *testing.T) {
+	for _, p := range paths {
+		t.Run(p.name, func(t *testing.T) {
+			r := newRig(t)
+			ctx := context.Background()
+			key := "stolen-" + p.name
+			table := pgx.Identifier{r.cfg.Schema, pgstore.DefaultTable}.Sanitize()
+			h := r.taker(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+				if err := r.insert(ctx, tx, d.MessageId); err != nil {
+					return nil, err
+				}
+				if _, err := tx.Exec(ctx, "COMMIT"); err != nil { // ends it: tx.Commit would not
+					return nil, err
+				}
+				// Another owner takes the key over: a row lease is
+				// rewritten, a held one finds a live record in its way.
+				_, err := r.pool.Exec(ctx, `INSERT INTO `+table+` AS t (ns, key, state, owner, fence, deadline, attempts,
+						fingerprint, value, created_at, ended_at, expires_at)
+					VALUES ($1, $2, 'p', 'thief', 1, now() + interval '1 hour', 1, '', NULL, now(), NULL, now() + interval '1 hour')
+					ON CONFLICT (ns, key) DO UPDATE SET owner = 'thief', fence = t.fence + 1`, lock.DefaultPrefix, []byte(key))
+				return []byte("done"), err
+			})
+			res, err := h.AcquireLease(ctx, lock.Request{Key: key, TTL: 5 * time.Second}, &amqp.Delivery{Redelivered: p.redelivered})
+			if err != nil || res.Status != lock.Acquired {
+				t.Fatalf("AcquireLease: %+v, %v", res, err)
+			}
+			_, err = h.HandleComplete(ctx, &amqp.Delivery{MessageId: key, Redelivered: p.redelivered}, res.Lease, same)
+			if err == nil || !amqpidem.IsPermanent(err) || !errors.Is(err, pgstore.ErrTxEnded) {
+				t.Fatalf("HandleComplete: %v; want a Permanent error wrapping ErrTxEnded (the work committed, the record not)", err)
+			}
+			if got := r.effects()[key]; got != 1 {
+				t.Fatalf("effects %d, want 1", got)
+			}
+		})
+	}
+}

@@ -186,12 +186,15 @@ func (s *Store) ending(ctx context.Context, t *handlerTx, xid string, ferr error
 			return endCommitted, nil
 		case committed:
 			return endFailed, amqpidem.Permanent(fmt.Errorf("%w, %w; then it returned an error, so it is not run again: %w", ErrTxEnded, errWorkCommitted, ferr))
+		case closed && err != nil:
+			// Rolled back with the session, or committed by fn before
+			// the connection closed: unknown, the server out of reach.
+			return endFailed, fmt.Errorf("%w (%w)", connClosed(ctx, ferr, held), errWorkUnknown)
 		case closed:
-			// Rolled back with the session (or unknown, with the
-			// server out of reach): the store is the cause.
+			// Rolled back with the session: the store is the cause.
 			return endFailed, connClosed(ctx, ferr, held)
 		case err != nil:
-			return endFailed, amqpidem.Permanent(fmt.Errorf("%w; whether its work committed is unknown (%w), so it is not run again", ErrTxEnded, classify(err)))
+			return endFailed, amqpidem.Permanent(fmt.Errorf("%w; whether its work committed is unknown (%w), so it is not run again: %w", ErrTxEnded, classify(err), errWorkUnknown))
 		case ferr != nil:
 			return endFailed, amqpidem.Permanent(fmt.Errorf("%w and rolled it back; it returned: %w", ErrTxEnded, ferr))
 		}
@@ -212,6 +215,22 @@ func (s *Store) ending(ctx context.Context, t *handlerTx, xid string, ferr error
 // transaction itself, committed, and then failed (ending): its work is
 // done and must not run again.
 var errWorkCommitted = errors.New("and its work committed")
+
+// recordAfterCommit is the error of a record that could not be completed
+// (err) after the handler committed its work itself: Permanent, so that
+// the message is not run again (released, a redelivery would take a new
+// lease and do the work a second time).
+func recordAfterCommit(err error) error {
+	return amqpidem.Permanent(fmt.Errorf("%w, %w; then its record could not be completed, so it is not run again: %w",
+		ErrTxEnded, errWorkCommitted, err))
+}
+
+// errWorkUnknown is in the error of a run whose transaction ended (the
+// handler ended it, or its connection closed) when the server could not
+// tell whether it committed (ending): its work may be done, so it must not
+// run again in place (a batch is not split and rerun); the record decides
+// a redelivery.
+var errWorkUnknown = errors.New("its work may have committed")
 
 // connClosed is the error of a run whose connection closed before its
 // commit, fn having returned ferr: nothing of the transaction committed.
@@ -234,6 +253,10 @@ func connClosed(ctx context.Context, ferr error, held bool) error {
 	return fmt.Errorf("%w: the transaction's connection closed: %w", lock.ErrUnavailable, ferr)
 }
 
+// xactStatusSQL asks whether a transaction committed (committed); a
+// variable so that a test can make the question fail.
+var xactStatusSQL = "SELECT pg_xact_status($1::xid8) IS NOT DISTINCT FROM 'committed'"
+
 // committed reports whether the transaction xid committed, asking on conn,
 // or on a connection of the pool when conn is closed. An empty xid (none
 // was taken) did not.
@@ -243,7 +266,7 @@ func (s *Store) committed(ctx context.Context, conn *pgx.Conn, xid string) (bool
 	}
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
 	defer cancel()
-	const q = "SELECT pg_xact_status($1::xid8) IS NOT DISTINCT FROM 'committed'"
+	q := xactStatusSQL
 	var ok bool
 	var err error
 	if conn.IsClosed() {
@@ -294,7 +317,9 @@ func (h *txHandler) run(ctx context.Context, d *amqp.Delivery, lease *lock.Lease
 	}
 	switch {
 	case end == endCommitted && lease != nil:
-		err = h.s.finish(cctx, conn, *lease, "complete", "c", v)
+		if err = h.s.finish(cctx, conn, *lease, "complete", "c", v); err != nil {
+			err = recordAfterCommit(err)
+		}
 	case end == endCommitted:
 	case lease != nil:
 		err = h.s.finishTx(cctx, conn.Conn(), *lease, v)
