@@ -321,8 +321,14 @@ func (f *flight) runBatched() {
 		}
 		fs := b.runs.gather(gr, wait, p.stopping, f.hctx.Done())
 		start := time.Now()
-		runs := p.runBatch(f.ctx, fs)
-		p.completeBatch(f.ctx, fs)
+		// The batch is the group's, not its leader's: with WrapBatch, the
+		// leader's ctx is its own Handle call's, and a batch run under it
+		// after it ended would fail for the others. Each flight's hctx
+		// (cancelled with its ctx, its lease lost, a forced shutdown)
+		// cancels the batch it is in (callBatch).
+		bctx := context.WithoutCancel(f.ctx)
+		runs := p.runBatch(bctx, fs)
+		p.completeBatch(bctx, fs)
 		p.observeBatch(f.ctx, BatchInfo{Queue: p.cfg.Queue, Size: len(fs), Runs: runs, Duration: time.Since(start)})
 		close(gr.done)
 	} else {

@@ -39,6 +39,13 @@ type BatchOptions struct {
 // cannot check that, not knowing how many Handle calls the loop makes at
 // once).
 //
+// A Handle call's ctx ending takes its delivery out of its batch (the
+// batch's context is cancelled, and it runs again without it). One
+// exception: the leases of deliveries arriving together are taken in one
+// store call under the ctx of the Handle call that opened the group, so
+// that ctx ending during that call fails the lease requests of the others
+// too, each settled as any delivery whose store call failed.
+//
 // It returns an error for a nil handler, a negative opts field, or a
 // BatchCompleter whose CompleterStore is not store, and whatever Wrap
 // returns.

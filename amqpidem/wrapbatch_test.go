@@ -144,3 +144,54 @@ func TestWrapBatchOwnLoop(t *testing.T) {
 		t.Errorf("%d staged messages published, want %d", published, n)
 	}
 }
+
+// TestWrapBatchLeaderContextEnds: the context of one Handle call of a
+// batch ends while the batch runs (a per-message timeout of the user's
+// loop). Its message is taken out and the batch runs again without it,
+// under a context that is not the ended one: the other message completes
+// rather than failing for a cancellation that was not its own.
+func TestWrapBatchLeaderContextEnds(t *testing.T) {
+	e := newEnv(t, nil)
+	w, err := amqpidem.WrapBatch(e.conn, e.store, amqpidem.Config{Queue: e.queue, MaxAttempts: 5},
+		amqpidem.BatchOptions{Size: 2, Wait: time.Second},
+		amqpidem.BatchHandlerFunc(func(ctx context.Context, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+			if len(ds) == 2 {
+				<-ctx.Done() // the first message's Handle call ends meanwhile
+				return nil, ctx.Err()
+			}
+			return nil, ctx.Err()
+		}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = w.Shutdown(context.Background()) })
+	ch, err := e.conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ch.Close()
+	msgs, err := ch.Consume(e.queue, "", false, false, false, false, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for round := range 6 {
+		first, second := fmt.Sprintf("a%d", round), fmt.Sprintf("b%d", round)
+		e.publish(amqp.Publishing{MessageId: first, Body: []byte("x")})
+		e.publish(amqp.Publishing{MessageId: second, Body: []byte("x")})
+		d1, d2 := <-msgs, <-msgs
+		ctx1, cancel1 := context.WithCancel(context.Background())
+		var wg sync.WaitGroup
+		var ev2 amqpidem.Event
+		wg.Add(2)
+		go func() { defer wg.Done(); w.Handle(ctx1, d1) }()
+		time.Sleep(20 * time.Millisecond) // d1 joins first: the batch's leader
+		go func() { defer wg.Done(); ev2 = w.Handle(context.Background(), d2) }()
+		time.Sleep(300 * time.Millisecond)
+		cancel1()
+		wg.Wait()
+		if ev2.Outcome != amqpidem.Completed {
+			t.Fatalf("round %d: %s: %v %q (%v), want completed: the batch ran again under the ended context of %s",
+				round, second, ev2.Outcome, ev2.Reason, ev2.Err, first)
+		}
+	}
+}
