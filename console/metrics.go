@@ -22,7 +22,9 @@ type Metrics interface {
 	// amqpidem_messages_total summed over reasons (outcomes in lower
 	// case: completed, duplicate, busy, retried, dead_lettered, dropped,
 	// abandoned, outbox_given_up). Counts only grow, but for a consumer
-	// that restarted.
+	// that restarted. It must return when ctx ends: the console reads
+	// once per MetricsInterval, bounded by Timeout, and Close waits for a
+	// read in flight. A panic in it is taken as a failed read.
 	Outcomes(ctx context.Context) (map[string]map[string]float64, error)
 }
 
@@ -120,7 +122,7 @@ func (s *sampler) read() {
 		case <-ctx.Done():
 		}
 	}()
-	got, err := s.src.Outcomes(ctx)
+	got, err := s.outcomes(ctx)
 	at := s.now()
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -130,6 +132,17 @@ func (s *sampler) read() {
 	}
 	s.err = nil
 	s.add(at, got)
+}
+
+// outcomes calls the source, its panic an error: a Metrics of the user's
+// must not take down the program serving the console.
+func (s *sampler) outcomes(ctx context.Context) (got map[string]map[string]float64, err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			got, err = nil, fmt.Errorf("console: Metrics.Outcomes panicked: %v", v)
+		}
+	}()
+	return s.src.Outcomes(ctx)
 }
 
 // add puts the counters of got into the ring at time at (s.mu held).

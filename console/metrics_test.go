@@ -71,6 +71,7 @@ type counting struct {
 	reads atomic.Int64
 	fail  atomic.Bool
 	block atomic.Bool
+	panic atomic.Bool
 }
 
 func (c *counting) Outcomes(ctx context.Context) (map[string]map[string]float64, error) {
@@ -81,6 +82,9 @@ func (c *counting) Outcomes(ctx context.Context) (map[string]map[string]float64,
 	}
 	if c.fail.Load() {
 		return nil, errors.New("scrape: connection refused")
+	}
+	if c.panic.Load() {
+		panic("a broken Metrics")
 	}
 	return map[string]map[string]float64{"payments": {"completed": float64(10 * n)}, "other <q>": {"duplicate": 1}}, nil
 }
@@ -118,6 +122,15 @@ func TestConsoleRates(t *testing.T) {
 	}
 	mustContain(t, "overview, metrics down", get(t, srv, "/", http.StatusOK), "The last read failed", "scrape: connection refused",
 		"<svg class=\"spark\"")
+	// A source that panics is a failed read, not the program's end.
+	src.fail.Store(false)
+	src.panic.Store(true)
+	n = src.reads.Load()
+	for src.reads.Load() < n+2 {
+		time.Sleep(20 * time.Millisecond)
+	}
+	mustContain(t, "overview, metrics panicking", get(t, srv, "/", http.StatusOK), "The last read failed", "panicked: a broken Metrics")
+	src.panic.Store(false)
 	src.block.Store(true)
 	n = src.reads.Load()
 	for src.reads.Load() < n+1 {
