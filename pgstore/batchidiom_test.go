@@ -346,57 +346,35 @@ func TestBatchTxHandlerIdioms(t *testing.T) {
 // statement) and then fails: its work committed, so no message of it
 // may run again. Each message is dead-lettered once, with one effect row;
 // a batch error would have been split, its halves run again, their
-// effects committed twice.
+// effects committed twice. The same when the server cannot say whether
+// that COMMIT committed (the status question fails: "unknown").
 func TestBatchTxHandlerCommitThenErrorNotRerun(t *testing.T) {
-	r := newRig(t)
-	r.runBatch(r.store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
-		for _, d := range ds {
-			if err := r.insert(ctx, tx, d.MessageId); err != nil {
-				return nil, err
+	for _, unknown := range []bool{false, true} {
+		t.Run(map[bool]string{false: "committed", true: "unknown"}[unknown], func(t *testing.T) {
+			if unknown {
+				pgstore.SetXactStatusSQL(t, "SELECT length($1::text) / 0 = 1")
 			}
-		}
-		if _, err := tx.Exec(ctx, "COMMIT"); err != nil {
-			return nil, err
-		}
-		return nil, errors.New("failed after its own COMMIT")
-	}), func(c *amqpidem.ConsumerConfig) { c.BatchWait = 200 * time.Millisecond })
-	ops := ids("c", 8)
-	r.publish(ops...)
-	evs := r.settled(ops, amqpidem.DeadLettered, amqpidem.Completed)
-	got := r.effects()
-	for _, op := range ops {
-		if got[op] != 1 || evs[op][len(evs[op])-1].Outcome != amqpidem.DeadLettered {
-			t.Errorf("%s: %d effect rows, events %s; want 1, dead-lettered", op, got[op], outcomes(evs[op]))
-		}
-	}
-}
-
-// TestBatchTxHandlerCommitUnknownNotRerun: as
-// TestBatchTxHandlerCommitThenErrorNotRerun, with the server unable to
-// say whether the function's own COMMIT committed (the status question
-// fails): its work may be done, so no message of it may run again in
-// place; a batch error would have been split and its halves run again.
-func TestBatchTxHandlerCommitUnknownNotRerun(t *testing.T) {
-	pgstore.SetXactStatusSQL(t, "SELECT length($1::text) / 0 = 1")
-	r := newRig(t)
-	r.runBatch(r.store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
-		for _, d := range ds {
-			if err := r.insert(ctx, tx, d.MessageId); err != nil {
-				return nil, err
+			r := newRig(t)
+			r.runBatch(r.store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+				for _, d := range ds {
+					if err := r.insert(ctx, tx, d.MessageId); err != nil {
+						return nil, err
+					}
+				}
+				if _, err := tx.Exec(ctx, "COMMIT"); err != nil {
+					return nil, err
+				}
+				return nil, errors.New("failed after its own COMMIT")
+			}), func(c *amqpidem.ConsumerConfig) { c.BatchWait = 200 * time.Millisecond })
+			ops := ids("c", 8)
+			r.publish(ops...)
+			evs := r.settled(ops, amqpidem.DeadLettered, amqpidem.Completed)
+			got := r.effects()
+			for _, op := range ops {
+				if got[op] != 1 || evs[op][len(evs[op])-1].Outcome != amqpidem.DeadLettered {
+					t.Errorf("%s: %d effect rows, events %s; want 1, dead-lettered", op, got[op], outcomes(evs[op]))
+				}
 			}
-		}
-		if _, err := tx.Exec(ctx, "COMMIT"); err != nil {
-			return nil, err
-		}
-		return nil, errors.New("failed after its own COMMIT")
-	}), func(c *amqpidem.ConsumerConfig) { c.BatchWait = 200 * time.Millisecond })
-	ops := ids("u", 8)
-	r.publish(ops...)
-	evs := r.settled(ops, amqpidem.DeadLettered, amqpidem.Completed)
-	got := r.effects()
-	for _, op := range ops {
-		if got[op] != 1 || evs[op][len(evs[op])-1].Outcome != amqpidem.DeadLettered {
-			t.Errorf("%s: %d effect rows, events %s; want 1, dead-lettered", op, got[op], outcomes(evs[op]))
-		}
+		})
 	}
 }

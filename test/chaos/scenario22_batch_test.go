@@ -342,19 +342,50 @@ func runBatchKill9(t *testing.T, kind string) {
 			perOp[op] = notAbsorbed[op]
 		}
 	}
-	lost, duplicated, poisonApplied := 0, 0, 0
+	b := tallyBatch(t, ch, name, ops, poison, perOp)
+	scenario, extra := "pg-batch-kill9", ""
+	if kind == "redis" {
+		scenario, extra = "batch-kill9", fmt.Sprintf(" reexecuted=%d", reexecuted)
+	}
+	line := fmt.Sprintf("scenario %s ops=%d lost=%d duplicated=%d poison=%d poison_applied=%d poison_failed=%d dead_letters=%d poison_dead_lettered_once=%d good_dead_lettered=%d kills=%d%s",
+		scenario, nGood, b.lost, b.duplicated, nPoison, b.poisonApplied, failed(), b.deadLetters, b.deadOnce, b.deadGood, killed, extra)
+	printFigures(t, line)
+	if b.lost != 0 || b.duplicated != 0 || b.poisonApplied != 0 || b.deadGood != 0 {
+		t.Errorf("%s: lost %d, duplicated %d, poison effects %d, good ops dead-lettered %d: want all 0", scenario, b.lost, b.duplicated, b.poisonApplied, b.deadGood)
+	}
+	if killed == 0 {
+		t.Errorf("%s: every op was applied before the first kill -9: the scenario tested nothing", scenario)
+	}
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		t.Errorf("%s: ran out of time", scenario)
+	}
+}
+
+// batchTally is what a batch scenario's ledger and dead-letter queue say
+// (scenarios 22, 22b, 22c and 23): per good op, lost (no effect) or
+// duplicated (more than one); effects of poison ops; and the dead letters
+// in name's DLQ, which must hold each poison op at least once (a kill
+// between a dead letter's publish and its delivery's ack publishes it
+// again: more than once is counted, not failed) and no good op.
+type batchTally struct {
+	lost, duplicated, poisonApplied int
+	deadLetters, deadOnce, deadGood int
+}
+
+// tallyBatch counts ops by perOp (effects per op) and drains name's DLQ.
+func tallyBatch(t *testing.T, ch *amqp.Channel, name string, ops, poison []string, perOp map[string]int) batchTally {
+	t.Helper()
+	var b batchTally
 	for _, op := range ops {
 		switch {
 		case strings.HasPrefix(op, "poison"):
-			poisonApplied += perOp[op]
+			b.poisonApplied += perOp[op]
 		case perOp[op] == 0:
-			lost++
+			b.lost++
 		case perOp[op] > 1:
-			duplicated++
+			b.duplicated++
 		}
 	}
-	// Dead letters: each poison op's, at least once (a kill between a dead
-	// letter's publish and its delivery's ack publishes it again).
 	dead := map[string]int{}
 	for {
 		d, ok, err := ch.Get(name+".dlq", true)
@@ -366,35 +397,19 @@ func runBatchKill9(t *testing.T, kind string) {
 		}
 		dead[d.MessageId]++
 	}
-	deadLetters, deadOnce, deadGood := 0, 0, 0
 	for id, n := range dead {
-		deadLetters += n
+		b.deadLetters += n
 		if !strings.HasPrefix(id, "poison") {
-			deadGood += n
+			b.deadGood += n
 		}
 	}
 	for _, p := range poison {
 		if dead[p] == 1 {
-			deadOnce++
+			b.deadOnce++
 		}
 		if dead[p] == 0 {
 			t.Errorf("%s: no dead letter", p)
 		}
 	}
-	scenario, extra := "pg-batch-kill9", ""
-	if kind == "redis" {
-		scenario, extra = "batch-kill9", fmt.Sprintf(" reexecuted=%d", reexecuted)
-	}
-	line := fmt.Sprintf("scenario %s ops=%d lost=%d duplicated=%d poison=%d poison_applied=%d poison_failed=%d dead_letters=%d poison_dead_lettered_once=%d good_dead_lettered=%d kills=%d%s",
-		scenario, nGood, lost, duplicated, nPoison, poisonApplied, failed(), deadLetters, deadOnce, deadGood, killed, extra)
-	printFigures(t, line)
-	if lost != 0 || duplicated != 0 || poisonApplied != 0 || deadGood != 0 {
-		t.Errorf("%s: lost %d, duplicated %d, poison effects %d, good ops dead-lettered %d: want all 0", scenario, lost, duplicated, poisonApplied, deadGood)
-	}
-	if killed == 0 {
-		t.Errorf("%s: every op was applied before the first kill -9: the scenario tested nothing", scenario)
-	}
-	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
-		t.Errorf("%s: ran out of time", scenario)
-	}
+	return b
 }

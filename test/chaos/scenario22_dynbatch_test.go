@@ -302,52 +302,17 @@ func runDynBatchKill9(t *testing.T, srv testenv.DynamoServer) {
 	}
 
 	counts := perOp(ctx)
-	lost, duplicated, poisonApplied, effectItems := 0, 0, 0, 0
+	effectItems := 0
 	for _, op := range ops {
 		effectItems += counts[op]
-		switch {
-		case strings.HasPrefix(op, "poison"):
-			poisonApplied += counts[op]
-		case counts[op] == 0:
-			lost++
-		case counts[op] > 1:
-			duplicated++
-		}
 	}
-	// Dead letters: each poison op's, at least once (a kill between a dead
-	// letter's publish and its delivery's ack publishes it again).
-	dead := map[string]int{}
-	for {
-		d, ok, err := ch.Get(name+".dlq", true)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !ok {
-			break
-		}
-		dead[d.MessageId]++
-	}
-	deadLetters, deadOnce, deadGood := 0, 0, 0
-	for id, n := range dead {
-		deadLetters += n
-		if !strings.HasPrefix(id, "poison") {
-			deadGood += n
-		}
-	}
-	for _, p := range poison {
-		if dead[p] == 1 {
-			deadOnce++
-		}
-		if dead[p] == 0 {
-			t.Errorf("%s: no dead letter", p)
-		}
-	}
+	b := tallyBatch(t, ch, name, ops, poison, counts)
 	scenario := "dynamo-batch-kill9/" + srv.Name
 	line := fmt.Sprintf("scenario %s ops=%d lost=%d duplicated=%d effect_items=%d poison=%d poison_applied=%d poison_failed=%d dead_letters=%d poison_dead_lettered_once=%d good_dead_lettered=%d kills=%d",
-		scenario, nGood, lost, duplicated, effectItems, nPoison, poisonApplied, failed(), deadLetters, deadOnce, deadGood, killed)
+		scenario, nGood, b.lost, b.duplicated, effectItems, nPoison, b.poisonApplied, failed(), b.deadLetters, b.deadOnce, b.deadGood, killed)
 	printFigures(t, line)
-	if lost != 0 || duplicated != 0 || poisonApplied != 0 || deadGood != 0 {
-		t.Errorf("%s: lost %d, duplicated %d, poison effects %d, good ops dead-lettered %d: want all 0", scenario, lost, duplicated, poisonApplied, deadGood)
+	if b.lost != 0 || b.duplicated != 0 || b.poisonApplied != 0 || b.deadGood != 0 {
+		t.Errorf("%s: lost %d, duplicated %d, poison effects %d, good ops dead-lettered %d: want all 0", scenario, b.lost, b.duplicated, b.poisonApplied, b.deadGood)
 	}
 	if !settled {
 		t.Errorf("%s: ran out of time", scenario)

@@ -414,40 +414,7 @@ func TestChaos23PGBatchSigstop(t *testing.T) {
 	if _, err := pgx.ForEachRow(rows, []any{&op, &n}, func() error { perOp[op] = n; return nil }); err != nil {
 		t.Fatal(err)
 	}
-	lost, duplicated, poisonApplied := 0, 0, 0
-	for _, op := range ops {
-		switch {
-		case strings.HasPrefix(op, "poison"):
-			poisonApplied += perOp[op]
-		case perOp[op] == 0:
-			lost++
-		case perOp[op] > 1:
-			duplicated++
-		}
-	}
-	dead := map[string]int{}
-	for {
-		d, ok, err := ch.Get(name+".dlq", true)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !ok {
-			break
-		}
-		dead[d.MessageId]++
-	}
-	deadLetters, deadGood := 0, 0
-	for id, n := range dead {
-		deadLetters += n
-		if !strings.HasPrefix(id, "poison") {
-			deadGood += n
-		}
-	}
-	for _, p := range poison {
-		if dead[p] == 0 {
-			t.Errorf("%s: no dead letter", p)
-		}
-	}
+	b := tallyBatch(t, ch, name, ops, poison, perOp)
 	continued := 0
 	for _, s := range stops {
 		if s.continued {
@@ -455,10 +422,10 @@ func TestChaos23PGBatchSigstop(t *testing.T) {
 		}
 	}
 	line := fmt.Sprintf("scenario pg-batch-sigstop ops=%d lost=%d duplicated=%d poison=%d poison_applied=%d poison_failed=%d dead_letters=%d good_dead_lettered=%d stops_in_tx=%d stop_tries=%d taken_over=%d continued=%d late_refused=%d late_committed=%d kills=%d",
-		nGood, lost, duplicated, nPoison, poisonApplied, failed(), deadLetters, deadGood, len(stops), tries, takenOver, continued, lateRefused, lateCommitted, killed)
+		nGood, b.lost, b.duplicated, nPoison, b.poisonApplied, failed(), b.deadLetters, b.deadGood, len(stops), tries, takenOver, continued, lateRefused, lateCommitted, killed)
 	printFigures(t, line)
-	if lost != 0 || duplicated != 0 || poisonApplied != 0 || deadGood != 0 {
-		t.Errorf("pg-batch-sigstop: lost %d, duplicated %d, poison effects %d, good ops dead-lettered %d: want all 0", lost, duplicated, poisonApplied, deadGood)
+	if b.lost != 0 || b.duplicated != 0 || b.poisonApplied != 0 || b.deadGood != 0 {
+		t.Errorf("pg-batch-sigstop: lost %d, duplicated %d, poison effects %d, good ops dead-lettered %d: want all 0", b.lost, b.duplicated, b.poisonApplied, b.deadGood)
 	}
 	if lateCommitted != 0 {
 		t.Errorf("pg-batch-sigstop: %d continued consumers committed their stale batch", lateCommitted)
