@@ -33,6 +33,10 @@ func (k kitBroker) publish(ctx context.Context, exchange, key string, msg amqp.P
 	return k.b.Publish(ctx, exchange, key, msg)
 }
 
+func (k kitBroker) publishAlone(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	return k.b.Publish(ctx, exchange, key, msg)
+}
+
 func (k kitBroker) declare(context.Context, string, amqp.Table, bool) error { return nil }
 
 func (k kitBroker) forget(string) {}

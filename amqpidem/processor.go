@@ -21,7 +21,12 @@ const settleTimeout = 10 * time.Second
 // broker is what the processor needs from RabbitMQ besides the delivery's
 // own ack: confirmed publishes of copies. *publisher is the real one.
 type broker interface {
+	// publish publishes a staged message, sharing a channel with other
+	// publishes in flight (see publisher).
 	publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error
+	// publishAlone publishes one of the consumer's own messages (a dead
+	// letter, a reply) alone on its channel (see publisher.publishAlone).
+	publishAlone(ctx context.Context, exchange, key string, msg amqp.Publishing) error
 	declare(ctx context.Context, name string, args amqp.Table, refresh bool) error
 	forget(name string)
 	// requeue publishes msg, a copy of a delivery, to come back to queue

@@ -18,6 +18,7 @@ import (
 type nopBroker struct{}
 
 func (nopBroker) publish(context.Context, string, string, amqp.Publishing) error        { return nil }
+func (nopBroker) publishAlone(context.Context, string, string, amqp.Publishing) error   { return nil }
 func (nopBroker) declare(context.Context, string, amqp.Table, bool) error               { return nil }
 func (nopBroker) forget(string)                                                         {}
 func (nopBroker) requeue(context.Context, string, amqp.Publishing, time.Duration) error { return nil }

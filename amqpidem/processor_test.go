@@ -50,6 +50,11 @@ type fakeBroker struct {
 	fail map[string]error
 }
 
+// publishAlone records as publish does: the fake has no channels.
+func (b *fakeBroker) publishAlone(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	return b.publish(ctx, exchange, key, msg)
+}
+
 func (b *fakeBroker) publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()

@@ -415,6 +415,23 @@ func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.
 	return err
 }
 
+// publishAlone is publish on a channel of its own, as every publish was
+// before several shared a channel: for the consumer's own copies of a
+// delivery (a requeued copy, a dead letter) and its replies. On a shared
+// channel the broker closes over another message, a message the broker
+// had taken but not yet confirmed is published again, and reaches its
+// queue twice: harmless for a staged message (its consumer deduplicates
+// it by MessageId), not for a dead-letter queue, which would hold the
+// letter twice for an operator to replay twice (scenario 08's
+// deadletter-exchange-missing printed duplicated=2), nor for a reply.
+func (p *publisher) publishAlone(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	if fm := p.frameMax(); !fits(&msg, fm) {
+		return tooLarge(exchange, key, &msg, fm)
+	}
+	_, err := p.publishOn(ctx, exchange, key, msg, true)
+	return err
+}
+
 // errChannelRefused is the error of a publish whose channel the broker
 // closed, with a channel-level reason, before the message was sent: over
 // another message in flight on it. publish tries such a message again
@@ -561,7 +578,7 @@ func (p *publisher) wait() { p.closing.Wait() }
 // published once more: it was not enqueued, so this makes no duplicate.
 func (p *publisher) requeue(ctx context.Context, queue string, msg amqp.Publishing, delay time.Duration) error {
 	if delay <= 0 {
-		return p.publish(ctx, "", queue, msg)
+		return p.publishAlone(ctx, "", queue, msg)
 	}
 	tier := delayTier(delay)
 	name := delayQueue(queue, p.queueType, tier)
@@ -570,7 +587,7 @@ func (p *publisher) requeue(ctx context.Context, queue string, msg amqp.Publishi
 		if err := p.declare(ctx, name, args, true); err != nil {
 			return err
 		}
-		err := p.publish(ctx, "", name, msg)
+		err := p.publishAlone(ctx, "", name, msg)
 		if try == 0 && errors.Is(err, ErrUnroutable) {
 			p.forget(name)
 			continue

@@ -101,7 +101,7 @@ func (f *flight) reply(result []byte) error {
 			CorrelationID: msg.CorrelationId, BodySize: len(msg.Body),
 		})
 	}
-	err := f.b.publish(sctx, "", d.ReplyTo, msg)
+	err := f.b.publishAlone(sctx, "", d.ReplyTo, msg)
 	end(err)
 	if errors.Is(err, ErrUnroutable) {
 		f.ev.Err = errors.Join(f.ev.Err, fmt.Errorf("amqpidem: reply to %q dropped: %w", d.ReplyTo, err))
@@ -359,7 +359,7 @@ func (f *flight) deadLetter(reason string, cause error) {
 				break
 			}
 		}
-		if err = b.publish(sctx, exchange, key, msg); err == nil || !errors.Is(err, ErrUnroutable) || !ownQueue {
+		if err = b.publishAlone(sctx, exchange, key, msg); err == nil || !errors.Is(err, ErrUnroutable) || !ownQueue {
 			break
 		}
 		b.forget(key) // someone deleted our dead-letter queue: declare it again
