@@ -77,8 +77,10 @@ const maxPubChannels = 64
 const pubPerChannel = 16
 
 // publisher publishes confirmed, mandatory copies (requeues, dead letters,
-// replies, staged messages) on channels of its own, up to pubPerChannel
-// of them in flight on a channel. Two things make that as exact as one
+// replies, staged messages) on channels of its own: staged messages and
+// Publisher's, up to pubPerChannel of them in flight on a channel
+// (publish); requeued copies, dead letters and replies one per channel
+// (publishAlone). Two things make sharing a channel as exact as one
 // publish per channel:
 //
 //   - A basic.return is matched to its publish by the message's MessageId:
