@@ -189,6 +189,35 @@ func TestProcessReplies(t *testing.T) {
 	}
 }
 
+// A dead letter or a reply goes on a channel of its own (publishAlone),
+// never on one shared with other publishes in flight: if the broker closed a
+// shared channel over another message after taking this one, unconfirmed, it
+// would be sent again, and nothing downstream drops the second dead letter or
+// reply by its MessageId. (Issue 40's shared channels did exactly that once:
+// scenario 08 counted one op's dead letter twice in the DLQ.)
+func TestProcessOwnMessagesGoAlone(t *testing.T) {
+	p, _ := newTestProcessor(t, Config{DeadLetterExchange: "dlx"}, fails(Permanent(errors.New("card declined"))))
+	b := &fakeBroker{}
+	d, _ := delivery("k", "x")
+	if ev := p.process(context.Background(), b, d, nil); ev.Outcome != DeadLettered || len(b.pubs) != 1 {
+		t.Fatalf("dead letter: %v pubs %+v", ev.Outcome, b.pubs)
+	}
+	if !b.pubs[0].alone {
+		t.Fatalf("dead letter sent on a shared channel: %+v", b.pubs[0])
+	}
+
+	p, _ = newTestProcessor(t, Config{}, ok("42"))
+	b = &fakeBroker{}
+	d, _ = delivery("k", "x")
+	d.ReplyTo = "replies"
+	if ev := p.process(context.Background(), b, d, nil); ev.Outcome != Completed || len(b.pubs) != 1 {
+		t.Fatalf("reply: %v pubs %+v", ev.Outcome, b.pubs)
+	}
+	if !b.pubs[0].alone {
+		t.Fatalf("reply sent on a shared channel: %+v", b.pubs[0])
+	}
+}
+
 func TestProcessPublishFailureNeverLoses(t *testing.T) {
 	p, _ := newTestProcessor(t, Config{}, fails(errors.New("transient")))
 	b := &fakeBroker{fail: map[string]error{"requeue": errors.New("channel closed")}}

@@ -41,6 +41,7 @@ type published struct {
 	exchange, key string
 	msg           amqp.Publishing
 	delay         time.Duration
+	alone         bool // sent by publishAlone: on a channel of its own
 }
 
 // fakeBroker records publishes; fail makes publishes to a key fail.
@@ -50,18 +51,23 @@ type fakeBroker struct {
 	fail map[string]error
 }
 
-// publishAlone records as publish does: the fake has no channels.
+// publishAlone records as publish does, marked alone: the fake has no
+// channels, so tests check which of the two a message went by.
 func (b *fakeBroker) publishAlone(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
-	return b.publish(ctx, exchange, key, msg)
+	return b.record(exchange, key, msg, true)
 }
 
 func (b *fakeBroker) publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	return b.record(exchange, key, msg, false)
+}
+
+func (b *fakeBroker) record(exchange, key string, msg amqp.Publishing, alone bool) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if err := b.fail[key]; err != nil {
 		return err
 	}
-	b.pubs = append(b.pubs, published{exchange: exchange, key: key, msg: msg})
+	b.pubs = append(b.pubs, published{exchange: exchange, key: key, msg: msg, alone: alone})
 	return nil
 }
 func (b *fakeBroker) declare(context.Context, string, amqp.Table, bool) error { return nil }
