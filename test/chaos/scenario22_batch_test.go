@@ -6,17 +6,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"math/rand/v2"
 	"os"
-	"os/exec"
-	"os/signal"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
-	"github.com/cenkalti/backoff/v4"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -92,26 +87,7 @@ func TestChaos22PGBatchChild(t *testing.T) {
 			return nil, nil
 		})
 	}
-	c, err := amqpidem.NewBatchConsumer(store, amqpidem.ConsumerConfig{
-		URL:       testenv.AMQPURL(t),
-		BatchSize: 20,
-		BatchWait: 20 * time.Millisecond,
-		Prefetch:  40,
-		Config: amqpidem.Config{
-			Queue:            queue,
-			LeaseTTL:         2 * time.Second,
-			MaxAttempts:      3,
-			UnavailableDelay: 100 * time.Millisecond,
-			Backoff:          func() backoff.BackOff { return backoff.NewConstantBackOff(50 * time.Millisecond) },
-			Logger:           slog.New(slog.DiscardHandler),
-		},
-	}, h)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, stop := signalContext()
-	defer stop()
-	_ = c.Run(ctx)
+	runBatchChild(t, store, h, queue, 20, 40, nil)
 }
 
 // absorbingEffects is scenario 22b's batch handler: each batch's effects
@@ -139,27 +115,6 @@ func absorbingEffects(pool *pgxpool.Pool, schema string) func(context.Context, [
 	}
 }
 
-// signalContext is cancelled by SIGTERM: a child stopped in good order.
-func signalContext() (context.Context, func()) {
-	ctx, cancel := context.WithCancel(context.Background())
-	sig := make(chan os.Signal, 1)
-	signal.Notify(sig, syscall.SIGTERM)
-	go func() {
-		select {
-		case <-sig:
-			cancel()
-		case <-ctx.Done():
-		}
-	}()
-	return ctx, cancel
-}
-
-// batchChild is one running child consumer.
-type batchChild struct {
-	cmd  *exec.Cmd
-	done chan struct{}
-}
-
 // TestChaos22PGBatchKill9: three batch consumer processes on pgstore,
 // kill -9 of a random one at random moments (then restarted), poison
 // messages mixed in. Each good op's effect row once, each poison op's
@@ -178,16 +133,10 @@ func runBatchKill9(t *testing.T, kind string) {
 	}
 	url := testenv.AMQPURL(t)
 	name := testenv.Name(t)
-	schema := strings.ToLower(strings.NewReplacer("-", "_", ".", "_").Replace(name))
 	pool := pgenv.Pool(t, 4)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	if _, err := pool.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize()); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_, _ = pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
-	})
+	schema, scfg := batchSchema(ctx, t, pool)
 	effects := pgx.Identifier{schema, batchEffectsTB}.Sanitize()
 	// No unique key on op: a second commit of an op's effect is a second row.
 	if _, err := pool.Exec(ctx, "CREATE TABLE "+effects+" (seq bigserial PRIMARY KEY, op text NOT NULL, pid int NOT NULL)"); err != nil {
@@ -201,60 +150,14 @@ func runBatchKill9(t *testing.T, kind string) {
 	if kind == "redis" {
 		effects = appliedTB // applied ops: one row each at most
 	}
-	scfg := pgstore.Config{Schema: schema, CleanupInterval: -1}
-	if err := pgstore.Migrate(ctx, pool, scfg); err != nil {
-		t.Fatal(err)
-	}
-	testenv.DeleteQueues(t, url, name, name+".dlq")
 
 	nGood, nPoison, kills := pick(3000, 20000), pick(6, 20), pick(8, 30)
 	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 39))
-	var ops, poison []string
-	for i := range nGood {
-		ops = append(ops, fmt.Sprintf("g%05d", i))
-		if i%(nGood/nPoison) == nGood/nPoison/2 && len(poison) < nPoison {
-			p := fmt.Sprintf("poison%03d", len(poison))
-			poison = append(poison, p)
-			ops = append(ops, p)
-		}
-	}
+	ops, poison := batchOps(nGood, nPoison)
+	ch := batchQueue(t, url, name)
+	publishOps(ctx, t, ch, name, ops)
 
-	conn, err := amqp.Dial(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := ch.QueueDeclare(name, true, false, false, false, nil); err != nil {
-		t.Fatal(err)
-	}
-	for _, op := range ops {
-		if err := ch.PublishWithContext(ctx, "", name, false, false, amqp.Publishing{MessageId: op, DeliveryMode: amqp.Persistent}); err != nil {
-			t.Fatal(err)
-		}
-	}
-
-	start := func() *batchChild {
-		cmd := exec.Command(os.Args[0], "-test.run=^TestChaos22PGBatchChild$", "-test.count=1")
-		cmd.Env = append(os.Environ(), envBatchChild+"="+schema, envBatchQueue+"="+name, envBatchStore+"="+kind)
-		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		c := &batchChild{cmd: cmd, done: make(chan struct{})}
-		go func() { _ = cmd.Wait(); close(c.done) }()
-		return c
-	}
-	children := []*batchChild{start(), start(), start()}
-	t.Cleanup(func() { // only the processes started here, by PID
-		for _, c := range children {
-			_ = c.cmd.Process.Kill()
-			<-c.done
-		}
-	})
+	children := startBatchChildren(t, 3, "TestChaos22PGBatchChild", envBatchChild+"="+schema, envBatchQueue+"="+name, envBatchStore+"="+kind)
 	count := func(sql string, args ...any) int {
 		t.Helper()
 		var n int
@@ -268,13 +171,8 @@ func runBatchKill9(t *testing.T, kind string) {
 	killed := 0
 	for killed < kills && applied() < nGood {
 		time.Sleep(time.Duration(100+rng.IntN(400)) * time.Millisecond)
-		i := rng.IntN(len(children))
-		if err := children[i].cmd.Process.Signal(syscall.SIGKILL); err != nil {
-			t.Fatal(err)
-		}
-		<-children[i].done
+		children.kill9(rng.IntN(len(children.list)))
 		killed++
-		children[i] = start()
 	}
 	// Settle: every good op applied, every poison op failed in its record.
 	var store lock.Admin
@@ -294,50 +192,22 @@ func runBatchKill9(t *testing.T, kind string) {
 		defer ps.Close()
 		store = ps
 	}
-	failed := func() int {
-		n := 0
-		for _, p := range poison {
-			rec, err := store.Inspect(ctx, amqpidem.StoreKey(name, p))
-			if err == nil && rec.State == lock.StateFailed {
-				n++
-			}
-		}
-		return n
-	}
+	failed := func() int { return poisonFailed(ctx, store, name, poison) }
 	for applied() < nGood || failed() < nPoison {
 		if ctx.Err() != nil {
 			t.Fatalf("not settled: %d of %d ops applied, %d of %d poison ops failed", applied(), nGood, failed(), nPoison)
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-	for _, c := range children {
-		_ = c.cmd.Process.Signal(syscall.SIGTERM)
-		<-c.done
-	}
+	children.stop()
 
-	rows, err := pool.Query(ctx, "SELECT op, count(*) FROM "+effects+" GROUP BY op")
-	if err != nil {
-		t.Fatal(err)
-	}
-	perOp := map[string]int{}
-	var op string
-	var n int
-	if _, err := pgx.ForEachRow(rows, []any{&op, &n}, func() error { perOp[op] = n; return nil }); err != nil {
-		t.Fatal(err)
-	}
+	perOp := perOpRows(ctx, t, pool, "SELECT op, count(*) FROM "+effects+" GROUP BY op")
 	// With the Redis store, an op's count is its executions not absorbed
 	// (at most one row of it in batch_applied, which decides lost).
 	reexecuted := 0
 	if kind == "redis" {
 		reexecuted = count("SELECT count(DISTINCT op) FROM " + execs + " WHERE absorbed")
-		rows, err := pool.Query(ctx, "SELECT op, count(*) FILTER (WHERE NOT absorbed) FROM "+execs+" GROUP BY op")
-		if err != nil {
-			t.Fatal(err)
-		}
-		notAbsorbed := map[string]int{}
-		if _, err := pgx.ForEachRow(rows, []any{&op, &n}, func() error { notAbsorbed[op] = n; return nil }); err != nil {
-			t.Fatal(err)
-		}
+		notAbsorbed := perOpRows(ctx, t, pool, "SELECT op, count(*) FILTER (WHERE NOT absorbed) FROM "+execs+" GROUP BY op")
 		for op := range perOp {
 			perOp[op] = notAbsorbed[op]
 		}

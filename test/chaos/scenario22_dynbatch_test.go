@@ -5,20 +5,16 @@ package chaos_test
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"math/rand/v2"
 	"os"
-	"os/exec"
 	"strings"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
 	"github.com/aws/aws-sdk-go-v2/service/dynamodb"
 	"github.com/aws/aws-sdk-go-v2/service/dynamodb/types"
-	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
@@ -88,30 +84,13 @@ func TestChaos22DynamoBatchChild(t *testing.T) {
 		time.Sleep(50 * time.Millisecond) // so that kills land inside batches too
 		return nil, nil
 	})
-	c, err := amqpidem.NewBatchConsumer(s, amqpidem.ConsumerConfig{
-		URL:       testenv.AMQPURL(t),
-		BatchSize: 60,
-		BatchWait: 20 * time.Millisecond,
-		Prefetch:  80,
-		Config: amqpidem.Config{
-			Queue:    queue,
-			LeaseTTL: 2 * time.Second,
-			// Poison is dead-lettered after 10 attempts; a good message
-			// is only if 10 kills or lease expiries in a row caught it
-			// (with 3, minidyn's slow transactions and 30 kills
-			// dead-lettered 16 of 1,000: records failed at attempts 4-5).
-			MaxAttempts:      10,
-			UnavailableDelay: 100 * time.Millisecond,
-			Backoff:          func() backoff.BackOff { return backoff.NewConstantBackOff(50 * time.Millisecond) },
-			Logger:           slog.New(slog.DiscardHandler),
-		},
-	}, h)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, stop := signalContext()
-	defer stop()
-	_ = c.Run(ctx)
+	runBatchChild(t, s, h, queue, 60, 80, func(c *amqpidem.Config) {
+		// Poison is dead-lettered after 10 attempts; a good message
+		// is only if 10 kills or lease expiries in a row caught it
+		// (with 3, minidyn's slow transactions and 30 kills
+		// dead-lettered 16 of 1,000: records failed at attempts 4-5).
+		c.MaxAttempts = 10
+	})
 }
 
 // TestChaos22DynamoBatchKill9: three batch consumer processes on
@@ -152,7 +131,6 @@ func runDynBatchKill9(t *testing.T, srv testenv.DynamoServer) {
 	}); err != nil {
 		t.Fatalf("creating the effects table: %v", err)
 	}
-	testenv.DeleteQueues(t, url, name, name+".dlq")
 
 	nGood, nPoison, kills := pick(2000, 20000), pick(6, 20), pick(6, 30)
 	if !srv.Strict {
@@ -165,59 +143,12 @@ func runDynBatchKill9(t *testing.T, srv testenv.DynamoServer) {
 		nGood = pick(500, 1000)
 	}
 	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 39))
-	var ops, poison []string
-	for i := range nGood {
-		ops = append(ops, fmt.Sprintf("g%05d", i))
-		if i%(nGood/nPoison) == nGood/nPoison/2 && len(poison) < nPoison {
-			p := fmt.Sprintf("poison%03d", len(poison))
-			poison = append(poison, p)
-			ops = append(ops, p)
-		}
-	}
+	ops, poison := batchOps(nGood, nPoison)
+	ch := batchQueue(t, url, name)
+	publishOps(ctx, t, ch, name, ops)
 
-	conn, err := amqp.Dial(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
-	// The queues of a run that did not clean up (its binary timed out)
-	// have the same names: start from none.
-	for _, q := range []string{name, name + ".dlq"} {
-		if _, err := ch.QueueDelete(q, false, false, false); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if _, err := ch.QueueDeclare(name, true, false, false, false, nil); err != nil {
-		t.Fatal(err)
-	}
-	for _, op := range ops {
-		if err := ch.PublishWithContext(ctx, "", name, false, false, amqp.Publishing{MessageId: op, DeliveryMode: amqp.Persistent}); err != nil {
-			t.Fatal(err)
-		}
-	}
-
-	start := func() *batchChild {
-		cmd := exec.Command(os.Args[0], "-test.run=^TestChaos22DynamoBatchChild$", "-test.count=1")
-		cmd.Env = append(os.Environ(), envDynBatchQueue+"="+name, envDynBatchEndpoint+"="+srv.Endpoint, envDynBatchTables+"="+records+","+effects)
-		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		c := &batchChild{cmd: cmd, done: make(chan struct{})}
-		go func() { _ = cmd.Wait(); close(c.done) }()
-		return c
-	}
-	children := []*batchChild{start(), start(), start()}
-	t.Cleanup(func() { // only the processes started here, by PID
-		for _, c := range children {
-			_ = c.cmd.Process.Kill()
-			<-c.done
-		}
-	})
+	children := startBatchChildren(t, 3, "TestChaos22DynamoBatchChild",
+		envDynBatchQueue+"="+name, envDynBatchEndpoint+"="+srv.Endpoint, envDynBatchTables+"="+records+","+effects)
 	// perOp counts each op's effect items (a strongly consistent scan).
 	perOp := func(ctx context.Context) map[string]int {
 		t.Helper()
@@ -251,29 +182,15 @@ func runDynBatchKill9(t *testing.T, srv testenv.DynamoServer) {
 	killed := 0
 	for killed < kills && applied() < nGood {
 		time.Sleep(time.Duration(100+rng.IntN(400)) * time.Millisecond)
-		i := rng.IntN(len(children))
-		if err := children[i].cmd.Process.Signal(syscall.SIGKILL); err != nil {
-			t.Fatal(err)
-		}
-		<-children[i].done
+		children.kill9(rng.IntN(len(children.list)))
 		killed++
-		children[i] = start()
 	}
 	// Settle: every good op applied, every poison op failed in its record.
 	store, err := dynamostore.New(client, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	failed := func() int {
-		n := 0
-		for _, p := range poison {
-			rec, err := store.Inspect(ctx, amqpidem.StoreKey(name, p))
-			if err == nil && rec.State == lock.StateFailed {
-				n++
-			}
-		}
-		return n
-	}
+	failed := func() int { return poisonFailed(ctx, store, name, poison) }
 	settled := true
 	for applied() < nGood || failed() < nPoison {
 		if ctx.Err() != nil {
@@ -296,10 +213,7 @@ func runDynBatchKill9(t *testing.T, srv testenv.DynamoServer) {
 	// The figures, read with a context of their own (ctx may be over).
 	ctx, cancel = context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	for _, c := range children {
-		_ = c.cmd.Process.Signal(syscall.SIGTERM)
-		<-c.done
-	}
+	children.stop()
 
 	counts := perOp(ctx)
 	effectItems := 0

@@ -6,16 +6,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"math/rand/v2"
 	"os"
-	"os/exec"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
-	"github.com/cenkalti/backoff/v4"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -94,27 +91,11 @@ func TestChaos23PGBatchSigstopChild(t *testing.T) {
 	if !ok {
 		t.Fatal("BatchTxHandler is not an amqpidem.BatchCompleter")
 	}
-	c, err := amqpidem.NewBatchConsumer(ps, amqpidem.ConsumerConfig{
-		URL:       testenv.AMQPURL(t),
-		BatchSize: 20,
-		BatchWait: 20 * time.Millisecond,
-		Prefetch:  40,
-		Config: amqpidem.Config{
-			Queue:            queue,
-			LeaseTTL:         stopLeaseTTL,
-			MaxAttempts:      3,
-			InProgressDelay:  300 * time.Millisecond,
-			UnavailableDelay: 100 * time.Millisecond,
-			Backoff:          func() backoff.BackOff { return backoff.NewConstantBackOff(50 * time.Millisecond) },
-			Logger:           slog.New(slog.DiscardHandler),
-		},
-	}, outcomeLogger{BatchCompleter: bc, pool: pool, table: pgx.Identifier{schema, "batch_outcomes"}.Sanitize(), pid: pid})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, stop := signalContext()
-	defer stop()
-	_ = c.Run(ctx)
+	logged := outcomeLogger{BatchCompleter: bc, pool: pool, table: pgx.Identifier{schema, "batch_outcomes"}.Sanitize(), pid: pid}
+	runBatchChild(t, ps, logged, queue, 20, 40, func(c *amqpidem.Config) {
+		c.LeaseTTL = stopLeaseTTL
+		c.InProgressDelay = 300 * time.Millisecond
+	})
 }
 
 // outcomeLogger is a BatchCompleter that logs what each batch completion
@@ -155,16 +136,10 @@ func TestChaos23PGBatchSigstop(t *testing.T) {
 	}
 	url := testenv.AMQPURL(t)
 	name := testenv.Name(t)
-	schema := strings.ToLower(strings.NewReplacer("-", "_", ".", "_").Replace(name))
 	pool := pgenv.Pool(t, 4)
 	ctx, cancel := context.WithTimeout(context.Background(), pick(3*time.Minute, 10*time.Minute))
 	defer cancel()
-	if _, err := pool.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize()); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_, _ = pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
-	})
+	schema, scfg := batchSchema(ctx, t, pool)
 	effects := pgx.Identifier{schema, batchEffectsTB}.Sanitize()
 	started := pgx.Identifier{schema, "batch_started"}.Sanitize()
 	outcomes := pgx.Identifier{schema, "batch_outcomes"}.Sanitize()
@@ -174,45 +149,13 @@ func TestChaos23PGBatchSigstop(t *testing.T) {
 		"CREATE TABLE "+outcomes+" (seq bigserial PRIMARY KEY, pid int NOT NULL, ops text[] NOT NULL, lease_lost bool NOT NULL, err text NOT NULL)"); err != nil {
 		t.Fatal(err)
 	}
-	scfg := pgstore.Config{Schema: schema, CleanupInterval: -1}
-	if err := pgstore.Migrate(ctx, pool, scfg); err != nil {
-		t.Fatal(err)
-	}
-	testenv.DeleteQueues(t, url, name, name+".dlq")
 
 	nGood, nPoison := pick(1500, 10000), pick(6, 20)
 	stopsWanted, kills := pick(4, 15), pick(3, 15)
 	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 23))
-	var ops, poison []string
-	for i := range nGood {
-		ops = append(ops, fmt.Sprintf("g%05d", i))
-		if i%(nGood/nPoison) == nGood/nPoison/2 && len(poison) < nPoison {
-			p := fmt.Sprintf("poison%03d", len(poison))
-			poison = append(poison, p)
-			ops = append(ops, p)
-		}
-	}
-
-	conn, err := amqp.Dial(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := ch.QueueDeclare(name, true, false, false, false, nil); err != nil {
-		t.Fatal(err)
-	}
-	publish := func(ids []string) {
-		t.Helper()
-		for _, op := range ids {
-			if err := ch.PublishWithContext(ctx, "", name, false, false, amqp.Publishing{MessageId: op, DeliveryMode: amqp.Persistent}); err != nil {
-				t.Fatal(err)
-			}
-		}
-	}
+	ops, poison := batchOps(nGood, nPoison)
+	ch := batchQueue(t, url, name)
+	publish := func(ids []string) { t.Helper(); publishOps(ctx, t, ch, name, ids) }
 	// The ops are fed in bursts of 20 over the time the stops and kills
 	// are planned to take, so that the consumers are busy at every stop.
 	planned := time.Duration(stopsWanted)*8*time.Second + time.Duration(kills)*time.Second
@@ -230,24 +173,7 @@ func TestChaos23PGBatchSigstop(t *testing.T) {
 	}
 	feed(false)
 
-	start := func() *batchChild {
-		cmd := exec.Command(os.Args[0], "-test.run=^TestChaos23PGBatchSigstopChild$", "-test.count=1")
-		cmd.Env = append(os.Environ(), envSigstopChild+"="+schema, envSigstopQueue+"="+name)
-		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		c := &batchChild{cmd: cmd, done: make(chan struct{})}
-		go func() { _ = cmd.Wait(); close(c.done) }()
-		return c
-	}
-	children := []*batchChild{start(), start(), start()}
-	t.Cleanup(func() { // only the processes started here, by PID
-		for _, c := range children {
-			_ = c.cmd.Process.Kill() // a stopped process dies of SIGKILL too
-			<-c.done
-		}
-	})
+	children := startBatchChildren(t, 3, "TestChaos23PGBatchSigstopChild", envSigstopChild+"="+schema, envSigstopQueue+"="+name)
 	count := func(sql string, args ...any) int {
 		t.Helper()
 		var n int
@@ -257,12 +183,6 @@ func TestChaos23PGBatchSigstop(t *testing.T) {
 		return n
 	}
 	applied := func() int { return count("SELECT count(DISTINCT op) FROM " + effects) }
-	signal := func(c *batchChild, s syscall.Signal) {
-		t.Helper()
-		if err := c.cmd.Process.Signal(s); err != nil {
-			t.Fatal(err)
-		}
-	}
 
 	// A stop that landed in a batch's transaction: the stopped child, the
 	// batch's ops, and whether it was continued (else killed).
@@ -279,18 +199,15 @@ func TestChaos23PGBatchSigstop(t *testing.T) {
 			time.Sleep(100 * time.Millisecond)
 			feed(false)
 		}
-		i := rng.IntN(len(children))
-		c := children[i]
+		i := rng.IntN(len(children.list))
 		if len(stops) >= stopsWanted || (killed < kills && rng.IntN(3) == 0) {
-			signal(c, syscall.SIGKILL)
-			<-c.done
+			children.kill9(i)
 			killed++
-			children[i] = start()
 			continue
 		}
 		tries++
-		pid := c.cmd.Process.Pid
-		signal(c, syscall.SIGSTOP)
+		pid := children.list[i].cmd.Process.Pid
+		children.signal(i, syscall.SIGSTOP)
 		time.Sleep(200 * time.Millisecond) // a COMMIT already sent lands meanwhile
 		// Its last batch started: open in its transaction if none of its
 		// effect rows committed.
@@ -299,7 +216,7 @@ func TestChaos23PGBatchSigstop(t *testing.T) {
 		err := pool.QueryRow(ctx, "SELECT s.seq, s.ops FROM "+started+" s WHERE s.pid = $1 AND s.seq > $2 AND NOT EXISTS (SELECT 1 FROM "+effects+
 			" e WHERE e.pid = $1 AND e.op = ANY(s.ops)) AND s.seq = (SELECT max(seq) FROM "+started+" WHERE pid = $1)", pid, lastSeq[pid]).Scan(&seq, &batch)
 		if errors.Is(err, pgx.ErrNoRows) {
-			signal(c, syscall.SIGCONT) // between batches: try again
+			children.signal(i, syscall.SIGCONT) // between batches: try again
 			continue
 		}
 		if err != nil {
@@ -335,12 +252,10 @@ func TestChaos23PGBatchSigstop(t *testing.T) {
 		}
 		s := stop{pid: pid, ops: batch, continued: rng.IntN(3) != 0}
 		if s.continued {
-			signal(c, syscall.SIGCONT)
+			children.signal(i, syscall.SIGCONT)
 		} else {
-			signal(c, syscall.SIGKILL)
-			<-c.done
+			children.kill9(i) // killed while stopped
 			killed++
-			children[i] = start()
 		}
 		t.Logf("pg-batch-sigstop: pid %d stopped for %v in a batch of %d, continued=%v",
 			pid, time.Since(stopped).Round(time.Millisecond), len(batch), s.continued)
@@ -355,16 +270,7 @@ func TestChaos23PGBatchSigstop(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ps.Close()
-	failed := func() int {
-		n := 0
-		for _, p := range poison {
-			rec, err := ps.Inspect(ctx, amqpidem.StoreKey(name, p))
-			if err == nil && rec.State == lock.StateFailed {
-				n++
-			}
-		}
-		return n
-	}
+	failed := func() int { return poisonFailed(ctx, ps, name, poison) }
 	settleBy := time.Now().Add(pick(time.Minute, 3*time.Minute))
 	for applied() < nGood || failed() < nPoison {
 		if time.Now().After(settleBy) {
@@ -399,21 +305,9 @@ func TestChaos23PGBatchSigstop(t *testing.T) {
 			lateCommitted++
 		}
 	}
-	for _, c := range children {
-		_ = c.cmd.Process.Signal(syscall.SIGTERM)
-		<-c.done
-	}
+	children.stop()
 
-	rows, err := pool.Query(ctx, "SELECT op, count(*) FROM "+effects+" GROUP BY op")
-	if err != nil {
-		t.Fatal(err)
-	}
-	perOp := map[string]int{}
-	var op string
-	var n int
-	if _, err := pgx.ForEachRow(rows, []any{&op, &n}, func() error { perOp[op] = n; return nil }); err != nil {
-		t.Fatal(err)
-	}
+	perOp := perOpRows(ctx, t, pool, "SELECT op, count(*) FROM "+effects+" GROUP BY op")
 	b := tallyBatch(t, ch, name, ops, poison, perOp)
 	continued := 0
 	for _, s := range stops {
