@@ -44,3 +44,30 @@ func TestBatchTxHandlerCommitThenPanicNotRerun(t *testing.T) {
 		}
 	}
 }
+
+// TestTxHandlerCommitThenPanicNotRerun: the single-message form of
+// TestBatchTxHandlerCommitThenPanicNotRerun. TxFunc's documentation says
+// a function that committed itself and then failed is not run again
+// (Permanent, wrapping ErrTxEnded); a panic is the handler's failure as
+// much as a returned error, but escapes pgstore, and amqpidem retries it.
+func TestTxHandlerCommitThenPanicNotRerun(t *testing.T) {
+	r := newRig(t)
+	r.run(r.store.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+		if err := r.insert(ctx, tx, d.MessageId); err != nil {
+			return nil, err
+		}
+		if _, err := tx.Exec(ctx, "COMMIT"); err != nil {
+			return nil, err
+		}
+		panic("after its own COMMIT")
+	}), nil)
+	ops := ids("s", 2)
+	r.publish(ops...)
+	evs := r.settled(ops, amqpidem.DeadLettered, amqpidem.Completed)
+	got := r.effects()
+	for _, op := range ops {
+		if got[op] != 1 {
+			t.Errorf("%s: %d effect rows, events %s; want 1 (its work committed once, never run again)", op, got[op], outcomes(evs[op]))
+		}
+	}
+}
