@@ -2,6 +2,8 @@ package pgstore_test
 
 import (
 	"context"
+	"errors"
+	"sync"
 	"testing"
 	"time"
 
@@ -9,6 +11,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
 )
 
 // TestBatchTxHandlerCommitThenPanicNotRerun: as
@@ -68,6 +71,81 @@ func TestTxHandlerCommitThenPanicNotRerun(t *testing.T) {
 	for _, op := range ops {
 		if got[op] != 1 {
 			t.Errorf("%s: %d effect rows, events %s; want 1 (its work committed once, never run again)", op, got[op], outcomes(evs[op]))
+		}
+	}
+}
+
+// TestBatchTxHandlerBatchesAtOnce: NewBatchConsumer accepts a pool with
+// one connection more than "the batches that may run at once
+// (Concurrency over BatchSize, rounded up)", docs/batches.md's and
+// checkBatchPool's bound, since each running batch holds a connection and
+// the heartbeat needs one more. But batches are not that few: deliveries
+// arriving a little apart (more than BatchWait) each make a batch of
+// their own, and those run at once, each holding a pooled connection, up
+// to Concurrency of them. Here BatchSize 10 and Concurrency 20 make 2
+// batches at most by the check (a pool of 3 accepted); deliveries 50 ms
+// apart, each batch holding its transaction for 1.5 s, run many batches
+// at once, and the pool the check accepted is exhausted: the heartbeat and
+// the batches' own transactions queue for its connections.
+func TestBatchTxHandlerBatchesAtOnce(t *testing.T) {
+	r := newRig(t)
+	small := pgenv.Pool(t, 3)
+	st := newStore(t, small, r.cfg)
+	var mu sync.Mutex
+	running, most := 0, 0
+	h := st.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		mu.Lock()
+		running++
+		most = max(most, running)
+		mu.Unlock()
+		defer func() {
+			mu.Lock()
+			running--
+			mu.Unlock()
+		}()
+		for _, d := range ds {
+			if err := r.insert(ctx, tx, d.MessageId); err != nil {
+				return nil, err
+			}
+		}
+		select {
+		case <-time.After(1500 * time.Millisecond):
+		case <-ctx.Done():
+			return nil, context.Cause(ctx)
+		}
+		return nil, nil
+	})
+	cfg := batchConfig(t, r.queue, r.events)
+	cfg.BatchSize, cfg.Concurrency, cfg.Prefetch = 10, 20, 20
+	cfg.LeaseTTL = 3 * time.Second
+	c, err := amqpidem.NewBatchConsumer(st, cfg, h)
+	if err != nil {
+		t.Fatalf("NewBatchConsumer refused the pool: %v", err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- c.Run(context.Background()) }()
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		_ = c.Shutdown(ctx)
+		if err := <-done; !errors.Is(err, amqpidem.ErrConsumerClosed) {
+			t.Errorf("Run: %v", err)
+		}
+	})
+	ops := ids("a", 8)
+	for _, op := range ops {
+		r.publish(op)
+		time.Sleep(50 * time.Millisecond)
+	}
+	evs := r.settled(ops, amqpidem.Completed, amqpidem.DeadLettered)
+	mu.Lock()
+	defer mu.Unlock()
+	if most > 2 {
+		t.Errorf("%d batches ran at once, each holding one of the pool's 3 connections; the pool check allowed for 2", most)
+	}
+	for _, op := range ops {
+		if len(evs[op]) != 1 {
+			t.Logf("%s: %s", op, outcomes(evs[op]))
 		}
 	}
 }
