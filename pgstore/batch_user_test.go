@@ -149,3 +149,42 @@ func TestBatchTxHandlerBatchesAtOnce(t *testing.T) {
 		}
 	}
 }
+
+// TestBatchTxHandlerUnkeyedFailedNotCommitted: a message without a key,
+// run with Config.MissingKey ProcessMissingKey, goes to a BatchTxHandler
+// as a batch of one with no record (HandleBatch). BatchTxFunc's
+// documentation: "A message answered with an error may have written in
+// tx before it failed: its writes never commit." HandleBatch commits the
+// transaction whatever the BatchResults say, so the writes of a message
+// answered with a Permanent error commit, and it is dead-lettered with
+// its effect done.
+func TestBatchTxHandlerUnkeyedFailedNotCommitted(t *testing.T) {
+	r := newRig(t)
+	r.runBatch(r.store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		rs := make([]amqpidem.BatchResult, len(ds))
+		for i, d := range ds {
+			if err := r.insert(ctx, tx, string(d.Body)); err != nil {
+				return nil, err
+			}
+			rs[i].Err = amqpidem.Permanent(errors.New("declined after writing"))
+		}
+		return rs, nil
+	}), func(c *amqpidem.ConsumerConfig) { c.MissingKey = amqpidem.ProcessMissingKey })
+	err := r.ch.PublishWithContext(context.Background(), "", r.queue, false, false,
+		amqp.Publishing{DeliveryMode: amqp.Persistent, Body: []byte("nokey")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ev amqpidem.Event
+	select {
+	case ev = <-r.events:
+	case <-time.After(20 * time.Second):
+		t.Fatal("no event in 20 s")
+	}
+	if ev.Outcome != amqpidem.DeadLettered {
+		t.Errorf("outcome %v %q, want dead-lettered", ev.Outcome, ev.Reason)
+	}
+	if n := r.effects()["nokey"]; n != 0 {
+		t.Errorf("%d effect rows of a message answered with a Permanent error, want 0 (its writes never commit)", n)
+	}
+}
