@@ -188,3 +188,81 @@ func TestBatchTxHandlerUnkeyedFailedNotCommitted(t *testing.T) {
 		t.Errorf("%d effect rows of a message answered with a Permanent error, want 0 (its writes never commit)", n)
 	}
 }
+
+// TestBatchTxHandlerForcedShutdownPoolHeld: the consequence of
+// TestBatchTxHandlerBatchesAtOnce a user meets first. Batches hold every
+// connection of a pool NewBatchConsumer accepted; a forced shutdown
+// (Shutdown's deadline passing) cancels them, pgx closes each cancelled
+// statement's connection, and each batch asks whether its transaction
+// committed (ending, committed) on a connection of the pool, which the
+// other batches hold while they ask the same: none is answered before
+// commitTimeout (10 s). Shutdown, given 300 ms, returns after about 10 s,
+// and the messages are requeued as "store unavailable" instead of
+// "shutdown". (The same stall follows a lost lease or HandlerTimeout.)
+func TestBatchTxHandlerForcedShutdownPoolHeld(t *testing.T) {
+	r := newRig(t)
+	small := pgenv.Pool(t, 3)
+	st := newStore(t, small, r.cfg)
+	var mu sync.Mutex
+	running := 0
+	h := st.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		mu.Lock()
+		running++
+		mu.Unlock()
+		for _, d := range ds {
+			if err := r.insert(ctx, tx, d.MessageId); err != nil {
+				return nil, err
+			}
+		}
+		_, err := tx.Exec(ctx, "SELECT pg_sleep(5)")
+		return nil, err
+	})
+	cfg := batchConfig(t, r.queue, r.events)
+	cfg.BatchSize, cfg.Concurrency, cfg.Prefetch = 10, 20, 20
+	cfg.LeaseTTL = 10 * time.Second
+	c, err := amqpidem.NewBatchConsumer(st, cfg, h)
+	if err != nil {
+		t.Fatalf("NewBatchConsumer refused the pool: %v", err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- c.Run(context.Background()) }()
+	for _, op := range ids("f", 6) {
+		r.publish(op)
+		time.Sleep(60 * time.Millisecond)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		mu.Lock()
+		n := running
+		mu.Unlock()
+		if n >= 3 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d batches running, want the pool's 3", n)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_ = c.Shutdown(ctx)
+	took := time.Since(start)
+	if err := <-done; !errors.Is(err, amqpidem.ErrConsumerClosed) {
+		t.Errorf("Run: %v", err)
+	}
+	if took > 5*time.Second {
+		t.Errorf("Shutdown with a 300 ms deadline took %v: the cancelled batches waited for a connection the others held", took.Round(time.Millisecond))
+	}
+	for {
+		select {
+		case e := <-r.events:
+			if e.Reason != "shutdown" {
+				t.Logf("%s: %v %q: %v", e.Key, e.Outcome, e.Reason, e.Err)
+			}
+			continue
+		default:
+		}
+		break
+	}
+}
