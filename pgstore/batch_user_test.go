@@ -12,6 +12,7 @@ import (
 
 	"github.com/amqpidem/amqpidem/amqpidem"
 	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
+	"github.com/amqpidem/amqpidem/pgstore"
 )
 
 // TestBatchTxHandlerCommitThenPanicNotRerun: as
@@ -264,5 +265,51 @@ func TestBatchTxHandlerForcedShutdownPoolHeld(t *testing.T) {
 		default:
 		}
 		break
+	}
+}
+
+// TestBatchTxHandlerCommitThenConnLostNotRerun: the function commits the
+// batch's transaction itself (a COMMIT statement), then its connection is
+// lost (closed here), and the server cannot say whether the transaction
+// committed (the status question fails). docs/batches.md: a function that
+// ended the transaction itself and committed is never split nor run again,
+// "the same when the server cannot say whether that COMMIT committed". On
+// a closed connection the answer is lock.ErrUnavailable instead, not
+// Permanent: each message is released and requeued as "store
+// unavailable", and its redelivery takes a new lease and does its work a
+// second time (the record was not completed with the work, so it cannot
+// tell).
+func TestBatchTxHandlerCommitThenConnLostNotRerun(t *testing.T) {
+	r := newRig(t)
+	var lost sync.Map // each op's connection is closed on its first run only
+	r.runBatch(r.store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		first := false
+		for _, d := range ds {
+			if err := r.insert(ctx, tx, d.MessageId); err != nil {
+				return nil, err
+			}
+			if _, seen := lost.LoadOrStore(d.MessageId, true); !seen {
+				first = true
+			}
+		}
+		if _, err := tx.Exec(ctx, "COMMIT"); err != nil {
+			return nil, err
+		}
+		if first {
+			pgstore.SetXactStatusSQL(t, "SELECT length($1::text) / 0 = 1")
+			_ = tx.Conn().Close(context.Background())
+		} else {
+			pgstore.SetXactStatusSQL(t, "SELECT pg_xact_status($1::xid8) IS NOT DISTINCT FROM 'committed'")
+		}
+		return nil, nil
+	}), func(c *amqpidem.ConsumerConfig) { c.BatchWait = 200 * time.Millisecond })
+	ops := ids("l", 4)
+	r.publish(ops...)
+	evs := r.settled(ops, amqpidem.DeadLettered, amqpidem.Completed)
+	got := r.effects()
+	for _, op := range ops {
+		if got[op] != 1 {
+			t.Errorf("%s: %d effect rows, events %s; want 1 (its work committed once, never run again)", op, got[op], outcomes(evs[op]))
+		}
 	}
 }
