@@ -313,3 +313,58 @@ func TestBatchTxHandlerCommitThenConnLostNotRerun(t *testing.T) {
 		}
 	}
 }
+
+// TestBatchTxHandlerLibraryRollbackThenCommitNotRerun: a library handed
+// tx.Conn() (docs/batches.md names this case) runs one transaction of its
+// own per message: BEGIN, its writes, then COMMIT, or ROLLBACK for a
+// message it declines. When the first message it handles is declined,
+// its ROLLBACK rolls the batch's transaction back; every later message's
+// transaction then commits on its own. BatchTxHandler asks only whether
+// the batch's transaction committed: it did not, so it decides the
+// function's work "was undone" (a Permanent batch error), and amqpidem
+// splits the batch and runs its halves again, committing the other
+// messages' work a second time. Once the function ended the batch's
+// transaction, later statements autocommit: no rerun is safe, whatever
+// became of that transaction.
+func TestBatchTxHandlerLibraryRollbackThenCommitNotRerun(t *testing.T) {
+	r := newRig(t)
+	effects := pgx.Identifier{r.cfg.Schema, "effects"}.Sanitize()
+	r.runBatch(r.store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		rs := make([]amqpidem.BatchResult, len(ds))
+		// The declined message first, as a batch's order may have it.
+		order := make([]int, 0, len(ds))
+		for i, d := range ds {
+			if d.MessageId == "k-declined" {
+				order = append([]int{i}, order...)
+			} else {
+				order = append(order, i)
+			}
+		}
+		conn := tx.Conn()
+		for _, i := range order {
+			d := ds[i]
+			if d.MessageId == "k-declined" {
+				if err := pgx.BeginFunc(ctx, conn, func(ltx pgx.Tx) error { return errors.New("declined") }); err != nil {
+					rs[i].Err = amqpidem.Permanent(err)
+				}
+				continue
+			}
+			if err := pgx.BeginFunc(ctx, conn, func(ltx pgx.Tx) error {
+				_, err := ltx.Exec(ctx, "INSERT INTO "+effects+" (op) VALUES ($1)", d.MessageId)
+				return err
+			}); err != nil {
+				return nil, err
+			}
+		}
+		return rs, nil
+	}), func(c *amqpidem.ConsumerConfig) { c.BatchWait = 300 * time.Millisecond })
+	ops := []string{"k-declined", "k-1", "k-2", "k-3"}
+	r.publish(ops...)
+	evs := r.settled(ops, amqpidem.DeadLettered, amqpidem.Completed)
+	got := r.effects()
+	for _, op := range ops[1:] {
+		if got[op] != 1 {
+			t.Errorf("%s: %d effect rows, events %s; want 1", op, got[op], outcomes(evs[op]))
+		}
+	}
+}
