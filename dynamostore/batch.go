@@ -72,12 +72,42 @@ var _ amqpidem.BatchCompleter = (*batchTxHandler)(nil)
 // CompleterStore returns the Store the handler writes records to.
 func (h *batchTxHandler) CompleterStore() lock.Store { return h.s }
 
-// HandleBatch runs fn and sends its writes, with no records.
+// HandleBatch runs fn and sends its writes, with no records, unless some
+// messages failed: as with records, their writes are never sent, and the
+// others run again without them.
 func (h *batchTxHandler) HandleBatch(ctx context.Context, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
 	var tx Tx
 	rs, err := h.run(ctx, &tx, ds)
 	if err != nil || tx.Len() == 0 {
 		return rs, err
+	}
+	var ok []int
+	for i := range rs {
+		if rs[i].Err == nil {
+			ok = append(ok, i)
+		}
+	}
+	if rs != nil && len(ok) < len(ds) {
+		// Some messages failed after fn added writes to its Tx, which may
+		// be theirs: nothing is sent, and the others run again without
+		// them (see BatchTxFunc), staging afresh.
+		if len(ok) == 0 {
+			return rs, nil
+		}
+		amqpidem.DiscardStaged(ctx)
+		sub := make([]*amqp.Delivery, len(ok))
+		for j, i := range ok {
+			sub[j] = ds[i]
+		}
+		srs, err := h.HandleBatch(ctx, sub)
+		if err != nil {
+			return nil, err
+		}
+		rs = append([]amqpidem.BatchResult(nil), rs...)
+		for j, i := range ok {
+			rs[i] = srs[j]
+		}
+		return rs, nil
 	}
 	if tx.Len() > MaxTxItems {
 		return nil, fmt.Errorf("%w: %d items, at most %d", ErrTxTooLarge, tx.Len(), MaxTxItems)

@@ -25,10 +25,10 @@ import (
 // statements with ctx. Each way of ending comes to what TxFunc says,
 // for the whole batch, with one difference: when fn ended the transaction
 // itself and it committed (a COMMIT statement, or a library given
-// tx.Conn()), a batch error or a message's retryable error after that is
-// made each message's own error, Permanent, wrapping ErrTxEnded: their
-// work committed, and a batch error would be split and its halves run
-// again.
+// tx.Conn()), a batch error (a panic too) or a message's retryable error
+// after that is made each message's own error, Permanent, wrapping
+// ErrTxEnded: their work committed, and a batch error would be split and
+// its halves run again.
 //
 // amqpidem.DeliveryContext(ctx, d) is the context of the message d: its
 // Info, and its outbox (amqpidem.Stage), whose messages are stored with
@@ -90,9 +90,11 @@ var _ amqpidem.BatchCompleter = (*batchTxHandler)(nil)
 // CompleterStore returns the Store the handler writes records to.
 func (h *batchTxHandler) CompleterStore() lock.Store { return h.s }
 
-// HandleBatch runs fn in a transaction with no records, and commits.
+// HandleBatch runs fn in a transaction with no records, and commits it,
+// unless some messages failed: as with records, their writes never
+// commit, and the others run again without them (complete).
 func (h *batchTxHandler) HandleBatch(ctx context.Context, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
-	return h.run(ctx, ds, nil, nil)
+	return h.complete(ctx, ds, nil, nil)
 }
 
 // HandleBatchComplete runs fn on the items' deliveries in a transaction,
@@ -122,7 +124,8 @@ var errRunAgain = errors.New("pgstore: some messages of the batch failed: run th
 // complete runs fn on the batch ds with leases and commits it with the
 // records of its messages, as run does, running it again without the
 // failed messages until a run's messages all succeed (see BatchTxHandler):
-// the failed ones' writes never commit.
+// the failed ones' writes never commit. With no leases (nil), there are no
+// records, and value is not called.
 func (h *batchTxHandler) complete(ctx context.Context, ds []*amqp.Delivery, leases []lock.Lease, value func(int, []byte) ([]byte, error)) ([]amqpidem.BatchResult, error) {
 	rs, err := h.run(ctx, ds, leases, value)
 	if !errors.Is(err, errRunAgain) {
@@ -138,11 +141,20 @@ func (h *batchTxHandler) complete(ctx context.Context, ds []*amqp.Delivery, leas
 	// afresh (amqpidem.DeliveryContext), and only the committed run's
 	// staged messages are stored with the records.
 	amqpidem.DiscardStaged(ctx)
-	subDs, subLeases := make([]*amqp.Delivery, len(ok)), make([]lock.Lease, len(ok))
-	for j, i := range ok {
-		subDs[j], subLeases[j] = ds[i], leases[i]
+	subDs := make([]*amqp.Delivery, len(ok))
+	var subLeases []lock.Lease
+	var subValue func(int, []byte) ([]byte, error)
+	if leases != nil {
+		subLeases = make([]lock.Lease, len(ok))
+		subValue = func(j int, result []byte) ([]byte, error) { return value(ok[j], result) }
 	}
-	srs, err := h.complete(ctx, subDs, subLeases, func(j int, result []byte) ([]byte, error) { return value(ok[j], result) })
+	for j, i := range ok {
+		subDs[j] = ds[i]
+		if leases != nil {
+			subLeases[j] = leases[i]
+		}
+	}
+	srs, err := h.complete(ctx, subDs, subLeases, subValue)
 	if err != nil {
 		return nil, err // the rest failed as a batch: amqpidem splits it all
 	}
@@ -158,8 +170,10 @@ func (h *batchTxHandler) complete(ctx context.Context, ds []*amqp.Delivery, leas
 func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []lock.Lease, value func(int, []byte) ([]byte, error)) ([]amqpidem.BatchResult, error) {
 	conn, err := h.s.pool.Acquire(ctx)
 	var xid string
+	var t *handlerTx
 	if err == nil {
-		defer h.s.endConn(conn)
+		t = &handlerTx{conn: conn.Conn(), pooled: conn}
+		defer h.s.endConn(t)
 		xid, err = h.s.begin(ctx, conn.Conn(), h.tx)
 	}
 	if err != nil {
@@ -168,19 +182,19 @@ func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []
 		}
 		return nil, fmt.Errorf("pgstore: begin: %w", classify(err))
 	}
-	t := &handlerTx{conn: conn.Conn()}
-	rs, ferr := h.fn(ctx, t, ds)
+	rs, ferr := callFn(func() ([]amqpidem.BatchResult, error) { return h.fn(ctx, t, ds) })
 	if ferr == nil && rs != nil && len(rs) != len(ds) {
 		ferr = fmt.Errorf("pgstore: the batch function returned %d results for %d messages", len(rs), len(ds))
 	}
 	end, err := h.s.ending(ctx, t, xid, ferr, false)
-	if end == endFailed && (errors.Is(err, errWorkCommitted) || errors.Is(err, errWorkUnknown)) {
-		// fn committed its work itself (or may have: the server could not
-		// tell), then failed: as a batch error it would be split and its
-		// halves run again, committing their work a second time. Each
-		// message fails on its own instead (Permanent, or the store's
-		// unavailability: never run again in place), its record not
-		// completed.
+	if end == endFailed && (errors.Is(err, ErrTxEnded) || errors.Is(err, errWorkUnknown)) {
+		// fn ended the transaction itself (and its work committed, may
+		// have, or was rolled back, after which its later statements, a
+		// library's transactions, ran on their own), or may have: as a
+		// batch error this would be split and its halves run again,
+		// committing their work a second time. Each message fails on its
+		// own instead (Permanent, or the store's unavailability: never run
+		// again in place), its record not completed.
 		rs := make([]amqpidem.BatchResult, len(ds))
 		for i := range rs {
 			rs[i].Err = err
@@ -204,8 +218,21 @@ func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
 	defer cancel()
 	if leases == nil {
-		if end == endCommitted {
+		failed := 0
+		for i := range rs {
+			if rs[i].Err != nil {
+				failed++
+			}
+		}
+		switch {
+		case end == endCommitted:
 			return rs, nil
+		case failed == len(ds):
+			return rs, nil // nothing to commit: endConn rolls it back
+		case failed > 0:
+			// The failed messages' writes may be in the transaction:
+			// endConn rolls it back, and complete runs the rest again.
+			return rs, errRunAgain
 		}
 		return rs, commit(cctx, conn.Conn())
 	}
@@ -246,7 +273,7 @@ func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []
 		// their own, one by one (no longer atomic with the work, as with
 		// TxHandler).
 		for _, i := range done {
-			if err := h.s.finish(cctx, conn, leases[i], "complete", "c", values[i]); err != nil {
+			if err := h.s.finish(cctx, t.querier(h.s), leases[i], "complete", "c", values[i]); err != nil {
 				rs[i] = amqpidem.BatchResult{Err: recordAfterCommit(err)}
 			}
 		}

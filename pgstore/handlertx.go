@@ -6,6 +6,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // savepoint is where a handler's work begins in its transaction: its
@@ -43,6 +44,28 @@ type handlerTx struct {
 	conn  *pgx.Conn
 	state txState
 	base  pgx.Tx // for Begin and LargeObjects, once one was called
+	// pooled is the pool's connection conn is, until it is given back
+	// (endConn, releaseClosed); nil for a held lease's (heldTx has it).
+	pooled *pgxpool.Conn
+}
+
+// releaseClosed gives conn back to the pool now if it closed, as endConn
+// would at the run's end: the pool forgets it, and its place is free for
+// the questions asked on another connection after it closed (ending).
+func (t *handlerTx) releaseClosed() {
+	if t.pooled != nil && t.conn.PgConn().IsClosed() {
+		t.pooled.Release()
+		t.pooled = nil
+	}
+}
+
+// querier is where a run whose function committed its work itself
+// writes the record: its own connection, or the pool once that closed.
+func (t *handlerTx) querier(s *Store) querier {
+	if t.pooled != nil && !t.conn.PgConn().IsClosed() {
+		return t.pooled
+	}
+	return s.pool
 }
 
 var _ pgx.Tx = (*handlerTx)(nil)

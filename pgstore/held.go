@@ -273,7 +273,12 @@ func (s *Store) takeHeld(owner string) *heldTx {
 
 // endConn rolls back what conn holds, if anything, and gives it back to the
 // pool (which closes it if it could not be rolled back).
-func (s *Store) endConn(conn *pgxpool.Conn) {
+func (s *Store) endConn(t *handlerTx) {
+	conn := t.pooled
+	if conn == nil {
+		return // released already (releaseClosed)
+	}
+	t.pooled = nil
 	if pc := conn.Conn().PgConn(); !pc.IsClosed() && !pc.IsBusy() && pc.TxStatus() != 'I' {
 		ctx, cancel := context.WithTimeout(context.Background(), commitTimeout)
 		_, _ = conn.Exec(ctx, "ROLLBACK")
@@ -348,11 +353,11 @@ func (h *txHandler) completeHeld(ctx context.Context, d *amqp.Delivery, lease lo
 	}
 	committing := false
 	defer func() {
-		if !committing { // nothing completed, or fn panicked: the next call ends it
+		if !committing { // nothing completed: the next call ends it
 			h.s.putHeld(lease, ht)
 		}
 	}()
-	result, ferr := h.fn(ctx, ht.tx, d)
+	result, ferr := callFn(func() ([]byte, error) { return h.fn(ctx, ht.tx, d) })
 	end, err := h.s.ending(ctx, ht.tx, ht.xid, ferr, true)
 	if end == endFailed {
 		return nil, err

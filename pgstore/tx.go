@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime/debug"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -41,6 +42,8 @@ import (
 //     its own (no second effect, but no longer atomic with the work: a
 //     crash in between runs it again); otherwise the error wraps
 //     ErrTxEnded, Permanent, since what it did after cannot be undone.
+//     A panic counts as an error it returned (an *amqpidem.PanicError):
+//     after its own COMMIT, it is not run again either.
 type TxFunc func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error)
 
 // commitTimeout bounds writing the record and committing, which run even
@@ -179,22 +182,33 @@ const (
 func (s *Store) ending(ctx context.Context, t *handlerTx, xid string, ferr error, held bool) (ending, error) {
 	pc := t.conn.PgConn()
 	closed := pc.IsClosed()
-	if closed || pc.TxStatus() == 'I' {
+	// The status of the connection's last answer, kept once it closed:
+	// idle ('I') when fn's last statement ended the transaction.
+	ended := pc.TxStatus() == 'I'
+	if closed || ended {
+		// A closed connection goes back to the pool first, which forgets
+		// it: the question is asked on another of the pool's, which must
+		// not wait for this one's place (runs that all lost theirs at
+		// once, a forced shutdown, would each wait for the others').
+		t.releaseClosed()
 		committed, err := s.committed(ctx, t.conn, xid)
 		switch {
 		case committed && ferr == nil:
 			return endCommitted, nil
 		case committed:
 			return endFailed, amqpidem.Permanent(fmt.Errorf("%w, %w; then it returned an error, so it is not run again: %w", ErrTxEnded, errWorkCommitted, ferr))
-		case closed && err != nil:
-			// Rolled back with the session, or committed by fn before
-			// the connection closed: unknown, the server out of reach.
+		case closed && err != nil && !ended:
+			// Rolled back with the session, or committed by a COMMIT of
+			// fn whose answer was lost with the connection: unknown, the
+			// server out of reach.
 			return endFailed, fmt.Errorf("%w (%w)", connClosed(ctx, ferr, held), errWorkUnknown)
-		case closed:
+		case err != nil:
+			// fn ended the transaction itself (its connection may have
+			// closed after that), and the server cannot say how.
+			return endFailed, amqpidem.Permanent(fmt.Errorf("%w; whether its work committed is unknown (%w), so it is not run again: %w", ErrTxEnded, classify(err), errWorkUnknown))
+		case closed && !ended:
 			// Rolled back with the session: the store is the cause.
 			return endFailed, connClosed(ctx, ferr, held)
-		case err != nil:
-			return endFailed, amqpidem.Permanent(fmt.Errorf("%w; whether its work committed is unknown (%w), so it is not run again: %w", ErrTxEnded, classify(err), errWorkUnknown))
 		case ferr != nil:
 			return endFailed, amqpidem.Permanent(fmt.Errorf("%w and rolled it back; it returned: %w", ErrTxEnded, ferr))
 		}
@@ -209,6 +223,20 @@ func (s *Store) ending(ctx context.Context, t *handlerTx, xid string, ferr error
 		return endFailed, fmt.Errorf("pgstore: a statement of the handler failed, and it returned no error: %w", pgx.ErrTxCommitRollback)
 	}
 	return endCommit, nil
+}
+
+// callFn runs f, a call of the handler's function, turning a panic into
+// an *amqpidem.PanicError, which ending then decides on as on an error f
+// returned: a function that committed its work itself and then panicked
+// is not run again, and a transaction it left open rolls back.
+func callFn[T any](f func() (T, error)) (res T, err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			var zero T
+			res, err = zero, &amqpidem.PanicError{Value: v, Stack: debug.Stack()}
+		}
+	}()
+	return f()
 }
 
 // errWorkCommitted is in the error of a handler that ended its
@@ -287,8 +315,10 @@ func (h *txHandler) run(ctx context.Context, d *amqp.Delivery, lease *lock.Lease
 	// send a ROLLBACK of its own to give the connection back.
 	conn, err := h.s.pool.Acquire(ctx)
 	var xid string
+	var t *handlerTx
 	if err == nil {
-		defer h.s.endConn(conn)
+		t = &handlerTx{conn: conn.Conn(), pooled: conn}
+		defer h.s.endConn(t)
 		xid, err = h.s.begin(ctx, conn.Conn(), h.tx)
 	}
 	if err != nil {
@@ -299,8 +329,7 @@ func (h *txHandler) run(ctx context.Context, d *amqp.Delivery, lease *lock.Lease
 		}
 		return nil, fmt.Errorf("pgstore: begin: %w", classify(err))
 	}
-	t := &handlerTx{conn: conn.Conn()}
-	result, ferr := h.fn(ctx, t, d)
+	result, ferr := callFn(func() ([]byte, error) { return h.fn(ctx, t, d) })
 	end, err := h.s.ending(ctx, t, xid, ferr, false)
 	if end == endFailed {
 		return nil, err
@@ -317,7 +346,7 @@ func (h *txHandler) run(ctx context.Context, d *amqp.Delivery, lease *lock.Lease
 	}
 	switch {
 	case end == endCommitted && lease != nil:
-		if err = h.s.finish(cctx, conn, *lease, "complete", "c", v); err != nil {
+		if err = h.s.finish(cctx, t.querier(h.s), *lease, "complete", "c", v); err != nil {
 			err = recordAfterCommit(err)
 		}
 	case end == endCommitted:
