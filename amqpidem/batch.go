@@ -183,6 +183,10 @@ type batcher struct {
 	ba   lock.BatchAcquirer // the store, when it takes leases in batches
 	size int
 	wait time.Duration
+	// slots bounds the batches running at once (NewBatchConsumer: one
+	// per BatchSize of Concurrency, rounded up, what its pool check
+	// counts on); nil for none (WrapBatch).
+	slots chan struct{}
 
 	runs gathering[*flight]
 	acqs gathering[*acquireCall]
@@ -312,6 +316,20 @@ func (f *flight) runBatched() {
 	b := p.batch
 	gr, leader := b.runs.join(f, b.size)
 	if leader {
+		// A batch runs when one of its slots is free: batches of few
+		// deliveries, arriving apart, would otherwise run as many at once
+		// as Concurrency, each holding a pooled connection. While it waits,
+		// its group keeps gathering. Only a forced stop (f.ctx, which every
+		// flight's hctx comes from) ends the wait: the batch's flights then
+		// settle without running.
+		slot := false
+		if b.slots != nil {
+			select {
+			case b.slots <- struct{}{}:
+				slot = true
+			case <-f.ctx.Done():
+			}
+		}
 		// With leases taken in batches, the deliveries of one lease batch
 		// come here together, having waited BatchWait already: a fifth of
 		// it is enough to gather them, and bounds the latency added.
@@ -329,6 +347,9 @@ func (f *flight) runBatched() {
 		bctx := context.WithoutCancel(f.ctx)
 		runs := p.runBatch(bctx, fs)
 		p.completeBatch(bctx, fs)
+		if slot {
+			<-b.slots
+		}
 		p.observeBatch(f.ctx, BatchInfo{Queue: p.cfg.Queue, Size: len(fs), Runs: runs, Duration: time.Since(start)})
 		close(gr.done)
 	} else {
@@ -419,9 +440,9 @@ func (p *processor) completeBatch(ctx context.Context, fs []*flight) {
 			f.out.err = err // settled as "result too large"
 			continue
 		}
-		if len(f.out.staged) > 0 {
-			f.out.stored, f.out.nStaged = v, len(f.out.staged)
-		}
+		// Kept also for the record CompleteBatch cannot answer for: it is
+		// completed alone with this same value (settleBatched).
+		f.out.stored, f.out.nStaged = v, len(f.out.staged)
 		done, leases, values = append(done, f), append(leases, f.lease), append(values, v)
 	}
 	if len(done) == 0 {
@@ -549,6 +570,11 @@ func (f *flight) settleBatched() {
 	case o.err == nil && len(o.result) > f.p.cfg.MaxResultSize:
 		f.stopKeep()
 		f.fail("result too large", fmt.Errorf("%w: %d bytes, at most %d allowed", lock.ErrResultTooLarge, len(o.result), f.p.cfg.MaxResultSize))
+	case o.err == nil && o.stored != nil:
+		// CompleteBatch could not answer for it, and may have stored this
+		// value: the same again (a new one would carry another outbox
+		// claim, refused once the first is stored).
+		f.completeValue(o.result, o.staged, o.stored)
 	case o.err == nil:
 		f.complete(o.result, o.staged)
 	case errors.Is(o.err, lock.ErrResultTooLarge) && !IsPermanent(o.err):

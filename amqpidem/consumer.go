@@ -283,7 +283,9 @@ func NewConsumer(store lock.Store, cfg ConsumerConfig, h Handler) (*Consumer, er
 // store call per message.
 //
 // Prefetch defaults to twice BatchSize (at most 65535), so that a batch
-// gathers while the one before it runs; Concurrency, to Prefetch. A
+// gathers while the one before it runs; Concurrency, to Prefetch. At most
+// Concurrency over BatchSize batches (rounded up) run at once; one ready
+// beyond that waits for a running one to end, gathering meanwhile. A
 // message processed without a lease (ProcessMissingKey, FailOpen) runs
 // as a batch of its own.
 func NewBatchConsumer(store lock.Store, cfg ConsumerConfig, h BatchHandler) (*Consumer, error) {
@@ -310,7 +312,8 @@ func NewBatchConsumer(store lock.Store, cfg ConsumerConfig, h BatchHandler) (*Co
 		return nil, err
 	}
 	ba, _ := store.(lock.BatchAcquirer)
-	c.proc.batch = &batcher{h: h, bc: bc, ba: ba, size: cfg.BatchSize, wait: cfg.BatchWait}
+	c.proc.batch = &batcher{h: h, bc: bc, ba: ba, size: cfg.BatchSize, wait: cfg.BatchWait,
+		slots: make(chan struct{}, batchesAtOnce(cmp.Or(cfg.Concurrency, cfg.Prefetch), cfg.BatchSize))}
 	return c, nil
 }
 

@@ -19,11 +19,18 @@ import (
 // unavailable) or by someone else (lost), so its next delivery waits for
 // it as a busy duplicate.
 func (f *flight) complete(result []byte, staged [][]byte) {
+	f.completeValue(result, staged, encodeValue(f.d.ReplyTo, result, staged, f.claim()))
+}
+
+// completeValue is complete with the value to store made already: a
+// batch's, which its CompleteBatch may have stored with its answer lost.
+// Storing the same value again is then answered nil, and its staged
+// messages' claim is the one stored.
+func (f *flight) completeValue(result []byte, staged [][]byte, value []byte) {
 	// Complete is compare-and-set on owner and fence: if the lease was
 	// lost, it fails and the result is discarded. If the keeper only could
 	// not confirm the lease but nobody took it over, the result is still
 	// the only one and is kept.
-	value := encodeValue(f.d.ReplyTo, result, staged, f.claim())
 	err := settle(f.ctx, func(ctx context.Context) error { return f.p.store.Complete(ctx, f.lease, value) })
 	f.stopKeep() // renewing it would only delay its expiry
 	switch {
