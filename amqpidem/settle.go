@@ -244,7 +244,7 @@ func (f *flight) sendBack(delay time.Duration, extra amqp.Table) bool {
 		}
 		f.ev.Err = errors.Join(f.ev.Err, err)
 	}
-	f.nackRequeue(f.ev.Reason + "; requeue failed")
+	f.nackRequeue(f.ev.Reason + "; nacked back, its copy not published")
 	return false
 }
 
