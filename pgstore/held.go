@@ -358,6 +358,14 @@ func (h *txHandler) completeHeld(ctx context.Context, d *amqp.Delivery, lease lo
 		}
 	}()
 	result, ferr := callFn(func() ([]byte, error) { return h.fn(ctx, ht.tx, d) })
+	if ht.conn.Conn().PgConn().IsClosed() {
+		// Its session ended, and the lock with it: the pool forgets the
+		// connection now, so that the questions that follow go to another
+		// without waiting for this one's place (see releaseClosed), and
+		// the transaction counts as ended (ht.conn nil).
+		ht.conn.Release()
+		ht.conn = nil
+	}
 	end, err := h.s.ending(ctx, ht.tx, ht.xid, ferr, true)
 	if end == endFailed {
 		return nil, err
