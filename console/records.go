@@ -25,6 +25,9 @@ const (
 	// overviewScan is how many records the overview reads per endpoint
 	// to count them by state.
 	overviewScan = 1000
+	// overviewCalls bounds the List calls the overview makes per
+	// endpoint to read overviewScan records.
+	overviewCalls = 10
 )
 
 // filters are the records pages' state filters: a lock.State, or
@@ -248,14 +251,30 @@ func (c *Console) counts(ctx context.Context, l lock.Lister) []stateCount {
 				sc.CountErr = fmt.Sprintf("the store's count took more than its %v budget", c.cfg.CountBudget)
 			}
 		}
-		page, err := l.List(ctx, lock.ListRequest{Prefix: prefix, Scan: overviewScan})
-		if err != nil {
-			sc.Err = fmt.Sprintf("%s: %v", c.storeName(), err)
+		// A List call reads up to Scan records, but may read fewer (a
+		// Redis SCAN step over keys of other endpoints): calls follow its
+		// cursor until overviewScan were read, or all, within a few calls.
+		var recs []lock.Record
+		req := lock.ListRequest{Prefix: prefix}
+		for range overviewCalls {
+			req.Scan = overviewScan - sc.Read
+			page, err := l.List(ctx, req)
+			if err != nil {
+				sc.Err = fmt.Sprintf("%s: %v", c.storeName(), err)
+				break
+			}
+			recs = append(recs, page.Records...)
+			sc.Read += page.Scanned
+			req.Cursor, sc.All = page.Next, page.Next == ""
+			if sc.All || sc.Read >= overviewScan {
+				break
+			}
+		}
+		if sc.Err != "" {
 			out = append(out, sc)
 			continue
 		}
-		sc.Read, sc.All = page.Scanned, page.Next == ""
-		for _, rec := range page.Records {
+		for _, rec := range recs {
 			h := health(rec, c.cfg.LeaseTTL)
 			switch {
 			case rec.State == lock.StateFailed:

@@ -350,3 +350,27 @@ func TestConsoleOverviewExactOrAtLeast(t *testing.T) {
 		t.Fatalf("a store without a count said to be over budget:\n%s", page)
 	}
 }
+
+// stingy is a store whose List calls read at most 300 records each,
+// however many are asked for, as a Redis SCAN step over the keys of other
+// endpoints reads fewer (none, at times).
+type stingy struct{ *lock.MemoryStore }
+
+func (s stingy) List(ctx context.Context, req lock.ListRequest) (lock.ListPage, error) {
+	req.Scan = min(req.Scan, 300)
+	return s.MemoryStore.List(ctx, req)
+}
+
+// TestConsoleOverviewReadsOnAfterShortPages: the overview follows the
+// store's cursor until it read a page's worth of records (1000), not
+// counting among what the first List call happened to read.
+func TestConsoleOverviewReadsOnAfterShortPages(t *testing.T) {
+	big, err := lock.NewMemoryStore(lock.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fill(t, big, "shipments", 1100, 0, 0, 0, 0)
+	page := get(t, serve(t, nil, console.Config{Admin: stingy{big}, Queues: []string{"shipments"}, LeaseTTL: leaseTTL}), "/", http.StatusOK)
+	mustContain(t, "short pages", page, "among the first 1000 records read (more not read)",
+		`at least <a href="records?endpoint=shipments&amp;state=completed">1000</a>`)
+}
