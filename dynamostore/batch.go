@@ -38,7 +38,8 @@ type BatchTxFunc func(ctx context.Context, tx *Tx, ds []*amqp.Delivery) ([]amqpi
 // MaxTxBytes, is a batch error wrapping ErrTxTooLarge, nothing sent:
 // amqpidem splits it in halves, each run again, until they fit, and no
 // message of it is refused or counts an attempt for it (a single message
-// whose writes do not fit with its record fails, as with TxHandler; a
+// whose writes do not fit with its record fails, Permanent, as with
+// TxHandler; a
 // batch that DynamoDB refuses as over 4 MB on its own reckoning, which
 // counts the whole items an update leaves, is split the same way). Set
 // ConsumerConfig.BatchSize to what fits (MaxTxItems over the items per
@@ -110,7 +111,7 @@ func (h *batchTxHandler) HandleBatch(ctx context.Context, ds []*amqp.Delivery) (
 		return rs, nil
 	}
 	if tx.Len() > MaxTxItems {
-		return nil, fmt.Errorf("%w: %d items, at most %d", ErrTxTooLarge, tx.Len(), MaxTxItems)
+		return nil, amqpidem.Permanent(fmt.Errorf("%w: %d items, at most %d", ErrTxTooLarge, tx.Len(), MaxTxItems))
 	}
 	if err := h.tx.commit(ctx, &tx, nil, lock.Lease{}, 0); err != nil {
 		return nil, err
@@ -211,10 +212,10 @@ func (h *batchTxHandler) complete(ctx context.Context, items []amqpidem.BatchIte
 	case len(records) < len(ds) && tx.Len() > 0:
 		return rs, done, nil // the failed ones' writes may be in tx
 	case n > MaxTxItems:
-		return nil, nil, fmt.Errorf("%w: %d items and %d records, at most %d in all", ErrTxTooLarge, tx.Len(), len(records), MaxTxItems)
+		return nil, nil, amqpidem.Permanent(fmt.Errorf("%w: %d items and %d records, at most %d in all", ErrTxTooLarge, tx.Len(), len(records), MaxTxItems))
 	case len(records) > 1:
 		if size := txSize(tx.items) + txSize(records); size > MaxTxBytes {
-			return nil, nil, fmt.Errorf("%w: %d items and %d records of about %d bytes, at most %d in all", ErrTxTooLarge, tx.Len(), len(records), size, MaxTxBytes)
+			return nil, nil, amqpidem.Permanent(fmt.Errorf("%w: %d items and %d records of about %d bytes, at most %d in all", ErrTxTooLarge, tx.Len(), len(records), size, MaxTxBytes))
 		}
 	}
 	return rs, nil, h.commitBatch(ctx, &tx, records, leases)

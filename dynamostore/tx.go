@@ -30,7 +30,9 @@ const (
 
 var (
 	// ErrTxTooLarge means a handler added more than MaxTxItems-1 items to
-	// its Tx. Nothing was written.
+	// its Tx (with a batch: more than its messages' records leave room
+	// for, or more than MaxTxBytes). Nothing was written. For one message
+	// the error is Permanent: the same work would not fit on a retry.
 	ErrTxTooLarge = errors.New("dynamostore: transaction too large")
 	// ErrConditionFailed means the condition of an item the handler added
 	// failed, so DynamoDB cancelled the transaction: nothing was written,
@@ -136,8 +138,9 @@ const commitTimeout = 10 * time.Second
 //     as well, and the redelivery finds the record completed (a duplicate,
 //     acked) or still held (nothing was written, and it runs again).
 //   - A transaction DynamoDB refuses as such: more than MaxTxItems items
-//     (ErrTxTooLarge, before any request), over MaxTxBytes, two writes of
-//     one item, an invalid expression: the handler's error, every time.
+//     (ErrTxTooLarge, before any request: Permanent, dead-lettered at
+//     once), over MaxTxBytes, two writes of one item, an invalid
+//     expression: the handler's error, every time (retried as usual).
 //
 // A message processed without a lease (amqpidem.ProcessMissingKey,
 // FailOpen) sends fn's writes in a TransactWriteItems of their own, with no
@@ -170,7 +173,7 @@ func (h *txHandler) Handle(ctx context.Context, d *amqp.Delivery) ([]byte, error
 		return result, nil
 	}
 	if tx.Len() > MaxTxItems {
-		return nil, fmt.Errorf("%w: %d items, at most %d", ErrTxTooLarge, tx.Len(), MaxTxItems)
+		return nil, amqpidem.Permanent(fmt.Errorf("%w: %d items, at most %d", ErrTxTooLarge, tx.Len(), MaxTxItems))
 	}
 	if err := h.commit(ctx, &tx, nil, lock.Lease{}, 0); err != nil {
 		return nil, err
@@ -190,7 +193,7 @@ func (h *txHandler) HandleComplete(ctx context.Context, d *amqp.Delivery, lease 
 		return nil, err
 	}
 	if tx.Len() > MaxTxItems-1 {
-		return nil, fmt.Errorf("%w: %d items and the record's, at most %d in all", ErrTxTooLarge, tx.Len(), MaxTxItems)
+		return nil, amqpidem.Permanent(fmt.Errorf("%w: %d items and the record's, at most %d in all", ErrTxTooLarge, tx.Len(), MaxTxItems))
 	}
 	v, err := value(result)
 	if err != nil {

@@ -235,8 +235,13 @@ func TestTxHandlerRefusedBeforeSending(t *testing.T) {
 			{"result too large", 1, "larger than ten", nil, lock.ErrResultTooLarge},
 		} {
 			items, result, fnErr = tc.items, []byte(tc.result), tc.fnErr
-			if _, err := h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same); !errors.Is(err, tc.want) {
+			_, err := h.HandleComplete(ctx, &amqp.Delivery{}, res.Lease, same)
+			if !errors.Is(err, tc.want) {
 				t.Fatalf("%s: got %v, want %v", tc.name, err, tc.want)
+			}
+			// Too many items would be too many on every retry.
+			if errors.Is(tc.want, dynamostore.ErrTxTooLarge) && !amqpidem.IsPermanent(err) {
+				t.Fatalf("%s: %v is not Permanent: retried MaxAttempts times before its dead letter", tc.name, err)
 			}
 			if n := srv.count(t, id+"-0"); n != 0 {
 				t.Fatalf("%s: effect applied %d times, want 0", tc.name, n)
