@@ -294,12 +294,12 @@ type acquireCall struct {
 	err error
 }
 
-// acquireBatched takes req's lease with the requests of the deliveries
-// arriving with it, in one AcquireBatch call of at most BatchSize
-// requests, made within BatchWait of the first.
-func (p *processor) acquireBatched(ctx context.Context, req lock.Request) (lock.Result, error) {
+// acquireBatched takes the lease of c.req with the requests of the
+// deliveries arriving with it, in one AcquireBatch call of at most
+// BatchSize requests, made within BatchWait of the first, and answers it
+// (also in c).
+func (p *processor) acquireBatched(ctx context.Context, c *acquireCall) (lock.Result, error) {
 	b := p.batch
-	c := &acquireCall{req: req}
 	gr, leader := b.acqs.join(c, b.size)
 	if !leader {
 		<-gr.done
@@ -570,19 +570,29 @@ func (p *processor) completeBatch(ctx context.Context, fs []*flight) {
 func (p *processor) callBatch(ctx context.Context, fs []*flight) (rs []BatchResult, err error, timedOut bool, run *batchRun) {
 	bctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	for _, f := range fs {
+	// One slice of stops, not a defer per flight (a deferred call in a
+	// loop is a heap allocation each).
+	stops := make([]func() bool, len(fs))
+	for i, f := range fs {
 		hctx := f.hctx
-		stop := context.AfterFunc(hctx, func() { cancel(context.Cause(hctx)) })
-		defer stop()
+		stops[i] = context.AfterFunc(hctx, func() { cancel(context.Cause(hctx)) })
 	}
+	defer func() {
+		for _, stop := range stops {
+			stop()
+		}
+	}()
 	if p.cfg.HandlerTimeout > 0 {
 		var c context.CancelFunc
 		bctx, c = context.WithTimeoutCause(bctx, p.cfg.HandlerTimeout, ErrHandlerTimeout)
 		defer c()
 	}
 	ds := make([]*amqp.Delivery, len(fs))
+	cs := make([]amqp.Delivery, len(fs)) // the copies handlerDelivery makes, in one allocation
 	for i, f := range fs {
-		ds[i] = handlerDelivery(f.d)
+		cs[i] = *f.d
+		cs[i].Acknowledger = refuseAck{}
+		ds[i] = &cs[i]
 		p.handlerStarted(f.hctx, Info{Queue: p.cfg.Queue, Key: f.ev.Key, Attempt: f.attempt, Fence: f.lease.Fence})
 	}
 	run, bctx = p.newBatchRun(bctx, fs, ds)

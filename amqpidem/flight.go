@@ -64,6 +64,9 @@ type flight struct {
 	// not told its batcher yet that it is no longer on its way to a run
 	// batch (arrived).
 	leaseBatched bool
+	// acq is its request in a lease batch (acquireBatched), part of the
+	// flight rather than an allocation of its own.
+	acq acquireCall
 }
 
 // slot is a delivery's hold on one of the gate's slots.
@@ -141,7 +144,13 @@ func (f *flight) arrive(t *ticket) {
 	// Whatever way it goes, it is counted as on its way to a run batch no
 	// more once it has gone (arrived does it sooner on each way).
 	defer f.arrived()
-	res, err := p.acquire(f.ctx, req, f.d)
+	var res lock.Result
+	if f.leaseBatched {
+		f.acq.req = req
+		res, err = p.acquireBatched(f.ctx, &f.acq)
+	} else {
+		res, err = p.acquire(f.ctx, req, f.d)
+	}
 	if err != nil {
 		f.arrived()
 		f.noAnswer(err)

@@ -144,11 +144,8 @@ func (p *processor) checkRetention(ctx context.Context, l lock.Lease) {
 
 // acquire takes the lease of d for req: from the handler when it is a
 // LeaseTaker (reported to a StoreObserver as the store's acquire), else
-// from the store. A panic of either is an error wrapping a *PanicError.
+// from the store (batchesLeases: acquireBatched instead). A panic of either is an error wrapping a *PanicError.
 func (p *processor) acquire(ctx context.Context, req lock.Request, d *amqp.Delivery) (res lock.Result, err error) {
-	if p.batchesLeases() {
-		return p.acquireBatched(ctx, req)
-	}
 	if p.taker == nil {
 		defer recoverAcquire(&res, &err, "the store's Acquire")
 		return p.store.Acquire(ctx, req)
