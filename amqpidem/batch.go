@@ -190,6 +190,16 @@ type batcher struct {
 
 	runs gathering[*flight]
 	acqs gathering[*acquireCall]
+
+	// With leases taken in batches, the flights on their way from a
+	// lease batch to a run batch, guarded by runs.mu: leasing, those
+	// whose AcquireBatch call is being made; leased, those it answered
+	// that have not joined a run batch or gone another way yet
+	// (flight.arrived). A run batch waits for those (gatherRun), so
+	// that the deliveries of one lease batch are not split in two run
+	// batches, each a transaction of its own, for want of CPU to bring
+	// them there within the run batch's wait.
+	leasing, leased int
 }
 
 // gathering collects items into groups of at most size.
@@ -201,8 +211,12 @@ type gathering[T any] struct {
 // group is one group being gathered, then handled by its leader.
 type group[T any] struct {
 	items []T
-	full  chan struct{} // closed when it has size items
+	full  chan struct{} // closed when it has size items, or is sealed early (batcher.arrived)
 	done  chan struct{} // closed by the leader once every item is answered
+	// late: its leader's wait passed while flights were still on their
+	// way to it from a lease batch (batcher.leased): it is sealed as
+	// soon as none is.
+	late bool
 }
 
 // join adds x to the group being gathered, or starts one with x's caller
@@ -210,6 +224,11 @@ type group[T any] struct {
 func (g *gathering[T]) join(x T, size int) (gr *group[T], leader bool) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	return g.joinLocked(x, size)
+}
+
+// joinLocked is join, with g.mu held.
+func (g *gathering[T]) joinLocked(x T, size int) (gr *group[T], leader bool) {
 	if g.open == nil {
 		g.open = &group[T]{full: make(chan struct{}), done: make(chan struct{})}
 		leader = true
@@ -243,6 +262,15 @@ func (g *gathering[T]) gather(gr *group[T], wait time.Duration, stop, done <-cha
 	return gr.items
 }
 
+// sealLocked ends the gathering of the open group, if any, with g.mu
+// held: it runs with what it has.
+func (g *gathering[T]) sealLocked() {
+	if g.open != nil {
+		close(g.open.full)
+		g.open = nil
+	}
+}
+
 // batchOut is what a batch came to for one of its flights.
 type batchOut struct {
 	result []byte
@@ -270,12 +298,12 @@ type acquireCall struct {
 	err error
 }
 
-// acquireBatched takes req's lease with the requests of the deliveries
-// arriving with it, in one AcquireBatch call of at most BatchSize
-// requests, made within BatchWait of the first.
-func (p *processor) acquireBatched(ctx context.Context, req lock.Request) (lock.Result, error) {
+// acquireBatched takes the lease of c.req with the requests of the
+// deliveries arriving with it, in one AcquireBatch call of at most
+// BatchSize requests, made within BatchWait of the first, and answers it
+// (also in c).
+func (p *processor) acquireBatched(ctx context.Context, c *acquireCall) (lock.Result, error) {
 	b := p.batch
-	c := &acquireCall{req: req}
 	gr, leader := b.acqs.join(c, b.size)
 	if !leader {
 		<-gr.done
@@ -286,6 +314,9 @@ func (p *processor) acquireBatched(ctx context.Context, req lock.Request) (lock.
 	for i, c := range calls {
 		reqs[i] = c.req
 	}
+	b.runs.mu.Lock()
+	b.leasing += len(calls)
+	b.runs.mu.Unlock()
 	func() {
 		defer func() {
 			if v := recover(); v != nil {
@@ -304,9 +335,18 @@ func (p *processor) acquireBatched(ctx context.Context, req lock.Request) (lock.
 			c.res, c.err = rs[i], errs[i]
 		}
 	}()
+	// Each of calls is now on its way (flight.arrived).
+	b.runs.mu.Lock()
+	b.leasing -= len(calls)
+	b.leased += len(calls)
+	b.runs.mu.Unlock()
 	close(gr.done)
 	return c.res, c.err
 }
+
+// runJoinHook, when set (by tests, before any flight runs), is called by
+// each flight of a batch consumer before it joins a run batch.
+var runJoinHook func(f *flight)
 
 // runBatched is run's second half for a batch consumer: f joins a batch
 // and waits for it (or gathers and runs it, as its leader), then settles
@@ -314,7 +354,13 @@ func (p *processor) acquireBatched(ctx context.Context, req lock.Request) (lock.
 func (f *flight) runBatched() {
 	p := f.p
 	b := p.batch
-	gr, leader := b.runs.join(f, b.size)
+	if runJoinHook != nil {
+		runJoinHook(f)
+	}
+	b.runs.mu.Lock()
+	gr, leader := b.runs.joinLocked(f, b.size)
+	b.arrivedLocked(f)
+	b.runs.mu.Unlock()
 	if leader {
 		// A batch runs when one of its slots is free: batches of few
 		// deliveries, arriving apart, would otherwise run as many at once
@@ -330,14 +376,7 @@ func (f *flight) runBatched() {
 			case <-f.ctx.Done():
 			}
 		}
-		// With leases taken in batches, the deliveries of one lease batch
-		// come here together, having waited BatchWait already: a fifth of
-		// it is enough to gather them, and bounds the latency added.
-		wait := b.wait
-		if b.ba != nil {
-			wait /= 5
-		}
-		fs := b.runs.gather(gr, wait, p.stopping, f.hctx.Done())
+		fs := b.gatherRun(gr, p.stopping, f.hctx.Done())
 		start := time.Now()
 		// The batch is the group's, not its leader's: with WrapBatch, the
 		// leader's ctx is its own Handle call's, and a batch run under it
@@ -356,6 +395,81 @@ func (f *flight) runBatched() {
 		<-gr.done
 	}
 	f.settleBatched()
+}
+
+// arrived tells f's batcher that f, whose lease was asked for in a
+// lease batch, is no longer on its way to a run batch: it joined one, or
+// goes another way (its store answer, its attempts, a lost lease). Once
+// called, later calls do nothing.
+func (f *flight) arrived() {
+	if !f.leaseBatched {
+		return
+	}
+	b := f.p.batch
+	b.runs.mu.Lock()
+	b.arrivedLocked(f)
+	b.runs.mu.Unlock()
+}
+
+// arrivedLocked is arrived, with b.runs.mu held. The run batch being
+// gathered runs at once when no flight is on its way to it any more: none
+// of an answered lease batch, none in an AcquireBatch call (or its wait
+// passed while some were: late).
+func (b *batcher) arrivedLocked(f *flight) {
+	if !f.leaseBatched {
+		return
+	}
+	f.leaseBatched = false
+	b.leased--
+	if open := b.runs.open; open != nil && b.leased == 0 && (b.leasing == 0 || open.late) {
+		b.runs.sealLocked()
+	}
+}
+
+// gatherRun is the wait of gr's leader: gr runs when it is full, or
+// sealed because no flight is on its way to it (arrivedLocked), or when
+// its wait passed, or stop or done is closed. The wait is BatchWait, or,
+// with leases taken in batches, a fifth of it: the deliveries of one lease
+// batch come together, having waited BatchWait for their lease already.
+// When that fifth passes while flights of an answered lease batch are
+// still on their way, gr waits for them (the machine busy, they are
+// late), up to BatchWait in all, rather than split their lease batch in
+// two transactions.
+func (b *batcher) gatherRun(gr *group[*flight], stop, done <-chan struct{}) []*flight {
+	if b.ba == nil {
+		return b.runs.gather(gr, b.wait, stop, done)
+	}
+	short := b.wait / 5
+	t := time.NewTimer(short)
+	defer t.Stop()
+	select {
+	case <-gr.full:
+	case <-stop:
+	case <-done:
+	case <-t.C:
+		b.runs.mu.Lock()
+		wait := b.runs.open == gr && b.leased > 0
+		if wait {
+			gr.late = true
+		}
+		b.runs.mu.Unlock()
+		if !wait {
+			break
+		}
+		t.Reset(b.wait - short)
+		select {
+		case <-gr.full:
+		case <-t.C:
+		case <-stop:
+		case <-done:
+		}
+	}
+	b.runs.mu.Lock()
+	defer b.runs.mu.Unlock()
+	if b.runs.open == gr {
+		b.runs.open = nil
+	}
+	return gr.items
 }
 
 // runBatch runs the flights fs as one batch and sets each one's out. A
@@ -477,19 +591,29 @@ func (p *processor) completeBatch(ctx context.Context, fs []*flight) {
 func (p *processor) callBatch(ctx context.Context, fs []*flight) (rs []BatchResult, err error, timedOut bool, run *batchRun) {
 	bctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	for _, f := range fs {
+	// One slice of stops, not a defer per flight (a deferred call in a
+	// loop is a heap allocation each).
+	stops := make([]func() bool, len(fs))
+	for i, f := range fs {
 		hctx := f.hctx
-		stop := context.AfterFunc(hctx, func() { cancel(context.Cause(hctx)) })
-		defer stop()
+		stops[i] = context.AfterFunc(hctx, func() { cancel(context.Cause(hctx)) })
 	}
+	defer func() {
+		for _, stop := range stops {
+			stop()
+		}
+	}()
 	if p.cfg.HandlerTimeout > 0 {
 		var c context.CancelFunc
 		bctx, c = context.WithTimeoutCause(bctx, p.cfg.HandlerTimeout, ErrHandlerTimeout)
 		defer c()
 	}
 	ds := make([]*amqp.Delivery, len(fs))
+	cs := make([]amqp.Delivery, len(fs)) // the copies handlerDelivery makes, in one allocation
 	for i, f := range fs {
-		ds[i] = handlerDelivery(f.d)
+		cs[i] = *f.d
+		cs[i].Acknowledger = refuseAck{}
+		ds[i] = &cs[i]
 		p.handlerStarted(f.hctx, Info{Queue: p.cfg.Queue, Key: f.ev.Key, Attempt: f.attempt, Fence: f.lease.Fence})
 	}
 	run, bctx = p.newBatchRun(bctx, fs, ds)

@@ -83,9 +83,11 @@ type batchRun struct {
 func (p *processor) newBatchRun(ctx context.Context, fs []*flight, ds []*amqp.Delivery) (*batchRun, context.Context) {
 	r := &batchRun{fs: fs, index: make(map[*amqp.Delivery]int, len(ds)), p: p, xs: make([]*execution, len(fs)),
 		stored: make([][]byte, len(fs)), nStaged: make([]int, len(fs))}
+	xs := make([]execution, len(ds)) // one allocation for the batch, not one per message
 	for i, d := range ds {
 		r.index[d] = i
-		r.xs[i] = r.newExecution(ctx, i)
+		xs[i] = r.execution(ctx, i)
+		r.xs[i] = &xs[i]
 	}
 	return r, context.WithValue(ctx, batchRunKey{}, r)
 }
@@ -93,8 +95,14 @@ func (p *processor) newBatchRun(ctx context.Context, fs []*flight, ds []*amqp.De
 // newExecution is a fresh execution of the i-th message, as run makes a
 // single message's.
 func (r *batchRun) newExecution(ctx context.Context, i int) *execution {
+	x := r.execution(ctx, i)
+	return &x
+}
+
+// execution is newExecution's value.
+func (r *batchRun) execution(ctx context.Context, i int) execution {
 	f, p := r.fs[i], r.p
-	return &execution{
+	return execution{
 		Context: ctx,
 		info:    Info{Queue: p.cfg.Queue, Key: f.ev.Key, Attempt: f.attempt, Fence: f.lease.Fence},
 		outbox:  outbox{idBase: f.storeKey, maxMessages: p.cfg.MaxStaged, maxBytes: p.outboxBytes, noStore: p.amender == nil, inject: p.stageInject()},

@@ -90,7 +90,11 @@ type ConsumerConfig struct {
 	// first. It bounds the latency batching adds: with a store that
 	// takes leases in batches (lock.BatchAcquirer), a delivery waits up
 	// to BatchWait for its lease's batch, then up to a fifth of it for
-	// its handler's. Default DefaultBatchWait. NewConsumer ignores it.
+	// its handler's: none once no delivery is on its way there from a
+	// lease batch, longer (up to BatchWait) only while deliveries of an
+	// answered lease batch are still on their way, so that one lease
+	// batch is not split in two. Default DefaultBatchWait. NewConsumer
+	// ignores it.
 	BatchWait time.Duration
 }
 

@@ -60,6 +60,13 @@ type flight struct {
 	// batch it ran in alone.
 	out           batchOut
 	batchTimedOut bool
+	// leaseBatched: its lease was asked for in a lease batch, and it has
+	// not told its batcher yet that it is no longer on its way to a run
+	// batch (arrived).
+	leaseBatched bool
+	// acq is its request in a lease batch (acquireBatched), part of the
+	// flight rather than an allocation of its own.
+	acq acquireCall
 }
 
 // slot is a delivery's hold on one of the gate's slots.
@@ -133,8 +140,19 @@ func (f *flight) arrive(t *ticket) {
 		return
 	}
 	req.Fingerprint = fp
-	res, err := p.acquire(f.ctx, req, f.d)
+	f.leaseBatched = p.batchesLeases()
+	// Whatever way it goes, it is counted as on its way to a run batch no
+	// more once it has gone (arrived does it sooner on each way).
+	defer f.arrived()
+	var res lock.Result
+	if f.leaseBatched {
+		f.acq.req = req
+		res, err = p.acquireBatched(f.ctx, &f.acq)
+	} else {
+		res, err = p.acquire(f.ctx, req, f.d)
+	}
 	if err != nil {
+		f.arrived()
 		f.noAnswer(err)
 		return
 	}
@@ -147,6 +165,7 @@ func (f *flight) answer(res *lock.Result) {
 	p := f.p
 	f.ev.Attempt, f.ev.Fence = max(res.Attempts, f.h.attempt), res.Fence
 	if res.Status != lock.Acquired {
+		f.arrived()
 		f.slot.free() // nothing to run: later deliveries go on
 	} else {
 		f.lease = res.Lease
@@ -165,9 +184,11 @@ func (f *flight) answer(res *lock.Result) {
 	case res.Status != lock.Acquired:
 		f.requeue(Abandoned, "unexpected store answer", p.cfg.UnavailableDelay, fmt.Errorf("status %v", res.Status))
 	case f.head().expired(time.Now()): // expired: not run, its attempt taken back
+		f.arrived()
 		f.cancel()
 		f.deadLetterExpired()
 	case f.head().pending: // its dead letter is due: failed without running
+		f.arrived()
 		f.slot.free()
 		f.fail(f.pendingReason(), fmt.Errorf("dead letter pending: %s", f.head().pendingText))
 	default: // new key, or a retry: run it

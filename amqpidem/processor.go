@@ -144,11 +144,8 @@ func (p *processor) checkRetention(ctx context.Context, l lock.Lease) {
 
 // acquire takes the lease of d for req: from the handler when it is a
 // LeaseTaker (reported to a StoreObserver as the store's acquire), else
-// from the store. A panic of either is an error wrapping a *PanicError.
+// from the store (batchesLeases: acquireBatched instead). A panic of either is an error wrapping a *PanicError.
 func (p *processor) acquire(ctx context.Context, req lock.Request, d *amqp.Delivery) (res lock.Result, err error) {
-	if p.taker == nil && p.batch != nil && p.batch.ba != nil {
-		return p.acquireBatched(ctx, req)
-	}
 	if p.taker == nil {
 		defer recoverAcquire(&res, &err, "the store's Acquire")
 		return p.store.Acquire(ctx, req)
@@ -162,6 +159,13 @@ func (p *processor) acquire(ctx context.Context, req lock.Request, d *amqp.Deliv
 		o.taken(ctx, start, err)
 	}
 	return res, err
+}
+
+// batchesLeases reports whether p takes leases in batches
+// (acquireBatched): a batch consumer or Wrapper with a store that is a
+// lock.BatchAcquirer, and no LeaseTaker.
+func (p *processor) batchesLeases() bool {
+	return p.taker == nil && p.batch != nil && p.batch.ba != nil
 }
 
 // recoverAcquire turns a panic of what, the call that takes a lease, into

@@ -20,6 +20,7 @@ func (f *flight) run() {
 	f.attempt = max(f.lease.Attempt, f.h.attempt+1)
 	f.ev.Attempt = f.attempt
 	if f.attempt > p.cfg.MaxAttempts {
+		f.arrived()
 		f.slot.free()
 		f.fail("attempts exhausted", fmt.Errorf("%d executions started, at most %d allowed (earlier ones crashed or lost their lease)",
 			f.attempt-1, p.cfg.MaxAttempts))
@@ -31,6 +32,7 @@ func (f *flight) run() {
 		// Shut down, or the lease already lost, before the handler
 		// started: this attempt never ran, so it is taken back.
 		cause := context.Cause(f.hctx)
+		f.arrived()
 		f.stopKeep()
 		f.slot.free()
 		f.cancel()
@@ -151,6 +153,7 @@ func (f *flight) failed(err error) {
 		// The handler was stopped (lease lost or unconfirmed, shutdown):
 		// its failure says nothing about the message.
 		cause := context.Cause(f.hctx)
+		f.arrived()
 		f.stopKeep()
 		f.release()
 		if f.ctx.Err() != nil {
@@ -186,6 +189,7 @@ func (f *flight) runUnkeyed(why string) {
 	f.attempt = f.h.attempt + 1
 	f.ev.Attempt = f.attempt
 	if f.attempt > p.cfg.MaxAttempts {
+		f.arrived()
 		f.slot.free()
 		f.deadLetter("attempts exhausted", fmt.Errorf("%d executions started, at most %d allowed", f.attempt-1, p.cfg.MaxAttempts))
 		return

@@ -232,6 +232,17 @@ func TestShortRun(t *testing.T) {
 			want = append(want, `^latency_p99_ms pg-batch `+strconv.FormatFloat(r, 'f', -1, 64)+` classic -?\d+\.\d( saturated)?$`)
 		}
 	}
+	// Then issue 39's batch sizes: the batch variant on each queue type,
+	// pg-batch on classic.
+	for _, qt := range []string{"classic", "quorum"} {
+		if !slices.Contains(opts.QueueTypes, qt) {
+			continue
+		}
+		want = append(want, `^batch_size batch `+qt+` \d+\.\d$`)
+		if qt == "classic" && rep.PGSkipped == "" {
+			want = append(want, `^batch_size pg-batch classic \d+\.\d$`)
+		}
+	}
 	if len(lines) < len(want) {
 		t.Fatalf("output has %d lines, want at least %d", len(lines), len(want))
 	}

@@ -27,8 +27,11 @@ type tally struct {
 
 	ok, bad     atomic.Int64
 	first, last atomic.Int64 // unix ns
-	done        chan struct{}
-	once        sync.Once
+	// batches and batchMsgs count the handler batches a batch consumer
+	// ran (amqpidem.BatchInfo) and the deliveries they gathered.
+	batches, batchMsgs atomic.Int64
+	done               chan struct{}
+	once               sync.Once
 
 	mu     sync.Mutex
 	reason string
@@ -283,6 +286,9 @@ func startIdem(ctx context.Context, store lock.Store, cfg idemConfig, t *tally) 
 		cfg.steps.inner = obs
 		observer, tracer = cfg.steps, cfg.steps
 	}
+	if cfg.batch != nil {
+		observer = batchCounter{Observer: observer, t: t}
+	}
 	ccfg := amqpidem.ConsumerConfig{
 		Config: amqpidem.Config{
 			Queue: cfg.queue,
@@ -327,6 +333,17 @@ func (i *idem) stop(ctx context.Context) error {
 		err = errors.Join(err, fmt.Errorf("amqpidem Run did not return: %w", ctx.Err()))
 	}
 	return err
+}
+
+// batchCounter counts a batch consumer's batches in its tally.
+type batchCounter struct {
+	amqpidem.Observer
+	t *tally
+}
+
+func (c batchCounter) ObserveBatch(_ context.Context, b amqpidem.BatchInfo) {
+	c.t.batches.Add(1)
+	c.t.batchMsgs.Add(int64(b.Size))
 }
 
 // noopBatchHandler is the batch variant's handler: nothing, no results.

@@ -92,6 +92,26 @@ func usOrUnknown(ns float64) string {
 	return fmt.Sprintf("%.1fµs", ns/1e3)
 }
 
+// printBatchSizes prints, for each batch variant measured, the mean
+// size of its handler batches over the measured runs (deliveries gathered
+// over batches run): with BatchSize 100, how full its batches were.
+func printBatchSizes(out io.Writer, rep *report) {
+	for _, qt := range []string{"classic", "quorum"} {
+		for _, v := range []variant{batchV, pgBatch} {
+			var batches, msgs int64
+			for _, r := range rep.Runs {
+				if r.Round > 0 && r.QueueType == qt && r.Variant == v {
+					batches += r.Batches
+					msgs += r.BatchMsgs
+				}
+			}
+			if batches > 0 {
+				fmt.Fprintf(out, "batch_size %s %s %.1f\n", v, qt, float64(msgs)/float64(batches))
+			}
+		}
+	}
+}
+
 // perMessage sums a per-run figure over the measured runs of qt and v and
 // divides by their messages.
 func perMessage(runs []runResult, qt string, v variant, f func(runResult) float64) float64 {

@@ -201,6 +201,7 @@ func (e *env) throughput(ctx context.Context, qt string, v variant, round, n int
 		return res, err
 	}
 	werr := t.wait(ctx, e.opts.RunTimeout, c)
+	res.Batches, res.BatchMsgs = t.batches.Load(), t.batchMsgs.Load()
 	res.RoundTrips = e.rts.n.Load() - rt0
 	sr1, sw1 := selfSyscalls()
 	res.Reads, res.Writes = sr1-sr0, sw1-sw0

@@ -158,7 +158,11 @@ type runResult struct {
 	Span                time.Duration // first settlement to the N-th
 	Rate                float64       // (N-1)/Span, messages per second
 	Publish             time.Duration // prefill time
-	RoundTrips          int64         // Redis round trips while consuming
+	// Batches is how many handler batches a batch variant's consumer
+	// ran (amqpidem.BatchInfo, splits not counted), BatchMsgs the
+	// deliveries they gathered (each batch's Size).
+	Batches, BatchMsgs int64
+	RoundTrips         int64 // Redis round trips while consuming
 	// Reads and Writes are the read and write system calls of this
 	// process while consuming (/proc/self/io): a write is a flush of a
 	// connection's buffer, to RabbitMQ or Redis.
@@ -471,6 +475,7 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 	printDynamoRatios(out, rep)
 	printRelayLines(out, rep)
 	printPGLines(out, rep)
+	printBatchSizes(out, rep)
 	var bad []string
 	for _, r := range rep.Runs {
 		if r.Unexpected > 0 {
