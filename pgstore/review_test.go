@@ -1,0 +1,162 @@
+package pgstore_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
+)
+
+// TestTxHandlerCommitBeginThenErrorNotRerun: the function commits its
+// work itself, then begins a transaction again ("COMMIT", then "BEGIN":
+// work committed in chunks, or a library handed tx.Conn() whose second
+// transaction then fails), and returns a retryable error. TxFunc's
+// documentation: fn ended the transaction itself and it committed, then
+// returned an error: "the error wraps ErrTxEnded, Permanent". ending only
+// looks at the connection's last status, 'T' again after the BEGIN, and
+// takes the run for one whose transaction is still open: the error is
+// retried, and each attempt commits the work once more.
+func TestTxHandlerCommitBeginThenErrorNotRerun(t *testing.T) {
+	r := newRig(t)
+	r.run(r.store.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+		if err := r.insert(ctx, tx, d.MessageId); err != nil {
+			return nil, err
+		}
+		if _, err := tx.Exec(ctx, "COMMIT"); err != nil {
+			return nil, err
+		}
+		if _, err := tx.Exec(ctx, "BEGIN"); err != nil {
+			return nil, err
+		}
+		return nil, errors.New("a later step failed")
+	}), func(c *amqpidem.ConsumerConfig) { c.MaxAttempts = 3 })
+	ops := ids("cb", 2)
+	r.publish(ops...)
+	evs := r.settled(ops, amqpidem.DeadLettered, amqpidem.Completed)
+	got := r.effects()
+	for _, op := range ops {
+		if got[op] != 1 {
+			t.Errorf("%s: %d effect rows, events %s; want 1 (its work committed once, never run again)", op, got[op], outcomes(evs[op]))
+		}
+	}
+}
+
+// TestBatchTxHandlerCommitBeginThenErrorNotRerun: the batch form of
+// TestTxHandlerCommitBeginThenErrorNotRerun. docs/batches.md: a batch
+// error after the function's own COMMIT is made each message's own
+// Permanent error, never split nor run again. With a BEGIN after that
+// COMMIT, the batch error is split and its halves run again, committing
+// their work once per run.
+func TestBatchTxHandlerCommitBeginThenErrorNotRerun(t *testing.T) {
+	r := newRig(t)
+	r.runBatch(r.store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		for _, d := range ds {
+			if err := r.insert(ctx, tx, d.MessageId); err != nil {
+				return nil, err
+			}
+		}
+		if _, err := tx.Exec(ctx, "COMMIT"); err != nil {
+			return nil, err
+		}
+		if _, err := tx.Exec(ctx, "BEGIN"); err != nil {
+			return nil, err
+		}
+		return nil, errors.New("a later step failed")
+	}), func(c *amqpidem.ConsumerConfig) {
+		c.BatchWait = 200 * time.Millisecond
+		c.MaxAttempts = 3
+	})
+	ops := ids("cbb", 4)
+	r.publish(ops...)
+	evs := r.settled(ops, amqpidem.DeadLettered, amqpidem.Completed)
+	got := r.effects()
+	for _, op := range ops {
+		if got[op] != 1 {
+			t.Errorf("%s: %d effect rows, events %s; want 1 (its work committed once, never run again)", op, got[op], outcomes(evs[op]))
+		}
+	}
+}
+
+// TestBatchTxHandlerUnkeyedBatchesAtOnce: NewBatchConsumer's
+// documentation: "At most Concurrency over BatchSize batches (rounded up)
+// run at once", which its pool check counts on (docs/batches.md: "however
+// few deliveries each has"). A message without a key
+// (ProcessMissingKey, FailOpen) "runs as a batch of its own", but not in
+// one of those slots (batchOnly.Handle calls HandleBatch directly): up to
+// Concurrency such batches run at once, each holding a pooled connection,
+// beyond the pool the check accepted. Here BatchSize 10 and Concurrency
+// 20 allow 2 batches (a pool of 4 accepted, one more than the check
+// asks); unkeyed messages run 4 at once, the whole pool.
+func TestBatchTxHandlerUnkeyedBatchesAtOnce(t *testing.T) {
+	r := newRig(t)
+	small := pgenv.Pool(t, 4)
+	st := newStore(t, small, r.cfg)
+	var mu sync.Mutex
+	running, most := 0, 0
+	h := st.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		mu.Lock()
+		running++
+		most = max(most, running)
+		mu.Unlock()
+		defer func() {
+			mu.Lock()
+			running--
+			mu.Unlock()
+		}()
+		for _, d := range ds {
+			if err := r.insert(ctx, tx, string(d.Body)); err != nil {
+				return nil, err
+			}
+		}
+		select {
+		case <-time.After(time.Second):
+		case <-ctx.Done():
+			return nil, context.Cause(ctx)
+		}
+		return nil, nil
+	})
+	cfg := batchConfig(t, r.queue, r.events)
+	cfg.BatchSize, cfg.Concurrency, cfg.Prefetch = 10, 20, 20
+	cfg.MissingKey = amqpidem.ProcessMissingKey
+	c, err := amqpidem.NewBatchConsumer(st, cfg, h)
+	if err != nil {
+		t.Fatalf("NewBatchConsumer refused the pool: %v", err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- c.Run(context.Background()) }()
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		_ = c.Shutdown(ctx)
+		if err := <-done; !errors.Is(err, amqpidem.ErrConsumerClosed) {
+			t.Errorf("Run: %v", err)
+		}
+	})
+	const n = 6
+	for i := range n {
+		err := r.ch.PublishWithContext(context.Background(), "", r.queue, false, false,
+			amqp.Publishing{DeliveryMode: amqp.Persistent, Body: []byte{'u', byte('0' + i)}})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	for range n {
+		select {
+		case <-r.events:
+		case <-time.After(20 * time.Second):
+			t.Fatal("no event in 20 s")
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if most > 2 {
+		t.Errorf("%d batches ran at once, each holding one of the pool's 4 connections; NewBatchConsumer runs at most 2 (Concurrency 20 over BatchSize 10)", most)
+	}
+}
