@@ -156,9 +156,23 @@ func (p *processor) observeBatch(ctx context.Context, b BatchInfo) {
 
 // batchOnly is the Handler of a batch consumer: it runs a message that
 // has no lease (ProcessMissingKey, FailOpen) as a batch of one.
-type batchOnly struct{ h BatchHandler }
+type batchOnly struct {
+	h BatchHandler
+	// slots is the batcher's (nil for none): a batch of one runs in one,
+	// as any batch, so that the batches at once stay what the pool check
+	// counts on.
+	slots chan struct{}
+}
 
 func (b batchOnly) Handle(ctx context.Context, d *amqp.Delivery) ([]byte, error) {
+	if b.slots != nil {
+		select {
+		case b.slots <- struct{}{}:
+			defer func() { <-b.slots }()
+		case <-ctx.Done():
+			return nil, context.Cause(ctx)
+		}
+	}
 	rs, err := b.h.HandleBatch(ctx, []*amqp.Delivery{d})
 	switch {
 	case err != nil:

@@ -26,7 +26,7 @@ func BenchmarkProcessBatch(b *testing.B) {
 		b.Fatal(err)
 	}
 	h := BatchHandlerFunc(func(context.Context, []*amqp.Delivery) ([]BatchResult, error) { return nil, nil })
-	p, err := newProcessor(store, Config{Queue: "q", Logger: slog.New(slog.DiscardHandler)}, batchOnly{h})
+	p, err := newProcessor(store, Config{Queue: "q", Logger: slog.New(slog.DiscardHandler)}, batchOnly{h: h})
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -32,7 +32,7 @@ func TestBatchLeaseBatchNotSplit(t *testing.T) {
 		sizes = append(sizes, len(ds))
 		return nil, nil
 	})
-	p, err := newProcessor(mem, Config{Queue: "q", Logger: slog.New(slog.DiscardHandler)}, batchOnly{h})
+	p, err := newProcessor(mem, Config{Queue: "q", Logger: slog.New(slog.DiscardHandler)}, batchOnly{h: h})
 	if err != nil {
 		t.Fatal(err)
 	}

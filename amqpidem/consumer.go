@@ -311,13 +311,13 @@ func NewBatchConsumer(store lock.Store, cfg ConsumerConfig, h BatchHandler) (*Co
 	if err := checkBatchPool(store, bc, batchesAtOnce(cmp.Or(cfg.Concurrency, cfg.Prefetch), cfg.BatchSize)); err != nil {
 		return nil, err
 	}
-	c, err := NewConsumer(store, cfg, batchOnly{h})
+	slots := make(chan struct{}, batchesAtOnce(cmp.Or(cfg.Concurrency, cfg.Prefetch), cfg.BatchSize))
+	c, err := NewConsumer(store, cfg, batchOnly{h: h, slots: slots})
 	if err != nil {
 		return nil, err
 	}
 	ba, _ := store.(lock.BatchAcquirer)
-	c.proc.batch = &batcher{h: h, bc: bc, ba: ba, size: cfg.BatchSize, wait: cfg.BatchWait,
-		slots: make(chan struct{}, batchesAtOnce(cmp.Or(cfg.Concurrency, cfg.Prefetch), cfg.BatchSize))}
+	c.proc.batch = &batcher{h: h, bc: bc, ba: ba, size: cfg.BatchSize, wait: cfg.BatchWait, slots: slots}
 	return c, nil
 }
 

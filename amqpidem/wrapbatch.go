@@ -62,7 +62,7 @@ func WrapBatch(conn ChannelOpener, store lock.Store, cfg Config, opts BatchOptio
 	if bc != nil && !sameStore(bc.CompleterStore(), store) {
 		return nil, errors.New("amqpidem: WrapBatch: the batch handler completes records in another store than the one given (a BatchCompleter's CompleterStore must be the Wrapper's store)")
 	}
-	w, err := Wrap(conn, store, cfg, batchOnly{h})
+	w, err := Wrap(conn, store, cfg, batchOnly{h: h})
 	if err != nil {
 		return nil, err
 	}

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
@@ -184,7 +185,13 @@ func (s *Store) ending(ctx context.Context, t *handlerTx, xid string, ferr error
 	closed := pc.IsClosed()
 	// The status of the connection's last answer, kept once it closed:
 	// idle ('I') when fn's last statement ended the transaction.
-	ended := pc.TxStatus() == 'I'
+	status := pc.TxStatus()
+	ended := status == 'I'
+	if !closed && !ended && (ferr != nil || t.state == txUndone || status == 'E') {
+		// A failed run in a transaction: it may be another one, fn
+		// having ended xid and begun again (COMMIT, then BEGIN).
+		ended = s.begunAgain(ctx, t, xid, status)
+	}
 	if closed || ended {
 		// A closed connection goes back to the pool first, which forgets
 		// it: the question is asked on another of the pool's, which must
@@ -219,7 +226,7 @@ func (s *Store) ending(ctx context.Context, t *handlerTx, xid string, ferr error
 		return endFailed, ferr
 	case t.state == txUndone:
 		return endFailed, amqpidem.Permanent(ErrRolledBack)
-	case pc.TxStatus() == 'E':
+	case status == 'E':
 		return endFailed, fmt.Errorf("pgstore: a statement of the handler failed, and it returned no error: %w", pgx.ErrTxCommitRollback)
 	}
 	return endCommit, nil
@@ -237,6 +244,33 @@ func callFn[T any](f func() (T, error)) (res T, err error) {
 		}
 	}()
 	return f()
+}
+
+// begunAgain reports whether the transaction open on t's connection, in
+// status, is not xid: fn ended xid and began another (a COMMIT, then a
+// BEGIN), which it then rolls back, so that ending decides on xid as for
+// a transaction fn ended. A transaction a statement aborted ('E') is xid
+// when its savepoint is there (rolling back to it, as the failed run's
+// end does anyway); any other is asked for its id. An error in asking
+// answers false (ending decides as before).
+func (s *Store) begunAgain(ctx context.Context, t *handlerTx, xid string, status byte) bool {
+	if xid == "" {
+		return false
+	}
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
+	defer cancel()
+	other := false
+	if status == 'E' {
+		_, err := t.conn.Exec(cctx, "ROLLBACK TO SAVEPOINT "+savepoint)
+		var pe *pgconn.PgError
+		other = errors.As(err, &pe) && pe.Code == "3B001" // no such savepoint
+	} else if err := t.conn.QueryRow(cctx, "SELECT pg_current_xact_id_if_assigned()::text IS DISTINCT FROM $1", xid).Scan(&other); err != nil {
+		other = false
+	}
+	if other {
+		_, _ = t.conn.Exec(cctx, "ROLLBACK")
+	}
+	return other
 }
 
 // errWorkCommitted is in the error of a handler that ended its
