@@ -185,8 +185,8 @@ func BenchmarkRedisComplete(b *testing.B) {
 				}
 			})
 			b.StopTimer()
-			b.ReportMetric(float64((redisCPU(b, client) - redis0).Nanoseconds())/float64(b.N), "redis-cpu-ns/op")
-			b.ReportMetric(float64((proccpu.Self() - cpu0).Nanoseconds())/float64(b.N), "cpu-ns/op")
+			b.ReportMetric(float64((redisCPU(b, client)-redis0).Nanoseconds())/float64(b.N), "redis-cpu-ns/op")
+			b.ReportMetric(float64((proccpu.Self()-cpu0).Nanoseconds())/float64(b.N), "cpu-ns/op")
 		}
 	}
 	b.Run("New", run(false))
