@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -77,74 +78,84 @@ func TestRedisFinishWithoutDecoding(t *testing.T) {
 		{"r", "", func(l lock.Lease) error { return s.Release(ctx, l) }},
 		{"x", "", func(l lock.Lease) error { return s.Cancel(ctx, l) }},
 	} {
-		t.Run(op.state, func(t *testing.T) {
-			key := "k-" + op.state
-			req := lock.Request{Key: key, Fingerprint: "fp-" + op.state, TTL: 5 * time.Second, Retention: time.Hour}
-			res, err := s.Acquire(ctx, req)
-			if err != nil || res.Status != lock.Acquired || !lock.Made(res.Lease) {
-				t.Fatalf("Acquire: %+v %v, want a lease on a record the native Acquire made", res, err)
+		for _, long := range []bool{false, true} {
+			name := op.state
+			key, fp := "k-"+op.state, "fp-"+op.state
+			if long {
+				// Strings of more than 255 bytes: str16, the longest
+				// form a key or a fingerprint takes.
+				name += "-long"
+				key = op.state + strings.Repeat("k", lock.MaxKeyLen-1)
+				fp = strings.Repeat("f", lock.MaxFingerprintLen)
 			}
-			// The same record under another key, for the previous
-			// version's script.
-			rkey, twin := lock.RecordKey(prefix, key), lock.RecordKey(prefix, key)+":twin"
-			raw := client.Get(ctx, rkey).Val()
-			exp := client.PExpireTime(ctx, rkey).Val()
-			if err := client.Set(ctx, twin, raw, 0).Err(); err != nil {
-				t.Fatal(err)
-			}
-			if err := client.PExpireAt(ctx, twin, time.UnixMilli(exp.Milliseconds())).Err(); err != nil {
-				t.Fatal(err)
-			}
+			t.Run(name, func(t *testing.T) {
+				req := lock.Request{Key: key, Fingerprint: fp, TTL: 5 * time.Second, Retention: time.Hour}
+				res, err := s.Acquire(ctx, req)
+				if err != nil || res.Status != lock.Acquired || !lock.Made(res.Lease) {
+					t.Fatalf("Acquire: %+v %v, want a lease on a record the native Acquire made", res, err)
+				}
+				// The same record under another key, for the previous
+				// version's script.
+				rkey, twin := lock.RecordKey(prefix, key), lock.RecordKey(prefix, key)+":twin"
+				raw := client.Get(ctx, rkey).Val()
+				exp := client.PExpireTime(ctx, rkey).Val()
+				if err := client.Set(ctx, twin, raw, 0).Err(); err != nil {
+					t.Fatal(err)
+				}
+				if err := client.PExpireAt(ctx, twin, time.UnixMilli(exp.Milliseconds())).Err(); err != nil {
+					t.Fatal(err)
+				}
 
-			if err := op.finish(res.Lease); err != nil {
-				t.Fatal(err)
-			}
-			if n := runPrev(t, client, twin, res.Lease.Owner, res.Lease.Fence, op.state, op.value, req.Retention); n != 1 {
-				t.Fatalf("previous finish.lua on the twin: %d", n)
-			}
-			got, want := []byte(client.Get(ctx, rkey).Val()), []byte(client.Get(ctx, twin).Val())
-			// Both end with ended (ms, a uint64: 0xcf and 8 bytes) and
-			// the value (a fixstr).
-			at := len(want) - 1 - len(op.value) - 9
-			if len(got) != len(want) || at < 0 || want[at] != 0xcf || got[at] != 0xcf ||
-				!bytes.Equal(got[:at], want[:at]) || !bytes.Equal(got[at+9:], want[at+9:]) {
-				t.Fatalf("record written without decoding:\n%x\nwant, as the previous version writes it (ended aside):\n%x", got, want)
-			}
-			if d := client.PTTL(ctx, rkey).Val() - client.PTTL(ctx, twin).Val(); d < -time.Second || d > time.Second {
-				t.Fatalf("expiry %v apart from the previous version's", d)
-			}
-			// A retry of the same call finds its own write.
-			if err := op.finish(res.Lease); err != nil {
-				t.Fatalf("retried: %v", err)
-			}
-			// The previous version's script takes it as its own
-			// write too, and refuses another owner.
-			if n := runPrev(t, client, rkey, res.Lease.Owner, res.Lease.Fence, op.state, op.value, req.Retention); n != 1 {
-				t.Fatalf("previous finish.lua, retried on the new record: %d", n)
-			}
-			if n := runPrev(t, client, rkey, "someone-else", res.Lease.Fence, "c", "x", req.Retention); n != 0 {
-				t.Fatalf("previous finish.lua of another owner on the new record: %d", n)
-			}
-			again, err := s.Acquire(ctx, req)
-			switch op.state {
-			case "c":
-				if err != nil || again.Status != lock.Completed || string(again.Value) != "result" || again.Fence != res.Lease.Fence {
-					t.Fatalf("Acquire after Complete: %+v %v", again, err)
+				if err := op.finish(res.Lease); err != nil {
+					t.Fatal(err)
 				}
-			case "f":
-				if err != nil || again.Status != lock.Failed || again.Error != "reason" {
-					t.Fatalf("Acquire after Fail: %+v %v", again, err)
+				if n := runPrev(t, client, twin, res.Lease.Owner, res.Lease.Fence, op.state, op.value, req.Retention); n != 1 {
+					t.Fatalf("previous finish.lua on the twin: %d", n)
 				}
-			case "r":
-				if err != nil || again.Status != lock.Acquired || again.Attempts != 2 || again.Lease.Fence <= res.Lease.Fence {
-					t.Fatalf("Acquire after Release: %+v %v", again, err)
+				got, want := []byte(client.Get(ctx, rkey).Val()), []byte(client.Get(ctx, twin).Val())
+				// Both end with ended (ms, a uint64: 0xcf and 8 bytes) and
+				// the value (a fixstr).
+				at := len(want) - 1 - len(op.value) - 9
+				if len(got) != len(want) || at < 0 || want[at] != 0xcf || got[at] != 0xcf ||
+					!bytes.Equal(got[:at], want[:at]) || !bytes.Equal(got[at+9:], want[at+9:]) {
+					t.Fatalf("record written without decoding:\n%x\nwant, as the previous version writes it (ended aside):\n%x", got, want)
 				}
-			case "x":
-				if err != nil || again.Status != lock.Acquired || again.Attempts != 1 || again.Lease.Fence <= res.Lease.Fence {
-					t.Fatalf("Acquire after Cancel: %+v %v", again, err)
+				if d := client.PTTL(ctx, rkey).Val() - client.PTTL(ctx, twin).Val(); d < -time.Second || d > time.Second {
+					t.Fatalf("expiry %v apart from the previous version's", d)
 				}
-			}
-		})
+				// A retry of the same call finds its own write.
+				if err := op.finish(res.Lease); err != nil {
+					t.Fatalf("retried: %v", err)
+				}
+				// The previous version's script takes it as its own
+				// write too, and refuses another owner.
+				if n := runPrev(t, client, rkey, res.Lease.Owner, res.Lease.Fence, op.state, op.value, req.Retention); n != 1 {
+					t.Fatalf("previous finish.lua, retried on the new record: %d", n)
+				}
+				if n := runPrev(t, client, rkey, "someone-else", res.Lease.Fence, "c", "x", req.Retention); n != 0 {
+					t.Fatalf("previous finish.lua of another owner on the new record: %d", n)
+				}
+				again, err := s.Acquire(ctx, req)
+				switch op.state {
+				case "c":
+					if err != nil || again.Status != lock.Completed || string(again.Value) != "result" || again.Fence != res.Lease.Fence {
+						t.Fatalf("Acquire after Complete: %+v %v", again, err)
+					}
+				case "f":
+					if err != nil || again.Status != lock.Failed || again.Error != "reason" {
+						t.Fatalf("Acquire after Fail: %+v %v", again, err)
+					}
+				case "r":
+					if err != nil || again.Status != lock.Acquired || again.Attempts != 2 || again.Lease.Fence <= res.Lease.Fence {
+						t.Fatalf("Acquire after Release: %+v %v", again, err)
+					}
+				case "x":
+					if err != nil || again.Status != lock.Acquired || again.Attempts != 1 || again.Lease.Fence <= res.Lease.Fence {
+						t.Fatalf("Acquire after Cancel: %+v %v", again, err)
+					}
+				}
+			})
+		}
 	}
 }
 
