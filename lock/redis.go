@@ -449,9 +449,9 @@ func (s *RedisStore) finishCall(l Lease, state any, result []byte, text string) 
 	c.slots[5] = appendRecord(c.slots[5][:0], l.Owner, ttl, keep, l.fp, l.Key)
 	c.args[5] = &c.slots[5]
 	c.int(6, created+keep)
-	attempts := int64(l.Attempt)
+	attempts := int64(1) // a format 2 record's, whatever the caller did to l.Attempt
 	if state == stateCancelled {
-		attempts--
+		attempts = 0
 	}
 	c.slots[7] = appendHead(c.slots[7][:0], state.(string), l.Owner, l.Fence, attempts, l.fp, l.Key, created)
 	c.args[7] = &c.slots[7]
