@@ -75,10 +75,10 @@ type call struct {
 	// and the arguments of its commands.
 	lead     group
 	one      [1]*call // the call alone: a batch or a group of one
-	argBuf   [9]any   // for a script: evalsha, sha, 1, key, args...
+	argBuf   [12]any  // for a script: evalsha, sha, 1, key, args...
 	setArgs  [7]any
 	pexpArgs [2]any
-	slots    [5]bytesArg // arguments written by str, int and bytes
+	slots    [8]bytesArg // arguments written by str, int and bytes
 	ref      bytesArg    // an argument of the caller's, by reference
 }
 
@@ -116,7 +116,7 @@ func (c *call) bytes(i int, b []byte) {
 var callPool = sync.Pool{New: func() any { return &call{ready: make(chan struct{}, 1)} }}
 
 // getCall returns a call of script on key, from the pool, whose n (at
-// most 5) arguments the caller puts in args (args has length n).
+// most 8) arguments the caller puts in args (args has length n).
 func getCall(script *redis.Script, key string, n int) *call {
 	c := callPool.Get().(*call)
 	c.script, c.keyArg = script, key

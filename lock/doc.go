@@ -133,6 +133,20 @@
 // an error for its key alone: other keys in the same call are answered as
 // usual.
 //
+// The outcome of a lease whose record Acquire made natively (Complete,
+// Fail, Release or Cancel before any Extend: the commonest case) is written
+// without decoding the record: the call carries the format 2 record as
+// that Acquire wrote it, the expiry it was written with, and the start of
+// the format 1 record to write, packed by Go; finish.lua compares the
+// stored bytes and expiry with those (the owner token in them is unique to
+// that Acquire, and the expiry gives the fence), and on a match writes the
+// new record with its end time and value appended, the record the decoding
+// path would write. Any other record (extended, taken over, of another
+// lease) is decoded and judged field by field as before. The record
+// formats are unchanged, so consumers of the release before this one and
+// of this one read, complete and take over each other's records during a
+// rolling upgrade.
+//
 // RedisStore and MemoryStore are a BatchAcquirer and a BatchCompleter
 // (pgstore's Store is a BatchAcquirer): AcquireBatch takes many keys'
 // leases, each key decided on its own exactly as Acquire decides it, in

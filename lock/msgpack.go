@@ -50,6 +50,23 @@ func appendRecord(b []byte, owner string, ttl, keep int64, fingerprint, key stri
 	return appendStr(b, "")
 }
 
+// appendHead appends to b the start of the format 1 record that a script
+// writes for an outcome of a format 2 record: the fields up to and
+// including created, packed as cmsgpack packs them (the deadline 0, the
+// lease's owner, fence and attempts, the record's fingerprint and key);
+// ended and the value follow, which finish.lua packs.
+func appendHead(b []byte, state, owner string, fence, attempts int64, fingerprint, key string, created int64) []byte {
+	b = appendInt(b, 1)
+	b = appendStr(b, state)
+	b = appendStr(b, owner)
+	b = appendInt(b, fence)
+	b = appendInt(b, 0)
+	b = appendInt(b, attempts)
+	b = appendStr(b, fingerprint)
+	b = appendStr(b, key)
+	return appendInt(b, created)
+}
+
 // firstFence is the fence of a format 2 record whose key expires at
 // expireAt (PEXPIRETIME, ms) after it was written with PX keep: the first
 // µs after the millisecond it was made in, as record.lua computes it.

@@ -157,6 +157,11 @@ type Lease struct {
 	Deadline time.Time
 
 	rkey string // the record's Redis key, if a RedisStore issued the lease
+	// made is set when a RedisStore's native Acquire made the record for
+	// the lease (a format 2 record; fp is its fingerprint): the lease's
+	// outcome can then be written without decoding the record (finish.lua).
+	made bool
+	fp   string
 }
 
 // Result is Acquire's answer.

@@ -310,7 +310,9 @@ func nativeReply(req Request, owner *[32]byte, rkey string, start time.Time, set
 	}
 	if set == nil {
 		fence := firstFence(expireAt, keep)
-		return Result{Status: Acquired, Fence: fence, Attempts: 1, Lease: newLease(req, string(owner[:]), fence, 1, start, rkey)}, true, nil
+		l := newLease(req, string(owner[:]), fence, 1, start, rkey)
+		l.made, l.fp = true, req.Fingerprint
+		return Result{Status: Acquired, Fence: fence, Attempts: 1, Lease: l}, true, nil
 	}
 	raw, _ := set.(string)
 	r, err := decodeRecord(raw, expireAt)
@@ -412,7 +414,22 @@ func (s *RedisStore) finish(ctx context.Context, l Lease, op string, state any, 
 	if err := CheckLease(l); err != nil {
 		return err
 	}
-	c := getCall(finishScript, s.keyOf(l), 5)
+	c := s.finishCall(l, state, result, text)
+	s.batch.do(ctx, c)
+	n, _ := c.val.(int64)
+	err := c.err
+	putCall(c)
+	return leaseReply(l, op, int(n), err)
+}
+
+// finishCall returns the finish script's call for l, from the pool: state,
+// and as the stored value result, or else text. For a lease whose record
+// the native Acquire made, it adds what the script needs to write the
+// outcome without decoding the record: the record as that Acquire wrote
+// it, its expiry, and the new record's fields up to its created time, as
+// the script would pack them (see finish.lua).
+func (s *RedisStore) finishCall(l Lease, state any, result []byte, text string) *call {
+	c := getCall(finishScript, s.keyOf(l), 8)
 	c.str(0, l.Owner)
 	c.int(1, l.Fence)
 	c.args[2] = state
@@ -422,11 +439,23 @@ func (s *RedisStore) finish(ctx context.Context, l Lease, op string, state any, 
 		c.bytes(3, result)
 	}
 	c.int(4, l.Retention.Milliseconds())
-	s.batch.do(ctx, c)
-	n, _ := c.val.(int64)
-	err := c.err
-	putCall(c)
-	return leaseReply(l, op, int(n), err)
+	if !l.made {
+		c.args[5], c.args[6], c.args[7] = "", "", ""
+		return c
+	}
+	ttl := l.TTL.Milliseconds()
+	keep := ttl + l.Retention.Milliseconds()
+	created := l.Fence/1000 - 1 // the ms a format 2 record's fence follows (firstFence)
+	c.slots[5] = appendRecord(c.slots[5][:0], l.Owner, ttl, keep, l.fp, l.Key)
+	c.args[5] = &c.slots[5]
+	c.int(6, created+keep)
+	attempts := int64(1) // a format 2 record's, whatever the caller did to l.Attempt
+	if state == stateCancelled {
+		attempts = 0
+	}
+	c.slots[7] = appendHead(c.slots[7][:0], state.(string), l.Owner, l.Fence, attempts, l.fp, l.Key, created)
+	c.args[7] = &c.slots[7]
+	return c
 }
 
 // Amend replaces the value of key's completed record with value if its

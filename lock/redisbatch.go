@@ -166,13 +166,7 @@ func (s *RedisStore) CompleteBatch(ctx context.Context, leases []Lease, results 
 			errs[i] = fmt.Errorf("%w: key %q: %d bytes, at most %d allowed", ErrResultTooLarge, l.Key, len(results[i]), s.cfg.MaxResultSize)
 			continue
 		}
-		c := getCall(finishScript, s.keyOf(l), 5)
-		c.str(0, l.Owner)
-		c.int(1, l.Fence)
-		c.args[2] = stateCompleted
-		c.bytes(3, results[i])
-		c.int(4, l.Retention.Milliseconds())
-		calls = append(calls, c)
+		calls = append(calls, s.finishCall(l, stateCompleted, results[i], ""))
 		index = append(index, i)
 	}
 	if len(calls) > 0 {

@@ -7,7 +7,10 @@
 --   'd' forgotten: a tombstone, see forget.lua), owner, fence (server µs),
 --   lease deadline (ms, 0 when none), attempts, fingerprint, the caller's
 --   key, created (ms), ended (ms, 0 until an outcome), value.
--- Format 1 holds every field as named; the scripts write format 1 only.
+-- Format 1 holds every field as named; the scripts write format 1 only
+-- (finish.lua writes the outcome of a format 2 record from a head Go packs
+-- as cmsgpack would, followed by cmsgpack.pack(ended, value): the same
+-- bytes).
 -- Format 2 is written by RedisStore's native Acquire of an absent key
 -- (MULTI, SET ... NX PX ... GET, PEXPIRETIME, EXEC: no script), which
 -- cannot put the server's time in the value. It is always state 'p',
@@ -27,10 +30,10 @@ local function fail(msg)
   error(redis.error_reply('ERR lock: ' .. msg))
 end
 
--- read returns the ten fields of the record at key after its version
--- (state first), in format 1 terms, or nothing when there is none.
-local function read(key)
-  local raw = redis.call('GET', key)
+-- decode returns the ten fields after its version (state first), in
+-- format 1 terms, of the record raw that key holds (GET's reply), or
+-- nothing when there is none.
+local function decode(key, raw)
   if not raw then
     return nil
   end
@@ -47,6 +50,11 @@ local function read(key)
     fail('record format version ' .. tostring(ver) .. ' unknown')
   end
   return state, o, fence, deadline, attempts, fp, k, created, ended, value
+end
+
+-- read returns the fields of the record at key as decode does.
+local function read(key)
+  return decode(key, redis.call('GET', key))
 end
 
 -- put writes a format 1 record of the given fields to expire in ms, or
