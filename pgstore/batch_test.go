@@ -72,6 +72,21 @@ func (r *rig) runBatch(h amqpidem.BatchHandler, tune func(*amqpidem.ConsumerConf
 	})
 }
 
+// publishOnce publishes ops and, once each settled (completed or
+// dead-lettered), fails the test for each whose effect is not there
+// exactly once: its work committed once, never run again.
+func (r *rig) publishOnce(ops []string) {
+	r.t.Helper()
+	r.publish(ops...)
+	evs := r.settled(ops, amqpidem.DeadLettered, amqpidem.Completed)
+	got := r.effects()
+	for _, op := range ops {
+		if got[op] != 1 {
+			r.t.Errorf("%s: %d effect rows, events %s; want 1 (its work committed once, never run again)", op, got[op], outcomes(evs[op]))
+		}
+	}
+}
+
 // settled waits until every key of keys had an event with one of the
 // outcomes, and returns all events seen, per key.
 func (r *rig) settled(keys []string, outcomes ...amqpidem.Outcome) map[string][]amqpidem.Event {

@@ -39,14 +39,7 @@ func TestBatchTxHandlerCommitThenPanicNotRerun(t *testing.T) {
 		panic("after its own COMMIT")
 	}), func(c *amqpidem.ConsumerConfig) { c.BatchWait = 200 * time.Millisecond })
 	ops := ids("p", 8)
-	r.publish(ops...)
-	evs := r.settled(ops, amqpidem.DeadLettered, amqpidem.Completed)
-	got := r.effects()
-	for _, op := range ops {
-		if got[op] != 1 {
-			t.Errorf("%s: %d effect rows, events %s; want 1 (its work committed once, never run again)", op, got[op], outcomes(evs[op]))
-		}
-	}
+	r.publishOnce(ops)
 }
 
 // TestTxHandlerCommitThenPanicNotRerun: the single-message form of
@@ -66,14 +59,7 @@ func TestTxHandlerCommitThenPanicNotRerun(t *testing.T) {
 		panic("after its own COMMIT")
 	}), nil)
 	ops := ids("s", 2)
-	r.publish(ops...)
-	evs := r.settled(ops, amqpidem.DeadLettered, amqpidem.Completed)
-	got := r.effects()
-	for _, op := range ops {
-		if got[op] != 1 {
-			t.Errorf("%s: %d effect rows, events %s; want 1 (its work committed once, never run again)", op, got[op], outcomes(evs[op]))
-		}
-	}
+	r.publishOnce(ops)
 }
 
 // TestBatchTxHandlerBatchesAtOnce: NewBatchConsumer accepts a pool with
@@ -312,14 +298,7 @@ func TestBatchTxHandlerCommitThenConnLostNotRerun(t *testing.T) {
 		return nil, nil
 	}), func(c *amqpidem.ConsumerConfig) { c.BatchWait = 200 * time.Millisecond })
 	ops := ids("l", 4)
-	r.publish(ops...)
-	evs := r.settled(ops, amqpidem.DeadLettered, amqpidem.Completed)
-	got := r.effects()
-	for _, op := range ops {
-		if got[op] != 1 {
-			t.Errorf("%s: %d effect rows, events %s; want 1 (its work committed once, never run again)", op, got[op], outcomes(evs[op]))
-		}
-	}
+	r.publishOnce(ops)
 }
 
 // TestBatchTxHandlerLibraryRollbackThenCommitNotRerun: a library handed

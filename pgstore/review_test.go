@@ -38,14 +38,7 @@ func TestTxHandlerCommitBeginThenErrorNotRerun(t *testing.T) {
 		return nil, errors.New("a later step failed")
 	}), func(c *amqpidem.ConsumerConfig) { c.MaxAttempts = 3 })
 	ops := ids("cb", 2)
-	r.publish(ops...)
-	evs := r.settled(ops, amqpidem.DeadLettered, amqpidem.Completed)
-	got := r.effects()
-	for _, op := range ops {
-		if got[op] != 1 {
-			t.Errorf("%s: %d effect rows, events %s; want 1 (its work committed once, never run again)", op, got[op], outcomes(evs[op]))
-		}
-	}
+	r.publishOnce(ops)
 }
 
 // TestBatchTxHandlerCommitBeginThenErrorNotRerun: the batch form of
@@ -74,14 +67,7 @@ func TestBatchTxHandlerCommitBeginThenErrorNotRerun(t *testing.T) {
 		c.MaxAttempts = 3
 	})
 	ops := ids("cbb", 4)
-	r.publish(ops...)
-	evs := r.settled(ops, amqpidem.DeadLettered, amqpidem.Completed)
-	got := r.effects()
-	for _, op := range ops {
-		if got[op] != 1 {
-			t.Errorf("%s: %d effect rows, events %s; want 1 (its work committed once, never run again)", op, got[op], outcomes(evs[op]))
-		}
-	}
+	r.publishOnce(ops)
 }
 
 // TestBatchTxHandlerUnkeyedBatchesAtOnce: NewBatchConsumer's
