@@ -379,9 +379,9 @@ func (f *flight) runBatched() {
 		// A batch runs when one of its slots is free: batches of few
 		// deliveries, arriving apart, would otherwise run as many at once
 		// as Concurrency, each holding a pooled connection. While it waits,
-		// its group keeps gathering. Only a forced stop (f.ctx, which every
-		// flight's hctx comes from) ends the wait: the batch's flights then
-		// settle without running.
+		// its group may still gather (until full, or sealed: arrivedLocked).
+		// Only a forced stop (f.ctx, which every flight's hctx comes from)
+		// ends the wait: the batch's flights then settle without running.
 		slot := false
 		if b.slots != nil {
 			select {
