@@ -279,7 +279,20 @@ func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []
 		}
 		return rs, nil
 	}
-	return rs, h.s.finishBatch(cctx, conn.Conn(), leases, values, done)
+	err = h.s.finishBatch(cctx, conn.Conn(), leases, values, done)
+	if err != nil && h.s.workCommitted(cctx, t, xid) {
+		// Done, though the records' write and commit failed (see
+		// workCommitted): each record is completed on its own, as after
+		// fn's own COMMIT, and a message whose record cannot be is never
+		// run again.
+		for _, i := range done {
+			if err := h.s.finish(cctx, t.querier(h.s), leases[i], "complete", "c", values[i]); err != nil {
+				rs[i] = amqpidem.BatchResult{Err: recordAfterCommit(err)}
+			}
+		}
+		return rs, nil
+	}
+	return rs, err
 }
 
 // finishBatch completes the records of leases[i], for i in done, with

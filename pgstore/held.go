@@ -381,7 +381,14 @@ func (h *txHandler) completeHeld(ctx context.Context, d *amqp.Delivery, lease lo
 		err = h.s.finishHeld(cctx, ht, lease, "complete", "c", v)
 	} else {
 		err = h.s.commitHeld(cctx, ht, lease, "complete", "c", v)
-		h.s.endHeldConn(ht)
+		if err != nil && h.s.workCommitted(cctx, ht.tx, ht.xid) {
+			// Done, though the record's write and commit failed (see
+			// workCommitted): as after fn's own COMMIT.
+			end = endCommitted
+			err = h.s.finishHeld(cctx, ht, lease, "complete", "c", v)
+		} else {
+			h.s.endHeldConn(ht)
+		}
 	}
 	if err != nil {
 		if !errors.Is(err, lock.ErrLeaseLost) {

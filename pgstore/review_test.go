@@ -12,6 +12,7 @@ import (
 
 	"github.com/amqpidem/amqpidem/amqpidem"
 	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
+	"github.com/amqpidem/amqpidem/pgstore"
 )
 
 // TestTxHandlerCommitBeginThenErrorNotRerun: the function commits its
@@ -68,6 +69,54 @@ func TestBatchTxHandlerCommitBeginThenErrorNotRerun(t *testing.T) {
 	})
 	ops := ids("cbb", 4)
 	r.publishOnce(ops)
+}
+
+// TestTxHandlerCommitBeginThenRecordFailsNotRerun: the function commits
+// its work itself, begins another transaction, and returns nil; the
+// record is then written in that second transaction, which refuses it
+// (BEGIN READ ONLY here; a lost lease or an outage would do as well). The
+// work committed with the first: a rerun would do it again. The record is
+// completed on its own instead, as after the function's own COMMIT.
+func TestTxHandlerCommitBeginThenRecordFailsNotRerun(t *testing.T) {
+	for _, rows := range []bool{false, true} {
+		name := map[bool]string{false: "held", true: "row"}[rows]
+		t.Run(name, func(t *testing.T) {
+			r := newRigWith(t, pgstore.Config{RowLeases: rows})
+			r.run(r.store.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+				if err := r.insert(ctx, tx, d.MessageId); err != nil {
+					return nil, err
+				}
+				if _, err := tx.Exec(ctx, "COMMIT"); err != nil {
+					return nil, err
+				}
+				_, err := tx.Exec(ctx, "BEGIN READ ONLY")
+				return nil, err
+			}), func(c *amqpidem.ConsumerConfig) { c.MaxAttempts = 3 })
+			r.publishOnce(ids("cbr", 2))
+		})
+	}
+}
+
+// TestBatchTxHandlerCommitBeginThenRecordFailsNotRerun: the batch form of
+// TestTxHandlerCommitBeginThenRecordFailsNotRerun.
+func TestBatchTxHandlerCommitBeginThenRecordFailsNotRerun(t *testing.T) {
+	r := newRig(t)
+	r.runBatch(r.store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		for _, d := range ds {
+			if err := r.insert(ctx, tx, d.MessageId); err != nil {
+				return nil, err
+			}
+		}
+		if _, err := tx.Exec(ctx, "COMMIT"); err != nil {
+			return nil, err
+		}
+		_, err := tx.Exec(ctx, "BEGIN READ ONLY")
+		return nil, err
+	}), func(c *amqpidem.ConsumerConfig) {
+		c.BatchWait = 200 * time.Millisecond
+		c.MaxAttempts = 3
+	})
+	r.publishOnce(ids("cbbr", 4))
 }
 
 // TestBatchTxHandlerUnkeyedBatchesAtOnce: NewBatchConsumer's

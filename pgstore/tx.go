@@ -273,6 +273,25 @@ func (s *Store) begunAgain(ctx context.Context, t *handlerTx, xid string, status
 	return other
 }
 
+// workCommitted reports whether xid, the handler's transaction, committed,
+// asked after the record's write and the commit failed: its COMMIT landed
+// with the answer lost, or fn had committed xid itself and begun another
+// transaction, the one that failed, with the record (a COMMIT, then a
+// BEGIN, then nil). The work is then done, and a rerun would do it again.
+// False when the server cannot say.
+func (s *Store) workCommitted(ctx context.Context, t *handlerTx, xid string) bool {
+	t.releaseClosed()
+	if pc := t.conn.PgConn(); !pc.IsClosed() && !pc.IsBusy() && pc.TxStatus() != 'I' {
+		// The failed transaction, aborted (its COMMIT skipped): rolled
+		// back now rather than by endConn, to ask on its connection.
+		if _, err := t.conn.Exec(ctx, "ROLLBACK"); err != nil {
+			return false
+		}
+	}
+	committed, err := s.committed(ctx, t.conn, xid)
+	return err == nil && committed
+}
+
 // errWorkCommitted is in the error of a handler that ended its
 // transaction itself, committed, and then failed (ending): its work is
 // done and must not run again.
@@ -386,6 +405,13 @@ func (h *txHandler) run(ctx context.Context, d *amqp.Delivery, lease *lock.Lease
 	case end == endCommitted:
 	case lease != nil:
 		err = h.s.finishTx(cctx, conn.Conn(), *lease, v)
+		if err != nil && h.s.workCommitted(cctx, t, xid) {
+			// Done, though the record's write and commit failed: as
+			// after fn's own COMMIT, the record is completed on its own.
+			if err = h.s.finish(cctx, t.querier(h.s), *lease, "complete", "c", v); err != nil {
+				err = recordAfterCommit(err)
+			}
+		}
 	default:
 		err = commit(cctx, conn.Conn())
 	}
