@@ -44,7 +44,11 @@ import (
 //     crash in between runs it again); otherwise the error wraps
 //     ErrTxEnded, Permanent, since what it did after cannot be undone.
 //     A panic counts as an error it returned (an *amqpidem.PanicError):
-//     after its own COMMIT, it is not run again either.
+//     after its own COMMIT, it is not run again either. So does a BEGIN
+//     after its own COMMIT: returning nil, the record is written in that
+//     second transaction, or, when that fails, on its own; returning an
+//     error, the second transaction is rolled back and the error wraps
+//     ErrTxEnded, Permanent.
 type TxFunc func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error)
 
 // commitTimeout bounds writing the record and committing, which run even
