@@ -62,7 +62,9 @@ type BatchTxFunc func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]am
 //     fence), the whole transaction rolls back, and amqpidem runs the
 //     batch again without that message, which is requeued.
 //   - The commit's outcome is unknown (the connection dropped during
-//     COMMIT): every message of the batch is requeued, and its redelivery
+//     COMMIT): the server is asked, on another connection, whether the
+//     transaction committed; if it did, the messages are acked. When it
+//     cannot say, every message of the batch is requeued, and its redelivery
 //     finds its record completed (acked as a duplicate) or still held (the
 //     effects rolled back with it, and it runs again). The batch is not
 //     run again in place, which could commit its effects twice.

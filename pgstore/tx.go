@@ -70,7 +70,9 @@ const commitTimeout = 10 * time.Second
 //     fence), everything rolls back, and the message is requeued for the
 //     record to decide.
 //   - The commit's outcome is unknown (the connection dropped during
-//     COMMIT): the error wraps lock.ErrUnavailable, the message is
+//     COMMIT): the server is asked, on another connection, whether the
+//     transaction committed; if it did, the message is acked. When it
+//     cannot say, the error wraps lock.ErrUnavailable, the message is
 //     requeued, and its redelivery finds the record completed (it is
 //     acked as a duplicate) or still held (the effects rolled back with
 //     it, and it runs again). Never both effects, never none.
