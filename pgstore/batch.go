@@ -348,7 +348,7 @@ func (s *Store) finishBatch(ctx context.Context, conn *pgx.Conn, leases []lock.L
 	case tag.String() != "COMMIT":
 		return fmt.Errorf("pgstore: commit of a batch of %d answered %q: nothing committed", len(done), tag.String())
 	}
-	return nil
+	return lostAnswer()
 }
 
 var _ lock.BatchAcquirer = (*Store)(nil)

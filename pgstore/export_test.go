@@ -1,6 +1,9 @@
 package pgstore
 
-import "time"
+import (
+	"sync/atomic"
+	"time"
+)
 
 // SetCleanupGrace sets how long Cleanup keeps expired records, until the
 // test ends.
@@ -24,4 +27,14 @@ func SetXactStatusSQL(t interface{ Cleanup(func()) }, q string) {
 	old := xactStatusSQL
 	xactStatusSQL = q
 	t.Cleanup(func() { xactStatusSQL = old })
+}
+
+// LoseCommitAnswers makes the first n commits of handlers' transactions
+// that succeed answer as if their answer was lost with the connection,
+// until the test ends.
+func LoseCommitAnswers(t interface{ Cleanup(func()) }, n int32) {
+	var left atomic.Int32
+	left.Store(n)
+	loseAnswer = func() bool { return left.Add(-1) >= 0 }
+	t.Cleanup(func() { loseAnswer = nil })
 }

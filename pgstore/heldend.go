@@ -184,7 +184,7 @@ func (s *Store) commitHeld(ctx context.Context, h *heldTx, l lock.Lease, op, sta
 	case tag.String() != "COMMIT":
 		return fmt.Errorf("pgstore: commit of %q answered %q: nothing committed", l.Key, tag.String())
 	}
-	return nil
+	return lostAnswer()
 }
 
 // uniqueViolation is the SQLSTATE of an INSERT that found its key taken.

@@ -195,3 +195,49 @@ func TestBatchTxHandlerUnkeyedBatchesAtOnce(t *testing.T) {
 		t.Errorf("%d batches ran at once, each holding one of the pool's 4 connections; NewBatchConsumer runs at most 2 (Concurrency 20 over BatchSize 10)", most)
 	}
 }
+
+// TestCommitAnswerLostAcked: the COMMIT of a handler's transaction with
+// its record lands, but its answer is lost (LoseCommitAnswers stands for
+// the connection dropping there). pgstore asks the server whether the
+// transaction committed and, as it did, the message is acked at once,
+// completed, its work done once: not requeued to be acked as a duplicate
+// on its redelivery. On both leases of TxHandler, and for a batch.
+func TestCommitAnswerLostAcked(t *testing.T) {
+	insert := func(r *rig) pgstore.TxFunc {
+		return func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+			return nil, r.insert(ctx, tx, d.MessageId)
+		}
+	}
+	check := func(t *testing.T, r *rig, ops []string) {
+		t.Helper()
+		r.publish(ops...)
+		evs := r.settled(ops, amqpidem.Completed, amqpidem.Duplicate, amqpidem.DeadLettered)
+		got := r.effects()
+		for _, op := range ops {
+			if got[op] != 1 || len(evs[op]) != 1 || evs[op][0].Outcome != amqpidem.Completed {
+				t.Errorf("%s: %d effect rows, events %s; want 1, completed at once", op, got[op], outcomes(evs[op]))
+			}
+		}
+	}
+	for _, rows := range []bool{false, true} {
+		t.Run(map[bool]string{false: "held", true: "row"}[rows], func(t *testing.T) {
+			r := newRigWith(t, pgstore.Config{RowLeases: rows})
+			pgstore.LoseCommitAnswers(t, 1)
+			r.run(r.store.TxHandler(insert(r)), nil)
+			check(t, r, ids("al", 1))
+		})
+	}
+	t.Run("batch", func(t *testing.T) {
+		r := newRig(t)
+		pgstore.LoseCommitAnswers(t, 1)
+		r.runBatch(r.store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+			for _, d := range ds {
+				if err := r.insert(ctx, tx, d.MessageId); err != nil {
+					return nil, err
+				}
+			}
+			return nil, nil
+		}), func(c *amqpidem.ConsumerConfig) { c.BatchWait = 200 * time.Millisecond })
+		check(t, r, ids("alb", 4))
+	})
+}

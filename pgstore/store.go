@@ -491,7 +491,7 @@ func (s *Store) finishTx(ctx context.Context, conn *pgx.Conn, l lock.Lease, valu
 	case tag.String() != "COMMIT":
 		return fmt.Errorf("pgstore: commit of %q answered %q: nothing committed", l.Key, tag.String())
 	}
-	return nil
+	return lostAnswer()
 }
 
 // cleanupGrace is how long after its expiry a record is kept before

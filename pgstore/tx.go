@@ -279,6 +279,21 @@ func (s *Store) begunAgain(ctx context.Context, t *handlerTx, xid string, status
 	return other
 }
 
+// loseAnswer, when set (by tests), says whether a handler's commit that
+// succeeded is to answer as one whose answer was lost with its
+// connection (lostAnswer).
+var loseAnswer func() bool
+
+// lostAnswer is what a handler's commit that succeeded answers: nil, or,
+// when a test asks (loseAnswer), the error of a commit whose answer was
+// lost.
+func lostAnswer() error {
+	if loseAnswer != nil && loseAnswer() {
+		return fmt.Errorf("pgstore: commit (its outcome may be unknown: the record tells): %w: answer lost (a test's)", lock.ErrUnavailable)
+	}
+	return nil
+}
+
 // workCommitted reports whether xid, the handler's transaction, committed,
 // asked after the record's write and the commit failed: its COMMIT landed
 // with the answer lost, or fn had committed xid itself and begun another
