@@ -11,6 +11,8 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
+	"github.com/amqpidem/amqpidem/lock"
 	"github.com/amqpidem/amqpidem/pgstore"
 )
 
@@ -96,5 +98,73 @@ func TestBatchTxHandlerCommitBeginThenMessageErrorDirect(t *testing.T) {
 	}
 	if len(rs) == 2 && (rs[0].Err == nil || !amqpidem.IsPermanent(rs[0].Err) || !errors.Is(rs[0].Err, pgstore.ErrTxEnded)) {
 		t.Errorf("d0's error %v: want Permanent, wrapping ErrTxEnded (its work committed; a retry does it again)", rs[0].Err)
+	}
+}
+
+// TestTxHandlerCommitSessionEndsPoolHeld: the session of a TxHandler's
+// transaction ends during its COMMIT (the server terminated it: a
+// failover, a restart; here a deferred trigger of the handler's table
+// terminates its own backend at commit time), while every other
+// connection of the pool is held (by other handlers, here by the test).
+// The record's write and commit failed, so the run asks whether its
+// transaction committed (workCommitted), on another connection of the
+// pool since its own closed. The row-lease path gives the closed
+// connection back first (releaseClosed); the held-lease path keeps it
+// (the handlerTx of a held lease has no pooled connection: heldTx has
+// it), so the question waits for a connection the pool will not have
+// until commitTimeout (10 s), and then says nothing: the message is
+// requeued unanswered rather than answered at once.
+func TestTxHandlerCommitSessionEndsPoolHeld(t *testing.T) {
+	for _, rows := range []bool{false, true} {
+		name := map[bool]string{false: "held", true: "row"}[rows]
+		t.Run(name, func(t *testing.T) {
+			r := newRig(t)
+			ctx := context.Background()
+			kill := pgx.Identifier{r.cfg.Schema, "kill"}.Sanitize()
+			killFn := pgx.Identifier{r.cfg.Schema, "kill_self"}.Sanitize()
+			for _, q := range []string{
+				"CREATE TABLE " + kill + " (op text)",
+				"CREATE FUNCTION " + killFn + "() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_terminate_backend(pg_backend_pid()); PERFORM pg_sleep(5); RETURN NULL; END $$",
+				"CREATE CONSTRAINT TRIGGER kill_at_commit AFTER INSERT ON " + kill + " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION " + killFn + "()",
+			} {
+				if _, err := r.pool.Exec(ctx, q); err != nil {
+					t.Fatal(err)
+				}
+			}
+			small := pgenv.Pool(t, 2)
+			cfg := r.cfg
+			cfg.RowLeases = rows
+			st := newStore(t, small, cfg)
+			h := st.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+				if err := r.insert(ctx, tx, d.MessageId); err != nil {
+					return nil, err
+				}
+				_, err := tx.Exec(ctx, "INSERT INTO "+kill+" VALUES ($1)", d.MessageId)
+				return nil, err
+			}).(amqpidem.LeaseTaker)
+			res, err := h.AcquireLease(ctx, lock.Request{Key: "k", TTL: 30 * time.Second}, &amqp.Delivery{})
+			if err != nil || res.Status != lock.Acquired {
+				t.Fatalf("AcquireLease: %+v %v", res, err)
+			}
+			// The pool's other connection: another handler's.
+			spare, err := small.Acquire(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer spare.Release()
+			start := time.Now()
+			_, err = h.HandleComplete(ctx, &amqp.Delivery{MessageId: "k"}, res.Lease, same)
+			took := time.Since(start)
+			if err == nil {
+				t.Fatalf("HandleComplete: nil, want the commit's error (its session was terminated)")
+			}
+			if got := r.effects()["k"]; got != 0 {
+				t.Errorf("%d effect rows, want 0 (the session ended before its commit)", got)
+			}
+			if took > 5*time.Second {
+				t.Errorf("HandleComplete took %v (%v): asking whether the transaction committed waited for a pool connection while its own closed one still held its place",
+					took.Round(time.Millisecond), err)
+			}
+		})
 	}
 }
