@@ -168,3 +168,67 @@ func TestTxHandlerCommitSessionEndsPoolHeld(t *testing.T) {
 		})
 	}
 }
+
+// TestTxHandlerRollbackBeginThenNilNotAcked: the function's work is
+// rolled back by a ROLLBACK it (or a library handed tx.Conn()) sends,
+// then a BEGIN opens another transaction, and the function returns nil.
+// TxFunc's documentation: fn ended the transaction itself; "if that
+// committed and fn returned nil, the record is completed on its own
+// ...; otherwise the error wraps ErrTxEnded, Permanent". ending asks
+// whether the transaction is still xid (begunAgain) only after a failed
+// run: a run that returned nil in a transaction ('T') is taken for xid,
+// the record is completed in the second, empty transaction and
+// committed, and the message is acked as done, its work never committed.
+func TestTxHandlerRollbackBeginThenNilNotAcked(t *testing.T) {
+	for _, redelivered := range []bool{false, true} {
+		name := map[bool]string{false: "held", true: "row"}[redelivered]
+		t.Run(name, func(t *testing.T) {
+			r := newRig(t)
+			err := r.attempt("rb", redelivered, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+				if err := r.insert(ctx, tx, d.MessageId); err != nil {
+					return nil, err
+				}
+				if _, err := tx.Conn().Exec(ctx, "ROLLBACK"); err != nil {
+					return nil, err
+				}
+				_, err := tx.Conn().Exec(ctx, "BEGIN")
+				return nil, err
+			})
+			rec := r.record("rb")
+			if err == nil || r.effects()["rb"] != 0 || rec == nil || rec.state == "c" {
+				t.Errorf("HandleComplete: %v; record %+v; %d effect rows: the work was rolled back, yet the message was completed (acked as done). Want an error wrapping ErrTxEnded, Permanent, and no completed record",
+					err, rec, r.effects()["rb"])
+			}
+		})
+	}
+}
+
+// TestBatchTxHandlerRollbackBeginThenNilNotAcked is
+// TestTxHandlerRollbackBeginThenNilNotAcked for a batch.
+func TestBatchTxHandlerRollbackBeginThenNilNotAcked(t *testing.T) {
+	r := newRig(t)
+	rs, err := r.batchAttempt([]string{"rb0", "rb1"}, func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		for _, d := range ds {
+			if err := r.insert(ctx, tx, d.MessageId); err != nil {
+				return nil, err
+			}
+		}
+		if _, err := tx.Conn().Exec(ctx, "ROLLBACK"); err != nil {
+			return nil, err
+		}
+		_, err := tx.Conn().Exec(ctx, "BEGIN")
+		return nil, err
+	})
+	for i, k := range []string{"rb0", "rb1"} {
+		rec := r.record(k)
+		var merr error
+		if err != nil {
+			merr = err
+		} else if len(rs) == 2 {
+			merr = rs[i].Err
+		}
+		if merr == nil || (rec != nil && rec.state == "c") {
+			t.Errorf("%s: error %v, record %+v, %d effect rows: its work was rolled back, yet it was completed (acked as done)", k, merr, rec, r.effects()[k])
+		}
+	}
+}
