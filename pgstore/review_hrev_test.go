@@ -232,3 +232,44 @@ func TestBatchTxHandlerRollbackBeginThenNilNotAcked(t *testing.T) {
 		}
 	}
 }
+
+// TestTxHandlerAnswerLostRecordNotConfirmedError: a plain handler (it
+// never ends its transaction itself); the COMMIT of its work with its
+// record lands, its answer is lost, and the server says the transaction
+// committed (workCommitted). The record, completed in that transaction,
+// is then completed again on its own, which fails here (the finish
+// function renamed meanwhile: a failover, an outage). The error says the
+// handler "ended the transaction itself (a COMMIT or ROLLBACK statement,
+// or a library given tx.Conn())": ErrTxEnded, which this handler never
+// did; a user reading it searches their code for a COMMIT that is not
+// there. (The record is completed, so the message is not lost; the error
+// is what is wrong.)
+func TestTxHandlerAnswerLostRecordNotConfirmedError(t *testing.T) {
+	r := newRig(t)
+	ctx := context.Background()
+	fn := pgx.Identifier{r.cfg.Schema, pgstore.DefaultTable + "_finish"}.Sanitize()
+	once := false
+	pgstore.SetLoseAnswer(t, func() bool {
+		if once {
+			return false
+		}
+		once = true
+		if _, err := r.pool.Exec(ctx, "ALTER FUNCTION "+fn+" RENAME TO "+pgx.Identifier{pgstore.DefaultTable + "_finish_gone"}.Sanitize()); err != nil {
+			t.Errorf("rename: %v", err)
+		}
+		return true
+	})
+	h := r.taker(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+		return nil, r.insert(ctx, tx, d.MessageId)
+	})
+	res, err := h.AcquireLease(ctx, lock.Request{Key: "al", TTL: 5 * time.Second}, &amqp.Delivery{Redelivered: true})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatalf("AcquireLease: %+v %v", res, err)
+	}
+	_, err = h.HandleComplete(ctx, &amqp.Delivery{MessageId: "al", Redelivered: true}, res.Lease, same)
+	rec := r.record("al")
+	t.Logf("HandleComplete: %v; record %+v; %d effect rows", err, rec, r.effects()["al"])
+	if errors.Is(err, pgstore.ErrTxEnded) {
+		t.Errorf("HandleComplete's error wraps ErrTxEnded (%q), but the handler never ended its transaction: its COMMIT's answer was lost, and the record, committed with the work, could not be confirmed", pgstore.ErrTxEnded)
+	}
+}
