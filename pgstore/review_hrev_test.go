@@ -273,3 +273,65 @@ func TestTxHandlerAnswerLostRecordNotConfirmedError(t *testing.T) {
 		t.Errorf("HandleComplete's error wraps ErrTxEnded (%q), but the handler never ended its transaction: its COMMIT's answer was lost, and the record, committed with the work, could not be confirmed", pgstore.ErrTxEnded)
 	}
 }
+
+// TestTxHandlerHeldCommitBeginKeyCoveredToCommit: a held lease whose
+// function commits its work itself, then BEGINs again and returns nil:
+// the record is written in that second transaction (commitHeld), whose
+// INSERT releases the key's session-level lock before its COMMIT. In the
+// first transaction the transaction-level lock covers that moment; the
+// second has none. Until the COMMIT lands (slow here: a deferred trigger
+// sleeps 1 s; a synchronous replica or a slow fsync in production), the
+// key is free and its record not visible: a duplicate delivery's
+// AcquireLease is granted a lease, and the same function, committing its
+// own work, does it a second time.
+func TestTxHandlerHeldCommitBeginKeyCoveredToCommit(t *testing.T) {
+	r := newRig(t)
+	ctx := context.Background()
+	slow := pgx.Identifier{r.cfg.Schema, "slow"}.Sanitize()
+	slowFn := pgx.Identifier{r.cfg.Schema, "slow_commit"}.Sanitize()
+	for _, q := range []string{
+		"CREATE TABLE " + slow + " (op text)",
+		"CREATE FUNCTION " + slowFn + "() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(1); RETURN NULL; END $$",
+		"CREATE CONSTRAINT TRIGGER slow_at_commit AFTER INSERT ON " + slow + " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION " + slowFn + "()",
+	} {
+		if _, err := r.pool.Exec(ctx, q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	returned := make(chan struct{})
+	h := r.taker(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+		if err := r.insert(ctx, tx, d.MessageId); err != nil {
+			return nil, err
+		}
+		if _, err := tx.Conn().Exec(ctx, "COMMIT"); err != nil {
+			return nil, err
+		}
+		if _, err := tx.Conn().Exec(ctx, "BEGIN"); err != nil {
+			return nil, err
+		}
+		_, err := tx.Conn().Exec(ctx, "INSERT INTO "+slow+" VALUES ($1)", d.MessageId)
+		close(returned)
+		return nil, err
+	})
+	res, err := h.AcquireLease(ctx, lock.Request{Key: "k", TTL: 10 * time.Second}, &amqp.Delivery{})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatalf("AcquireLease: %+v %v", res, err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, err := h.HandleComplete(ctx, &amqp.Delivery{MessageId: "k"}, res.Lease, same)
+		done <- err
+	}()
+	<-returned
+	time.Sleep(300 * time.Millisecond) // commitHeld's INSERT ran; its COMMIT sleeps
+	other := r.taker(func(context.Context, pgx.Tx, *amqp.Delivery) ([]byte, error) { return nil, nil })
+	res2, err2 := other.AcquireLease(ctx, lock.Request{Key: "k", TTL: 10 * time.Second}, &amqp.Delivery{})
+	if err2 == nil && res2.Status == lock.Acquired {
+		// End it as amqpidem would (a cancel), for the test to finish cleanly.
+		_ = r.store.Cancel(ctx, res2.Lease)
+		t.Errorf("a duplicate's AcquireLease while the first lease's outcome was committing: %v, want InProgress (or the first's outcome): the key was free before that COMMIT, and the duplicate would do the work again", res2.Status)
+	}
+	if err := <-done; err != nil {
+		t.Errorf("HandleComplete: %v", err)
+	}
+}
