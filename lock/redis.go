@@ -439,13 +439,16 @@ func (s *RedisStore) finishCall(l Lease, state any, result []byte, text string) 
 		c.bytes(3, result)
 	}
 	c.int(4, l.Retention.Milliseconds())
-	if !l.made {
-		c.args[5], c.args[6], c.args[7] = "", "", ""
-		return c
-	}
 	ttl := l.TTL.Milliseconds()
 	keep := ttl + l.Retention.Milliseconds()
 	created := l.Fence/1000 - 1 // the ms a format 2 record's fence follows (firstFence)
+	// The record's bytes and expiry, which the script compares, say
+	// nothing of l.Fence but its ms: a Fence that is not the first µs
+	// after one (changed by the caller) is judged by decoding, as any.
+	if !l.made || firstFence(created+keep, keep) != l.Fence {
+		c.args[5], c.args[6], c.args[7] = "", "", ""
+		return c
+	}
 	c.slots[5] = appendRecord(c.slots[5][:0], l.Owner, ttl, keep, l.fp, l.Key)
 	c.args[5] = &c.slots[5]
 	c.int(6, created+keep)

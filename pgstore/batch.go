@@ -188,6 +188,14 @@ func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []
 	if ferr == nil && rs != nil && len(rs) != len(ds) {
 		ferr = fmt.Errorf("pgstore: the batch function returned %d results for %d messages", len(rs), len(ds))
 	}
+	if pc := t.conn.PgConn(); ferr == nil && !pc.IsClosed() && pc.TxStatus() == 'T' &&
+		slices.ContainsFunc(rs, func(r amqpidem.BatchResult) bool { return r.Err != nil }) {
+		// Messages failed, which runs the others again (or retries the
+		// failed): not if fn committed its work itself and began again.
+		// A transaction that is not xid is rolled back here, and ending
+		// decides as for one fn ended (see begunAgain).
+		h.s.begunAgain(ctx, t, xid, 'T')
+	}
 	end, err := h.s.ending(ctx, t, xid, ferr, false)
 	if end == endFailed && (errors.Is(err, ErrTxEnded) || errors.Is(err, errWorkUnknown)) {
 		// fn ended the transaction itself (and its work committed, may

@@ -381,12 +381,19 @@ func (h *txHandler) completeHeld(ctx context.Context, d *amqp.Delivery, lease lo
 		err = h.s.finishHeld(cctx, ht, lease, "complete", "c", v)
 	} else {
 		err = h.s.commitHeld(cctx, ht, lease, "complete", "c", v)
-		if err != nil && h.s.workCommitted(cctx, ht.tx, ht.xid) {
+		if err != nil && ht.conn.Conn().PgConn().IsClosed() {
+			// As above: the pool forgets the closed connection before
+			// workCommitted asks on another.
+			ht.conn.Release()
+			ht.conn = nil
+		}
+		switch {
+		case err != nil && h.s.workCommitted(cctx, ht.tx, ht.xid):
 			// Done, though the record's write and commit failed (see
 			// workCommitted): as after fn's own COMMIT.
 			end = endCommitted
 			err = h.s.finishHeld(cctx, ht, lease, "complete", "c", v)
-		} else {
+		case ht.conn != nil:
 			h.s.endHeldConn(ht)
 		}
 	}

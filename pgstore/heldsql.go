@@ -106,8 +106,12 @@ func newHeldSQL(table, heldKey string) *heldSQL {
 		// The release of the session-level lock rides along (a CTE with a
 		// volatile function runs once, before the INSERT): the
 		// transaction-level one covers the key until the COMMIT, and an
-		// advisory unlock is not undone if the INSERT fails.
-		insert: `WITH unlocked AS (SELECT pg_advisory_unlock(` + lockKey + `))
+		// advisory unlock is not undone if the INSERT fails. That one is
+		// taken again first (the session's already, so at once): after a
+		// COMMIT of the handler's own, this is another transaction, which
+		// has none.
+		insert: `WITH unlocked AS (SELECT pg_advisory_unlock(` + lockKey + `)
+				FROM (SELECT pg_advisory_xact_lock(` + lockKey + `)) x)
 			INSERT INTO ` + table + ` (ns, key, state, owner, fence, deadline, attempts, fingerprint,
 				value, created_at, ended_at, expires_at)
 			SELECT $1::text, $2::bytea, $3::text, $4::text, $5::bigint, NULL, 1, $6::bytea, $7::bytea,
