@@ -198,18 +198,7 @@ func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []
 	}
 	end, err := h.s.ending(ctx, t, xid, ferr, false)
 	if end == endFailed && (errors.Is(err, ErrTxEnded) || errors.Is(err, errWorkUnknown)) {
-		// fn ended the transaction itself (and its work committed, may
-		// have, or was rolled back, after which its later statements, a
-		// library's transactions, ran on their own), or may have: as a
-		// batch error this would be split and its halves run again,
-		// committing their work a second time. Each message fails on its
-		// own instead (Permanent, or the store's unavailability: never run
-		// again in place), its record not completed.
-		rs := make([]amqpidem.BatchResult, len(ds))
-		for i := range rs {
-			rs[i].Err = err
-		}
-		return rs, nil
+		return eachFailed(len(ds), err), nil
 	}
 	if end == endFailed {
 		return nil, err
@@ -244,7 +233,12 @@ func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []
 			// endConn rolls it back, and complete runs the rest again.
 			return rs, errRunAgain
 		}
-		return rs, commit(cctx, conn.Conn())
+		if err := commit(cctx, conn.Conn(), xid); errors.Is(err, ErrTxEnded) {
+			return eachFailed(len(ds), err), nil
+		} else if err != nil {
+			return rs, err
+		}
+		return rs, nil
 	}
 	if rs == nil {
 		rs = make([]amqpidem.BatchResult, len(ds))
@@ -289,7 +283,10 @@ func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []
 		}
 		return rs, nil
 	}
-	err = h.s.finishBatch(cctx, conn.Conn(), leases, values, done)
+	err = h.s.finishBatch(cctx, conn.Conn(), xid, leases, values, done)
+	if errors.Is(err, ErrTxEnded) {
+		return eachFailed(len(ds), err), nil
+	}
 	if err != nil && h.s.workCommitted(cctx, t, xid) {
 		// Done, though the records' write and commit failed (see
 		// workCommitted): each record is completed on its own, as after
@@ -297,12 +294,27 @@ func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []
 		// run again.
 		for _, i := range done {
 			if err := h.s.finish(cctx, t.querier(h.s), leases[i], "complete", "c", values[i]); err != nil {
-				rs[i] = amqpidem.BatchResult{Err: recordAfterCommit(err)}
+				rs[i] = amqpidem.BatchResult{Err: recordNotConfirmed(err)}
 			}
 		}
 		return rs, nil
 	}
 	return rs, err
+}
+
+// eachFailed is the answer of a run whose function ended the transaction
+// itself (and its work committed, may have, or was rolled back, after
+// which its later statements, a library's transactions, ran on their
+// own), or may have (err): as a batch error this would be split and its
+// halves run again, committing their work a second time. Each message
+// fails on its own instead (Permanent, or the store's unavailability:
+// never run again in place), its record not completed.
+func eachFailed(n int, err error) []amqpidem.BatchResult {
+	rs := make([]amqpidem.BatchResult, n)
+	for i := range rs {
+		rs[i].Err = err
+	}
+	return rs
 }
 
 // finishBatch completes the records of leases[i], for i in done, with
@@ -312,7 +324,7 @@ func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []
 // finish_tx for the others, which raises leaseLostCode where a lease is no
 // longer held, aborting the transaction) and the COMMIT, which the server
 // skips once it was aborted.
-func (s *Store) finishBatch(ctx context.Context, conn *pgx.Conn, leases []lock.Lease, values [][]byte, done []int) error {
+func (s *Store) finishBatch(ctx context.Context, conn *pgx.Conn, xid string, leases []lock.Lease, values [][]byte, done []int) error {
 	keys := make([][]byte, len(done))
 	owners := make([]string, len(done))
 	fences := make([]int64, len(done))
@@ -331,17 +343,22 @@ func (s *Store) finishBatch(ctx context.Context, conn *pgx.Conn, leases []lock.L
 	// key: a custom plan, made for the batch's arrays, costs a fifth of it.
 	// And a row another transaction holds is waited for at most as long
 	// as the functions wait (lockTimeout), not until commitTimeout.
+	// The guard (txGuardSQL) first: the settings are the transaction's.
+	b.Queue(txGuardSQL, xid)
 	b.Queue("SELECT set_config('plan_cache_mode', 'force_custom_plan', true), set_config('lock_timeout', '" + lockTimeout + "', true)")
 	b.Queue(s.sql.finishBatch, s.cfg.Prefix, keys, owners, fences, vals, rets)
 	b.Queue("COMMIT")
 	br := conn.SendBatch(ctx, b)
+	_, gerr := br.Exec()
 	_, serr := br.Exec()
 	_, ferr := br.Exec()
 	tag, cerr := br.Exec()
-	ferr = cmp.Or(serr, ferr)
+	ferr = cmp.Or(gerr, serr, ferr)
 	err := cmp.Or(ferr, cerr, br.Close())
 	var pe *pgconn.PgError
 	switch {
+	case isTxGuard(gerr):
+		return errTxRolledBack
 	case ferr != nil && errors.As(ferr, &pe) && pe.Code == leaseLostCode:
 		return fmt.Errorf("%w: complete batch of %d: %s", lock.ErrLeaseLost, len(done), pe.Message)
 	case ferr != nil && errors.As(ferr, &pe):

@@ -391,8 +391,9 @@ func (h *txHandler) completeHeld(ctx context.Context, d *amqp.Delivery, lease lo
 		case err != nil && h.s.workCommitted(cctx, ht.tx, ht.xid):
 			// Done, though the record's write and commit failed (see
 			// workCommitted): as after fn's own COMMIT.
-			end = endCommitted
-			err = h.s.finishHeld(cctx, ht, lease, "complete", "c", v)
+			if err = h.s.finishHeld(cctx, ht, lease, "complete", "c", v); err != nil {
+				err = recordNotConfirmed(err)
+			}
 		case ht.conn != nil:
 			h.s.endHeldConn(ht)
 		}

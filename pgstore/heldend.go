@@ -154,12 +154,22 @@ func (s *Store) commitHeld(ctx context.Context, h *heldTx, l lock.Lease, op, sta
 	if rollback {
 		b.Queue("ROLLBACK TO SAVEPOINT " + savepoint)
 	}
+	// A completion only: a failure or a release rolls back to the
+	// savepoint, which a transaction fn began itself does not have.
+	guard := state == "c" && h.xid != ""
+	if guard {
+		b.Queue(txGuardSQL, h.xid)
+	}
 	b.Queue(h.hs.insert, s.cfg.Prefix, []byte(l.Key), state, l.Owner, l.Fence, h.fp, value, l.Retention.Milliseconds())
 	b.Queue("COMMIT")
 	br := h.conn.SendBatch(ctx, b)
-	var rerr error
+	var rerr, gerr error
 	if rollback {
 		_, rerr = br.Exec()
+	}
+	if guard {
+		_, gerr = br.Exec()
+		rerr = cmp.Or(rerr, gerr)
 	}
 	_, ierr := br.Exec()
 	tag, cerr := br.Exec()
@@ -170,6 +180,8 @@ func (s *Store) commitHeld(ctx context.Context, h *heldTx, l lock.Lease, op, sta
 	var pe *pgconn.PgError
 	werr := cmp.Or(rerr, ierr) // before the COMMIT: the server skipped it
 	switch {
+	case isTxGuard(gerr):
+		return errTxRolledBack
 	case ierr != nil && errors.As(ierr, &pe) && pe.Code == uniqueViolation:
 		// A record is there that this lease did not write: someone wrote
 		// it without the key's lock (an earlier release's Migrate ran

@@ -195,11 +195,34 @@ func TestTxHandlerRollbackBeginThenNilNotAcked(t *testing.T) {
 				return nil, err
 			})
 			rec := r.record("rb")
-			if err == nil || r.effects()["rb"] != 0 || rec == nil || rec.state == "c" {
+			if !errors.Is(err, pgstore.ErrTxEnded) || !amqpidem.IsPermanent(err) || r.effects()["rb"] != 0 || (rec != nil && rec.state == "c") {
 				t.Errorf("HandleComplete: %v; record %+v; %d effect rows: the work was rolled back, yet the message was completed (acked as done). Want an error wrapping ErrTxEnded, Permanent, and no completed record",
 					err, rec, r.effects()["rb"])
 			}
 		})
+	}
+}
+
+// TestTxHandlerRollbackBeginThenNilNoLease is
+// TestTxHandlerRollbackBeginThenNilNotAcked for a message run without a
+// lease (amqpidem.ProcessMissingKey: Handle), which has no record: its
+// commit, of the second, empty transaction, answered nil, and the message
+// was acked as done.
+func TestTxHandlerRollbackBeginThenNilNoLease(t *testing.T) {
+	r := newRig(t)
+	h := r.store.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+		if err := r.insert(ctx, tx, d.MessageId); err != nil {
+			return nil, err
+		}
+		if _, err := tx.Conn().Exec(ctx, "ROLLBACK"); err != nil {
+			return nil, err
+		}
+		_, err := tx.Conn().Exec(ctx, "BEGIN")
+		return nil, err
+	})
+	_, err := h.Handle(context.Background(), &amqp.Delivery{MessageId: "nl"})
+	if !errors.Is(err, pgstore.ErrTxEnded) || !amqpidem.IsPermanent(err) || r.effects()["nl"] != 0 {
+		t.Errorf("Handle: %v; %d effect rows: want an error wrapping ErrTxEnded, Permanent (its work was undone)", err, r.effects()["nl"])
 	}
 }
 
@@ -227,7 +250,7 @@ func TestBatchTxHandlerRollbackBeginThenNilNotAcked(t *testing.T) {
 		} else if len(rs) == 2 {
 			merr = rs[i].Err
 		}
-		if merr == nil || (rec != nil && rec.state == "c") {
+		if !errors.Is(merr, pgstore.ErrTxEnded) || !amqpidem.IsPermanent(merr) || (rec != nil && rec.state == "c") || r.effects()[k] != 0 {
 			t.Errorf("%s: error %v, record %+v, %d effect rows: its work was rolled back, yet it was completed (acked as done)", k, merr, rec, r.effects()[k])
 		}
 	}

@@ -462,24 +462,30 @@ func (s *Store) finish(ctx context.Context, q querier, l lock.Lease, op, state s
 	return nil
 }
 
-// finishTx completes l's record in the transaction open on conn and
-// commits it, in one round trip: finish_tx, which raises (leaseLostCode)
-// where finish would answer 0, and COMMIT, which the server skips once
-// finish_tx raised. So the transaction's writes commit with the completed
-// record or not at all, as with two round trips.
-func (s *Store) finishTx(ctx context.Context, conn *pgx.Conn, l lock.Lease, value []byte) error {
+// finishTx completes l's record in the transaction open on conn, which
+// must be xid (txGuardSQL), and commits it, in one round trip: the guard,
+// finish_tx, which raises (leaseLostCode) where finish would answer 0,
+// and COMMIT, which the server skips once either raised. So the
+// transaction's writes commit with the completed record or not at all,
+// as with two round trips.
+func (s *Store) finishTx(ctx context.Context, conn *pgx.Conn, xid string, l lock.Lease, value []byte) error {
 	if err := lock.CheckLease(l); err != nil {
 		return err
 	}
 	b := &pgx.Batch{}
+	b.Queue(txGuardSQL, xid)
 	b.Queue(s.sql.finishTx, s.cfg.Prefix, []byte(l.Key), l.Owner, l.Fence, "c", value, l.Retention.Milliseconds())
 	b.Queue("COMMIT")
 	br := conn.SendBatch(ctx, b)
+	_, gerr := br.Exec()
 	_, ferr := br.Exec()
 	tag, cerr := br.Exec()
+	ferr = cmp.Or(gerr, ferr)
 	err := cmp.Or(ferr, cerr, br.Close())
 	var pe *pgconn.PgError
 	switch {
+	case isTxGuard(gerr):
+		return errTxRolledBack
 	case ferr != nil && errors.As(ferr, &pe) && pe.Code == leaseLostCode:
 		return fmt.Errorf("%w: complete key %q fence %d", lock.ErrLeaseLost, l.Key, l.Fence)
 	case ferr != nil && errors.As(ferr, &pe):

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -327,6 +328,18 @@ func recordAfterCommit(err error) error {
 		ErrTxEnded, errWorkCommitted, err))
 }
 
+// recordNotConfirmed is the error of a record that could not be completed
+// on its own (err) after workCommitted found the handler's transaction
+// committed though its commit failed: the COMMIT's answer was lost, or fn
+// committed its work itself and began another transaction, the one that
+// failed. Which of the two cannot be told, and neither is the handler's
+// fault to look for (it is not ErrTxEnded); Permanent, as after fn's own
+// COMMIT: the work is done, and a redelivery taking a new lease would do
+// it again.
+func recordNotConfirmed(err error) error {
+	return amqpidem.Permanent(fmt.Errorf("pgstore: the handler's transaction committed, though its commit failed (its answer lost, or the handler committed its work itself and began another transaction); then its record could not be completed, so it is not run again: %w", err))
+}
+
 // errWorkUnknown is in the error of a run whose transaction ended (the
 // handler ended it, or its connection closed) when the server could not
 // tell whether it committed (ending): its work may be done, so it must not
@@ -425,16 +438,16 @@ func (h *txHandler) run(ctx context.Context, d *amqp.Delivery, lease *lock.Lease
 		}
 	case end == endCommitted:
 	case lease != nil:
-		err = h.s.finishTx(cctx, conn.Conn(), *lease, v)
+		err = h.s.finishTx(cctx, conn.Conn(), xid, *lease, v)
 		if err != nil && h.s.workCommitted(cctx, t, xid) {
 			// Done, though the record's write and commit failed: as
 			// after fn's own COMMIT, the record is completed on its own.
 			if err = h.s.finish(cctx, t.querier(h.s), *lease, "complete", "c", v); err != nil {
-				err = recordAfterCommit(err)
+				err = recordNotConfirmed(err)
 			}
 		}
 	default:
-		err = commit(cctx, conn.Conn())
+		err = commit(cctx, conn.Conn(), xid)
 	}
 	if err != nil {
 		return nil, err
@@ -457,10 +470,47 @@ func (s *Store) begin(ctx context.Context, conn *pgx.Conn, o txOptions) (string,
 	return xid, cmp.Or(berr, serr, xerr, br.Close())
 }
 
-// commit commits the transaction on conn, which has no record.
-func commit(ctx context.Context, conn *pgx.Conn) error {
-	tag, err := conn.Exec(ctx, "COMMIT")
+// txGuardMark is in the message of txGuardSQL's error.
+const txGuardMark = "amqpidem: not the transaction the handler was given"
+
+// txGuardSQL goes first in every commit of a handler's work that fn
+// left open (finishTx, commitHeld, finishBatch, commit), in the same round
+// trip: it raises, so that the server skips the record's write and the
+// COMMIT after it, unless the transaction open is $1, the one fn was
+// given, or $1 committed (fn committed its work itself and began another,
+// which then gets the record: see TxFunc). Otherwise fn ended $1 with a
+// ROLLBACK (its own, or a library's given tx.Conn()) and began another
+// transaction: its work was undone, and the message must not be completed
+// in that other, empty one. It raises a cast's error (22P02, txGuardMark
+// in its message), so that Migrate need not add a function; the cast's
+// operand calls a volatile function, so that the server cannot evaluate
+// it while planning.
+const txGuardSQL = "SELECT CASE WHEN pg_current_xact_id()::text = $1 OR pg_xact_status($1::xid8) IS NOT DISTINCT FROM 'committed' THEN true " +
+	"ELSE ('" + txGuardMark + ": ' || pg_current_xact_id()::text)::int > 0 END"
+
+// isTxGuard reports whether err is txGuardSQL's.
+func isTxGuard(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "22P02" && strings.Contains(pe.Message, txGuardMark)
+}
+
+// errTxRolledBack is the error of a run whose transaction fn rolled back
+// itself and then began another (txGuardSQL): nothing committed.
+var errTxRolledBack = amqpidem.Permanent(fmt.Errorf("%w and rolled it back, then began another and returned no error: its work was undone, nothing committed", ErrTxEnded))
+
+// commit commits the transaction on conn, which has no record, unless it
+// is not xid (txGuardSQL).
+func commit(ctx context.Context, conn *pgx.Conn, xid string) error {
+	b := &pgx.Batch{}
+	b.Queue(txGuardSQL, xid)
+	b.Queue("COMMIT")
+	br := conn.SendBatch(ctx, b)
+	_, gerr := br.Exec()
+	tag, err := br.Exec()
+	err = cmp.Or(gerr, err, br.Close())
 	switch {
+	case isTxGuard(gerr):
+		return errTxRolledBack
 	case err != nil:
 		return fmt.Errorf("pgstore: commit (its outcome may be unknown: the record tells): %w", classify(err))
 	case tag.String() != "COMMIT":

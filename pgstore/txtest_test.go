@@ -119,6 +119,14 @@ func idioms(store *pgstore.Store, effects string) []txtest.Case {
 		{Name: "Exec ROLLBACK", DeadLettered: true, Handler: handler(func(_ *txtest.Run, ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
 			return nil, exec(ctx, tx, "ROLLBACK")
 		})},
+		{Name: "Exec ROLLBACK, then BEGIN, return nil", DeadLettered: true, Handler: handler(func(_ *txtest.Run, ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+			// Its work undone, the record must not be completed in the
+			// second, empty transaction (txGuardSQL).
+			if err := exec(ctx, tx, "ROLLBACK"); err != nil {
+				return nil, err
+			}
+			return nil, exec(ctx, tx, "BEGIN")
+		})},
 		{Name: "SAVEPOINT, ROLLBACK TO and RELEASE by the handler", Effects: 1, Handler: handler(func(_ *txtest.Run, ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
 			for _, sql := range []string{"SAVEPOINT mine", "INSERT INTO " + effects + " (op) VALUES ('undone')",
 				"ROLLBACK TO SAVEPOINT mine", "SAVEPOINT again", "RELEASE SAVEPOINT again"} {
