@@ -230,8 +230,10 @@
 //     it, on its own (the effect happens once, but the record no longer
 //     commits with it: a crash in between runs it again); otherwise the
 //     error wraps ErrTxEnded, Permanent, since what it did after that is
-//     neither undone nor known. Don't: pass tx to libraries, not
-//     tx.Conn().
+//     neither undone nor known. A ROLLBACK followed by a BEGIN is found at
+//     the commit (its first statement checks that the open transaction is
+//     the handler's, or that one committed): nothing commits, and the error
+//     wraps ErrTxEnded too. Don't: pass tx to libraries, not tx.Conn().
 //   - Keep the transaction idle longer than the lease (a slow call in the
 //     middle of it): on a held lease the server ends the session, the
 //     handler's context is cancelled, and its retry takes a record-row
