@@ -1,0 +1,149 @@
+package pgstore_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"net"
+	"net/url"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
+	"github.com/amqpidem/amqpidem/lock"
+	"github.com/amqpidem/amqpidem/pgstore"
+)
+
+// commitHolder, once armed, holds back the server's answer to the next
+// COMMIT on a testenv.Proxy to PostgreSQL, as a network partition does:
+// the transaction committed, and the client hears nothing until it gives
+// up and closes the connection.
+type commitHolder struct {
+	mu    sync.Mutex
+	armed bool
+	held  chan struct{} // closed when an answer is held
+}
+
+func (p *commitHolder) arm() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.armed = true
+	p.held = make(chan struct{})
+}
+
+func (p *commitHolder) down(server, client net.Conn) {
+	buf := make([]byte, 64<<10)
+	holding := false
+	for {
+		n, err := server.Read(buf)
+		if n > 0 && !holding {
+			p.mu.Lock()
+			if p.armed && bytes.Contains(buf[:n], commitComplete) {
+				p.armed = false
+				holding = true
+				close(p.held)
+			}
+			p.mu.Unlock()
+			if !holding {
+				if _, werr := client.Write(buf[:n]); werr != nil {
+					return
+				}
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// TestTxHandlerCommitAnswerLateNotBlamedOnHandler: a TxHandler's function
+// that only runs an INSERT and returns nil, whose commit (the work and the
+// completed record, on a held lease) lands on the server but whose answer
+// never comes back (found by h-trial with a SIGSTOPped TCP proxy in front of
+// PostgreSQL), is done: the work and its record committed together.
+// HandleComplete must say so (nil), or at worst that the outcome was
+// unknown; it must not answer pgstore.ErrTxEnded ("the handler ended the
+// transaction itself (a COMMIT or ROLLBACK statement ...) ... its record
+// could not be completed"), which sends an operator hunting for a COMMIT
+// the handler never ran, about a record that is completed. What happened
+// on the current code: the answer's wait used up commitTimeout (10 s) of
+// the one context that the record's write on its own (finishHeld) then
+// ran with, so that write failed with "context deadline exceeded", and
+// recordAfterCommit wrapped it in ErrTxEnded, Permanent.
+func TestTxHandlerCommitAnswerLateNotBlamedOnHandler(t *testing.T) {
+	if testing.Short() {
+		t.Skip("waits the commit timeout (10 s)")
+	}
+	for _, redelivered := range []bool{false, true} {
+		// A first delivery's lease is held by the handler's transaction;
+		// a redelivery's is a lease row.
+		t.Run(map[bool]string{false: "held", true: "row"}[redelivered], func(t *testing.T) {
+			direct := pgenv.Pool(t, 4)
+			u, err := url.Parse(pgenv.DSN(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			hold := &commitHolder{}
+			proxy := testenv.StartProxy(t, u.Host, nil, hold.down)
+			pcfg, err := pgxpool.ParseConfig(proxy.URL(t, u.String()))
+			if err != nil {
+				t.Fatal(err)
+			}
+			pcfg.MaxConns = 4
+			ctx := context.Background()
+			proxied, err := pgxpool.NewWithConfig(ctx, pcfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(proxied.Close)
+
+			cfg := schema(t, direct, pgstore.Config{CleanupInterval: -1})
+			effects := pgx.Identifier{cfg.Schema, "effects"}.Sanitize()
+			if _, err := direct.Exec(ctx, "CREATE TABLE "+effects+" (msg_id text NOT NULL)"); err != nil {
+				t.Fatal(err)
+			}
+			store := newStore(t, proxied, cfg)
+			h := store.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+				_, err := tx.Exec(ctx, "INSERT INTO "+effects+" (msg_id) VALUES ($1)", d.MessageId)
+				return nil, err
+			}).(amqpidem.LeaseTaker)
+			key := "late-commit"
+			res, err := h.AcquireLease(ctx, lock.Request{Key: key, TTL: 30 * time.Second}, &amqp.Delivery{Redelivered: redelivered})
+			if err != nil || res.Status != lock.Acquired {
+				t.Fatalf("AcquireLease: %+v, %v", res, err)
+			}
+			hold.arm()
+			_, err = h.HandleComplete(ctx, &amqp.Delivery{MessageId: key}, res.Lease, same)
+			select {
+			case <-hold.held:
+			default:
+				t.Fatalf("HandleComplete answered %v without its COMMIT's answer being held", err)
+			}
+			var rows, completed int
+			if err := direct.QueryRow(ctx, "SELECT count(*) FROM "+effects).Scan(&rows); err != nil {
+				t.Fatal(err)
+			}
+			if err := direct.QueryRow(ctx, "SELECT count(*) FROM "+pgx.Identifier{cfg.Schema, "amqpidem_records"}.Sanitize()+" WHERE state = 'c'").Scan(&completed); err != nil {
+				t.Fatal(err)
+			}
+			if rows != 1 || completed != 1 {
+				t.Fatalf("after the held COMMIT: %d effect rows, %d completed records; want 1 and 1 (the commit landed)", rows, completed)
+			}
+			if errors.Is(err, pgstore.ErrTxEnded) {
+				t.Fatalf("HandleComplete blames the handler for a commit whose answer was late: %v\n"+
+					"want nil (the work and its record committed, as the server says), or an outcome-unknown error; "+
+					"the handler ran no COMMIT and the record is completed", err)
+			}
+			if err != nil {
+				t.Fatalf("HandleComplete: %v; want nil: the work and its record committed together", err)
+			}
+		})
+	}
+}
