@@ -383,9 +383,13 @@ func (h *txHandler) completeHeld(ctx context.Context, d *amqp.Delivery, lease lo
 		err = h.s.commitHeld(cctx, ht, lease, "complete", "c", v)
 		if err != nil && h.s.workCommitted(cctx, ht.tx, ht.xid) {
 			// Done, though the record's write and commit failed (see
-			// workCommitted): as after fn's own COMMIT.
+			// workCommitted): as after fn's own COMMIT. A commit whose
+			// answer never came used up cctx: the record's write gets a
+			// timeout of its own.
 			end = endCommitted
-			err = h.s.finishHeld(cctx, ht, lease, "complete", "c", v)
+			fctx, fcancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
+			defer fcancel()
+			err = h.s.finishHeld(fctx, ht, lease, "complete", "c", v)
 		} else {
 			h.s.endHeldConn(ht)
 		}

@@ -428,8 +428,12 @@ func (h *txHandler) run(ctx context.Context, d *amqp.Delivery, lease *lock.Lease
 		err = h.s.finishTx(cctx, conn.Conn(), *lease, v)
 		if err != nil && h.s.workCommitted(cctx, t, xid) {
 			// Done, though the record's write and commit failed: as
-			// after fn's own COMMIT, the record is completed on its own.
-			if err = h.s.finish(cctx, t.querier(h.s), *lease, "complete", "c", v); err != nil {
+			// after fn's own COMMIT, the record is completed on its own,
+			// with a timeout of its own (a commit whose answer never
+			// came used up cctx).
+			fctx, fcancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
+			defer fcancel()
+			if err = h.s.finish(fctx, t.querier(h.s), *lease, "complete", "c", v); err != nil {
 				err = recordAfterCommit(err)
 			}
 		}
