@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io"
 	"net"
 	"net/url"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -145,5 +147,53 @@ func TestTxHandlerCommitAnswerLateNotBlamedOnHandler(t *testing.T) {
 				t.Fatalf("HandleComplete: %v; want nil: the work and its record committed together", err)
 			}
 		})
+	}
+}
+
+// TestRelayUnreachableDatabaseNotCalledPoolBusy: when the relay's database
+// does not answer (a network partition: connections are accepted and never
+// answered, as through h-trial's SIGSTOPped TCP proxy), the relay's log
+// must say that the database did not answer, not that the pool had no
+// connection free: h-trial saw "claim: no connection of the pool free
+// within 5s (1 of its MaxConns 12 in use, by the relay or others)", which
+// sends an operator to raise pool_max_conns or hunt for a leak while the
+// pool had 11 connections to spare and the fault was the network.
+func TestRelayUnreachableDatabaseNotCalledPoolBusy(t *testing.T) {
+	r := newOutboxRig(t)
+	pgstore.SetPoolWait(t, 300*time.Millisecond)
+	u, err := url.Parse(pgenv.DSN(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	blackHole := func(from, _ net.Conn) { _, _ = io.Copy(io.Discard, from) }
+	proxy := testenv.StartProxy(t, u.Host, blackHole, nil)
+	pcfg, err := pgxpool.ParseConfig(proxy.URL(t, u.String()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pcfg.MaxConns = 12
+	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	ob, err := pgstore.NewOutbox(pool, r.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var log testenv.SyncBuffer
+	startRelay(t, ob, pgstore.RelayConfig{PollInterval: 50 * time.Millisecond, RetryBackoff: 50 * time.Millisecond,
+		Logger: logTo(&log)}, nil)
+	waitLog(t, &log, "relay: claim", 10*time.Second)
+	var claim string
+	for _, l := range strings.Split(log.String(), "\n") {
+		if strings.Contains(l, "relay: claim") {
+			claim = l
+			break
+		}
+	}
+	if strings.Contains(claim, "no connection of the pool free") {
+		t.Fatalf("with the database not answering and no connection of the pool in use, the relay logs:\n%s\n"+
+			"want a line that says the database did not answer (connecting timed out), not that the pool was busy", claim)
 	}
 }
