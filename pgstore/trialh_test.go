@@ -197,3 +197,72 @@ func TestRelayUnreachableDatabaseNotCalledPoolBusy(t *testing.T) {
 			"want a line that says the database did not answer (connecting timed out), not that the pool was busy", claim)
 	}
 }
+
+// blackHolePool returns a pool of at most maxConns connections to
+// PostgreSQL through a proxy that accepts connections and never answers
+// (a hung server, or a partition behind a middlebox that keeps the TCP
+// connection). The proxy's cleanup closes its connections, which unblocks
+// what still waits on them.
+func blackHolePool(t *testing.T, maxConns int32) *pgxpool.Pool {
+	t.Helper()
+	u, err := url.Parse(pgenv.DSN(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	blackHole := func(from, _ net.Conn) { _, _ = io.Copy(io.Discard, from) }
+	proxy := testenv.StartProxy(t, u.Host, blackHole, nil)
+	pcfg, err := pgxpool.ParseConfig(proxy.URL(t, u.String()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pcfg.MaxConns = maxConns
+	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// TestStoreCallsBoundedWhenDatabaseHangs: the README's pattern,
+// store.Check(context.Background()) before NewConsumer, and the Consumer's
+// lease calls (Acquire, with the context the Consumer gives it, which has
+// no deadline), return lock.ErrUnavailable within a bound when PostgreSQL
+// accepts connections and never answers, as lock.RedisStore's do (go-redis
+// times out reads after 3 s). h-trial saw, with a SIGSTOPped proxy in
+// front of PostgreSQL: store.Check(ctx) never returned (no log line, the
+// program stuck before NewConsumer), and a running consumer's deliveries
+// stayed in Acquire for 35 s, with no log line, until Shutdown cancelled
+// them: the consumer stalls silently, which at 3 a.m. looks like an idle
+// queue. (The Consumer's own check at Run bounds itself to 5 s.)
+func TestStoreCallsBoundedWhenDatabaseHangs(t *testing.T) {
+	direct := pgenv.Pool(t, 4)
+	cfg := schema(t, direct, pgstore.Config{CleanupInterval: -1})
+	const bound = 15 * time.Second
+	for _, call := range []struct {
+		name string
+		do   func(*pgstore.Store) error
+	}{
+		{"Check", func(s *pgstore.Store) error { return s.Check(context.Background()) }},
+		{"Acquire", func(s *pgstore.Store) error {
+			_, err := s.Acquire(context.Background(), lock.Request{Key: "hang", TTL: 5 * time.Second})
+			return err
+		}},
+	} {
+		t.Run(call.name, func(t *testing.T) {
+			store := newStore(t, blackHolePool(t, 4), cfg)
+			done := make(chan error, 1)
+			go func() { done <- call.do(store) }()
+			select {
+			case err := <-done:
+				if !errors.Is(err, lock.ErrUnavailable) {
+					t.Fatalf("%s on a database that does not answer: %v; want lock.ErrUnavailable", call.name, err)
+				}
+			case <-time.After(bound):
+				t.Fatalf("%s(context.Background()) on a database that accepts connections and never answers "+
+					"has not returned after %v: a consumer (or the README's start-up check) hangs silently; "+
+					"want lock.ErrUnavailable within a bound, as the Redis store gives", call.name, bound)
+			}
+		})
+	}
+}
