@@ -266,3 +266,44 @@ func TestStoreCallsBoundedWhenDatabaseHangs(t *testing.T) {
 		})
 	}
 }
+
+// TestHeldSessionTerminatedNotCalledIdleTimeout: when an administrator (or
+// a failover script) ends the session of a TxHandler's held lease with
+// pg_terminate_backend, the error (logged for every message in flight)
+// must not explain it as the server's idle-in-transaction timeout. h-trial
+// saw, after `SELECT pg_terminate_backend(pid) ... WHERE application_name
+// = 'trialh_pay'`: "the session holding the lease ended (the server ends
+// one idle in its transaction longer than the lease's TTL): FATAL:
+// terminating connection due to administrator command (SQLSTATE 57P01)",
+// which sends an operator to the handler's idle time and the lease TTL
+// when the cause is in the same line: 57P01. Give the explanation only
+// for 25P03 (idle-in-transaction timeout), or say "for instance".
+func TestHeldSessionTerminatedNotCalledIdleTimeout(t *testing.T) {
+	direct := pgenv.Pool(t, 4)
+	cfg := schema(t, direct, pgstore.Config{CleanupInterval: -1})
+	store := newStore(t, direct, cfg)
+	ctx := context.Background()
+	h := store.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+		var pid int
+		if err := tx.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+			return nil, err
+		}
+		if _, err := direct.Exec(ctx, "SELECT pg_terminate_backend($1)", pid); err != nil {
+			return nil, err
+		}
+		_, err := tx.Exec(ctx, "SELECT 1")
+		return nil, err
+	}).(amqpidem.LeaseTaker)
+	res, err := h.AcquireLease(ctx, lock.Request{Key: "terminated", TTL: 30 * time.Second}, &amqp.Delivery{})
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatalf("AcquireLease: %+v, %v", res, err)
+	}
+	_, err = h.HandleComplete(ctx, &amqp.Delivery{MessageId: "terminated"}, res.Lease, same)
+	if err == nil {
+		t.Fatal("HandleComplete after its session was terminated: nil error")
+	}
+	msg := err.Error()
+	if strings.Contains(msg, "57P01") && strings.Contains(msg, "idle in its transaction longer than") {
+		t.Fatalf("a session ended by pg_terminate_backend (57P01) is explained as the idle-in-transaction timeout:\n%v", err)
+	}
+}
