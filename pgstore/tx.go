@@ -349,8 +349,15 @@ func connClosed(ctx context.Context, ferr error, held bool) error {
 		ferr = errors.New("it closed before the commit")
 	}
 	if held {
-		return fmt.Errorf("%w: %w: the session holding the lease ended (the server ends one idle in its transaction longer than the lease's TTL): %w",
-			lock.ErrLeaseLost, lock.ErrUnavailable, ferr)
+		// The idle-in-transaction timeout is named only when the server
+		// did not say why it ended the session (an administrator's
+		// pg_terminate_backend is 57P01).
+		why := " (the server ends one idle in its transaction longer than the lease's TTL)"
+		if pe := (*pgconn.PgError)(nil); errors.As(ferr, &pe) && pe.Code != "25P03" {
+			why = ""
+		}
+		return fmt.Errorf("%w: %w: the session holding the lease ended%s: %w",
+			lock.ErrLeaseLost, lock.ErrUnavailable, why, ferr)
 	}
 	return fmt.Errorf("%w: the transaction's connection closed: %w", lock.ErrUnavailable, ferr)
 }
