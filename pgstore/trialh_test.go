@@ -307,3 +307,82 @@ func TestHeldSessionTerminatedNotCalledIdleTimeout(t *testing.T) {
 		t.Fatalf("a session ended by pg_terminate_backend (57P01) is explained as the idle-in-transaction timeout:\n%v", err)
 	}
 }
+
+// TestBatchTxHandlerCommitAnswerLateNotBlamedOnHandler is
+// TestTxHandlerCommitAnswerLateNotBlamedOnHandler for a batch: the batch's
+// commit (its work and its records) lands, its answer never comes back;
+// every message is done, and none is answered pgstore.ErrTxEnded.
+func TestBatchTxHandlerCommitAnswerLateNotBlamedOnHandler(t *testing.T) {
+	if testing.Short() {
+		t.Skip("waits the commit timeout (10 s)")
+	}
+	direct := pgenv.Pool(t, 4)
+	u, err := url.Parse(pgenv.DSN(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	hold := &commitHolder{}
+	proxy := testenv.StartProxy(t, u.Host, nil, hold.down)
+	pcfg, err := pgxpool.ParseConfig(proxy.URL(t, u.String()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pcfg.MaxConns = 4
+	ctx := context.Background()
+	proxied, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(proxied.Close)
+
+	cfg := schema(t, direct, pgstore.Config{CleanupInterval: -1})
+	effects := pgx.Identifier{cfg.Schema, "effects"}.Sanitize()
+	if _, err := direct.Exec(ctx, "CREATE TABLE "+effects+" (msg_id text NOT NULL)"); err != nil {
+		t.Fatal(err)
+	}
+	store := newStore(t, proxied, cfg)
+	h := store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		for _, d := range ds {
+			if _, err := tx.Exec(ctx, "INSERT INTO "+effects+" (msg_id) VALUES ($1)", d.MessageId); err != nil {
+				return nil, err
+			}
+		}
+		return nil, nil
+	}).(amqpidem.BatchCompleter)
+	var items []amqpidem.BatchItem
+	for _, key := range []string{"late-batch-1", "late-batch-2"} {
+		res, err := store.Acquire(ctx, lock.Request{Key: key, TTL: 30 * time.Second})
+		if err != nil || res.Status != lock.Acquired {
+			t.Fatalf("Acquire: %+v, %v", res, err)
+		}
+		items = append(items, amqpidem.BatchItem{Delivery: &amqp.Delivery{MessageId: key}, Lease: res.Lease})
+	}
+	hold.arm()
+	rs, err := h.HandleBatchComplete(ctx, items, func(_ int, b []byte) ([]byte, error) { return b, nil })
+	select {
+	case <-hold.held:
+	default:
+		t.Fatalf("HandleBatchComplete answered %v, %v without its COMMIT's answer being held", rs, err)
+	}
+	var rows, completed int
+	if err := direct.QueryRow(ctx, "SELECT count(*) FROM "+effects).Scan(&rows); err != nil {
+		t.Fatal(err)
+	}
+	if err := direct.QueryRow(ctx, "SELECT count(*) FROM "+pgx.Identifier{cfg.Schema, "amqpidem_records"}.Sanitize()+" WHERE state = 'c'").Scan(&completed); err != nil {
+		t.Fatal(err)
+	}
+	if rows != 2 || completed != 2 {
+		t.Fatalf("after the held COMMIT: %d effect rows, %d completed records; want 2 and 2 (the commit landed)", rows, completed)
+	}
+	if err != nil {
+		t.Fatalf("HandleBatchComplete: %v; want nil: the batch's work and records committed together", err)
+	}
+	for i, r := range rs {
+		if errors.Is(r.Err, pgstore.ErrTxEnded) {
+			t.Fatalf("message %d blamed on the handler for a commit whose answer was late: %v", i, r.Err)
+		}
+		if r.Err != nil {
+			t.Fatalf("message %d: %v; want nil: its work and record committed", i, r.Err)
+		}
+	}
+}
