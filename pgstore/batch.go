@@ -291,9 +291,12 @@ func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []
 		// Done, though the records' write and commit failed (see
 		// workCommitted): each record is completed on its own, as after
 		// fn's own COMMIT, and a message whose record cannot be is never
-		// run again.
+		// run again. With a timeout of its own: a commit whose answer
+		// never came used up cctx.
+		fctx, fcancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
+		defer fcancel()
 		for _, i := range done {
-			if err := h.s.finish(cctx, t.querier(h.s), leases[i], "complete", "c", values[i]); err != nil {
+			if err := h.s.finish(fctx, t.querier(h.s), leases[i], "complete", "c", values[i]); err != nil {
 				rs[i] = amqpidem.BatchResult{Err: recordNotConfirmed(err)}
 			}
 		}

@@ -390,8 +390,12 @@ func (h *txHandler) completeHeld(ctx context.Context, d *amqp.Delivery, lease lo
 		switch {
 		case err != nil && h.s.workCommitted(cctx, ht.tx, ht.xid):
 			// Done, though the record's write and commit failed (see
-			// workCommitted): as after fn's own COMMIT.
-			if err = h.s.finishHeld(cctx, ht, lease, "complete", "c", v); err != nil {
+			// workCommitted): as after fn's own COMMIT. A commit whose
+			// answer never came used up cctx: the record's write gets a
+			// timeout of its own.
+			fctx, fcancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
+			defer fcancel()
+			if err = h.s.finishHeld(fctx, ht, lease, "complete", "c", v); err != nil {
 				err = recordNotConfirmed(err)
 			}
 		case ht.conn != nil:

@@ -231,6 +231,12 @@ func (r *Relay) acquire(ctx context.Context) (*pgxpool.Conn, error) {
 	}
 	if ctx.Err() == nil && actx.Err() != nil {
 		st := r.o.pool.Stat()
+		if st.ConstructingConns() > 0 {
+			// Not a busy pool: a new connection was still being made.
+			return nil, fmt.Errorf("no connection to the database within %v: the server or the network did not "+
+				"answer a new connection (%d of the pool's MaxConns %d in use): %w", poolWait,
+				st.AcquiredConns(), st.MaxConns(), err)
+		}
 		return nil, fmt.Errorf("no connection of the pool free within %v (%d of its MaxConns %d in use, by the relay or "+
 			"others): %w", poolWait, st.AcquiredConns(), st.MaxConns(), err)
 	}

@@ -362,8 +362,15 @@ func connClosed(ctx context.Context, ferr error, held bool) error {
 		ferr = errors.New("it closed before the commit")
 	}
 	if held {
-		return fmt.Errorf("%w: %w: the session holding the lease ended (the server ends one idle in its transaction longer than the lease's TTL): %w",
-			lock.ErrLeaseLost, lock.ErrUnavailable, ferr)
+		// The idle-in-transaction timeout is named only when the server
+		// did not say why it ended the session (an administrator's
+		// pg_terminate_backend is 57P01).
+		why := " (the server ends one idle in its transaction longer than the lease's TTL)"
+		if pe := (*pgconn.PgError)(nil); errors.As(ferr, &pe) && pe.Code != "25P03" {
+			why = ""
+		}
+		return fmt.Errorf("%w: %w: the session holding the lease ended%s: %w",
+			lock.ErrLeaseLost, lock.ErrUnavailable, why, ferr)
 	}
 	return fmt.Errorf("%w: the transaction's connection closed: %w", lock.ErrUnavailable, ferr)
 }
@@ -441,8 +448,12 @@ func (h *txHandler) run(ctx context.Context, d *amqp.Delivery, lease *lock.Lease
 		err = h.s.finishTx(cctx, conn.Conn(), xid, *lease, v)
 		if err != nil && h.s.workCommitted(cctx, t, xid) {
 			// Done, though the record's write and commit failed: as
-			// after fn's own COMMIT, the record is completed on its own.
-			if err = h.s.finish(cctx, t.querier(h.s), *lease, "complete", "c", v); err != nil {
+			// after fn's own COMMIT, the record is completed on its own,
+			// with a timeout of its own (a commit whose answer never
+			// came used up cctx).
+			fctx, fcancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
+			defer fcancel()
+			if err = h.s.finish(fctx, t.querier(h.s), *lease, "complete", "c", v); err != nil {
 				err = recordNotConfirmed(err)
 			}
 		}
