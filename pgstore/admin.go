@@ -71,6 +71,8 @@ func forgetSQL(table string) string {
 // Inspect takes no lock: it never waits for a row another transaction
 // holds, and reads the record as last committed.
 func (s *Store) Inspect(ctx context.Context, key string) (lock.Record, error) {
+	ctx, cancel := bounded(ctx)
+	defer cancel()
 	if err := checkKey(s.cfg, key); err != nil {
 		return lock.Record{}, err
 	}
@@ -138,6 +140,8 @@ func (s *Store) Inspect(ctx context.Context, key string) (lock.Record, error) {
 // from the database clock, above the forgotten record's as long as that
 // clock does not step back (the record's own fence is gone with it).
 func (s *Store) Forget(ctx context.Context, key string, state lock.State, fence int64) error {
+	ctx, cancel := bounded(ctx)
+	defer cancel()
 	if err := checkKey(s.cfg, key); err != nil {
 		return err
 	}

@@ -393,6 +393,8 @@ var _ lock.BatchAcquirer = (*Store)(nil)
 // lock.ErrUnavailable when the server may not have answered), and a
 // lease it may have taken blocks its key for its TTL.
 func (s *Store) AcquireBatch(ctx context.Context, reqs []lock.Request) ([]lock.Result, []error) {
+	ctx, cancel := bounded(ctx)
+	defer cancel()
 	results := make([]lock.Result, len(reqs))
 	errs := make([]error, len(reqs))
 	start := s.cfg.Now()

@@ -68,7 +68,12 @@
 //     failure or deadlock, a read-only standby, and a missing table or
 //     function, whose error says to run Migrate); lock.ErrLeaseLost when
 //     the lease is no longer held; lock.ErrChanged when Amend finds no
-//     completed record with the fence and value it was given.
+//     completed record with the fence and value it was given. A call
+//     whose context has no sooner deadline (Check, Acquire, Extend,
+//     Complete, Release, Fail, Cancel, Amend, Inspect, Forget,
+//     AcquireBatch, a TxHandler's acquire) gives up after 10 s with
+//     lock.ErrUnavailable: a database that accepts connections and never
+//     answers does not hang the consumer silently.
 //
 // # The transactional handler
 //

@@ -87,6 +87,8 @@ func heldPID(owner string) (uint32, bool) {
 // failures are not retried: a transaction whose outcome is unknown ended
 // with its connection, holding nothing.
 func (s *Store) acquireHeld(ctx context.Context, req lock.Request, o txOptions) (lock.Result, error) {
+	ctx, cancel := bounded(ctx)
+	defer cancel()
 	req, err := s.cfg.CheckRequest(req)
 	if err != nil {
 		return lock.Result{}, err

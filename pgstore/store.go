@@ -175,9 +175,29 @@ func (s *Store) Close() {
 // MaxResultSize is the largest result Complete accepts, in bytes.
 func (s *Store) MaxResultSize() int { return s.cfg.MaxResultSize }
 
+// callTimeout bounds each call of the Store's own (Check, Acquire,
+// Extend, Complete and the others, AcquireBatch, a TxHandler's acquire)
+// whose ctx has no earlier deadline: a database that accepts connections
+// and never answers (a hung server, a partition behind a middlebox that
+// keeps the TCP connection) makes it fail with lock.ErrUnavailable rather
+// than hang with no word, as go-redis's read timeouts bound the Redis
+// store's calls. The same bound as commitTimeout's.
+const callTimeout = commitTimeout
+
+// bounded is ctx bounded by callTimeout, unless its own deadline comes
+// sooner.
+func bounded(ctx context.Context) (context.Context, context.CancelFunc) {
+	if d, ok := ctx.Deadline(); ok && time.Until(d) <= callTimeout {
+		return ctx, func() {}
+	}
+	return context.WithTimeout(ctx, callTimeout)
+}
+
 // Ping checks that the database answers, for a readiness check (see
 // amqpidem.Consumer.Ready): one round trip on a pooled connection.
 func (s *Store) Ping(ctx context.Context) error {
+	ctx, cancel := bounded(ctx)
+	defer cancel()
 	if err := s.pool.Ping(ctx); err != nil {
 		return fmt.Errorf("pgstore: ping: %w", classify(err))
 	}
@@ -188,6 +208,8 @@ func (s *Store) Ping(ctx context.Context) error {
 // this Store's Config, in the format this package reads. amqpidem's
 // Consumer calls it once when Run starts, and logs what it returns.
 func (s *Store) Check(ctx context.Context) error {
+	ctx, cancel := bounded(ctx)
+	defer cancel()
 	n := s.cfg.names()
 	var comment *string
 	var functions bool
@@ -219,6 +241,8 @@ func (s *Store) Check(ctx context.Context) error {
 // Acquire returns an error wrapping lock.ErrUnavailable, and a lease it
 // may have taken blocks the key for its TTL.
 func (s *Store) Acquire(ctx context.Context, req lock.Request) (lock.Result, error) {
+	ctx, cancel := bounded(ctx)
+	defer cancel()
 	req, err := s.cfg.CheckRequest(req)
 	if err != nil {
 		return lock.Result{}, err
@@ -279,6 +303,8 @@ func (s *Store) result(req lock.Request, status int, fence int64, attempts int, 
 // answers lock.ErrLeaseLost for one that does not, as for a record-row
 // lease taken over.
 func (s *Store) Extend(ctx context.Context, leases ...lock.Lease) []error {
+	ctx, cancel := bounded(ctx)
+	defer cancel()
 	errs := make([]error, len(leases))
 	var keys, heldKeys [][]byte
 	var owners []string
@@ -419,6 +445,8 @@ var _ lock.Amender = (*Store)(nil)
 // then fails as lock.ErrUnavailable. It needs nothing beyond what
 // Migrate made for earlier releases.
 func (s *Store) Amend(ctx context.Context, key string, fence int64, old, value []byte) error {
+	ctx, cancel := bounded(ctx)
+	defer cancel()
 	if err := checkKey(s.cfg, key); err != nil {
 		return err
 	}
@@ -444,6 +472,8 @@ type querier interface {
 // finish runs the finish function on q: compare-and-set on owner and
 // fence. A lease held by a transaction is ended by endHeld instead.
 func (s *Store) finish(ctx context.Context, q querier, l lock.Lease, op, state string, value []byte) error {
+	ctx, cancel := bounded(ctx)
+	defer cancel()
 	if err := lock.CheckLease(l); err != nil {
 		return err
 	}
