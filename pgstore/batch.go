@@ -324,7 +324,7 @@ func (s *Store) finishBatch(ctx context.Context, conn *pgx.Conn, leases []lock.L
 	// And a row another transaction holds is waited for at most as long
 	// as the functions wait (lockTimeout), not until commitTimeout.
 	b.Queue("SELECT set_config('plan_cache_mode', 'force_custom_plan', true), set_config('lock_timeout', '" + lockTimeout + "', true)")
-	b.Queue(s.sql.finishBatch, s.cfg.Prefix, keys, owners, fences, vals, rets)
+	b.Queue(s.sql.finishBatch, s.cfg.Prefix, byteaArray(keys), textArray(owners), int8Array(fences), byteaArray(vals), int8Array(rets))
 	b.Queue("COMMIT")
 	br := conn.SendBatch(ctx, b)
 	_, serr := br.Exec()
@@ -395,7 +395,7 @@ func (s *Store) AcquireBatch(ctx context.Context, reqs []lock.Request) ([]lock.R
 		keys[j], owners[j], ttls[j], rets[j], fps[j] = []byte(r.Key), lock.NewOwner(), r.TTL.Milliseconds(), r.Retention.Milliseconds(), []byte(r.Fingerprint)
 	}
 	if len(order) > 0 {
-		rows, err := s.pool.Query(ctx, s.sql.acquireBatch, s.cfg.Prefix, keys, owners, ttls, rets, fps)
+		rows, err := s.pool.Query(ctx, s.sql.acquireBatch, s.cfg.Prefix, byteaArray(keys), textArray(owners), int8Array(ttls), int8Array(rets), byteaArray(fps))
 		j := 0
 		if err == nil {
 			for rows.Next() && j < len(order) {
