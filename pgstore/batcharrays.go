@@ -1,7 +1,9 @@
 package pgstore
 
 import (
+	"crypto/rand"
 	"database/sql/driver"
+	"encoding/hex"
 
 	"github.com/jackc/pgx/v5/pgtype"
 )
@@ -91,4 +93,34 @@ func (a int8Array) IndexType() any { return (*int8Elem)(nil) }
 // (an empty array for 0, never NULL).
 func dimensions(n int) []pgtype.ArrayDimension {
 	return []pgtype.ArrayDimension{{Length: int32(n), LowerBound: 1}}
+}
+
+// keyBytes returns key(j) as bytes for each j below n, all slices of one
+// buffer (one allocation, not one a key).
+func keyBytes(n int, key func(j int) string) [][]byte {
+	size := 0
+	for j := range n {
+		size += len(key(j))
+	}
+	buf := make([]byte, 0, size)
+	keys := make([][]byte, n)
+	for j := range n {
+		start := len(buf)
+		buf = append(buf, key(j)...)
+		keys[j] = buf[start:len(buf):len(buf)]
+	}
+	return keys
+}
+
+// newOwners returns n owner tokens as lock.NewOwner makes them (32 hex
+// digits of 128 random bits), all slices of one string.
+func newOwners(n int) []string {
+	random := make([]byte, 16*n)
+	_, _ = rand.Read(random) // crypto/rand.Read never fails (Go 1.24+).
+	all := hex.EncodeToString(random)
+	owners := make([]string, n)
+	for j := range owners {
+		owners[j] = all[32*j : 32*j+32]
+	}
+	return owners
 }
