@@ -66,6 +66,10 @@ type Keeper struct {
 }
 
 // entry is one kept lease. Fields after ctx are guarded by Keeper.mu.
+//
+// It is also the context Keep returns: ctx, carrying the entry as the
+// lease (LeaseFromContext), as context.WithValue(ctx, leaseKey{}, e)
+// would, without a context of its own to allocate.
 type entry struct {
 	k      *Keeper
 	lease  lock.Lease
@@ -156,7 +160,7 @@ func (k *Keeper) Keep(parent context.Context, lease lock.Lease) (context.Context
 		ctx:      ctx,
 		deadline: lease.Deadline,
 	}
-	ctx = context.WithValue(ctx, leaseKey{}, e)
+	ctx = e
 	stop := func() {
 		k.remove(e)
 		cancel(nil)
@@ -429,6 +433,29 @@ func (e *entry) check() error {
 		return fmt.Errorf("%w: key %q: zero deadline (not from Acquire)", ErrInvalidLease, l.Key)
 	}
 	return nil
+}
+
+// Deadline returns the deadline of the kept context.
+func (e *entry) Deadline() (time.Time, bool) { return e.ctx.Deadline() }
+
+// Done returns the kept context's Done channel.
+func (e *entry) Done() <-chan struct{} { return e.ctx.Done() }
+
+// Err returns the kept context's error.
+func (e *entry) Err() error { return e.ctx.Err() }
+
+// Value returns e for leaseKey, else the kept context's value for key
+// (its cancellation cause too, for context.Cause).
+func (e *entry) Value(key any) any {
+	if key == (leaseKey{}) {
+		return e
+	}
+	return e.ctx.Value(key)
+}
+
+// String names the context, as context.WithValue's does.
+func (e *entry) String() string {
+	return fmt.Sprintf("%v.WithValue(heartbeat lease %q)", e.ctx, e.lease.Key)
 }
 
 // cancelAt is when e's context is cancelled unless an extension is confirmed.

@@ -55,7 +55,11 @@ type batcher struct {
 
 type call struct {
 	script *redis.Script // nil: a native Acquire (see nativeAcquire)
-	keyArg any           // the record's Redis key, boxed once for every command that names it
+	// keyArg is the record's Redis key for every command that names it:
+	// a pointer to key, which boxes without an allocation (go-redis sends
+	// a *string as the string, and reads a Cluster slot's key from it).
+	keyArg any
+	key    string
 	// args are the script's arguments for key; for a native Acquire the
 	// record and its PX in ms. A call from getCall holds them in argBuf.
 	args []any
@@ -119,14 +123,16 @@ var callPool = sync.Pool{New: func() any { return &call{ready: make(chan struct{
 // most 8) arguments the caller puts in args (args has length n).
 func getCall(script *redis.Script, key string, n int) *call {
 	c := callPool.Get().(*call)
-	c.script, c.keyArg = script, key
+	c.script, c.key = script, key
+	c.keyArg = &c.key
 	c.args = c.argBuf[4 : 4+n]
 	return c
 }
 
 // newCall returns a call of script on key with args, not from the pool.
 func newCall(script *redis.Script, key string, args ...any) *call {
-	c := &call{script: script, keyArg: key, ready: make(chan struct{}, 1)}
+	c := &call{script: script, key: key, ready: make(chan struct{}, 1)}
+	c.keyArg = &c.key
 	c.args = append(c.argBuf[4:4], args...) // in argBuf when they fit
 	return c
 }

@@ -212,3 +212,103 @@ func redisCPU(b *testing.B, client redis.UniversalClient) time.Duration {
 	}
 	return time.Duration(total * float64(time.Second))
 }
+
+// BenchmarkRedisBatch measures what one message of a batch consumer costs
+// the Redis store: one op is one message, its lease taken by AcquireBatch
+// and its record completed by CompleteBatch, 100 keys a call (BatchSize
+// 100, as in make bench), new keys (Acquired) or duplicates of completed
+// ones (Duplicate: AcquireBatch alone). It reports allocations, this
+// process's CPU (cpu-ns/op), the server's (redis-cpu-ns/op, from INFO cpu:
+// run it against a server of its own, REDIS_ADDR, since every client's
+// work counts) and round trips per message.
+func BenchmarkRedisBatch(b *testing.B) {
+	client := testenv.RedisClient(b)
+	var trips atomic.Int64
+	client.AddHook(tripHook{&trips})
+	ctx := context.Background()
+	const size = 100
+	result := []byte("ok")
+	store, err := lock.NewRedisStore(client, lock.Config{Prefix: testenv.Name(b), Retention: time.Minute})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := store.Check(ctx); err != nil {
+		b.Fatal(err)
+	}
+	var seq atomic.Int64
+	// keys returns a batch of n keys: new ones, or the batch dup.
+	keys := func(n int, dup bool) []lock.Request {
+		reqs := make([]lock.Request, n)
+		for i := range reqs {
+			if dup {
+				reqs[i] = lock.Request{Key: "d" + strconv.Itoa(i)}
+			} else {
+				reqs[i] = lock.Request{Key: "b" + strconv.FormatInt(seq.Add(1), 10)}
+			}
+		}
+		return reqs
+	}
+	run := func(dup bool) func(*testing.B) {
+		return func(b *testing.B) {
+			if dup {
+				reqs := keys(size, true)
+				res, _ := store.AcquireBatch(ctx, reqs)
+				leases := make([]lock.Lease, 0, size)
+				for _, r := range res {
+					if r.Status == lock.Acquired {
+						leases = append(leases, r.Lease)
+					}
+				}
+				values := make([][]byte, len(leases))
+				for i := range values {
+					values[i] = result
+				}
+				store.CompleteBatch(ctx, leases, values)
+			}
+			// The batches' keys are made before the timer starts, as a
+			// consumer gets them from its deliveries.
+			batches := make([][]lock.Request, 0, b.N/size+1)
+			for n := b.N; n > 0; n -= size {
+				batches = append(batches, keys(min(n, size), dup))
+			}
+			leases := make([]lock.Lease, 0, size)
+			values := make([][]byte, size)
+			for i := range values {
+				values[i] = result
+			}
+			b.ReportAllocs()
+			b.ResetTimer()
+			trips0, redis0, cpu0 := trips.Load(), redisCPU(b, client), proccpu.Self()
+			for _, reqs := range batches {
+				res, errs := store.AcquireBatch(ctx, reqs)
+				leases = leases[:0]
+				for i, r := range res {
+					want := lock.Acquired
+					if dup {
+						want = lock.Completed
+					}
+					if errs[i] != nil || r.Status != want {
+						b.Fatalf("AcquireBatch: %v %v", r.Status, errs[i])
+					}
+					if r.Status == lock.Acquired {
+						leases = append(leases, r.Lease)
+					}
+				}
+				if len(leases) > 0 {
+					for _, err := range store.CompleteBatch(ctx, leases, values[:len(leases)]) {
+						if err != nil {
+							b.Fatal(err)
+						}
+					}
+				}
+			}
+			cpu, rcpu, rt := proccpu.Self()-cpu0, redisCPU(b, client)-redis0, trips.Load()-trips0
+			b.StopTimer()
+			b.ReportMetric(float64(cpu.Nanoseconds())/float64(b.N), "cpu-ns/op")
+			b.ReportMetric(float64(rcpu.Nanoseconds())/float64(b.N), "redis-cpu-ns/op")
+			b.ReportMetric(float64(rt)/float64(b.N), "round-trips/op")
+		}
+	}
+	b.Run("Acquired", run(false))
+	b.Run("Duplicate", run(true))
+}

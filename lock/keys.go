@@ -15,6 +15,12 @@ import (
 // the prefix is part of the hash, so namespaces cannot collide. The hash tag
 // covers the whole digest, so every key of one record shares its slot.
 func recordKey(prefix, key string) string {
+	var stack [maxPrefixLen + 3 + 32]byte // a Config's prefix fits
+	return string(appendRecordKey(stack[:0], prefix, key))
+}
+
+// appendRecordKey appends recordKey(prefix, key) to dst.
+func appendRecordKey(dst []byte, prefix, key string) []byte {
 	h := sha256.New()
 	h.Write([]byte(prefix))
 	h.Write([]byte{0})
@@ -22,12 +28,20 @@ func recordKey(prefix, key string) string {
 	var sum [sha256.Size]byte
 	digest := h.Sum(sum[:0])
 
-	var stack [maxPrefixLen + 3 + 32]byte // a Config's prefix fits
-	buf := append(stack[:0], prefix...)
-	buf = append(buf, ":{"...)
-	buf = hex.AppendEncode(buf, digest[:16])
-	buf = append(buf, '}')
-	return string(buf)
+	dst = append(dst, prefix...)
+	dst = append(dst, ":{"...)
+	dst = hex.AppendEncode(dst, digest[:16])
+	return append(dst, '}')
+}
+
+// ownerString returns the owner token b as Lease.Owner holds it: s when
+// the caller made that string already (AcquireBatch makes one string of a
+// batch's tokens), else a new one.
+func ownerString(b *[32]byte, s string) string {
+	if s != "" {
+		return s
+	}
+	return string(b[:])
 }
 
 // NewOwner returns a random 128-bit owner token, 32 hex digits: what a

@@ -69,3 +69,28 @@ func TestKeyOfOtherStoresLease(t *testing.T) {
 		t.Fatalf("other store's lease: %q, want %q", got, want)
 	}
 }
+
+// A batch's owner tokens and record keys, made as one string, are each
+// what NewOwner and recordKey make, a request that failed its check left
+// out.
+func TestBatchKeys(t *testing.T) {
+	reqs := []Request{{Key: "a"}, {Key: ""}, {Key: "a longer key \x00 with a NUL"}, {Key: "a"}}
+	todo := []int{0, 2, 3}
+	for _, prefix := range []string{"", "p", strings.Repeat("x", maxPrefixLen)} {
+		k := newBatchKeys(prefix, reqs, todo)
+		seen := map[string]bool{}
+		for _, i := range todo {
+			if got, want := k.rkey(i), recordKey(prefix, reqs[i].Key); got != want {
+				t.Errorf("prefix %q: rkey(%d) = %q, want %q", prefix, i, got, want)
+			}
+			o := k.owner(i)
+			if o != string(k.owners[i][:]) || len(o) != 32 {
+				t.Errorf("prefix %q: owner(%d) = %q, tokens %q", prefix, i, o, k.owners[i][:])
+			}
+			if seen[o] {
+				t.Errorf("owner token %q twice", o)
+			}
+			seen[o] = true
+		}
+	}
+}

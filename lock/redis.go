@@ -204,7 +204,7 @@ func (s *RedisStore) acquire(ctx context.Context, req Request, owner *[32]byte) 
 	s.batch.do(ctx, c)
 	reply, err := c.val, c.err
 	putCall(c)
-	return scriptReply(req, owner, rkey, start, reply, err)
+	return scriptReply(req, owner, "", rkey, start, reply, err)
 }
 
 // scriptCall returns the acquire script's call for a checked request, from
@@ -221,7 +221,7 @@ func scriptCall(req Request, owner *[32]byte, rkey string) *call {
 
 // scriptReply turns the acquire script's reply (or err) for req into
 // Acquire's answer; start is the local time before the call was sent.
-func scriptReply(req Request, owner *[32]byte, rkey string, start time.Time, reply any, err error) (Result, error) {
+func scriptReply(req Request, owner *[32]byte, ownerStr string, rkey string, start time.Time, reply any, err error) (Result, error) {
 	if err != nil {
 		return Result{}, fmt.Errorf("lock: acquire %q: %w", req.Key, classify(err))
 	}
@@ -238,7 +238,7 @@ func scriptReply(req Request, owner *[32]byte, rkey string, start time.Time, rep
 	res := Result{Status: Status(status), Fence: fence, Attempts: int(attempts)}
 	switch res.Status {
 	case Acquired:
-		res.Lease = newLease(req, string(owner[:]), fence, int(attempts), start, rkey)
+		res.Lease = newLease(req, ownerString(owner, ownerStr), fence, int(attempts), start, rkey)
 	case Completed:
 		res.Value = []byte(value)
 	case Failed:
@@ -281,7 +281,7 @@ func (s *RedisStore) nativeAcquire(ctx context.Context, req Request, owner *[32]
 	s.batch.do(ctx, c)
 	set, exp, err := c.val, c.exp, c.err
 	putCall(c)
-	return nativeReply(req, owner, rkey, start, set, exp, err)
+	return nativeReply(req, owner, "", rkey, start, set, exp, err)
 }
 
 // nativeCall returns the native Acquire's call for a checked request, from
@@ -299,7 +299,7 @@ func nativeCall(req Request, owner *[32]byte, rkey string) *call {
 // nativeReply turns a native Acquire's replies (SET's and PEXPIRETIME's,
 // or err) for req into Acquire's answer, or done false when the acquire
 // script must decide (see nativeAcquire).
-func nativeReply(req Request, owner *[32]byte, rkey string, start time.Time, set, exp any, err error) (res Result, done bool, _ error) {
+func nativeReply(req Request, owner *[32]byte, ownerStr string, rkey string, start time.Time, set, exp any, err error) (res Result, done bool, _ error) {
 	if err != nil {
 		return Result{}, false, fmt.Errorf("lock: acquire %q: %w", req.Key, classify(err))
 	}
@@ -310,7 +310,7 @@ func nativeReply(req Request, owner *[32]byte, rkey string, start time.Time, set
 	}
 	if set == nil {
 		fence := firstFence(expireAt, keep)
-		l := newLease(req, string(owner[:]), fence, 1, start, rkey)
+		l := newLease(req, ownerString(owner, ownerStr), fence, 1, start, rkey)
 		l.made, l.fp = true, req.Fingerprint
 		return Result{Status: Acquired, Fence: fence, Attempts: 1, Lease: l}, true, nil
 	}

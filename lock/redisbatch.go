@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 )
 
@@ -30,7 +31,6 @@ var (
 func (s *RedisStore) AcquireBatch(ctx context.Context, reqs []Request) ([]Result, []error) {
 	results := make([]Result, len(reqs))
 	errs := make([]error, len(reqs))
-	owners := make([][32]byte, len(reqs))
 	checked := make([]Request, len(reqs))
 	todo := make([]int, 0, len(reqs))
 	for i := range reqs {
@@ -40,13 +40,13 @@ func (s *RedisStore) AcquireBatch(ctx context.Context, reqs []Request) ([]Result
 			continue
 		}
 		checked[i] = req
-		newOwner(&owners[i])
 		todo = append(todo, i)
 	}
+	keys := newBatchKeys(s.cfg.Prefix, checked, todo)
 	uncertain := make([]bool, len(reqs)) // a try may have taken effect
 	wait := acquireRetryWait
 	for n := 0; len(todo) > 0; n++ {
-		s.acquireAll(ctx, checked, owners, todo, results, errs)
+		s.acquireAll(ctx, checked, keys, todo, results, errs)
 		again := todo[:0:0]
 		for _, i := range todo {
 			uncertain[i] = uncertain[i] || (errors.Is(errs[i], ErrUnavailable) && !notSent(errs[i]))
@@ -76,28 +76,25 @@ func (s *RedisStore) AcquireBatch(ctx context.Context, reqs []Request) ([]Result
 }
 
 // acquireAll sends one try of the requests todo (indexes into reqs and
-// owners): the native transaction for all of them in one pipeline where
-// the server allows, then the acquire script for those it left undecided,
-// in one more; and sets their results and errors.
-func (s *RedisStore) acquireAll(ctx context.Context, reqs []Request, owners [][32]byte, todo []int, results []Result, errs []error) {
+// keys, their owner tokens and record keys): the native transaction
+// for all of them in one pipeline where the server allows, then the
+// acquire script for those it left undecided, in one more; and sets their
+// results and errors.
+func (s *RedisStore) acquireAll(ctx context.Context, reqs []Request, keys *batchKeys, todo []int, results []Result, errs []error) {
 	start := s.cfg.Now()
-	rkeys := make([]string, len(todo))
-	for j, i := range todo {
-		rkeys[j] = recordKey(s.cfg.Prefix, reqs[i].Key)
-	}
 	script := todo
 	scriptCtx := ctx
 	if s.batch.native(ctx) {
 		calls := make([]*call, len(todo))
 		for j, i := range todo {
-			calls[j] = nativeCall(reqs[i], &owners[i], rkeys[j])
+			calls[j] = nativeCall(reqs[i], &keys.owners[i], keys.rkey(i))
 		}
 		s.batch.exec(ctx, calls)
 		script = nil
 		refused := error(nil)
 		for j, i := range todo {
 			c := calls[j]
-			res, done, err := nativeReply(reqs[i], &owners[i], rkeys[j], start, c.val, c.exp, c.err)
+			res, done, err := nativeReply(reqs[i], &keys.owners[i], keys.owner(i), keys.rkey(i), start, c.val, c.exp, c.err)
 			putCall(c)
 			switch {
 			case done:
@@ -123,14 +120,63 @@ func (s *RedisStore) acquireAll(ctx context.Context, reqs []Request, owners [][3
 	}
 	calls := make([]*call, len(script))
 	for j, i := range script {
-		calls[j] = scriptCall(reqs[i], &owners[i], recordKey(s.cfg.Prefix, reqs[i].Key))
+		calls[j] = scriptCall(reqs[i], &keys.owners[i], keys.rkey(i))
 	}
 	s.batch.exec(scriptCtx, calls)
 	for j, i := range script {
 		c := calls[j]
-		results[i], errs[i] = scriptReply(reqs[i], &owners[i], recordKey(s.cfg.Prefix, reqs[i].Key), start, c.val, c.err)
+		results[i], errs[i] = scriptReply(reqs[i], &keys.owners[i], keys.owner(i), keys.rkey(i), start, c.val, c.err)
 		putCall(c)
 	}
+}
+
+// batchKeys are the owner tokens and record keys of an AcquireBatch's
+// requests, made once for its tries. Their strings are slices of one
+// string (one allocation for the batch, not two a key): all holds every
+// request's token, then every request's record key, each klen bytes
+// (zeros for a request that failed its check, never sent).
+type batchKeys struct {
+	owners [][32]byte
+	all    string
+	klen   int
+}
+
+// newBatchKeys makes the tokens and record keys of the requests todo
+// (indexes into reqs) under prefix.
+func newBatchKeys(prefix string, reqs []Request, todo []int) *batchKeys {
+	k := &batchKeys{owners: make([][32]byte, len(reqs)), klen: len(prefix) + 35}
+	var b strings.Builder
+	b.Grow(len(reqs) * (32 + k.klen))
+	for _, i := range todo {
+		newOwner(&k.owners[i])
+	}
+	for i := range k.owners {
+		b.Write(k.owners[i][:])
+	}
+	var stack [maxPrefixLen + 3 + 32]byte
+	next := 0
+	for i := range reqs {
+		key := stack[:k.klen]
+		clear(key)
+		if next < len(todo) && todo[next] == i {
+			key = appendRecordKey(stack[:0], prefix, reqs[i].Key)
+			next++
+		}
+		b.Write(key)
+	}
+	k.all = b.String()
+	return k
+}
+
+// owner returns request i's owner token as a string.
+func (k *batchKeys) owner(i int) string {
+	return k.all[32*i : 32*i+32]
+}
+
+// rkey returns request i's record key.
+func (k *batchKeys) rkey(i int) string {
+	off := 32*len(k.owners) + i*k.klen
+	return k.all[off : off+k.klen]
 }
 
 // scriptCannotHelp reports whether a native Acquire's error is its answer:

@@ -322,20 +322,21 @@ func eachFailed(n int, err error) []amqpidem.BatchResult {
 
 // finishBatch completes the records of leases[i], for i in done, with
 // values[i] in the transaction open on conn and commits it, in one round
-// trip: the settings of its statement (set_config, for the transaction),
+// trip: the guard (txGuardSQL: the transaction open is fn's), the
+// settings of its statement (set_config, for the transaction),
 // the statement (finishBatchSQL: one UPDATE for the records still held,
 // finish_tx for the others, which raises leaseLostCode where a lease is no
 // longer held, aborting the transaction) and the COMMIT, which the server
 // skips once it was aborted.
 func (s *Store) finishBatch(ctx context.Context, conn *pgx.Conn, xid string, leases []lock.Lease, values [][]byte, done []int) error {
-	keys := make([][]byte, len(done))
+	keys := keyBytes(len(done), func(j int) string { return leases[done[j]].Key })
 	owners := make([]string, len(done))
 	fences := make([]int64, len(done))
 	vals := make([][]byte, len(done))
 	rets := make([]int64, len(done))
 	for j, i := range done {
 		l := leases[i]
-		keys[j], owners[j], fences[j], vals[j], rets[j] = []byte(l.Key), l.Owner, l.Fence, values[i], l.Retention.Milliseconds()
+		owners[j], fences[j], vals[j], rets[j] = l.Owner, l.Fence, values[i], l.Retention.Milliseconds()
 		if vals[j] == nil {
 			vals[j] = []byte{} // NULL would not be a result
 		}
@@ -346,10 +347,9 @@ func (s *Store) finishBatch(ctx context.Context, conn *pgx.Conn, xid string, lea
 	// key: a custom plan, made for the batch's arrays, costs a fifth of it.
 	// And a row another transaction holds is waited for at most as long
 	// as the functions wait (lockTimeout), not until commitTimeout.
-	// The guard (txGuardSQL) first: the settings are the transaction's.
 	b.Queue(txGuardSQL, xid)
 	b.Queue("SELECT set_config('plan_cache_mode', 'force_custom_plan', true), set_config('lock_timeout', '" + lockTimeout + "', true)")
-	b.Queue(s.sql.finishBatch, s.cfg.Prefix, keys, owners, fences, vals, rets)
+	b.Queue(s.sql.finishBatch, s.cfg.Prefix, byteaArray(keys), textArray(owners), int8Array(fences), byteaArray(vals), int8Array(rets))
 	b.Queue("COMMIT")
 	br := conn.SendBatch(ctx, b)
 	_, gerr := br.Exec()
@@ -415,23 +415,26 @@ func (s *Store) AcquireBatch(ctx context.Context, reqs []lock.Request) ([]lock.R
 		reqs[i] = req
 	}
 	slices.SortFunc(order, func(a, b int) int { return cmp.Compare(reqs[a].Key, reqs[b].Key) })
-	keys := make([][]byte, len(order))
-	owners := make([]string, len(order))
+	keys := keyBytes(len(order), func(j int) string { return reqs[order[j]].Key })
+	owners := newOwners(len(order))
 	ttls := make([]int64, len(order))
 	rets := make([]int64, len(order))
 	fps := make([][]byte, len(order))
 	for j, i := range order {
 		r := reqs[i]
-		keys[j], owners[j], ttls[j], rets[j], fps[j] = []byte(r.Key), lock.NewOwner(), r.TTL.Milliseconds(), r.Retention.Milliseconds(), []byte(r.Fingerprint)
+		ttls[j], rets[j], fps[j] = r.TTL.Milliseconds(), r.Retention.Milliseconds(), []byte(r.Fingerprint)
 	}
 	if len(order) > 0 {
-		rows, err := s.pool.Query(ctx, s.sql.acquireBatch, s.cfg.Prefix, keys, owners, ttls, rets, fps)
+		rows, err := s.pool.Query(ctx, s.sql.acquireBatch, s.cfg.Prefix, byteaArray(keys), textArray(owners), int8Array(ttls), int8Array(rets), byteaArray(fps))
 		j := 0
 		if err == nil {
+			// Scanned into once for every row, not a new set of
+			// variables each (each would be an allocation): pgx makes
+			// a new value slice for every row.
+			var status, attempts int
+			var fence, remaining int64
+			var value []byte
 			for rows.Next() && j < len(order) {
-				var status, attempts int
-				var fence, remaining int64
-				var value []byte
 				if err = rows.Scan(&status, &fence, &attempts, &remaining, &value); err != nil {
 					break
 				}
