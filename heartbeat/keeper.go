@@ -175,7 +175,7 @@ func (k *Keeper) Keep(parent context.Context, lease lock.Lease) (context.Context
 
 	now := time.Now()
 	if !now.Before(e.cancelAt()) {
-		cancel(e.unconfirmed(now, time.Time{}))
+		cancel(e.lateToKeep())
 		return ctx, stop
 	}
 	iv := e.interval()
@@ -480,6 +480,16 @@ func (e *entry) unconfirmed(now, sentAt time.Time) error {
 	}
 	return fmt.Errorf("%w: key %q, local deadline %s, margin %v%s",
 		ErrLeaseUnconfirmed, e.lease.Key, e.deadline.Format(time.RFC3339Nano), e.margin, why)
+}
+
+// lateToKeep is the cause of a lease whose deadline minus the margin had
+// passed already when Keep was called: it is ErrLeaseUnconfirmed, but no
+// extension was tried, and the error says so (its acquire answered late,
+// a store stalled, say), lest an operator look for a failed extension.
+func (e *entry) lateToKeep() error {
+	return fmt.Errorf("%w: key %q: its local deadline %s (margin %v) had passed before it was kept, no extension tried: "+
+		"its acquire answered late, or the handler started late",
+		ErrLeaseUnconfirmed, e.lease.Key, e.deadline.Format(time.RFC3339Nano), e.margin)
 }
 
 // leaseKey is the context key for the lease.

@@ -919,3 +919,27 @@ func TestRedisDown(t *testing.T) {
 		t.Fatalf("cancelled at %v, not before the lease's local deadline %v", done, l.Deadline)
 	}
 }
+
+// A lease already past its deadline when Keep is called is cancelled at
+// once with ErrLeaseUnconfirmed, and its cause says that no extension was
+// tried (h-trial saw "lease extension not confirmed before deadline" for
+// a lease whose acquire had answered late, which sends an operator after
+// an extension that never happened).
+func TestKeepLateLeaseSaysNoExtensionTried(t *testing.T) {
+	store, err := lock.NewMemoryStore(lock.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	k, err := New(store, Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer k.Shutdown(context.Background())
+	l := lock.Lease{Key: "late", Owner: "o", Fence: 1, Attempt: 1, TTL: time.Second, Retention: time.Hour, Deadline: time.Now().Add(-time.Millisecond)}
+	ctx, stop := k.Keep(context.Background(), l)
+	defer stop()
+	cause := context.Cause(ctx)
+	if !errors.Is(cause, ErrLeaseUnconfirmed) || !strings.Contains(cause.Error(), "no extension tried") {
+		t.Fatalf("cause %v: want ErrLeaseUnconfirmed saying that no extension was tried", cause)
+	}
+}
