@@ -358,3 +358,35 @@ func TestTxHandlerHeldCommitBeginKeyCoveredToCommit(t *testing.T) {
 		t.Errorf("HandleComplete: %v", err)
 	}
 }
+
+// TestTxHandlerCommitBeginSessionEndsThenError: the function commits its
+// work itself, begins again, and fails; its session is ended by the
+// server meanwhile (here its own idle_in_transaction_session_timeout), so
+// that the connection is found closed only by begunAgain's question.
+// ending took the closed state from before that question: the run was
+// taken for a failed one in its own open transaction, its error
+// retryable, and the committed work was run again. It must fail
+// Permanent, its work committed once.
+func TestTxHandlerCommitBeginSessionEndsThenError(t *testing.T) {
+	for _, redelivered := range []bool{false, true} {
+		name := map[bool]string{false: "held", true: "row"}[redelivered]
+		t.Run(name, func(t *testing.T) {
+			r := newRig(t)
+			err := r.attempt("cs", redelivered, func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
+				if err := r.insert(ctx, tx, d.MessageId); err != nil {
+					return nil, err
+				}
+				for _, q := range []string{"COMMIT", "BEGIN", "SET idle_in_transaction_session_timeout = 50"} {
+					if _, err := tx.Conn().Exec(ctx, q); err != nil {
+						return nil, err
+					}
+				}
+				time.Sleep(300 * time.Millisecond) // the server ends the session
+				return nil, errors.New("the payment API refused")
+			})
+			if !amqpidem.IsPermanent(err) || r.effects()["cs"] != 1 {
+				t.Errorf("HandleComplete: %v; %d effect rows: its work committed, so the error must be Permanent (not run again)", err, r.effects()["cs"])
+			}
+		})
+	}
+}

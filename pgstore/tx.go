@@ -198,6 +198,9 @@ func (s *Store) ending(ctx context.Context, t *handlerTx, xid string, ferr error
 		// A failed run in a transaction: it may be another one, fn
 		// having ended xid and begun again (COMMIT, then BEGIN).
 		ended = s.begunAgain(ctx, t, xid, status)
+		// The question may find the connection closed (the server ended
+		// the session meanwhile): then decided as closed.
+		closed = pc.IsClosed()
 	}
 	if closed || ended {
 		// A closed connection goes back to the pool first, which forgets
