@@ -87,31 +87,8 @@ func TestTxHandlerCommitAnswerLateNotBlamedOnHandler(t *testing.T) {
 		// A first delivery's lease is held by the handler's transaction;
 		// a redelivery's is a lease row.
 		t.Run(map[bool]string{false: "held", true: "row"}[redelivered], func(t *testing.T) {
-			direct := pgenv.Pool(t, 4)
-			u, err := url.Parse(pgenv.DSN(t))
-			if err != nil {
-				t.Fatal(err)
-			}
-			hold := &commitHolder{}
-			proxy := testenv.StartProxy(t, u.Host, nil, hold.down)
-			pcfg, err := pgxpool.ParseConfig(proxy.URL(t, u.String()))
-			if err != nil {
-				t.Fatal(err)
-			}
-			pcfg.MaxConns = 4
+			direct, store, cfg, effects, hold := lateCommitStore(t)
 			ctx := context.Background()
-			proxied, err := pgxpool.NewWithConfig(ctx, pcfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(proxied.Close)
-
-			cfg := schema(t, direct, pgstore.Config{CleanupInterval: -1})
-			effects := pgx.Identifier{cfg.Schema, "effects"}.Sanitize()
-			if _, err := direct.Exec(ctx, "CREATE TABLE "+effects+" (msg_id text NOT NULL)"); err != nil {
-				t.Fatal(err)
-			}
-			store := newStore(t, proxied, cfg)
 			h := store.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
 				_, err := tx.Exec(ctx, "INSERT INTO "+effects+" (msg_id) VALUES ($1)", d.MessageId)
 				return nil, err
@@ -205,12 +182,20 @@ func TestRelayUnreachableDatabaseNotCalledPoolBusy(t *testing.T) {
 // what still waits on them.
 func blackHolePool(t *testing.T, maxConns int32) *pgxpool.Pool {
 	t.Helper()
+	blackHole := func(from, _ net.Conn) { _, _ = io.Copy(io.Discard, from) }
+	return proxiedPool(t, maxConns, blackHole, nil)
+}
+
+// proxiedPool is a pool of maxConns connections to PostgreSQL through a
+// proxy that copies each direction with up and down (nil: as is; see
+// testenv.StartProxy), closed by the test's cleanup.
+func proxiedPool(t *testing.T, maxConns int32, up, down func(from, to net.Conn)) *pgxpool.Pool {
+	t.Helper()
 	u, err := url.Parse(pgenv.DSN(t))
 	if err != nil {
 		t.Fatal(err)
 	}
-	blackHole := func(from, _ net.Conn) { _, _ = io.Copy(io.Discard, from) }
-	proxy := testenv.StartProxy(t, u.Host, blackHole, nil)
+	proxy := testenv.StartProxy(t, u.Host, up, down)
 	pcfg, err := pgxpool.ParseConfig(proxy.URL(t, u.String()))
 	if err != nil {
 		t.Fatal(err)
@@ -222,6 +207,22 @@ func blackHolePool(t *testing.T, maxConns int32) *pgxpool.Pool {
 	}
 	t.Cleanup(pool.Close)
 	return pool
+}
+
+// lateCommitStore is a Store whose pool goes through a proxy that can hold
+// a COMMIT's answer (hold.arm), on a schema of its own with an effects
+// table (msg_id), and a direct pool to look at them.
+func lateCommitStore(t *testing.T) (direct *pgxpool.Pool, store *pgstore.Store, cfg pgstore.Config, effects string, hold *commitHolder) {
+	t.Helper()
+	direct = pgenv.Pool(t, 4)
+	hold = &commitHolder{}
+	proxied := proxiedPool(t, 4, nil, hold.down)
+	cfg = schema(t, direct, pgstore.Config{CleanupInterval: -1})
+	effects = pgx.Identifier{cfg.Schema, "effects"}.Sanitize()
+	if _, err := direct.Exec(context.Background(), "CREATE TABLE "+effects+" (msg_id text NOT NULL)"); err != nil {
+		t.Fatal(err)
+	}
+	return direct, newStore(t, proxied, cfg), cfg, effects, hold
 }
 
 // TestStoreCallsBoundedWhenDatabaseHangs: the README's pattern,
@@ -316,31 +317,8 @@ func TestBatchTxHandlerCommitAnswerLateNotBlamedOnHandler(t *testing.T) {
 	if testing.Short() {
 		t.Skip("waits the commit timeout (10 s)")
 	}
-	direct := pgenv.Pool(t, 4)
-	u, err := url.Parse(pgenv.DSN(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	hold := &commitHolder{}
-	proxy := testenv.StartProxy(t, u.Host, nil, hold.down)
-	pcfg, err := pgxpool.ParseConfig(proxy.URL(t, u.String()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	pcfg.MaxConns = 4
+	direct, store, cfg, effects, hold := lateCommitStore(t)
 	ctx := context.Background()
-	proxied, err := pgxpool.NewWithConfig(ctx, pcfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(proxied.Close)
-
-	cfg := schema(t, direct, pgstore.Config{CleanupInterval: -1})
-	effects := pgx.Identifier{cfg.Schema, "effects"}.Sanitize()
-	if _, err := direct.Exec(ctx, "CREATE TABLE "+effects+" (msg_id text NOT NULL)"); err != nil {
-		t.Fatal(err)
-	}
-	store := newStore(t, proxied, cfg)
 	h := store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
 		for _, d := range ds {
 			if _, err := tx.Exec(ctx, "INSERT INTO "+effects+" (msg_id) VALUES ($1)", d.MessageId); err != nil {
