@@ -33,31 +33,43 @@ func TestBatchTxHandlerCommitBeginThenMessageErrorNotRerun(t *testing.T) {
 		name := map[bool]string{false: "one failed", true: "all failed"}[all]
 		t.Run(name, func(t *testing.T) {
 			r := newRig(t)
-			r.runBatch(r.store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
-				for _, d := range ds {
-					if err := r.insert(ctx, tx, d.MessageId); err != nil {
-						return nil, err
-					}
-				}
-				if _, err := tx.Conn().Exec(ctx, "COMMIT"); err != nil {
-					return nil, err
-				}
-				if _, err := tx.Conn().Exec(ctx, "BEGIN"); err != nil {
-					return nil, err
-				}
-				rs := make([]amqpidem.BatchResult, len(ds))
-				for i, d := range ds {
-					if all || strings.HasSuffix(d.MessageId, "000") {
-						rs[i].Err = errors.New("a later step of this message failed")
-					}
-				}
-				return rs, nil
-			}), func(c *amqpidem.ConsumerConfig) {
+			r.runBatch(r.store.BatchTxHandler(commitBeginFailing(r, nil, func(id string) bool {
+				return all || strings.HasSuffix(id, "000")
+			})), func(c *amqpidem.ConsumerConfig) {
 				c.BatchWait = 200 * time.Millisecond
 				c.MaxAttempts = 3
 			})
 			r.publishOnce(ids("cbm", 4))
 		})
+	}
+}
+
+// commitBeginFailing is a batch function that writes each message's
+// effect, commits the transaction itself, begins another, and answers the
+// messages whose id fails says with a retryable error of their own; it
+// counts its runs in runs (when not nil).
+func commitBeginFailing(r *rig, runs *int, fails func(id string) bool) pgstore.BatchTxFunc {
+	return func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		if runs != nil {
+			*runs++
+		}
+		for _, d := range ds {
+			if err := r.insert(ctx, tx, d.MessageId); err != nil {
+				return nil, err
+			}
+		}
+		for _, q := range []string{"COMMIT", "BEGIN"} {
+			if _, err := tx.Conn().Exec(ctx, q); err != nil {
+				return nil, err
+			}
+		}
+		rs := make([]amqpidem.BatchResult, len(ds))
+		for i, d := range ds {
+			if fails(d.MessageId) {
+				rs[i].Err = errors.New("a later step of this message failed")
+			}
+		}
+		return rs, nil
 	}
 }
 
@@ -70,27 +82,7 @@ func TestBatchTxHandlerCommitBeginThenMessageErrorNotRerun(t *testing.T) {
 func TestBatchTxHandlerCommitBeginThenMessageErrorDirect(t *testing.T) {
 	r := newRig(t)
 	runs := 0
-	rs, err := r.batchAttempt([]string{"d0", "d1"}, func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
-		runs++
-		for _, d := range ds {
-			if err := r.insert(ctx, tx, d.MessageId); err != nil {
-				return nil, err
-			}
-		}
-		if _, err := tx.Conn().Exec(ctx, "COMMIT"); err != nil {
-			return nil, err
-		}
-		if _, err := tx.Conn().Exec(ctx, "BEGIN"); err != nil {
-			return nil, err
-		}
-		rs := make([]amqpidem.BatchResult, len(ds))
-		for i, d := range ds {
-			if d.MessageId == "d0" {
-				rs[i].Err = errors.New("a later step of this message failed")
-			}
-		}
-		return rs, nil
-	})
+	rs, err := r.batchAttempt([]string{"d0", "d1"}, commitBeginFailing(r, &runs, func(id string) bool { return id == "d0" }))
 	got := r.effects()
 	if got["d1"] != 1 || runs != 1 {
 		t.Errorf("d1: %d effect rows after %d runs of the function (answer %v, %v); want 1 row, 1 run: its work committed with the function's own COMMIT, and the rerun without d0 committed it again",
