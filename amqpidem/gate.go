@@ -21,10 +21,16 @@ type gate struct {
 	queue []*ticket // tickets without a slot and not left, oldest first
 }
 
-// ticket is one delivery's place in the gate.
+// ticket is one delivery's place in the gate. Its zero value is a
+// ticket not entered yet (add); a Consumer's is part of the delivery's
+// job, not an allocation of its own.
 type ticket struct {
-	state   ticketState
-	granted chan struct{} // closed when a slot is handed to the ticket
+	state ticketState
+	// wake is the waiting goroutine's channel (waitOn), set while the
+	// ticket waits: grant sends it one token when it hands the ticket a
+	// slot. The channel is the waiter's, reused from ticket to ticket: a
+	// wait ends with it empty.
+	wake chan struct{}
 }
 
 type ticketState int
@@ -45,22 +51,37 @@ func (g *gate) held() int {
 	return g.slots - g.free
 }
 
-// enter gives the next delivery its ticket. Calls must come in delivery
-// order.
+// enter gives the next delivery a new ticket (add). Calls must come in
+// delivery order.
 func (g *gate) enter() *ticket {
-	t := &ticket{granted: make(chan struct{})}
-	g.mu.Lock()
-	g.queue = append(g.queue, t)
-	g.mu.Unlock()
+	t := new(ticket)
+	g.add(t)
 	return t
 }
 
-// wait waits until t holds a slot. It reports false, holding no slot, when
-// stopping is closed or ctx is done first. A ticket that holds its slot
-// already (an earlier wait reported true) reports true again, unless
-// stopping is closed: then the slot is given back. A ticket that left
-// reports false at once.
+// add enters t, a zero ticket, for the next delivery. Calls must come in
+// delivery order.
+func (g *gate) add(t *ticket) {
+	g.mu.Lock()
+	g.queue = append(g.queue, t)
+	g.mu.Unlock()
+}
+
+// wait is waitOn with a channel of its own, made only if it must wait.
 func (g *gate) wait(ctx context.Context, stopping <-chan struct{}, t *ticket) bool {
+	return g.waitOn(ctx, stopping, t, nil)
+}
+
+// waitOn waits until t holds a slot. It reports false, holding no slot,
+// when stopping is closed or ctx is done first. A ticket that holds its
+// slot already (an earlier wait reported true) reports true again, unless
+// stopping is closed: then the slot is given back. A ticket that left
+// reports false at once. wake, empty and buffered (a token at most), is
+// what it waits on for the slot if it must (nil: one made then), and is
+// empty again when it returns: a goroutine passes the same channel for
+// every ticket it waits for, one at a time, rather than a channel per
+// ticket.
+func (g *gate) waitOn(ctx context.Context, stopping <-chan struct{}, t *ticket, wake chan struct{}) bool {
 	g.mu.Lock()
 	switch t.state {
 	case left:
@@ -70,9 +91,23 @@ func (g *gate) wait(ctx context.Context, stopping <-chan struct{}, t *ticket) bo
 		t.state = waiting
 		g.grant()
 	}
+	if t.state == granted {
+		g.mu.Unlock()
+		select {
+		case <-stopping:
+			g.leave(t)
+			return false
+		default:
+			return true
+		}
+	}
+	if wake == nil {
+		wake = make(chan struct{}, 1)
+	}
+	t.wake = wake
 	g.mu.Unlock()
 	select {
-	case <-t.granted:
+	case <-wake:
 		select {
 		case <-stopping: // both were ready and the slot won: stopping wins
 		default:
@@ -99,6 +134,12 @@ func (g *gate) leave(t *ticket) {
 		return
 	case granted:
 		g.free++
+		// A slot granted as its wait gave up left a token: taken, so
+		// that the channel's next wait does not take it for its own.
+		select {
+		case <-t.wake:
+		default:
+		}
 	}
 	t.state = left
 	g.grant()
@@ -126,9 +167,18 @@ func (g *gate) grant() {
 		}
 		g.free--
 		t.state = granted
-		close(t.granted)
+		select {
+		case t.wake <- struct{}{}: // set: t waits (waitOn)
+		default: // cannot be: a wait's channel is empty
+		}
 	}
-	if n > 0 {
+	switch {
+	case n == len(g.queue):
+		// Emptied: its array is kept, rather than one allocated by the
+		// next add.
+		clear(g.queue)
+		g.queue = g.queue[:0]
+	case n > 0:
 		clear(g.queue[:n])
 		g.queue = g.queue[n:]
 	}

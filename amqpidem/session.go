@@ -13,10 +13,11 @@ import (
 // A Consumer's sessions: one per connection, from the dial to the
 // connection's end, and what happens to the deliveries it consumed.
 
-// job is one delivery of a session, with its ticket of the gate.
+// job is one delivery of a session, with its ticket of the gate: one
+// allocation for both.
 type job struct {
-	d *amqp.Delivery
-	t *ticket
+	d amqp.Delivery
+	t ticket
 }
 
 // session runs one connection: it returns when the connection or channel
@@ -57,10 +58,10 @@ func (c *Consumer) session(ctx, base context.Context) error {
 	// no more unacked deliveries than that), and live as long as the
 	// session: a fresh goroutine per delivery would grow its stack anew
 	// each time, a cost that showed in make bench's CPU profile.
-	work := make(chan job)
+	work := make(chan *job)
 	var workers sync.WaitGroup
 	nworkers := 0
-	dispatch := func(j job) {
+	dispatch := func(j *job) {
 		select {
 		case work <- j:
 			return
@@ -76,9 +77,10 @@ func (c *Consumer) session(ctx, base context.Context) error {
 		go func() {
 			defer c.tasks.Done()
 			defer workers.Done()
-			c.work(base, sctx, dead, j)
+			wake := make(chan struct{}, 1) // its waits at the gate, one at a time
+			c.work(base, sctx, dead, j, wake)
 			for j := range work {
-				c.work(base, sctx, dead, j)
+				c.work(base, sctx, dead, j, wake)
 			}
 		}()
 	}
@@ -109,14 +111,16 @@ func (c *Consumer) session(ctx, base context.Context) error {
 				end(false)
 				return c.closedErr(connClosed, chClosed)
 			}
-			d.Acknowledger = acks
+			j := &job{d: d}
+			j.d.Acknowledger = acks
 			if c.isStopping() {
-				c.giveBack(base, &d)
+				c.giveBack(base, &j.d)
 				c.drain(base, ch, acks, deliveries)
 				end(true)
 				return nil
 			}
-			dispatch(job{&d, c.proc.gate.enter()}) // tickets in delivery order
+			c.proc.gate.add(&j.t) // tickets in delivery order
+			dispatch(j)
 		case <-c.stopping:
 			c.drain(base, ch, acks, deliveries)
 			end(true)
@@ -256,24 +260,25 @@ func (c *Consumer) declare(ch *amqp.Channel) (err error) {
 	return c.cfg.Declare(ch)
 }
 
-// work waits for j's turn at the gate, then processes it. A delivery
+// work waits for j's turn at the gate, on wake (see gate.waitOn), then
+// processes it. A delivery
 // whose channel died first (dead closed) is dropped: its ticket given
 // back, its handler not started, nothing acked or published, since the
 // broker delivers it again. A delivery that got no slot because the
 // consumer is stopping goes to process all the same, which sends it back
 // to its queue unrun.
-func (c *Consumer) work(base, sctx context.Context, dead <-chan struct{}, j job) {
+func (c *Consumer) work(base, sctx context.Context, dead <-chan struct{}, j *job, wake chan struct{}) {
 	g := c.proc.gate
-	g.wait(sctx, c.stopping, j.t) // process takes it from here, slot or not
+	g.waitOn(sctx, c.stopping, &j.t, wake) // process takes it from here, slot or not
 	select {
 	case <-dead:
-		g.leave(j.t) // gives back the slot wait handed out, if it did
+		g.leave(&j.t) // gives back the slot wait handed out, if it did
 		c.proc.cfg.Logger.DebugContext(base, "amqpidem: delivery of a closed channel not started; the broker delivers it again",
 			"queue", c.cfg.Queue, "message_id", j.d.MessageId, "delivery_tag", j.d.DeliveryTag)
 		return
 	default:
 	}
-	c.proc.process(base, c.pub, j.d, j.t)
+	c.proc.process(base, c.pub, &j.d, &j.t)
 }
 
 // closedErr explains why the deliveries channel closed.
