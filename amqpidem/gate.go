@@ -13,7 +13,10 @@ import (
 // Each delivery gets a ticket when it arrives (enter, called in delivery
 // order), then waits for a slot (wait). A ticket gets one only when every
 // earlier ticket has got one or given up (left: its wait ended without a
-// slot, or its delivery was abandoned). Safe for concurrent use.
+// slot, or its delivery was abandoned). A Consumer's session submits its
+// deliveries' tickets instead (submit): the gate starts each on one of the
+// session's workers when it gets its slot, and none waits. Safe for
+// concurrent use.
 type gate struct {
 	mu    sync.Mutex
 	slots int       // slots in all
@@ -31,6 +34,10 @@ type ticket struct {
 	// slot. The channel is the waiter's, reused from ticket to ticket: a
 	// wait ends with it empty.
 	wake chan struct{}
+	// workers, for a submitted ticket, start its job once it has its slot
+	// (or left: abandon).
+	workers *workers
+	job     *job
 }
 
 type ticketState int
@@ -65,6 +72,39 @@ func (g *gate) add(t *ticket) {
 	g.mu.Lock()
 	g.queue = append(g.queue, t)
 	g.mu.Unlock()
+}
+
+// submit enters t, the zero ticket of job t.job, for the next delivery,
+// waiting for a slot: t.workers start the job once it has one. Calls must
+// come in delivery order.
+func (g *gate) submit(t *ticket) {
+	g.mu.Lock()
+	t.state = waiting
+	g.queue = append(g.queue, t)
+	g.grant()
+	g.mu.Unlock()
+}
+
+// abandon takes the tickets of w's jobs still waiting for a slot out of
+// the gate, as left, and returns their jobs, in delivery order: w starts
+// none of them afterwards.
+func (g *gate) abandon(w *workers) []*job {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var out []*job
+	kept := g.queue[:0]
+	for _, t := range g.queue {
+		if t.workers == w && t.state != left {
+			t.state = left
+			out = append(out, t.job)
+			continue
+		}
+		kept = append(kept, t)
+	}
+	clear(g.queue[len(kept):])
+	g.queue = kept
+	g.grant()
+	return out
 }
 
 // wait is waitOn with a channel of its own, made only if it must wait.
@@ -167,6 +207,10 @@ func (g *gate) grant() {
 		}
 		g.free--
 		t.state = granted
+		if t.workers != nil {
+			t.workers.start(t.job)
+			continue
+		}
 		select {
 		case t.wake <- struct{}{}: // set: t waits (waitOn)
 		default: // cannot be: a wait's channel is empty

@@ -294,3 +294,56 @@ func TestGateWakeReusedAfterGrantLeft(t *testing.T) {
 	}
 	g.release()
 }
+
+// TestGateSubmitStartsInOrder: submitted tickets wait in the gate with no
+// goroutine of their own; each is started on its workers as it gets its
+// slot, in delivery order, and abandon takes the waiting ones out, left,
+// for their session to send back or drop.
+func TestGateSubmitStartsInOrder(t *testing.T) {
+	g := newGate(1)
+	w := &workers{work: make(chan *job, 8)} // an idle worker for each: start never spawns
+	other := &workers{work: make(chan *job, 8)}
+	js := make([]*job, 4)
+	for i := range js {
+		js[i] = &job{}
+		js[i].d.DeliveryTag = uint64(i + 1)
+		js[i].t.workers, js[i].t.job = w, js[i]
+	}
+	js[3].t.workers = other // a later session's
+	started := func(w *workers) uint64 {
+		select {
+		case j := <-w.work:
+			return j.d.DeliveryTag
+		default:
+			return 0
+		}
+	}
+	for _, j := range js {
+		g.submit(&j.t)
+	}
+	if got := started(w); got != 1 {
+		t.Fatalf("started %d, want 1", got)
+	}
+	if got := started(w); got != 0 {
+		t.Fatalf("started %d with no slot free", got)
+	}
+	g.release() // 1's
+	if got := started(w); got != 2 {
+		t.Fatalf("started %d, want 2", got)
+	}
+	out := g.abandon(w)
+	if len(out) != 1 || out[0] != js[2] || js[2].t.state != left {
+		t.Fatalf("abandoned %v, want job 3, left", out)
+	}
+	g.release() // 2's: the other session's 4 is next
+	if got := started(other); got != 4 {
+		t.Fatalf("started %d, want 4", got)
+	}
+	if got := started(w); got != 0 {
+		t.Fatalf("started %d after abandon", got)
+	}
+	g.release()
+	if g.held() != 0 || len(g.queue) != 0 {
+		t.Fatalf("%d held, %d queued; want 0, 0", g.held(), len(g.queue))
+	}
+}
