@@ -67,6 +67,21 @@ type flight struct {
 	// acq is its request in a lease batch (acquireBatched), part of the
 	// flight rather than an allocation of its own.
 	acq acquireCall
+	// x is its execution (run, runUnkeyed: the handler's context), and hd
+	// the delivery its handler gets (handlerDelivery's copy): parts of
+	// the flight, already on the heap, rather than allocations of their
+	// own. The handler may keep either after it returns; they keep the
+	// flight, never reused, alive with them.
+	x  execution
+	hd amqp.Delivery
+}
+
+// handlerDelivery is the delivery as its handler gets it: a copy whose
+// Ack, Nack and Reject refuse (see handlerDelivery), kept in the flight.
+func (f *flight) handlerDelivery() *amqp.Delivery {
+	f.hd = *f.d
+	f.hd.Acknowledger = refuseAck{}
+	return &f.hd
 }
 
 // slot is a delivery's hold on one of the gate's slots.

@@ -13,7 +13,10 @@ import (
 // Each delivery gets a ticket when it arrives (enter, called in delivery
 // order), then waits for a slot (wait). A ticket gets one only when every
 // earlier ticket has got one or given up (left: its wait ended without a
-// slot, or its delivery was abandoned). Safe for concurrent use.
+// slot, or its delivery was abandoned). A Consumer's session submits its
+// deliveries' tickets instead (submit): the gate starts each on one of the
+// session's workers when it gets its slot, and none waits. Safe for
+// concurrent use.
 type gate struct {
 	mu    sync.Mutex
 	slots int       // slots in all
@@ -21,10 +24,20 @@ type gate struct {
 	queue []*ticket // tickets without a slot and not left, oldest first
 }
 
-// ticket is one delivery's place in the gate.
+// ticket is one delivery's place in the gate. Its zero value is a
+// ticket not entered yet (add); a Consumer's is part of the delivery's
+// job, not an allocation of its own.
 type ticket struct {
-	state   ticketState
-	granted chan struct{} // closed when a slot is handed to the ticket
+	state ticketState
+	// wake is the waiting goroutine's channel (waitOn), set while the
+	// ticket waits: grant sends it one token when it hands the ticket a
+	// slot. The channel is the waiter's, reused from ticket to ticket: a
+	// wait ends with it empty.
+	wake chan struct{}
+	// workers, for a submitted ticket, start its job once it has its slot
+	// (or left: abandon).
+	workers *workers
+	job     *job
 }
 
 type ticketState int
@@ -45,22 +58,70 @@ func (g *gate) held() int {
 	return g.slots - g.free
 }
 
-// enter gives the next delivery its ticket. Calls must come in delivery
-// order.
+// enter gives the next delivery a new ticket (add). Calls must come in
+// delivery order.
 func (g *gate) enter() *ticket {
-	t := &ticket{granted: make(chan struct{})}
-	g.mu.Lock()
-	g.queue = append(g.queue, t)
-	g.mu.Unlock()
+	t := new(ticket)
+	g.add(t)
 	return t
 }
 
-// wait waits until t holds a slot. It reports false, holding no slot, when
-// stopping is closed or ctx is done first. A ticket that holds its slot
-// already (an earlier wait reported true) reports true again, unless
-// stopping is closed: then the slot is given back. A ticket that left
-// reports false at once.
+// add enters t, a zero ticket, for the next delivery. Calls must come in
+// delivery order.
+func (g *gate) add(t *ticket) {
+	g.mu.Lock()
+	g.queue = append(g.queue, t)
+	g.mu.Unlock()
+}
+
+// submit enters t, the zero ticket of job t.job, for the next delivery,
+// waiting for a slot: t.workers start the job once it has one. Calls must
+// come in delivery order.
+func (g *gate) submit(t *ticket) {
+	g.mu.Lock()
+	t.state = waiting
+	g.queue = append(g.queue, t)
+	g.grant()
+	g.mu.Unlock()
+}
+
+// abandon takes the tickets of w's jobs still waiting for a slot out of
+// the gate, as left, and returns their jobs, in delivery order: w starts
+// none of them afterwards.
+func (g *gate) abandon(w *workers) []*job {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var out []*job
+	kept := g.queue[:0]
+	for _, t := range g.queue {
+		if t.workers == w && t.state != left {
+			t.state = left
+			out = append(out, t.job)
+			continue
+		}
+		kept = append(kept, t)
+	}
+	clear(g.queue[len(kept):])
+	g.queue = kept
+	g.grant()
+	return out
+}
+
+// wait is waitOn with a channel of its own, made only if it must wait.
 func (g *gate) wait(ctx context.Context, stopping <-chan struct{}, t *ticket) bool {
+	return g.waitOn(ctx, stopping, t, nil)
+}
+
+// waitOn waits until t holds a slot. It reports false, holding no slot,
+// when stopping is closed or ctx is done first. A ticket that holds its
+// slot already (an earlier wait reported true) reports true again, unless
+// stopping is closed: then the slot is given back. A ticket that left
+// reports false at once. wake, empty and buffered (a token at most), is
+// what it waits on for the slot if it must (nil: one made then), and is
+// empty again when it returns: a goroutine passes the same channel for
+// every ticket it waits for, one at a time, rather than a channel per
+// ticket.
+func (g *gate) waitOn(ctx context.Context, stopping <-chan struct{}, t *ticket, wake chan struct{}) bool {
 	g.mu.Lock()
 	switch t.state {
 	case left:
@@ -70,9 +131,23 @@ func (g *gate) wait(ctx context.Context, stopping <-chan struct{}, t *ticket) bo
 		t.state = waiting
 		g.grant()
 	}
+	if t.state == granted {
+		g.mu.Unlock()
+		select {
+		case <-stopping:
+			g.leave(t)
+			return false
+		default:
+			return true
+		}
+	}
+	if wake == nil {
+		wake = make(chan struct{}, 1)
+	}
+	t.wake = wake
 	g.mu.Unlock()
 	select {
-	case <-t.granted:
+	case <-wake:
 		select {
 		case <-stopping: // both were ready and the slot won: stopping wins
 		default:
@@ -99,6 +174,12 @@ func (g *gate) leave(t *ticket) {
 		return
 	case granted:
 		g.free++
+		// A slot granted as its wait gave up left a token: taken, so
+		// that the channel's next wait does not take it for its own.
+		select {
+		case <-t.wake:
+		default:
+		}
 	}
 	t.state = left
 	g.grant()
@@ -126,9 +207,22 @@ func (g *gate) grant() {
 		}
 		g.free--
 		t.state = granted
-		close(t.granted)
+		if t.workers != nil {
+			t.workers.start(t.job)
+			continue
+		}
+		select {
+		case t.wake <- struct{}{}: // set: t waits (waitOn)
+		default: // cannot be: a wait's channel is empty
+		}
 	}
-	if n > 0 {
+	switch {
+	case n == len(g.queue):
+		// Emptied: its array is kept, rather than one allocated by the
+		// next add.
+		clear(g.queue)
+		g.queue = g.queue[:0]
+	case n > 0:
 		clear(g.queue[:n])
 		g.queue = g.queue[n:]
 	}

@@ -10,13 +10,10 @@ import (
 	"github.com/amqpidem/amqpidem/lock"
 )
 
-func hasSlot(t *ticket) bool {
-	select {
-	case <-t.granted:
-		return true
-	default:
-		return false
-	}
+func hasSlot(g *gate, t *ticket) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return t.state == granted
 }
 
 // waitAsync runs g.wait in the background and reports its answer.
@@ -104,7 +101,7 @@ func TestGateStopAndCancel(t *testing.T) {
 	if g.free != 1 || len(g.queue) != 0 {
 		t.Fatalf("after stop: %d free, %d queued; want 1, 0", g.free, len(g.queue))
 	}
-	if hasSlot(b) {
+	if hasSlot(g, b) {
 		t.Fatal("b was handed a slot")
 	}
 }
@@ -234,5 +231,119 @@ func TestGateLeave(t *testing.T) {
 	g.release() // c is done
 	if g.free != 1 || len(g.queue) != 0 {
 		t.Fatalf("after all: %d free, %d queued; want 1, 0", g.free, len(g.queue))
+	}
+}
+
+// TestGateWaitOnAllocatesNothing: a ticket that is part of its job, waiting
+// on its worker's channel, costs the gate no allocation.
+func TestGateWaitOnAllocatesNothing(t *testing.T) {
+	g := newGate(1)
+	stopping := make(chan struct{})
+	wake := make(chan struct{}, 1)
+	var j job
+	allocs := testing.AllocsPerRun(1000, func() {
+		j.t = ticket{}
+		g.add(&j.t)
+		if !g.waitOn(context.Background(), stopping, &j.t, wake) {
+			t.Fatal("no slot")
+		}
+		g.release()
+	})
+	if allocs != 0 {
+		t.Fatalf("%v allocations per delivery, want 0", allocs)
+	}
+}
+
+// TestGateWakeReusedAfterGrantLeft: a slot granted to a ticket whose wait
+// gave up at that moment leaves a token on its waiter's channel; leave
+// takes it, so that the next ticket waiting on that channel waits for a
+// slot of its own rather than take the token for one.
+func TestGateWakeReusedAfterGrantLeft(t *testing.T) {
+	g := newGate(1)
+	stopping := make(chan struct{})
+	wake := make(chan struct{}, 1)
+	a, b := g.enter(), g.enter()
+	if !g.waitOn(context.Background(), stopping, a, wake) {
+		t.Fatal("a: no slot")
+	}
+	// b waits on wake (as waitOn leaves it); a's slot goes to it just as
+	// its wait gives up.
+	g.mu.Lock()
+	b.state, b.wake = waiting, wake
+	g.mu.Unlock()
+	g.release()
+	if !hasSlot(g, b) {
+		t.Fatal("b: not granted")
+	}
+	g.leave(b)
+	if g.held() != 0 {
+		t.Fatalf("%d slots held after b left, want 0", g.held())
+	}
+	// The slot is taken again; c, on the same channel, must wait for it.
+	d := g.enter()
+	if !g.waitOn(context.Background(), stopping, d, nil) {
+		t.Fatal("d: no slot")
+	}
+	c := g.enter()
+	cw := make(chan bool, 1)
+	go func() { cw <- g.waitOn(context.Background(), stopping, c, wake) }()
+	noAnswer(t, cw)
+	g.release() // d's
+	if !answer(t, cw) {
+		t.Fatal("c: no slot")
+	}
+	g.release()
+}
+
+// TestGateSubmitStartsInOrder: submitted tickets wait in the gate with no
+// goroutine of their own; each is started on its workers as it gets its
+// slot, in delivery order, and abandon takes the waiting ones out, left,
+// for their session to send back or drop.
+func TestGateSubmitStartsInOrder(t *testing.T) {
+	g := newGate(1)
+	w := &workers{work: make(chan *job, 8)} // an idle worker for each: start never spawns
+	other := &workers{work: make(chan *job, 8)}
+	js := make([]*job, 4)
+	for i := range js {
+		js[i] = &job{}
+		js[i].d.DeliveryTag = uint64(i + 1)
+		js[i].t.workers, js[i].t.job = w, js[i]
+	}
+	js[3].t.workers = other // a later session's
+	started := func(w *workers) uint64 {
+		select {
+		case j := <-w.work:
+			return j.d.DeliveryTag
+		default:
+			return 0
+		}
+	}
+	for _, j := range js {
+		g.submit(&j.t)
+	}
+	if got := started(w); got != 1 {
+		t.Fatalf("started %d, want 1", got)
+	}
+	if got := started(w); got != 0 {
+		t.Fatalf("started %d with no slot free", got)
+	}
+	g.release() // 1's
+	if got := started(w); got != 2 {
+		t.Fatalf("started %d, want 2", got)
+	}
+	out := g.abandon(w)
+	if len(out) != 1 || out[0] != js[2] || js[2].t.state != left {
+		t.Fatalf("abandoned %v, want job 3, left", out)
+	}
+	g.release() // 2's: the other session's 4 is next
+	if got := started(other); got != 4 {
+		t.Fatalf("started %d, want 4", got)
+	}
+	if got := started(w); got != 0 {
+		t.Fatalf("started %d after abandon", got)
+	}
+	g.release()
+	if g.held() != 0 || len(g.queue) != 0 {
+		t.Fatalf("%d held, %d queued; want 0, 0", g.held(), len(g.queue))
 	}
 }

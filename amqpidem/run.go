@@ -52,16 +52,17 @@ func (f *flight) run() {
 		f.hctx, cancel = context.WithTimeoutCause(f.hctx, p.cfg.HandlerTimeout, ErrHandlerTimeout)
 		defer cancel()
 	}
-	x := &execution{
+	f.x = execution{
 		info:   Info{Queue: p.cfg.Queue, Key: f.ev.Key, Attempt: f.attempt, Fence: f.lease.Fence},
 		outbox: outbox{idBase: f.storeKey, maxMessages: p.cfg.MaxStaged, maxBytes: p.outboxBytes, noStore: p.amender == nil, inject: p.stageInject()},
 	}
+	x := &f.x
 	f.hctx = withExecution(f.hctx, x)
 	if c, ok := p.handler.(Completer); ok {
 		f.runCompleter(c, &x.outbox)
 		return
 	}
-	result, err := f.timeHandler(func() ([]byte, error) { return call(f.hctx, p.handler, handlerDelivery(f.d)) })
+	result, err := f.timeHandler(func() ([]byte, error) { return call(f.hctx, p.handler, f.handlerDelivery()) })
 	f.slot.free()
 	staged := x.outbox.seal()
 	switch {
@@ -101,7 +102,7 @@ func (f *flight) runCompleter(c Completer, o *outbox) {
 		return stored, nil
 	}
 	result, err := f.timeHandler(func() ([]byte, error) {
-		return recovered(func() ([]byte, error) { return c.HandleComplete(f.hctx, handlerDelivery(f.d), f.lease, value) })
+		return recovered(func() ([]byte, error) { return c.HandleComplete(f.hctx, f.handlerDelivery(), f.lease, value) })
 	})
 	o.seal()
 	f.slot.free()
@@ -194,17 +195,18 @@ func (f *flight) runUnkeyed(why string) {
 		f.deadLetter("attempts exhausted", fmt.Errorf("%d executions started, at most %d allowed", f.attempt-1, p.cfg.MaxAttempts))
 		return
 	}
-	x := &execution{
+	f.x = execution{
 		info:   Info{Queue: p.cfg.Queue, Attempt: f.attempt},
 		outbox: outbox{maxMessages: p.cfg.MaxStaged, maxBytes: p.outboxBytes, inject: p.stageInject()},
 	}
+	x := &f.x
 	f.hctx = withExecution(f.ctx, x)
 	if p.cfg.HandlerTimeout > 0 {
 		var cancel context.CancelFunc
 		f.hctx, cancel = context.WithTimeoutCause(f.hctx, p.cfg.HandlerTimeout, ErrHandlerTimeout)
 		defer cancel()
 	}
-	result, err := f.timeHandler(func() ([]byte, error) { return call(f.hctx, p.handler, handlerDelivery(f.d)) })
+	result, err := f.timeHandler(func() ([]byte, error) { return call(f.hctx, p.handler, f.handlerDelivery()) })
 	f.slot.free()
 	staged := x.outbox.seal()
 	if err == nil && len(staged) > 0 {

@@ -13,10 +13,11 @@ import (
 // A Consumer's sessions: one per connection, from the dial to the
 // connection's end, and what happens to the deliveries it consumed.
 
-// job is one delivery of a session, with its ticket of the gate.
+// job is one delivery of a session, with its ticket of the gate: one
+// allocation for both.
 type job struct {
-	d *amqp.Delivery
-	t *ticket
+	d amqp.Delivery
+	t ticket
 }
 
 // session runs one connection: it returns when the connection or channel
@@ -46,59 +47,43 @@ func (c *Consumer) session(ctx, base context.Context) error {
 	// Acks go through acks, which folds them into multiple acks on this
 	// channel; what it holds is sent once the handlers are done.
 	acks := newAcker(ch, c.cfg.Prefetch)
-	// dead is closed when the channel died; sctx ends when the session
-	// does, or when the handlers must stop: it bounds the wait for a slot.
+	// dead is closed when the channel died.
 	dead := make(chan struct{})
 	acks.dead = dead // deliveries held for a delay (DelayInProcess) let go
-	sctx, endSession := context.WithCancel(base)
-	// Every delivery goes to a worker at once; the processor's gate lets
-	// Concurrency of them in at a time, in delivery order. Workers
-	// are started as needed, at most Prefetch of them (the broker sends
-	// no more unacked deliveries than that), and live as long as the
-	// session: a fresh goroutine per delivery would grow its stack anew
-	// each time, a cost that showed in make bench's CPU profile.
-	work := make(chan job)
-	var workers sync.WaitGroup
-	nworkers := 0
-	dispatch := func(j job) {
-		select {
-		case work <- j:
-			return
-		default:
+	// The processor's gate lets Concurrency deliveries in at a time, in
+	// delivery order; a delivery waits for its slot as a ticket in the
+	// gate, with no goroutine of its own, and the gate starts it on one of
+	// w's workers once it has one (see workers).
+	w := &workers{c: c, base: base, dead: dead, work: make(chan *job)}
+	g := c.proc.gate
+	// requeueWaiting sends the deliveries still waiting for a slot to
+	// process all the same, which sends them back to their queue unrun:
+	// the consumer is stopping.
+	requeueWaiting := func() {
+		for _, j := range g.abandon(w) {
+			w.start(j)
 		}
-		if nworkers == c.cfg.Prefetch {
-			work <- j
-			return
-		}
-		nworkers++
-		workers.Add(1)
-		c.tasks.Add(1)
-		go func() {
-			defer c.tasks.Done()
-			defer workers.Done()
-			c.work(base, sctx, dead, j)
-			for j := range work {
-				c.work(base, sctx, dead, j)
-			}
-		}()
 	}
 	// end ends the session. alive: the channel works, and the handlers
 	// finish before it closes. Otherwise they finish on their own, and the
 	// deliveries still waiting for a slot give it up.
 	end := func(alive bool) {
-		close(work)
 		if alive {
-			workers.Wait()
+			requeueWaiting()
+			close(w.work) // the gate starts none of w's deliveries any more
+			w.wg.Wait()
 			acks.flush()
-			endSession()
 			return
 		}
 		close(dead)
-		endSession()
+		for _, j := range g.abandon(w) {
+			c.dropped(base, j)
+		}
+		close(w.work)
 		c.tasks.Add(1)
 		go func() {
 			defer c.tasks.Done()
-			workers.Wait()
+			w.wg.Wait()
 			acks.flush() // stops its timers; the writes fail
 		}()
 	}
@@ -109,19 +94,24 @@ func (c *Consumer) session(ctx, base context.Context) error {
 				end(false)
 				return c.closedErr(connClosed, chClosed)
 			}
-			d.Acknowledger = acks
+			j := &job{d: d}
+			j.d.Acknowledger = acks
 			if c.isStopping() {
-				c.giveBack(base, &d)
+				requeueWaiting()
+				c.giveBack(base, &j.d)
 				c.drain(base, ch, acks, deliveries)
 				end(true)
 				return nil
 			}
-			dispatch(job{&d, c.proc.gate.enter()}) // tickets in delivery order
+			j.t.workers, j.t.job = w, j
+			g.submit(&j.t) // tickets in delivery order
 		case <-c.stopping:
+			requeueWaiting()
 			c.drain(base, ch, acks, deliveries)
 			end(true)
 			return nil
 		case <-ctx.Done():
+			requeueWaiting()
 			c.drain(base, ch, acks, deliveries)
 			end(true)
 			return ctx.Err()
@@ -256,24 +246,66 @@ func (c *Consumer) declare(ch *amqp.Channel) (err error) {
 	return c.cfg.Declare(ch)
 }
 
-// work waits for j's turn at the gate, then processes it. A delivery
-// whose channel died first (dead closed) is dropped: its ticket given
-// back, its handler not started, nothing acked or published, since the
-// broker delivers it again. A delivery that got no slot because the
-// consumer is stopping goes to process all the same, which sends it back
-// to its queue unrun.
-func (c *Consumer) work(base, sctx context.Context, dead <-chan struct{}, j job) {
-	g := c.proc.gate
-	g.wait(sctx, c.stopping, j.t) // process takes it from here, slot or not
+// workers run a session's deliveries once the gate let them in (start):
+// each on a worker that is idle, or else on a new one. Workers live as
+// long as the session: a fresh goroutine per delivery would grow its
+// stack anew each time, a cost that showed in make bench's CPU profile.
+// They are as many as deliveries were in process at once: the broker
+// sends at most Prefetch unacked ones, and a delivery waiting for its
+// slot takes none.
+//
+// A delivery goes from the session's goroutine to the gate, and from the
+// gate, as a slot frees, straight to a worker: one hand-off between
+// goroutines, not one to a worker that then waits for its slot (two).
+type workers struct {
+	c    *Consumer
+	base context.Context // the handlers' parent context
+	dead <-chan struct{} // closed when the session's channel died
+	work chan *job       // to an idle worker; closed once the gate starts none of the session's deliveries
+	wg   sync.WaitGroup  // the workers
+}
+
+// start runs j, whose ticket got its slot or left, on a worker. It never
+// blocks: the gate calls it with its lock held.
+func (w *workers) start(j *job) {
 	select {
-	case <-dead:
-		g.leave(j.t) // gives back the slot wait handed out, if it did
-		c.proc.cfg.Logger.DebugContext(base, "amqpidem: delivery of a closed channel not started; the broker delivers it again",
-			"queue", c.cfg.Queue, "message_id", j.d.MessageId, "delivery_tag", j.d.DeliveryTag)
+	case w.work <- j:
 		return
 	default:
 	}
-	c.proc.process(base, c.pub, j.d, j.t)
+	w.wg.Add(1)
+	w.c.tasks.Add(1)
+	go func() {
+		defer w.c.tasks.Done()
+		defer w.wg.Done()
+		w.c.work(w.base, w.dead, j)
+		for j := range w.work {
+			w.c.work(w.base, w.dead, j)
+		}
+	}()
+}
+
+// work processes j, whose ticket got its slot, or left as the consumer
+// began stopping: process then sends it back to its queue unrun. A
+// delivery whose channel died first (dead closed) is dropped: its ticket
+// given back, its handler not started, nothing acked or published, since
+// the broker delivers it again.
+func (c *Consumer) work(base context.Context, dead <-chan struct{}, j *job) {
+	select {
+	case <-dead:
+		c.dropped(base, j)
+		return
+	default:
+	}
+	c.proc.process(base, c.pub, &j.d, &j.t)
+}
+
+// dropped drops j, a delivery of a channel that died before its handler
+// started: its ticket given up (and the slot it got, if it did).
+func (c *Consumer) dropped(base context.Context, j *job) {
+	c.proc.gate.leave(&j.t)
+	c.proc.cfg.Logger.DebugContext(base, "amqpidem: delivery of a closed channel not started; the broker delivers it again",
+		"queue", c.cfg.Queue, "message_id", j.d.MessageId, "delivery_tag", j.d.DeliveryTag)
 }
 
 // closedErr explains why the deliveries channel closed.
