@@ -47,7 +47,7 @@ func adversarialValue(i int) []byte {
 
 // TestBatchArraysAdversarialKeysEveryMode: under every pgx query mode, a
 // batch of 1, of the adversarial keys and of 1000 keys is acquired and
-// completed, some messages declined: the table then holds exactly the
+// completed, some messages declined, then asked again: the table then holds exactly the
 // batch's keys, each with the owner and fence its lease was given, the
 // declined still pending, the others completed with their own value (a nil
 // result as an empty value, not NULL), and no other row.
@@ -131,6 +131,20 @@ func TestBatchArraysAdversarialKeysEveryMode(t *testing.T) {
 					checkRecords(t, pool, cfg.Schema, prefix, rs, func(i int) (bool, []byte) {
 						return !declined(i), adversarialValue(i)
 					})
+					// Again: each completed key answers its own value (the
+					// rows scanned into the same variables), each declined
+					// one InProgress.
+					again, errs := store.AcquireBatch(ctx, reqs)
+					for i, a := range again {
+						switch {
+						case errs[i] != nil:
+							t.Fatalf("duplicate %d: %v", i, errs[i])
+						case declined(i) && a.Status != lock.InProgress:
+							t.Errorf("declined %d (%q): %v, want in progress", i, reqs[i].Key, a.Status)
+						case !declined(i) && (a.Status != lock.Completed || !bytes.Equal(a.Value, adversarialValue(i)) || a.Value == nil && adversarialValue(i) != nil):
+							t.Errorf("duplicate %d (%q): %v %q, want completed with %q", i, reqs[i].Key, a.Status, a.Value, adversarialValue(i))
+						}
+					}
 				}
 			})
 		}
