@@ -69,3 +69,33 @@ func TestRedisBatchCommandsPrintTheirKeys(t *testing.T) {
 		})
 	}
 }
+
+// TestBatchKeysEachRequestItsOwn: newBatchKeys, with requests that failed
+// their check between those sent (zeros in their place) and a prefix of
+// the longest length allowed, gives each request sent its own owner token
+// (the string of its owners bytes) and its own record key, never a
+// neighbour's.
+func TestBatchKeysEachRequestItsOwn(t *testing.T) {
+	for _, prefix := range []string{"", "p", strings.Repeat("x", maxPrefixLen)} {
+		reqs := make([]Request, 50)
+		var todo []int
+		for i := range reqs {
+			reqs[i].Key = strings.Repeat("k", i%7) + string(rune('a'+i%26))
+			if i%3 != 1 {
+				todo = append(todo, i)
+			}
+		}
+		k := newBatchKeys(prefix, reqs, todo)
+		owners := map[string]bool{}
+		for _, i := range todo {
+			o := k.owner(i)
+			if o != string(k.owners[i][:]) || owners[o] || len(o) != 32 {
+				t.Fatalf("prefix %d bytes, request %d: owner %q (its bytes %q), seen before %v", len(prefix), i, o, k.owners[i][:], owners[o])
+			}
+			owners[o] = true
+			if got, want := k.rkey(i), recordKey(prefix, reqs[i].Key); got != want {
+				t.Fatalf("prefix %d bytes, request %d: record key %q, want %q", len(prefix), i, got, want)
+			}
+		}
+	}
+}
