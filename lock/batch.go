@@ -56,10 +56,14 @@ type batcher struct {
 type call struct {
 	script *redis.Script // nil: a native Acquire (see nativeAcquire)
 	// keyArg is the record's Redis key for every command that names it:
-	// a pointer to key, which boxes without an allocation (go-redis sends
-	// a *string as the string, and reads a Cluster slot's key from it).
+	// a pointer to key, which boxes without an allocation; key holds a
+	// copy of the key's bytes in the call's own buffer (kept by the pool).
+	// go-redis sends it as the bytes (MarshalBinary), and prints it and
+	// reads a Cluster slot's key through String: a *string would be sent
+	// right but printed as a pointer's address to hooks that log or
+	// trace commands (TestRedisBatchCommandsPrintTheirKeys).
 	keyArg any
-	key    string
+	key    bytesArg
 	// args are the script's arguments for key; for a native Acquire the
 	// record and its PX in ms. A call from getCall holds them in argBuf.
 	args []any
@@ -123,7 +127,7 @@ var callPool = sync.Pool{New: func() any { return &call{ready: make(chan struct{
 // most 8) arguments the caller puts in args (args has length n).
 func getCall(script *redis.Script, key string, n int) *call {
 	c := callPool.Get().(*call)
-	c.script, c.key = script, key
+	c.script, c.key = script, append(c.key[:0], key...)
 	c.keyArg = &c.key
 	c.args = c.argBuf[4 : 4+n]
 	return c
@@ -131,7 +135,7 @@ func getCall(script *redis.Script, key string, n int) *call {
 
 // newCall returns a call of script on key with args, not from the pool.
 func newCall(script *redis.Script, key string, args ...any) *call {
-	c := &call{script: script, key: key, ready: make(chan struct{}, 1)}
+	c := &call{script: script, key: bytesArg(key), ready: make(chan struct{}, 1)}
 	c.keyArg = &c.key
 	c.args = append(c.argBuf[4:4], args...) // in argBuf when they fit
 	return c
@@ -139,8 +143,8 @@ func newCall(script *redis.Script, key string, args ...any) *call {
 
 // putCall returns a call of getCall to the pool once its answer is read.
 func putCall(c *call) {
-	ready, slots := c.ready, c.slots
-	*c = call{ready: ready, slots: slots}
+	ready, slots, key := c.ready, c.slots, c.key[:0]
+	*c = call{ready: ready, slots: slots, key: key}
 	callPool.Put(c)
 }
 

@@ -15,6 +15,7 @@ import (
 // element instead, which boxes without one, and which pgx encodes through
 // the element's valuer method (pgtype.BytesValuer, TextValuer,
 // Int64Valuer). The values sent are the same: an element's nil []byte is
+// NULL, an empty one empty bytes, as for a [][]byte.
 
 // byteaArray is a bytea[] parameter.
 type byteaArray [][]byte
