@@ -498,9 +498,11 @@ const txGuardMark = "amqpidem: not the transaction the handler was given"
 // in that other, empty one. It raises a cast's error (22P02, txGuardMark
 // in its message), so that Migrate need not add a function; the cast's
 // operand calls a volatile function, so that the server cannot evaluate
-// it while planning.
-const txGuardSQL = "SELECT CASE WHEN pg_current_xact_id()::text = $1 OR pg_xact_status($1::xid8) IS NOT DISTINCT FROM 'committed' THEN true " +
-	"ELSE ('" + txGuardMark + ": ' || pg_current_xact_id()::text)::int > 0 END"
+// it while planning. Its functions and types are named in pg_catalog, so
+// that a handler's search_path cannot stand in for them.
+const txGuardSQL = "SELECT CASE WHEN pg_catalog.pg_current_xact_id()::pg_catalog.text = $1 " +
+	"OR pg_catalog.pg_xact_status($1::pg_catalog.xid8) IS NOT DISTINCT FROM 'committed' THEN true " +
+	"ELSE ('" + txGuardMark + ": ' || pg_catalog.pg_current_xact_id()::pg_catalog.text)::pg_catalog.int4 > 0 END"
 
 // isTxGuard reports whether err is txGuardSQL's.
 func isTxGuard(err error) bool {
@@ -510,7 +512,7 @@ func isTxGuard(err error) bool {
 
 // errTxRolledBack is the error of a run whose transaction fn rolled back
 // itself and then began another (txGuardSQL): nothing committed.
-var errTxRolledBack = amqpidem.Permanent(fmt.Errorf("%w and rolled it back, then began another and returned no error: its work was undone, nothing committed", ErrTxEnded))
+var errTxRolledBack = amqpidem.Permanent(fmt.Errorf("%w and rolled it back, then began another and returned no error: the work of the transaction it was given was undone, and the message is not completed", ErrTxEnded))
 
 // commit commits the transaction on conn, which has no record, unless it
 // is not xid (txGuardSQL).
