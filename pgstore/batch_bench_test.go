@@ -15,10 +15,7 @@ import (
 
 	"github.com/amqpidem/amqpidem/amqpidem"
 	"github.com/amqpidem/amqpidem/internal/proccpu"
-	"github.com/amqpidem/amqpidem/internal/testenv"
-	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
 	"github.com/amqpidem/amqpidem/lock"
-	"github.com/amqpidem/amqpidem/pgstore"
 )
 
 // BenchmarkBatch measures what one message of a pg-batch consumer costs
@@ -28,29 +25,12 @@ import (
 // bench). It reports allocations, this process's CPU (cpu-ns/op) and the
 // statements sent per message (statements/op, counted by a tracer).
 func BenchmarkBatch(b *testing.B) {
-	pcfg, err := pgxpool.ParseConfig(pgenv.DSN(b))
-	if err != nil {
-		b.Fatal(err)
-	}
 	var stmts atomic.Int64
-	pcfg.MaxConns = 1 // one server process, whose CPU is read (pg-cpu-ns/op)
-	pcfg.ConnConfig.Tracer = stmtCounter{&stmts}
 	ctx := context.Background()
-	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer pool.Close()
-	cfg := pgstore.Config{CleanupInterval: -1, Schema: strings.ToLower(testenv.Name(b))}
-	if err := pgstore.Migrate(ctx, pool, cfg); err != nil {
-		b.Fatal(err)
-	}
-	defer pool.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{cfg.Schema}.Sanitize()+" CASCADE")
-	store, err := pgstore.New(pool, cfg)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer store.Close()
+	pool, store, _ := storeOn(b, func(pcfg *pgxpool.Config) {
+		pcfg.MaxConns = 1 // one server process, whose CPU is read (pg-cpu-ns/op)
+		pcfg.ConnConfig.Tracer = stmtCounter{&stmts}
+	})
 	h := store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
 		return nil, nil
 	}).(amqpidem.BatchCompleter)

@@ -32,27 +32,10 @@ func TestBatchQueryExecModes(t *testing.T) {
 	}
 	for name, mode := range modes {
 		t.Run(name, func(t *testing.T) {
-			pcfg, err := pgxpool.ParseConfig(pgenv.DSN(t))
-			if err != nil {
-				t.Fatal(err)
-			}
-			pcfg.MaxConns = 2
-			pcfg.ConnConfig.DefaultQueryExecMode = mode
-			pool, err := pgxpool.NewWithConfig(ctx, pcfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer pool.Close()
-			cfg := pgstore.Config{CleanupInterval: -1, Schema: strings.ToLower(testenv.Name(t))}
-			if err := pgstore.Migrate(ctx, pool, cfg); err != nil {
-				t.Fatal(err)
-			}
-			defer pool.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{cfg.Schema}.Sanitize()+" CASCADE")
-			store, err := pgstore.New(pool, cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer store.Close()
+			_, store, _ := storeOn(t, func(pcfg *pgxpool.Config) {
+				pcfg.MaxConns = 2
+				pcfg.ConnConfig.DefaultQueryExecMode = mode
+			})
 			reqs := []lock.Request{
 				{Key: "plain", TTL: time.Minute},
 				{Key: "nul\x00and\xffbytes", TTL: time.Minute, Fingerprint: "fp\x00\xfe"},
@@ -90,4 +73,33 @@ func TestBatchQueryExecModes(t *testing.T) {
 			}
 		})
 	}
+}
+
+// storeOn is a Store migrated on a schema of its own, on a pool of its
+// own whose config tune adjusts (its size, exec mode, tracer), and its
+// Config; tb's cleanup closes them and drops the schema.
+func storeOn(tb testing.TB, tune func(*pgxpool.Config)) (*pgxpool.Pool, *pgstore.Store, pgstore.Config) {
+	tb.Helper()
+	ctx := context.Background()
+	pcfg, err := pgxpool.ParseConfig(pgenv.DSN(tb))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tune(pcfg)
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(pool.Close)
+	cfg := pgstore.Config{CleanupInterval: -1, Schema: strings.ToLower(testenv.Name(tb))}
+	if err := pgstore.Migrate(ctx, pool, cfg); err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { _, _ = pool.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{cfg.Schema}.Sanitize()+" CASCADE") })
+	store, err := pgstore.New(pool, cfg)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(store.Close)
+	return pool, store, cfg
 }

@@ -14,8 +14,6 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
-	"github.com/amqpidem/amqpidem/internal/testenv"
-	"github.com/amqpidem/amqpidem/internal/testenv/pgenv"
 	"github.com/amqpidem/amqpidem/lock"
 	"github.com/amqpidem/amqpidem/pgstore"
 )
@@ -65,27 +63,10 @@ func TestBatchArraysAdversarialKeysEveryMode(t *testing.T) {
 	for _, mode := range modes {
 		for bname, keys := range batches {
 			t.Run(mode.String()+"/"+bname, func(t *testing.T) {
-				pcfg, err := pgxpool.ParseConfig(pgenv.DSN(t))
-				if err != nil {
-					t.Fatal(err)
-				}
-				pcfg.MaxConns = 2
-				pcfg.ConnConfig.DefaultQueryExecMode = mode
-				pool, err := pgxpool.NewWithConfig(ctx, pcfg)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer pool.Close()
-				cfg := pgstore.Config{CleanupInterval: -1, Schema: strings.ToLower(testenv.Name(t))}
-				if err := pgstore.Migrate(ctx, pool, cfg); err != nil {
-					t.Fatal(err)
-				}
-				defer pool.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{cfg.Schema}.Sanitize()+" CASCADE")
-				store, err := pgstore.New(pool, cfg)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer store.Close()
+				pool, store, cfg := storeOn(t, func(pcfg *pgxpool.Config) {
+					pcfg.MaxConns = 2
+					pcfg.ConnConfig.DefaultQueryExecMode = mode
+				})
 				// Run twice: the second time the prepared statements
 				// are cached (and, past five runs, may be generic).
 				for round := range 2 {
