@@ -926,15 +926,7 @@ func TestRedisDown(t *testing.T) {
 // a lease whose acquire had answered late, which sends an operator after
 // an extension that never happened).
 func TestKeepLateLeaseSaysNoExtensionTried(t *testing.T) {
-	store, err := lock.NewMemoryStore(lock.Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	k, err := New(store, Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer k.Shutdown(context.Background())
+	k := newKeeper(t, newMemoryStore(t), Config{})
 	l := lock.Lease{Key: "late", Owner: "o", Fence: 1, Attempt: 1, TTL: time.Second, Retention: time.Hour, Deadline: time.Now().Add(-time.Millisecond)}
 	ctx, stop := k.Keep(context.Background(), l)
 	defer stop()

@@ -112,17 +112,7 @@ func TestTxHandlerCommitSessionEndsPoolHeld(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			r := newRig(t)
 			ctx := context.Background()
-			kill := pgx.Identifier{r.cfg.Schema, "kill"}.Sanitize()
-			killFn := pgx.Identifier{r.cfg.Schema, "kill_self"}.Sanitize()
-			for _, q := range []string{
-				"CREATE TABLE " + kill + " (op text)",
-				"CREATE FUNCTION " + killFn + "() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_terminate_backend(pg_backend_pid()); PERFORM pg_sleep(5); RETURN NULL; END $$",
-				"CREATE CONSTRAINT TRIGGER kill_at_commit AFTER INSERT ON " + kill + " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION " + killFn + "()",
-			} {
-				if _, err := r.pool.Exec(ctx, q); err != nil {
-					t.Fatal(err)
-				}
-			}
+			kill := r.atCommit("kill", "PERFORM pg_terminate_backend(pg_backend_pid()); PERFORM pg_sleep(5);")
 			small := pgenv.Pool(t, 2)
 			cfg := r.cfg
 			cfg.RowLeases = rows
@@ -302,17 +292,7 @@ func TestTxHandlerAnswerLostRecordNotConfirmedError(t *testing.T) {
 func TestTxHandlerHeldCommitBeginKeyCoveredToCommit(t *testing.T) {
 	r := newRig(t)
 	ctx := context.Background()
-	slow := pgx.Identifier{r.cfg.Schema, "slow"}.Sanitize()
-	slowFn := pgx.Identifier{r.cfg.Schema, "slow_commit"}.Sanitize()
-	for _, q := range []string{
-		"CREATE TABLE " + slow + " (op text)",
-		"CREATE FUNCTION " + slowFn + "() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(1); RETURN NULL; END $$",
-		"CREATE CONSTRAINT TRIGGER slow_at_commit AFTER INSERT ON " + slow + " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION " + slowFn + "()",
-	} {
-		if _, err := r.pool.Exec(ctx, q); err != nil {
-			t.Fatal(err)
-		}
-	}
+	slow := r.atCommit("slow", "PERFORM pg_sleep(1);")
 	returned := make(chan struct{})
 	h := r.taker(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) {
 		if err := r.insert(ctx, tx, d.MessageId); err != nil {
@@ -381,4 +361,23 @@ func TestTxHandlerCommitBeginSessionEndsThenError(t *testing.T) {
 			}
 		})
 	}
+}
+
+// atCommit makes a table name (op text) of r's schema whose inserted rows
+// run body (PL/pgSQL statements) when their transaction commits (a
+// deferred constraint trigger), and returns its full name.
+func (r *rig) atCommit(name, body string) string {
+	r.t.Helper()
+	table := pgx.Identifier{r.cfg.Schema, name}.Sanitize()
+	fn := pgx.Identifier{r.cfg.Schema, name + "_at_commit"}.Sanitize()
+	for _, q := range []string{
+		"CREATE TABLE " + table + " (op text)",
+		"CREATE FUNCTION " + fn + "() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN " + body + " RETURN NULL; END $$",
+		"CREATE CONSTRAINT TRIGGER " + name + "_at_commit AFTER INSERT ON " + table + " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION " + fn + "()",
+	} {
+		if _, err := r.pool.Exec(context.Background(), q); err != nil {
+			r.t.Fatal(err)
+		}
+	}
+	return table
 }
