@@ -511,7 +511,9 @@ func isTxGuard(err error) bool {
 }
 
 // errTxRolledBack is the error of a run whose transaction fn rolled back
-// itself and then began another (txGuardSQL): nothing committed.
+// itself and then began another (txGuardSQL): the guarded commit, of that
+// other transaction, is skipped; what fn committed in between, if
+// anything, is its own.
 var errTxRolledBack = amqpidem.Permanent(fmt.Errorf("%w and rolled it back, then began another and returned no error: the work of the transaction it was given was undone, and the message is not completed", ErrTxEnded))
 
 // commit commits the transaction on conn, which has no record, unless it
