@@ -40,11 +40,9 @@ func (s *syncBuffer) String() string {
 // published nor acked until the whole split is over. When the reruns of
 // the other half take longer than a lease TTL (a handler of 1.2 s, a
 // lease of 2 s), the committed messages' outbox claim passes: each is
-// requeued ("outbox claim passed", Abandoned) and its copy publishes, and
-// meanwhile the heartbeat warns "lease cannot be kept, cancelling
-// handler" for every one of them, although their work committed. Nobody
-// paused, no lease was taken over: a committed message should be settled
-// as Completed once, with no warning.
+// requeued ("outbox claim passed", Abandoned) and its copy publishes.
+// Nobody paused, no lease was taken over: a committed message should be
+// settled as Completed once. (Open: this test fails on purpose.)
 func TestTrial2SplitCommittedHalfWaits(t *testing.T) {
 	evs, _ := runSplitBatch(t, 1200*time.Millisecond)
 	for _, op := range ids("p", 8)[1:] {
