@@ -516,6 +516,13 @@ func (p *processor) runBatch(ctx context.Context, fs []*flight) (runs int) {
 					f.out.result, f.out.err = rs[i].Result, rs[i].Err
 					f.out.completed = f.out.completed && rs[i].Err == nil
 				}
+				if f.out.completed {
+					// Its record committed with this run: the lease is
+					// over, and renewing it while the rest of a split
+					// batch runs would be refused, warned about as a
+					// lease lost. settleBatched stops it too.
+					f.stopKeep()
+				}
 			}
 			return runs
 		}

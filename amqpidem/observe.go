@@ -479,6 +479,11 @@ func (p *processor) report(ctx context.Context, ev *Event) {
 		}
 		if ev.Err != nil {
 			attrs = append(attrs, slog.Any("error", ev.Err))
+			// A panic's value alone ("nil pointer dereference") does not
+			// say where: the stack recovered with it does.
+			if pe := (*PanicError)(nil); errors.As(ev.Err, &pe) && len(pe.Stack) > 0 {
+				attrs = append(attrs, slog.String("stack", string(pe.Stack)))
+			}
 		}
 		p.cfg.Logger.LogAttrs(ctx, level, "amqpidem: message "+ev.Outcome.String(), attrs...)
 	}
