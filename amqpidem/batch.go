@@ -371,6 +371,7 @@ func (f *flight) runBatched() {
 	if runJoinHook != nil {
 		runJoinHook(f)
 	}
+	f.ready = make(chan struct{})
 	b.runs.mu.Lock()
 	gr, leader := b.runs.joinLocked(f, b.size)
 	b.arrivedLocked(f)
@@ -398,17 +399,41 @@ func (f *flight) runBatched() {
 		// (cancelled with its ctx, its lease lost, a forced shutdown)
 		// cancels the batch it is in (callBatch).
 		bctx := context.WithoutCancel(f.ctx)
-		runs := p.runBatch(bctx, fs)
+		runs := p.runBatch(bctx, fs, f.settleRun, true)
 		p.completeBatch(bctx, fs)
 		if slot {
 			<-b.slots
 		}
-		p.observeBatch(f.ctx, BatchInfo{Queue: p.cfg.Queue, Size: len(fs), Runs: runs, Duration: time.Since(start)})
+		p.observeBatch(bctx, BatchInfo{Queue: p.cfg.Queue, Size: len(fs), Runs: runs, Duration: time.Since(start)})
+		f.settleRun(fs)
 		close(gr.done)
-	} else {
-		<-gr.done
+		return
 	}
+	<-f.ready
 	f.settleBatched()
+}
+
+// settleRun is called by leader, the leader of a run batch, with flights
+// of it whose out is final: each settles now (the leader's own flight
+// on the leader's goroutine), once. The leader calls it with the
+// flights whose records a part of the batch committed as that part
+// commits, and with all of them once the batch is over.
+func (leader *flight) settleRun(fs []*flight) {
+	self := false
+	for _, f := range fs {
+		if f.released {
+			continue
+		}
+		f.released = true
+		if f == leader {
+			self = true
+			continue
+		}
+		close(f.ready)
+	}
+	if self {
+		leader.settleBatched()
+	}
 }
 
 // arrived tells f's batcher that f, whose lease was asked for in a
@@ -492,9 +517,11 @@ func (b *batcher) gatherRun(gr *group[*flight], stop, done <-chan struct{}) []*f
 // it; a batch error splits the batch in halves, each run again, down to
 // single flights, whose out is then that error. A BatchCompleter's commit
 // whose outcome is unknown (lock.ErrUnavailable) is not run again: each
-// flight settles as "store unavailable". It returns how many times it
+// flight settles as "store unavailable". last says that no other part
+// of the batch runs after fs; settle settles flights of a part that is
+// not last as soon as their records commit. It returns how many times it
 // called the handler.
-func (p *processor) runBatch(ctx context.Context, fs []*flight) (runs int) {
+func (p *processor) runBatch(ctx context.Context, fs []*flight, settle func([]*flight), last bool) (runs int) {
 	for len(fs) > 0 {
 		live := fs[:0:0]
 		for _, f := range fs {
@@ -524,6 +551,20 @@ func (p *processor) runBatch(ctx context.Context, fs []*flight) (runs int) {
 					f.stopKeep()
 				}
 			}
+			if !last && p.batch.bc != nil {
+				// Part of a split batch, other parts still to run: the
+				// messages whose records committed settle now (published,
+				// acked) rather than after those runs, which may take
+				// longer than their outbox claim. The others settle with
+				// the batch: their ends are store calls on its leases.
+				var done []*flight
+				for _, f := range live {
+					if f.out.completed {
+						done = append(done, f)
+					}
+				}
+				settle(done)
+			}
 			return runs
 		}
 		// A commit whose outcome is unknown may have landed: running any
@@ -545,7 +586,7 @@ func (p *processor) runBatch(ctx context.Context, fs []*flight) (runs int) {
 			continue
 		}
 		mid := len(live) / 2
-		runs += p.runBatch(ctx, live[:mid])
+		runs += p.runBatch(ctx, live[:mid], settle, false)
 		fs = live[mid:]
 	}
 	return runs

@@ -60,6 +60,13 @@ type flight struct {
 	// batch it ran in alone.
 	out           batchOut
 	batchTimedOut bool
+	// ready is closed by its batch's leader once out is final: a flight
+	// whose record committed in one part of a split batch settles then,
+	// not after the rest of the split (whose runs may outlast its
+	// outbox claim). released says the leader closed it (the leader's
+	// own field).
+	ready    chan struct{}
+	released bool
 	// leaseBatched: its lease was asked for in a lease batch, and it has
 	// not told its batcher yet that it is no longer on its way to a run
 	// batch (arrived).
