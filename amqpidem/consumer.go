@@ -72,7 +72,8 @@ type ConsumerConfig struct {
 	Declare func(ch *amqp.Channel) error
 	// Reconnect makes the backoff between reconnection attempts; a
 	// backoff.Stop ends Run with the last error. Default: exponential,
-	// 100 ms to 10 s, forever. A refusal that reconnecting cannot cure
+	// 100 ms to 10 s, forever, each wait randomized by ±50% (backoff's
+	// default: a wait at the cap is 5 to 15 s). A refusal that reconnecting cannot cure
 	// (wrong credentials, a queue declared with other arguments: see
 	// Consumer.Run) ends Run at once, whatever Reconnect says.
 	Reconnect func() backoff.BackOff
