@@ -485,11 +485,23 @@ func (p *publisher) publishOn(ctx context.Context, exchange, key string, msg amq
 	}
 	if !acked {
 		if closed {
-			return false, fmt.Errorf("%w: exchange %q routing key %q: the broker closed the channel: %w", ErrNotConfirmed, exchange, key, reason)
+			return false, fmt.Errorf("%w: exchange %q routing key %q: %s: %w", ErrNotConfirmed, exchange, key, whoClosed(reason), reason)
 		}
 		return false, fmt.Errorf("%w: exchange %q routing key %q", ErrNotConfirmed, exchange, key)
 	}
 	return false, nil
+}
+
+// whoClosed says what closed a publish channel that ended with reason:
+// the broker (a channel or connection exception it sent), or the
+// connection's loss or close on this side (amqp091 reports a lost TCP
+// connection as a 501 frame error of its own, not the broker's).
+func whoClosed(reason error) string {
+	var e *amqp.Error
+	if errors.As(reason, &e) && e.Server {
+		return "the broker closed the channel"
+	}
+	return "the channel closed with its connection (lost or closed on this side; the broker did not close it)"
 }
 
 // redeclareAfter is how often a self-expiring delay queue is declared
