@@ -317,7 +317,8 @@ func NewBatchConsumer(store lock.Store, cfg ConsumerConfig, h BatchHandler) (*Co
 		return nil, err
 	}
 	ba, _ := store.(lock.BatchAcquirer)
-	c.proc.batch = &batcher{h: h, bc: bc, ba: ba, size: cfg.BatchSize, wait: cfg.BatchWait, slots: slots}
+	bt, _ := h.(BatchLeaseTaker)
+	c.proc.batch = &batcher{h: h, bc: bc, ba: ba, bt: bt, size: cfg.BatchSize, wait: cfg.BatchWait, slots: slots}
 	return c, nil
 }
 
