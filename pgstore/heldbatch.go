@@ -320,9 +320,11 @@ func (b *heldBatch) settle(ctx context.Context, unlock [][]byte) {
 	switch {
 	case b.members > 0 && len(unlock) > 0:
 		q.Queue(b.hs.batchUnlock, b.s.cfg.Prefix, byteaArray(unlock))
-	case b.members == 0:
+	case b.members == 0 && (len(b.locked) > 0 || st == 'T'):
 		// Every lock of the session, whatever the bookkeeping says: a
-		// pooled connection must never keep one.
+		// pooled connection must never keep one. (Each lock it took is
+		// in b.locked until its release or its commit released it; an
+		// unlock that failed closed the connection.)
 		q.Queue("SELECT pg_advisory_unlock_all()")
 		if st == 'T' {
 			q.Queue("ROLLBACK")
@@ -469,6 +471,7 @@ func (s *Store) finishOwn(ctx context.Context, b *heldBatch, l lock.Lease, value
 		if err == nil {
 			delete(b.locked, l.Key)
 			b.committed[l.Owner] = true
+			b.members--
 			return nil
 		}
 		if ferr != nil && !b.conn.Conn().PgConn().IsClosed() {
@@ -479,6 +482,7 @@ func (s *Store) finishOwn(ctx context.Context, b *heldBatch, l lock.Lease, value
 			// lock with it.
 			b.drop()
 			b.committed[l.Owner] = true
+			b.members--
 			return nil
 		}
 	}
@@ -488,6 +492,7 @@ func (s *Store) finishOwn(ctx context.Context, b *heldBatch, l lock.Lease, value
 		l.Retention.Milliseconds(), fp)
 	if err = s.heldError("complete", l, err); err == nil {
 		b.committed[l.Owner] = true
+		b.members--
 	}
 	return err
 }
@@ -535,7 +540,7 @@ func (h *batchTxHandler) runHeld(ctx context.Context, b *heldBatch, ds []*amqp.D
 			switch {
 			case m == nil:
 			case m.batch == b && b.committed[leases[i].Owner]:
-				b.members--
+				// Ended (members counted down by its commit).
 			default:
 				back = append(back, i)
 			}
@@ -630,6 +635,7 @@ func (s *Store) finishHeldBatch(ctx context.Context, b *heldBatch, xid string, l
 			delete(b.locked, string(keys[j]))
 			b.committed[owners[j]] = true
 		}
+		b.members -= len(done)
 		return lostAnswer()
 	}
 	if gerr == nil && serr == nil {

@@ -85,7 +85,7 @@ func (s *Store) heldStatements(ctx context.Context) (*heldSQL, error) {
 	case err != nil:
 		return nil, err
 	}
-	hs := newHeldSQL(*table, n.heldKey)
+	hs := newHeldSQL(*table, n.heldKey, n.table)
 	s.heldSQL.Store(hs)
 	return hs, nil
 }
@@ -93,20 +93,27 @@ func (s *Store) heldStatements(ctx context.Context) (*heldSQL, error) {
 // newHeldSQL returns the statements of leases held by transactions on the
 // records table (its full name, quoted), with heldKey the function that
 // makes the second half of a key's advisory lock, the one the functions
-// try.
-func newHeldSQL(table, heldKey string) *heldSQL {
+// try, and hashTable the table's name as held_key hashes it: the
+// statements over a batch's keys compute that half inline, as
+// acquireBatchSQL does, rather than call the function for each key.
+func newHeldSQL(table, heldKey, hashTable string) *heldSQL {
 	lockKey := heldLockClass + ", " + heldKey + "($1, $2)"
-	xKey := heldLockClass + ", " + heldKey + "($1, x.key)"
+	xKey := heldLockClass + ", " + heldKeyHashOf(hashTable, "$1", "x.key")
 	return &heldSQL{
 		batchSetup: `SELECT pg_current_xact_id()::text, set_config('idle_in_transaction_session_timeout', $1::text, true) IS NOT NULL,
 				current_setting('transaction_isolation') = 'read committed', pg_backend_pid()`,
-		batchLock: `SELECT CASE WHEN EXISTS (SELECT FROM ` + table + ` t
-					WHERE t.ns = $1 AND t.key = x.key AND t.expires_at > clock_timestamp()) THEN NULL
+		// Each key's record is looked up by its primary key, in a
+		// correlated subquery with a LIMIT, which the planner can turn
+		// neither into a join nor into a hashed scan of the whole table
+		// (as it did an EXISTS, the cost growing with the table).
+		batchLock: `SELECT CASE WHEN (SELECT true FROM ` + table + ` t
+					WHERE t.ns = $1 AND t.key = x.key AND t.expires_at > clock_timestamp() LIMIT 1) THEN NULL
 				ELSE pg_try_advisory_lock(` + xKey + `) END
 			FROM unnest($2::bytea[]) WITH ORDINALITY AS x(key, n) ORDER BY x.n`,
 		batchRead: `SELECT t.state, t.fence, t.attempts, t.value, t.fingerprint, t.expires_at > clock_timestamp(),
 				ceil(extract(epoch FROM t.deadline - clock_timestamp()) * 1000)::bigint, ` + clockUS + `
-			FROM unnest($2::bytea[]) WITH ORDINALITY AS x(key, n) LEFT JOIN ` + table + ` t ON t.ns = $1 AND t.key = x.key
+			FROM unnest($2::bytea[]) WITH ORDINALITY AS x(key, n)
+			LEFT JOIN LATERAL (SELECT * FROM ` + table + ` r WHERE r.ns = $1 AND r.key = x.key LIMIT 1) t ON true
 			ORDER BY x.n`,
 		batchUnlock: `SELECT pg_advisory_unlock(` + xKey + `) FROM unnest($2::bytea[]) AS x(key)`,
 		// Each row takes the key's transaction-level lock (the session's
