@@ -1,0 +1,103 @@
+package pgstore_test
+
+import (
+	"context"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/lock"
+)
+
+// TestHeldBatchExcludes: a lease of a batch held by a session
+// (AcquireLeaseBatch), a single lease held by a transaction (TxHandler's
+// AcquireLease) and a record-row lease (Acquire, AcquireBatch) of one key
+// exclude each other, every way round; once the batch's leases ended
+// (one released, one completed with its batch), its session holds no
+// lock and no transaction, back in the pool, and the keys are free.
+func TestHeldBatchExcludes(t *testing.T) {
+	ctx := context.Background()
+	pool, store, _ := storeOn(t, func(p *pgxpool.Config) { p.MaxConns = 8 })
+	bh := store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		return nil, nil
+	}).(amqpidem.BatchLeaseTaker)
+	th := store.TxHandler(func(ctx context.Context, tx pgx.Tx, d *amqp.Delivery) ([]byte, error) { return nil, nil }).(amqpidem.LeaseTaker)
+	req := func(key string) lock.Request { return lock.Request{Key: key, TTL: time.Minute, Retention: time.Hour} }
+	batch := func(keys ...string) []lock.Result {
+		t.Helper()
+		reqs := make([]lock.Request, len(keys))
+		ds := make([]*amqp.Delivery, len(keys))
+		for i, k := range keys {
+			reqs[i], ds[i] = req(k), &amqp.Delivery{}
+		}
+		rs, errs := bh.AcquireLeaseBatch(ctx, reqs, ds)
+		for i, err := range errs {
+			if err != nil {
+				t.Fatalf("AcquireLeaseBatch %s: %v", keys[i], err)
+			}
+		}
+		return rs
+	}
+	want := func(what string, res lock.Result, err error, st lock.Status) {
+		t.Helper()
+		if err != nil || res.Status != st {
+			t.Errorf("%s: %v %v, want %v", what, res.Status, err, st)
+		}
+	}
+
+	rs := batch("k1", "k2")
+	for _, r := range rs {
+		if r.Status != lock.Acquired || r.Lease.Owner[0] != 't' {
+			t.Fatalf("batch lease: %+v, want acquired, held", r)
+		}
+	}
+	res, err := store.Acquire(ctx, req("k1"))
+	want("Acquire of a batch-held key", res, err, lock.InProgress)
+	brs, berrs := store.AcquireBatch(ctx, []lock.Request{req("k2")})
+	want("AcquireBatch of a batch-held key", brs[0], berrs[0], lock.InProgress)
+	res, err = th.AcquireLease(ctx, req("k1"), &amqp.Delivery{})
+	want("a held lease of a batch-held key", res, err, lock.InProgress)
+	want("a batch lease of a batch-held key", batch("k2")[0], nil, lock.InProgress)
+
+	single, err := th.AcquireLease(ctx, req("k3"), &amqp.Delivery{})
+	want("a held lease", single, err, lock.Acquired)
+	want("a batch lease of a held key", batch("k3")[0], nil, lock.InProgress)
+	if err := store.Cancel(ctx, single.Lease); err != nil {
+		t.Fatal(err)
+	}
+	row, err := store.Acquire(ctx, req("k4"))
+	want("a record-row lease", row, err, lock.Acquired)
+	want("a batch lease of a record-row key", batch("k4")[0], nil, lock.InProgress)
+
+	pid, err := strconv.ParseUint(rs[0].Lease.Owner[1:9], 16, 32)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := store.Release(ctx, rs[0].Lease); err != nil {
+		t.Fatal(err)
+	}
+	out, err := bh.HandleBatchComplete(ctx, []amqpidem.BatchItem{{Delivery: &amqp.Delivery{}, Lease: rs[1].Lease}},
+		func(_ int, r []byte) ([]byte, error) { return r, nil })
+	if err != nil || out[0].Err != nil {
+		t.Fatalf("HandleBatchComplete: %v %v", out, err)
+	}
+	// (The question may be asked on that very session, back in the pool.)
+	var locks int
+	var state string
+	if err := pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM pg_locks WHERE pid = $1 AND locktype = 'advisory'), "+
+		"(SELECT CASE WHEN pid = pg_backend_pid() THEN 'idle' ELSE state END FROM pg_stat_activity WHERE pid = $1)", int(pid)).Scan(&locks, &state); err != nil {
+		t.Fatal(err)
+	}
+	if locks != 0 || state != "idle" {
+		t.Errorf("the batch's session, all its leases ended: %d advisory locks, %q, want 0, idle", locks, state)
+	}
+	res, err = store.Acquire(ctx, req("k1"))
+	want("Acquire of the released key", res, err, lock.Acquired)
+	res, err = store.Acquire(ctx, req("k2"))
+	want("Acquire of the completed key", res, err, lock.Completed)
+}
