@@ -70,9 +70,15 @@ type BatchTxFunc func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]am
 //     effects rolled back with it, and it runs again). The batch is not
 //     run again in place, which could commit its effects twice.
 //
-// The batch consumer takes a batch's leases with AcquireBatch (record-row
-// leases, one statement for the batch), before the batch runs. A batch
-// holds one pooled connection while it runs.
+// The returned handler implements amqpidem.BatchLeaseTaker: the batch
+// consumer takes a lease batch's leases with its AcquireLeaseBatch, held
+// by the session of one pooled connection and written once, with the
+// batch's effects (one commit per batch; see "Lease batches held by a
+// session" in the package documentation). A lease batch holds that
+// connection until each of its leases ended. With Config.RowLeases, and
+// for redelivered messages, the leases are record rows taken by
+// AcquireBatch (one statement for the batch), committed before the batch
+// runs, and a batch holds one pooled connection while it runs.
 //
 // The returned handler implements amqpidem.BatchCompleter. A message
 // processed without a lease (amqpidem.ProcessMissingKey, FailOpen) runs
