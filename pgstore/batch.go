@@ -136,9 +136,6 @@ func (h *batchTxHandler) HandleBatchComplete(ctx context.Context, items []amqpid
 			rows.idx = append(rows.idx, i)
 		}
 	}
-	if len(bad) > 0 && len(parts) == 0 && len(rows.idx) == 0 {
-		return nil, fmt.Errorf("pgstore: key %q: a batch cannot complete a lease held by a transaction of its own", items[bad[0]].Lease.Key)
-	}
 	if len(rows.idx) > 0 {
 		parts = append(parts, rows)
 	}
@@ -147,7 +144,9 @@ func (h *batchTxHandler) HandleBatchComplete(ctx context.Context, items []amqpid
 	}
 	rs := make([]amqpidem.BatchResult, len(items))
 	for _, i := range bad {
-		rs[i].Err = fmt.Errorf("%w: key %q: the transaction holding the lease is not a batch's", lock.ErrUnavailable, items[i].Lease.Key)
+		// A single held lease (a batch cannot complete it), or a batch's
+		// that ended before its run (its TTL passed): not run.
+		rs[i].Err = fmt.Errorf("%w: key %q: the lease is not held by a lease batch's session (it ended, or was never one's)", lock.ErrUnavailable, items[i].Lease.Key)
 	}
 	committed := false
 	for _, p := range parts {

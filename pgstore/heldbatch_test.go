@@ -2,6 +2,7 @@ package pgstore_test
 
 import (
 	"context"
+	"errors"
 	"strconv"
 	"testing"
 	"time"
@@ -100,4 +101,66 @@ func TestHeldBatchExcludes(t *testing.T) {
 	want("Acquire of the released key", res, err, lock.Acquired)
 	res, err = store.Acquire(ctx, req("k2"))
 	want("Acquire of the completed key", res, err, lock.Completed)
+}
+
+// TestHeldBatchRerunKeepsLocks: a run of a held lease batch that fails as
+// a batch rolls back and keeps every key held (its session's locks
+// outlive the transaction); a second run, of half the batch, commits
+// those records; the other lease, released, frees its key; and the
+// session then holds no lock.
+func TestHeldBatchRerunKeepsLocks(t *testing.T) {
+	ctx := context.Background()
+	pool, store, _ := storeOn(t, func(p *pgxpool.Config) { p.MaxConns = 8 })
+	runs := 0
+	bh := store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		runs++
+		if runs == 1 {
+			return nil, errors.New("poison")
+		}
+		return nil, nil
+	}).(amqpidem.BatchLeaseTaker)
+	req := func(key string) lock.Request { return lock.Request{Key: key, TTL: time.Minute, Retention: time.Hour} }
+	rs, errs := bh.AcquireLeaseBatch(ctx, []lock.Request{req("r1"), req("r2")}, []*amqp.Delivery{{}, {}})
+	for i := range rs {
+		if errs[i] != nil || rs[i].Status != lock.Acquired {
+			t.Fatalf("AcquireLeaseBatch: %v %v", rs[i].Status, errs[i])
+		}
+	}
+	items := []amqpidem.BatchItem{{Delivery: &amqp.Delivery{}, Lease: rs[0].Lease}, {Delivery: &amqp.Delivery{}, Lease: rs[1].Lease}}
+	value := func(_ int, r []byte) ([]byte, error) { return r, nil }
+	if _, err := bh.HandleBatchComplete(ctx, items, value); err == nil {
+		t.Fatal("the poisoned run answered no batch error")
+	}
+	for _, k := range []string{"r1", "r2"} {
+		if res, err := store.Acquire(ctx, req(k)); err != nil || res.Status != lock.InProgress {
+			t.Errorf("Acquire %s after the failed run: %v %v, want in progress", k, res.Status, err)
+		}
+	}
+	out, err := bh.HandleBatchComplete(ctx, items[:1], value)
+	if err != nil || out[0].Err != nil {
+		t.Fatalf("second run: %v %v", out, err)
+	}
+	if res, err := store.Acquire(ctx, req("r1")); err != nil || res.Status != lock.Completed {
+		t.Errorf("Acquire r1 after its commit: %v %v, want completed", res.Status, err)
+	}
+	if res, err := store.Acquire(ctx, req("r2")); err != nil || res.Status != lock.InProgress {
+		t.Errorf("Acquire r2, still held: %v %v, want in progress", res.Status, err)
+	}
+	if err := store.Release(ctx, rs[1].Lease); err != nil {
+		t.Fatal(err)
+	}
+	if res, err := store.Acquire(ctx, req("r2")); err != nil || res.Status != lock.Acquired {
+		t.Errorf("Acquire r2 after its release: %v %v, want acquired", res.Status, err)
+	}
+	pid, err := strconv.ParseUint(rs[0].Lease.Owner[1:9], 16, 32)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var locks int
+	if err := pool.QueryRow(ctx, "SELECT count(*) FROM pg_locks WHERE pid = $1 AND locktype = 'advisory'", int(pid)).Scan(&locks); err != nil {
+		t.Fatal(err)
+	}
+	if locks != 0 {
+		t.Errorf("the batch's session, all its leases ended, holds %d advisory locks", locks)
+	}
 }
