@@ -106,8 +106,8 @@ func TestHeldBatchExcludes(t *testing.T) {
 // TestHeldBatchRerunKeepsLocks: a run of a held lease batch that fails as
 // a batch rolls back and keeps every key held (its session's locks
 // outlive the transaction); a second run, of half the batch, commits
-// those records; the other lease, released, frees its key; and the
-// session then holds no lock.
+// those records; the other lease, still held (Extend), released, frees
+// its key; and the session then holds no lock.
 func TestHeldBatchRerunKeepsLocks(t *testing.T) {
 	ctx := context.Background()
 	pool, store, _ := storeOn(t, func(p *pgxpool.Config) { p.MaxConns = 8 })
@@ -146,8 +146,14 @@ func TestHeldBatchRerunKeepsLocks(t *testing.T) {
 	if res, err := store.Acquire(ctx, req("r2")); err != nil || res.Status != lock.InProgress {
 		t.Errorf("Acquire r2, still held: %v %v, want in progress", res.Status, err)
 	}
+	if errs := store.Extend(ctx, rs[1].Lease); errs[0] != nil {
+		t.Errorf("Extend of r2, held by the batch's session: %v", errs[0])
+	}
 	if err := store.Release(ctx, rs[1].Lease); err != nil {
 		t.Fatal(err)
+	}
+	if errs := store.Extend(ctx, rs[1].Lease); !errors.Is(errs[0], lock.ErrLeaseLost) {
+		t.Errorf("Extend of r2 after its release: %v, want lease lost", errs[0])
 	}
 	if res, err := store.Acquire(ctx, req("r2")); err != nil || res.Status != lock.Acquired {
 		t.Errorf("Acquire r2 after its release: %v %v, want acquired", res.Status, err)
