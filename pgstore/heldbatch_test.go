@@ -170,3 +170,61 @@ func TestHeldBatchRerunKeepsLocks(t *testing.T) {
 		t.Errorf("the batch's session, all its leases ended, holds %d advisory locks", locks)
 	}
 }
+
+// TestHeldBatchParts: a run batch holding the leases of two lease batches
+// runs each on its own session, one transaction each. A part that fails
+// as a batch first fails the whole run, nothing committed, the other
+// part not run and its lease still held; once a part committed, a later
+// part's batch error is each of its messages' own.
+func TestHeldBatchParts(t *testing.T) {
+	ctx := context.Background()
+	_, store, _ := storeOn(t, func(p *pgxpool.Config) { p.MaxConns = 8 })
+	bh := store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		for _, d := range ds {
+			if d.MessageId == "bad" {
+				return nil, errors.New("poison")
+			}
+		}
+		return nil, nil
+	}).(amqpidem.BatchLeaseTaker)
+	req := func(key string) lock.Request { return lock.Request{Key: key, TTL: time.Minute, Retention: time.Hour} }
+	lease := func(key string) lock.Lease {
+		t.Helper()
+		rs, errs := bh.AcquireLeaseBatch(ctx, []lock.Request{req(key)}, []*amqp.Delivery{{}})
+		if errs[0] != nil || rs[0].Status != lock.Acquired {
+			t.Fatalf("AcquireLeaseBatch %s: %v %v", key, rs[0].Status, errs[0])
+		}
+		return rs[0].Lease
+	}
+	good, bad := lease("p1"), lease("p2")
+	value := func(_ int, r []byte) ([]byte, error) { return r, nil }
+	items := []amqpidem.BatchItem{
+		{Delivery: &amqp.Delivery{MessageId: "bad"}, Lease: bad},
+		{Delivery: &amqp.Delivery{MessageId: "good"}, Lease: good},
+	}
+	if _, err := bh.HandleBatchComplete(ctx, items, value); err == nil {
+		t.Fatal("the failing first part answered no batch error")
+	}
+	for _, k := range []string{"p1", "p2"} {
+		if res, err := store.Acquire(ctx, req(k)); err != nil || res.Status != lock.InProgress {
+			t.Errorf("Acquire %s after the failed run: %v %v, want in progress", k, res.Status, err)
+		}
+	}
+	items[0], items[1] = items[1], items[0]
+	out, err := bh.HandleBatchComplete(ctx, items, value)
+	if err != nil {
+		t.Fatalf("a committed part, then a failing one: batch error %v", err)
+	}
+	if out[0].Err != nil || out[1].Err == nil {
+		t.Errorf("results %v: want the good one done, the bad one failed", out)
+	}
+	if res, err := store.Acquire(ctx, req("p1")); err != nil || res.Status != lock.Completed {
+		t.Errorf("Acquire p1: %v %v, want completed", res.Status, err)
+	}
+	if res, err := store.Acquire(ctx, req("p2")); err != nil || res.Status != lock.InProgress {
+		t.Errorf("Acquire p2: %v %v, want in progress (its lease still held)", res.Status, err)
+	}
+	if err := store.Release(ctx, bad); err != nil {
+		t.Fatal(err)
+	}
+}
