@@ -400,20 +400,39 @@ func (s *Store) finishMember(ctx context.Context, h *heldTx, l lock.Lease, op, s
 		q.Queue(s.sql.finishHeld, s.cfg.Prefix, []byte(l.Key), l.Owner, l.Fence, state, value, l.Retention.Milliseconds(), h.fp)
 		q.Queue(b.hs.unlock, s.cfg.Prefix, h.key)
 		q.Queue("COMMIT")
+		if b.members > 1 {
+			// Others remain: the session goes back into a transaction in
+			// the same round trip (see settle).
+			q.Queue(s.sql.begin)
+			q.Queue(b.hs.batchSetup, strconv.FormatInt(b.ttl.Milliseconds(), 10))
+			q.Queue("SAVEPOINT " + savepoint)
+		}
 		br := b.conn.SendBatch(ctx, q)
 		var ferr, err error
-		for n := range q.Len() {
+		b.xid = ""
+		for _, qq := range q.QueuedQueries {
+			if qq.SQL == b.hs.batchSetup {
+				var xid string
+				var ok, rc bool
+				var pid uint32
+				if e := br.QueryRow().Scan(&xid, &ok, &rc, &pid); e == nil {
+					b.xid = xid
+				}
+				continue
+			}
 			tag, e := br.Exec()
 			switch {
-			case q.QueuedQueries[n].SQL == s.sql.finishHeld:
+			case qq.SQL == s.sql.finishHeld:
 				ferr = e
-			case e == nil && q.QueuedQueries[n].SQL == "COMMIT" && tag.String() != "COMMIT":
+			case e == nil && qq.SQL == "COMMIT" && tag.String() != "COMMIT":
 				e = fmt.Errorf("pgstore: %s %q: commit answered %q", op, l.Key, tag.String())
 			}
 			err = cmp.Or(err, e)
 		}
 		err = cmp.Or(err, br.Close())
-		b.xid = ""
+		if err != nil {
+			b.xid = ""
+		}
 		closed := pc.IsClosed()
 		if err == nil {
 			delete(b.locked, string(h.key))
