@@ -13,6 +13,7 @@ import (
 
 	"github.com/amqpidem/amqpidem/amqpidem"
 	"github.com/amqpidem/amqpidem/lock"
+	"github.com/amqpidem/amqpidem/pgstore"
 )
 
 // TestHeldBatchExcludes: a lease of a batch held by a session
@@ -226,5 +227,68 @@ func TestHeldBatchParts(t *testing.T) {
 	}
 	if err := store.Release(ctx, bad); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestHeldBatchIdleSessionEnds: a lease batch whose holder stops talking
+// to the server (paused, cut off: here, its batch's lock taken, as a
+// paused process leaves it, PauseBatch) loses its session once it
+// sat idle for the leases' TTL, whether it waits for its first run or
+// between runs (after a failed one), and its keys with it: the session
+// is kept in a transaction whose idle_in_transaction_session_timeout is
+// the TTL. Extend then finds the leases lost, and another holder takes
+// the keys.
+func TestHeldBatchIdleSessionEnds(t *testing.T) {
+	ctx := context.Background()
+	pool, store, _ := storeOn(t, func(p *pgxpool.Config) { p.MaxConns = 8 })
+	bh := store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		return nil, errors.New("poison")
+	}).(amqpidem.BatchLeaseTaker)
+	const ttl = 500 * time.Millisecond
+	for _, failedRun := range []bool{false, true} {
+		a, b := "i1-"+strconv.FormatBool(failedRun), "i2-"+strconv.FormatBool(failedRun)
+		reqs := []lock.Request{{Key: a, TTL: ttl, Retention: time.Hour}, {Key: b, TTL: ttl, Retention: time.Hour}}
+		rs, errs := bh.AcquireLeaseBatch(ctx, reqs, []*amqp.Delivery{{}, {}})
+		for i := range rs {
+			if errs[i] != nil || rs[i].Status != lock.Acquired {
+				t.Fatalf("AcquireLeaseBatch: %v %v", rs[i].Status, errs[i])
+			}
+		}
+		if failedRun {
+			items := []amqpidem.BatchItem{{Delivery: &amqp.Delivery{}, Lease: rs[0].Lease}, {Delivery: &amqp.Delivery{}, Lease: rs[1].Lease}}
+			if _, err := bh.HandleBatchComplete(ctx, items, func(_ int, r []byte) ([]byte, error) { return r, nil }); err == nil {
+				t.Fatal("the failing run answered no batch error")
+			}
+		}
+		if res, err := store.Acquire(ctx, lock.Request{Key: a, TTL: time.Minute}); err != nil || res.Status != lock.InProgress {
+			t.Fatalf("failedRun=%v: Acquire while held: %v %v, want in progress", failedRun, res.Status, err)
+		}
+		pid, err := strconv.ParseUint(rs[0].Lease.Owner[1:9], 16, 32)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resume := pgstore.PauseBatch(store, rs[0].Lease.Owner)
+		time.Sleep(4 * ttl)
+		var alive bool
+		if err := pool.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)", int(pid)).Scan(&alive); err != nil {
+			t.Fatal(err)
+		}
+		if alive {
+			t.Errorf("failedRun=%v: the paused batch's session is still there after 4 TTLs", failedRun)
+		}
+		if errs := store.Extend(ctx, rs[0].Lease, rs[1].Lease); !errors.Is(errs[0], lock.ErrLeaseLost) || !errors.Is(errs[1], lock.ErrLeaseLost) {
+			t.Errorf("failedRun=%v: Extend after the session sat idle past the TTL: %v, want lease lost", failedRun, errs)
+		}
+		for _, k := range []string{a, b} {
+			if res, err := store.Acquire(ctx, lock.Request{Key: k, TTL: time.Minute}); err != nil || res.Status != lock.Acquired {
+				t.Errorf("failedRun=%v: Acquire %s after the session ended: %v %v, want acquired", failedRun, k, res.Status, err)
+			}
+		}
+		for _, r := range rs {
+			if err := store.Release(ctx, r.Lease); err != nil && !errors.Is(err, lock.ErrLeaseLost) {
+				t.Errorf("Release after the session ended: %v", err)
+			}
+		}
+		resume()
 	}
 }
