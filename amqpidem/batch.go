@@ -98,6 +98,25 @@ type BatchCompleter interface {
 	HandleBatchComplete(ctx context.Context, items []BatchItem, value func(i int, result []byte) ([]byte, error)) ([]BatchResult, error)
 }
 
+// A BatchLeaseTaker is a BatchCompleter that takes the leases of the
+// deliveries gathered for a lease batch itself, so that what holds them
+// can be the transaction HandleBatchComplete then commits in: one commit
+// per batch instead of two (pgstore's BatchTxHandler). A batch consumer or
+// WrapBatch whose handler is one calls AcquireLeaseBatch in place of the
+// store's lock.BatchAcquirer AcquireBatch. Its answers mean what
+// AcquireBatch's do, and each lease it grants is ended as any other: by
+// HandleBatchComplete, or by the store's Complete, Fail, Release or
+// Cancel, one of which amqpidem always calls. A run batch may hold the
+// leases of more than one AcquireLeaseBatch call. A panic is an error for
+// each request, as the store's AcquireBatch's is.
+type BatchLeaseTaker interface {
+	BatchCompleter
+	// AcquireLeaseBatch answers as CompleterStore()'s AcquireBatch(ctx,
+	// reqs) does: one result and one error per request, in order; ds[i]
+	// is the delivery reqs[i] is for (whether it was redelivered, say).
+	AcquireLeaseBatch(ctx context.Context, reqs []lock.Request, ds []*amqp.Delivery) ([]lock.Result, []error)
+}
+
 // BatchInfo describes one batch a batch consumer ran, for a
 // BatchObserver.
 type BatchInfo struct {
@@ -195,6 +214,7 @@ type batcher struct {
 	h    BatchHandler
 	bc   BatchCompleter     // h, when it completes records itself
 	ba   lock.BatchAcquirer // the store, when it takes leases in batches
+	bt   BatchLeaseTaker    // h, when it takes them itself (in place of ba)
 	size int
 	wait time.Duration
 	// slots bounds the batches running at once (NewBatchConsumer: one
@@ -308,6 +328,7 @@ type batchOut struct {
 // acquireCall is one lease request waiting for its group's AcquireBatch.
 type acquireCall struct {
 	req lock.Request
+	d   *amqp.Delivery // the delivery req is for
 	res lock.Result
 	err error
 }
@@ -325,8 +346,9 @@ func (p *processor) acquireBatched(ctx context.Context, c *acquireCall) (lock.Re
 	}
 	calls := b.acqs.gather(gr, b.wait, p.stopping, ctx.Done())
 	reqs := make([]lock.Request, len(calls))
+	ds := make([]*amqp.Delivery, len(calls))
 	for i, c := range calls {
-		reqs[i] = c.req
+		reqs[i], ds[i] = c.req, c.d
 	}
 	b.runs.mu.Lock()
 	b.leasing += len(calls)
@@ -334,13 +356,23 @@ func (p *processor) acquireBatched(ctx context.Context, c *acquireCall) (lock.Re
 	func() {
 		defer func() {
 			if v := recover(); v != nil {
-				err := fmt.Errorf("amqpidem: the store's AcquireBatch panicked: %w", &PanicError{Value: v, Stack: debug.Stack()})
+				what := "the store's AcquireBatch"
+				if b.bt != nil {
+					what = "BatchLeaseTaker.AcquireLeaseBatch"
+				}
+				err := fmt.Errorf("amqpidem: %s panicked: %w", what, &PanicError{Value: v, Stack: debug.Stack()})
 				for _, c := range calls {
 					c.res, c.err = lock.Result{}, err
 				}
 			}
 		}()
-		rs, errs := b.ba.AcquireBatch(ctx, reqs)
+		var rs []lock.Result
+		var errs []error
+		if b.bt != nil {
+			rs, errs = b.bt.AcquireLeaseBatch(ctx, reqs, ds)
+		} else {
+			rs, errs = b.ba.AcquireBatch(ctx, reqs)
+		}
 		for i, c := range calls {
 			if len(rs) != len(calls) || len(errs) != len(calls) {
 				c.err = fmt.Errorf("amqpidem: the store's AcquireBatch answered %d results for %d requests", len(rs), len(calls))
@@ -475,7 +507,7 @@ func (b *batcher) arrivedLocked(f *flight) {
 // late), up to BatchWait in all, rather than split their lease batch in
 // two transactions.
 func (b *batcher) gatherRun(gr *group[*flight], stop, done <-chan struct{}) []*flight {
-	if b.ba == nil {
+	if b.ba == nil && b.bt == nil {
 		return b.runs.gather(gr, b.wait, stop, done)
 	}
 	short := b.wait / 5

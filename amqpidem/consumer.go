@@ -89,7 +89,8 @@ type ConsumerConfig struct {
 	// deliveries once its first is ready to run: a batch runs when it has
 	// BatchSize deliveries or BatchWait has passed, whichever comes
 	// first. It bounds the latency batching adds: with a store that
-	// takes leases in batches (lock.BatchAcquirer), a delivery waits up
+	// takes leases in batches (lock.BatchAcquirer, or a handler that is a
+	// BatchLeaseTaker), a delivery waits up
 	// to BatchWait for its lease's batch, then up to a fifth of it for
 	// its handler's: none once no delivery is on its way there from a
 	// lease batch, longer (up to BatchWait) only while deliveries of an
@@ -272,8 +273,10 @@ func NewConsumer(store lock.Store, cfg ConsumerConfig, h Handler) (*Consumer, er
 // Each delivery goes its own way up to its handler, as with NewConsumer:
 // its key, fingerprint and lease are taken (with a store that is a
 // lock.BatchAcquirer, as pgstore's and lock's are, the leases of up to BatchSize
-// deliveries arriving within BatchWait in one call; otherwise one store
-// call each, made concurrently), and a duplicate, a
+// deliveries arriving within BatchWait in one call, or, with a handler
+// that is a BatchLeaseTaker, as pgstore's BatchTxHandler is, in one call
+// of its AcquireLeaseBatch; otherwise one store call each, made
+// concurrently), and a duplicate, a
 // conflict, a busy key, a failed or expired one is settled on its own,
 // as the outcome table of the package documentation says. The deliveries
 // whose handler is to run then wait, their leases kept by the heartbeat,
@@ -318,7 +321,8 @@ func NewBatchConsumer(store lock.Store, cfg ConsumerConfig, h BatchHandler) (*Co
 		return nil, err
 	}
 	ba, _ := store.(lock.BatchAcquirer)
-	c.proc.batch = &batcher{h: h, bc: bc, ba: ba, size: cfg.BatchSize, wait: cfg.BatchWait, slots: slots}
+	bt, _ := h.(BatchLeaseTaker)
+	c.proc.batch = &batcher{h: h, bc: bc, ba: ba, bt: bt, size: cfg.BatchSize, wait: cfg.BatchWait, slots: slots}
 	return c, nil
 }
 

@@ -168,7 +168,7 @@ func (f *flight) arrive(t *ticket) {
 	defer f.arrived()
 	var res lock.Result
 	if f.leaseBatched {
-		f.acq.req = req
+		f.acq.req, f.acq.d = req, f.d
 		res, err = p.acquireBatched(f.ctx, &f.acq)
 	} else {
 		res, err = p.acquire(f.ctx, req, f.d)

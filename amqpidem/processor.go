@@ -163,9 +163,10 @@ func (p *processor) acquire(ctx context.Context, req lock.Request, d *amqp.Deliv
 
 // batchesLeases reports whether p takes leases in batches
 // (acquireBatched): a batch consumer or Wrapper with a store that is a
-// lock.BatchAcquirer, and no LeaseTaker.
+// lock.BatchAcquirer or a handler that is a BatchLeaseTaker, and no
+// LeaseTaker.
 func (p *processor) batchesLeases() bool {
-	return p.taker == nil && p.batch != nil && p.batch.ba != nil
+	return p.taker == nil && p.batch != nil && (p.batch.ba != nil || p.batch.bt != nil)
 }
 
 // recoverAcquire turns a panic of what, the call that takes a lease, into

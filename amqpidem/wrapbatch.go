@@ -67,7 +67,8 @@ func WrapBatch(conn ChannelOpener, store lock.Store, cfg Config, opts BatchOptio
 		return nil, err
 	}
 	ba, _ := store.(lock.BatchAcquirer)
-	w.proc.batch = &batcher{h: h, bc: bc, ba: ba, size: cmp.Or(opts.Size, DefaultBatchSize), wait: cmp.Or(opts.Wait, DefaultBatchWait)}
+	bt, _ := h.(BatchLeaseTaker)
+	w.proc.batch = &batcher{h: h, bc: bc, ba: ba, bt: bt, size: cmp.Or(opts.Size, DefaultBatchSize), wait: cmp.Or(opts.Wait, DefaultBatchWait)}
 	// Shutdown closes wake: a batch being gathered runs at once with what
 	// it has, as a batch consumer's does when it stops.
 	w.proc.stopping = w.wake

@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
@@ -69,9 +70,15 @@ type BatchTxFunc func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]am
 //     effects rolled back with it, and it runs again). The batch is not
 //     run again in place, which could commit its effects twice.
 //
-// The batch consumer takes a batch's leases with AcquireBatch (record-row
-// leases, one statement for the batch), before the batch runs. A batch
-// holds one pooled connection while it runs.
+// The returned handler implements amqpidem.BatchLeaseTaker: the batch
+// consumer takes a lease batch's leases with its AcquireLeaseBatch, held
+// by the session of one pooled connection and written once, with the
+// batch's effects (one commit per batch; see "Lease batches held by a
+// session" in the package documentation). A lease batch holds that
+// connection until each of its leases ended. With Config.RowLeases, and
+// for redelivered messages, the leases are record rows taken by
+// AcquireBatch (one statement for the batch), committed before the batch
+// runs, and a batch holds one pooled connection while it runs.
 //
 // The returned handler implements amqpidem.BatchCompleter. A message
 // processed without a lease (amqpidem.ProcessMissingKey, FailOpen) runs
@@ -96,25 +103,106 @@ func (h *batchTxHandler) CompleterStore() lock.Store { return h.s }
 // unless some messages failed: as with records, their writes never
 // commit, and the others run again without them (complete).
 func (h *batchTxHandler) HandleBatch(ctx context.Context, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
-	return h.complete(ctx, ds, nil, nil)
+	return h.complete(ctx, ds, nil, nil, nil)
 }
 
 // HandleBatchComplete runs fn on the items' deliveries in a transaction,
 // then completes the records of those done and commits, in one round
-// trip (see BatchTxHandler).
+// trip (see BatchTxHandler). The items of a lease batch held by a session
+// (AcquireLeaseBatch) run on that session, in its transaction; items of
+// several lease batches, or of one and of record-row leases, run as one
+// part each, one transaction each (part).
 func (h *batchTxHandler) HandleBatchComplete(ctx context.Context, items []amqpidem.BatchItem, value func(int, []byte) ([]byte, error)) ([]amqpidem.BatchResult, error) {
-	ds := make([]*amqp.Delivery, len(items))
-	leases := make([]lock.Lease, len(items))
+	var parts []*part
+	byBatch := map[*heldBatch]*part{}
+	rows := &part{}
+	var bad []int
 	for i, it := range items {
 		if err := lock.CheckLease(it.Lease); err != nil {
 			return nil, err
 		}
-		if isHeld(it.Lease) {
-			return nil, fmt.Errorf("pgstore: key %q: a batch cannot complete a lease held by a transaction", it.Lease.Key)
+		switch b := h.s.heldBatchOf(it.Lease); {
+		case b != nil:
+			p := byBatch[b]
+			if p == nil {
+				p = &part{b: b}
+				byBatch[b] = p
+				parts = append(parts, p)
+			}
+			p.idx = append(p.idx, i)
+		case isHeld(it.Lease):
+			bad = append(bad, i)
+		default:
+			rows.idx = append(rows.idx, i)
 		}
-		ds[i], leases[i] = it.Delivery, it.Lease
 	}
-	return h.complete(ctx, ds, leases, value)
+	if len(rows.idx) > 0 {
+		parts = append(parts, rows)
+	}
+	if len(parts) == 1 && len(bad) == 0 {
+		return parts[0].run(ctx, h, items, value)
+	}
+	rs := make([]amqpidem.BatchResult, len(items))
+	for _, i := range bad {
+		// A single held lease (a batch cannot complete it), or a batch's
+		// that ended before its run (its TTL passed): not run.
+		rs[i].Err = fmt.Errorf("%w: key %q: the lease is not held by a lease batch's session (it ended, or was never one's)", lock.ErrUnavailable, items[i].Lease.Key)
+	}
+	committed := false
+	for _, p := range parts {
+		prs, err := p.run(ctx, h, items, value)
+		if err != nil && !committed {
+			// Nothing committed yet: the batch error is the whole batch's,
+			// and amqpidem splits it (the parts not run yet hold their
+			// leases as they were).
+			return nil, err
+		}
+		for j, i := range p.idx {
+			switch {
+			case err != nil:
+				// An earlier part committed: the error is each of this
+				// part's messages' own (nothing of theirs committed).
+				rs[i].Err = err
+			case prs != nil:
+				rs[i] = prs[j]
+			}
+			committed = committed || err == nil && rs[i].Err == nil
+		}
+	}
+	return rs, nil
+}
+
+// part is the items of a run batch that run in one transaction: those of
+// the lease batch b, or, with b nil, those of record-row leases.
+type part struct {
+	b   *heldBatch
+	idx []int // their indexes in the run batch
+}
+
+// run runs p's items as a batch of their own.
+func (p *part) run(ctx context.Context, h *batchTxHandler, items []amqpidem.BatchItem, value func(int, []byte) ([]byte, error)) ([]amqpidem.BatchResult, error) {
+	ds := make([]*amqp.Delivery, len(p.idx))
+	leases := make([]lock.Lease, len(p.idx))
+	for j, i := range p.idx {
+		ds[j], leases[j] = items[i].Delivery, items[i].Lease
+	}
+	sub := func(j int, r []byte) ([]byte, error) { return value(p.idx[j], r) }
+	if p.b != nil {
+		return h.runHeld(ctx, p.b, ds, leases, sub)
+	}
+	return h.complete(ctx, ds, leases, sub, nil)
+}
+
+// heldBatchOf returns the lease batch l is a member of, nil when it is
+// none's.
+func (s *Store) heldBatchOf(l lock.Lease) *heldBatch {
+	if !isHeld(l) {
+		return nil
+	}
+	if v, ok := s.held.Load(l.Owner); ok {
+		return v.(*heldTx).batch
+	}
+	return nil
 }
 
 // errRunAgain is run's answer when some of the batch's messages failed
@@ -127,9 +215,10 @@ var errRunAgain = errors.New("pgstore: some messages of the batch failed: run th
 // records of its messages, as run does, running it again without the
 // failed messages until a run's messages all succeed (see BatchTxHandler):
 // the failed ones' writes never commit. With no leases (nil), there are no
-// records, and value is not called.
-func (h *batchTxHandler) complete(ctx context.Context, ds []*amqp.Delivery, leases []lock.Lease, value func(int, []byte) ([]byte, error)) ([]amqpidem.BatchResult, error) {
-	rs, err := h.run(ctx, ds, leases, value)
+// records, and value is not called. With b, the leases are b's members,
+// and it runs on b's session (b.mu held).
+func (h *batchTxHandler) complete(ctx context.Context, ds []*amqp.Delivery, leases []lock.Lease, value func(int, []byte) ([]byte, error), b *heldBatch) ([]amqpidem.BatchResult, error) {
+	rs, err := h.run(ctx, ds, leases, value, b)
 	if !errors.Is(err, errRunAgain) {
 		return rs, err
 	}
@@ -156,7 +245,7 @@ func (h *batchTxHandler) complete(ctx context.Context, ds []*amqp.Delivery, leas
 			subLeases[j] = leases[i]
 		}
 	}
-	srs, err := h.complete(ctx, subDs, subLeases, subValue)
+	srs, err := h.complete(ctx, subDs, subLeases, subValue, b)
 	if err != nil {
 		return nil, err // the rest failed as a batch: amqpidem splits it all
 	}
@@ -168,15 +257,37 @@ func (h *batchTxHandler) complete(ctx context.Context, ds []*amqp.Delivery, leas
 
 // run begins a transaction, runs fn in it, and commits it with the
 // records of leases (when not nil) whose messages fn answered without an
-// error, completed with value.
-func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []lock.Lease, value func(int, []byte) ([]byte, error)) ([]amqpidem.BatchResult, error) {
-	conn, err := h.s.pool.Acquire(ctx)
+// error, completed with value. With b, the transaction is on b's session
+// (b.mu held), and the leases b's members: a run that does not commit
+// leaves its transaction for b.settle to roll back.
+func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []lock.Lease, value func(int, []byte) ([]byte, error), b *heldBatch) ([]amqpidem.BatchResult, error) {
+	var conn *pgx.Conn
 	var xid string
 	var t *handlerTx
-	if err == nil {
-		t = &handlerTx{conn: conn.Conn(), pooled: conn}
-		defer h.s.endConn(t)
-		xid, err = h.s.begin(ctx, conn.Conn(), h.tx)
+	var err error
+	if b != nil {
+		xid, err = b.beginHeld(ctx)
+		if err == nil {
+			conn = b.conn.Conn()
+			// pooled: a closed connection goes back to the pool at
+			// once (releaseClosed), as for a single held lease, so that
+			// the questions after it are asked on another; b forgets it
+			// then (sync).
+			t = &handlerTx{conn: conn, pooled: b.conn}
+			defer func() {
+				b.sync(t)
+				b.settle(ctx, nil)
+			}()
+		}
+	} else {
+		var pooled *pgxpool.Conn
+		pooled, err = h.s.pool.Acquire(ctx)
+		if err == nil {
+			conn = pooled.Conn()
+			t = &handlerTx{conn: conn, pooled: pooled}
+			defer h.s.endConn(t)
+			xid, err = h.s.begin(ctx, conn, h.tx)
+		}
 	}
 	if err != nil {
 		if ctx.Err() != nil {
@@ -196,7 +307,8 @@ func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []
 		// decides as for one fn ended (see begunAgain).
 		h.s.begunAgain(ctx, t, xid, 'T')
 	}
-	end, err := h.s.ending(ctx, t, xid, ferr, false)
+	end, err := h.s.ending(ctx, t, xid, ferr, b != nil)
+	b.sync(t)
 	if end == endFailed && (errors.Is(err, ErrTxEnded) || errors.Is(err, errWorkUnknown)) {
 		return eachFailed(len(ds), err), nil
 	}
@@ -233,7 +345,7 @@ func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []
 			// endConn rolls it back, and complete runs the rest again.
 			return rs, errRunAgain
 		}
-		if err := commit(cctx, conn.Conn(), xid); errors.Is(err, ErrTxEnded) {
+		if err := commit(cctx, conn, xid); errors.Is(err, ErrTxEnded) {
 			return eachFailed(len(ds), err), nil
 		} else if err != nil {
 			return rs, err
@@ -277,17 +389,21 @@ func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []
 		// their own, one by one (no longer atomic with the work, as with
 		// TxHandler).
 		for _, i := range done {
-			if err := h.s.finish(cctx, t.querier(h.s), leases[i], "complete", "c", values[i]); err != nil {
+			if err := h.finishOne(cctx, t, b, leases[i], values[i]); err != nil {
 				rs[i] = amqpidem.BatchResult{Err: recordAfterCommit(err)}
 			}
 		}
 		return rs, nil
 	}
-	err = h.s.finishBatch(cctx, conn.Conn(), xid, leases, values, done)
+	if b != nil {
+		err = h.s.finishHeldBatch(cctx, b, xid, leases, values, done)
+	} else {
+		err = h.s.finishBatch(cctx, conn, xid, leases, values, done)
+	}
 	if errors.Is(err, ErrTxEnded) {
 		return eachFailed(len(ds), err), nil
 	}
-	if err != nil && h.s.workCommitted(cctx, t, xid) {
+	if err != nil && h.s.workCommitted(cctx, t, xid) && b.sync(t) {
 		// Done, though the records' write and commit failed (see
 		// workCommitted): each record is completed on its own, as after
 		// fn's own COMMIT, and a message whose record cannot be is never
@@ -296,13 +412,23 @@ func (h *batchTxHandler) run(ctx context.Context, ds []*amqp.Delivery, leases []
 		fctx, fcancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
 		defer fcancel()
 		for _, i := range done {
-			if err := h.s.finish(fctx, t.querier(h.s), leases[i], "complete", "c", values[i]); err != nil {
+			if err := h.finishOne(fctx, t, b, leases[i], values[i]); err != nil {
 				rs[i] = amqpidem.BatchResult{Err: recordNotConfirmed(err)}
 			}
 		}
 		return rs, nil
 	}
 	return rs, err
+}
+
+// finishOne completes the record of l on its own, its run's work having
+// committed without it: on t's connection (or the pool's) for a
+// record-row lease, with finishOwn for a member of b.
+func (h *batchTxHandler) finishOne(ctx context.Context, t *handlerTx, b *heldBatch, l lock.Lease, value []byte) error {
+	if b != nil {
+		return h.s.finishOwn(ctx, b, l, value)
+	}
+	return h.s.finish(ctx, t.querier(h.s), l, "complete", "c", value)
 }
 
 // eachFailed is the answer of a run whose function ended the transaction

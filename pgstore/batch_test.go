@@ -150,9 +150,67 @@ func (r *rig) xmins(ops []string) (same map[string]bool, txs int) {
 // transaction (they share their xmin), far fewer transactions than
 // messages; every message runs once, duplicates (published again while
 // or after the first copy runs) are settled as busy or duplicate and
-// never given to the handler.
+// never given to the handler. Its leases are held by a session
+// (AcquireLeaseBatch): no transaction but the batches' writes a record,
+// one commit per batch.
 func TestBatchOneCommitPerBatch(t *testing.T) {
 	r := newRig(t)
+	writers := r.logWriters()
+	testOneCommitPerBatch(t, r)
+	if extra := writers(); extra != 0 {
+		t.Errorf("%d transactions wrote records without effects: want 0 (one commit per batch)", extra)
+	}
+}
+
+// TestBatchOneCommitPerBatchRowLeases is TestBatchOneCommitPerBatch with
+// Config.RowLeases: record-row leases, taken by AcquireBatch, each batch
+// committing its leases in a transaction of their own before its work.
+func TestBatchOneCommitPerBatchRowLeases(t *testing.T) {
+	r := newRigWith(t, pgstore.Config{RowLeases: true})
+	writers := r.logWriters()
+	testOneCommitPerBatch(t, r)
+	if extra := writers(); extra == 0 {
+		t.Errorf("no transaction wrote records without effects: the leases were not record rows")
+	}
+}
+
+// logWriters logs, by a trigger, the transaction of every row written
+// to the records table and to the effects table, and returns a function
+// that counts the committed transactions that wrote records and no
+// effects.
+func (r *rig) logWriters() func() int {
+	r.t.Helper()
+	ctx := context.Background()
+	log := pgx.Identifier{r.cfg.Schema, "writers"}.Sanitize()
+	fn := pgx.Identifier{r.cfg.Schema, "log_writer"}.Sanitize()
+	for _, q := range []string{
+		"CREATE TABLE " + log + " (tbl text NOT NULL, xid xid8 NOT NULL)",
+		"CREATE FUNCTION " + fn + "() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN INSERT INTO " + log +
+			" VALUES (TG_TABLE_NAME, pg_current_xact_id()); RETURN NULL; END $$",
+		"CREATE TRIGGER log_writer AFTER INSERT OR UPDATE ON " + pgx.Identifier{r.cfg.Schema, pgstore.DefaultTable}.Sanitize() +
+			" FOR EACH ROW EXECUTE FUNCTION " + fn + "()",
+		"CREATE TRIGGER log_writer AFTER INSERT OR UPDATE ON " + pgx.Identifier{r.cfg.Schema, "effects"}.Sanitize() +
+			" FOR EACH ROW EXECUTE FUNCTION " + fn + "()",
+	} {
+		if _, err := r.pool.Exec(ctx, q); err != nil {
+			r.t.Fatal(err)
+		}
+	}
+	return func() int {
+		r.t.Helper()
+		var n, all int
+		err := r.pool.QueryRow(ctx, "SELECT count(DISTINCT xid) FILTER (WHERE tbl <> 'effects' AND xid NOT IN (SELECT xid FROM "+log+
+			" WHERE tbl = 'effects')), count(DISTINCT xid) FROM "+log).Scan(&n, &all)
+		if err != nil {
+			r.t.Fatal(err)
+		}
+		r.t.Logf("%d transactions wrote records or effects, %d of them records only", all, n)
+		return n
+	}
+}
+
+// testOneCommitPerBatch is TestBatchOneCommitPerBatch on r.
+func testOneCommitPerBatch(t *testing.T, r *rig) {
 	var mu sync.Mutex
 	runs := map[string]int{}
 	largest := 0
@@ -321,7 +379,9 @@ func TestBatchItemFailures(t *testing.T) {
 func TestBatchLeaseLost(t *testing.T) {
 	for _, wait := range []bool{true, false} {
 		t.Run(fmt.Sprintf("wait=%v", wait), func(t *testing.T) {
-			r := newRig(t)
+			// A takeover of a record-row lease (a lease held by a
+			// session is lost only with its session: TestBatchKill9).
+			r := newRigWith(t, pgstore.Config{RowLeases: true})
 			table := pgx.Identifier{r.cfg.Schema, pgstore.DefaultTable}.Sanitize()
 			var first atomic.Bool
 			cancelled := make(chan struct{}, 1)

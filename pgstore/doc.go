@@ -198,6 +198,64 @@
 // once). Config.RowLeases turns leases held by transactions off: every
 // lease is a record row, as for the other handler forms.
 //
+// # Lease batches held by a session
+//
+// BatchTxHandler takes a batch consumer's leases the same way
+// (amqpidem.BatchLeaseTaker), for a lease batch at once: in one round
+// trip on one pooled connection, it begins the transaction the batch
+// will run in, takes the session-level advisory lock of each key with no
+// live record (the lock of a single held lease, so the three kinds of
+// lease exclude each other), reads the keys' records by a statement of
+// its own, and sets the handler's savepoint. Keys not acquired (busy,
+// duplicates) are unlocked in one more round trip, in that transaction.
+// The batch's records are written once, completed, by one INSERT sent
+// with the COMMIT, which takes each key's transaction-level lock and
+// releases its session-level one: a batch of new keys then costs one
+// commit and two round trips, where record-row leases cost two and three
+// (BenchmarkBatchCommits). What is said above of a held lease holds for
+// each, with these differences:
+//
+//   - The locks are the session's, not a transaction's: a run that fails
+//     (a batch error, which amqpidem answers by running the halves again,
+//     or messages that failed, which BatchTxHandler answers by running
+//     the rest again) rolls back and the next run begins another
+//     transaction on the same session, the keys still held. While the
+//     session holds a lock of the batch it is kept in a transaction (one
+//     is begun again after each run that leaves leases of the batch),
+//     whose idle_in_transaction_session_timeout is the leases' TTL: a
+//     holder paused (SIGSTOP) or cut off loses its session, and every
+//     lease of the batch with it, as a single held lease does; a holder
+//     killed commits nothing, and its locks end with its session.
+//   - A lease of the batch ended without its record committed by the
+//     batch (released, failed, cancelled, its message settled some other
+//     way) writes its outcome, when there is one, with finish_held in
+//     the session's open transaction and commits it, releasing its key;
+//     once every lease of the batch ended, the connection goes back to
+//     the pool with no lock (any left is released first), or is closed
+//     when it cannot be made clean.
+//   - A commit that failed after the INSERT ran (the server refused the
+//     COMMIT: a deferred constraint, say) may have released the keys'
+//     session-level locks: the leases of its messages count as lost, and
+//     a rerun answers them lock.ErrLeaseLost.
+//   - A run batch may hold messages of several lease batches (and of
+//     record-row leases): each lease batch runs on its own session, in a
+//     transaction of its own, and the record-row leases in one of a
+//     pooled connection, one commit each. When a part fails as a batch
+//     before any part committed, the whole run fails (amqpidem splits
+//     it); after one committed, that error is each of the part's
+//     messages' own.
+//   - The heartbeat's Extend asks, for all of a consumer's held leases
+//     at once, whether their backends still hold their locks (one
+//     statement per tick).
+//   - The lease batch holds a pooled connection from its acquire until
+//     every lease of it ended, not only while its batch runs: a lease
+//     batch acquired while the pool has one connection free or none
+//     takes record-row leases instead, so that the heartbeat and the
+//     records written on the pool still find one. Redelivered messages,
+//     keys whose records count attempts, an isolation level above READ
+//     COMMITTED and Config.RowLeases take record-row leases
+//     (AcquireBatch), as with TxHandler.
+//
 // # Writing a TxHandler
 //
 // The tx a TxFunc gets is a nested transaction of the one TxHandler

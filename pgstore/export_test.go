@@ -38,3 +38,18 @@ func LoseCommitAnswers(t interface{ Cleanup(func()) }, n int32) {
 	loseAnswer = func() bool { return left.Add(-1) >= 0 }
 	t.Cleanup(func() { loseAnswer = nil })
 }
+
+// PauseBatch takes the lock of the lease batch holding owner's lease, as
+// a paused process leaves it: nothing of s talks on the batch's session
+// (not its runs, nor the guard of a lease not ended within its TTL) until
+// the returned function is called. It does nothing for a lease no lease
+// batch holds.
+func PauseBatch(s *Store, owner string) (resume func()) {
+	v, ok := s.held.Load(owner)
+	if !ok || v.(*heldTx).batch == nil {
+		return func() {}
+	}
+	b := v.(*heldTx).batch
+	b.mu.Lock()
+	return b.mu.Unlock
+}

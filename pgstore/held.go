@@ -52,6 +52,9 @@ type heldTx struct {
 	xid  string // the transaction's id (pg_current_xact_id)
 	// locked: the session still holds the key's advisory lock.
 	locked bool
+	// batch is the lease batch it is a member of (heldbatch.go), whose
+	// session holds its key's lock; conn, tx and xid are not used then.
+	batch *heldBatch
 	// guard ends the transaction if nothing took it within the lease's
 	// TTL (a bug: amqpidem always ends the leases it gets), and forgets
 	// what is left of an ended one later.
@@ -220,7 +223,12 @@ const statusCounted = 6
 // until a call takes it. A guard ends the transaction if nothing took it
 // within l's TTL, keeping what is left of it.
 func (s *Store) putHeld(l lock.Lease, h *heldTx) {
-	if h.conn == nil || s.closed.Load() {
+	if h.batch != nil && s.closed.Load() {
+		h.batch.end(h) // Close has run: see there
+		s.held.Store(l.Owner, s.ended(l.Owner, h.fp, l.TTL+l.Retention))
+		return
+	}
+	if h.conn == nil && h.batch == nil || s.closed.Load() {
 		if h.conn != nil {
 			// Close has run: no transaction may stay held (see Close).
 			closeConn(h.conn)
@@ -298,6 +306,10 @@ func (s *Store) endConn(t *handlerTx) {
 // failed) is closed instead, which ends the locks with the session: a
 // pooled connection must never keep one.
 func (s *Store) endHeldConn(h *heldTx) {
+	if h.batch != nil {
+		h.batch.end(h)
+		return
+	}
 	pc := h.conn.Conn().PgConn()
 	if pc.IsClosed() {
 		h.conn.Release()

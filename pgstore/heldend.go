@@ -25,12 +25,17 @@ func (s *Store) endHeld(ctx context.Context, l lock.Lease, op, state string, val
 		h = &heldTx{fp: []byte{}}
 	}
 	if state == "x" {
-		if h.conn != nil {
+		if h.conn != nil || h.batch != nil {
 			s.endHeldConn(h)
 		}
 		return nil
 	}
-	err := s.finishHeld(ctx, h, l, op, state, value)
+	var err error
+	if h.batch != nil {
+		err = s.finishMember(ctx, h, l, op, state, value)
+	} else {
+		err = s.finishHeld(ctx, h, l, op, state, value)
+	}
 	if err != nil && !errors.Is(err, lock.ErrLeaseLost) {
 		s.putHeld(l, &heldTx{fp: h.fp}) // for the call's retry
 	}

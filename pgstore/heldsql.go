@@ -37,6 +37,20 @@ type heldSQL struct {
 	// insert writes the outcome as a new record, and releases the key's
 	// session-level lock (see commitHeld).
 	insert string
+	// The statements of a lease batch held by a session (heldbatch.go),
+	// over arrays of keys ($2) of the namespace $1. batchSetup answers
+	// the transaction's id, sets its idle_in_transaction_session_timeout
+	// to $1 (ms), and answers whether its isolation is READ COMMITTED and
+	// the backend's process ID. batchLock tries each key's session-level
+	// lock, unless a live record is there (NULL), and answers per key in
+	// the order of the array; batchRead reads the keys' records after it
+	// (a snapshot of its own), one row per key, in order, as read does.
+	// batchUnlock releases keys' session-level locks. batchInsert writes
+	// the completed records of the keys, owners ($3), fences ($4),
+	// fingerprints ($5), values ($6) and retentions ($7, ms), releasing
+	// each key's session-level lock after taking its transaction-level
+	// one, as insert does for one key.
+	batchSetup, batchLock, batchRead, batchUnlock, batchInsert string
 }
 
 // heldRetry is how long acquireHeld takes record-row leases after finding
@@ -71,7 +85,7 @@ func (s *Store) heldStatements(ctx context.Context) (*heldSQL, error) {
 	case err != nil:
 		return nil, err
 	}
-	hs := newHeldSQL(*table, n.heldKey)
+	hs := newHeldSQL(*table, n.heldKey, n.table)
 	s.heldSQL.Store(hs)
 	return hs, nil
 }
@@ -79,10 +93,44 @@ func (s *Store) heldStatements(ctx context.Context) (*heldSQL, error) {
 // newHeldSQL returns the statements of leases held by transactions on the
 // records table (its full name, quoted), with heldKey the function that
 // makes the second half of a key's advisory lock, the one the functions
-// try.
-func newHeldSQL(table, heldKey string) *heldSQL {
+// try, and hashTable the table's name as held_key hashes it: the
+// statements over a batch's keys compute that half inline, as
+// acquireBatchSQL does, rather than call the function for each key.
+func newHeldSQL(table, heldKey, hashTable string) *heldSQL {
 	lockKey := heldLockClass + ", " + heldKey + "($1, $2)"
+	xKey := heldLockClass + ", " + heldKeyHashOf(hashTable, "$1", "x.key")
 	return &heldSQL{
+		batchSetup: `SELECT pg_current_xact_id()::text, set_config('idle_in_transaction_session_timeout', $1::text, true) IS NOT NULL,
+				current_setting('transaction_isolation') = 'read committed', pg_backend_pid()`,
+		// Each key's record is looked up by its primary key, in a
+		// correlated subquery with a LIMIT, which the planner can turn
+		// neither into a join nor into a hashed scan of the whole table
+		// (as it did an EXISTS, the cost growing with the table).
+		batchLock: `SELECT CASE WHEN (SELECT true FROM ` + table + ` t
+					WHERE t.ns = $1 AND t.key = x.key AND t.expires_at > clock_timestamp() LIMIT 1) THEN NULL
+				ELSE pg_try_advisory_lock(` + xKey + `) END
+			FROM unnest($2::bytea[]) WITH ORDINALITY AS x(key, n) ORDER BY x.n`,
+		batchRead: `SELECT t.state, t.fence, t.attempts, t.value, t.fingerprint, t.expires_at > clock_timestamp(),
+				ceil(extract(epoch FROM t.deadline - clock_timestamp()) * 1000)::bigint, ` + clockUS + `
+			FROM unnest($2::bytea[]) WITH ORDINALITY AS x(key, n)
+			LEFT JOIN LATERAL (SELECT * FROM ` + table + ` r WHERE r.ns = $1 AND r.key = x.key LIMIT 1) t ON true
+			ORDER BY x.n`,
+		batchUnlock: `SELECT pg_advisory_unlock(` + xKey + `) FROM unnest($2::bytea[]) AS x(key)`,
+		// Each row takes the key's transaction-level lock (the session's
+		// already: at once) and then releases its session-level one (a
+		// CASE evaluates its condition first), before it is inserted:
+		// the key stays covered until the COMMIT. An unlock is not undone
+		// if the statement fails: the caller counts the keys as lost then.
+		batchInsert: `WITH x AS MATERIALIZED (
+				SELECT x.*, CASE WHEN pg_advisory_xact_lock(` + xKey + `) IS NULL THEN pg_advisory_unlock(` + xKey + `)
+					ELSE pg_advisory_unlock(` + xKey + `) END AS unlocked
+				FROM unnest($2::bytea[], $3::text[], $4::bigint[], $5::bytea[], $6::bytea[], $7::bigint[])
+					AS x(key, owner, fence, fp, value, ret))
+			INSERT INTO ` + table + ` (ns, key, state, owner, fence, deadline, attempts, fingerprint,
+				value, created_at, ended_at, expires_at)
+			SELECT $1::text, x.key, 'c', x.owner, x.fence, NULL, 1, x.fp, x.value,
+				clock_timestamp(), clock_timestamp(), clock_timestamp() + x.ret * interval '1 millisecond'
+			FROM x`,
 		unlock: "SELECT pg_advisory_unlock(" + lockKey + ")",
 		// A lock of two int4 keys is listed with objsubid 2, the second
 		// key in objid as an oid.

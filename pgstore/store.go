@@ -165,7 +165,7 @@ func (s *Store) Close() {
 	<-s.done
 	s.closed.Store(true)
 	s.held.Range(func(owner, v any) bool {
-		if h := v.(*heldTx); h.conn != nil {
+		if h := v.(*heldTx); h.conn != nil || h.batch != nil {
 			s.endInPlace(owner.(string), h, time.Minute, func() {})
 		}
 		return true
