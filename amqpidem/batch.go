@@ -657,7 +657,7 @@ func (p *processor) completeBatch(ctx context.Context, fs []*flight) {
 		return
 	}
 	start := time.Now()
-	errs := cs.CompleteBatch(context.WithoutCancel(ctx), leases, values)
+	errs := p.callCompleteBatch(ctx, cs, leases, values)
 	if o, ok := p.store.(*observedStore); ok {
 		o.report(ctx, "complete", start, len(leases), errs...)
 	}
@@ -675,6 +675,26 @@ func (p *processor) completeBatch(ctx context.Context, fs []*flight) {
 			f.out.completeErr = err
 		}
 	}
+}
+
+// callCompleteBatch calls the store's CompleteBatch. A panic is logged and
+// answers no record (an error wrapping a *PanicError for each): the
+// flights then complete their records alone (settleBatched), and the
+// batch's leader goes on to close its group, whose other flights would
+// otherwise wait for it for ever, their leases kept alive.
+func (p *processor) callCompleteBatch(ctx context.Context, cs lock.BatchCompleter, leases []lock.Lease, values [][]byte) (errs []error) {
+	defer func() {
+		if v := recover(); v != nil {
+			err := fmt.Errorf("amqpidem: the store's CompleteBatch panicked: %w", &PanicError{Value: v, Stack: debug.Stack()})
+			p.cfg.Logger.ErrorContext(ctx, "amqpidem: the store's CompleteBatch panicked; each record is completed alone",
+				"queue", p.cfg.Queue, "records", len(leases), "panic", v)
+			errs = make([]error, len(leases))
+			for i := range errs {
+				errs[i] = err
+			}
+		}
+	}()
+	return cs.CompleteBatch(context.WithoutCancel(ctx), leases, values)
 }
 
 // callBatch runs the batch handler on fs, under a context cancelled when

@@ -47,6 +47,10 @@ func (s *Store) Count(ctx context.Context, req lock.CountRequest) (lock.Counts, 
 	}
 	budget = max(budget, time.Millisecond)
 	out := lock.Counts{States: map[lock.State]int{}}
+	// The budget is the server's: a server that never answers never
+	// applies it.
+	ctx, cancel := bounded(ctx)
+	defer cancel()
 	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 		// SET LOCAL takes no parameter: the budget is an integer of ours.
 		if _, err := tx.Exec(ctx, fmt.Sprintf("SET LOCAL statement_timeout = %d", budget.Milliseconds())); err != nil {

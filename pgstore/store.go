@@ -547,7 +547,12 @@ var cleanupGrace = time.Minute
 func (s *Store) Cleanup(ctx context.Context) (int64, error) {
 	var total int64
 	for {
-		tag, err := s.pool.Exec(ctx, s.sql.cleanup, s.cfg.CleanupBatch, cleanupGrace)
+		// Each statement bounded (callTimeout): cleanupLoop's ctx has no
+		// deadline, and a database that never answers would otherwise
+		// hold its connection, and stop cleanups, for good.
+		sctx, cancel := bounded(ctx)
+		tag, err := s.pool.Exec(sctx, s.sql.cleanup, s.cfg.CleanupBatch, cleanupGrace)
+		cancel()
 		if err != nil {
 			return total, fmt.Errorf("pgstore: cleanup: %w", classify(err))
 		}
