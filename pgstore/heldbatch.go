@@ -320,7 +320,7 @@ func (b *heldBatch) settle(ctx context.Context, unlock [][]byte) {
 	switch {
 	case b.members > 0 && len(unlock) > 0:
 		q.Queue(b.hs.batchUnlock, b.s.cfg.Prefix, byteaArray(unlock))
-	case b.members == 0 && (len(b.locked) > 0 || st == 'T'):
+	case b.members <= 0 && (len(b.locked) > 0 || st == 'T'):
 		// Every lock of the session, whatever the bookkeeping says: a
 		// pooled connection must never keep one. (Each lock it took is
 		// in b.locked until its release or its commit released it; an
@@ -350,7 +350,7 @@ func (b *heldBatch) settle(ctx context.Context, unlock [][]byte) {
 			return
 		}
 	}
-	if b.members == 0 {
+	if b.members <= 0 {
 		if pc.TxStatus() != 'I' {
 			b.drop()
 			return
@@ -478,6 +478,11 @@ func classifyEnd(op string, l lock.Lease, err error) error {
 // key's release, while it holds the key's lock, else on a connection of
 // the pool once the session ended. With b.mu held, in a run (runHeld).
 func (s *Store) finishOwn(ctx context.Context, b *heldBatch, l lock.Lease, value []byte) error {
+	if b.committed[l.Owner] {
+		// Its record committed with the batch's (finishHeldBatch saw the
+		// COMMIT answered), and its member was counted down then.
+		return nil
+	}
 	fp := b.fps[l.Owner]
 	if b.locked[l.Key] && b.usable() && b.conn.Conn().PgConn().TxStatus() == 'I' {
 		q := &pgx.Batch{}
