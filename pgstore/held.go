@@ -237,6 +237,13 @@ func (s *Store) putHeld(l lock.Lease, h *heldTx) {
 		return
 	}
 	h.guard = time.AfterFunc(l.TTL, func() {
+		if b := h.batch; b != nil && b.busy() && s.held.CompareAndDelete(l.Owner, h) {
+			// A member of a batch whose other parts are running (a
+			// split): waiting for its part is not being forgotten. Its
+			// run, or amqpidem's end of it, takes it.
+			s.putHeld(l, h)
+			return
+		}
 		s.endInPlace(l.Owner, h, l.TTL+l.Retention, func() {
 			s.cfg.Logger.Warn("pgstore: a lease held by a transaction was not ended within its TTL; rolled back",
 				"key", l.Key, "fence", l.Fence)

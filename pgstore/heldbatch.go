@@ -24,6 +24,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -57,6 +58,20 @@ type heldBatch struct {
 	// (runHeld).
 	committed map[string]bool
 	fps       map[string][]byte
+
+	// running is set while a run has its members (runHeld, after taking
+	// them), and lastRun is when the last run ended (UnixNano): the
+	// members waiting meanwhile for another part of a split batch are
+	// the run's to end, not their guard's (busy).
+	running atomic.Bool
+	lastRun atomic.Int64
+}
+
+// busy reports whether a run of b is going on, or ended within the
+// leases' TTL: amqpidem is working through the batch's parts, and ends
+// each member waiting for its part itself.
+func (b *heldBatch) busy() bool {
+	return b.running.Load() || time.Since(time.Unix(0, b.lastRun.Load())) < b.ttl
 }
 
 // AcquireLeaseBatch takes the leases of reqs (amqpidem.BatchLeaseTaker):
@@ -559,7 +574,10 @@ func (h *batchTxHandler) runHeld(ctx context.Context, b *heldBatch, ds []*amqp.D
 	for _, i := range ok {
 		b.fps[leases[i].Owner] = members[i].fp
 	}
+	b.running.Store(true)
 	defer func() {
+		b.lastRun.Store(time.Now().UnixNano())
+		b.running.Store(false)
 		for i, m := range members {
 			switch {
 			case m == nil:
