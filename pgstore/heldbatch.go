@@ -75,12 +75,13 @@ func (b *heldBatch) busy() bool {
 }
 
 // AcquireLeaseBatch takes the leases of reqs (amqpidem.BatchLeaseTaker):
-// those of deliveries not redelivered are held by the session of one
-// pooled connection (acquireHeldBatch), the others, and keys whose
-// record counts attempts, are record-row leases (Store.AcquireBatch).
-// With Config.RowLeases, an isolation level above READ COMMITTED, or a
-// pool with no more than one connection free, every lease is a record
-// row.
+// held by the session of one pooled connection (acquireHeldBatch), or,
+// when one of them cannot be (a redelivered delivery, a key twice, a key
+// whose record counts attempts: a retry), all of them record-row leases
+// (Store.AcquireBatch): a lease batch is never part held, part record
+// rows. With Config.RowLeases, an isolation level above READ COMMITTED,
+// or a pool with no more than one connection free, every lease is a
+// record row.
 func (h *batchTxHandler) AcquireLeaseBatch(ctx context.Context, reqs []lock.Request, ds []*amqp.Delivery) ([]lock.Result, []error) {
 	s := h.s
 	lvl := h.tx.opts.IsoLevel
@@ -106,9 +107,15 @@ func (h *batchTxHandler) AcquireLeaseBatch(ctx context.Context, reqs []lock.Requ
 		seen[req.Key] = true
 		reqs[i] = req
 	}
-	if len(held) > 0 {
-		counted := s.acquireHeldBatch(ctx, reqs, held, results, errs)
-		rows = append(rows, counted...)
+	// A lease batch is held by one session whole, or not at all: a run
+	// batch is one lease batch (amqpidem), and a run of held and
+	// record-row leases together would be two transactions, two parts
+	// that fail and commit apart.
+	switch {
+	case len(held) > 0 && len(rows) == 0:
+		rows = s.acquireHeldBatch(ctx, reqs, held, results, errs)
+	default:
+		rows = append(rows, held...)
 	}
 	if len(rows) > 0 {
 		slices.Sort(rows)
@@ -222,6 +229,16 @@ func (s *Store) acquireHeldBatch(ctx context.Context, reqs []lock.Request, idx [
 		}
 		if got {
 			unlock = append(unlock, keys[j])
+		}
+	}
+	if len(counted) > 0 {
+		// Some keys must be record-row leases: so must all (see
+		// AcquireLeaseBatch). Every lock taken goes, with the
+		// transaction, in the round trip that gives the connection back.
+		members, unlock, counted = nil, nil, idx
+		hb.locked = map[string]bool{}
+		for _, i := range idx {
+			results[i], errs[i] = lock.Result{}, nil
 		}
 	}
 	hb.mu.Lock()

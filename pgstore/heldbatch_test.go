@@ -292,3 +292,53 @@ func TestHeldBatchIdleSessionEnds(t *testing.T) {
 		resume()
 	}
 }
+
+// TestHeldBatchWholeOrNone: a lease batch is held by its session whole,
+// or is record rows whole: one redelivered delivery, or one key whose
+// record counts attempts (a retry), makes every lease of the call a
+// record row, and the session taken for the others gives back every
+// lock (a run batch of held and record-row leases would be two
+// transactions, committing and failing apart).
+func TestHeldBatchWholeOrNone(t *testing.T) {
+	ctx := context.Background()
+	pool, store, _ := storeOn(t, func(p *pgxpool.Config) { p.MaxConns = 8 })
+	bh := store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		return nil, nil
+	}).(amqpidem.BatchLeaseTaker)
+	req := func(key string) lock.Request { return lock.Request{Key: key, TTL: time.Minute, Retention: time.Hour} }
+	// A record that counts attempts: acquired, then released.
+	res, err := store.Acquire(ctx, req("w-retry"))
+	if err != nil || res.Status != lock.Acquired {
+		t.Fatal(res, err)
+	}
+	if err := store.Release(ctx, res.Lease); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name        string
+		keys        []string
+		redelivered int // index of the redelivered delivery, or -1
+	}{
+		{"redelivered", []string{"w-a1", "w-a2", "w-a3"}, 1},
+		{"retry", []string{"w-b1", "w-retry", "w-b2"}, -1},
+	} {
+		reqs := make([]lock.Request, len(c.keys))
+		ds := make([]*amqp.Delivery, len(c.keys))
+		for i, k := range c.keys {
+			reqs[i], ds[i] = req(k), &amqp.Delivery{Redelivered: i == c.redelivered}
+		}
+		rs, errs := bh.AcquireLeaseBatch(ctx, reqs, ds)
+		for i, r := range rs {
+			if errs[i] != nil || r.Status != lock.Acquired || r.Lease.Owner[0] == 't' {
+				t.Errorf("%s: %s: %+v %v, want a record-row lease", c.name, c.keys[i], r, errs[i])
+				continue
+			}
+			if err := store.Release(ctx, r.Lease); err != nil {
+				t.Errorf("%s: release %s: %v", c.name, c.keys[i], err)
+			}
+		}
+	}
+	if n := pool.Stat().AcquiredConns(); n != 0 {
+		t.Errorf("%d connections out of the pool after every lease ended, want 0", n)
+	}
+}
