@@ -106,8 +106,10 @@ type BatchCompleter interface {
 // store's lock.BatchAcquirer AcquireBatch. Its answers mean what
 // AcquireBatch's do, and each lease it grants is ended as any other: by
 // HandleBatchComplete, or by the store's Complete, Fail, Release or
-// Cancel, one of which amqpidem always calls. A run batch may hold the
-// leases of more than one AcquireLeaseBatch call. A panic is an error for
+// Cancel, one of which amqpidem always calls. A batch given to
+// HandleBatchComplete holds the leases of one AcquireLeaseBatch call
+// (or some of them: the others settled before it ran, or ran in a batch
+// of their own, the calls' deliveries having come interleaved). A panic is an error for
 // each request, as the store's AcquireBatch's is.
 type BatchLeaseTaker interface {
 	BatchCompleter
@@ -251,6 +253,9 @@ type group[T any] struct {
 	// way to it from a lease batch (batcher.leased): it is sealed as
 	// soon as none is.
 	late bool
+	// from is the lease batch of a run batch's flights, when the handler
+	// is a BatchLeaseTaker: one run batch, one lease batch.
+	from *group[*acquireCall]
 }
 
 // join adds x to the group being gathered, or starts one with x's caller
@@ -327,10 +332,13 @@ type batchOut struct {
 
 // acquireCall is one lease request waiting for its group's AcquireBatch.
 type acquireCall struct {
-	req lock.Request
-	d   *amqp.Delivery // the delivery req is for
-	res lock.Result
-	err error
+	// from is the lease batch (AcquireBatch or AcquireLeaseBatch call)
+	// the lease was asked for in, once answered.
+	from *group[*acquireCall]
+	req  lock.Request
+	d    *amqp.Delivery // the delivery req is for
+	res  lock.Result
+	err  error
 }
 
 // acquireBatched takes the lease of c.req with the requests of the
@@ -374,6 +382,7 @@ func (p *processor) acquireBatched(ctx context.Context, c *acquireCall) (lock.Re
 			rs, errs = b.ba.AcquireBatch(ctx, reqs)
 		}
 		for i, c := range calls {
+			c.from = gr
 			if len(rs) != len(calls) || len(errs) != len(calls) {
 				c.err = fmt.Errorf("amqpidem: the store's AcquireBatch answered %d results for %d requests", len(rs), len(calls))
 				continue
@@ -405,7 +414,16 @@ func (f *flight) runBatched() {
 	}
 	f.ready = make(chan struct{})
 	b.runs.mu.Lock()
+	if open := b.runs.open; b.bt != nil && open != nil && open.from != f.acq.from {
+		// A BatchLeaseTaker's leases of two lease batches (two sessions,
+		// say) never run as one batch: the batch being gathered runs
+		// with what it has.
+		b.runs.sealLocked()
+	}
 	gr, leader := b.runs.joinLocked(f, b.size)
+	if leader {
+		gr.from = f.acq.from
+	}
 	b.arrivedLocked(f)
 	b.runs.mu.Unlock()
 	if leader {

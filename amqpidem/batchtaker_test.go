@@ -68,11 +68,14 @@ func TestBatchLeaseTaker(t *testing.T) {
 // taken one by one, and it completes each record after its handler.
 type leaseTaker struct {
 	store      lock.Store
+	delay      func(call int) time.Duration // each AcquireLeaseBatch call's, before it answers
 	mu         sync.Mutex
 	calls      int
 	largest    int
 	mismatched int
 	runs       map[string]int
+	from       map[string]int // the call each lease (owner) came from
+	mixed      int            // runs holding leases of more than one call
 }
 
 var _ amqpidem.BatchLeaseTaker = (*leaseTaker)(nil)
@@ -92,12 +95,24 @@ func (h *leaseTaker) AcquireLeaseBatch(ctx context.Context, reqs []lock.Request,
 			h.mismatched++
 		}
 	}
+	call := h.calls
 	h.mu.Unlock()
+	if h.delay != nil {
+		time.Sleep(h.delay(call))
+	}
 	rs := make([]lock.Result, len(reqs))
 	errs := make([]error, len(reqs))
 	for i, req := range reqs {
 		rs[i], errs[i] = h.store.Acquire(ctx, req)
 	}
+	h.mu.Lock()
+	if h.from == nil {
+		h.from = map[string]int{}
+	}
+	for _, r := range rs {
+		h.from[r.Lease.Owner] = call
+	}
+	h.mu.Unlock()
 	return rs, errs
 }
 
@@ -106,8 +121,13 @@ func (h *leaseTaker) HandleBatchComplete(ctx context.Context, items []amqpidem.B
 	if h.runs == nil {
 		h.runs = map[string]int{}
 	}
+	calls := map[int]bool{}
 	for _, it := range items {
 		h.runs[it.Delivery.MessageId]++
+		calls[h.from[it.Lease.Owner]] = true
+	}
+	if len(calls) > 1 {
+		h.mixed++
 	}
 	h.mu.Unlock()
 	rs := make([]amqpidem.BatchResult, len(items))
@@ -121,4 +141,48 @@ func (h *leaseTaker) HandleBatchComplete(ctx context.Context, items []amqpidem.B
 		}
 	}
 	return rs, nil
+}
+
+// TestBatchLeaseTakerOneLeaseBatchPerRun: a batch run by a
+// BatchLeaseTaker holds the leases of one AcquireLeaseBatch call, never
+// of two (pgstore's are two sessions: two transactions, committing and
+// failing apart), even when lease batches overlap: deliveries trickling
+// in, a call answered just after the one before it (slow, then less).
+func TestBatchLeaseTakerOneLeaseBatchPerRun(t *testing.T) {
+	e := newEnv(t, nil)
+	rec := &recorder{}
+	h := &leaseTaker{store: e.store, delay: func(call int) time.Duration {
+		return time.Duration(100+50*(call%2)) * time.Millisecond
+	}}
+	cfg := amqpidem.ConsumerConfig{
+		URL: e.url, BatchSize: 100, BatchWait: 50 * time.Millisecond,
+		Config: amqpidem.Config{Queue: e.queue, Observer: rec, Logger: slog.New(slog.DiscardHandler)},
+	}
+	c, err := amqpidem.NewBatchConsumer(e.store, cfg, h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	testrun.Consumer(t, c)
+	var keys []string
+	for i := range 60 {
+		keys = append(keys, fmt.Sprintf("o%02d", i))
+	}
+	for _, k := range keys {
+		e.publish(amqp.Publishing{MessageId: k, Body: []byte(k)})
+		time.Sleep(5 * time.Millisecond)
+	}
+	rec.waitFor(t, 30*time.Second, "every message completed", func(evs []amqpidem.Event) bool {
+		for _, k := range keys {
+			if count(evs, k, amqpidem.Completed) != 1 {
+				return false
+			}
+		}
+		return true
+	})
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.mixed > 0 {
+		t.Errorf("%d runs held leases of more than one AcquireLeaseBatch call (%d calls)", h.mixed, h.calls)
+	}
+	t.Logf("%d AcquireLeaseBatch calls", h.calls)
 }
