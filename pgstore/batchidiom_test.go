@@ -27,10 +27,35 @@ var batchKeys = []string{"op0", "op1"}
 // returns HandleBatchComplete's answer.
 func (r *rig) batchAttempt(keys []string, fn pgstore.BatchTxFunc) ([]amqpidem.BatchResult, error) {
 	r.t.Helper()
+	return r.batchAttemptOn(false, keys, fn)
+}
+
+// batchAttemptOn is batchAttempt with, when held is true, the leases
+// taken as a batch consumer takes them from a BatchLeaseTaker: one
+// AcquireLeaseBatch call, held by the session of one pooled connection.
+func (r *rig) batchAttemptOn(held bool, keys []string, fn pgstore.BatchTxFunc) ([]amqpidem.BatchResult, error) {
+	r.t.Helper()
 	ctx := context.Background()
 	h := r.store.BatchTxHandler(fn).(amqpidem.BatchCompleter)
 	items := make([]amqpidem.BatchItem, len(keys))
+	if held {
+		reqs := make([]lock.Request, len(keys))
+		ds := make([]*amqp.Delivery, len(keys))
+		for i, k := range keys {
+			reqs[i], ds[i] = lock.Request{Key: k, TTL: 5 * time.Second}, &amqp.Delivery{MessageId: k}
+		}
+		rs, errs := h.(amqpidem.BatchLeaseTaker).AcquireLeaseBatch(ctx, reqs, ds)
+		for i, k := range keys {
+			if errs[i] != nil || rs[i].Status != lock.Acquired || rs[i].Lease.Owner[0] != 't' {
+				r.t.Fatalf("AcquireLeaseBatch %s: %+v, %v (want a held lease)", k, rs[i], errs[i])
+			}
+			items[i] = amqpidem.BatchItem{Delivery: ds[i], Lease: rs[i].Lease}
+		}
+	}
 	for i, k := range keys {
+		if held {
+			break
+		}
 		res, err := r.store.Acquire(ctx, lock.Request{Key: k, TTL: 5 * time.Second})
 		if err != nil || res.Status != lock.Acquired {
 			r.t.Fatalf("Acquire %s: %+v, %v", k, res, err)
@@ -308,40 +333,42 @@ func TestBatchTxHandlerIdioms(t *testing.T) {
 		}, want{batchErr: permanent(errBad), errText: "the function's Permanent error", states: [2]string{"f", "f"}}},
 	}
 	for _, c := range idioms {
-		t.Run(c.name, func(t *testing.T) {
-			r := newRig(t)
-			rs, err := r.batchAttempt(batchKeys, c.fn(r))
-			ok := c.want.batchErr(err)
-			if ok && err == nil {
-				for i := range batchKeys {
-					var ierr error
-					if rs != nil {
-						ierr = rs[i].Err
+		for _, held := range []bool{false, true} {
+			t.Run(map[bool]string{false: "row/", true: "held/"}[held]+c.name, func(t *testing.T) {
+				r := newRig(t)
+				rs, err := r.batchAttemptOn(held, batchKeys, c.fn(r))
+				ok := c.want.batchErr(err)
+				if ok && err == nil {
+					for i := range batchKeys {
+						var ierr error
+						if rs != nil {
+							ierr = rs[i].Err
+						}
+						check := none
+						if c.want.itemErr != nil {
+							check = c.want.itemErr[i]
+						}
+						ok = ok && check(ierr)
 					}
-					check := none
-					if c.want.itemErr != nil {
-						check = c.want.itemErr[i]
+				}
+				if !ok {
+					t.Errorf("HandleBatchComplete: results %+v, error %v; want %s", rs, err, c.want.errText)
+				}
+				effects := r.effects()
+				for i, k := range batchKeys {
+					if got, want := effects[k], c.want.effects[i]; got != want {
+						t.Errorf("%s: %d effect rows, want %d", k, got, want)
 					}
-					ok = ok && check(ierr)
+					if rec := r.record(k); rec == nil || rec.state != c.want.states[i] || rec.attempts != 1 {
+						t.Errorf("%s: record %+v, want state %q, attempt 1", k, rec, c.want.states[i])
+					}
 				}
-			}
-			if !ok {
-				t.Errorf("HandleBatchComplete: results %+v, error %v; want %s", rs, err, c.want.errText)
-			}
-			effects := r.effects()
-			for i, k := range batchKeys {
-				if got, want := effects[k], c.want.effects[i]; got != want {
-					t.Errorf("%s: %d effect rows, want %d", k, got, want)
+				if n := effects["undone"]; n != 0 {
+					t.Errorf("%d rows the function rolled back to its savepoint", n)
 				}
-				if rec := r.record(k); rec == nil || rec.state != c.want.states[i] || rec.attempts != 1 {
-					t.Errorf("%s: record %+v, want state %q, attempt 1", k, rec, c.want.states[i])
-				}
-			}
-			if n := effects["undone"]; n != 0 {
-				t.Errorf("%d rows the function rolled back to its savepoint", n)
-			}
-			r.idle()
-		})
+				r.idle()
+			})
+		}
 	}
 }
 
