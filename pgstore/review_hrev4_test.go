@@ -12,6 +12,7 @@ import (
 	"github.com/amqpidem/amqpidem/amqpidem"
 	"github.com/amqpidem/amqpidem/heartbeat"
 	"github.com/amqpidem/amqpidem/lock"
+	"github.com/amqpidem/amqpidem/pgstore"
 )
 
 // heldLease takes key's lease as a lease batch of its own (one
@@ -229,4 +230,51 @@ func TestHeldBatchPartsHeartbeatCancelsLaterPart(t *testing.T) {
 		t.Errorf("slow: %d effect rows, want 1", n)
 	}
 	r.idle()
+}
+
+// TestHeldBatchCommitBeginRollbackBegin: the direct review tests of the
+// record-row batch path (TestBatchTxHandlerCommitBeginThenMessageErrorDirect,
+// TestBatchTxHandlerRollbackBeginThenNilNotAcked) on a held lease batch:
+// a COMMIT then a BEGIN by the function, one message then failing, is not
+// run again; a ROLLBACK then a BEGIN, then nil, is not acked as done (the
+// commit guard, txGuardSQL, on finishHeldBatch).
+func TestHeldBatchCommitBeginRollbackBegin(t *testing.T) {
+	t.Run("commit, begin", func(t *testing.T) {
+		r := newRig(t)
+		runs := 0
+		rs, err := r.batchAttemptOn(true, []string{"d0", "d1"}, commitBeginFailing(r, &runs, func(id string) bool { return id == "d0" }))
+		if got := r.effects(); got["d1"] != 1 || runs != 1 {
+			t.Errorf("d1: %d effect rows after %d runs (answer %v, %v); want 1 row, 1 run", got["d1"], runs, rs, err)
+		}
+		if len(rs) == 2 && (rs[0].Err == nil || !amqpidem.IsPermanent(rs[0].Err) || !errors.Is(rs[0].Err, pgstore.ErrTxEnded)) {
+			t.Errorf("d0's error %v: want Permanent, wrapping ErrTxEnded", rs[0].Err)
+		}
+		r.idle()
+	})
+	t.Run("rollback, begin", func(t *testing.T) {
+		r := newRig(t)
+		rs, err := r.batchAttemptOn(true, []string{"rb0", "rb1"}, func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+			for _, d := range ds {
+				if err := r.insert(ctx, tx, d.MessageId); err != nil {
+					return nil, err
+				}
+			}
+			if _, err := tx.Conn().Exec(ctx, "ROLLBACK"); err != nil {
+				return nil, err
+			}
+			_, err := tx.Conn().Exec(ctx, "BEGIN")
+			return nil, err
+		})
+		for i, k := range []string{"rb0", "rb1"} {
+			rec := r.record(k)
+			merr := err
+			if err == nil && len(rs) == 2 {
+				merr = rs[i].Err
+			}
+			if !errors.Is(merr, pgstore.ErrTxEnded) || !amqpidem.IsPermanent(merr) || (rec != nil && rec.state == "c") || r.effects()[k] != 0 {
+				t.Errorf("%s: error %v, record %+v, %d effect rows: want ErrTxEnded, Permanent, not completed", k, merr, rec, r.effects()[k])
+			}
+		}
+		r.idle()
+	})
 }
