@@ -3,6 +3,7 @@ package pgstore_test
 import (
 	"context"
 	"errors"
+	"strconv"
 	"testing"
 	"time"
 
@@ -277,4 +278,90 @@ func TestHeldBatchCommitBeginRollbackBegin(t *testing.T) {
 		}
 		r.idle()
 	})
+}
+
+// TestHeldBatchSessionKilled: the session holding a lease batch is
+// terminated (pg_terminate_backend: a failover, an administrator) before
+// the run, during the function, and at the COMMIT (a deferred trigger of
+// the handler's table terminating its own backend). Nothing commits
+// twice, nothing is acked uncommitted: the run answers an error
+// (the store unavailable, or the lease lost), no effect row, no completed
+// record; the leases end (Release) without error beyond lost; the pool
+// gets its connections back with no lock; the keys can be taken again.
+func TestHeldBatchSessionKilled(t *testing.T) {
+	for _, when := range []string{"before the run", "during the function", "at the commit"} {
+		t.Run(when, func(t *testing.T) {
+			r := newRig(t)
+			ctx := context.Background()
+			kill := r.atCommit("kill", "PERFORM pg_terminate_backend(pg_backend_pid()); PERFORM pg_sleep(5);")
+			fn := func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+				for _, d := range ds {
+					if err := r.insert(ctx, tx, d.MessageId); err != nil {
+						return nil, err
+					}
+				}
+				switch when {
+				case "during the function":
+					var pid int
+					if err := tx.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+						return nil, err
+					}
+					if _, err := r.pool.Exec(ctx, "SELECT pg_terminate_backend($1)", pid); err != nil {
+						return nil, err
+					}
+					time.Sleep(100 * time.Millisecond)
+					return nil, nil // swallowing nothing: returns as if done
+				case "at the commit":
+					_, err := tx.Exec(ctx, "INSERT INTO "+kill+" VALUES ('x')")
+					return nil, err
+				}
+				return nil, nil
+			}
+			bh := r.store.BatchTxHandler(fn).(amqpidem.BatchLeaseTaker)
+			keys := []string{"k0", "k1"}
+			reqs := []lock.Request{{Key: "k0", TTL: 5 * time.Second}, {Key: "k1", TTL: 5 * time.Second}}
+			ds := []*amqp.Delivery{{MessageId: "k0"}, {MessageId: "k1"}}
+			res, errs := bh.AcquireLeaseBatch(ctx, reqs, ds)
+			items := make([]amqpidem.BatchItem, 2)
+			for i := range res {
+				if errs[i] != nil || res[i].Status != lock.Acquired || res[i].Lease.Owner[0] != 't' {
+					t.Fatalf("AcquireLeaseBatch: %+v %v", res[i], errs[i])
+				}
+				items[i] = amqpidem.BatchItem{Delivery: ds[i], Lease: res[i].Lease}
+			}
+			if when == "before the run" {
+				pid, _ := strconv.ParseUint(res[0].Lease.Owner[1:9], 16, 32)
+				if _, err := r.pool.Exec(ctx, "SELECT pg_terminate_backend($1)", int(pid)); err != nil {
+					t.Fatal(err)
+				}
+				time.Sleep(100 * time.Millisecond)
+			}
+			rs, err := bh.HandleBatchComplete(ctx, items, func(_ int, v []byte) ([]byte, error) { return v, nil })
+			for i, k := range keys {
+				merr := err
+				if err == nil && rs != nil {
+					merr = rs[i].Err
+				}
+				t.Logf("%s: %v", k, merr)
+				if merr == nil {
+					t.Errorf("%s: answered done though its session was terminated", k)
+				}
+				if rerr := r.store.Release(ctx, items[i].Lease); rerr != nil && !errors.Is(rerr, lock.ErrLeaseLost) {
+					t.Errorf("%s: Release after %v: %v", k, merr, rerr)
+				}
+				if rec := r.record(k); rec != nil && rec.state == "c" {
+					t.Errorf("%s: record completed though its session was terminated (error %v)", k, merr)
+				}
+				if n := r.effects()[k]; n != 0 {
+					t.Errorf("%s: %d effect rows, want 0", k, n)
+				}
+			}
+			r.idle()
+			for _, k := range keys {
+				if got, err := r.store.Acquire(ctx, lock.Request{Key: k, TTL: 5 * time.Second}); err != nil || got.Status != lock.Acquired {
+					t.Errorf("Acquire %s afterwards: %v %v, want acquired", k, got.Status, err)
+				}
+			}
+		})
+	}
 }
