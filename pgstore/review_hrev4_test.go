@@ -365,3 +365,57 @@ func TestHeldBatchSessionKilled(t *testing.T) {
 		})
 	}
 }
+
+// TestHeldBatchPartsLaterPartIdledOut: a run batch holding two lease
+// batches, {busy} then {b}, each on its own session, run one after the
+// other. busy's part is legitimately long: busy in the database the whole
+// time (not idle), longer than the leases' TTL, which the heartbeat
+// would keep extending. Meanwhile b's session sits idle in the
+// transaction begun at its acquire, whose
+// idle_in_transaction_session_timeout is the TTL: the server ends it,
+// and b, whose handler has not even started, is failed (lease lost),
+// its work to be done again. (On record-row leases, or with one lease
+// batch, nothing waits idle on a session.)
+func TestHeldBatchPartsLaterPartIdledOut(t *testing.T) {
+	r := newRig(t)
+	ctx := context.Background()
+	const ttl = time.Second
+	fn := func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		for _, d := range ds {
+			if d.MessageId == "busy" {
+				if _, err := tx.Exec(ctx, "SELECT pg_sleep(1.6)"); err != nil {
+					return nil, err
+				}
+			}
+			if err := r.insert(ctx, tx, d.MessageId); err != nil {
+				return nil, err
+			}
+		}
+		return nil, nil
+	}
+	bh := r.store.BatchTxHandler(fn).(amqpidem.BatchLeaseTaker)
+	lease := func(key string) lock.Lease {
+		rs, errs := bh.AcquireLeaseBatch(ctx, []lock.Request{{Key: key, TTL: ttl}}, []*amqp.Delivery{{MessageId: key}})
+		if errs[0] != nil || rs[0].Status != lock.Acquired || rs[0].Lease.Owner[0] != 't' {
+			t.Fatalf("AcquireLeaseBatch %s: %+v %v, want a held lease", key, rs[0], errs[0])
+		}
+		return rs[0].Lease
+	}
+	busy, b := lease("busy"), lease("b")
+	items := []amqpidem.BatchItem{
+		{Delivery: &amqp.Delivery{MessageId: "busy"}, Lease: busy},
+		{Delivery: &amqp.Delivery{MessageId: "b"}, Lease: b},
+	}
+	rs, err := bh.HandleBatchComplete(ctx, items, func(_ int, v []byte) ([]byte, error) { return v, nil })
+	for i, k := range []string{"busy", "b"} {
+		merr := err
+		if err == nil && rs != nil {
+			merr = rs[i].Err
+		}
+		if merr != nil {
+			t.Errorf("%s: %v; want completed (no handler of the batch sat idle)", k, merr)
+			_ = r.store.Release(ctx, items[i].Lease)
+		}
+	}
+	r.idle()
+}
