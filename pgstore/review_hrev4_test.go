@@ -419,3 +419,44 @@ func TestHeldBatchPartsLaterPartIdledOut(t *testing.T) {
 	}
 	r.idle()
 }
+
+// TestHeldBatchSplitHalfIdledOut: one lease batch {a, b}, its run failing
+// as a batch, so amqpidem splits it and runs [a], then [b], on the same
+// session. a's run is legitimately long (busy in the database for longer
+// than the TTL). b's lease waits meanwhile in the Store with its guard
+// (a lease not ended within its TTL is ended: meant for a bug) running
+// since the failed run put it back: it fires during a's run, and b is
+// answered "the session holding the lease ended before the handler ran"
+// though the session is alive and busy with a's half. (On record-row
+// leases the heartbeat keeps b's lease, and b completes.)
+func TestHeldBatchSplitHalfIdledOut(t *testing.T) {
+	r := newRig(t)
+	ctx := context.Background()
+	const ttl = time.Second
+	fn := func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
+		if len(ds) > 1 {
+			return nil, errors.New("a batch error: split me")
+		}
+		if ds[0].MessageId == "a" {
+			if _, err := tx.Exec(ctx, "SELECT pg_sleep(1.6)"); err != nil {
+				return nil, err
+			}
+		}
+		return nil, r.insert(ctx, tx, ds[0].MessageId)
+	}
+	bh := r.store.BatchTxHandler(fn).(amqpidem.BatchLeaseTaker)
+	rs, errs := bh.AcquireLeaseBatch(ctx, []lock.Request{{Key: "a", TTL: ttl}, {Key: "b", TTL: ttl}},
+		[]*amqp.Delivery{{MessageId: "a"}, {MessageId: "b"}})
+	items := make([]amqpidem.BatchItem, 2)
+	for i := range rs {
+		if errs[i] != nil || rs[i].Status != lock.Acquired || rs[i].Lease.Owner[0] != 't' {
+			t.Fatalf("AcquireLeaseBatch: %+v %v", rs[i], errs[i])
+		}
+		items[i] = amqpidem.BatchItem{Delivery: &amqp.Delivery{MessageId: []string{"a", "b"}[i]}, Lease: rs[i].Lease}
+	}
+	out := r.settleAsConsumer(bh, items)
+	if out["a"] != nil || out["b"] != nil {
+		t.Errorf("settled with a: %v; b: %v; want both completed", out["a"], out["b"])
+	}
+	r.idle()
+}
