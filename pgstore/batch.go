@@ -148,28 +148,60 @@ func (h *batchTxHandler) HandleBatchComplete(ctx context.Context, items []amqpid
 		// that ended before its run (its TTL passed): not run.
 		rs[i].Err = fmt.Errorf("%w: key %q: the lease is not held by a lease batch's session (it ended, or was never one's)", lock.ErrUnavailable, items[i].Lease.Key)
 	}
-	committed := false
+	ran := false
 	for _, p := range parts {
+		if ran {
+			// An earlier part ran, and may have committed (its messages
+			// answered with errors too: the function's own COMMIT, then
+			// an error): a batch error would be split by amqpidem and
+			// that part run again. This part is split here instead.
+			h.split(ctx, p, items, value, rs)
+			continue
+		}
 		prs, err := p.run(ctx, h, items, value)
-		if err != nil && !committed {
-			// Nothing committed yet: the batch error is the whole batch's,
-			// and amqpidem splits it (the parts not run yet hold their
+		if err != nil {
+			// Nothing ran yet: the batch error is the whole batch's, and
+			// amqpidem splits it (the parts not run yet hold their
 			// leases as they were).
 			return nil, err
 		}
 		for j, i := range p.idx {
-			switch {
-			case err != nil:
-				// An earlier part committed: the error is each of this
-				// part's messages' own (nothing of theirs committed).
-				rs[i].Err = err
-			case prs != nil:
+			if prs != nil {
 				rs[i] = prs[j]
 			}
-			committed = committed || err == nil && rs[i].Err == nil
 		}
+		ran = true
 	}
 	return rs, nil
+}
+
+// split runs p's items, part of a run batch of which another part ran, as
+// amqpidem runs a batch: a batch error splits them in halves, each run
+// again, down to single messages, whose error is then their own, so that
+// a poison message is not charged to its neighbours; a commit whose
+// outcome is unknown (lock.ErrUnavailable) is not run again. It sets the
+// items' answers in rs.
+func (h *batchTxHandler) split(ctx context.Context, p *part, items []amqpidem.BatchItem, value func(int, []byte) ([]byte, error), rs []amqpidem.BatchResult) {
+	prs, err := p.run(ctx, h, items, value)
+	switch {
+	case err == nil:
+		for j, i := range p.idx {
+			if prs != nil {
+				rs[i] = prs[j]
+			}
+		}
+	case len(p.idx) == 1 || ctx.Err() != nil || errors.Is(err, lock.ErrUnavailable) && !amqpidem.IsPermanent(err):
+		for _, i := range p.idx {
+			rs[i].Err = err
+		}
+	default:
+		// What the failed run staged did not commit: the halves stage
+		// afresh.
+		amqpidem.DiscardStaged(ctx)
+		mid := len(p.idx) / 2
+		h.split(ctx, &part{b: p.b, idx: p.idx[:mid]}, items, value, rs)
+		h.split(ctx, &part{b: p.b, idx: p.idx[mid:]}, items, value, rs)
+	}
 }
 
 // part is the items of a run batch that run in one transaction: those of
