@@ -240,10 +240,11 @@
 //   - A run batch may hold messages of several lease batches (and of
 //     record-row leases): each lease batch runs on its own session, in a
 //     transaction of its own, and the record-row leases in one of a
-//     pooled connection, one commit each. When a part fails as a batch
-//     before any part committed, the whole run fails (amqpidem splits
-//     it); after one committed, that error is each of the part's
-//     messages' own.
+//     pooled connection, one commit each. When the first part fails as
+//     a batch, the whole run fails (amqpidem splits it); a later part
+//     that fails as a batch is split in halves by BatchTxHandler itself,
+//     down to single messages, whose error is then their own (an earlier
+//     part may have committed, and must not run again).
 //   - The heartbeat's Extend asks, for all of a consumer's held leases
 //     at once, whether their backends still hold their locks (one
 //     statement per tick).
