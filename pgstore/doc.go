@@ -244,7 +244,17 @@
 //     a batch, the whole run fails (amqpidem splits it); a later part
 //     that fails as a batch is split in halves by BatchTxHandler itself,
 //     down to single messages, whose error is then their own (an earlier
-//     part may have committed, and must not run again).
+//     part may have committed, and must not run again). amqpidem never
+//     runs such a batch: a run batch of a BatchLeaseTaker holds the
+//     leases of one lease batch, and AcquireLeaseBatch holds a lease
+//     batch whole or makes it record rows whole. A caller of
+//     HandleBatchComplete that mixes lease batches meets two more
+//     limits: while one part runs longer than the TTL, a later part's
+//     session idles in its transaction and the server ends it (its
+//     messages answered lock.ErrUnavailable); and a part that committed
+//     releases its keys, after which Extend answers its leases lost,
+//     which cancels, with a heartbeat that cancels the batch on a lost
+//     lease, the parts still running.
 //   - The heartbeat's Extend asks, for all of a consumer's held leases
 //     at once, whether their backends still hold their locks (one
 //     statement per tick).

@@ -11,7 +11,6 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
-	"github.com/amqpidem/amqpidem/heartbeat"
 	"github.com/amqpidem/amqpidem/lock"
 	"github.com/amqpidem/amqpidem/pgstore"
 )
@@ -160,79 +159,6 @@ func TestHeldBatchPartsCommittedWorkRerun(t *testing.T) {
 	r.idle()
 }
 
-// TestHeldBatchPartsHeartbeatCancelsLaterPart: a run batch holding two
-// lease batches, {a} then {slow}, run as amqpidem's callBatch runs one:
-// each lease kept by the heartbeat (heartbeat.Keeper on the Store), the
-// batch's context cancelled as soon as any of its leases' contexts is
-// (lease lost). Part {a} commits first, which releases a's key; a's next
-// heartbeat tick then finds its lease "lost" (Extend asks whether the
-// session still holds the key's lock: it no longer does), cancels a's
-// context and with it the whole batch's, while part {slow} is still
-// running, well within its own lease. slow, which did nothing wrong, is
-// failed (on record-row leases, one transaction, nothing is released
-// before the batch's single COMMIT, and slow completes).
-func TestHeldBatchPartsHeartbeatCancelsLaterPart(t *testing.T) {
-	r := newRig(t)
-	ctx := context.Background()
-	const ttl = 1200 * time.Millisecond
-	fn := func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
-		for _, d := range ds {
-			if d.MessageId == "slow" {
-				// Busy in the database (not idle in its transaction), for
-				// longer than a heartbeat interval and shorter than the TTL.
-				if _, err := tx.Exec(ctx, "SELECT pg_sleep(0.9)"); err != nil {
-					return nil, err
-				}
-			}
-			if err := r.insert(ctx, tx, d.MessageId); err != nil {
-				return nil, err
-			}
-		}
-		return nil, nil
-	}
-	bh := r.store.BatchTxHandler(fn).(amqpidem.BatchLeaseTaker)
-	lease := func(key string) lock.Lease {
-		rs, errs := bh.AcquireLeaseBatch(ctx, []lock.Request{{Key: key, TTL: ttl}}, []*amqp.Delivery{{MessageId: key}})
-		if errs[0] != nil || rs[0].Status != lock.Acquired || rs[0].Lease.Owner[0] != 't' {
-			t.Fatalf("AcquireLeaseBatch %s: %+v %v, want a held lease", key, rs[0], errs[0])
-		}
-		return rs[0].Lease
-	}
-	a, slow := lease("a"), lease("slow")
-	k, err := heartbeat.New(r.store, heartbeat.Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = k.Shutdown(ctx) }()
-	bctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	for _, l := range []lock.Lease{a, slow} {
-		hctx, stop := k.Keep(ctx, l)
-		defer stop()
-		defer context.AfterFunc(hctx, func() { cancel(context.Cause(hctx)) })()
-	}
-	items := []amqpidem.BatchItem{
-		{Delivery: &amqp.Delivery{MessageId: "a"}, Lease: a},
-		{Delivery: &amqp.Delivery{MessageId: "slow"}, Lease: slow},
-	}
-	rs, err := bh.HandleBatchComplete(bctx, items, func(_ int, v []byte) ([]byte, error) { return v, nil })
-	var slowErr error
-	switch {
-	case err != nil:
-		slowErr = err
-	case rs != nil:
-		slowErr = rs[1].Err
-	}
-	if slowErr != nil {
-		t.Errorf("slow: %v (the batch's context: %v); want completed: its lease was never lost", slowErr, context.Cause(bctx))
-		_ = r.store.Release(ctx, slow)
-	}
-	if n := r.effects()["slow"]; n != 1 {
-		t.Errorf("slow: %d effect rows, want 1", n)
-	}
-	r.idle()
-}
-
 // TestHeldBatchCommitBeginRollbackBegin: the direct review tests of the
 // record-row batch path (TestBatchTxHandlerCommitBeginThenMessageErrorDirect,
 // TestBatchTxHandlerRollbackBeginThenNilNotAcked) on a held lease batch:
@@ -364,60 +290,6 @@ func TestHeldBatchSessionKilled(t *testing.T) {
 			}
 		})
 	}
-}
-
-// TestHeldBatchPartsLaterPartIdledOut: a run batch holding two lease
-// batches, {busy} then {b}, each on its own session, run one after the
-// other. busy's part is legitimately long: busy in the database the whole
-// time (not idle), longer than the leases' TTL, which the heartbeat
-// would keep extending. Meanwhile b's session sits idle in the
-// transaction begun at its acquire, whose
-// idle_in_transaction_session_timeout is the TTL: the server ends it,
-// and b, whose handler has not even started, is failed (lease lost),
-// its work to be done again. (On record-row leases, or with one lease
-// batch, nothing waits idle on a session.)
-func TestHeldBatchPartsLaterPartIdledOut(t *testing.T) {
-	r := newRig(t)
-	ctx := context.Background()
-	const ttl = time.Second
-	fn := func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
-		for _, d := range ds {
-			if d.MessageId == "busy" {
-				if _, err := tx.Exec(ctx, "SELECT pg_sleep(1.6)"); err != nil {
-					return nil, err
-				}
-			}
-			if err := r.insert(ctx, tx, d.MessageId); err != nil {
-				return nil, err
-			}
-		}
-		return nil, nil
-	}
-	bh := r.store.BatchTxHandler(fn).(amqpidem.BatchLeaseTaker)
-	lease := func(key string) lock.Lease {
-		rs, errs := bh.AcquireLeaseBatch(ctx, []lock.Request{{Key: key, TTL: ttl}}, []*amqp.Delivery{{MessageId: key}})
-		if errs[0] != nil || rs[0].Status != lock.Acquired || rs[0].Lease.Owner[0] != 't' {
-			t.Fatalf("AcquireLeaseBatch %s: %+v %v, want a held lease", key, rs[0], errs[0])
-		}
-		return rs[0].Lease
-	}
-	busy, b := lease("busy"), lease("b")
-	items := []amqpidem.BatchItem{
-		{Delivery: &amqp.Delivery{MessageId: "busy"}, Lease: busy},
-		{Delivery: &amqp.Delivery{MessageId: "b"}, Lease: b},
-	}
-	rs, err := bh.HandleBatchComplete(ctx, items, func(_ int, v []byte) ([]byte, error) { return v, nil })
-	for i, k := range []string{"busy", "b"} {
-		merr := err
-		if err == nil && rs != nil {
-			merr = rs[i].Err
-		}
-		if merr != nil {
-			t.Errorf("%s: %v; want completed (no handler of the batch sat idle)", k, merr)
-			_ = r.store.Release(ctx, items[i].Lease)
-		}
-	}
-	r.idle()
 }
 
 // TestHeldBatchSplitHalfIdledOut: one lease batch {a, b}, its run failing
