@@ -22,33 +22,8 @@ import (
 // the store's; the leases it grants are the ones the handler then
 // completes. Every message completes once; duplicates never run.
 func TestBatchLeaseTaker(t *testing.T) {
-	e := newEnv(t, nil)
-	rec := &recorder{}
-	h := &leaseTaker{store: e.store}
-	cfg := amqpidem.ConsumerConfig{
-		URL: e.url, BatchSize: 10, BatchWait: 50 * time.Millisecond,
-		Config: amqpidem.Config{Queue: e.queue, Observer: rec, Logger: slog.New(slog.DiscardHandler)},
-	}
-	c, err := amqpidem.NewBatchConsumer(e.store, cfg, h)
-	if err != nil {
-		t.Fatal(err)
-	}
-	testrun.Consumer(t, c)
-	var keys []string
-	for i := range 30 {
-		keys = append(keys, fmt.Sprintf("t%02d", i))
-	}
-	for _, k := range keys {
-		e.publish(amqp.Publishing{MessageId: k, Body: []byte(k)})
-	}
-	rec.waitFor(t, 30*time.Second, "every message completed", func(evs []amqpidem.Event) bool {
-		for _, k := range keys {
-			if count(evs, k, amqpidem.Completed) != 1 {
-				return false
-			}
-		}
-		return true
-	})
+	h := &leaseTaker{}
+	keys := runTaker(t, h, 10, "t", 30, 0)
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.calls == 0 || h.largest < 2 {
@@ -62,6 +37,41 @@ func TestBatchLeaseTaker(t *testing.T) {
 			t.Errorf("%s: ran %d times, want 1", k, h.runs[k])
 		}
 	}
+}
+
+// runTaker runs n messages, their ids prefix and a number, published
+// every gap, through a batch consumer of h (on the test's store, batches
+// of size, BatchWait 50 ms) until each completed, and returns the ids.
+func runTaker(t *testing.T, h *leaseTaker, size int, prefix string, n int, gap time.Duration) []string {
+	e := newEnv(t, nil)
+	h.store = e.store
+	rec := &recorder{}
+	cfg := amqpidem.ConsumerConfig{
+		URL: e.url, BatchSize: size, BatchWait: 50 * time.Millisecond,
+		Config: amqpidem.Config{Queue: e.queue, Observer: rec, Logger: slog.New(slog.DiscardHandler)},
+	}
+	c, err := amqpidem.NewBatchConsumer(e.store, cfg, h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	testrun.Consumer(t, c)
+	var keys []string
+	for i := range n {
+		keys = append(keys, fmt.Sprintf("%s%02d", prefix, i))
+	}
+	for _, k := range keys {
+		e.publish(amqp.Publishing{MessageId: k, Body: []byte(k)})
+		time.Sleep(gap)
+	}
+	rec.waitFor(t, 30*time.Second, "every message completed", func(evs []amqpidem.Event) bool {
+		for _, k := range keys {
+			if count(evs, k, amqpidem.Completed) != 1 {
+				return false
+			}
+		}
+		return true
+	})
+	return keys
 }
 
 // leaseTaker is a BatchLeaseTaker of store: its leases are the store's,
@@ -149,36 +159,10 @@ func (h *leaseTaker) HandleBatchComplete(ctx context.Context, items []amqpidem.B
 // failing apart), even when lease batches overlap: deliveries trickling
 // in, a call answered just after the one before it (slow, then less).
 func TestBatchLeaseTakerOneLeaseBatchPerRun(t *testing.T) {
-	e := newEnv(t, nil)
-	rec := &recorder{}
-	h := &leaseTaker{store: e.store, delay: func(call int) time.Duration {
+	h := &leaseTaker{delay: func(call int) time.Duration {
 		return time.Duration(100+50*(call%2)) * time.Millisecond
 	}}
-	cfg := amqpidem.ConsumerConfig{
-		URL: e.url, BatchSize: 100, BatchWait: 50 * time.Millisecond,
-		Config: amqpidem.Config{Queue: e.queue, Observer: rec, Logger: slog.New(slog.DiscardHandler)},
-	}
-	c, err := amqpidem.NewBatchConsumer(e.store, cfg, h)
-	if err != nil {
-		t.Fatal(err)
-	}
-	testrun.Consumer(t, c)
-	var keys []string
-	for i := range 60 {
-		keys = append(keys, fmt.Sprintf("o%02d", i))
-	}
-	for _, k := range keys {
-		e.publish(amqp.Publishing{MessageId: k, Body: []byte(k)})
-		time.Sleep(5 * time.Millisecond)
-	}
-	rec.waitFor(t, 30*time.Second, "every message completed", func(evs []amqpidem.Event) bool {
-		for _, k := range keys {
-			if count(evs, k, amqpidem.Completed) != 1 {
-				return false
-			}
-		}
-		return true
-	})
+	runTaker(t, h, 100, "o", 60, 5*time.Millisecond)
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.mixed > 0 {
