@@ -1,12 +1,10 @@
 package pgstore_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -14,25 +12,8 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv"
 )
-
-// syncBuffer is a bytes.Buffer safe for a logger's concurrent writes.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 // TestTrial2SplitCommittedHalfWaits: a BatchTxHandler batch with one
 // poison message (a batch error) is split; the half without it commits
@@ -77,7 +58,7 @@ func runSplitBatch(t *testing.T, d time.Duration) (map[string][]amqpidem.Event, 
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _, _ = r.ch.QueueDelete(next, false, false, false) })
-	logs := &syncBuffer{}
+	logs := &testenv.SyncBuffer{}
 	r.runBatch(r.store.BatchTxHandler(func(ctx context.Context, tx pgx.Tx, ds []*amqp.Delivery) ([]amqpidem.BatchResult, error) {
 		defer tx.Rollback(ctx)
 		for _, d := range ds {

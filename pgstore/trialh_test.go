@@ -235,7 +235,11 @@ func lateCommitStore(t *testing.T) (direct *pgxpool.Pool, store *pgstore.Store, 
 // program stuck before NewConsumer), and a running consumer's deliveries
 // stayed in Acquire for 35 s, with no log line, until Shutdown cancelled
 // them: the consumer stalls silently, which at 3 a.m. looks like an idle
-// queue. (The Consumer's own check at Run bounds itself to 5 s.)
+// queue. (The Consumer's own check at Run bounds itself to 5 s.) So are
+// Cleanup and Count (h-rev3): the Store's own cleanup loop calls Cleanup
+// with a context with no deadline, and held a pooled connection, and
+// stopped cleaning up, for good, with no log line; Count's
+// statement_timeout is the server's, which a hung server never applies.
 func TestStoreCallsBoundedWhenDatabaseHangs(t *testing.T) {
 	direct := pgenv.Pool(t, 4)
 	cfg := schema(t, direct, pgstore.Config{CleanupInterval: -1})
@@ -247,6 +251,11 @@ func TestStoreCallsBoundedWhenDatabaseHangs(t *testing.T) {
 		{"Check", func(s *pgstore.Store) error { return s.Check(context.Background()) }},
 		{"Acquire", func(s *pgstore.Store) error {
 			_, err := s.Acquire(context.Background(), lock.Request{Key: "hang", TTL: 5 * time.Second})
+			return err
+		}},
+		{"Cleanup", func(s *pgstore.Store) error { _, err := s.Cleanup(context.Background()); return err }},
+		{"Count", func(s *pgstore.Store) error {
+			_, err := s.Count(context.Background(), lock.CountRequest{})
 			return err
 		}},
 	} {
