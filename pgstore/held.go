@@ -244,7 +244,7 @@ func (s *Store) putHeld(l lock.Lease, h *heldTx) {
 // nothing took it within l's TTL.
 func (s *Store) guardHeld(l lock.Lease, h *heldTx) {
 	h.guard = time.AfterFunc(l.TTL, func() {
-		if b := h.batch; b != nil && b.busy() {
+		if b := h.batch; b != nil && b.busy() && !s.closed.Load() {
 			// A member of a batch whose other parts are running (a
 			// split): waiting for its part is not being forgotten. Its
 			// run, or amqpidem's end of it, takes it. A new guard comes
@@ -256,6 +256,11 @@ func (s *Store) guardHeld(l lock.Lease, h *heldTx) {
 			s.guardHeld(l, n)
 			if !s.held.CompareAndSwap(l.Owner, h, n) {
 				n.guard.Stop() // taken meanwhile
+				return
+			}
+			if s.closed.Load() {
+				// Close ran meanwhile and may have missed n: as Close.
+				s.endInPlace(l.Owner, n, time.Minute, func() {})
 			}
 			return
 		}
