@@ -236,6 +236,12 @@ type batcher struct {
 	// batches, each a transaction of its own, for want of CPU to bring
 	// them there within the run batch's wait.
 	leasing, leased int
+	// parked are the run batches being gathered of a BatchLeaseTaker's
+	// other lease batches, by lease batch, guarded by runs.mu: a flight
+	// of another lease batch than the open group's parks it (and takes
+	// up its own lease batch's, if parked), so that lease batches whose
+	// flights arrive interleaved still run one run batch each.
+	parked map[*group[*acquireCall]]*group[*flight]
 }
 
 // gathering collects items into groups of at most size.
@@ -416,9 +422,17 @@ func (f *flight) runBatched() {
 	b.runs.mu.Lock()
 	if open := b.runs.open; b.bt != nil && open != nil && open.from != f.acq.from {
 		// A BatchLeaseTaker's leases of two lease batches (two sessions,
-		// say) never run as one batch: the batch being gathered runs
-		// with what it has.
-		b.runs.sealLocked()
+		// say) never run as one batch: the batch being gathered is
+		// parked, still gathering its own lease batch's flights.
+		if b.parked == nil {
+			b.parked = map[*group[*acquireCall]]*group[*flight]{}
+		}
+		b.parked[open.from] = open
+		b.runs.open = nil
+	}
+	if g := b.parked[f.acq.from]; b.bt != nil && b.runs.open == nil && g != nil {
+		delete(b.parked, f.acq.from)
+		b.runs.open = g
 	}
 	gr, leader := b.runs.joinLocked(f, b.size)
 	if leader {
@@ -510,8 +524,17 @@ func (b *batcher) arrivedLocked(f *flight) {
 	}
 	f.leaseBatched = false
 	b.leased--
-	if open := b.runs.open; open != nil && b.leased == 0 && (b.leasing == 0 || open.late) {
+	if b.leased != 0 {
+		return
+	}
+	if open := b.runs.open; open != nil && (b.leasing == 0 || open.late) {
 		b.runs.sealLocked()
+	}
+	for from, g := range b.parked {
+		if b.leasing == 0 || g.late {
+			close(g.full)
+			delete(b.parked, from)
+		}
 	}
 }
 
@@ -537,7 +560,7 @@ func (b *batcher) gatherRun(gr *group[*flight], stop, done <-chan struct{}) []*f
 	case <-done:
 	case <-t.C:
 		b.runs.mu.Lock()
-		wait := b.runs.open == gr && b.leased > 0
+		wait := (b.runs.open == gr || b.parked[gr.from] == gr) && b.leased > 0
 		if wait {
 			gr.late = true
 		}
@@ -557,6 +580,9 @@ func (b *batcher) gatherRun(gr *group[*flight], stop, done <-chan struct{}) []*f
 	defer b.runs.mu.Unlock()
 	if b.runs.open == gr {
 		b.runs.open = nil
+	}
+	if b.parked[gr.from] == gr {
+		delete(b.parked, gr.from)
 	}
 	return gr.items
 }

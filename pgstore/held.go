@@ -236,12 +236,32 @@ func (s *Store) putHeld(l lock.Lease, h *heldTx) {
 		s.held.Store(l.Owner, s.ended(l.Owner, h.fp, l.TTL+l.Retention))
 		return
 	}
+	s.guardHeld(l, h)
+	s.held.Store(l.Owner, h)
+}
+
+// guardHeld sets h's guard: it ends h, waiting under l's owner, if
+// nothing took it within l's TTL.
+func (s *Store) guardHeld(l lock.Lease, h *heldTx) {
 	h.guard = time.AfterFunc(l.TTL, func() {
-		if b := h.batch; b != nil && b.busy() && s.held.CompareAndDelete(l.Owner, h) {
+		if b := h.batch; b != nil && b.busy() && !s.closed.Load() {
 			// A member of a batch whose other parts are running (a
 			// split): waiting for its part is not being forgotten. Its
-			// run, or amqpidem's end of it, takes it.
-			s.putHeld(l, h)
+			// run, or amqpidem's end of it, takes it. A new guard comes
+			// with a copy put in its place in one step, so a taker
+			// never finds the member missing. (Only a batch member's
+			// immutable fields are copied: h's guard may be rewritten
+			// meanwhile, if a run took h and puts it back.)
+			n := &heldTx{batch: b, key: h.key, fp: h.fp}
+			s.guardHeld(l, n)
+			if !s.held.CompareAndSwap(l.Owner, h, n) {
+				n.guard.Stop() // taken meanwhile
+				return
+			}
+			if s.closed.Load() {
+				// Close ran meanwhile and may have missed n: as Close.
+				s.endInPlace(l.Owner, n, time.Minute, func() {})
+			}
 			return
 		}
 		s.endInPlace(l.Owner, h, l.TTL+l.Retention, func() {
@@ -249,7 +269,6 @@ func (s *Store) putHeld(l lock.Lease, h *heldTx) {
 				"key", l.Key, "fence", l.Fence)
 		})
 	})
-	s.held.Store(l.Owner, h)
 }
 
 // ended returns what is left of a held transaction that ended before its
