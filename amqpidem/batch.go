@@ -107,10 +107,10 @@ type BatchCompleter interface {
 // AcquireBatch's do, and each lease it grants is ended as any other: by
 // HandleBatchComplete, or by the store's Complete, Fail, Release or
 // Cancel, one of which amqpidem always calls. A batch given to
-// HandleBatchComplete holds the leases of one AcquireLeaseBatch call
-// (or some of them: the others settled before it ran, or ran in a batch
-// of their own, the calls' deliveries having come interleaved). A panic is an error for
-// each request, as the store's AcquireBatch's is.
+// HandleBatchComplete holds the leases of one AcquireLeaseBatch call (or
+// some of them: the others settled before it ran, or, late for its
+// BatchWait, run in a batch of their own). A panic is an error for each
+// request, as the store's AcquireBatch's is.
 type BatchLeaseTaker interface {
 	BatchCompleter
 	// AcquireLeaseBatch answers as CompleterStore()'s AcquireBatch(ctx,
