@@ -4,12 +4,15 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/amqpidem/amqpidem/internal/testenv"
 	"github.com/amqpidem/amqpidem/lock"
 )
 
@@ -95,6 +98,110 @@ func TestProcessRecoversCallbackPanics(t *testing.T) {
 				t.Errorf("publishes: got %+v, want one to %q", b.pubs, tc.wantPub)
 			case b.pubs[0].delay != tc.wantDelay:
 				t.Errorf("delay: got %v, want %v", b.pubs[0].delay, tc.wantDelay)
+			}
+		})
+	}
+}
+
+// panickyStore is a lock.Store whose method named by panics panics.
+type panickyStore struct {
+	lock.Store
+	panics string
+	calls  *atomic.Int32 // how many times it panicked
+}
+
+func (s panickyStore) boom() {
+	s.calls.Add(1)
+	panic("the driver's state is corrupt")
+}
+
+func (s panickyStore) Complete(ctx context.Context, l lock.Lease, result []byte) error {
+	if s.panics == "Complete" {
+		s.boom()
+	}
+	return s.Store.Complete(ctx, l, result)
+}
+
+func (s panickyStore) Fail(ctx context.Context, l lock.Lease, text string) error {
+	if s.panics == "Fail" {
+		s.boom()
+	}
+	return s.Store.Fail(ctx, l, text)
+}
+
+func (s panickyStore) Release(ctx context.Context, l lock.Lease) error {
+	if s.panics == "Release" {
+		s.boom()
+	}
+	return s.Store.Release(ctx, l)
+}
+
+// A store whose Complete, Fail or Release panics settles the delivery as
+// a store that does not answer does, rather than crashing the process with
+// every delivery in flight: Complete's is requeued "store unavailable"
+// (the handler's result is not stored; the lease holds the key until it
+// expires), Fail's requeued marked pending, Release's only delays the
+// retry. A panicking call is not tried again. Before the fix each case
+// crashed the test binary.
+func TestProcessRecoversStorePanics(t *testing.T) {
+	tests := []struct {
+		panics     string
+		handler    HandlerFunc
+		want       Outcome
+		wantReason string
+		wantCalls  bool // the error says the store panicked
+	}{
+		{panics: "Complete", handler: ok("r"), want: Abandoned, wantReason: "store unavailable", wantCalls: true},
+		{panics: "Fail", handler: func(context.Context, *amqp.Delivery) ([]byte, error) {
+			return nil, Permanent(errors.New("bad order"))
+		}, want: Abandoned, wantReason: "store unavailable", wantCalls: true},
+		{panics: "Release", handler: func(context.Context, *amqp.Delivery) ([]byte, error) {
+			return nil, errors.New("boom")
+		}, want: Retried, wantReason: "handler error"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.panics, func(t *testing.T) {
+			mem, err := lock.NewMemoryStore(lock.Config{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var logs testenv.SyncBuffer
+			cfg := Config{Queue: "q", Logger: slog.New(slog.NewTextHandler(&logs, nil))}
+			var calls atomic.Int32
+			p, err := newProcessor(panickyStore{Store: mem, panics: tc.panics, calls: &calls}, cfg, tc.handler)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = p.keeper.Shutdown(context.Background()) })
+			b := &fakeBroker{}
+			d, ack := delivery("k-"+tc.panics, "x")
+			var ev Event
+			func() {
+				defer func() {
+					if v := recover(); v != nil {
+						t.Fatalf("process panicked: %v", v)
+					}
+				}()
+				ev = p.process(context.Background(), b, d, nil)
+			}()
+			if ev.Outcome != tc.want || ev.Reason != tc.wantReason {
+				t.Fatalf("got %v %q (%v), want %v %q", ev.Outcome, ev.Reason, ev.Err, tc.want, tc.wantReason)
+			}
+			var pe *PanicError
+			if tc.wantCalls && !errors.As(ev.Err, &pe) {
+				t.Errorf("event error %v does not wrap a *PanicError", ev.Err)
+			}
+			if n := calls.Load(); n != 1 {
+				t.Errorf("the store's %s was called %d times, want once (a panic is not tried again)", tc.panics, n)
+			}
+			if ack.acks != 1 || ack.nacks != 0 {
+				t.Errorf("acks %d nacks %d, want one ack", ack.acks, ack.nacks)
+			}
+			if len(b.pubs) != 1 || b.pubs[0].key != "requeue" {
+				t.Errorf("publishes: got %+v, want one requeue", b.pubs)
+			}
+			if tc.panics == "Release" && !strings.Contains(logs.String(), "the store's Release panicked") {
+				t.Errorf("log does not say Release panicked:\n%s", logs.String())
 			}
 		})
 	}

@@ -182,7 +182,7 @@ func (f *flight) amend(old, value []byte, fence int64) error {
 	if a == nil {
 		return errors.New("amqpidem: the store cannot amend records (lock.Amender): staged messages are not marked published")
 	}
-	return settle(f.ctx, func(ctx context.Context) error { return a.Amend(ctx, f.storeKey, fence, old, value) })
+	return settle(f.ctx, "Amend", func(ctx context.Context) error { return a.Amend(ctx, f.storeKey, fence, old, value) })
 }
 
 // publishUnkeyed publishes the messages an execution without a record

@@ -3,6 +3,8 @@ package amqpidem
 import (
 	"context"
 	"errors"
+	"fmt"
+	"runtime/debug"
 	"strings"
 	"time"
 
@@ -31,7 +33,7 @@ func (f *flight) completeValue(result []byte, staged [][]byte, value []byte) {
 	// lost, it fails and the result is discarded. If the keeper only could
 	// not confirm the lease but nobody took it over, the result is still
 	// the only one and is kept.
-	err := settle(f.ctx, func(ctx context.Context) error { return f.p.store.Complete(ctx, f.lease, value) })
+	err := settle(f.ctx, "Complete", func(ctx context.Context) error { return f.p.store.Complete(ctx, f.lease, value) })
 	f.stopKeep() // renewing it would only delay its expiry
 	switch {
 	case err == nil:
@@ -58,7 +60,7 @@ func (f *flight) completeValue(result []byte, staged [][]byte, value []byte) {
 // delivery.
 func (f *flight) fail(reason string, cause error) {
 	text := reason + ": " + cause.Error()
-	err := settle(f.ctx, func(ctx context.Context) error { return f.p.store.Fail(ctx, f.lease, text) })
+	err := settle(f.ctx, "Fail", func(ctx context.Context) error { return f.p.store.Fail(ctx, f.lease, text) })
 	switch {
 	case err == nil:
 		f.deadLetter(reason, cause)
@@ -79,7 +81,8 @@ func (f *flight) fail(reason string, cause error) {
 func (f *flight) release() {
 	sctx, cancel := settleContext(f.ctx)
 	defer cancel()
-	if err := f.p.store.Release(sctx, f.lease); err != nil && !errors.Is(err, lock.ErrLeaseLost) {
+	err := storeCall("Release", func() error { return f.p.store.Release(sctx, f.lease) })
+	if err != nil && !errors.Is(err, lock.ErrLeaseLost) {
 		f.p.cfg.Logger.WarnContext(f.ctx, "amqpidem: release failed; the retry waits for the lease to expire",
 			"queue", f.p.cfg.Queue, "key", f.ev.Key, "fence", f.lease.Fence, "error", err)
 	}
@@ -92,7 +95,7 @@ func (f *flight) release() {
 func (f *flight) cancel() {
 	sctx, cancel := settleContext(f.ctx)
 	defer cancel()
-	err := f.p.store.Cancel(sctx, f.lease)
+	err := storeCall("Cancel", func() error { return f.p.store.Cancel(sctx, f.lease) })
 	if err == nil {
 		f.ev.Attempt = max(f.lease.Attempt-1, f.h.attempt)
 		return
@@ -107,12 +110,16 @@ func (f *flight) cancel() {
 // (Complete, Fail, Amend) even if ctx was cancelled meanwhile, and tries
 // it again for up to settleTimeout while it fails with anything but an
 // answer: nil, lock.ErrLeaseLost, lock.ErrChanged or
-// lock.ErrResultTooLarge.
-func settle(ctx context.Context, call func(context.Context) error) error {
+// lock.ErrResultTooLarge. A call that panics is not tried again: its
+// error wraps a *PanicError (storeCall), and the caller settles the
+// delivery as for a store that did not answer.
+func settle(ctx context.Context, what string, storeFn func(context.Context) error) error {
 	final := func(err error) bool {
+		var pe *PanicError
 		return err == nil || errors.Is(err, lock.ErrLeaseLost) || errors.Is(err, lock.ErrChanged) ||
-			errors.Is(err, lock.ErrResultTooLarge)
+			errors.Is(err, lock.ErrResultTooLarge) || errors.As(err, &pe)
 	}
+	call := func(ctx context.Context) error { return storeCall(what, func() error { return storeFn(ctx) }) }
 	err := call(context.WithoutCancel(ctx))
 	if final(err) {
 		return err
@@ -145,4 +152,17 @@ func storedReason(text string) string {
 		}
 	}
 	return "failed duplicate"
+}
+
+// storeCall runs call, a store method named what, turning a panic into an
+// error wrapping a *PanicError: a store's bug (a custom store, a driver's)
+// settles the delivery as an unavailable store does, rather than taking
+// the process and every delivery in flight down with it.
+func storeCall(what string, call func() error) (err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			err = fmt.Errorf("amqpidem: the store's %s panicked: %w", what, &PanicError{Value: v, Stack: debug.Stack()})
+		}
+	}()
+	return call()
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"runtime/debug"
 	"strings"
 	"sync"
 	"time"
@@ -405,9 +406,7 @@ func (k *Keeper) extender() {
 		case <-k.quit:
 			return
 		case b := <-k.batches:
-			ctx, cancel := context.WithDeadline(k.baseCtx, b.bound)
-			b.errs = k.store.Extend(ctx, b.leases...)
-			cancel()
+			b.errs = k.extend(b)
 			select {
 			case k.results <- b: // never blocks: buffered, one batch at a time
 			case <-k.quit:
@@ -415,6 +414,27 @@ func (k *Keeper) extender() {
 			}
 		}
 	}
+}
+
+// extend makes b's Extend call, bounded by b.bound. A store whose Extend
+// panics answers an error for every lease of b, as a store that does not
+// answer does (the leases are tried again until they cannot be kept),
+// rather than taking the process down with every handler it keeps.
+func (k *Keeper) extend(b *batch) (errs []error) {
+	ctx, cancel := context.WithDeadline(k.baseCtx, b.bound)
+	defer cancel()
+	defer func() {
+		if v := recover(); v != nil {
+			k.cfg.Logger.Error("heartbeat: the store's Extend panicked; its leases count as not extended",
+				"leases", len(b.leases), "panic", v, "stack", string(debug.Stack()))
+			err := fmt.Errorf("heartbeat: the store's Extend panicked: %v", v)
+			errs = make([]error, len(b.leases))
+			for i := range errs {
+				errs[i] = err
+			}
+		}
+	}()
+	return k.store.Extend(ctx, b.leases...)
 }
 
 // check reports why e's lease cannot be kept.
