@@ -94,6 +94,8 @@
 //	lease lost while running               ctx cancelled, result discarded,        untouched
 //	                                       delayed requeue
 //	store unavailable                      delayed requeue (or run, FailOpen)      none
+//	a store call that settles panicked     as store unavailable (not tried again)  untouched; the lease expires
+//	(Complete, Fail, Amend)
 //	the key's record unusable              delayed requeue, dead letter after      untouched
 //	(wrong type, unknown format), or the   MaxAttempts tries; never run
 //	lookup panicked (AcquireLease)
