@@ -1,6 +1,7 @@
 package amqpidem
 
 import (
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net/url"
@@ -46,10 +47,22 @@ func dialError(err error) error {
 	err = hideParseError(err)
 	var ae *amqp.Error
 	if !errors.As(err, &ae) {
+		if re := (tls.RecordHeaderError{}); errors.As(err, &re) {
+			return fmt.Errorf("amqpidem: dial: the server did not answer TLS (an amqps:// URL on a plain AMQP port? "+
+				"RabbitMQ's plain listener is 5672, its TLS one usually 5671): %w", err)
+		}
 		return fmt.Errorf("amqpidem: dial: %w", err)
 	}
 	var why string
 	switch {
+	case ae.Code == amqp.FrameError && !ae.Server:
+		// amqp091-go's own 501 for a handshake that the server closed,
+		// never answered or answered with something other than AMQP: a
+		// broker starting or stopping does that too, so it is retried,
+		// but a wrong port does it for ever, and "EOF" alone says neither.
+		return fmt.Errorf("amqpidem: dial: the server closed the connection, did not answer, or did not answer AMQP 0-9-1 "+
+			"during the handshake; if this lasts, check that the URL's host and port are a RabbitMQ AMQP listener "+
+			"(5672; amqps:// for its TLS one, usually 5671) and the broker's log: %w", err)
 	case errors.Is(err, amqp.ErrSASL):
 		why = "the broker offers no authentication mechanism the client has (SASL): " +
 			"give the amqp.Config of your Dial one that the broker accepts"
