@@ -433,9 +433,12 @@ func (s *RedisStore) finish(ctx context.Context, l Lease, op string, state strin
 // record: the record as that Acquire wrote it and its expiry.
 func (s *RedisStore) finishCall(l Lease, state string, result []byte, text string) *call {
 	c := getCall(finishScript, s.keyOf(l), 5)
-	if text != "" {
+	switch {
+	case state == stateReleased || state == stateCancelled:
+		c.args[1] = "" // the script writes a made record's value as given
+	case text != "":
 		c.args[1] = text
-	} else {
+	default:
 		c.bytes(1, result)
 	}
 	c.int(2, l.Retention.Milliseconds())
