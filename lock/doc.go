@@ -141,8 +141,13 @@
 // stored bytes and expiry with those (the owner token in them is unique to
 // that Acquire, and the expiry gives the fence), and on a match writes the
 // new record with its end time and value appended, the record the decoding
-// path would write. Any other record (extended, taken over, of another
-// lease) is decoded and judged field by field as before. The record
+// path would write. It reads the expiry first and, when that matches,
+// writes and reads the record in one SET ... GET (two commands a key, not
+// three); a record it replaced that was not the made one (another record
+// expiring in the same millisecond) is put back as it was, bytes and
+// expiry, within the same script, and judged as any. Any other record
+// (extended, taken over, of another lease) is decoded and judged field by
+// field as before. The record
 // formats are unchanged, so consumers of the release before this one and
 // of this one read, complete and take over each other's records during a
 // rolling upgrade.

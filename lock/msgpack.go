@@ -54,17 +54,26 @@ func appendRecord(b []byte, owner string, ttl, keep int64, fingerprint, key stri
 // writes for an outcome of a format 2 record: the fields up to and
 // including created, packed as cmsgpack packs them (the deadline 0, the
 // lease's owner, fence and attempts, the record's fingerprint and key);
-// ended and the value follow, which finish.lua packs.
+// ended and the value follow, which finish.lua packs. It starts with
+// what appendLeaseHead appends.
 func appendHead(b []byte, state, owner string, fence, attempts int64, fingerprint, key string, created int64) []byte {
-	b = appendInt(b, 1)
-	b = appendStr(b, state)
-	b = appendStr(b, owner)
-	b = appendInt(b, fence)
+	b = appendLeaseHead(b, state, owner, fence)
 	b = appendInt(b, 0)
 	b = appendInt(b, attempts)
 	b = appendStr(b, fingerprint)
 	b = appendStr(b, key)
 	return appendInt(b, created)
+}
+
+// appendLeaseHead appends to b the first four fields of the format 1
+// record an outcome writes, as appendHead starts: version 1, the new
+// state, the lease's owner and fence. finish.lua unpacks them to judge a
+// record it decodes.
+func appendLeaseHead(b []byte, state, owner string, fence int64) []byte {
+	b = appendInt(b, 1)
+	b = appendStr(b, state)
+	b = appendStr(b, owner)
+	return appendInt(b, fence)
 }
 
 // firstFence is the fence of a format 2 record whose key expires at

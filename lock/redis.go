@@ -410,7 +410,7 @@ func (s *RedisStore) Cancel(ctx context.Context, lease Lease) error {
 
 // finish runs the finish script for l: state, and as the stored value
 // result, or else text (both empty for a release or a cancel).
-func (s *RedisStore) finish(ctx context.Context, l Lease, op string, state any, result []byte, text string) error {
+func (s *RedisStore) finish(ctx context.Context, l Lease, op string, state string, result []byte, text string) error {
 	if err := CheckLease(l); err != nil {
 		return err
 	}
@@ -423,22 +423,25 @@ func (s *RedisStore) finish(ctx context.Context, l Lease, op string, state any, 
 }
 
 // finishCall returns the finish script's call for l, from the pool: state,
-// and as the stored value result, or else text. For a lease whose record
-// the native Acquire made, it adds what the script needs to write the
-// outcome without decoding the record: the record as that Acquire wrote
-// it, its expiry, and the new record's fields up to its created time, as
-// the script would pack them (see finish.lua).
-func (s *RedisStore) finishCall(l Lease, state any, result []byte, text string) *call {
-	c := getCall(finishScript, s.keyOf(l), 8)
-	c.str(0, l.Owner)
-	c.int(1, l.Fence)
-	c.args[2] = state
-	if text != "" {
-		c.args[3] = text
-	} else {
-		c.bytes(3, result)
+// and as the stored value result, or else text (empty for a release or a
+// cancel: the script stores neither). The lease is named by the start of
+// the record to write, packed as the script would pack it (see
+// finish.lua): its owner and fence, which the script unpacks where it
+// must decode the record. For a lease whose record the native Acquire
+// made, that start runs up to the new record's created time, and the call
+// adds what the script needs to write the outcome without decoding the
+// record: the record as that Acquire wrote it and its expiry.
+func (s *RedisStore) finishCall(l Lease, state string, result []byte, text string) *call {
+	c := getCall(finishScript, s.keyOf(l), 5)
+	switch {
+	case state == stateReleased || state == stateCancelled:
+		c.args[1] = "" // the script writes a made record's value as given
+	case text != "":
+		c.args[1] = text
+	default:
+		c.bytes(1, result)
 	}
-	c.int(4, l.Retention.Milliseconds())
+	c.int(2, l.Retention.Milliseconds())
 	ttl := l.TTL.Milliseconds()
 	keep := ttl + l.Retention.Milliseconds()
 	created := l.Fence/1000 - 1 // the ms a format 2 record's fence follows (firstFence)
@@ -446,18 +449,20 @@ func (s *RedisStore) finishCall(l Lease, state any, result []byte, text string) 
 	// nothing of l.Fence but its ms: a Fence that is not the first µs
 	// after one (changed by the caller) is judged by decoding, as any.
 	if !l.made || firstFence(created+keep, keep) != l.Fence {
-		c.args[5], c.args[6], c.args[7] = "", "", ""
+		c.slots[0] = appendLeaseHead(c.slots[0][:0], state, l.Owner, l.Fence)
+		c.args[0] = &c.slots[0]
+		c.args[3], c.args[4] = "", ""
 		return c
 	}
-	c.slots[5] = appendRecord(c.slots[5][:0], l.Owner, ttl, keep, l.fp, l.Key)
-	c.args[5] = &c.slots[5]
-	c.int(6, created+keep)
 	attempts := int64(1) // a format 2 record's, whatever the caller did to l.Attempt
 	if state == stateCancelled {
 		attempts = 0
 	}
-	c.slots[7] = appendHead(c.slots[7][:0], state.(string), l.Owner, l.Fence, attempts, l.fp, l.Key, created)
-	c.args[7] = &c.slots[7]
+	c.slots[0] = appendHead(c.slots[0][:0], state, l.Owner, l.Fence, attempts, l.fp, l.Key, created)
+	c.args[0] = &c.slots[0]
+	c.slots[3] = appendRecord(c.slots[3][:0], l.Owner, ttl, keep, l.fp, l.Key)
+	c.args[3] = &c.slots[3]
+	c.int(4, created+keep)
 	return c
 }
 
