@@ -247,8 +247,7 @@ func (s *Store) acquireHeldBatch(ctx context.Context, reqs []lock.Request, idx [
 	var unlock [][]byte
 	for j, i := range idx {
 		req := reqs[i]
-		got := got[j]
-		status, fence, attempts, remaining, value := recs[j].status(req, got)
+		status, fence, attempts, remaining, value := recs[j].status(req, got[j])
 		if !readCommitted {
 			status = statusCounted
 		}
@@ -265,7 +264,7 @@ func (s *Store) acquireHeldBatch(ctx context.Context, reqs []lock.Request, idx [
 				continue
 			}
 		}
-		if got {
+		if got[j] {
 			unlock = append(unlock, keys[j])
 		}
 	}
