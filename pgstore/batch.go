@@ -231,8 +231,8 @@ func (s *Store) heldBatchOf(l lock.Lease) *heldBatch {
 	if !isHeld(l) {
 		return nil
 	}
-	if v, ok := s.held.Load(l.Owner); ok {
-		return v.(*heldTx).batch
+	if h, ok := s.held.Load(l.Owner); ok {
+		return h.batch
 	}
 	return nil
 }

@@ -45,11 +45,11 @@ func LoseCommitAnswers(t interface{ Cleanup(func()) }, n int32) {
 // the returned function is called. It does nothing for a lease no lease
 // batch holds.
 func PauseBatch(s *Store, owner string) (resume func()) {
-	v, ok := s.held.Load(owner)
-	if !ok || v.(*heldTx).batch == nil {
+	h, ok := s.held.Load(owner)
+	if !ok || h.batch == nil {
 		return func() {}
 	}
-	b := v.(*heldTx).batch
+	b := h.batch
 	b.mu.Lock()
 	return b.mu.Unlock
 }

@@ -3,10 +3,15 @@ package pgstore
 import (
 	"cmp"
 	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -57,8 +62,10 @@ type heldTx struct {
 	batch *heldBatch
 	// guard ends the transaction if nothing took it within the lease's
 	// TTL (a bug: amqpidem always ends the leases it gets), and forgets
-	// what is left of an ended one later.
-	guard *time.Timer
+	// what is left of an ended one later. A batch member put with
+	// others (putHeldBatch) has instead their shared one, and no guard.
+	guard  *time.Timer
+	shared atomic.Pointer[heldGuard]
 }
 
 // isHeld reports whether l is held by a transaction.
@@ -66,8 +73,33 @@ func isHeld(l lock.Lease) bool { return l.Owner != "" && l.Owner[0] == heldMark 
 
 // heldOwner returns a new owner token for a lease held by a transaction
 // on the backend pid: heldMark, pid in 8 hex digits, and 23 random ones.
-func heldOwner(pid uint32) string {
-	return fmt.Sprintf("%c%08x%s", heldMark, pid, lock.NewOwner()[9:])
+func heldOwner(pid uint32) string { return heldOwners(pid, 1)[0] }
+
+// heldOwners returns n new owner tokens as heldOwner makes them, all
+// slices of one string (an allocation a batch, not three a token).
+func heldOwners(pid uint32, n int) []string {
+	const size = 32              // heldMark, 8 hex digits, 23 random ones
+	random := make([]byte, 12*n) // 24 hex digits a token, 23 used
+	_, _ = rand.Read(random)     // crypto/rand.Read never fails (Go 1.24+).
+	var all strings.Builder
+	all.Grow(size * n)
+	var pidBytes [4]byte
+	binary.BigEndian.PutUint32(pidBytes[:], pid)
+	var pidHex [8]byte
+	hex.Encode(pidHex[:], pidBytes[:])
+	var digits [24]byte
+	for j := range n {
+		all.WriteByte(heldMark)
+		all.Write(pidHex[:])
+		hex.Encode(digits[:], random[12*j:12*j+12])
+		all.Write(digits[:23])
+	}
+	tokens := all.String()
+	owners := make([]string, n)
+	for j := range owners {
+		owners[j] = tokens[size*j : size*j+size]
+	}
+	return owners
 }
 
 // heldPID returns the backend process ID of the held lease owner (see
@@ -240,34 +272,217 @@ func (s *Store) putHeld(l lock.Lease, h *heldTx) {
 	s.held.Store(l.Owner, h)
 }
 
+// putHeldBatch keeps hs[j], holding ls[j], as putHeld does each, with
+// one guard for the members of lease batches of one TTL (heldGuard): one
+// timer a batch, not one a member. It takes ls and hs.
+func (s *Store) putHeldBatch(ls []lock.Lease, hs []*heldTx) {
+	if s.closed.Load() {
+		for j, h := range hs {
+			s.putHeld(ls[j], h)
+		}
+		return
+	}
+	for len(hs) > 0 {
+		// The batch members of the first one's TTL (most often all of
+		// them), the rest for the next round; what is not a batch
+		// member (what is left of one that ended), as putHeld does.
+		ttl := ls[0].TTL
+		same := true
+		for j, h := range hs {
+			same = same && ls[j].TTL == ttl && h.batch != nil
+		}
+		gl, gh := ls, hs
+		var rl []lock.Lease
+		var rh []*heldTx
+		if !same {
+			gl, gh = nil, nil
+			for j, h := range hs {
+				switch {
+				case h.batch == nil:
+					s.putHeld(ls[j], h)
+				case ls[j].TTL == ttl:
+					gl, gh = append(gl, ls[j]), append(gh, h)
+				default:
+					rl, rh = append(rl, ls[j]), append(rh, h)
+				}
+			}
+		}
+		if len(gh) > 0 {
+			s.guardBatch(ttl, gl, gh)
+		}
+		ls, hs = rl, rh
+	}
+}
+
+// guardBatch sets the guard of the batch members hs, holding ls[j], and
+// keeps them in Store.held: one for them all, after ttl (see heldGuard).
+func (s *Store) guardBatch(ttl time.Duration, ls []lock.Lease, hs []*heldTx) {
+	g := &heldGuard{}
+	g.left.Store(int32(len(hs)))
+	for _, h := range hs {
+		h.guard = nil
+		h.shared.Store(g)
+	}
+	g.t = time.AfterFunc(ttl, func() {
+		// Each member's in a goroutine of its own, as its own timer's
+		// would be: ending one waits for the batch's session (b.mu), and
+		// the others must not wait for that to leave the Store.
+		for j, h := range hs {
+			if h.shared.Load() == g {
+				go s.guardFired(ls[j], h)
+			}
+		}
+	})
+	s.held.StoreAll(ls, hs)
+}
+
+// heldMap is Store.held: the transactions holding leases (or what is
+// left of them), by owner token, as a sync.Map would keep them: a map
+// under a mutex, whose entries cost no allocation of their own (a
+// sync.Map's cost two), and a lease batch's members go in together.
+type heldMap struct {
+	mu sync.Mutex
+	m  map[string]*heldTx
+}
+
+// Load returns the entry of owner.
+func (hm *heldMap) Load(owner string) (*heldTx, bool) {
+	hm.mu.Lock()
+	defer hm.mu.Unlock()
+	h, ok := hm.m[owner]
+	return h, ok
+}
+
+// Store sets the entry of owner to h.
+func (hm *heldMap) Store(owner string, h *heldTx) {
+	hm.mu.Lock()
+	defer hm.mu.Unlock()
+	if hm.m == nil {
+		hm.m = map[string]*heldTx{}
+	}
+	hm.m[owner] = h
+}
+
+// StoreAll sets the entry of the owner of ls[j] to hs[j], for each j.
+func (hm *heldMap) StoreAll(ls []lock.Lease, hs []*heldTx) {
+	hm.mu.Lock()
+	defer hm.mu.Unlock()
+	if hm.m == nil {
+		hm.m = make(map[string]*heldTx, len(hs))
+	}
+	for j, h := range hs {
+		hm.m[ls[j].Owner] = h
+	}
+}
+
+// LoadAndDelete deletes the entry of owner, returning it.
+func (hm *heldMap) LoadAndDelete(owner string) (*heldTx, bool) {
+	hm.mu.Lock()
+	defer hm.mu.Unlock()
+	h, ok := hm.m[owner]
+	if ok {
+		delete(hm.m, owner)
+	}
+	return h, ok
+}
+
+// CompareAndSwap sets the entry of owner to h if it is old, and reports
+// whether it did.
+func (hm *heldMap) CompareAndSwap(owner string, old, h *heldTx) bool {
+	hm.mu.Lock()
+	defer hm.mu.Unlock()
+	if cur, ok := hm.m[owner]; !ok || cur != old {
+		return false
+	}
+	hm.m[owner] = h
+	return true
+}
+
+// CompareAndDelete deletes the entry of owner if it is old, and reports
+// whether it did.
+func (hm *heldMap) CompareAndDelete(owner string, old *heldTx) bool {
+	hm.mu.Lock()
+	defer hm.mu.Unlock()
+	if cur, ok := hm.m[owner]; !ok || cur != old {
+		return false
+	}
+	delete(hm.m, owner)
+	return true
+}
+
+// Range calls f for each entry there was when it began (not under the
+// mutex: f may change the map), until f returns false.
+func (hm *heldMap) Range(f func(owner string, h *heldTx) bool) {
+	hm.mu.Lock()
+	owners := make([]string, 0, len(hm.m))
+	hs := make([]*heldTx, 0, len(hm.m))
+	for owner, h := range hm.m {
+		owners, hs = append(owners, owner), append(hs, h)
+	}
+	hm.mu.Unlock()
+	for j, owner := range owners {
+		if !f(owner, hs[j]) {
+			return
+		}
+	}
+}
+
+// heldGuard is the guard of members of a lease batch put in Store.held
+// together (putHeldBatch): a timer of their TTL that does for each one
+// still waiting under it what guardHeld's does, stopped once each was
+// taken or ended (left counts those not yet).
+type heldGuard struct {
+	t    *time.Timer
+	left atomic.Int32
+}
+
+// stopGuard stops h's guard, or counts h out of its batch's (the last
+// one out stops it): h was taken from Store.held, or ended in its place.
+func (h *heldTx) stopGuard() {
+	if g := h.shared.Load(); g != nil {
+		if g.left.Add(-1) == 0 {
+			g.t.Stop()
+		}
+		return
+	}
+	if h.guard != nil {
+		h.guard.Stop()
+	}
+}
+
 // guardHeld sets h's guard: it ends h, waiting under l's owner, if
 // nothing took it within l's TTL.
 func (s *Store) guardHeld(l lock.Lease, h *heldTx) {
-	h.guard = time.AfterFunc(l.TTL, func() {
-		if b := h.batch; b != nil && b.busy() && !s.closed.Load() {
-			// A member of a batch whose other parts are running (a
-			// split): waiting for its part is not being forgotten. Its
-			// run, or amqpidem's end of it, takes it. A new guard comes
-			// with a copy put in its place in one step, so a taker
-			// never finds the member missing. (Only a batch member's
-			// immutable fields are copied: h's guard may be rewritten
-			// meanwhile, if a run took h and puts it back.)
-			n := &heldTx{batch: b, key: h.key, fp: h.fp}
-			s.guardHeld(l, n)
-			if !s.held.CompareAndSwap(l.Owner, h, n) {
-				n.guard.Stop() // taken meanwhile
-				return
-			}
-			if s.closed.Load() {
-				// Close ran meanwhile and may have missed n: as Close.
-				s.endInPlace(l.Owner, n, time.Minute, func() {})
-			}
+	h.shared.Store(nil)
+	h.guard = time.AfterFunc(l.TTL, func() { s.guardFired(l, h) })
+}
+
+// guardFired is what the guard of h, waiting under l's owner, does once
+// l's TTL passed: it ends h, if it still waits.
+func (s *Store) guardFired(l lock.Lease, h *heldTx) {
+	if b := h.batch; b != nil && b.busy() && !s.closed.Load() {
+		// A member of a batch whose other parts are running (a
+		// split): waiting for its part is not being forgotten. Its
+		// run, or amqpidem's end of it, takes it. A new guard comes
+		// with a copy put in its place in one step, so a taker
+		// never finds the member missing. (Only a batch member's
+		// immutable fields are copied: h's guard may be rewritten
+		// meanwhile, if a run took h and puts it back.)
+		n := &heldTx{batch: b, key: h.key, fp: h.fp}
+		s.guardHeld(l, n)
+		if !s.held.CompareAndSwap(l.Owner, h, n) {
+			n.guard.Stop() // taken meanwhile
 			return
 		}
-		s.endInPlace(l.Owner, h, l.TTL+l.Retention, func() {
-			s.cfg.Logger.Warn("pgstore: a lease held by a transaction was not ended within its TTL; rolled back",
-				"key", l.Key, "fence", l.Fence)
-		})
+		if s.closed.Load() {
+			// Close ran meanwhile and may have missed n: as Close.
+			s.endInPlace(l.Owner, n, time.Minute, func() {})
+		}
+		return
+	}
+	s.endInPlace(l.Owner, h, l.TTL+l.Retention, func() {
+		s.cfg.Logger.Warn("pgstore: a lease held by a transaction was not ended within its TTL; rolled back",
+			"key", l.Key, "fence", l.Fence)
 	})
 }
 
@@ -289,7 +504,7 @@ func (s *Store) endInPlace(owner string, h *heldTx, keep time.Duration, before f
 		e.guard.Stop()
 		return false
 	}
-	h.guard.Stop()
+	h.stopGuard()
 	before()
 	s.endHeldConn(h)
 	return true
@@ -298,12 +513,11 @@ func (s *Store) endInPlace(owner string, h *heldTx, keep time.Duration, before f
 // takeHeld returns the transaction holding the lease of owner (or what is
 // left of it) and forgets it, or nil when none waits.
 func (s *Store) takeHeld(owner string) *heldTx {
-	v, ok := s.held.LoadAndDelete(owner)
+	h, ok := s.held.LoadAndDelete(owner)
 	if !ok {
 		return nil
 	}
-	h := v.(*heldTx)
-	h.guard.Stop()
+	h.stopGuard()
 	return h
 }
 

@@ -29,6 +29,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -173,7 +174,12 @@ func (s *Store) acquireHeldBatch(ctx context.Context, reqs []lock.Request, idx [
 		readCommitted bool
 		pid           uint32
 	)
-	locked := make([]*bool, len(idx))
+	// got: the key's lock taken (every key's unless batchLock answers
+	// it); recs: the keys' records, none unless batchRead answers one.
+	got := make([]bool, len(idx))
+	for j := range got {
+		got[j] = true
+	}
 	recs := make([]heldRecord, len(idx))
 	b := &pgx.Batch{}
 	b.Queue(s.sql.begin)
@@ -185,11 +191,39 @@ func (s *Store) acquireHeldBatch(ctx context.Context, reqs []lock.Request, idx [
 	_, berr := br.Exec()
 	var ok bool
 	serr := br.QueryRow().Scan(&xid, &ok, &readCommitted, &pid)
-	lerr := scanRows(br, len(idx), func(rows pgx.Rows, j int) error { return rows.Scan(&locked[j]) })
-	rerr := scanRows(br, len(idx), func(rows pgx.Rows, j int) error {
-		r := &recs[j]
-		return rows.Scan(&r.state, &r.fence, &r.attempts, &r.value, &r.fp, &r.live, &r.remaining, &r.clock)
+	var (
+		n      pgtype.Int8
+		locked pgtype.Bool
+		rec    heldRecord
+	)
+	lerr := scanEach(br, []any{&n, &locked}, func() error {
+		if !n.Valid || n.Int64 < 1 || n.Int64 > int64(len(idx)) || locked.Valid && locked.Bool {
+			return fmt.Errorf("pgstore: lock of a batch of %d answered key %d locked %v", len(idx), n.Int64, locked.Bool)
+		}
+		got[n.Int64-1] = false
+		return nil
 	})
+	var clock int64
+	clocked := false
+	rerr := scanEach(br, []any{&n, &rec.state, &rec.fence, &rec.attempts, &rec.value, &rec.fp, &rec.live, &rec.remaining, &rec.clock}, func() error {
+		clock, clocked = rec.clock, true
+		if !n.Valid {
+			return nil
+		}
+		if n.Int64 < 1 || n.Int64 > int64(len(idx)) || recs[n.Int64-1].state != nil || rec.state == nil {
+			return fmt.Errorf("pgstore: read of a batch of %d answered key %d twice or empty", len(idx), n.Int64)
+		}
+		recs[n.Int64-1] = rec
+		return nil
+	})
+	if rerr == nil && !clocked {
+		rerr = fmt.Errorf("pgstore: read of a batch of %d answered no row", len(idx))
+	}
+	for j := range recs {
+		if recs[j].state == nil {
+			recs[j].clock = clock
+		}
+	}
 	_, perr := br.Exec()
 	if err := cmp.Or(berr, serr, lerr, rerr, perr, br.Close()); err != nil {
 		// Locks may have been taken: the session goes, and they with it.
@@ -201,17 +235,19 @@ func (s *Store) acquireHeldBatch(ctx context.Context, reqs []lock.Request, idx [
 		}
 		return fail(err)
 	}
-	hb := &heldBatch{s: s, hs: hs, ttl: ttl, conn: conn, xid: xid, locked: map[string]bool{}}
+	hb := &heldBatch{s: s, hs: hs, ttl: ttl, conn: conn, xid: xid, locked: make(map[string]bool, len(idx))}
 	type member struct {
 		i int
 		h *heldTx
 	}
-	var members []member
+	members := make([]member, 0, len(idx))
+	hts := make([]heldTx, len(idx)) // the members', one allocation
+	fps := keyBytes(len(idx), func(j int) string { return reqs[idx[j]].Fingerprint })
+	owners := heldOwners(pid, len(idx))
 	var unlock [][]byte
 	for j, i := range idx {
 		req := reqs[i]
-		got := locked[j] != nil && *locked[j]
-		status, fence, attempts, remaining, value := recs[j].status(req, got)
+		status, fence, attempts, remaining, value := recs[j].status(req, got[j])
 		if !readCommitted {
 			status = statusCounted
 		}
@@ -220,14 +256,15 @@ func (s *Store) acquireHeldBatch(ctx context.Context, reqs []lock.Request, idx [
 		} else if status != int(lock.Acquired) {
 			results[i], errs[i] = s.result(req, status, fence, attempts, remaining, value, "", start)
 		} else {
-			results[i], errs[i] = s.result(req, status, fence, attempts, remaining, value, heldOwner(pid), start)
+			results[i], errs[i] = s.result(req, status, fence, attempts, remaining, value, owners[j], start)
 			if errs[i] == nil {
 				hb.locked[req.Key] = true
-				members = append(members, member{i, &heldTx{batch: hb, key: keys[j], fp: []byte(req.Fingerprint)}})
+				hts[j] = heldTx{batch: hb, key: keys[j], fp: fps[j]}
+				members = append(members, member{i, &hts[j]})
 				continue
 			}
 		}
-		if got {
+		if got[j] {
 			unlock = append(unlock, keys[j])
 		}
 	}
@@ -248,43 +285,41 @@ func (s *Store) acquireHeldBatch(ctx context.Context, reqs []lock.Request, idx [
 	}
 	lost := hb.conn == nil && len(members) > 0
 	hb.mu.Unlock()
-	for _, m := range members {
-		if lost {
+	if lost {
+		for _, m := range members {
 			// The unlock failed and closed the session: nothing is held.
 			results[m.i], errs[m.i] = lock.Result{}, fmt.Errorf("%w: pgstore: acquire batch: the session holding the leases ended", lock.ErrUnavailable)
-			continue
 		}
-		s.putHeld(results[m.i].Lease, m.h)
+		return counted
 	}
+	ls := make([]lock.Lease, len(members))
+	put := make([]*heldTx, len(members))
+	for j, m := range members {
+		ls[j], put[j] = results[m.i].Lease, m.h
+	}
+	s.putHeldBatch(ls, put)
 	return counted
 }
 
-// scanRows reads the next result of br, n rows, with scan.
-func scanRows(br pgx.BatchResults, n int, scan func(rows pgx.Rows, j int) error) error {
+// scanEach reads the next result of br, scanning each row into dst and
+// then calling each.
+func scanEach(br pgx.BatchResults, dst []any, each func() error) error {
 	rows, err := br.Query()
 	if err != nil {
 		return err
 	}
-	j := 0
 	for rows.Next() {
-		if j >= n {
-			rows.Close()
-			return fmt.Errorf("pgstore: more than %d rows", n)
-		}
-		if err := scan(rows, j); err != nil {
+		if err := rows.Scan(dst...); err != nil {
 			rows.Close()
 			return err
 		}
-		j++
+		if err := each(); err != nil {
+			rows.Close()
+			return err
+		}
 	}
 	rows.Close()
-	if err := rows.Err(); err != nil {
-		return err
-	}
-	if j != n {
-		return fmt.Errorf("pgstore: %d rows for %d keys", j, n)
-	}
-	return nil
+	return rows.Err()
 }
 
 // usable reports whether b's connection can be talked to, giving it
@@ -565,9 +600,15 @@ func (h *batchTxHandler) runHeld(ctx context.Context, b *heldBatch, ds []*amqp.D
 	var taken func(int) *heldTx
 	var back []int // the members to put back, once b.mu is released
 	defer func() {
-		for _, i := range back {
-			s.putHeld(leases[i], taken(i))
+		if len(back) == 0 {
+			return
 		}
+		ls := make([]lock.Lease, len(back))
+		put := make([]*heldTx, len(back))
+		for j, i := range back {
+			ls[j], put[j] = leases[i], taken(i)
+		}
+		s.putHeldBatch(ls, put)
 	}()
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -587,7 +628,7 @@ func (h *batchTxHandler) runHeld(ctx context.Context, b *heldBatch, ds []*amqp.D
 			ok = append(ok, i)
 		}
 	}
-	b.committed, b.fps = map[string]bool{}, map[string][]byte{}
+	b.committed, b.fps = make(map[string]bool, len(ok)), make(map[string][]byte, len(ok))
 	for _, i := range ok {
 		b.fps[leases[i].Owner] = members[i].fp
 	}
@@ -657,8 +698,8 @@ func (b *heldBatch) beginHeld(ctx context.Context) (string, error) {
 
 // finishHeldBatch writes the completed records of leases[i], for i in
 // done, with values[i] in the transaction open on b's connection and
-// commits it, in one round trip: the guard (txGuardSQL), the statement's
-// settings, batchInsert (which releases the keys' session-level locks,
+// commits it, in one round trip: the guard with the statement's settings
+// (batchGuard), batchInsert (which releases the keys' session-level locks,
 // their transaction-level ones lasting to the COMMIT) and the COMMIT. With
 // b.mu held. When the insert may have run and nothing committed, the
 // keys' locks may be released: they count as lost.
@@ -678,16 +719,14 @@ func (s *Store) finishHeldBatch(ctx context.Context, b *heldBatch, xid string, l
 		fps[j] = b.fps[l.Owner]
 	}
 	q := &pgx.Batch{}
-	q.Queue(txGuardSQL, xid)
-	q.Queue("SELECT set_config('plan_cache_mode', 'force_custom_plan', true), set_config('lock_timeout', '" + lockTimeout + "', true)")
+	q.Queue(b.hs.batchGuard, xid)
 	q.Queue(b.hs.batchInsert, s.cfg.Prefix, byteaArray(keys), textArray(owners), int8Array(fences), byteaArray(fps), byteaArray(vals), int8Array(rets))
 	q.Queue("COMMIT")
 	br := b.conn.SendBatch(ctx, q)
 	_, gerr := br.Exec()
-	_, serr := br.Exec()
 	_, ierr := br.Exec()
 	tag, cerr := br.Exec()
-	werr := cmp.Or(gerr, serr, ierr)
+	werr := cmp.Or(gerr, ierr)
 	err := cmp.Or(werr, cerr, br.Close())
 	if err == nil && tag.String() == "COMMIT" {
 		for j := range keys {
@@ -697,7 +736,7 @@ func (s *Store) finishHeldBatch(ctx context.Context, b *heldBatch, xid string, l
 		b.members -= len(done)
 		return lostAnswer()
 	}
-	if gerr == nil && serr == nil {
+	if gerr == nil {
 		// The insert ran (or may have): its unlocks are not undone.
 		for _, k := range keys {
 			delete(b.locked, string(k))

@@ -2,7 +2,9 @@ package pgstore_test
 
 import (
 	"context"
+	"os"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -22,6 +24,8 @@ import (
 // nothing): "row", leases taken by the Store's AcquireBatch (record rows,
 // Config.RowLeases); "held", by the handler's AcquireLeaseBatch (held by
 // a session, amqpidem.BatchLeaseTaker), as a batch consumer takes them.
+// pg-ns/op is the CPU time the pool's server processes used (Linux, a
+// server on this machine).
 func BenchmarkBatchCommits(b *testing.B) {
 	for _, held := range []bool{false, true} {
 		name := "row"
@@ -31,7 +35,7 @@ func BenchmarkBatchCommits(b *testing.B) {
 		b.Run(name, func(b *testing.B) {
 			var c tripCounter
 			ctx := context.Background()
-			_, store, _ := storeOn(b, func(pcfg *pgxpool.Config) {
+			pool, store, _ := storeOn(b, func(pcfg *pgxpool.Config) {
 				pcfg.MaxConns = 4
 				pcfg.ConnConfig.Tracer = &c
 			})
@@ -61,9 +65,11 @@ func BenchmarkBatchCommits(b *testing.B) {
 				items[i].Delivery = ds[i]
 			}
 			value := func(_ int, r []byte) ([]byte, error) { return r, nil }
+			backends := poolBackends(b, pool)
 			b.ReportAllocs()
 			b.ResetTimer()
 			stmts0, trips0, commits0 := c.stmts.Load(), c.trips.Load(), c.commits.Load()
+			cpu0, cpuOK := backendCPU(backends)
 			for n := b.N; n > 0; n -= size {
 				reqs := make([]lock.Request, min(n, size))
 				for i := range reqs {
@@ -92,8 +98,56 @@ func BenchmarkBatchCommits(b *testing.B) {
 			b.ReportMetric(float64(c.stmts.Load()-stmts0)/n, "statements/op")
 			b.ReportMetric(float64(c.trips.Load()-trips0)/n, "roundtrips/op")
 			b.ReportMetric(float64(c.commits.Load()-commits0)/n, "commits/op")
+			if cpu1, ok := backendCPU(backends); ok && cpuOK {
+				b.ReportMetric(float64(cpu1-cpu0)/n, "pg-ns/op")
+			}
 		})
 	}
+}
+
+// poolBackends opens every connection pool may have (its MaxConns) and
+// returns their backends' process IDs: the server processes that do the
+// work of pool's statements, for backendCPU.
+func poolBackends(tb testing.TB, pool *pgxpool.Pool) []uint32 {
+	tb.Helper()
+	var pids []uint32
+	var conns []*pgxpool.Conn
+	for range pool.Config().MaxConns {
+		conn, err := pool.Acquire(context.Background())
+		if err != nil {
+			tb.Fatal(err)
+		}
+		conns = append(conns, conn)
+		pids = append(pids, conn.Conn().PgConn().PID())
+	}
+	for _, conn := range conns {
+		conn.Release()
+	}
+	return pids
+}
+
+// backendCPU is the CPU time, in ns, the server processes pids have
+// used so far (the first field of Linux's /proc/<pid>/schedstat), and
+// false where one cannot be read (another OS, a server elsewhere, or a
+// backend that ended).
+func backendCPU(pids []uint32) (int64, bool) {
+	var total int64
+	for _, pid := range pids {
+		data, err := os.ReadFile("/proc/" + strconv.FormatUint(uint64(pid), 10) + "/schedstat")
+		if err != nil {
+			return 0, false
+		}
+		f := strings.Fields(string(data))
+		if len(f) == 0 {
+			return 0, false
+		}
+		ns, err := strconv.ParseInt(f[0], 10, 64)
+		if err != nil {
+			return 0, false
+		}
+		total += ns
+	}
+	return total, true
 }
 
 // tripCounter is a pgx tracer that counts statements, round trips (a

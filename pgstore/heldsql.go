@@ -42,15 +42,18 @@ type heldSQL struct {
 	// the transaction's id, sets its idle_in_transaction_session_timeout
 	// to $1 (ms), and answers whether its isolation is READ COMMITTED and
 	// the backend's process ID. batchLock tries each key's session-level
-	// lock, unless a live record is there (NULL), and answers per key in
-	// the order of the array; batchRead reads the keys' records after it
-	// (a snapshot of its own), one row per key, in order, as read does.
+	// lock, unless a live record is there (NULL), and answers the keys
+	// whose lock it did not take, by their place in the array (from 1);
+	// batchRead reads the keys' records after it (a snapshot of its own),
+	// a row for each key that has one, by its place, as read does, and
+	// the server's clock. batchGuard is txGuardSQL that also sets the
+	// transaction's lock_timeout, before batchInsert.
 	// batchUnlock releases keys' session-level locks. batchInsert writes
 	// the completed records of the keys, owners ($3), fences ($4),
 	// fingerprints ($5), values ($6) and retentions ($7, ms), releasing
 	// each key's session-level lock after taking its transaction-level
 	// one, as insert does for one key.
-	batchSetup, batchLock, batchRead, batchUnlock, batchInsert string
+	batchSetup, batchLock, batchRead, batchUnlock, batchInsert, batchGuard string
 }
 
 // heldRetry is how long acquireHeld takes record-row leases after finding
@@ -106,32 +109,46 @@ func newHeldSQL(table, heldKey, hashTable string) *heldSQL {
 		// correlated subquery with a LIMIT, which the planner can turn
 		// neither into a join nor into a hashed scan of the whole table
 		// (as it did an EXISTS, the cost growing with the table).
-		batchLock: `SELECT CASE WHEN (SELECT true FROM ` + table + ` t
+		// Only the keys not locked are answered (a fresh batch: none),
+		// with their place in the array: the subquery, volatile, is
+		// neither pulled up nor filtered before each key's lock is tried.
+		batchLock: `SELECT s.n, s.locked FROM (SELECT x.n, CASE WHEN (SELECT true FROM ` + table + ` t
 					WHERE t.ns = $1 AND t.key = x.key AND t.expires_at > clock_timestamp() LIMIT 1) THEN NULL
-				ELSE pg_try_advisory_lock(` + xKey + `) END
-			FROM unnest($2::bytea[]) WITH ORDINALITY AS x(key, n) ORDER BY x.n`,
-		batchRead: `SELECT t.state, t.fence, t.attempts, t.value, t.fingerprint, t.expires_at > clock_timestamp(),
-				ceil(extract(epoch FROM t.deadline - clock_timestamp()) * 1000)::bigint, ` + clockUS + `
-			FROM unnest($2::bytea[]) WITH ORDINALITY AS x(key, n)
-			LEFT JOIN LATERAL (SELECT * FROM ` + table + ` r WHERE r.ns = $1 AND r.key = x.key LIMIT 1) t ON true
-			ORDER BY x.n`,
+				ELSE pg_try_advisory_lock(` + xKey + `) END AS locked
+			FROM unnest($2::bytea[]) WITH ORDINALITY AS x(key, n)) s
+			WHERE s.locked IS NOT TRUE`,
+		// Only the keys that have a record are answered, with their
+		// place in the array, and one row of NULLs when none has: each
+		// row has the server's clock, read after every lock of the batch.
+		batchRead: `SELECT r.n, r.state, r.fence, r.attempts, r.value, r.fingerprint, r.live, r.remaining, ` + clockUS + `
+			FROM (SELECT) one LEFT JOIN (SELECT x.n, t.state, t.fence, t.attempts, t.value, t.fingerprint,
+					t.expires_at > clock_timestamp() AS live,
+					ceil(extract(epoch FROM t.deadline - clock_timestamp()) * 1000)::bigint AS remaining
+				FROM unnest($2::bytea[]) WITH ORDINALITY AS x(key, n)
+				JOIN LATERAL (SELECT * FROM ` + table + ` r WHERE r.ns = $1 AND r.key = x.key LIMIT 1) t ON true) r ON true`,
 		batchUnlock: `SELECT pg_advisory_unlock(` + xKey + `) FROM unnest($2::bytea[]) AS x(key)`,
 		// Each row takes the key's transaction-level lock (the session's
 		// already: at once) and then releases its session-level one (a
 		// CASE evaluates its condition first), before it is inserted:
 		// the key stays covered until the COMMIT. An unlock is not undone
 		// if the statement fails: the caller counts the keys as lost then.
+		// The lock's key is hashed once a row (h).
 		batchInsert: `WITH x AS MATERIALIZED (
-				SELECT x.*, CASE WHEN pg_advisory_xact_lock(` + xKey + `) IS NULL THEN pg_advisory_unlock(` + xKey + `)
-					ELSE pg_advisory_unlock(` + xKey + `) END AS unlocked
-				FROM unnest($2::bytea[], $3::text[], $4::bigint[], $5::bytea[], $6::bytea[], $7::bigint[])
-					AS x(key, owner, fence, fp, value, ret))
+				SELECT x.*, CASE WHEN pg_advisory_xact_lock(` + heldLockClass + `, x.h) IS NULL THEN pg_advisory_unlock(` + heldLockClass + `, x.h)
+					ELSE pg_advisory_unlock(` + heldLockClass + `, x.h) END AS unlocked
+				FROM (SELECT x.*, ` + heldKeyHashOf(hashTable, "$1", "x.key") + ` AS h
+					FROM unnest($2::bytea[], $3::text[], $4::bigint[], $5::bytea[], $6::bytea[], $7::bigint[])
+						AS x(key, owner, fence, fp, value, ret)) x)
 			INSERT INTO ` + table + ` (ns, key, state, owner, fence, deadline, attempts, fingerprint,
 				value, created_at, ended_at, expires_at)
 			SELECT $1::text, x.key, 'c', x.owner, x.fence, NULL, 1, x.fp, x.value,
 				clock_timestamp(), clock_timestamp(), clock_timestamp() + x.ret * interval '1 millisecond'
 			FROM x`,
-		unlock: "SELECT pg_advisory_unlock(" + lockKey + ")",
+		// A row another transaction holds (an INSERT of the same key not
+		// yet committed) is waited for at most as long as the functions
+		// wait (lockTimeout), not until commitTimeout.
+		batchGuard: txGuardSQL + ", set_config('lock_timeout', '" + lockTimeout + "', true)",
+		unlock:     "SELECT pg_advisory_unlock(" + lockKey + ")",
 		// A lock of two int4 keys is listed with objsubid 2, the second
 		// key in objid as an oid.
 		live: `SELECT x.key FROM unnest($2::bytea[], $3::int[]) AS x(key, pid)

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -31,7 +30,7 @@ type Store struct {
 	sql  statements
 	// held are the transactions holding leases (held.go), by owner token;
 	// closed is set by Close, after which none is kept.
-	held   sync.Map
+	held   heldMap
 	closed atomic.Bool
 	// heldSQL are the statements of held leases once heldStatements found
 	// the database ready for them; heldMissing is when it last found it
@@ -164,9 +163,9 @@ func (s *Store) Close() {
 	s.stop()
 	<-s.done
 	s.closed.Store(true)
-	s.held.Range(func(owner, v any) bool {
-		if h := v.(*heldTx); h.conn != nil || h.batch != nil {
-			s.endInPlace(owner.(string), h, time.Minute, func() {})
+	s.held.Range(func(owner string, h *heldTx) bool {
+		if h.conn != nil || h.batch != nil {
+			s.endInPlace(owner, h, time.Minute, func() {})
 		}
 		return true
 	})
