@@ -447,6 +447,10 @@ func (f *flight) runBatched() {
 		// its group may still gather (until full, or sealed: arrivedLocked).
 		// Only a forced stop (f.ctx, which every flight's hctx comes from)
 		// ends the wait: the batch's flights then settle without running.
+		if a, ok := f.d.Acknowledger.(*acker); ok {
+			// Its channel's acks settle a batch at a time.
+			a.holdBatches()
+		}
 		slot := false
 		if b.slots != nil {
 			select {
