@@ -418,7 +418,7 @@ func (f *flight) runBatched() {
 	if runJoinHook != nil {
 		runJoinHook(f)
 	}
-	f.ready = make(chan struct{})
+	f.ready.Add(1)
 	b.runs.mu.Lock()
 	if open := b.runs.open; b.bt != nil && open != nil && open.from != f.acq.from {
 		// A BatchLeaseTaker's leases of two lease batches (two sessions,
@@ -477,7 +477,7 @@ func (f *flight) runBatched() {
 		close(gr.done)
 		return
 	}
-	<-f.ready
+	f.ready.Wait()
 	f.settleBatched()
 }
 
@@ -497,7 +497,7 @@ func (leader *flight) settleRun(fs []*flight) {
 			self = true
 			continue
 		}
-		close(f.ready)
+		f.ready.Done()
 	}
 	if self {
 		leader.settleBatched()
