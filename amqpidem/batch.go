@@ -754,11 +754,20 @@ func (p *processor) callBatch(ctx context.Context, fs []*flight) (rs []BatchResu
 	bctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	// One slice of stops, not a defer per flight (a deferred call in a
-	// loop is a heap allocation each).
+	// loop is a heap allocation each), and one function for them all,
+	// not a closure per flight: it runs once a flight's hctx is done, and
+	// cancels the batch with the cause of the first one done it finds.
 	stops := make([]func() bool, len(fs))
+	lost := func() {
+		for _, f := range fs {
+			if f.hctx.Err() != nil {
+				cancel(context.Cause(f.hctx))
+				return
+			}
+		}
+	}
 	for i, f := range fs {
-		hctx := f.hctx
-		stops[i] = context.AfterFunc(hctx, func() { cancel(context.Cause(hctx)) })
+		stops[i] = context.AfterFunc(f.hctx, lost)
 	}
 	defer func() {
 		for _, stop := range stops {
