@@ -10,11 +10,12 @@ import (
 // ackHold bounds how long an ack above a gap may be held back waiting to be
 // folded into a multiple ack, and ackHeldMax how many may be held (at
 // most half the prefetch count, so that a long job at the frontier leaves
-// the broker credit for the quick messages after it). ackFlush is how long
-// acks the frontier has passed wait for more to join them in one frame,
-// unless a batch of them is held by then: half the prefetch count, at most
-// ackBatch, so that acks go out while the broker still has credit to
-// deliver more.
+// the broker credit for the quick messages after it; a batch consumer's
+// acker holds up to the prefetch count, see holdBatches). ackFlush is how
+// long acks the frontier has passed wait for more to join them in one
+// frame, unless the frontier has passed a batch of tags since the last
+// multiple ack: half the prefetch count, at most ackBatch, so that acks go
+// out while the broker still has credit to deliver more.
 //
 // Bigger batches (64 rather than 32 at a prefetch of 128, 2 ms rather
 // than 1) cut ack frames on quorum queues, where the broker's cost is per
@@ -44,10 +45,13 @@ const maxSkip = 1 << 16
 //
 // Tags are settled in any order. Acks the frontier (the lowest unsettled
 // tag) can pass go out as one multiple ack, ackFlush after the first of
-// them or as soon as a batch of acks is held, whichever comes first: acks
-// that arrive in order fold too. An ack above the frontier is held, for at
-// most ackHold and while no more than heldMax are held, in case the
-// frontier catches up; then the held acks go out one by one. Nacks and
+// them or as soon as the frontier passed a batch of tags since the last
+// multiple ack, whichever comes first: acks that arrive in order fold too.
+// An ack above the frontier is held, for at most ackHold and while no more
+// than heldMax are held, in case the frontier catches up; then the held
+// acks go out one by one. A frontier that ackHold passed without moving is
+// stuck (a long job, a long batch): acks above it go out one by one at
+// once, not held again for ackHold, until it moves. Nacks and
 // rejects go out at once, and a tag counts as settled only after its frame
 // is written, so a multiple ack never covers a tag that was to be
 // requeued. A held ack lost with its connection is like any ack the broker
@@ -82,9 +86,10 @@ type acker struct {
 	ch   amqp.Acknowledger // the channel the deliveries came from
 	dead <-chan struct{}   // closed when that channel died; nil: never known
 
-	batch   int           // acks the frontier passed that go out at once, without waiting ackFlush
-	heldMax int           // acks above the frontier held at most
-	hold    time.Duration // how long acks above the frontier are held at most: ackHold
+	batch    int           // tags the frontier passed whose acks go out at once, without waiting ackFlush
+	heldMax  int           // acks above the frontier held at most
+	hold     time.Duration // how long acks above the frontier are held at most: ackHold
+	prefetch int           // the consumer's prefetch count; 0: not known
 
 	mu        sync.Mutex          // guards the fields below
 	next      uint64              // the frontier: the lowest tag not settled
@@ -98,8 +103,11 @@ type acker struct {
 	sending   bool                // a goroutine is writing acks; others leave theirs to it
 	idle      *sync.Cond          // signalled when sending ends
 	sendAll   bool                // the writing goroutine is to send held acks too
+	sentUpto  uint64              // the frontier, less one, when the held acks it passed were last written
 	timer     *time.Timer         // flushes held acks after ackHold
 	timerOn   bool                // timer is armed
+	holdFrom  uint64              // the frontier when timer was armed
+	stuck     uint64              // a frontier ackHold passed without its moving; 0: none
 	due       *time.Timer         // sends what the frontier passed after ackFlush
 	dueSet    bool                // due is armed
 	err       error               // the last write error
@@ -110,7 +118,7 @@ type acker struct {
 // prefetch unacknowledged deliveries at most (0: not known; the limits
 // are then ackBatch and ackHeldMax).
 func newAcker(ch amqp.Acknowledger, prefetch int) *acker {
-	a := &acker{ch: ch, next: 1, unsettled: make(map[uint64]struct{}), batch: ackBatch, heldMax: ackHeldMax, hold: ackHold}
+	a := &acker{ch: ch, next: 1, unsettled: make(map[uint64]struct{}), batch: ackBatch, heldMax: ackHeldMax, hold: ackHold, prefetch: prefetch}
 	if prefetch > 0 {
 		a.batch = max(1, min(ackBatch, prefetch/2))
 		a.heldMax = max(1, min(ackHeldMax, prefetch/2))
@@ -136,9 +144,12 @@ func (a *acker) Ack(tag uint64, multiple bool) error {
 	}
 	a.held = append(a.held, tag)
 	if tag > a.next {
+		if a.next == a.stuck {
+			return a.write(true) // unlocks
+		}
 		a.armTimer() // above a gap: held for at most ackHold
 	}
-	if len(a.held) < a.batch {
+	if a.next-1-a.sentUpto < uint64(a.batch) && len(a.held) <= a.heldMax {
 		a.armDue()
 		err := a.err
 		a.mu.Unlock()
@@ -167,6 +178,23 @@ func (a *acker) sent(tag uint64, err error) error {
 	return err
 }
 
+// holdBatches makes a holds acks above the frontier up to the prefetch
+// count rather than half of it, for a batch consumer: its deliveries
+// settle a batch at a time, and when a batch settles before an earlier
+// one, or the members of one batch in another order than their tags, the
+// acks above the frontier are of deliveries whose batch is over, waiting
+// for a batch that is running too. Held, they fold into one multiple ack
+// when it settles; sent once half the prefetch is held, most went one by
+// one (issue 39). A long batch at the frontier holds them for ackHold, at
+// most, once: its frontier is then stuck, and acks above it go out at
+// once. Calls after the first do nothing more; without a known prefetch
+// count it does nothing.
+func (a *acker) holdBatches() {
+	a.mu.Lock()
+	a.heldMax = max(a.heldMax, a.prefetch)
+	a.mu.Unlock()
+}
+
 // flush sends every held ack, one by one where need be, and stops holding:
 // later acks are sent at once. It returns when nothing is being written.
 // Call it before the channel closes.
@@ -192,10 +220,14 @@ func (a *acker) armTimer() {
 		return
 	}
 	a.timerOn = true
+	a.holdFrom = a.next
 	if a.timer == nil {
 		a.timer = time.AfterFunc(a.hold, func() {
 			a.mu.Lock()
 			a.timerOn = false
+			if a.next == a.holdFrom && len(a.held) > 0 {
+				a.stuck = a.next
+			}
 			_ = a.write(true) // unlocks
 		})
 		return
@@ -238,6 +270,7 @@ func (a *acker) write(all bool) error {
 		// multiple, covering all held below it; the tags in between were
 		// settled already, and the broker skips those.
 		var upto uint64
+		a.sentUpto = a.next - 1 // what it passed is written below, or was
 		if next := a.next; len(a.held) > 0 && a.heldLow < next {
 			kept := a.held[:0]
 			for _, tag := range a.held {

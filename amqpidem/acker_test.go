@@ -3,6 +3,7 @@ package amqpidem
 import (
 	"fmt"
 	"math/rand"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -442,5 +443,97 @@ func TestAckerWritesAnAckFarAboveAtOnce(t *testing.T) {
 	a.flush()
 	if got, want := fmt.Sprint(f.frames), fmt.Sprintf("[ack %d false ack 1 true]", uint64(far)); got != want {
 		t.Fatalf("frames: got %v, want %v", got, want)
+	}
+}
+
+// The pattern of a batch consumer (prefetch twice the batch size, two
+// batches at once): the second batch settles before the first, and each
+// batch's acks come in another order than their tags. Every ack is
+// folded into a multiple ack: none goes out alone (issue 39: with at
+// most 64 held, about 0.5 ack frames per message went out, most of them
+// single acks).
+func TestAckerFoldsBatchesSettledOutOfOrder(t *testing.T) {
+	const size, prefetch, rounds = 100, 200, 5
+	f := newFakeChannel(rounds * prefetch)
+	f.quick = true
+	a := newAcker(f, prefetch)
+	a.hold = time.Hour // the count bound alone, not a slow goroutine
+	a.holdBatches()
+	shuffled := func(from uint64) []uint64 {
+		tags := make([]uint64, 0, size)
+		for _, i := range rand.Perm(size) {
+			tags = append(tags, from+uint64(i))
+		}
+		return tags
+	}
+	for r := range uint64(rounds) {
+		base := r * prefetch
+		for _, tag := range append(shuffled(base+size+1), shuffled(base+1)...) {
+			_ = a.Ack(tag, false)
+		}
+	}
+	a.flush()
+	n, problems := f.left()
+	if n != 0 || len(problems) != 0 {
+		t.Fatalf("unacked %d, problems %v", n, problems)
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	single := 0
+	for _, fr := range f.frames {
+		if strings.HasSuffix(fr, " false") {
+			single++
+		}
+	}
+	t.Logf("%d tags in batches of %d settled out of order: %d frames, %d single", rounds*prefetch, size, len(f.frames), single)
+	// A multiple ack once the frontier has passed ackBatch tags: at most
+	// about prefetch/ackBatch frames per round.
+	if single != 0 || len(f.frames) > rounds*(prefetch/ackBatch+1) {
+		t.Fatalf("%d frames, %d of them single acks, for %d tags: want none single, at most %d", len(f.frames), single,
+			rounds*prefetch, rounds*(prefetch/ackBatch+1))
+	}
+}
+
+// A long batch at the frontier does not stop the rest: the acks of the
+// batch after it are held for ackHold (a.hold) once, then go out one by
+// one, and so do those of later batches at once, not after another
+// ackHold each, until the frontier moves; then they fold again.
+func TestAckerStuckFrontierHeldOnce(t *testing.T) {
+	const size, prefetch = 10, 20
+	f := newFakeChannel(5 * size)
+	a := newAcker(f, prefetch)
+	a.hold = 200 * time.Millisecond
+	a.holdBatches()
+	for tag := uint64(size + 1); tag <= 2*size; tag++ {
+		_ = a.Ack(tag, false) // 1..size: the long batch
+	}
+	if n, _ := f.left(); n != 5*size {
+		t.Fatalf("%d unacked right after the second batch, want its acks held (%d)", n, 5*size)
+	}
+	waitUnacked(t, f, 5*size-size) // after a.hold, one by one
+	for tag := uint64(2*size + 1); tag <= 3*size; tag++ {
+		_ = a.Ack(tag, false)
+	}
+	if n, _ := f.left(); n != 5*size-2*size {
+		t.Fatalf("%d unacked right after the third batch, want its acks sent at once (%d)", n, 5*size-2*size)
+	}
+	for tag := uint64(1); tag <= size; tag++ {
+		_ = a.Ack(tag, false) // the long batch ends: the frontier moves
+	}
+	f.mu.Lock()
+	before := len(f.frames)
+	f.mu.Unlock()
+	for tag := uint64(4 * size); tag > 3*size; tag-- {
+		_ = a.Ack(tag, false) // above the new frontier, 3*size+1: held again
+	}
+	waitUnacked(t, f, size)
+	a.flush()
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if got := f.frames[before:]; len(got) != 1 || got[0] != fmt.Sprintf("ack %d true", 4*size) {
+		t.Fatalf("frames once the frontier moved: %v, want [ack %d true]", got, 4*size)
+	}
+	if len(f.problems) != 0 {
+		t.Fatalf("problems %v", f.problems)
 	}
 }

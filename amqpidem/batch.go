@@ -418,7 +418,7 @@ func (f *flight) runBatched() {
 	if runJoinHook != nil {
 		runJoinHook(f)
 	}
-	f.ready = make(chan struct{})
+	f.ready.Add(1)
 	b.runs.mu.Lock()
 	if open := b.runs.open; b.bt != nil && open != nil && open.from != f.acq.from {
 		// A BatchLeaseTaker's leases of two lease batches (two sessions,
@@ -447,6 +447,10 @@ func (f *flight) runBatched() {
 		// its group may still gather (until full, or sealed: arrivedLocked).
 		// Only a forced stop (f.ctx, which every flight's hctx comes from)
 		// ends the wait: the batch's flights then settle without running.
+		if a, ok := f.d.Acknowledger.(*acker); ok {
+			// Its channel's acks settle a batch at a time.
+			a.holdBatches()
+		}
 		slot := false
 		if b.slots != nil {
 			select {
@@ -473,7 +477,7 @@ func (f *flight) runBatched() {
 		close(gr.done)
 		return
 	}
-	<-f.ready
+	f.ready.Wait()
 	f.settleBatched()
 }
 
@@ -493,7 +497,7 @@ func (leader *flight) settleRun(fs []*flight) {
 			self = true
 			continue
 		}
-		close(f.ready)
+		f.ready.Done()
 	}
 	if self {
 		leader.settleBatched()
@@ -750,11 +754,20 @@ func (p *processor) callBatch(ctx context.Context, fs []*flight) (rs []BatchResu
 	bctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	// One slice of stops, not a defer per flight (a deferred call in a
-	// loop is a heap allocation each).
+	// loop is a heap allocation each), and one function for them all,
+	// not a closure per flight: it runs once a flight's hctx is done, and
+	// cancels the batch with the cause of the first one done it finds.
 	stops := make([]func() bool, len(fs))
+	lost := func() {
+		for _, f := range fs {
+			if f.hctx.Err() != nil {
+				cancel(context.Cause(f.hctx))
+				return
+			}
+		}
+	}
 	for i, f := range fs {
-		hctx := f.hctx
-		stops[i] = context.AfterFunc(hctx, func() { cancel(context.Cause(hctx)) })
+		stops[i] = context.AfterFunc(f.hctx, lost)
 	}
 	defer func() {
 		for _, stop := range stops {

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -60,12 +61,13 @@ type flight struct {
 	// batch it ran in alone.
 	out           batchOut
 	batchTimedOut bool
-	// ready is closed by its batch's leader once out is final: a flight
+	// ready is done once its batch's leader found out final: a flight
 	// whose record committed in one part of a split batch settles then,
 	// not after the rest of the split (whose runs may outlast its
-	// outbox claim). released says the leader closed it (the leader's
-	// own field).
-	ready    chan struct{}
+	// outbox claim). released says the leader marked it done (the
+	// leader's own field). A WaitGroup, part of the flight, rather than a
+	// channel, an allocation per message.
+	ready    sync.WaitGroup
 	released bool
 	// leaseBatched: its lease was asked for in a lease batch, and it has
 	// not told its batcher yet that it is no longer on its way to a run
