@@ -31,7 +31,7 @@ func (f *flight) completeValue(result []byte, staged [][]byte, value []byte) {
 	// lost, it fails and the result is discarded. If the keeper only could
 	// not confirm the lease but nobody took it over, the result is still
 	// the only one and is kept.
-	err := settle(f.ctx, func(ctx context.Context) error { return f.p.store.Complete(ctx, f.lease, value) })
+	err := settleCalm(f.calmCtx(), func(ctx context.Context) error { return f.p.store.Complete(ctx, f.lease, value) })
 	f.stopKeep() // renewing it would only delay its expiry
 	switch {
 	case err == nil:
@@ -58,7 +58,7 @@ func (f *flight) completeValue(result []byte, staged [][]byte, value []byte) {
 // delivery.
 func (f *flight) fail(reason string, cause error) {
 	text := reason + ": " + cause.Error()
-	err := settle(f.ctx, func(ctx context.Context) error { return f.p.store.Fail(ctx, f.lease, text) })
+	err := settleCalm(f.calmCtx(), func(ctx context.Context) error { return f.p.store.Fail(ctx, f.lease, text) })
 	switch {
 	case err == nil:
 		f.deadLetter(reason, cause)
@@ -77,7 +77,7 @@ func (f *flight) fail(reason string, cause error) {
 // release gives the lease back so that a retry need not wait for it to
 // expire. A failure only delays that retry by up to the lease TTL.
 func (f *flight) release() {
-	sctx, cancel := settleContext(f.ctx)
+	sctx, cancel := calmContext(f.calmCtx())
 	defer cancel()
 	if err := f.p.store.Release(sctx, f.lease); err != nil && !errors.Is(err, lock.ErrLeaseLost) {
 		f.p.cfg.Logger.WarnContext(f.ctx, "amqpidem: release failed; the retry waits for the lease to expire",
@@ -90,7 +90,7 @@ func (f *flight) release() {
 // which the Event then no longer counts either. A failure only delays the
 // next delivery by up to the lease TTL, and that attempt stays counted.
 func (f *flight) cancel() {
-	sctx, cancel := settleContext(f.ctx)
+	sctx, cancel := calmContext(f.calmCtx())
 	defer cancel()
 	err := f.p.store.Cancel(sctx, f.lease)
 	if err == nil {
@@ -109,15 +109,22 @@ func (f *flight) cancel() {
 // answer: nil, lock.ErrLeaseLost, lock.ErrChanged or
 // lock.ErrResultTooLarge.
 func settle(ctx context.Context, call func(context.Context) error) error {
+	return settleCalm(context.WithoutCancel(ctx), call)
+}
+
+// settleCalm is settle with calm, a context that is never cancelled
+// already (flight.calmCtx): it spares the allocation of another
+// context.WithoutCancel.
+func settleCalm(calm context.Context, call func(context.Context) error) error {
 	final := func(err error) bool {
 		return err == nil || errors.Is(err, lock.ErrLeaseLost) || errors.Is(err, lock.ErrChanged) ||
 			errors.Is(err, lock.ErrResultTooLarge)
 	}
-	err := call(context.WithoutCancel(ctx))
+	err := call(calm)
 	if final(err) {
 		return err
 	}
-	sctx, cancel := settleContext(ctx)
+	sctx, cancel := calmContext(calm)
 	defer cancel()
 	wait := 20 * time.Millisecond
 	for {
