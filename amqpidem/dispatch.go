@@ -147,7 +147,7 @@ func (f *flight) publishStaged(enc []byte) error {
 		Kind: PublishOutbox, Queue: f.p.cfg.Queue, Exchange: exchange, RoutingKey: key, Headers: msg.Headers,
 		MessageID: msg.MessageId, CorrelationID: msg.CorrelationId, BodySize: len(msg.Body),
 	})
-	sctx, cancel := settleContext(f.ctx)
+	sctx, cancel := calmContext(f.calmCtx())
 	defer cancel()
 	err = f.b.publish(sctx, exchange, key, msg)
 	end(err)
@@ -182,7 +182,7 @@ func (f *flight) amend(old, value []byte, fence int64) error {
 	if a == nil {
 		return errors.New("amqpidem: the store cannot amend records (lock.Amender): staged messages are not marked published")
 	}
-	return settle(f.ctx, "Amend", func(ctx context.Context) error { return a.Amend(ctx, f.storeKey, fence, old, value) })
+	return settle(f.calmCtx(), "Amend", func(ctx context.Context) error { return a.Amend(ctx, f.storeKey, fence, old, value) })
 }
 
 // publishUnkeyed publishes the messages an execution without a record

@@ -34,7 +34,9 @@ type flight struct {
 	// ctx is the delivery's context: the caller's values and trace span,
 	// done when the handlers must stop (shutdown, forced).
 	ctx context.Context
-	d   *amqp.Delivery
+	// calm is context.WithoutCancel(ctx), once made (calmCtx).
+	calm context.Context
+	d    *amqp.Delivery
 	// h is what the delivery's headers say: its attempt and publish time
 	// from its arrival on (arrivalHeaders), the rest once head read them.
 	h  headers
@@ -91,6 +93,17 @@ func (f *flight) handlerDelivery() *amqp.Delivery {
 	f.hd = *f.d
 	f.hd.Acknowledger = refuseAck{}
 	return &f.hd
+}
+
+// calmCtx is the context of the calls that settle the delivery, which
+// must run even when ctx was cancelled (shutdown): ctx without its
+// cancellation, made once per flight, or once per session for a
+// Consumer's deliveries without a Tracer (fly).
+func (f *flight) calmCtx() context.Context {
+	if f.calm == nil {
+		f.calm = context.WithoutCancel(f.ctx)
+	}
+	return f.calm
 }
 
 // slot is a delivery's hold on one of the gate's slots.

@@ -33,7 +33,7 @@ func (f *flight) completeValue(result []byte, staged [][]byte, value []byte) {
 	// lost, it fails and the result is discarded. If the keeper only could
 	// not confirm the lease but nobody took it over, the result is still
 	// the only one and is kept.
-	err := settle(f.ctx, "Complete", func(ctx context.Context) error { return f.p.store.Complete(ctx, f.lease, value) })
+	err := settle(f.calmCtx(), "Complete", func(ctx context.Context) error { return f.p.store.Complete(ctx, f.lease, value) })
 	f.stopKeep() // renewing it would only delay its expiry
 	switch {
 	case err == nil:
@@ -60,7 +60,7 @@ func (f *flight) completeValue(result []byte, staged [][]byte, value []byte) {
 // delivery.
 func (f *flight) fail(reason string, cause error) {
 	text := reason + ": " + cause.Error()
-	err := settle(f.ctx, "Fail", func(ctx context.Context) error { return f.p.store.Fail(ctx, f.lease, text) })
+	err := settle(f.calmCtx(), "Fail", func(ctx context.Context) error { return f.p.store.Fail(ctx, f.lease, text) })
 	switch {
 	case err == nil:
 		f.deadLetter(reason, cause)
@@ -79,7 +79,7 @@ func (f *flight) fail(reason string, cause error) {
 // release gives the lease back so that a retry need not wait for it to
 // expire. A failure only delays that retry by up to the lease TTL.
 func (f *flight) release() {
-	sctx, cancel := settleContext(f.ctx)
+	sctx, cancel := calmContext(f.calmCtx())
 	defer cancel()
 	err := storeCall("Release", func() error { return f.p.store.Release(sctx, f.lease) })
 	if err != nil && !errors.Is(err, lock.ErrLeaseLost) {
@@ -93,7 +93,7 @@ func (f *flight) release() {
 // which the Event then no longer counts either. A failure only delays the
 // next delivery by up to the lease TTL, and that attempt stays counted.
 func (f *flight) cancel() {
-	sctx, cancel := settleContext(f.ctx)
+	sctx, cancel := calmContext(f.calmCtx())
 	defer cancel()
 	err := storeCall("Cancel", func() error { return f.p.store.Cancel(sctx, f.lease) })
 	if err == nil {
@@ -107,24 +107,24 @@ func (f *flight) cancel() {
 }
 
 // settle makes a store call that settles a lease or its record
-// (Complete, Fail, Amend) even if ctx was cancelled meanwhile, and tries
-// it again for up to settleTimeout while it fails with anything but an
-// answer: nil, lock.ErrLeaseLost, lock.ErrChanged or
-// lock.ErrResultTooLarge. A call that panics is not tried again: its
-// error wraps a *PanicError (storeCall), and the caller settles the
-// delivery as for a store that did not answer.
-func settle(ctx context.Context, what string, storeFn func(context.Context) error) error {
+// (Complete, Fail, Amend; what names it) with calm, a context that is never
+// cancelled (flight.calmCtx), so that it is made even if the delivery's
+// context was cancelled meanwhile, and tries it again for up to
+// settleTimeout while it fails with anything but an answer: nil,
+// lock.ErrLeaseLost, lock.ErrChanged or lock.ErrResultTooLarge. A call that
+// panics is not tried again: its error wraps a *PanicError (callStore),
+// and the caller settles the delivery as for a store that did not answer.
+func settle(calm context.Context, what string, call func(context.Context) error) error {
 	final := func(err error) bool {
 		var pe *PanicError
 		return err == nil || errors.Is(err, lock.ErrLeaseLost) || errors.Is(err, lock.ErrChanged) ||
 			errors.Is(err, lock.ErrResultTooLarge) || errors.As(err, &pe)
 	}
-	call := func(ctx context.Context) error { return storeCall(what, func() error { return storeFn(ctx) }) }
-	err := call(context.WithoutCancel(ctx))
+	err := callStore(calm, what, call)
 	if final(err) {
 		return err
 	}
-	sctx, cancel := settleContext(ctx)
+	sctx, cancel := calmContext(calm)
 	defer cancel()
 	wait := 20 * time.Millisecond
 	for {
@@ -134,7 +134,7 @@ func settle(ctx context.Context, what string, storeFn func(context.Context) erro
 		case <-time.After(wait):
 		}
 		wait = min(2*wait, time.Second)
-		if err = call(sctx); final(err) {
+		if err = callStore(sctx, what, call); final(err) {
 			return err
 		}
 	}
@@ -154,15 +154,24 @@ func storedReason(text string) string {
 	return "failed duplicate"
 }
 
+// callStore is storeCall for a call that takes ctx.
+func callStore(ctx context.Context, what string, call func(context.Context) error) (err error) {
+	defer recoverStore(&err, what)
+	return call(ctx)
+}
+
 // storeCall runs call, a store method named what, turning a panic into an
 // error wrapping a *PanicError: a store's bug (a custom store, a driver's)
 // settles the delivery as an unavailable store does, rather than taking
 // the process and every delivery in flight down with it.
 func storeCall(what string, call func() error) (err error) {
-	defer func() {
-		if v := recover(); v != nil {
-			err = fmt.Errorf("amqpidem: the store's %s panicked: %w", what, &PanicError{Value: v, Stack: debug.Stack()})
-		}
-	}()
+	defer recoverStore(&err, what)
 	return call()
+}
+
+// recoverStore turns a panic of the store call named what into *err.
+func recoverStore(err *error, what string) {
+	if v := recover(); v != nil {
+		*err = fmt.Errorf("amqpidem: the store's %s panicked: %w", what, &PanicError{Value: v, Stack: debug.Stack()})
+	}
 }

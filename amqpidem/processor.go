@@ -196,12 +196,24 @@ func sameStore(a, b lock.Store) (same bool) {
 // without a gate). It returns what happened, once it was logged and
 // reported.
 func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *ticket) Event {
+	return p.fly(new(flight), ctx, nil, b, d, t)
+}
+
+// fly is process with the flight f, a zero flight of the caller's (a
+// Consumer's is part of the delivery's job: one allocation for both), and
+// calm, when not nil, context.WithoutCancel(ctx) made once for many
+// deliveries (a Consumer's session): the context of the calls that settle
+// the delivery (see flight.calmCtx).
+func (p *processor) fly(f *flight, ctx, calm context.Context, b broker, d *amqp.Delivery, t *ticket) Event {
 	start := time.Now()
-	f := flight{p: p, b: b, d: d}
+	f.p, f.b, f.d = p, b, d
 	f.h = arrivalHeaders(d.Headers, p.cfg.MaxAttempts)
 	f.ev.Queue, f.ev.Consumer = p.cfg.Queue, p.cfg.ConsumerName
 	f.ev.Published = publishedAt(d, &f.h)
 	f.ctx = p.startTrace(ctx, d)
+	if p.cfg.Tracer == nil {
+		f.calm = calm // f.ctx is ctx
+	}
 	f.arrive(t)
 	f.stopKeep()  // whatever a step left running,
 	f.slot.free() // or held
@@ -318,4 +330,11 @@ const maxBusyDoublings = 8
 // even when ctx was cancelled (shutdown), within settleTimeout.
 func settleContext(ctx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
+}
+
+// calmContext is settleContext for calm, a context that is never
+// cancelled already (flight.calmCtx): it spares the allocation of
+// another context.WithoutCancel.
+func calmContext(calm context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(calm, settleTimeout)
 }

@@ -112,7 +112,8 @@ type publisher struct {
 
 	mu       sync.Mutex
 	chans    []*pubChannel        // open channels, in the order opened
-	changed  chan struct{}        // closed (and replaced) when a publish ends: room on a channel
+	changed  chan struct{}        // closed (and replaced) when a publish ends while waiting is set: room on a channel
+	waiting  bool                 // a get waits on changed
 	declared map[string]time.Time // queues declared on this connection, and when
 	closed   bool
 }
@@ -243,6 +244,7 @@ func (p *publisher) get(ctx context.Context, id string, alone bool) (*pubChannel
 			return pick, w, nil
 		}
 		changed := p.changed
+		p.waiting = true
 		p.mu.Unlock()
 		p.dropAll(dead)
 		select {
@@ -302,8 +304,13 @@ func (p *publisher) put(pc *pubChannel, w *pubWait, healthy bool) (shared bool) 
 		dead = []*pubChannel{pc}
 		p.removeLocked(dead)
 	}
-	close(p.changed)
-	p.changed = make(chan struct{})
+	if p.waiting {
+		// Only then: a channel made and closed per publish was an
+		// allocation per message in make bench's outbox variant.
+		close(p.changed)
+		p.changed = make(chan struct{})
+		p.waiting = false
+	}
 	p.mu.Unlock()
 	p.dropAll(dead)
 	return shared

@@ -13,11 +13,12 @@ import (
 // A Consumer's sessions: one per connection, from the dial to the
 // connection's end, and what happens to the deliveries it consumed.
 
-// job is one delivery of a session, with its ticket of the gate: one
-// allocation for both.
+// job is one delivery of a session, with its ticket of the gate and its
+// flight through the processor: one allocation for the three.
 type job struct {
 	d amqp.Delivery
 	t ticket
+	f flight // its way through the processor (processor.fly)
 }
 
 // session runs one connection: it returns when the connection or channel
@@ -54,7 +55,7 @@ func (c *Consumer) session(ctx, base context.Context) error {
 	// delivery order; a delivery waits for its slot as a ticket in the
 	// gate, with no goroutine of its own, and the gate starts it on one of
 	// w's workers once it has one (see workers).
-	w := &workers{c: c, base: base, dead: dead, work: make(chan *job)}
+	w := &workers{c: c, base: base, calm: context.WithoutCancel(base), dead: dead, work: make(chan *job)}
 	g := c.proc.gate
 	// requeueWaiting sends the deliveries still waiting for a slot to
 	// process all the same, which sends them back to their queue unrun:
@@ -260,6 +261,7 @@ func (c *Consumer) declare(ch *amqp.Channel) (err error) {
 type workers struct {
 	c    *Consumer
 	base context.Context // the handlers' parent context
+	calm context.Context // base without its cancellation: the settling calls' (processor.fly)
 	dead <-chan struct{} // closed when the session's channel died
 	work chan *job       // to an idle worker; closed once the gate starts none of the session's deliveries
 	wg   sync.WaitGroup  // the workers
@@ -278,9 +280,9 @@ func (w *workers) start(j *job) {
 	go func() {
 		defer w.c.tasks.Done()
 		defer w.wg.Done()
-		w.c.work(w.base, w.dead, j)
+		w.c.work(w, j)
 		for j := range w.work {
-			w.c.work(w.base, w.dead, j)
+			w.c.work(w, j)
 		}
 	}()
 }
@@ -290,14 +292,14 @@ func (w *workers) start(j *job) {
 // delivery whose channel died first (dead closed) is dropped: its ticket
 // given back, its handler not started, nothing acked or published, since
 // the broker delivers it again.
-func (c *Consumer) work(base context.Context, dead <-chan struct{}, j *job) {
+func (c *Consumer) work(w *workers, j *job) {
 	select {
-	case <-dead:
-		c.dropped(base, j)
+	case <-w.dead:
+		c.dropped(w.base, j)
 		return
 	default:
 	}
-	c.proc.process(base, c.pub, &j.d, &j.t)
+	c.proc.fly(&j.f, w.base, w.calm, c.pub, &j.d, &j.t)
 }
 
 // dropped drops j, a delivery of a channel that died before its handler

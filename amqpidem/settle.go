@@ -85,7 +85,7 @@ func (f *flight) reply(result []byte) error {
 	if d.ReplyTo == "" {
 		return nil
 	}
-	sctx, cancel := settleContext(f.ctx)
+	sctx, cancel := calmContext(f.calmCtx())
 	defer cancel()
 	msg := amqp.Publishing{
 		CorrelationId: d.CorrelationId,
@@ -251,7 +251,7 @@ func (f *flight) sendBack(delay time.Duration, extra amqp.Table) bool {
 // publishCopy publishes msg, sendBack's copy of the delivery, to come
 // back after delay, within settleTimeout.
 func (f *flight) publishCopy(delay time.Duration, msg amqp.Publishing) error {
-	sctx, cancel := settleContext(f.ctx)
+	sctx, cancel := calmContext(f.calmCtx())
 	defer cancel()
 	err := f.b.requeue(sctx, f.p.cfg.Queue, msg, delay)
 	if err != nil {
@@ -332,7 +332,7 @@ func (f *flight) deadLetter(reason string, cause error) {
 	p, b := f.p, f.b
 	f.ev.Reason = reason
 	f.ev.Err = errors.Join(f.ev.Err, cause)
-	sctx, cancel := settleContext(f.ctx)
+	sctx, cancel := calmContext(f.calmCtx())
 	defer cancel()
 	fault := amqp.Table{
 		HeaderReason:   reason,
