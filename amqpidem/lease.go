@@ -116,9 +116,8 @@ func (f *flight) cancel() {
 // and the caller settles the delivery as for a store that did not answer.
 func settle(calm context.Context, what string, call func(context.Context) error) error {
 	final := func(err error) bool {
-		var pe *PanicError
 		return err == nil || errors.Is(err, lock.ErrLeaseLost) || errors.Is(err, lock.ErrChanged) ||
-			errors.Is(err, lock.ErrResultTooLarge) || errors.As(err, &pe)
+			errors.Is(err, lock.ErrResultTooLarge) || isPanic(err)
 	}
 	err := callStore(calm, what, call)
 	if final(err) {
@@ -167,6 +166,12 @@ func callStore(ctx context.Context, what string, call func(context.Context) erro
 func storeCall(what string, call func() error) (err error) {
 	defer recoverStore(&err, what)
 	return call()
+}
+
+// isPanic reports whether err wraps a *PanicError.
+func isPanic(err error) bool {
+	var pe *PanicError
+	return errors.As(err, &pe)
 }
 
 // recoverStore turns a panic of the store call named what into *err.
