@@ -82,3 +82,18 @@ func TestDialWrongPortSaysWhatToCheck(t *testing.T) {
 		})
 	}
 }
+
+// A Publisher dialling a port that is not RabbitMQ's AMQP listener says
+// what to check in Publish's error, as a Consumer does in its log.
+func TestPublisherDialWrongPortSaysWhatToCheck(t *testing.T) {
+	addr := notAMQP(t, "")
+	p := DialPublisher(func() (*amqp.Connection, error) { return amqp.Dial("amqp://guest:guest@" + addr + "/") },
+		slog.New(slog.DiscardHandler))
+	t.Cleanup(p.Close)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	err := p.Publish(ctx, "", "dial-hint", amqp.Publishing{MessageId: "m1", Body: []byte("x")})
+	if err == nil || !strings.Contains(err.Error(), "RabbitMQ AMQP listener") {
+		t.Fatalf("Publish: %v, want an error saying to check the port", err)
+	}
+}

@@ -117,7 +117,11 @@ func (p *pubConn) dialNow(a *dialAttempt) {
 	conn, keep, err := p.dial(p.ctx)
 	switch {
 	case err != nil:
-		err = fmt.Errorf("amqpidem: dial the publishing connection: %w", hideParseError(err))
+		if hint := wrongPortHint(err); hint != "" {
+			err = fmt.Errorf("amqpidem: dial the publishing connection: %s: %w", hint, err)
+		} else {
+			err = fmt.Errorf("amqpidem: dial the publishing connection: %w", hideParseError(err))
+		}
 	case !keep():
 		err = errPubConnClosed // closed while dialling: its socket too
 	default:

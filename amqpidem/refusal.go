@@ -45,24 +45,15 @@ func hideParseError(err error) error {
 // build another next time.
 func dialError(err error) error {
 	err = hideParseError(err)
+	if hint := wrongPortHint(err); hint != "" {
+		return fmt.Errorf("amqpidem: dial: %s: %w", hint, err)
+	}
 	var ae *amqp.Error
 	if !errors.As(err, &ae) {
-		if re := (tls.RecordHeaderError{}); errors.As(err, &re) {
-			return fmt.Errorf("amqpidem: dial: the server did not answer TLS (an amqps:// URL on a plain AMQP port? "+
-				"RabbitMQ's plain listener is 5672, its TLS one usually 5671): %w", err)
-		}
 		return fmt.Errorf("amqpidem: dial: %w", err)
 	}
 	var why string
 	switch {
-	case ae.Code == amqp.FrameError && !ae.Server:
-		// amqp091-go's own 501 for a handshake that the server closed,
-		// never answered or answered with something other than AMQP: a
-		// broker starting or stopping does that too, so it is retried,
-		// but a wrong port does it for ever, and "EOF" alone says neither.
-		return fmt.Errorf("amqpidem: dial: the server closed the connection, did not answer, or did not answer AMQP 0-9-1 "+
-			"during the handshake; if this lasts, check that the URL's host and port are a RabbitMQ AMQP listener "+
-			"(5672; amqps:// for its TLS one, usually 5671) and the broker's log: %w", err)
 	case errors.Is(err, amqp.ErrSASL):
 		why = "the broker offers no authentication mechanism the client has (SASL): " +
 			"give the amqp.Config of your Dial one that the broker accepts"
@@ -81,6 +72,26 @@ func dialError(err error) error {
 	// socket closed without one, are not.
 	return &permanentError{err: fmt.Errorf("amqpidem: dial: %s: %w", why, err),
 		ambiguous: !ae.Server && !errors.Is(err, amqp.ErrSASL)}
+}
+
+// wrongPortHint says what to check when a dial failed the way a port
+// that is not RabbitMQ's AMQP listener fails it ("" when err is not such
+// a failure): amqp091-go's own 501 for a handshake that the server closed,
+// never answered or answered with something other than AMQP, or a TLS
+// record error for amqps:// on a plain port. A broker starting or
+// stopping closes handshakes too, so such dials are retried; a wrong port
+// fails them for ever, and "EOF" alone says neither.
+func wrongPortHint(err error) string {
+	if re := (tls.RecordHeaderError{}); errors.As(err, &re) {
+		return "the server did not answer TLS (an amqps:// URL on a plain AMQP port? " +
+			"RabbitMQ's plain listener is 5672, its TLS one usually 5671)"
+	}
+	if ae := (*amqp.Error)(nil); errors.As(err, &ae) && ae.Code == amqp.FrameError && !ae.Server {
+		return "the server closed the connection, did not answer, or did not answer AMQP 0-9-1 " +
+			"during the handshake; if this lasts, check that the URL's host and port are a RabbitMQ AMQP listener " +
+			"(5672; amqps:// for its TLS one, usually 5671) and the broker's log"
+	}
+	return ""
 }
 
 // The steps of setting up a session after dialling, for setupError.
