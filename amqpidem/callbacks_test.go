@@ -78,18 +78,7 @@ func TestProcessRecoversCallbackPanics(t *testing.T) {
 			if tc.attempt > 0 {
 				d.Headers = amqp.Table{HeaderAttempt: tc.attempt}
 			}
-			var ev Event
-			func() {
-				defer func() {
-					if v := recover(); v != nil {
-						t.Fatalf("process panicked: %v", v)
-					}
-				}()
-				ev = p.process(context.Background(), b, d, nil)
-			}()
-			if ev.Outcome != tc.want || ev.Reason != tc.wantReason {
-				t.Fatalf("got %v %q (%v), want %v %q", ev.Outcome, ev.Reason, ev.Err, tc.want, tc.wantReason)
-			}
+			processNoPanic(t, p, b, d, tc.want, tc.wantReason)
 			if ack.acks != 1 || ack.nacks != 0 {
 				t.Errorf("acks %d nacks %d, want one ack", ack.acks, ack.nacks)
 			}
@@ -101,6 +90,22 @@ func TestProcessRecoversCallbackPanics(t *testing.T) {
 			}
 		})
 	}
+}
+
+// processNoPanic processes d and fails t if that panics or does not end
+// with outcome want for reason.
+func processNoPanic(t *testing.T, p processor, b *fakeBroker, d *amqp.Delivery, want Outcome, reason string) (ev Event) {
+	t.Helper()
+	defer func() {
+		if v := recover(); v != nil {
+			t.Fatalf("process panicked: %v", v)
+		}
+	}()
+	ev = p.process(context.Background(), b, d, nil)
+	if ev.Outcome != want || ev.Reason != reason {
+		t.Fatalf("got %v %q (%v), want %v %q", ev.Outcome, ev.Reason, ev.Err, want, reason)
+	}
+	return ev
 }
 
 // panickyStore is a lock.Store whose method named by panics panics.
@@ -175,18 +180,7 @@ func TestProcessRecoversStorePanics(t *testing.T) {
 			t.Cleanup(func() { _ = p.keeper.Shutdown(context.Background()) })
 			b := &fakeBroker{}
 			d, ack := delivery("k-"+tc.panics, "x")
-			var ev Event
-			func() {
-				defer func() {
-					if v := recover(); v != nil {
-						t.Fatalf("process panicked: %v", v)
-					}
-				}()
-				ev = p.process(context.Background(), b, d, nil)
-			}()
-			if ev.Outcome != tc.want || ev.Reason != tc.wantReason {
-				t.Fatalf("got %v %q (%v), want %v %q", ev.Outcome, ev.Reason, ev.Err, tc.want, tc.wantReason)
-			}
+			ev := processNoPanic(t, p, b, d, tc.want, tc.wantReason)
 			var pe *PanicError
 			if tc.wantCalls && !errors.As(ev.Err, &pe) {
 				t.Errorf("event error %v does not wrap a *PanicError", ev.Err)
