@@ -96,9 +96,12 @@ func TestKeepContextSemantics(t *testing.T) {
 func TestKeepContextRace(t *testing.T) {
 	store := newMemoryStore(t)
 	k := newKeeper(t, store, Config{})
-	ctx, stop := k.Keep(context.Background(), acquire(t, store, "race", 60*time.Millisecond))
+	// The TTL leaves room for a keeper starved by four spinning goroutines
+	// under -race on a 2-core CI machine (60ms lost the lease there: margin
+	// 12ms); the run still spans several extensions (one per TTL/3).
+	ctx, stop := k.Keep(context.Background(), acquire(t, store, "race", 600*time.Millisecond))
 	var wg sync.WaitGroup
-	deadline := time.Now().Add(300 * time.Millisecond)
+	deadline := time.Now().Add(1200 * time.Millisecond)
 	for range 4 {
 		wg.Add(1)
 		go func() {
@@ -109,10 +112,11 @@ func TestKeepContextRace(t *testing.T) {
 				c, cancel := context.WithCancel(ctx)
 				_ = context.Cause(c)
 				cancel()
+				runtime.Gosched()
 			}
 		}()
 	}
-	time.Sleep(200 * time.Millisecond)
+	time.Sleep(1000 * time.Millisecond)
 	if ctx.Err() != nil {
 		t.Errorf("lease not kept: %v", context.Cause(ctx))
 	}
