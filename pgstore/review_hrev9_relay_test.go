@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/url"
 	"os"
 	"os/exec"
 	"runtime"
@@ -544,4 +545,58 @@ func TestHrev9RelayOrderedChainFailsHalfway(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestHrev9RelayCopyOfALostConfirm: the broker takes a message whose
+// confirm does not reach the relay within PublishTimeout (a proxy holds
+// back what the broker sends). The row is released and published again:
+// the queue holds the message twice, with one MessageId, with no crash,
+// no lost mark and no pause, which Relay's doc, saying copies came "only"
+// from those, left out. Nothing is lost.
+func TestHrev9RelayCopyOfALostConfirm(t *testing.T) {
+	r := newOutboxRig(t)
+	amqpURL := testenv.AMQPURL(t)
+	u, err := url.Parse(amqpURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	up, down := newHrev9Gate(), newHrev9Gate()
+	px := testenv.StartProxy(t, u.Host, up.copy, down.copy)
+	t.Cleanup(down.resume)
+	viaProxy := px.URL(t, amqpURL)
+	startRelay(t, r.ob, pgstore.RelayConfig{Dial: func() (*amqp.Connection, error) { return amqp.Dial(viaProxy) },
+		PublishTimeout: 300 * time.Millisecond, ClaimTTL: 5 * time.Second, Batch: 4, Concurrency: 4,
+		RetryBackoff: 100 * time.Millisecond, MaxBackoff: 200 * time.Millisecond, PollInterval: 50 * time.Millisecond}, nil)
+	t.Cleanup(down.resume) // before the relay's shutdown
+	warm := r.write(true, r.msg("warm"))
+	r.waitCount("s", 1, 10*time.Second)
+	down.pause()
+	late := r.write(true, r.msg("late"))
+	// The broker has it; its confirm waits in the proxy.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		q, err := r.ch.QueueDeclarePassive(r.queue, true, false, false, false, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if q.Messages == 2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d messages in the queue after 10 s, want warm and late", q.Messages)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	time.Sleep(time.Second) // PublishTimeout passes: the row is released
+	down.resume()
+	r.waitCount("s", 2, 20*time.Second)
+	got := r.take(2, 10*time.Second)
+	seen := map[string]int{}
+	for _, d := range got {
+		seen[d.MessageId]++
+	}
+	if seen[warm[0]] != 1 || seen[late[0]] < 1 {
+		t.Fatalf("deliveries by MessageId %v: want warm once, late at least once", seen)
+	}
+	t.Logf("the message whose confirm was held back arrived %d times", seen[late[0]])
 }
