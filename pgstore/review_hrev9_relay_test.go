@@ -600,3 +600,39 @@ func TestHrev9RelayCopyOfALostConfirm(t *testing.T) {
 	}
 	t.Logf("the message whose confirm was held back arrived %d times", seen[late[0]])
 }
+
+// TestHrev9RelayOrderedClaimSize: with Ordered, one claim takes up to
+// Batch heads, each with up to Batch-1 of its key's next rows: Batch²
+// rows, not Batch as RelayConfig.Batch said. Four keys of four rows,
+// Batch 4: the first round holds all 16 before its mark.
+func TestHrev9RelayOrderedClaimSize(t *testing.T) {
+	r := newOutboxRig(t)
+	var msgs []pgstore.Message
+	for k := range 4 {
+		for i := range 4 {
+			m := r.msg(fmt.Sprint(k, "-", i))
+			m.OrderKey = fmt.Sprint("k", k)
+			msgs = append(msgs, m)
+		}
+	}
+	r.write(true, msgs...)
+	var once sync.Once
+	claimed := -1
+	startRelay(t, r.ob, pgstore.RelayConfig{Ordered: true, Batch: 4, Concurrency: 4, PollInterval: 50 * time.Millisecond},
+		func(rl *pgstore.Relay) {
+			pgstore.SetBeforeMark(rl, func() {
+				once.Do(func() {
+					if err := r.pool.QueryRow(context.Background(), "SELECT count(*) FROM "+
+						pgx.Identifier{r.cfg.Schema, pgstore.DefaultOutboxTable}.Sanitize()+
+						" WHERE state = 'p' AND claimed_by IS NOT NULL").Scan(&claimed); err != nil {
+						t.Error(err)
+					}
+				})
+			})
+		})
+	r.waitCount("s", 16, 10*time.Second)
+	t.Logf("the first claim held %d rows, Batch 4", claimed)
+	if claimed != 16 {
+		t.Errorf("the first claim held %d rows, want 16 (4 heads, each with its 3 next rows)", claimed)
+	}
+}
