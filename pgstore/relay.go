@@ -277,9 +277,16 @@ func NewRelay(o *Outbox, cfg RelayConfig) (*Relay, error) {
 				WHERE NOT w.cut) n),
 			c AS (SELECT id FROM h UNION ALL SELECT id FROM f)`
 	}
+	// The UPDATE takes a row only while it is still due: a chain's next
+	// rows are read without a lock, and a claim that waited for another
+	// one's lock on them re-reads only this WHERE before writing. Without
+	// the due_at test, two claims that reached one key's next rows (two
+	// heads of one key with one seq, as a dead row re-driven after its
+	// key's counter was deleted made them) both took them and published
+	// them (TestHrev9RelaysClaimAFollowerOnce).
 	claim += `
 		UPDATE ` + t + ` t SET claimed_by = $1, due_at = clock_timestamp() + $3 * interval '1 millisecond'
-		FROM c WHERE t.id = c.id AND t.state = 'p'
+		FROM c WHERE t.id = c.id AND t.state = 'p' AND t.due_at <= clock_timestamp()
 		RETURNING t.id, t.message, t.attempts, t.order_key, t.seq`
 	sent := `UPDATE ` + t + ` SET state = 's', sent_at = clock_timestamp(), claimed_by = NULL
 		WHERE id = ANY($1) AND state = 'p'`
