@@ -420,7 +420,7 @@ func (r *Relay) Run(ctx context.Context) error {
 
 // cleanup deletes the sent rows past Retention (Outbox.Cleanup), or with
 // a negative Retention (rows deleted at their confirm) the counters of
-// order keys without pending rows only, every CleanupInterval (from the
+// order keys without pending or dead rows only, every CleanupInterval (from the
 // end of one cleanup to the start of the next), beside the publishing
 // loop, so that a long one (a lowered Retention, a busy hour's rows)
 // holds no publish back, until Shutdown or ctx ends (Run's return cancels
