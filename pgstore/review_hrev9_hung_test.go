@@ -236,3 +236,62 @@ func hrev9ClaimWarned(log string) bool {
 	}
 	return false
 }
+
+// TestHrev9RelayShutdownWhileDatabaseHangs: Shutdown, while the relay's
+// database takes statements and answers none, returns once its ctx ends
+// (with ctx's error), Run has returned, and no goroutine of the relay's own
+// is left; the pool's own goroutines (pgxpool lets a ping it started for
+// the relay finish, for up to a minute) are logged, not counted.
+func TestHrev9RelayShutdownWhileDatabaseHangs(t *testing.T) {
+	r := newOutboxRig(t)
+	pool, g := hrev9GatedPool(t)
+	ob, err := pgstore.NewOutbox(pool, r.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pool.Ping(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(100 * time.Millisecond)
+	before := hrev9Goroutines()
+	rl, err := pgstore.NewRelay(ob, pgstore.RelayConfig{URL: testenv.AMQPURL(t), PollInterval: 20 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- rl.Run(context.Background()) }()
+	t.Cleanup(g.resume)
+	r.write(true, r.msg("before"))
+	r.waitCount("s", 1, 10*time.Second)
+	g.pause()
+	r.write(true, r.msg("during"))
+	time.Sleep(500 * time.Millisecond) // the relay's claim waits
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	start := time.Now()
+	err = rl.Shutdown(ctx)
+	took := time.Since(start)
+	after := hrev9Goroutines()
+	if err == nil || took > 3*time.Second {
+		t.Errorf("Shutdown returned %v after %v, want ctx's error after about 1 s", err, took)
+	}
+	select {
+	case <-done:
+	default:
+		t.Error("Run had not returned when Shutdown did")
+	}
+	var own, pools []string
+	for _, s := range hrev9RelayGoroutines(before, after) {
+		if strings.Contains(s, "pgxpool.") && !strings.Contains(s, "amqpidem/pgstore.") {
+			pools = append(pools, s)
+			continue
+		}
+		own = append(own, s)
+	}
+	if len(own) > 0 {
+		t.Errorf("%d goroutines of the relay left after Shutdown:\n%s", len(own), strings.Join(own, "\n\n"))
+	}
+	t.Logf("Shutdown took %v; %d goroutines of the pool left:\n%s", took, len(pools), strings.Join(pools, "\n\n"))
+	g.resume()
+	r.waitCount("p", 1, time.Second) // "during" waits for the next relay
+}
