@@ -281,7 +281,7 @@ func TestHrev9RelayShutdownWhileDatabaseHangs(t *testing.T) {
 		t.Error("Run had not returned when Shutdown did")
 	}
 	var own, pools []string
-	for _, s := range hrev9RelayGoroutines(before, after) {
+	for _, s := range hrev9Settled(t, before, hrev9RelayGoroutines(before, after)) {
 		if strings.Contains(s, "pgxpool.") && !strings.Contains(s, "amqpidem/pgstore.") {
 			pools = append(pools, s)
 			continue
