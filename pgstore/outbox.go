@@ -306,8 +306,8 @@ func (o *Outbox) Dead(ctx context.Context) (int64, error) {
 // Cleanup deletes the sent rows confirmed more than retention ago, in
 // statements of at most batch rows each (DefaultCleanupBatch when batch is
 // not positive), until none is left or ctx ends, and returns how many it
-// deleted; then the counters of order keys without pending rows. Each
-// statement takes a pool connection of its own. A Relay runs it every
+// deleted; then the counters of order keys without pending or dead rows.
+// Each statement takes a pool connection of its own. A Relay runs it every
 // RelayConfig.CleanupInterval, beside its publishing.
 func (o *Outbox) Cleanup(ctx context.Context, retention time.Duration, batch int) (int64, error) {
 	if batch <= 0 {
@@ -334,10 +334,14 @@ func (o *Outbox) Cleanup(ctx context.Context, retention time.Duration, batch int
 }
 
 // cleanupKeys deletes the counters of order keys (the table
-// "<OutboxTable>_keys") that have no pending row, in one pass over the
-// counters, batch at a time, and returns how many it deleted. The key's
-// next message is numbered after its pending rows, from 1 when it has none
-// (Write): behind nothing. Cleanup calls it.
+// "<OutboxTable>_keys") that have no pending row and no dead one, in one
+// pass over the counters, batch at a time, and returns how many it
+// deleted. The key's next message is numbered after its pending rows, from
+// 1 when it has none (Write): behind nothing. A dead row keeps its key's
+// counter: numbered from 1 again, a new message would share its seq once
+// it is re-driven, and two pending rows with one seq are both their key's
+// head, published side by side (TestHrev9RedriveAfterCounterCleanupSeq).
+// Cleanup calls it.
 //
 // Each batch is deleted in a REPEATABLE READ transaction: a counter that a
 // writer updated since the transaction's snapshot was taken (whose new
@@ -353,6 +357,7 @@ func (o *Outbox) cleanupKeys(ctx context.Context, batch int) (int64, error) {
 	del := `DELETE FROM ` + o.n.outboxKeys + ` WHERE order_key IN (SELECT k.order_key FROM ` + o.n.outboxKeys + ` k
 		WHERE k.order_key > $1 AND k.order_key <= $2
 			AND NOT EXISTS (SELECT 1 FROM ` + o.n.outbox + ` r WHERE r.order_key = k.order_key AND r.state = 'p')
+			AND NOT EXISTS (SELECT 1 FROM ` + o.n.outbox + ` r WHERE r.order_key = k.order_key AND r.state = 'd')
 		FOR UPDATE SKIP LOCKED)`
 	var total int64
 	after := "" // an order key is never empty

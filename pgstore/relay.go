@@ -45,7 +45,10 @@ type RelayConfig struct {
 	// still hold claims of their own), in its claims (the claimed_by
 	// column). Default: host name, process id and a random suffix.
 	Name string
-	// Batch is how many rows one claim takes at most. Default
+	// Batch is how many rows one claim takes at most; with Ordered, how
+	// many order keys' heads (and rows without an OrderKey) it takes, each
+	// head with up to Batch-1 of its key's next rows: up to Batch² rows
+	// (16,384 by default), all held in memory for the round. Default
 	// DefaultRelayBatch.
 	Batch int
 	// Concurrency is how many publishes wait for their confirm at once, on
@@ -188,12 +191,19 @@ func (c RelayConfig) withDefaults(log *slog.Logger) RelayConfig {
 // Relay publishes the rows of an Outbox: it claims committed pending rows
 // in ID order, publishes each with amqpidem's Publisher (mandatory,
 // confirmed), and marks a row sent only after the broker's confirm. So a
-// message is published at least once, and more than once only when a
-// relay crashed between the confirm and the mark, or could not write the
-// mark (tried again for a third of ClaimTTL), or a paused relay's claim
-// ended: every copy carries the row's MessageId, and an amqpidem consumer
-// runs it once. Several relays may run on one table at once: a claim takes rows
-// with FOR UPDATE SKIP LOCKED and keeps them ClaimTTL.
+// message is published at least once, and more than once when a relay
+// crashed between the confirm and the mark (the copy goes once the claim
+// ends), or could not write the mark (tried again for a third of
+// ClaimTTL), or a paused relay's claim ended, or the broker took a message
+// whose confirm did not come back (PublishTimeout passed, the connection
+// was lost), or the broker closed a channel the message shared with
+// another it refused (the Publisher publishes it again, alone): every copy
+// carries the row's MessageId, and an amqpidem consumer runs it once;
+// another consumer must drop copies by MessageId. Several relays may run
+// on one table at once: a claim takes rows with FOR UPDATE SKIP LOCKED and
+// keeps them ClaimTTL. A claim the database does not answer within
+// ClaimTTL less PublishTimeout (a hung server, a lock on the table) is
+// given up, logged, and tried again after a backoff.
 type Relay struct {
 	o   *Outbox
 	cfg RelayConfig
@@ -267,9 +277,16 @@ func NewRelay(o *Outbox, cfg RelayConfig) (*Relay, error) {
 				WHERE NOT w.cut) n),
 			c AS (SELECT id FROM h UNION ALL SELECT id FROM f)`
 	}
+	// The UPDATE takes a row only while it is still due: a chain's next
+	// rows are read without a lock, and a claim that waited for another
+	// one's lock on them re-reads only this WHERE before writing. Without
+	// the due_at test, two claims that reached one key's next rows (two
+	// heads of one key with one seq, as a dead row re-driven after its
+	// key's counter was deleted made them) both took them and published
+	// them (TestHrev9RelaysClaimAFollowerOnce).
 	claim += `
 		UPDATE ` + t + ` t SET claimed_by = $1, due_at = clock_timestamp() + $3 * interval '1 millisecond'
-		FROM c WHERE t.id = c.id AND t.state = 'p'
+		FROM c WHERE t.id = c.id AND t.state = 'p' AND t.due_at <= clock_timestamp()
 		RETURNING t.id, t.message, t.attempts, t.order_key, t.seq`
 	sent := `UPDATE ` + t + ` SET state = 's', sent_at = clock_timestamp(), claimed_by = NULL
 		WHERE id = ANY($1) AND state = 'p'`
@@ -403,7 +420,7 @@ func (r *Relay) Run(ctx context.Context) error {
 
 // cleanup deletes the sent rows past Retention (Outbox.Cleanup), or with
 // a negative Retention (rows deleted at their confirm) the counters of
-// order keys without pending rows only, every CleanupInterval (from the
+// order keys without pending or dead rows only, every CleanupInterval (from the
 // end of one cleanup to the start of the next), beside the publishing
 // loop, so that a long one (a lowered Retention, a busy hour's rows)
 // holds no publish back, until Shutdown or ctx ends (Run's return cancels

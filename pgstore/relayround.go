@@ -247,6 +247,18 @@ func (r *Relay) acquire(ctx context.Context) (*pgxpool.Conn, error) {
 // Ordered the chains behind the order keys' heads among them. It returns
 // them and when it started the claim's statement, which is no later than
 // the claim's start by the database's clock.
+//
+// The statement is bounded by ClaimTTL less PublishTimeout: rows that
+// come back later could no longer be published (round releases them
+// untried). So a database that takes the statement and does not answer (a
+// hung server, a network dropping packets without resetting the
+// connection, a lock another session holds on the table) is an error that
+// the relay logs and backs off from, not a wait in silence for as long as
+// the server's TCP stack answers (before, TestHrev9RelayClaimHungDatabase
+// and TestHrev9RelayClaimBlockedByLock waited 6 s without a word). pgx
+// drops the connection then; a server that runs the statement later (once
+// the lock is released) claims rows that nobody publishes until that claim
+// ends: published late, not lost.
 func (r *Relay) claim(ctx context.Context) ([]claimed, time.Time, error) {
 	args := []any{r.claimant, r.cfg.Batch, r.cfg.ClaimTTL.Milliseconds()}
 	if r.cfg.Ordered {
@@ -258,16 +270,26 @@ func (r *Relay) claim(ctx context.Context) ([]claimed, time.Time, error) {
 	}
 	defer c.Release()
 	start := time.Now()
-	q, err := c.Query(ctx, r.sql.claim, args...)
+	wait := r.cfg.ClaimTTL - r.cfg.PublishTimeout // > 0: Validate
+	qctx, cancel := context.WithTimeout(ctx, wait)
+	defer cancel()
+	fail := func(err error) error {
+		if ctx.Err() == nil && qctx.Err() != nil {
+			return fmt.Errorf("claim: the database did not answer within %v (ClaimTTL less PublishTimeout, after which its rows "+
+				"could not be published): a hung server, a lost network, or a lock held on the outbox table: %w", wait, classify(err))
+		}
+		return fmt.Errorf("claim: %w", classify(err))
+	}
+	q, err := c.Query(qctx, r.sql.claim, args...)
 	if err != nil {
-		return nil, start, fmt.Errorf("claim: %w", classify(err))
+		return nil, start, fail(err)
 	}
 	defer q.Close()
 	var rows []claimed
 	for q.Next() {
 		var row claimed
 		if err := q.Scan(&row.id, &row.message, &row.attempts, &row.orderKey, &row.seq); err != nil {
-			return nil, start, fmt.Errorf("claim: %w", classify(err))
+			return nil, start, fail(err)
 		}
 		if !r.cfg.Ordered {
 			row.orderKey, row.seq = nil, nil // no chains: each row on its own
@@ -275,7 +297,7 @@ func (r *Relay) claim(ctx context.Context) ([]claimed, time.Time, error) {
 		rows = append(rows, row)
 	}
 	if err := q.Err(); err != nil {
-		return nil, start, fmt.Errorf("claim: %w", classify(err))
+		return nil, start, fail(err)
 	}
 	return rows, start, nil
 }
