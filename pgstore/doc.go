@@ -345,7 +345,12 @@
 //   - relays claim pending rows FOR UPDATE SKIP LOCKED, in id order, for
 //     RelayConfig.ClaimTTL: several may run on one table, and a crashed
 //     relay's rows go to the others once its claim ends (a paused one may
-//     publish copies after that: duplicates, with one MessageId);
+//     publish copies after that: duplicates, with one MessageId; so may
+//     a relay killed between the broker's confirm and the row's mark, and
+//     one whose confirm came back after RelayConfig.PublishTimeout);
+//   - a claim the database does not answer within ClaimTTL less
+//     PublishTimeout (a hung server, a lock held on the table) is given
+//     up, logged and retried with backoff: its rows wait, never lost;
 //   - rows committed late are not skipped: a claim looks for pending rows,
 //     not past a high-water mark;
 //   - with RelayConfig.Ordered, one Message.OrderKey's messages are
