@@ -269,8 +269,16 @@ func (s *Store) putHeld(l lock.Lease, h *heldTx) {
 		return
 	}
 	s.guardHeld(l, h)
+	if heldStoreHook != nil {
+		heldStoreHook()
+	}
 	s.held.Store(l.Owner, h)
 }
+
+// heldStoreHook, when set (by tests, before any lease is held), is called
+// by putHeld and guardBatch just before they put a held lease's
+// transaction, or a batch's members, in Store.held.
+var heldStoreHook func()
 
 // putHeldBatch keeps hs[j], holding ls[j], as putHeld does each, with
 // one guard for the members of lease batches of one TTL (heldGuard): one
@@ -333,6 +341,9 @@ func (s *Store) guardBatch(ttl time.Duration, ls []lock.Lease, hs []*heldTx) {
 			}
 		}
 	})
+	if heldStoreHook != nil {
+		heldStoreHook()
+	}
 	s.held.StoreAll(ls, hs)
 }
 
