@@ -257,7 +257,7 @@ const statusCounted = 6
 func (s *Store) putHeld(l lock.Lease, h *heldTx) {
 	if h.batch != nil && s.closed.Load() {
 		h.batch.end(h) // Close has run: see there
-		s.held.Store(l.Owner, s.ended(l.Owner, h.fp, l.TTL+l.Retention))
+		s.putEnded(l.Owner, h.fp, l.TTL+l.Retention)
 		return
 	}
 	if h.conn == nil && h.batch == nil || s.closed.Load() {
@@ -265,12 +265,34 @@ func (s *Store) putHeld(l lock.Lease, h *heldTx) {
 			// Close has run: no transaction may stay held (see Close).
 			closeConn(h.conn)
 		}
-		s.held.Store(l.Owner, s.ended(l.Owner, h.fp, l.TTL+l.Retention))
+		s.putEnded(l.Owner, h.fp, l.TTL+l.Retention)
 		return
 	}
-	s.guardHeld(l, h)
-	s.held.Store(l.Owner, h)
+	if heldStoreHook != nil {
+		heldStoreHook()
+	}
+	// The guard is armed once h is in Store.held, under its mutex: armed
+	// before, it could fire first (this goroutine held up), find nothing
+	// to end and never fire again.
+	h.shared.Store(nil)
+	s.held.Store(l.Owner, h, func() { s.guardHeld(l, h) })
+	s.closedSince(l, h)
 }
+
+// closedSince ends h, just put in Store.held under l's owner, if Close
+// has run since its caller looked (Close may have missed it), as Close
+// ends it.
+func (s *Store) closedSince(l lock.Lease, h *heldTx) {
+	if s.closed.Load() {
+		s.endInPlace(l.Owner, h, time.Minute, func() {})
+	}
+}
+
+// heldStoreHook, when set (by tests, before any lease is held), is called
+// by putHeld and guardBatch after they looked at Store.closed and before
+// they put a held lease's transaction, or a batch's members, in
+// Store.held.
+var heldStoreHook func()
 
 // putHeldBatch keeps hs[j], holding ls[j], as putHeld does each, with
 // one guard for the members of lease batches of one TTL (heldGuard): one
@@ -323,17 +345,26 @@ func (s *Store) guardBatch(ttl time.Duration, ls []lock.Lease, hs []*heldTx) {
 		h.guard = nil
 		h.shared.Store(g)
 	}
-	g.t = time.AfterFunc(ttl, func() {
-		// Each member's in a goroutine of its own, as its own timer's
-		// would be: ending one waits for the batch's session (b.mu), and
-		// the others must not wait for that to leave the Store.
-		for j, h := range hs {
-			if h.shared.Load() == g {
-				go s.guardFired(ls[j], h)
+	if heldStoreHook != nil {
+		heldStoreHook()
+	}
+	// Armed with the members in Store.held, under its mutex, as putHeld
+	// arms a guard: a takeHeld after it finds g.t set.
+	s.held.StoreAll(ls, hs, func() {
+		g.t = time.AfterFunc(ttl, func() {
+			// Each member's in a goroutine of its own, as its own timer's
+			// would be: ending one waits for the batch's session (b.mu), and
+			// the others must not wait for that to leave the Store.
+			for j, h := range hs {
+				if h.shared.Load() == g {
+					go s.guardFired(ls[j], h)
+				}
 			}
-		}
+		})
 	})
-	s.held.StoreAll(ls, hs)
+	for j, h := range hs {
+		s.closedSince(ls[j], h)
+	}
 }
 
 // heldMap is Store.held: the transactions holding leases (or what is
@@ -353,18 +384,22 @@ func (hm *heldMap) Load(owner string) (*heldTx, bool) {
 	return h, ok
 }
 
-// Store sets the entry of owner to h.
-func (hm *heldMap) Store(owner string, h *heldTx) {
+// Store sets the entry of owner to h, then calls arm (which arms the
+// timer that takes it out again), under the mutex: the timer, firing,
+// finds it there, and a taker finds the timer set.
+func (hm *heldMap) Store(owner string, h *heldTx, arm func()) {
 	hm.mu.Lock()
 	defer hm.mu.Unlock()
 	if hm.m == nil {
 		hm.m = map[string]*heldTx{}
 	}
 	hm.m[owner] = h
+	arm()
 }
 
-// StoreAll sets the entry of the owner of ls[j] to hs[j], for each j.
-func (hm *heldMap) StoreAll(ls []lock.Lease, hs []*heldTx) {
+// StoreAll sets the entry of the owner of ls[j] to hs[j], for each j,
+// then calls arm, under the mutex, as Store does.
+func (hm *heldMap) StoreAll(ls []lock.Lease, hs []*heldTx, arm func()) {
 	hm.mu.Lock()
 	defer hm.mu.Unlock()
 	if hm.m == nil {
@@ -373,6 +408,7 @@ func (hm *heldMap) StoreAll(ls []lock.Lease, hs []*heldTx) {
 	for j, h := range hs {
 		hm.m[ls[j].Owner] = h
 	}
+	arm()
 }
 
 // LoadAndDelete deletes the entry of owner, returning it.
@@ -386,15 +422,16 @@ func (hm *heldMap) LoadAndDelete(owner string) (*heldTx, bool) {
 	return h, ok
 }
 
-// CompareAndSwap sets the entry of owner to h if it is old, and reports
-// whether it did.
-func (hm *heldMap) CompareAndSwap(owner string, old, h *heldTx) bool {
+// CompareAndSwap sets the entry of owner to h if it is old, then calls
+// arm, under the mutex, as Store does, and reports whether it did.
+func (hm *heldMap) CompareAndSwap(owner string, old, h *heldTx, arm func()) bool {
 	hm.mu.Lock()
 	defer hm.mu.Unlock()
 	if cur, ok := hm.m[owner]; !ok || cur != old {
 		return false
 	}
 	hm.m[owner] = h
+	arm()
 	return true
 }
 
@@ -451,9 +488,9 @@ func (h *heldTx) stopGuard() {
 }
 
 // guardHeld sets h's guard: it ends h, waiting under l's owner, if
-// nothing took it within l's TTL.
+// nothing took it within l's TTL. It is called with h in Store.held,
+// under its mutex (heldMap's arm), h.shared nil.
 func (s *Store) guardHeld(l lock.Lease, h *heldTx) {
-	h.shared.Store(nil)
 	h.guard = time.AfterFunc(l.TTL, func() { s.guardFired(l, h) })
 }
 
@@ -469,15 +506,10 @@ func (s *Store) guardFired(l lock.Lease, h *heldTx) {
 		// immutable fields are copied: h's guard may be rewritten
 		// meanwhile, if a run took h and puts it back.)
 		n := &heldTx{batch: b, key: h.key, fp: h.fp}
-		s.guardHeld(l, n)
-		if !s.held.CompareAndSwap(l.Owner, h, n) {
-			n.guard.Stop() // taken meanwhile
-			return
+		if !s.held.CompareAndSwap(l.Owner, h, n, func() { s.guardHeld(l, n) }) {
+			return // taken meanwhile
 		}
-		if s.closed.Load() {
-			// Close ran meanwhile and may have missed n: as Close.
-			s.endInPlace(l.Owner, n, time.Minute, func() {})
-		}
+		s.closedSince(l, n) // Close ran meanwhile and may have missed n
 		return
 	}
 	s.endInPlace(l.Owner, h, l.TTL+l.Retention, func() {
@@ -486,22 +518,29 @@ func (s *Store) guardFired(l lock.Lease, h *heldTx) {
 	})
 }
 
-// ended returns what is left of a held transaction that ended before its
-// outcome was written, the fingerprint fp, for the outcome written next;
-// it is forgotten after keep (the record's life), if nothing took it.
-func (s *Store) ended(owner string, fp []byte, keep time.Duration) *heldTx {
-	e := &heldTx{fp: fp}
+// forget arms the guard of e, what is left of a held transaction that
+// ended before its outcome was written (the fingerprint, for the outcome
+// written next), waiting under owner: it is forgotten after keep (the
+// record's life), if nothing took it. It is called with e in Store.held,
+// under its mutex (heldMap's arm).
+func (s *Store) forget(owner string, e *heldTx, keep time.Duration) {
 	e.guard = time.AfterFunc(keep, func() { s.held.CompareAndDelete(owner, e) })
-	return e
+}
+
+// putEnded keeps what is left of a held transaction that ended before its
+// outcome was written, its fingerprint fp, under owner, for keep (see
+// forget).
+func (s *Store) putEnded(owner string, fp []byte, keep time.Duration) {
+	e := &heldTx{fp: fp}
+	s.held.Store(owner, e, func() { s.forget(owner, e, keep) })
 }
 
 // endInPlace ends h, the transaction waiting under owner, if it still
-// waits, and puts what is left of it in its place (see ended), kept for
+// waits, and puts what is left of it in its place (see forget), kept for
 // keep; before ending it, it calls before. It reports whether it did.
 func (s *Store) endInPlace(owner string, h *heldTx, keep time.Duration, before func()) bool {
-	e := s.ended(owner, h.fp, keep)
-	if !s.held.CompareAndSwap(owner, h, e) {
-		e.guard.Stop()
+	e := &heldTx{fp: h.fp}
+	if !s.held.CompareAndSwap(owner, h, e, func() { s.forget(owner, e, keep) }) {
 		return false
 	}
 	h.stopGuard()
