@@ -251,6 +251,10 @@ type batcher struct {
 	lossMu sync.Mutex
 }
 
+// maxPrealloc is the most items a group's slice is allocated for before
+// any join: DefaultBatchSize's, and then some.
+const maxPrealloc = 128
+
 // gathering collects items into groups of at most size.
 type gathering[T any] struct {
 	mu   sync.Mutex
@@ -282,7 +286,10 @@ func (g *gathering[T]) join(x T, size int) (gr *group[T], leader bool) {
 // joinLocked is join, with g.mu held.
 func (g *gathering[T]) joinLocked(x T, size int) (gr *group[T], leader bool) {
 	if g.open == nil {
-		g.open = &group[T]{full: make(chan struct{}), done: make(chan struct{})}
+		// Its items are gathered in one allocation, not grown to size
+		// (up to maxPrealloc: a large BatchSize is not paid for by
+		// every batch of a few).
+		g.open = &group[T]{items: make([]T, 0, min(size, maxPrealloc)), full: make(chan struct{}), done: make(chan struct{})}
 		leader = true
 	}
 	gr = g.open
@@ -693,7 +700,7 @@ func (b *batcher) gatherRun(gr *group[*flight], stop, done <-chan struct{}) []*f
 // called the handler.
 func (p *processor) runBatch(ctx context.Context, fs []*flight, settle func([]*flight), last bool) (runs int) {
 	for len(fs) > 0 {
-		live := fs[:0:0]
+		live := make([]*flight, 0, len(fs))
 		for _, f := range fs {
 			if err := f.stopped(); err != nil {
 				f.out = batchOut{err: err}
@@ -774,9 +781,10 @@ func (p *processor) completeBatch(ctx context.Context, fs []*flight) {
 	if cs == nil || p.batch.bc != nil {
 		return
 	}
-	var done []*flight
-	var leases []lock.Lease
-	var values [][]byte
+	// Each slice in one allocation, not grown to len(fs).
+	done := make([]*flight, 0, len(fs))
+	leases := make([]lock.Lease, 0, len(fs))
+	values := make([][]byte, 0, len(fs))
 	for _, f := range fs {
 		if f.out.err != nil || f.out.completed {
 			continue
