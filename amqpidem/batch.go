@@ -1,10 +1,12 @@
 package amqpidem
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"slices"
 	"sync"
 	"time"
 
@@ -242,7 +244,16 @@ type batcher struct {
 	// up its own lease batch's, if parked), so that lease batches whose
 	// flights arrive interleaved still run one run batch each.
 	parked map[*group[*acquireCall]]*group[*flight]
+
+	// lossMu guards each flight's lost and cancelRun (runKept): a lease
+	// lost is told by the keeper's goroutine, a run started and ended by
+	// its batch's leader.
+	lossMu sync.Mutex
 }
+
+// maxPrealloc is the most items a group's slice is allocated for before
+// any join: DefaultBatchSize's, and then some.
+const maxPrealloc = 128
 
 // gathering collects items into groups of at most size.
 type gathering[T any] struct {
@@ -275,7 +286,10 @@ func (g *gathering[T]) join(x T, size int) (gr *group[T], leader bool) {
 // joinLocked is join, with g.mu held.
 func (g *gathering[T]) joinLocked(x T, size int) (gr *group[T], leader bool) {
 	if g.open == nil {
-		g.open = &group[T]{full: make(chan struct{}), done: make(chan struct{})}
+		// Its items are gathered in one allocation, not grown to size
+		// (up to maxPrealloc: a large BatchSize is not paid for by
+		// every batch of a few).
+		g.open = &group[T]{items: make([]T, 0, min(size, maxPrealloc)), full: make(chan struct{}), done: make(chan struct{})}
 		leader = true
 	}
 	gr = g.open
@@ -405,6 +419,89 @@ func (p *processor) acquireBatched(ctx context.Context, c *acquireCall) (lock.Re
 	return c.res, c.err
 }
 
+// runKept is run for a batch consumer's flight: its lease is kept
+// without a context of its own (heartbeat.Keeper.KeepWith, one allocation
+// rather than a context, its cancel function and a stop function), the
+// flight told of its loss (batchLoss), and the flight joins a batch
+// (runBatched). Its hctx is its ctx: a lost lease takes it out of its
+// batch and cancels the batch run it is in, and is what it settles by
+// (settleBatched), as a single message's cancelled context is.
+func (f *flight) runKept() {
+	p := f.p
+	// As run: the attempt is the record's, or the message's own count
+	// when that is higher.
+	f.attempt = max(f.lease.Attempt, f.h.attempt+1)
+	f.ev.Attempt = f.attempt
+	if f.attempt > p.cfg.MaxAttempts {
+		f.arrived()
+		f.slot.free()
+		f.fail("attempts exhausted", fmt.Errorf("%d executions started, at most %d allowed (earlier ones crashed or lost their lease)",
+			f.attempt-1, p.cfg.MaxAttempts))
+		return
+	}
+	f.hctx = f.ctx
+	kept, err := p.keeper.KeepWith(f.lease, (*batchLoss)(f))
+	if stopping := p.isStopping(); stopping || err != nil || f.ctx.Err() != nil {
+		// Shut down, or the lease already lost, before the handler
+		// started: this attempt never ran, so it is taken back.
+		kept.Stop()
+		cause := cmp.Or(err, context.Cause(f.ctx))
+		f.arrived()
+		f.slot.free()
+		f.cancel()
+		if stopping || f.ctx.Err() != nil {
+			f.requeue(Abandoned, "shutdown", 0, cmp.Or(cause, errNotStarted))
+			return
+		}
+		f.requeue(Abandoned, "lease lost", MinInProgressDelay, cause)
+		return
+	}
+	f.kept = kept
+	f.runBatched()
+}
+
+// batchLoss is a batch consumer's flight as the heartbeat.LossHandler of
+// its lease (runKept).
+type batchLoss flight
+
+// LeaseLost records cause as why the flight's lease was lost, which takes
+// it out of its batch (runBatch), and cancels the batch run it is in, if
+// any, with cause.
+func (l *batchLoss) LeaseLost(cause error) {
+	f := (*flight)(l)
+	b := f.p.batch
+	b.lossMu.Lock()
+	if f.lost == nil {
+		f.lost = cause
+	}
+	cancel := f.cancelRun
+	b.lossMu.Unlock()
+	if cancel != nil {
+		cancel(cause)
+	}
+}
+
+// stopped is why f must not run (or run on) in a batch: its lease lost,
+// or its ctx done (a forced stop; with WrapBatch, its Handle call's ctx
+// ending); nil for neither.
+func (f *flight) stopped() error {
+	if err := f.leaseLost(); err != nil {
+		return err
+	}
+	if f.ctx.Err() != nil {
+		return context.Cause(f.ctx)
+	}
+	return nil
+}
+
+// leaseLost is why f's lease was lost, nil while it is kept.
+func (f *flight) leaseLost() error {
+	b := f.p.batch
+	b.lossMu.Lock()
+	defer b.lossMu.Unlock()
+	return f.lost
+}
+
 // runJoinHook, when set (by tests, before any flight runs), is called by
 // each flight of a batch consumer before it joins a run batch.
 var runJoinHook func(f *flight)
@@ -445,8 +542,8 @@ func (f *flight) runBatched() {
 		// deliveries, arriving apart, would otherwise run as many at once
 		// as Concurrency, each holding a pooled connection. While it waits,
 		// its group may still gather (until full, or sealed: arrivedLocked).
-		// Only a forced stop (f.ctx, which every flight's hctx comes from)
-		// ends the wait: the batch's flights then settle without running.
+		// Only a forced stop (f.ctx) ends the wait: the batch's flights
+		// then settle without running.
 		if a, ok := f.d.Acknowledger.(*acker); ok {
 			// Its channel's acks settle a batch at a time.
 			a.holdBatches()
@@ -459,13 +556,13 @@ func (f *flight) runBatched() {
 			case <-f.ctx.Done():
 			}
 		}
-		fs := b.gatherRun(gr, p.stopping, f.hctx.Done())
+		fs := b.gatherRun(gr, p.stopping, f.ctx.Done())
 		start := time.Now()
 		// The batch is the group's, not its leader's: with WrapBatch, the
 		// leader's ctx is its own Handle call's, and a batch run under it
-		// after it ended would fail for the others. Each flight's hctx
-		// (cancelled with its ctx, its lease lost, a forced shutdown)
-		// cancels the batch it is in (callBatch).
+		// after it ended would fail for the others. Each flight's lease
+		// lost, or its ctx done (a forced shutdown), cancels the batch it
+		// is in (callBatch).
 		bctx := context.WithoutCancel(f.ctx)
 		runs := p.runBatch(bctx, fs, f.settleRun, true)
 		p.completeBatch(bctx, fs)
@@ -603,10 +700,10 @@ func (b *batcher) gatherRun(gr *group[*flight], stop, done <-chan struct{}) []*f
 // called the handler.
 func (p *processor) runBatch(ctx context.Context, fs []*flight, settle func([]*flight), last bool) (runs int) {
 	for len(fs) > 0 {
-		live := fs[:0:0]
+		live := make([]*flight, 0, len(fs))
 		for _, f := range fs {
-			if f.hctx.Err() != nil {
-				f.out = batchOut{err: context.Cause(f.hctx)}
+			if err := f.stopped(); err != nil {
+				f.out = batchOut{err: err}
 				continue
 			}
 			live = append(live, f)
@@ -653,7 +750,7 @@ func (p *processor) runBatch(ctx context.Context, fs []*flight, settle func([]*f
 		unknown := p.batch.bc != nil && errors.Is(err, lock.ErrUnavailable) && !IsPermanent(err)
 		lost := false
 		for _, f := range live {
-			lost = lost || f.hctx.Err() != nil
+			lost = lost || f.stopped() != nil
 		}
 		switch {
 		case unknown || len(live) == 1:
@@ -684,9 +781,10 @@ func (p *processor) completeBatch(ctx context.Context, fs []*flight) {
 	if cs == nil || p.batch.bc != nil {
 		return
 	}
-	var done []*flight
-	var leases []lock.Lease
-	var values [][]byte
+	// Each slice in one allocation, not grown to len(fs).
+	done := make([]*flight, 0, len(fs))
+	leases := make([]lock.Lease, 0, len(fs))
+	values := make([][]byte, 0, len(fs))
 	for _, f := range fs {
 		if f.out.err != nil || f.out.completed {
 			continue
@@ -753,21 +851,40 @@ func (p *processor) callCompleteBatch(ctx context.Context, cs lock.BatchComplete
 func (p *processor) callBatch(ctx context.Context, fs []*flight) (rs []BatchResult, err error, timedOut bool, run *batchRun) {
 	bctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	// One slice of stops, not a defer per flight (a deferred call in a
-	// loop is a heap allocation each), and one function for them all,
-	// not a closure per flight: it runs once a flight's hctx is done, and
-	// cancels the batch with the cause of the first one done it finds.
-	stops := make([]func() bool, len(fs))
-	lost := func() {
-		for _, f := range fs {
-			if f.hctx.Err() != nil {
-				cancel(context.Cause(f.hctx))
-				return
-			}
-		}
+	// A lease lost cancels the run its flight is in (batchLoss): each
+	// flight points at this run while it runs; one lost before that
+	// cancels it now.
+	b := p.batch
+	var lost error
+	b.lossMu.Lock()
+	for _, f := range fs {
+		f.cancelRun = cancel
+		lost = cmp.Or(lost, f.lost)
 	}
-	for i, f := range fs {
-		stops[i] = context.AfterFunc(f.hctx, lost)
+	b.lossMu.Unlock()
+	defer func() {
+		b.lossMu.Lock()
+		for _, f := range fs {
+			f.cancelRun = nil
+		}
+		b.lossMu.Unlock()
+	}()
+	if lost != nil {
+		cancel(lost)
+	}
+	// A flight's ctx done (a forced stop, a Handle call's ctx ending)
+	// cancels the run too: one context.AfterFunc per ctx that can be done,
+	// not per flight, where flights share one (a Consumer's session's).
+	var stops []func() bool
+	var dones []<-chan struct{}
+	for _, f := range fs {
+		done := f.ctx.Done()
+		if done == nil || slices.Contains(dones, done) {
+			continue
+		}
+		dones = append(dones, done)
+		fctx := f.ctx
+		stops = append(stops, context.AfterFunc(fctx, func() { cancel(context.Cause(fctx)) }))
 	}
 	defer func() {
 		for _, stop := range stops {
@@ -888,6 +1005,14 @@ func (f *flight) settleBatched() {
 		f.stopKeep()
 		f.release()
 		f.requeue(Abandoned, "store unavailable", f.p.cfg.UnavailableDelay, o.err)
+	case f.ctx.Err() == nil && !IsPermanent(o.err) && !o.timedOut && f.leaseLost() != nil:
+		// As failed settles a handler stopped by its lost lease (its
+		// context cancelled): its failure says nothing about the
+		// message.
+		f.arrived()
+		f.stopKeep()
+		f.release()
+		f.requeue(Abandoned, "lease lost", MinInProgressDelay, f.leaseLost())
 	default:
 		f.failed(o.err)
 	}

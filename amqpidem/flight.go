@@ -10,6 +10,7 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/amqpidem/amqpidem/heartbeat"
 	"github.com/amqpidem/amqpidem/lock"
 )
 
@@ -52,9 +53,16 @@ type flight struct {
 	// count or the message's, whichever is higher.
 	attempt int
 	// hctx is the handler's context once it runs; keep stops the lease's
-	// keep-alive (nil when none runs).
-	hctx context.Context
-	keep func()
+	// keep-alive (nil when none runs). A batch consumer's flight has its
+	// lease kept without a context of its own (runKept): kept, with hctx
+	// its ctx, and lost and cancelRun, guarded by its batcher's lossMu,
+	// say why the lease was lost (nil while kept) and how to cancel the
+	// batch run the flight is in (nil when in none).
+	hctx      context.Context
+	keep      func()
+	kept      heartbeat.Kept
+	lost      error
+	cancelRun context.CancelCauseFunc
 	// copyErr is the last error publishing a requeued copy gave, for
 	// the PublishTracer's span.
 	copyErr error
@@ -122,12 +130,15 @@ func (s *slot) free() {
 
 // stopKeep stops the lease's keep-alive, if one runs: renewing a lease
 // whose outcome is being settled would only delay its expiry. It cancels
-// the handler's context.
+// the handler's context (a single message's: a batch consumer's flight
+// has none of its own, see runKept).
 func (f *flight) stopKeep() {
 	if f.keep != nil {
 		f.keep()
 		f.keep = nil
 	}
+	f.kept.Stop()
+	f.kept = heartbeat.Kept{}
 }
 
 // head returns what the delivery's headers say, in full: it reads them
@@ -228,6 +239,8 @@ func (f *flight) answer(res *lock.Result) {
 		f.arrived()
 		f.slot.free()
 		f.fail(f.pendingReason(), fmt.Errorf("dead letter pending: %s", f.head().pendingText))
+	case p.batch != nil: // new key, or a retry: run it in a batch
+		f.runKept()
 	default: // new key, or a retry: run it
 		f.run()
 	}

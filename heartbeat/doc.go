@@ -19,6 +19,16 @@
 // transport error, about every TTL/10), so leases with different TTLs can
 // share a Keeper.
 //
+// A caller that runs the work of many leases under one context of its own
+// (a batch, say) can spare a context per lease with KeepWith: the lease is
+// kept on the same schedule, by the same Extend calls, and where Keep
+// would cancel its context the Keeper calls a LossHandler instead, which
+// cancels the batch's context:
+//
+//	kept, err := keeper.KeepWith(res.Lease, handler) // handler.LeaseLost(cause)
+//	if err != nil { ... } // what Keep's context would have been cancelled with
+//	defer kept.Stop()
+//
 // # Guarantees
 //
 // The Keeper tracks, for every lease, a conservative local deadline: the
@@ -29,14 +39,16 @@
 // compares readings of this process's clock only (monotonic readings, for
 // leases from a store whose clock is time.Now, the default).
 //
-// The handler's context is cancelled, with a cause from context.Cause:
+// The handler's context is cancelled (a KeepWith lease's LossHandler told),
+// with a cause from context.Cause (LeaseLost's argument):
 //   - wrapping lock.ErrLeaseLost within about one extension interval after an
 //     Extend reports the lease lost (taken over, completed or released
 //     elsewhere, expired from Redis);
 //   - wrapping ErrLeaseUnconfirmed at the local deadline minus
 //     Config.SafetyMargin, when no extension was confirmed in time;
 //   - with ErrClosed when the Keeper shuts down;
-//   - with the parent's cause when the parent context is done.
+//   - with the parent's cause when the parent context is done (Keep only:
+//     a KeepWith lease has no parent).
 //
 // # Limits
 //

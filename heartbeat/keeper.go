@@ -68,13 +68,15 @@ type Keeper struct {
 
 // entry is one kept lease. Fields after ctx are guarded by Keeper.mu.
 //
-// It is also the context Keep returns: ctx, carrying the entry as the
-// lease (LeaseFromContext), as context.WithValue(ctx, leaseKey{}, e)
-// would, without a context of its own to allocate.
+// For Keep, it is also the context Keep returns: ctx, carrying the entry
+// as the lease (LeaseFromContext), as context.WithValue(ctx, leaseKey{},
+// e) would, without a context of its own to allocate. For KeepWith, it
+// has no context (cancel and ctx nil): to is told instead (lose).
 type entry struct {
 	k      *Keeper
 	lease  lock.Lease
 	margin time.Duration
+	to     LossHandler // KeepWith's; nil for Keep's
 	cancel context.CancelCauseFunc
 	ctx    context.Context
 
@@ -173,21 +175,96 @@ func (k *Keeper) Keep(parent context.Context, lease lock.Lease) (context.Context
 	if e.ctx.Err() != nil {
 		return ctx, stop
 	}
+	if err := k.start(e); err != nil {
+		cancel(err)
+	}
+	return ctx, stop
+}
 
+// LossHandler is told when a lease kept by KeepWith can no longer be
+// counted on.
+type LossHandler interface {
+	// LeaseLost is called at most once per KeepWith call, with the cause
+	// Keep's context would be cancelled with: wrapping lock.ErrLeaseLost,
+	// ErrLeaseUnconfirmed or ErrInvalidLease, or ErrClosed. It is called
+	// on one of the Keeper's goroutines (or Shutdown's), which wait for
+	// it: it must return quickly, and may call the lease's Kept.Stop. A
+	// lease stopped before the Keeper found it lost is never reported;
+	// but a Stop racing with that finding may return before, or while,
+	// LeaseLost is called: a handler must ignore a call for work it has
+	// finished.
+	LeaseLost(cause error)
+}
+
+// Kept is a lease kept by KeepWith. The zero Kept keeps nothing.
+type Kept struct {
+	e *entry
+}
+
+// KeepWith keeps lease alive as Keep does, with the same schedule, the
+// same extension calls (one Extend call per tick for every lease due,
+// kept by Keep or by KeepWith) and the same guarantees, but without a
+// context of its own: where Keep would cancel its context, KeepWith calls
+// h.LeaseLost with the same cause. It is for a caller that runs many
+// leases' work under one context of its own (a batch), which it cancels
+// from h, and spares a context per lease. A lease's parent context is the
+// caller's to watch: KeepWith has none.
+//
+// Stop the returned Kept once the work is done, as Keep's stop function:
+// the Keeper then forgets the lease, extends it no more, and does not
+// call h for it.
+//
+// It returns an error, and keeps nothing, where Keep would return a
+// context already cancelled: the error is that context's cause (a lease
+// it cannot keep, ErrInvalidLease; one past its deadline minus the
+// margin, ErrLeaseUnconfirmed; a closed Keeper, ErrClosed). A nil h is an
+// error too.
+func (k *Keeper) KeepWith(lease lock.Lease, h LossHandler) (Kept, error) {
+	if h == nil {
+		return Kept{}, errors.New("heartbeat: KeepWith: nil LossHandler")
+	}
+	e := &entry{
+		k:        k,
+		lease:    lease,
+		margin:   k.cfg.margin(lease.TTL),
+		to:       h,
+		deadline: lease.Deadline,
+	}
+	if err := e.check(); err != nil {
+		return Kept{}, err
+	}
+	if err := k.start(e); err != nil {
+		return Kept{}, err
+	}
+	return Kept{e: e}, nil
+}
+
+// Stop stops keeping the lease: the Keeper forgets it at once, extends it
+// no more, and calls its LossHandler no more (see LossHandler for a call
+// already under way). Stop is idempotent and cheap; on the zero Kept it
+// does nothing.
+func (kp Kept) Stop() {
+	if kp.e != nil {
+		kp.e.k.remove(kp.e)
+	}
+}
+
+// start schedules e's first extension and registers it, or returns why
+// it cannot: its deadline minus the margin passed already, or k is
+// closed.
+func (k *Keeper) start(e *entry) error {
 	now := time.Now()
 	if !now.Before(e.cancelAt()) {
-		cancel(e.lateToKeep())
-		return ctx, stop
+		return e.lateToKeep()
 	}
 	iv := e.interval()
-	e.due = e.deadline.Add(-lease.TTL + iv)
+	e.due = e.deadline.Add(-e.lease.TTL + iv)
 	e.early = e.due.Add(-iv / 2)
 
 	k.mu.Lock()
 	if k.closed {
 		k.mu.Unlock()
-		cancel(ErrClosed)
-		return ctx, stop
+		return ErrClosed
 	}
 	k.entries[e] = struct{}{}
 	nudge := e.due.Before(k.nextWake) || e.cancelAt().Before(k.nextWake)
@@ -198,7 +275,7 @@ func (k *Keeper) Keep(parent context.Context, lease lock.Lease) (context.Context
 		default:
 		}
 	}
-	return ctx, stop
+	return nil
 }
 
 // Len returns the number of leases being kept.
@@ -222,7 +299,7 @@ func (k *Keeper) Shutdown(ctx context.Context) error {
 		k.entries = make(map[*entry]struct{})
 		k.mu.Unlock()
 		for e := range entries {
-			e.cancel(ErrClosed)
+			e.lose(ErrClosed)
 		}
 		k.cancelBase()
 		close(k.quit)
@@ -282,7 +359,7 @@ func (k *Keeper) scan(busy bool, out **batch) time.Time {
 
 	k.mu.Lock()
 	for e := range k.entries {
-		if e.ctx.Err() != nil {
+		if e.ctx != nil && e.ctx.Err() != nil {
 			delete(k.entries, e)
 			continue
 		}
@@ -326,7 +403,7 @@ func (k *Keeper) scan(busy bool, out **batch) time.Time {
 	for i, e := range lost {
 		k.cfg.Logger.Warn("heartbeat: lease extension not confirmed, cancelling handler",
 			keyAttrs(e.lease.Key), "fence", e.lease.Fence, "error", causes[i])
-		e.cancel(causes[i])
+		e.lose(causes[i])
 	}
 	if b != nil {
 		*out = b
@@ -394,7 +471,7 @@ func (k *Keeper) apply(b *batch) {
 	for i, e := range lostEntries {
 		k.cfg.Logger.Warn("heartbeat: lease cannot be kept, cancelling handler",
 			keyAttrs(e.lease.Key), "fence", e.lease.Fence, "error", lostErrs[i])
-		e.cancel(lostErrs[i])
+		e.lose(lostErrs[i])
 	}
 }
 
@@ -435,6 +512,17 @@ func (k *Keeper) extend(b *batch) (errs []error) {
 		}
 	}()
 	return k.store.Extend(ctx, b.leases...)
+}
+
+// lose tells e's holder, once e is unregistered, that its lease cannot be
+// kept: Keep's context is cancelled with cause, KeepWith's LossHandler
+// told.
+func (e *entry) lose(cause error) {
+	if e.to != nil {
+		e.to.LeaseLost(cause)
+		return
+	}
+	e.cancel(cause)
 }
 
 // check reports why e's lease cannot be kept.
