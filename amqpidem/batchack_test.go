@@ -192,9 +192,11 @@ func TestBatchConsumerAckFrames(t *testing.T) {
 	}
 	// Folded, a batch of 100 is acked in one or two multiple acks (0.011
 	// to 0.043 frames per message in ten runs here, the most when a batch
-	// at the frontier took longer than ackHold); one by one, in up to 100
-	// (0.51 to 0.59 before issue 39's fix).
-	if perMsg > 0.1 {
-		t.Errorf("%.3f ack frames per message (%d single, %d multiple): want at most 0.1", perMsg, single, multi)
+	// at the frontier took longer than ackHold; 0.108 to 0.148 with other
+	// tests loading both cores, where more batches outlast ackHold and
+	// the acks above them go one by one); one by one, in up to 100 (0.51
+	// to 0.59 before issue 39's fix). The bound sits between the two.
+	if perMsg > 0.25 {
+		t.Errorf("%.3f ack frames per message (%d single, %d multiple): want at most 0.25", perMsg, single, multi)
 	}
 }

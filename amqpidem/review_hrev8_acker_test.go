@@ -181,7 +181,7 @@ func checkAckerInvariants(a *acker) string {
 // on a loaded machine.
 const (
 	longJob  = 1500 * time.Millisecond
-	lagSlack = 400 * time.Millisecond
+	lagSlack = time.Second // still below longJob: an ack held for the long job fails
 )
 
 // runAckerModel runs one randomized session of n tags; seed makes it
