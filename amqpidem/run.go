@@ -11,7 +11,8 @@ import (
 )
 
 // run executes the handler under the kept lease and settles the delivery
-// by what the handler returned (completed, or failed).
+// by what the handler returned (completed, or failed). A batch consumer's
+// flights take runKept instead.
 func (f *flight) run() {
 	p := f.p
 	// The attempt is the record's, or the message's own count when that is
@@ -41,10 +42,6 @@ func (f *flight) run() {
 			return
 		}
 		f.requeue(Abandoned, "lease lost", MinInProgressDelay, cause)
-		return
-	}
-	if p.batch != nil {
-		f.runBatched()
 		return
 	}
 	if p.cfg.HandlerTimeout > 0 {
