@@ -428,32 +428,14 @@ func (p *processor) acquireBatched(ctx context.Context, c *acquireCall) (lock.Re
 // (settleBatched), as a single message's cancelled context is.
 func (f *flight) runKept() {
 	p := f.p
-	// As run: the attempt is the record's, or the message's own count
-	// when that is higher.
-	f.attempt = max(f.lease.Attempt, f.h.attempt+1)
-	f.ev.Attempt = f.attempt
-	if f.attempt > p.cfg.MaxAttempts {
-		f.arrived()
-		f.slot.free()
-		f.fail("attempts exhausted", fmt.Errorf("%d executions started, at most %d allowed (earlier ones crashed or lost their lease)",
-			f.attempt-1, p.cfg.MaxAttempts))
+	if f.attemptsExhausted() {
 		return
 	}
 	f.hctx = f.ctx
 	kept, err := p.keeper.KeepWith(f.lease, (*batchLoss)(f))
 	if stopping := p.isStopping(); stopping || err != nil || f.ctx.Err() != nil {
-		// Shut down, or the lease already lost, before the handler
-		// started: this attempt never ran, so it is taken back.
 		kept.Stop()
-		cause := cmp.Or(err, context.Cause(f.ctx))
-		f.arrived()
-		f.slot.free()
-		f.cancel()
-		if stopping || f.ctx.Err() != nil {
-			f.requeue(Abandoned, "shutdown", 0, cmp.Or(cause, errNotStarted))
-			return
-		}
-		f.requeue(Abandoned, "lease lost", MinInProgressDelay, cause)
+		f.notStarted(stopping, cmp.Or(err, context.Cause(f.ctx)))
 		return
 	}
 	f.kept = kept

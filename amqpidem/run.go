@@ -10,38 +10,51 @@ import (
 	"github.com/amqpidem/amqpidem/lock"
 )
 
+// attemptsExhausted sets the execution's attempt, the record's or the
+// message's own count when that is higher (a record lost: expired,
+// evicted, forgotten by a restart, restarts its count; the message's
+// copies do not), and reports whether it is past MaxAttempts: the
+// delivery then failed, settled.
+func (f *flight) attemptsExhausted() bool {
+	f.attempt = max(f.lease.Attempt, f.h.attempt+1)
+	f.ev.Attempt = f.attempt
+	if f.attempt <= f.p.cfg.MaxAttempts {
+		return false
+	}
+	f.arrived()
+	f.slot.free()
+	f.fail("attempts exhausted", fmt.Errorf("%d executions started, at most %d allowed (earlier ones crashed or lost their lease)",
+		f.attempt-1, f.p.cfg.MaxAttempts))
+	return true
+}
+
+// notStarted settles a delivery shut down, or whose lease was lost
+// (cause), before its handler started, its keep-alive stopped: this
+// attempt never ran, so it is taken back.
+func (f *flight) notStarted(stopping bool, cause error) {
+	f.arrived()
+	f.slot.free()
+	f.cancel()
+	if stopping || f.ctx.Err() != nil {
+		f.requeue(Abandoned, "shutdown", 0, cmp.Or(cause, errNotStarted))
+		return
+	}
+	f.requeue(Abandoned, "lease lost", MinInProgressDelay, cause)
+}
+
 // run executes the handler under the kept lease and settles the delivery
 // by what the handler returned (completed, or failed). A batch consumer's
 // flights take runKept instead.
 func (f *flight) run() {
 	p := f.p
-	// The attempt is the record's, or the message's own count when that is
-	// higher: a record lost (expired, evicted, forgotten by a restart)
-	// restarts its count, the message's copies do not.
-	f.attempt = max(f.lease.Attempt, f.h.attempt+1)
-	f.ev.Attempt = f.attempt
-	if f.attempt > p.cfg.MaxAttempts {
-		f.arrived()
-		f.slot.free()
-		f.fail("attempts exhausted", fmt.Errorf("%d executions started, at most %d allowed (earlier ones crashed or lost their lease)",
-			f.attempt-1, p.cfg.MaxAttempts))
+	if f.attemptsExhausted() {
 		return
 	}
-
 	f.hctx, f.keep = p.keeper.Keep(f.ctx, f.lease)
 	if stopping := p.isStopping(); stopping || f.hctx.Err() != nil {
-		// Shut down, or the lease already lost, before the handler
-		// started: this attempt never ran, so it is taken back.
 		cause := context.Cause(f.hctx)
-		f.arrived()
 		f.stopKeep()
-		f.slot.free()
-		f.cancel()
-		if stopping || f.ctx.Err() != nil {
-			f.requeue(Abandoned, "shutdown", 0, cmp.Or(cause, errNotStarted))
-			return
-		}
-		f.requeue(Abandoned, "lease lost", MinInProgressDelay, cause)
+		f.notStarted(stopping, cause)
 		return
 	}
 	if p.cfg.HandlerTimeout > 0 {
