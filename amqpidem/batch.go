@@ -423,7 +423,8 @@ func (p *processor) acquireBatched(ctx context.Context, c *acquireCall) (lock.Re
 // without a context of its own (heartbeat.Keeper.KeepWith, one allocation
 // rather than a context, its cancel function and a stop function), the
 // flight told of its loss (batchLoss), and the flight joins a batch
-// (runBatched). Its hctx is its ctx: a lost lease takes it out of its
+// (runBatched). Its hctx is its ctx as its own context (handlerCtx),
+// not cancelled by its lease's loss: a lost lease takes it out of its
 // batch and cancels the batch run it is in, and is what it settles by
 // (settleBatched), as a single message's cancelled context is.
 func (f *flight) runKept() {
@@ -438,8 +439,37 @@ func (f *flight) runKept() {
 		f.notStarted(stopping, cmp.Or(err, context.Cause(f.ctx)))
 		return
 	}
-	f.kept = kept
+	f.kept, f.keptCtx = kept, kept
+	f.hctx = (*handlerCtx)(f)
 	f.runBatched()
+}
+
+// handlerCtx is a batch consumer's flight as its handler's context
+// (hctx), what HandlerObserver's calls get for it: its ctx, carrying its
+// lease (heartbeat.LeaseFromContext), and a context of its own, as a
+// single message's is, so that an observer can tell the messages of a
+// batch apart by it (promamqpidem's oldest handler), where their ctx is
+// one (a Consumer's session's). The flight as a context, not a context
+// of its own: no allocation.
+type handlerCtx flight
+
+// Deadline returns the flight's ctx's deadline.
+func (c *handlerCtx) Deadline() (time.Time, bool) { return c.ctx.Deadline() }
+
+// Done returns the flight's ctx's Done channel.
+func (c *handlerCtx) Done() <-chan struct{} { return c.ctx.Done() }
+
+// Err returns the flight's ctx's error.
+func (c *handlerCtx) Err() error { return c.ctx.Err() }
+
+// Value returns the flight's kept lease for heartbeat's key, else the
+// flight's ctx's value for key (its cancellation cause too, for
+// context.Cause).
+func (c *handlerCtx) Value(key any) any {
+	if v := c.keptCtx.Value(key); v != nil {
+		return v
+	}
+	return c.ctx.Value(key)
 }
 
 // batchLoss is a batch consumer's flight as the heartbeat.LossHandler of

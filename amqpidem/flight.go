@@ -55,12 +55,14 @@ type flight struct {
 	// hctx is the handler's context once it runs; keep stops the lease's
 	// keep-alive (nil when none runs). A batch consumer's flight has its
 	// lease kept without a context of its own (runKept): kept, with hctx
-	// its ctx, and lost and cancelRun, guarded by its batcher's lossMu,
-	// say why the lease was lost (nil while kept) and how to cancel the
-	// batch run the flight is in (nil when in none).
+	// its ctx as a context of its own (handlerCtx), and lost and
+	// cancelRun, guarded by its batcher's lossMu, say why the lease was
+	// lost (nil while kept) and how to cancel the batch run the flight
+	// is in (nil when in none).
 	hctx      context.Context
 	keep      func()
 	kept      heartbeat.Kept
+	keptCtx   heartbeat.Kept // kept, never reset, for hctx (handlerCtx)
 	lost      error
 	cancelRun context.CancelCauseFunc
 	// copyErr is the last error publishing a requeued copy gave, for

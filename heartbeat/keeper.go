@@ -249,6 +249,18 @@ func (kp Kept) Stop() {
 	}
 }
 
+// Value returns, for the key LeaseFromContext looks up, the kept lease
+// (nil for any other key, and on the zero Kept): a context type of the
+// caller's that carries a KeepWith lease answers its Value calls with it
+// first, so that LeaseFromContext finds the lease, its deadline the
+// latest confirmed, as in a context from Keep.
+func (kp Kept) Value(key any) any {
+	if kp.e == nil || key != (leaseKey{}) {
+		return nil
+	}
+	return kp.e
+}
+
 // start schedules e's first extension and registers it, or returns why
 // it cannot: its deadline minus the margin passed already, or k is
 // closed.
