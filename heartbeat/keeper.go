@@ -188,7 +188,8 @@ type LossHandler interface {
 	// Keep's context would be cancelled with: wrapping lock.ErrLeaseLost,
 	// ErrLeaseUnconfirmed or ErrInvalidLease, or ErrClosed. It is called
 	// on one of the Keeper's goroutines (or Shutdown's), which wait for
-	// it: it must return quickly, and may call the lease's Kept.Stop. A
+	// it: it must return quickly, and may call the lease's Kept.Stop (a panic
+	// is recovered and logged with its stack, the caller's bug). A
 	// lease stopped before the Keeper found it lost is never reported;
 	// but a Stop racing with that finding may return before, or while,
 	// LeaseLost is called: a handler must ignore a call for work it has
@@ -528,13 +529,21 @@ func (k *Keeper) extend(b *batch) (errs []error) {
 
 // lose tells e's holder, once e is unregistered, that its lease cannot be
 // kept: Keep's context is cancelled with cause, KeepWith's LossHandler
-// told.
+// told. A LossHandler that panics is logged with its stack, as the
+// caller's bug, rather than taking down the Keeper's goroutine (the
+// process) or Shutdown's caller.
 func (e *entry) lose(cause error) {
-	if e.to != nil {
-		e.to.LeaseLost(cause)
+	if e.to == nil {
+		e.cancel(cause)
 		return
 	}
-	e.cancel(cause)
+	defer func() {
+		if v := recover(); v != nil {
+			e.k.cfg.Logger.Error("heartbeat: a LossHandler panicked", keyAttrs(e.lease.Key), "fence", e.lease.Fence,
+				"cause", cause, "panic", v, "stack", string(debug.Stack()))
+		}
+	}()
+	e.to.LeaseLost(cause)
 }
 
 // check reports why e's lease cannot be kept.
