@@ -1,7 +1,6 @@
 package heartbeat
 
 import (
-	"bytes"
 	"context"
 	"log/slog"
 	"strings"
@@ -18,31 +17,13 @@ func (p *panicLoss) LeaseLost(error) {
 	panic("loss handler bug")
 }
 
-// syncBuffer is a bytes.Buffer safe for the Keeper's goroutines.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // TestKeepWithLossHandlerPanics: a LossHandler that panics is the
 // caller's bug, reported in the log with its stack; it takes neither the
 // process (the Keeper's goroutine) nor Shutdown's caller down, and the
 // Keeper goes on keeping its other leases.
 func TestKeepWithLossHandlerPanics(t *testing.T) {
 	store := newMemoryStore(t)
-	var logs syncBuffer
+	var logs lockedBuffer
 	k, err := New(store, Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	if err != nil {
 		t.Fatal(err)
