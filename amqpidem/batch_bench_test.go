@@ -24,18 +24,7 @@ import (
 // figures.
 func BenchmarkProcessBatch(b *testing.B) {
 	const size = 100
-	store, err := lock.NewMemoryStore(lock.Config{})
-	if err != nil {
-		b.Fatal(err)
-	}
-	h := BatchHandlerFunc(func(context.Context, []*amqp.Delivery) ([]BatchResult, error) { return nil, nil })
-	p, err := newProcessor(store, Config{Queue: "q", Logger: slog.New(slog.DiscardHandler)}, batchOnly{h: h})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer func() { _ = p.keeper.Shutdown(context.Background()) }()
-	p.batch = &batcher{h: h, ba: store, size: size, wait: time.Second}
-	p.stopping = make(chan struct{})
+	p := newBatchProcessor(b, size)
 	ctx, br, ack := context.Background(), nopBroker{}, &countChannel{}
 	body := []byte(`{"order":42,"amount_cents":1999}`)
 	ids := make([]string, b.N)
@@ -56,4 +45,25 @@ func BenchmarkProcessBatch(b *testing.B) {
 		}
 		wg.Wait()
 	}
+}
+
+// newBatchProcessor returns a processor of batches of up to size (waiting
+// a second for them to fill) on a lock.MemoryStore, with a no-op
+// BatchHandler, as a batch consumer's; its keeper is shut down in
+// tb.Cleanup.
+func newBatchProcessor(tb testing.TB, size int) *processor {
+	tb.Helper()
+	store, err := lock.NewMemoryStore(lock.Config{})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	h := BatchHandlerFunc(func(context.Context, []*amqp.Delivery) ([]BatchResult, error) { return nil, nil })
+	p, err := newProcessor(store, Config{Queue: "q", Logger: slog.New(slog.DiscardHandler)}, batchOnly{h: h})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { _ = p.keeper.Shutdown(context.Background()) })
+	p.batch = &batcher{h: h, ba: store, size: size, wait: time.Second}
+	p.stopping = make(chan struct{})
+	return &p
 }

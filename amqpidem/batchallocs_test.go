@@ -6,7 +6,6 @@ import (
 	"strconv"
 	"sync"
 	"testing"
-	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -32,18 +31,7 @@ func TestBatchAllocationsPerMessage(t *testing.T) {
 	id := func() string { next++; return ids[next-1] }
 	ctx, br, ack := context.Background(), nopBroker{}, &countChannel{}
 
-	store, err := lock.NewMemoryStore(lock.Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := BatchHandlerFunc(func(context.Context, []*amqp.Delivery) ([]BatchResult, error) { return nil, nil })
-	p, err := newProcessor(store, Config{Queue: "q", Logger: slog.New(slog.DiscardHandler)}, batchOnly{h: h})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = p.keeper.Shutdown(context.Background()) }()
-	p.batch = &batcher{h: h, ba: store, size: size, wait: time.Second}
-	p.stopping = make(chan struct{})
+	p := newBatchProcessor(t, size)
 	batch := testing.AllocsPerRun(runs, func() {
 		var wg sync.WaitGroup
 		for range size {
