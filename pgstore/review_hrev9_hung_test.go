@@ -103,25 +103,6 @@ func hrev9GatedPool(t *testing.T) (*pgxpool.Pool, *hrev9Gate) {
 	return pool, g
 }
 
-// hrev9Once checks that the messages ids each arrived once, reading
-// them from the rig's queue.
-func hrev9Once(t *testing.T, r *outboxRig, ids []string) {
-	t.Helper()
-	got := r.take(len(ids), 30*time.Second)
-	seen := map[string]int{}
-	for _, d := range got {
-		seen[d.MessageId]++
-	}
-	for _, id := range ids {
-		if seen[id] != 1 {
-			t.Errorf("message %s arrived %d times, want once", id, seen[id])
-		}
-	}
-	if len(got) != len(ids) {
-		t.Errorf("%d deliveries, want %d", len(got), len(ids))
-	}
-}
-
 // TestHrev9RelayClaimHungDatabase: the database accepts the relay's
 // statements but does not answer (a proxy between them stops copying,
 // both ways, with the connections open). The relay must not wait for it
@@ -168,7 +149,7 @@ func TestHrev9RelayClaimHungDatabase(t *testing.T) {
 	}
 	g.resume()
 	r.waitCount("s", 6, 20*time.Second)
-	hrev9Once(t, r, ids)
+	r.once(t, ids)
 }
 
 // TestHrev9RelayClaimBlockedByLock: another session holds a lock on the
@@ -223,7 +204,7 @@ func TestHrev9RelayClaimBlockedByLock(t *testing.T) {
 	writers.Wait()
 	ids = append(ids, during...)
 	r.waitCount("s", 4, 20*time.Second)
-	hrev9Once(t, r, ids)
+	r.once(t, ids)
 }
 
 // hrev9ClaimWarned reports whether log holds a warning of the relay about
