@@ -114,5 +114,18 @@ func TestHobs2BatchLossCancelsMessageContext(t *testing.T) {
 		if ev := evs[id]; ev.Outcome != Completed {
 			t.Errorf("%s: %v %q %v, want completed", id, ev.Outcome, ev.Reason, ev.Err)
 		}
+		obs.mu.Lock()
+		s, woke := obs.ended[id], obs.woke[id]
+		obs.mu.Unlock()
+		if s.done || s.err != nil {
+			t.Errorf("%s's handler context done at HandlerEnded (%v), its lease held", id, s.err)
+		}
+		// Settled, its keep stopped: its context is cancelled, as a Keep
+		// context's stop cancels it, and a waiter on it is let go.
+		select {
+		case <-woke:
+		case <-time.After(2 * time.Second):
+			t.Errorf("%s: its handler context still live after it settled", id)
+		}
 	}
 }
