@@ -129,3 +129,77 @@ func TestHobs2BatchLossCancelsMessageContext(t *testing.T) {
 		}
 	}
 }
+
+// handlerCtx keeps the context contract on each way it is done, its own
+// context made lazily: Done closed iff Err non-nil, Cause the reason, a
+// child context cancelled with it, whichever of Done, Err or Value is
+// asked first.
+func TestHobs2HandlerCtxContract(t *testing.T) {
+	lost := errors.New("lease lost (test)")
+	for _, tc := range []struct {
+		name  string
+		first string // the method asked first after it is done
+		do    func(f *flight, cancel context.CancelCauseFunc)
+		cause error
+	}{
+		{"lost/Err", "Err", func(f *flight, _ context.CancelCauseFunc) { (*batchLoss)(f).LeaseLost(lost) }, lost},
+		{"lost/Value", "Value", func(f *flight, _ context.CancelCauseFunc) { (*batchLoss)(f).LeaseLost(lost) }, lost},
+		{"lost/Done", "Done", func(f *flight, _ context.CancelCauseFunc) { (*batchLoss)(f).LeaseLost(lost) }, lost},
+		{"ended/Err", "Err", func(f *flight, _ context.CancelCauseFunc) { (*handlerCtx)(f).end() }, context.Canceled},
+		{"ended/Done", "Done", func(f *flight, _ context.CancelCauseFunc) { (*handlerCtx)(f).end() }, context.Canceled},
+		{"ctx/Err", "Err", func(_ *flight, cancel context.CancelCauseFunc) { cancel(lost) }, lost},
+		{"ctx/Done", "Done", func(_ *flight, cancel context.CancelCauseFunc) { cancel(lost) }, lost},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithCancelCause(context.Background())
+			defer cancel(nil)
+			f := &flight{p: &processor{batch: &batcher{}}, ctx: ctx}
+			c := (*handlerCtx)(f)
+			if c.Err() != nil || context.Cause(c) != nil {
+				t.Fatalf("live: Err %v, Cause %v", c.Err(), context.Cause(c))
+			}
+			var child context.Context
+			if tc.first == "Done" {
+				// Its own context made before it is done, a child on it.
+				var stop context.CancelFunc
+				child, stop = context.WithCancel(c)
+				defer stop()
+			}
+			tc.do(f, cancel)
+			if f.ownCtx != nil && tc.first != "Done" {
+				t.Fatal("its own context made before it was asked for")
+			}
+			switch tc.first {
+			case "Err":
+				if c.Err() == nil {
+					t.Fatal("Err nil once done")
+				}
+			case "Value":
+				if got := context.Cause(c); !errors.Is(got, tc.cause) {
+					t.Fatalf("Cause %v, want %v", got, tc.cause)
+				}
+			}
+			select {
+			case <-c.Done():
+			case <-time.After(time.Second):
+				t.Fatal("Done not closed")
+			}
+			if c.Err() == nil || !errors.Is(context.Cause(c), tc.cause) {
+				t.Errorf("Err %v, Cause %v; want non-nil, %v", c.Err(), context.Cause(c), tc.cause)
+			}
+			if child == nil {
+				var stop context.CancelFunc
+				child, stop = context.WithCancel(c) // on a done context
+				defer stop()
+			}
+			select {
+			case <-child.Done():
+			case <-time.After(time.Second):
+				t.Fatal("a child context not cancelled")
+			}
+			if !errors.Is(context.Cause(child), tc.cause) {
+				t.Errorf("the child's Cause %v, want %v", context.Cause(child), tc.cause)
+			}
+		})
+	}
+}
