@@ -55,7 +55,7 @@ type flight struct {
 	// hctx is the handler's context once it runs; keep stops the lease's
 	// keep-alive (nil when none runs). A batch consumer's flight has its
 	// lease kept without a context of its own (runKept): kept, with hctx
-	// its ctx as a context of its own (handlerCtx), and lost and
+	// the flight as a context of its own (handlerCtx), and lost and
 	// cancelRun, guarded by its batcher's lossMu, say why the lease was
 	// lost (nil while kept) and how to cancel the batch run the flight
 	// is in (nil when in none).
