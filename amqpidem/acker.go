@@ -53,8 +53,9 @@ const maxSkip = 1 << 16
 // stuck (a long job, a long batch): acks above it go out one by one at
 // once, not held again for ackHold, until it moves. Nacks and
 // rejects go out at once, and a tag counts as settled only after its frame
-// is written, so a multiple ack never covers a tag that was to be
-// requeued. A held ack lost with its connection is like any ack the broker
+// is written (or failed to be, after which no frame of the channel reaches
+// the broker: see sent), so a multiple ack never covers a tag that was to
+// be requeued. A held ack lost with its connection is like any ack the broker
 // never got: the message is delivered again. After a completed handler
 // that redelivery is acked as a duplicate; after a requeue or a dead
 // letter, the copy already published and the redelivered original both
@@ -168,7 +169,15 @@ func (a *acker) Reject(tag uint64, requeue bool) error {
 	return a.sent(tag, a.ch.Reject(tag, requeue))
 }
 
-// sent records a tag whose frame was written (or failed to be).
+// sent records a tag whose frame was written (or failed to be). A frame
+// that failed counts as settled too, so that the frontier moves on: a
+// multiple ack then covering the tag cannot reach the broker, since
+// amqp091-go fails every frame after one failed on a channel (closed:
+// ErrClosed) or its connection (a write error is kept by its
+// bufio.Writer and shuts the connection down; amqpidem refuses automatic
+// recovery, which would reopen the channel), and the broker requeues
+// what a closed channel left unsettled
+// (TestHobs2AckerFailedNackNotCoveredByMultipleAck).
 func (a *acker) sent(tag uint64, err error) error {
 	a.mu.Lock()
 	if !a.closed {

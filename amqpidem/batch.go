@@ -423,10 +423,11 @@ func (p *processor) acquireBatched(ctx context.Context, c *acquireCall) (lock.Re
 // without a context of its own (heartbeat.Keeper.KeepWith, one allocation
 // rather than a context, its cancel function and a stop function), the
 // flight told of its loss (batchLoss), and the flight joins a batch
-// (runBatched). Its hctx is its ctx as its own context (handlerCtx),
-// not cancelled by its lease's loss: a lost lease takes it out of its
-// batch and cancels the batch run it is in, and is what it settles by
-// (settleBatched), as a single message's cancelled context is.
+// (runBatched). Its hctx is the flight as its own context (handlerCtx),
+// cancelled, as a single message's is, when its lease is lost and when
+// its keep stops; a lost lease also takes it out of its batch and
+// cancels the batch run it is in, and is what it settles by
+// (settleBatched).
 func (f *flight) runKept() {
 	p := f.p
 	if f.attemptsExhausted() {
@@ -445,29 +446,78 @@ func (f *flight) runKept() {
 }
 
 // handlerCtx is a batch consumer's flight as its handler's context
-// (hctx), what HandlerObserver's calls get for it: its ctx, carrying its
-// lease (heartbeat.LeaseFromContext), and a context of its own, as a
-// single message's is, so that an observer can tell the messages of a
-// batch apart by it (promamqpidem's oldest handler), where their ctx is
-// one (a Consumer's session's). The flight as a context, not a context
-// of its own: no allocation.
+// (hctx), what HandlerObserver's calls get for it: a context of its own,
+// as a single message's is, so that an observer can tell the messages of
+// a batch apart by it (promamqpidem's oldest handler), where their ctx is
+// one (a Consumer's session's). It carries the flight's lease
+// (heartbeat.LeaseFromContext) and ctx's values, and is done when ctx
+// is, when the lease is lost (its cause the loss's, as a Keep context's)
+// and once the keep stops (context.Canceled, as a Keep context's stop
+// cancels it). It is the flight itself until a context of its own is
+// needed (own): a Done asked for, the lease lost or the keep stopped;
+// then that context, derived from ctx, answers. No allocation while none
+// is asked for.
 type handlerCtx flight
+
+// own returns the flight's handler context of its own, nil while ctx
+// answers for it: made when mk says so (Done), or once its lease was
+// lost or its keep stopped, cancelled then with why.
+func (c *handlerCtx) own(mk bool) context.Context {
+	f := (*flight)(c)
+	b := f.p.batch
+	b.lossMu.Lock()
+	defer b.lossMu.Unlock()
+	if f.ownCtx == nil && (mk || f.lost != nil || f.ended) {
+		f.ownCtx, f.cancelOwn = context.WithCancelCause(f.ctx)
+		switch {
+		case f.lost != nil:
+			f.cancelOwn(f.lost)
+		case f.ended:
+			f.cancelOwn(nil)
+		}
+	}
+	return f.ownCtx
+}
+
+// end cancels the handler context once the flight's keep stopped
+// (stopKeep): made already, it is cancelled now, which frees it from
+// ctx; else own makes it cancelled when asked.
+func (c *handlerCtx) end() {
+	f := (*flight)(c)
+	b := f.p.batch
+	b.lossMu.Lock()
+	f.ended = true
+	cancel := f.cancelOwn
+	b.lossMu.Unlock()
+	if cancel != nil {
+		cancel(nil)
+	}
+}
 
 // Deadline returns the flight's ctx's deadline.
 func (c *handlerCtx) Deadline() (time.Time, bool) { return c.ctx.Deadline() }
 
-// Done returns the flight's ctx's Done channel.
-func (c *handlerCtx) Done() <-chan struct{} { return c.ctx.Done() }
+// Done returns a channel closed when the flight's ctx is done, its lease
+// lost or its keep stopped.
+func (c *handlerCtx) Done() <-chan struct{} { return c.own(true).Done() }
 
-// Err returns the flight's ctx's error.
-func (c *handlerCtx) Err() error { return c.ctx.Err() }
+// Err returns why the handler context is done, nil while it is not.
+func (c *handlerCtx) Err() error {
+	if o := c.own(false); o != nil {
+		return o.Err()
+	}
+	return c.ctx.Err()
+}
 
 // Value returns the flight's kept lease for heartbeat's key, else the
-// flight's ctx's value for key (its cancellation cause too, for
+// value of the handler context for key (its cancellation cause too, for
 // context.Cause).
 func (c *handlerCtx) Value(key any) any {
 	if v := c.keptCtx.Value(key); v != nil {
 		return v
+	}
+	if o := c.own(false); o != nil {
+		return o.Value(key)
 	}
 	return c.ctx.Value(key)
 }
@@ -477,8 +527,9 @@ func (c *handlerCtx) Value(key any) any {
 type batchLoss flight
 
 // LeaseLost records cause as why the flight's lease was lost, which takes
-// it out of its batch (runBatch), and cancels the batch run it is in, if
-// any, with cause.
+// it out of its batch (runBatch), and cancels its handler context, if
+// made (handlerCtx.own makes it cancelled otherwise), and the batch run
+// it is in, if any, with cause.
 func (l *batchLoss) LeaseLost(cause error) {
 	f := (*flight)(l)
 	b := f.p.batch
@@ -486,8 +537,11 @@ func (l *batchLoss) LeaseLost(cause error) {
 	if f.lost == nil {
 		f.lost = cause
 	}
-	cancel := f.cancelRun
+	cancel, cancelOwn := f.cancelRun, f.cancelOwn
 	b.lossMu.Unlock()
+	if cancelOwn != nil {
+		cancelOwn(cause)
+	}
 	if cancel != nil {
 		cancel(cause)
 	}

@@ -55,7 +55,7 @@ type flight struct {
 	// hctx is the handler's context once it runs; keep stops the lease's
 	// keep-alive (nil when none runs). A batch consumer's flight has its
 	// lease kept without a context of its own (runKept): kept, with hctx
-	// its ctx as a context of its own (handlerCtx), and lost and
+	// the flight as a context of its own (handlerCtx), and lost and
 	// cancelRun, guarded by its batcher's lossMu, say why the lease was
 	// lost (nil while kept) and how to cancel the batch run the flight
 	// is in (nil when in none).
@@ -65,6 +65,12 @@ type flight struct {
 	keptCtx   heartbeat.Kept // kept, never reset, for hctx (handlerCtx)
 	lost      error
 	cancelRun context.CancelCauseFunc
+	// ownCtx and cancelOwn are hctx's own context once one is needed
+	// (handlerCtx.own): a Done asked for, the lease lost, or the keep
+	// stopped (ended); guarded, with ended, by its batcher's lossMu.
+	ownCtx    context.Context
+	cancelOwn context.CancelCauseFunc
+	ended     bool
 	// copyErr is the last error publishing a requeued copy gave, for
 	// the PublishTracer's span.
 	copyErr error
@@ -132,8 +138,8 @@ func (s *slot) free() {
 
 // stopKeep stops the lease's keep-alive, if one runs: renewing a lease
 // whose outcome is being settled would only delay its expiry. It cancels
-// the handler's context (a single message's: a batch consumer's flight
-// has none of its own, see runKept).
+// the handler's context (a single message's Keep context, or a batch
+// consumer's flight's handlerCtx).
 func (f *flight) stopKeep() {
 	if f.keep != nil {
 		f.keep()
@@ -141,6 +147,9 @@ func (f *flight) stopKeep() {
 	}
 	f.kept.Stop()
 	f.kept = heartbeat.Kept{}
+	if c, ok := f.hctx.(*handlerCtx); ok {
+		c.end()
+	}
 }
 
 // head returns what the delivery's headers say, in full: it reads them

@@ -414,7 +414,7 @@ func (k *Keeper) scan(busy bool, out **batch) time.Time {
 	k.mu.Unlock()
 
 	for i, e := range lost {
-		k.cfg.Logger.Warn("heartbeat: lease extension not confirmed, cancelling handler",
+		k.cfg.Logger.Warn(e.lossMessage("heartbeat: lease extension not confirmed"),
 			keyAttrs(e.lease.Key), "fence", e.lease.Fence, "error", causes[i])
 		e.lose(causes[i])
 	}
@@ -482,7 +482,7 @@ func (k *Keeper) apply(b *batch) {
 			"failed", failed, "batch", len(b.entries), "error", firstErr)
 	}
 	for i, e := range lostEntries {
-		k.cfg.Logger.Warn("heartbeat: lease cannot be kept, cancelling handler",
+		k.cfg.Logger.Warn(e.lossMessage("heartbeat: lease cannot be kept"),
 			keyAttrs(e.lease.Key), "fence", e.lease.Fence, "error", lostErrs[i])
 		e.lose(lostErrs[i])
 	}
@@ -544,6 +544,17 @@ func (e *entry) lose(cause error) {
 		}
 	}()
 	e.to.LeaseLost(cause)
+}
+
+// lossMessage is the warning about e's lease lost, what says it (why)
+// followed by what lose does about it: a Keep lease's context is
+// cancelled ("cancelling handler"), a KeepWith lease's LossHandler told
+// (the Keeper cancels nothing; what the handler does is the caller's).
+func (e *entry) lossMessage(why string) string {
+	if e.to != nil {
+		return why + ", telling its LossHandler"
+	}
+	return why + ", cancelling handler"
 }
 
 // check reports why e's lease cannot be kept.
