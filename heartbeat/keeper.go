@@ -188,8 +188,10 @@ type LossHandler interface {
 	// Keep's context would be cancelled with: wrapping lock.ErrLeaseLost,
 	// ErrLeaseUnconfirmed or ErrInvalidLease, or ErrClosed. It is called
 	// on one of the Keeper's goroutines (or Shutdown's), which wait for
-	// it: it must return quickly, and may call the lease's Kept.Stop (a panic
-	// is recovered and logged with its stack, the caller's bug). A
+	// it (it runs on a goroutine of its own that they wait for): it must
+	// return quickly, and may call the lease's Kept.Stop (a panic is
+	// recovered and logged with its stack, the caller's bug, as is a
+	// runtime.Goexit). A
 	// lease stopped before the Keeper found it lost is never reported;
 	// but a Stop racing with that finding may return before, or while,
 	// LeaseLost is called: a handler must ignore a call for work it has
@@ -531,19 +533,35 @@ func (k *Keeper) extend(b *batch) (errs []error) {
 // kept: Keep's context is cancelled with cause, KeepWith's LossHandler
 // told. A LossHandler that panics is logged with its stack, as the
 // caller's bug, rather than taking down the Keeper's goroutine (the
-// process) or Shutdown's caller.
+// process) or Shutdown's caller; one that calls runtime.Goexit ends its
+// own goroutine only.
 func (e *entry) lose(cause error) {
 	if e.to == nil {
 		e.cancel(cause)
 		return
 	}
-	defer func() {
-		if v := recover(); v != nil {
-			e.k.cfg.Logger.Error("heartbeat: a LossHandler panicked", keyAttrs(e.lease.Key), "fence", e.lease.Fence,
-				"cause", cause, "panic", v, "stack", string(debug.Stack()))
-		}
+	// On a goroutine of its own, waited for: a handler that calls
+	// runtime.Goexit (t.Fatal in a test's handler) ends that goroutine,
+	// not the Keeper's loop, which recover could not keep alive.
+	var returned, panicked bool
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		defer func() {
+			if v := recover(); v != nil {
+				panicked = true
+				e.k.cfg.Logger.Error("heartbeat: a LossHandler panicked", keyAttrs(e.lease.Key), "fence", e.lease.Fence,
+					"cause", cause, "panic", v, "stack", string(debug.Stack()))
+			}
+		}()
+		e.to.LeaseLost(cause)
+		returned = true
 	}()
-	e.to.LeaseLost(cause)
+	<-done
+	if !returned && !panicked {
+		e.k.cfg.Logger.Error("heartbeat: a LossHandler called runtime.Goexit (t.Fatal or t.FailNow outside the test's goroutine?)",
+			keyAttrs(e.lease.Key), "fence", e.lease.Fence, "cause", cause)
+	}
 }
 
 // lossMessage is the warning about e's lease lost, what says it (why)
