@@ -344,13 +344,22 @@ func (r *Relay) Dead(ctx context.Context) (int64, error) {
 // ctx.Err()). Errors of the database or the broker are logged and waited
 // out with backoff, never returned. Run may be called once. It listens,
 // and deletes expired sent rows, from goroutines that end before it
-// returns.
+// returns. Called after Shutdown (or with ctx ended), it returns at once,
+// having started nothing and opened no connection.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.started.CompareAndSwap(false, true) {
 		return errors.New("pgstore: Relay.Run called twice")
 	}
 	defer close(r.done)
 	defer r.pub.Close()
+	// Before the goroutines below: a listener started only to be
+	// cancelled could still dial PostgreSQL (TestHrelay3RunAfterShutdown).
+	if r.isStopping() {
+		return nil
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
 	ctx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
 	defer wg.Wait()
