@@ -101,18 +101,27 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 	}
 	r.refusedN.Add(uint64(len(refusedIDs)))
 	// The outcomes are written even when ctx has ended (Shutdown): a
-	// confirmed message left unmarked is published again.
+	// confirmed message left unmarked is published again. A mark that
+	// failed does not keep the round from writing the others: a refusal
+	// left unwritten is not counted toward MaxAttempts, and its row waits
+	// out the claim instead of its backoff
+	// (TestHrelay3RefusalRecordedWhenMarkFails).
+	var markErr error
+	if len(sent) > 0 {
+		markErr = r.markSent(ctx, sent)
+	}
+	// Started after the mark, which may take a third of ClaimTTL: the
+	// statements below share PublishTimeout.
 	mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.PublishTimeout)
 	defer cancel()
-	if len(sent) > 0 {
-		if err := r.markSent(ctx, sent); err != nil {
-			return len(rows) - len(notTried), err
-		}
-	}
+	var refuseErr error
 	if len(refusedIDs) > 0 {
-		dead, err := r.refuse(mctx, refusedIDs, reasons, waits)
-		if err != nil {
-			return len(rows) - len(notTried), err
+		var dead []int64
+		dead, refuseErr = r.refuse(mctx, refusedIDs, reasons, waits)
+		if refuseErr != nil {
+			// Not recorded: the rows wait out their claim, and are
+			// published again with their attempts unchanged.
+			waits = nil
 		}
 		// Each row is due its wait after the refusal's statement, which
 		// has returned: so at the latest now plus the wait, by any clock.
@@ -142,9 +151,10 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 		if _, err := r.o.pool.Exec(mctx, r.sql.release, r.claimant, unavailable, wait); err != nil {
 			r.log.Warn("pgstore: relay: release rows (they wait out the claim): "+classify(err).Error(), "relay", r.cfg.Name)
 		}
-		return len(rows) - len(notTried), fmt.Errorf("publish %d of %d messages: %w", len(unavailable), len(rows), brokerErr)
+		return len(rows) - len(notTried), errors.Join(markErr, refuseErr,
+			fmt.Errorf("publish %d of %d messages: %w", len(unavailable), len(rows), brokerErr))
 	}
-	return len(rows) - len(notTried), nil
+	return len(rows) - len(notTried), errors.Join(markErr, refuseErr)
 }
 
 // markSent marks the rows ids sent (deletes them, with a negative
