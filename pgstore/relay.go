@@ -479,6 +479,10 @@ func (r *Relay) nextRetry(began time.Time) (time.Duration, bool) {
 	return time.Until(r.retries[0]), true
 }
 
+// cleanupFloor is the least bound of a cleanup statement (a variable:
+// tests shorten it).
+var cleanupFloor = 10 * time.Second
+
 // backoff is base doubled n-1 times, capped at limit, with up to 20%
 // jitter taken off so that relays retrying together spread out.
 func backoff(base, limit time.Duration, n int) time.Duration {
