@@ -434,7 +434,16 @@ func (r *Relay) Run(ctx context.Context) error {
 // loop, so that a long one (a lowered Retention, a busy hour's rows)
 // holds no publish back, until Shutdown or ctx ends (Run's return cancels
 // the statement in flight).
+//
+// Each of its statements is bounded by CleanupInterval, at least
+// cleanupFloor (10 s): one that a lock held on the outbox table (a CREATE
+// INDEX without CONCURRENTLY, a LOCK TABLE left open) or a server that
+// does not answer holds past it is given up and logged, and gives its
+// pool connection back; the next pass tries again an interval later.
+// Before, it waited in silence for as long as the lock was held
+// (TestHrelay3CleanupBlockedByLock).
 func (r *Relay) cleanup(ctx context.Context) {
+	per := max(r.cfg.CleanupInterval, cleanupFloor)
 	t := time.NewTimer(r.cfg.CleanupInterval)
 	defer t.Stop()
 	for {
@@ -447,9 +456,9 @@ func (r *Relay) cleanup(ctx context.Context) {
 		}
 		var err error
 		if r.cfg.Retention >= 0 {
-			_, err = r.o.Cleanup(ctx, r.cfg.Retention, r.o.cfg.CleanupBatch)
+			_, err = r.o.cleanup(ctx, r.cfg.Retention, r.o.cfg.CleanupBatch, per)
 		} else {
-			_, err = r.o.cleanupKeys(ctx, r.o.cfg.CleanupBatch)
+			_, err = r.o.cleanupKeys(ctx, r.o.cfg.CleanupBatch, per)
 		}
 		if err != nil && ctx.Err() == nil {
 			r.log.Warn("pgstore: relay: "+err.Error(), "relay", r.cfg.Name)
