@@ -103,8 +103,10 @@ type RelayConfig struct {
 	Retention time.Duration
 	// CleanupInterval is how often the relay deletes the sent rows past
 	// Retention, in statements of Config.CleanupBatch rows, beside its
-	// publishing (a long cleanup holds no publish back). Default
-	// DefaultRelayCleanup.
+	// publishing (a long cleanup holds no publish back). It also bounds
+	// each of those statements (at least 10 s): one that a lock on the
+	// table holds past it is given up, logged, and tried again at the
+	// next cleanup. Default DefaultRelayCleanup.
 	CleanupInterval time.Duration
 	// Logger gets the relay's warnings and errors. Default the Outbox's
 	// Config.Logger, or slog.Default().
