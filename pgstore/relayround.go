@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -151,10 +153,29 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 		if _, err := r.o.pool.Exec(mctx, r.sql.release, r.claimant, unavailable, wait); err != nil {
 			r.log.Warn("pgstore: relay: release rows (they wait out the claim): "+classify(err).Error(), "relay", r.cfg.Name)
 		}
+		// The row ids: a row the broker never takes in time (a body too
+		// large to send within PublishTimeout) is no refusal, so it has no
+		// attempts nor last_error to find it by (TestHrelay3PublishOutlastsTimeout).
 		return len(rows) - len(notTried), errors.Join(markErr, refuseErr,
-			fmt.Errorf("publish %d of %d messages: %w", len(unavailable), len(rows), brokerErr))
+			fmt.Errorf("publish %d of %d messages (row ids %s): %w", len(unavailable), len(rows), idList(unavailable, 10), brokerErr))
 	}
 	return len(rows) - len(notTried), errors.Join(markErr, refuseErr)
+}
+
+// idList formats up to n of ids, space-separated, with "..." when there
+// are more.
+func idList(ids []int64, n int) string {
+	var b strings.Builder
+	for i, id := range ids[:min(len(ids), n)] {
+		if i > 0 {
+			b.WriteByte(' ')
+		}
+		b.WriteString(strconv.FormatInt(id, 10))
+	}
+	if len(ids) > n {
+		b.WriteString(" ...")
+	}
+	return b.String()
 }
 
 // markSent marks the rows ids sent (deletes them, with a negative
