@@ -121,3 +121,7 @@ func (r *Relay) Shutdown(ctx context.Context) error {
 // poolWait bounds how long one of the relay's statements waits for a
 // connection of the pool (a variable: tests shorten it).
 var poolWait = 5 * time.Second
+
+// listenWait bounds the listener's connect and LISTEN (a variable: tests
+// shorten it).
+var listenWait = 10 * time.Second

@@ -9,3 +9,11 @@ func SetCleanupFloor(t interface{ Cleanup(func()) }, d time.Duration) {
 	cleanupFloor = d
 	t.Cleanup(func() { cleanupFloor = old })
 }
+
+// SetListenWait sets the bound of a relay listener's connect and LISTEN,
+// until the test ends.
+func SetListenWait(t interface{ Cleanup(func()) }, d time.Duration) {
+	old := listenWait
+	listenWait = d
+	t.Cleanup(func() { listenWait = old })
+}
