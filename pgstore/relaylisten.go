@@ -114,7 +114,8 @@ func (r *Relay) isStopping() bool {
 // of the messages already confirmed are still written, and tried again
 // for up to half of ClaimTTL when they fail. It returns ctx.Err() if it
 // had to cut the round short.
-// Shutdown is idempotent and may be called before, during or after Run.
+// Shutdown is idempotent and may be called before, during or after Run;
+// a Run called after it returns nil at once, having started nothing.
 func (r *Relay) Shutdown(ctx context.Context) error {
 	r.stopOnce.Do(func() { close(r.stopping) })
 	if !r.started.Load() {
