@@ -4,30 +4,34 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"net"
+	"net/url"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/internal/testenv"
 	"github.com/amqpidem/amqpidem/pgstore"
 )
 
 // TestHrelay3PublishOutlastsTimeout: a row whose publish outlasts
-// PublishTimeout (here a 32 MiB body against 100 ms; in production a body
-// near max_message_size on a slow link) is not a refusal: the confirm
-// not awaited to the end says nothing about the message, and the same
-// error comes from a broker that is slow or blocked (a memory alarm),
-// when counting it would turn healthy rows dead. So its row stays pending
-// with no attempts, never dead, published again after each backoff
-// (copies reach the queue when the broker took it after the relay gave
-// up), and, Ordered, its key's next row waits behind it; the warning
-// names the row. This documents the behaviour (docs/relay.md), and checks
-// the warning names the row's id so that an operator can find it.
+// PublishTimeout (here an 8 MiB body through a link of 8 MiB/s, a proxy
+// that throttles what the relay sends, against 100 ms; in production a
+// large body on a slow link) is not a refusal: the confirm not awaited to
+// the end says nothing about the message, and the same error comes from a
+// broker that is slow or blocked (a memory alarm), when counting it would
+// turn healthy rows dead. So its row stays pending with no attempts, never
+// dead, published again after each backoff (copies reach the queue: the
+// broker took it after the relay gave up), and, Ordered, its key's next
+// row waits behind it. This documents the behaviour (docs/relay.md), and
+// checks that the relay's warning names the row's id, so that an operator
+// can find it.
 func TestHrelay3PublishOutlastsTimeout(t *testing.T) {
 	if testing.Short() {
-		t.Skip("32 MiB publishes")
+		t.Skip("8 s of 8 MiB publishes")
 	}
 	r := newOutboxRig(t)
 	ctx := context.Background()
@@ -35,7 +39,7 @@ func TestHrelay3PublishOutlastsTimeout(t *testing.T) {
 	slow := r.msg("")
 	slow.OrderKey = "k"
 	slow.Publishing.MessageId = "slow"
-	slow.Publishing.Body = bytes.Repeat([]byte{'s'}, 32<<20)
+	slow.Publishing.Body = bytes.Repeat([]byte{'s'}, 8<<20)
 	next := r.msg("next")
 	next.OrderKey = "k"
 	next.Publishing.MessageId = "next"
@@ -54,7 +58,25 @@ func TestHrelay3PublishOutlastsTimeout(t *testing.T) {
 		}
 		t.Logf("relay log:\n%s", s)
 	})
-	rl, stop := startRelay(t, r.ob, pgstore.RelayConfig{Ordered: true, PublishTimeout: 100 * time.Millisecond, MaxAttempts: 2,
+	const rate = 8 << 20 // bytes per second, relay to broker
+	px := testenv.StartProxy(t, hrelay3Host(t, testenv.AMQPURL(t)), func(from, to net.Conn) {
+		buf := make([]byte, 64<<10)
+		for {
+			n, err := from.Read(buf)
+			if n > 0 {
+				time.Sleep(time.Duration(n) * time.Second / rate)
+				if _, werr := to.Write(buf[:n]); werr != nil {
+					return
+				}
+			}
+			if err != nil {
+				return
+			}
+		}
+	}, nil)
+	amqpURL := px.URL(t, testenv.AMQPURL(t))
+	rl, stop := startRelay(t, r.ob, pgstore.RelayConfig{Dial: func() (*amqp.Connection, error) { return amqp.Dial(amqpURL) },
+		Ordered: true, PublishTimeout: 100 * time.Millisecond, MaxAttempts: 2,
 		RetryBackoff: 100 * time.Millisecond, MaxBackoff: 200 * time.Millisecond, PollInterval: 50 * time.Millisecond,
 		Logger: logTo(&log)}, nil)
 	const watch = 8 * time.Second
@@ -88,10 +110,22 @@ func TestHrelay3PublishOutlastsTimeout(t *testing.T) {
 	if state != "p" || attempts != 0 || refusedN != 0 {
 		t.Errorf("slow row %s with %d attempts (%d refusals): a publish that outlasts PublishTimeout is not a refusal", state, attempts, refusedN)
 	}
-	if deliveries["other"] != 1 || deliveries["next"] != 0 {
-		t.Errorf("deliveries %v: want other once, next held back behind its key's slow head", deliveries)
+	// other may be published twice: sent after the slow body on the one
+	// connection, its confirm can be late too.
+	if deliveries["other"] == 0 || deliveries["next"] != 0 {
+		t.Errorf("deliveries %v: want other, and next held back behind its key's slow head", deliveries)
 	}
 	if !strings.Contains(log.String(), fmt.Sprintf("(row ids %d)", slowID)) {
 		t.Errorf("no warning names the slow row's id %d: the operator cannot tell which row holds its key back", slowID)
 	}
+}
+
+// hrelay3Host returns the host:port of an AMQP URL.
+func hrelay3Host(t *testing.T, raw string) string {
+	t.Helper()
+	u, err := url.Parse(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return u.Host
 }
