@@ -58,24 +58,7 @@ func TestHrelay3PublishOutlastsTimeout(t *testing.T) {
 		}
 		t.Logf("relay log:\n%s", s)
 	})
-	const rate = 8 << 20 // bytes per second, relay to broker
-	px := testenv.StartProxy(t, hrelay3Host(t, testenv.AMQPURL(t)), func(from, to net.Conn) {
-		buf := make([]byte, 64<<10)
-		for {
-			n, err := from.Read(buf)
-			if n > 0 {
-				time.Sleep(time.Duration(n) * time.Second / rate)
-				if _, werr := to.Write(buf[:n]); werr != nil {
-					return
-				}
-			}
-			if err != nil {
-				return
-			}
-		}
-	}, nil)
-	amqpURL := px.URL(t, testenv.AMQPURL(t))
-	rl, stop := startRelay(t, r.ob, pgstore.RelayConfig{Dial: func() (*amqp.Connection, error) { return amqp.Dial(amqpURL) },
+	rl, stop := startRelay(t, r.ob, pgstore.RelayConfig{Dial: hrelay3SlowLink(t, 8<<20),
 		Ordered: true, PublishTimeout: 100 * time.Millisecond, MaxAttempts: 2,
 		RetryBackoff: 100 * time.Millisecond, MaxBackoff: 200 * time.Millisecond, PollInterval: 50 * time.Millisecond,
 		Logger: logTo(&log)}, nil)
@@ -128,4 +111,28 @@ func hrelay3Host(t *testing.T, raw string) string {
 		t.Fatal(err)
 	}
 	return u.Host
+}
+
+// hrelay3SlowLink returns a Dial for RabbitMQ through a proxy that passes
+// what the relay sends at rate bytes per second (what the broker sends
+// back unthrottled): a slow link.
+func hrelay3SlowLink(t *testing.T, rate int) func() (*amqp.Connection, error) {
+	t.Helper()
+	px := testenv.StartProxy(t, hrelay3Host(t, testenv.AMQPURL(t)), func(from, to net.Conn) {
+		buf := make([]byte, 64<<10)
+		for {
+			n, err := from.Read(buf)
+			if n > 0 {
+				time.Sleep(time.Duration(n) * time.Second / time.Duration(rate))
+				if _, werr := to.Write(buf[:n]); werr != nil {
+					return
+				}
+			}
+			if err != nil {
+				return
+			}
+		}
+	}, nil)
+	u := px.URL(t, testenv.AMQPURL(t))
+	return func() (*amqp.Connection, error) { return amqp.Dial(u) }
 }
