@@ -394,6 +394,11 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 		began := time.Now()
 		n, err := r.round(ctx)
+		if pe := (partialError{}); errors.As(err, &pe) {
+			// The broker is reachable: no backoff for all the rows.
+			r.log.Warn("pgstore: relay: "+err.Error(), "relay", r.cfg.Name)
+			err = nil
+		}
 		var wait time.Duration
 		switch {
 		case err != nil:

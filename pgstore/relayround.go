@@ -39,7 +39,8 @@ var errNotTried = errors.New("not tried: an earlier message of its order key was
 // looks again at once only when that is not 0: a claim too short for any
 // publish must not make it spin), and an error when the database or the
 // broker could not be reached (the rows it could not publish are
-// released, due after a backoff).
+// released, due after a backoff): a partialError when the broker confirmed
+// or refused others of its messages.
 func (r *Relay) round(ctx context.Context) (int, error) {
 	rows, start, err := r.claim(ctx)
 	if err != nil || len(rows) == 0 {
@@ -156,8 +157,12 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 		// The row ids: a row the broker never takes in time (a body too
 		// large to send within PublishTimeout) is no refusal, so it has no
 		// attempts nor last_error to find it by (TestHrelay3PublishOutlastsTimeout).
-		return len(rows) - len(notTried), errors.Join(markErr, refuseErr,
-			fmt.Errorf("publish %d of %d messages (row ids %s): %w", len(unavailable), len(rows), idList(unavailable, 10), brokerErr))
+		err := fmt.Errorf("publish %d of %d messages (row ids %s): %w", len(unavailable), len(rows), idList(unavailable, 10), brokerErr)
+		if markErr == nil && refuseErr == nil && len(sent)+len(refusedIDs) > 0 {
+			// The broker answered for the others: reachable.
+			return len(rows) - len(notTried), partialError{err}
+		}
+		return len(rows) - len(notTried), errors.Join(markErr, refuseErr, err)
 	}
 	return len(rows) - len(notTried), errors.Join(markErr, refuseErr)
 }
@@ -177,6 +182,17 @@ func idList(ids []int64, n int) string {
 	}
 	return b.String()
 }
+
+// partialError is round's error when the broker confirmed or refused some
+// of its messages and could not take others (no confirm within
+// PublishTimeout, a nack, a channel lost): the broker is reachable, so Run
+// logs it and does not back off; the rows it could not take are released,
+// due again after RetryBackoff. Backing off, as from a broker that cannot
+// be reached, made one row that always outlasts PublishTimeout hold every
+// other row back for up to 30 s a round (TestHrelay3OneSlowRowHoldsNoOtherBack).
+type partialError struct{ error }
+
+func (e partialError) Unwrap() error { return e.error }
 
 // markSent marks the rows ids sent (deletes them, with a negative
 // Retention) once the broker confirmed them, and counts them published.
