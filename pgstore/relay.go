@@ -89,8 +89,9 @@ type RelayConfig struct {
 	// it refuses) before its row is dead: kept for an operator to list and
 	// re-drive, never dropped, never retried again by itself. A lost
 	// connection and a nack (the broker cannot take it now: a quorum queue
-	// without a leader, a full queue) are not refusals: the row waits, the
-	// relay backs off. Default DefaultRelayMaxAttempts.
+	// without a leader, a full queue) are not refusals: the row waits
+	// RetryBackoff, and the relay backs off unless the broker confirmed or
+	// refused other messages of the round. Default DefaultRelayMaxAttempts.
 	MaxAttempts int
 	// RetryBackoff is the wait after a message's first refusal, doubled
 	// after each next one up to MaxBackoff; also the first wait after the
