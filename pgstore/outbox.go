@@ -308,8 +308,18 @@ func (o *Outbox) Dead(ctx context.Context) (int64, error) {
 // not positive), until none is left or ctx ends, and returns how many it
 // deleted; then the counters of order keys without pending or dead rows.
 // Each statement takes a pool connection of its own. A Relay runs it every
-// RelayConfig.CleanupInterval, beside its publishing.
+// RelayConfig.CleanupInterval, beside its publishing, each statement
+// bounded by that interval (at least 10 s).
 func (o *Outbox) Cleanup(ctx context.Context, retention time.Duration, batch int) (int64, error) {
+	return o.cleanup(ctx, retention, batch, 0)
+}
+
+// cleanup is Cleanup with each statement (its wait for a pool connection
+// included) bounded by per, when per is positive: a statement that a lock
+// on the table, or a server that does not answer, holds past it ends the
+// pass with an error saying so, and its pool connection goes back to the
+// pool, instead of a wait in silence for as long as the lock is held.
+func (o *Outbox) cleanup(ctx context.Context, retention time.Duration, batch int, per time.Duration) (int64, error) {
 	if batch <= 0 {
 		batch = DefaultCleanupBatch
 	}
@@ -318,13 +328,17 @@ func (o *Outbox) Cleanup(ctx context.Context, retention time.Duration, batch int
 		LIMIT $2 FOR UPDATE SKIP LOCKED)`
 	var total int64
 	for {
-		tag, err := o.pool.Exec(ctx, sql, retention.Milliseconds(), batch)
+		var tag pgconn.CommandTag
+		err := withinPer(ctx, per, func(ctx context.Context) (err error) {
+			tag, err = o.pool.Exec(ctx, sql, retention.Milliseconds(), batch)
+			return classify(err)
+		})
 		if err != nil {
-			return total, fmt.Errorf("pgstore: outbox cleanup: %w", classify(err))
+			return total, fmt.Errorf("pgstore: outbox cleanup: %w", err)
 		}
 		total += tag.RowsAffected()
 		if tag.RowsAffected() < int64(batch) {
-			_, err := o.cleanupKeys(ctx, batch)
+			_, err := o.cleanupKeys(ctx, batch, per)
 			return total, err
 		}
 		if err := ctx.Err(); err != nil {
@@ -347,8 +361,9 @@ func (o *Outbox) Cleanup(ctx context.Context, retention time.Duration, batch int
 // writer updated since the transaction's snapshot was taken (whose new
 // row the snapshot does not show) makes it fail with a serialization error
 // instead of deleting a counter in use; that batch is then left for the
-// next pass. A counter a writer holds is skipped.
-func (o *Outbox) cleanupKeys(ctx context.Context, batch int) (int64, error) {
+// next pass. A counter a writer holds is skipped. Each statement (a
+// batch's transaction) is bounded by per, when positive (see cleanup).
+func (o *Outbox) cleanupKeys(ctx context.Context, batch int, per time.Duration) (int64, error) {
 	if batch <= 0 {
 		batch = DefaultCleanupBatch
 	}
@@ -363,25 +378,45 @@ func (o *Outbox) cleanupKeys(ctx context.Context, batch int) (int64, error) {
 	after := "" // an order key is never empty
 	for {
 		var upto *string
-		if err := o.pool.QueryRow(ctx, page, after, batch).Scan(&upto); err != nil {
-			return total, fmt.Errorf("pgstore: outbox cleanup of order keys: %w", classify(err))
+		if err := withinPer(ctx, per, func(ctx context.Context) error {
+			return classify(o.pool.QueryRow(ctx, page, after, batch).Scan(&upto))
+		}); err != nil {
+			return total, fmt.Errorf("pgstore: outbox cleanup of order keys: %w", err)
 		}
 		if upto == nil {
 			return total, nil
 		}
 		var n int64
-		err := pgx.BeginTxFunc(ctx, o.pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead}, func(tx pgx.Tx) error {
-			tag, err := tx.Exec(ctx, del, after, *upto)
-			n = tag.RowsAffected()
-			return err
+		err := withinPer(ctx, per, func(ctx context.Context) error {
+			return classify(pgx.BeginTxFunc(ctx, o.pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead}, func(tx pgx.Tx) error {
+				tag, err := tx.Exec(ctx, del, after, *upto)
+				n = tag.RowsAffected()
+				return err
+			}))
 		})
 		var pe *pgconn.PgError
 		switch {
 		case err == nil:
 			total += n
 		case !errors.As(err, &pe) || pe.Code != "40001":
-			return total, fmt.Errorf("pgstore: outbox cleanup of order keys: %w", classify(err))
+			return total, fmt.Errorf("pgstore: outbox cleanup of order keys: %w", err)
 		}
 		after = *upto
 	}
+}
+
+// withinPer runs f, with ctx bounded by per when per is positive. When that
+// bound ended f (ctx itself has not), its error says so.
+func withinPer(ctx context.Context, per time.Duration, f func(context.Context) error) error {
+	if per <= 0 {
+		return f(ctx)
+	}
+	sctx, cancel := context.WithTimeout(ctx, per)
+	defer cancel()
+	err := f(sctx)
+	if err != nil && ctx.Err() == nil && sctx.Err() != nil {
+		return fmt.Errorf("no answer within %v (a lock held on the table, a server or network that does not answer, "+
+			"or no free pool connection): %w", per, err)
+	}
+	return err
 }

@@ -89,8 +89,9 @@ type RelayConfig struct {
 	// it refuses) before its row is dead: kept for an operator to list and
 	// re-drive, never dropped, never retried again by itself. A lost
 	// connection and a nack (the broker cannot take it now: a quorum queue
-	// without a leader, a full queue) are not refusals: the row waits, the
-	// relay backs off. Default DefaultRelayMaxAttempts.
+	// without a leader, a full queue) are not refusals: the row waits
+	// RetryBackoff, and the relay backs off unless the broker confirmed or
+	// refused other messages of the round. Default DefaultRelayMaxAttempts.
 	MaxAttempts int
 	// RetryBackoff is the wait after a message's first refusal, doubled
 	// after each next one up to MaxBackoff; also the first wait after the
@@ -103,8 +104,10 @@ type RelayConfig struct {
 	Retention time.Duration
 	// CleanupInterval is how often the relay deletes the sent rows past
 	// Retention, in statements of Config.CleanupBatch rows, beside its
-	// publishing (a long cleanup holds no publish back). Default
-	// DefaultRelayCleanup.
+	// publishing (a long cleanup holds no publish back). It also bounds
+	// each of those statements (at least 10 s): one that a lock on the
+	// table holds past it is given up, logged, and tried again at the
+	// next cleanup. Default DefaultRelayCleanup.
 	CleanupInterval time.Duration
 	// Logger gets the relay's warnings and errors. Default the Outbox's
 	// Config.Logger, or slog.Default().
@@ -344,13 +347,22 @@ func (r *Relay) Dead(ctx context.Context) (int64, error) {
 // ctx.Err()). Errors of the database or the broker are logged and waited
 // out with backoff, never returned. Run may be called once. It listens,
 // and deletes expired sent rows, from goroutines that end before it
-// returns.
+// returns. Called after Shutdown (or with ctx ended), it returns at once,
+// having started nothing and opened no connection.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.started.CompareAndSwap(false, true) {
 		return errors.New("pgstore: Relay.Run called twice")
 	}
 	defer close(r.done)
 	defer r.pub.Close()
+	// Before the goroutines below: a listener started only to be
+	// cancelled could still dial PostgreSQL (TestHrelay3RunAfterShutdown).
+	if r.isStopping() {
+		return nil
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
 	ctx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
 	defer wg.Wait()
@@ -383,6 +395,11 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 		began := time.Now()
 		n, err := r.round(ctx)
+		if pe := (partialError{}); errors.As(err, &pe) {
+			// The broker is reachable: no backoff for all the rows.
+			r.log.Warn("pgstore: relay: "+err.Error(), "relay", r.cfg.Name)
+			err = nil
+		}
 		var wait time.Duration
 		switch {
 		case err != nil:
@@ -425,7 +442,16 @@ func (r *Relay) Run(ctx context.Context) error {
 // loop, so that a long one (a lowered Retention, a busy hour's rows)
 // holds no publish back, until Shutdown or ctx ends (Run's return cancels
 // the statement in flight).
+//
+// Each of its statements is bounded by CleanupInterval, at least
+// cleanupFloor (10 s): one that a lock held on the outbox table (a CREATE
+// INDEX without CONCURRENTLY, a LOCK TABLE left open) or a server that
+// does not answer holds past it is given up and logged, and gives its
+// pool connection back; the next pass tries again an interval later.
+// Before, it waited in silence for as long as the lock was held
+// (TestHrelay3CleanupBlockedByLock).
 func (r *Relay) cleanup(ctx context.Context) {
+	per := max(r.cfg.CleanupInterval, cleanupFloor)
 	t := time.NewTimer(r.cfg.CleanupInterval)
 	defer t.Stop()
 	for {
@@ -438,9 +464,9 @@ func (r *Relay) cleanup(ctx context.Context) {
 		}
 		var err error
 		if r.cfg.Retention >= 0 {
-			_, err = r.o.Cleanup(ctx, r.cfg.Retention, r.o.cfg.CleanupBatch)
+			_, err = r.o.cleanup(ctx, r.cfg.Retention, r.o.cfg.CleanupBatch, per)
 		} else {
-			_, err = r.o.cleanupKeys(ctx, r.o.cfg.CleanupBatch)
+			_, err = r.o.cleanupKeys(ctx, r.o.cfg.CleanupBatch, per)
 		}
 		if err != nil && ctx.Err() == nil {
 			r.log.Warn("pgstore: relay: "+err.Error(), "relay", r.cfg.Name)
@@ -469,6 +495,10 @@ func (r *Relay) nextRetry(began time.Time) (time.Duration, bool) {
 	}
 	return time.Until(r.retries[0]), true
 }
+
+// cleanupFloor is the least bound of a cleanup statement (a variable:
+// tests shorten it).
+var cleanupFloor = 10 * time.Second
 
 // backoff is base doubled n-1 times, capped at limit, with up to 20%
 // jitter taken off so that relays retrying together spread out.

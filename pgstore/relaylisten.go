@@ -31,19 +31,31 @@ func (r *Relay) listen(ctx context.Context) {
 }
 
 // listenOnce listens on one connection until it fails or ctx ends, then
-// closes it.
+// closes it. Its connect and LISTEN are bounded by listenWait: a server
+// or network that does not answer them is a warning and another try, not
+// a wait in silence while notifications are lost
+// (TestHrelay3ListenHungDatabase). The wait for notifications is not
+// bounded: a silent channel is no fault.
 func (r *Relay) listenOnce(ctx context.Context) error {
-	c, err := r.dial(ctx)
-	if err != nil {
+	lctx, cancel := context.WithTimeout(ctx, listenWait)
+	defer cancel()
+	late := func(err error) error {
+		if ctx.Err() == nil && lctx.Err() != nil {
+			return fmt.Errorf("no answer within %v (a server or network that does not answer): %w", listenWait, err)
+		}
 		return err
+	}
+	c, err := r.dial(lctx)
+	if err != nil {
+		return late(err)
 	}
 	defer func() {
 		cctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		_ = c.Close(cctx)
 		cancel()
 	}()
-	if _, err := c.Exec(ctx, r.sql.listen); err != nil {
-		return classify(err)
+	if _, err := c.Exec(lctx, r.sql.listen); err != nil {
+		return late(classify(err))
 	}
 	r.poke() // rows written before the LISTEN sent no notification we saw
 	for {
@@ -102,7 +114,8 @@ func (r *Relay) isStopping() bool {
 // of the messages already confirmed are still written, and tried again
 // for up to half of ClaimTTL when they fail. It returns ctx.Err() if it
 // had to cut the round short.
-// Shutdown is idempotent and may be called before, during or after Run.
+// Shutdown is idempotent and may be called before, during or after Run;
+// a Run called after it returns nil at once, having started nothing.
 func (r *Relay) Shutdown(ctx context.Context) error {
 	r.stopOnce.Do(func() { close(r.stopping) })
 	if !r.started.Load() {
@@ -121,3 +134,7 @@ func (r *Relay) Shutdown(ctx context.Context) error {
 // poolWait bounds how long one of the relay's statements waits for a
 // connection of the pool (a variable: tests shorten it).
 var poolWait = 5 * time.Second
+
+// listenWait bounds the listener's connect and LISTEN (a variable: tests
+// shorten it). Polling goes on meanwhile.
+var listenWait = 10 * time.Second

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -37,7 +39,8 @@ var errNotTried = errors.New("not tried: an earlier message of its order key was
 // looks again at once only when that is not 0: a claim too short for any
 // publish must not make it spin), and an error when the database or the
 // broker could not be reached (the rows it could not publish are
-// released, due after a backoff).
+// released, due after a backoff): a partialError when the broker confirmed
+// or refused others of its messages.
 func (r *Relay) round(ctx context.Context) (int, error) {
 	rows, start, err := r.claim(ctx)
 	if err != nil || len(rows) == 0 {
@@ -101,18 +104,27 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 	}
 	r.refusedN.Add(uint64(len(refusedIDs)))
 	// The outcomes are written even when ctx has ended (Shutdown): a
-	// confirmed message left unmarked is published again.
+	// confirmed message left unmarked is published again. A mark that
+	// failed does not keep the round from writing the others: a refusal
+	// left unwritten is not counted toward MaxAttempts, and its row waits
+	// out the claim instead of its backoff
+	// (TestHrelay3RefusalRecordedWhenMarkFails).
+	var markErr error
+	if len(sent) > 0 {
+		markErr = r.markSent(ctx, sent)
+	}
+	// Started after the mark, which may take a third of ClaimTTL: the
+	// statements below share PublishTimeout.
 	mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.PublishTimeout)
 	defer cancel()
-	if len(sent) > 0 {
-		if err := r.markSent(ctx, sent); err != nil {
-			return len(rows) - len(notTried), err
-		}
-	}
+	var refuseErr error
 	if len(refusedIDs) > 0 {
-		dead, err := r.refuse(mctx, refusedIDs, reasons, waits)
-		if err != nil {
-			return len(rows) - len(notTried), err
+		var dead []int64
+		dead, refuseErr = r.refuse(mctx, refusedIDs, reasons, waits)
+		if refuseErr != nil {
+			// Not recorded: the rows wait out their claim, and are
+			// published again with their attempts unchanged.
+			waits = nil
 		}
 		// Each row is due its wait after the refusal's statement, which
 		// has returned: so at the latest now plus the wait, by any clock.
@@ -142,10 +154,45 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 		if _, err := r.o.pool.Exec(mctx, r.sql.release, r.claimant, unavailable, wait); err != nil {
 			r.log.Warn("pgstore: relay: release rows (they wait out the claim): "+classify(err).Error(), "relay", r.cfg.Name)
 		}
-		return len(rows) - len(notTried), fmt.Errorf("publish %d of %d messages: %w", len(unavailable), len(rows), brokerErr)
+		// The row ids: a row the broker never takes in time (a body too
+		// large to send within PublishTimeout) is no refusal, so it has no
+		// attempts nor last_error to find it by (TestHrelay3PublishOutlastsTimeout).
+		err := fmt.Errorf("publish %d of %d messages (row ids %s): %w", len(unavailable), len(rows), idList(unavailable, 10), brokerErr)
+		if markErr == nil && refuseErr == nil && len(sent)+len(refusedIDs) > 0 {
+			// The broker answered for the others: reachable.
+			return len(rows) - len(notTried), partialError{err}
+		}
+		return len(rows) - len(notTried), errors.Join(markErr, refuseErr, err)
 	}
-	return len(rows) - len(notTried), nil
+	return len(rows) - len(notTried), errors.Join(markErr, refuseErr)
 }
+
+// idList formats up to n of ids, space-separated, with "..." when there
+// are more.
+func idList(ids []int64, n int) string {
+	var b strings.Builder
+	for i, id := range ids[:min(len(ids), n)] {
+		if i > 0 {
+			b.WriteByte(' ')
+		}
+		b.WriteString(strconv.FormatInt(id, 10))
+	}
+	if len(ids) > n {
+		b.WriteString(" ...")
+	}
+	return b.String()
+}
+
+// partialError is round's error when the broker confirmed or refused some
+// of its messages and could not take others (no confirm within
+// PublishTimeout, a nack, a channel lost): the broker is reachable, so Run
+// logs it and does not back off; the rows it could not take are released,
+// due again after RetryBackoff. Backing off, as from a broker that cannot
+// be reached, made one row that always outlasts PublishTimeout hold every
+// other row back for up to 30 s a round (TestHrelay3OneSlowRowHoldsNoOtherBack).
+type partialError struct{ error }
+
+func (e partialError) Unwrap() error { return e.error }
 
 // markSent marks the rows ids sent (deletes them, with a negative
 // Retention) once the broker confirmed them, and counts them published.
