@@ -84,8 +84,8 @@ type Config struct {
 	// OutboxTable is the producer outbox's table (see Outbox), in Schema.
 	// Migrate also creates the table of its order keys' counters,
 	// "<OutboxTable>_keys", and its indexes "<OutboxTable>_pending",
-	// "<OutboxTable>_order", "<OutboxTable>_sent" and
-	// "<OutboxTable>_dead". At most 50 bytes.
+	// "<OutboxTable>_order", "<OutboxTable>_sent", "<OutboxTable>_dead"
+	// and "<OutboxTable>_dead_order". At most 50 bytes.
 	// Default DefaultOutboxTable.
 	OutboxTable string
 	// Inject, when set, is called by Outbox.Write with its ctx and the
@@ -164,6 +164,7 @@ type names struct {
 	outboxKeys                 string // its order keys' counters
 	outboxPending, outboxOrder string // its indexes, unqualified
 	outboxSent, outboxDead     string
+	outboxDeadOrder            string
 	// outboxChannel is the channel Outbox.Write notifies and a Relay
 	// listens on: the table's name, unqualified (a channel name is one
 	// identifier of at most 63 bytes). Outboxes of the same name in two
@@ -190,12 +191,13 @@ func (c Config) names() names {
 		finishHeld:  qual(c.Table + "_finish_held"),
 		index:       pgx.Identifier{c.Table + "_expires"}.Sanitize(),
 
-		outbox:        qual(c.OutboxTable),
-		outboxPending: pgx.Identifier{c.OutboxTable + "_pending"}.Sanitize(),
-		outboxKeys:    qual(c.OutboxTable + "_keys"),
-		outboxOrder:   pgx.Identifier{c.OutboxTable + "_order"}.Sanitize(),
-		outboxSent:    pgx.Identifier{c.OutboxTable + "_sent"}.Sanitize(),
-		outboxDead:    pgx.Identifier{c.OutboxTable + "_dead"}.Sanitize(),
-		outboxChannel: c.OutboxTable,
+		outbox:          qual(c.OutboxTable),
+		outboxPending:   pgx.Identifier{c.OutboxTable + "_pending"}.Sanitize(),
+		outboxKeys:      qual(c.OutboxTable + "_keys"),
+		outboxOrder:     pgx.Identifier{c.OutboxTable + "_order"}.Sanitize(),
+		outboxSent:      pgx.Identifier{c.OutboxTable + "_sent"}.Sanitize(),
+		outboxDead:      pgx.Identifier{c.OutboxTable + "_dead"}.Sanitize(),
+		outboxDeadOrder: pgx.Identifier{c.OutboxTable + "_dead_order"}.Sanitize(),
+		outboxChannel:   c.OutboxTable,
 	}
 }

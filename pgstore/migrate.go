@@ -44,6 +44,7 @@ func MigrationSQL(cfg Config) (string, error) {
 		"{outboxorder}", n.outboxOrder,
 		"{outboxsent}", n.outboxSent,
 		"{outboxdead}", n.outboxDead,
+		"{outboxdeadorder}", n.outboxDeadOrder,
 		"{upgradeoutbox}", strings.NewReplacer(
 			"{outbox}", n.outbox,
 			"{outboxkeys}", n.outboxKeys,

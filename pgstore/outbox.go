@@ -102,11 +102,17 @@ func NewOutbox(pool *pgxpool.Pool, cfg Config) (*Outbox, error) {
 		// writer whose snapshot predates the counter's last change fails
 		// with a serialization error instead, to be retried.
 		//
-		// A new counter starts after the key's pending rows: after a
-		// cleanup deleted it (a key without pending rows starts from 1),
-		// or when the outbox was moved without its counters.
+		// A new counter starts after the key's pending and dead rows:
+		// after a cleanup deleted it (a key without either starts from
+		// 1), or when the outbox was moved without its counters, or an
+		// older release's cleanup deleted a counter of a key with dead
+		// rows. Dead rows count: a re-driven one is pending again with
+		// its seq, which no newer row of its key may share. Both maxima
+		// are read through partial indexes (order, dead order).
 		insertOrdered: `WITH k AS (INSERT INTO ` + n.outboxKeys + ` AS k (order_key, seq)
-				VALUES ($4, coalesce((SELECT max(seq) FROM ` + n.outbox + ` WHERE order_key = $4 AND state = 'p'), 0) + 1)
+				VALUES ($4, coalesce(greatest(
+					(SELECT max(seq) FROM ` + n.outbox + ` WHERE order_key = $4 AND state = 'p'),
+					(SELECT max(seq) FROM ` + n.outbox + ` WHERE order_key = $4 AND state = 'd')), 0) + 1)
 				ON CONFLICT (order_key) DO UPDATE SET seq = k.seq + 1 RETURNING seq),
 			r AS (INSERT INTO ` + n.outbox + ` (order_key, seq, message_id, message)
 				SELECT $4, k.seq, $1, $2 FROM k RETURNING id)

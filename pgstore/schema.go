@@ -413,6 +413,7 @@ CREATE INDEX IF NOT EXISTS {outboxpending} ON {outbox} (id) WHERE state = 'p';
 CREATE INDEX IF NOT EXISTS {outboxorder} ON {outbox} (order_key, seq) WHERE state = 'p' AND order_key IS NOT NULL;
 CREATE INDEX IF NOT EXISTS {outboxsent} ON {outbox} (sent_at) WHERE state = 's';
 CREATE INDEX IF NOT EXISTS {outboxdead} ON {outbox} (id) WHERE state = 'd';
+CREATE INDEX IF NOT EXISTS {outboxdeadorder} ON {outbox} (order_key, seq) WHERE state = 'd' AND order_key IS NOT NULL;
 
 {checkoutboxformat}
 `
