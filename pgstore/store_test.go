@@ -572,7 +572,7 @@ func TestDropSQL(t *testing.T) {
 	// What Migrate's documentation lists (with the primary keys' indexes).
 	want := "S amqpidem_outbox_id_seq, function amqpidem_records_acquire, function amqpidem_records_acquire_held, " +
 		"function amqpidem_records_finish, function amqpidem_records_finish_held, function amqpidem_records_finish_tx, " +
-		"function amqpidem_records_held_key, i amqpidem_outbox_dead, i amqpidem_outbox_keys_pkey, i amqpidem_outbox_order, " +
+		"function amqpidem_records_held_key, i amqpidem_outbox_dead, i amqpidem_outbox_dead_order, i amqpidem_outbox_keys_pkey, i amqpidem_outbox_order, " +
 		"i amqpidem_outbox_pending, i amqpidem_outbox_pkey, i amqpidem_outbox_sent, i amqpidem_records_expires, " +
 		"i amqpidem_records_pkey, r amqpidem_outbox, r amqpidem_outbox_keys, r amqpidem_records, r app"
 	if got := strings.Join(objects(), ", "); got != want {
