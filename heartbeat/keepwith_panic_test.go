@@ -7,6 +7,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/amqpidem/amqpidem/lock"
 )
 
 // panicLoss is a LossHandler that panics, after counting its call.
@@ -33,21 +35,7 @@ func TestKeepWithLossHandlerPanics(t *testing.T) {
 
 	// Lost on the Keeper's goroutine: the record is taken by another owner.
 	h := &panicLoss{}
-	h.calls.Add(1)
-	lease := acquire(t, store, "panic-lost", 300*time.Millisecond)
-	if _, err := k.KeepWith(lease, h); err != nil {
-		t.Fatal(err)
-	}
-	if err := store.Release(context.Background(), lease); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() { h.calls.Wait(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(5 * time.Second):
-		t.Fatal("LeaseLost not called 5s after the lease was released")
-	}
+	loseKeptWith(t, k, store, "panic-lost", h, &h.calls)
 	time.Sleep(50 * time.Millisecond) // the Keeper's goroutine goes on (or the process is gone)
 	if other.Err() != nil {
 		t.Fatalf("the other lease was not kept: %v", context.Cause(other))
@@ -66,5 +54,27 @@ func TestKeepWithLossHandlerPanics(t *testing.T) {
 	}
 	if got := logs.String(); strings.Count(got, "loss handler bug") != 2 || !strings.Contains(got, "keepwith_panic_test.go") {
 		t.Errorf("log: want both panics with their stacks, got:\n%s", got)
+	}
+}
+
+// loseKeptWith keeps a new lease of key (TTL 300 ms) with h, then releases
+// it so that the Keeper finds it lost, and waits up to 5 s for h's call,
+// which h counts in calls.
+func loseKeptWith(t *testing.T, k *Keeper, store lock.Store, key string, h LossHandler, calls *sync.WaitGroup) {
+	t.Helper()
+	calls.Add(1)
+	lease := acquire(t, store, key, 300*time.Millisecond)
+	if _, err := k.KeepWith(lease, h); err != nil {
+		t.Fatal(err)
+	}
+	if err := store.Release(context.Background(), lease); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { calls.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("LeaseLost not called 5s after the lease was released")
 	}
 }

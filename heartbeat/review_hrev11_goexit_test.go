@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"runtime"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -43,25 +44,14 @@ func TestHrev11KeepWithLossHandlerGoexit(t *testing.T) {
 	defer stopOther()
 
 	h := &goexitLoss{}
-	h.calls.Add(1)
-	lease := acquire(t, store, "goexit-lost", 300*time.Millisecond)
-	if _, err := k.KeepWith(lease, h); err != nil {
-		t.Fatal(err)
-	}
-	if err := store.Release(context.Background(), lease); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() { h.calls.Wait(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(5 * time.Second):
-		t.Fatal("LeaseLost not called 5s after the lease was released")
-	}
+	loseKeptWith(t, k, store, "goexit-lost", h, &h.calls)
 	time.Sleep(1500 * time.Millisecond) // three of the other lease's TTLs
 	l, _ := LeaseFromContext(other)
 	if other.Err() == nil && time.Until(l.Deadline) <= 0 {
 		t.Errorf("the other lease's deadline passed %v ago and its context is not cancelled: the Keeper's goroutine "+
 			"ended with the LossHandler's Goexit, keeping nothing, telling no one (log: %q)", -time.Until(l.Deadline), logs.String())
+	}
+	if !strings.Contains(logs.String(), "LossHandler called runtime.Goexit") {
+		t.Errorf("nothing logged of the LossHandler's Goexit: %q", logs.String())
 	}
 }

@@ -72,6 +72,26 @@ func (r *outboxRig) write(commit bool, msgs ...pgstore.Message) []string {
 }
 
 // msg is a message to the rig's queue with body body.
+// lockTable locks the rig's outbox table in mode (e.g. "SHARE", "ACCESS
+// EXCLUSIVE") from a transaction of its own, as a migration or an
+// operator's LOCK TABLE does, until the release it returns (or the test's
+// end) rolls that transaction back.
+func (r *outboxRig) lockTable(mode string) (release func()) {
+	r.t.Helper()
+	ctx := context.Background()
+	tx, err := r.pool.Begin(ctx)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	var once sync.Once
+	release = func() { once.Do(func() { _ = tx.Rollback(ctx) }) }
+	r.t.Cleanup(release)
+	if _, err := tx.Exec(ctx, "LOCK TABLE "+pgx.Identifier{r.cfg.Schema, pgstore.DefaultOutboxTable}.Sanitize()+" IN "+mode+" MODE"); err != nil {
+		r.t.Fatal(err)
+	}
+	return release
+}
+
 func (r *outboxRig) msg(body string) pgstore.Message {
 	return pgstore.Message{RoutingKey: r.queue, Publishing: amqp.Publishing{Body: []byte(body)}}
 }

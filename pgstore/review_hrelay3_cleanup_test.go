@@ -3,7 +3,6 @@ package pgstore_test
 import (
 	"context"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -29,16 +28,7 @@ func TestHrelay3CleanupBlockedByLock(t *testing.T) {
 		FROM generate_series(1, $1) g`, expired); err != nil {
 		t.Fatal(err)
 	}
-	lock, err := r.pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var unlock sync.Once
-	release := func() { unlock.Do(func() { _ = lock.Rollback(ctx) }) }
-	t.Cleanup(release)
-	if _, err := lock.Exec(ctx, "LOCK TABLE "+table+" IN SHARE MODE"); err != nil {
-		t.Fatal(err)
-	}
+	release := r.lockTable("SHARE")
 	pgstore.SetCleanupFloor(t, 300*time.Millisecond)
 	var log testenv.SyncBuffer
 	t.Cleanup(func() { t.Logf("relay log:\n%s", log.String()) })

@@ -6,8 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/amqpidem/amqpidem/internal/testenv"
 	"github.com/amqpidem/amqpidem/pgstore"
 )
@@ -40,7 +38,6 @@ func hrev11WaitingClaims(t *testing.T, r *outboxRig) int {
 // session may wait for the lock on a relay's behalf.
 func TestHrev11RelayClaimTimeoutLeavesNoServerSessions(t *testing.T) {
 	r := newOutboxRig(t)
-	ctx := context.Background()
 	var log testenv.SyncBuffer
 	startRelay(t, r.ob, pgstore.RelayConfig{ClaimTTL: time.Second, PublishTimeout: 250 * time.Millisecond, Batch: 4, Concurrency: 4,
 		PollInterval: 50 * time.Millisecond, RetryBackoff: 50 * time.Millisecond, MaxBackoff: 100 * time.Millisecond,
@@ -49,17 +46,7 @@ func TestHrev11RelayClaimTimeoutLeavesNoServerSessions(t *testing.T) {
 	ids = append(ids, r.write(true, r.msg("before"))...)
 	r.waitCount("s", 1, 10*time.Second)
 
-	lock, err := r.pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var unlock sync.Once
-	release := func() { unlock.Do(func() { _ = lock.Rollback(ctx) }) }
-	t.Cleanup(release)
-	if _, err := lock.Exec(ctx, "LOCK TABLE "+pgx.Identifier{r.cfg.Schema, pgstore.DefaultOutboxTable}.Sanitize()+
-		" IN ACCESS EXCLUSIVE MODE"); err != nil {
-		t.Fatal(err)
-	}
+	release := r.lockTable("ACCESS EXCLUSIVE")
 	var writer sync.WaitGroup
 	var during []string
 	writer.Add(1)

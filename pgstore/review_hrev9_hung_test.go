@@ -10,7 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/amqpidem/amqpidem/internal/testenv"
@@ -158,7 +157,6 @@ func TestHrev9RelayClaimHungDatabase(t *testing.T) {
 // publish every row once.
 func TestHrev9RelayClaimBlockedByLock(t *testing.T) {
 	r := newOutboxRig(t)
-	ctx := context.Background()
 	var log testenv.SyncBuffer
 	const claimTTL = 2 * time.Second
 	startRelay(t, r.ob, pgstore.RelayConfig{ClaimTTL: claimTTL, PublishTimeout: 500 * time.Millisecond, Batch: 8, Concurrency: 8,
@@ -170,18 +168,8 @@ func TestHrev9RelayClaimBlockedByLock(t *testing.T) {
 	r.waitCount("s", 1, 10*time.Second)
 	time.Sleep(200 * time.Millisecond) // the relay idle, polling
 
-	lock, err := r.pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var unlock sync.Once
-	release := func() { unlock.Do(func() { _ = lock.Rollback(ctx) }) }
-	t.Cleanup(release)
 	mark := len(log.String())
-	if _, err := lock.Exec(ctx, "LOCK TABLE "+pgx.Identifier{r.cfg.Schema, pgstore.DefaultOutboxTable}.Sanitize()+
-		" IN ACCESS EXCLUSIVE MODE"); err != nil {
-		t.Fatal(err)
-	}
+	release := r.lockTable("ACCESS EXCLUSIVE")
 	// Rows written meanwhile wait for the lock too.
 	var writers sync.WaitGroup
 	during := make([]string, 3)
