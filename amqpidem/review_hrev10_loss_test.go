@@ -148,14 +148,23 @@ func TestHrev10KeeperShutdownMidBatch(t *testing.T) {
 	store := &loseOne{MemoryStore: mem}
 	ids := []string{"hrev10-k0", "hrev10-k1", "hrev10-k2"}
 	started := make(chan struct{})
+	var once sync.Once
+	var mu sync.Mutex
 	var cause error
 	h := BatchHandlerFunc(func(ctx context.Context, ds []*amqp.Delivery) ([]BatchResult, error) {
-		close(started)
+		// Shutdown tells the leases one after the other: the run the
+		// first loss cancels may run again with the members not told yet,
+		// until their turn cancels it too.
+		once.Do(func() { close(started) })
 		select {
 		case <-ctx.Done():
 		case <-time.After(5 * time.Second):
 		}
-		cause = context.Cause(ctx)
+		mu.Lock()
+		if cause == nil {
+			cause = context.Cause(ctx)
+		}
+		mu.Unlock()
 		return nil, ctx.Err()
 	})
 	p := newBatchProc(t, store, time.Second, slog.New(slog.DiscardHandler), len(ids), h)
