@@ -2,14 +2,10 @@ package pgstore_test
 
 import (
 	"context"
-	"fmt"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
-	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/amqpidem/amqpidem/internal/testenv"
 	"github.com/amqpidem/amqpidem/pgstore"
 )
 
@@ -26,48 +22,12 @@ import (
 // showed before d9da6a5.
 func TestHrev11RedriveAfterCounterLostSeq(t *testing.T) {
 	r := newOutboxRig(t)
-	ctx := context.Background()
-	table := pgx.Identifier{r.cfg.Schema, pgstore.DefaultOutboxTable}.Sanitize()
 	keys := pgx.Identifier{r.cfg.Schema, pgstore.DefaultOutboxTable + "_keys"}.Sanitize()
-	later := r.queue + "-later"
-	r.write(true, pgstore.Message{RoutingKey: later, OrderKey: "k", Publishing: amqp.Publishing{MessageId: "dead", Body: []byte("dead")}})
-	_, stop := startRelay(t, r.ob, pgstore.RelayConfig{Ordered: true, MaxAttempts: 1, PollInterval: 20 * time.Millisecond}, nil)
-	r.waitCount("d", 1, 10*time.Second)
-	stop()
 	// The counters lost: the outbox table moved without them (or an
 	// older release's Cleanup).
-	if _, err := r.pool.Exec(ctx, "DELETE FROM "+keys); err != nil {
-		t.Fatal(err)
-	}
-	fresh := r.msg("fresh")
-	fresh.OrderKey, fresh.Publishing.MessageId = "k", "fresh"
-	r.write(true, fresh)
-	if _, err := r.ch.QueueDeclare(later, true, false, false, false, nil); err != nil {
-		t.Fatal(err)
-	}
-	testenv.DeleteQueues(t, testenv.AMQPURL(t), later)
-	if n, err := r.ob.Redrive(ctx); err != nil || n != 1 {
-		t.Fatalf("Redrive() = %d, %v; want 1", n, err)
-	}
-	rows, err := r.pool.Query(ctx, "SELECT message_id, seq FROM "+table+" WHERE order_key = 'k' AND state = 'p' ORDER BY id")
-	if err != nil {
-		t.Fatal(err)
-	}
-	seqs := map[int64][]string{}
-	got, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (string, error) {
-		var id string
-		var seq int64
-		err := row.Scan(&id, &seq)
-		seqs[seq] = append(seqs[seq], id)
-		return fmt.Sprintf("%s=%d", id, seq), err
+	table := hrev9DeadThenRedriven(t, r, func(ctx context.Context) error {
+		_, err := r.pool.Exec(ctx, "DELETE FROM "+keys)
+		return err
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for seq, ids := range seqs {
-		if len(ids) > 1 {
-			t.Errorf("order key k: seq %d taken by %d pending rows %v (message=seq: %v): Write's new counter started after "+
-				"the key's pending rows only, not its dead one", seq, len(ids), ids, got)
-		}
-	}
+	hrev9NoSharedSeq(t, r, table, "Write's new counter started after the key's pending rows only, not its dead one")
 }
