@@ -532,6 +532,9 @@ type batchLoss flight
 // it is in, if any, with cause.
 func (l *batchLoss) LeaseLost(cause error) {
 	f := (*flight)(l)
+	if lossHook != nil {
+		lossHook(f, cause)
+	}
 	b := f.p.batch
 	b.lossMu.Lock()
 	if f.lost == nil {
@@ -567,6 +570,10 @@ func (f *flight) leaseLost() error {
 	defer b.lossMu.Unlock()
 	return f.lost
 }
+
+// lossHook, when set (by tests, before any flight runs), is called by
+// each flight's LeaseLost before it records the loss.
+var lossHook func(f *flight, cause error)
 
 // runJoinHook, when set (by tests, before any flight runs), is called by
 // each flight of a batch consumer before it joins a run batch.
