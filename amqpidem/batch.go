@@ -12,6 +12,7 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/amqpidem/amqpidem/heartbeat"
 	"github.com/amqpidem/amqpidem/lock"
 )
 
@@ -245,10 +246,17 @@ type batcher struct {
 	// flights arrive interleaved still run one run batch each.
 	parked map[*group[*acquireCall]]*group[*flight]
 
-	// lossMu guards each flight's lost and cancelRun (runKept): a lease
-	// lost is told by the keeper's goroutine, a run started and ended by
-	// its batch's leader.
+	// lossMu guards each flight's lost and cancelRun (runKept), and
+	// closed: a lease lost is told by the keeper's goroutine, a run
+	// started and ended by its batch's leader.
 	lossMu sync.Mutex
+	// closed is the cause (heartbeat.ErrClosed) of the first lease the
+	// Keeper's Shutdown told lost, nil before: the Keeper keeps no lease
+	// any more, so every flight counts as lost with it (leaseLost),
+	// those it has not told yet too. Shutdown tells the leases one after
+	// the other, and a run the first loss cancels would otherwise run
+	// again with the others, work that cannot commit, until their turn.
+	closed error
 }
 
 // maxPrealloc is the most items a group's slice is allocated for before
@@ -540,6 +548,9 @@ func (l *batchLoss) LeaseLost(cause error) {
 	if f.lost == nil {
 		f.lost = cause
 	}
+	if b.closed == nil && errors.Is(cause, heartbeat.ErrClosed) {
+		b.closed = cause
+	}
 	cancel, cancelOwn := f.cancelRun, f.cancelOwn
 	b.lossMu.Unlock()
 	if cancelOwn != nil {
@@ -563,12 +574,14 @@ func (f *flight) stopped() error {
 	return nil
 }
 
-// leaseLost is why f's lease was lost, nil while it is kept.
+// leaseLost is why f's lease was lost, nil while it is kept: the
+// Keeper's Shutdown (batcher.closed) counts for every flight, told yet or
+// not.
 func (f *flight) leaseLost() error {
 	b := f.p.batch
 	b.lossMu.Lock()
 	defer b.lossMu.Unlock()
-	return f.lost
+	return cmp.Or(f.lost, b.closed)
 }
 
 // lossHook, when set (by tests, before any flight runs), is called by
@@ -764,7 +777,8 @@ func (b *batcher) gatherRun(gr *group[*flight], stop, done <-chan struct{}) []*f
 // runBatch runs the flights fs as one batch and sets each one's out. A
 // flight whose lease was lost (or the consumer forced to stop) before or
 // during the batch is taken out of it, and the rest run again without
-// it; a batch error splits the batch in halves, each run again, down to
+// it (none does once the Keeper was shut down: each counts as lost,
+// leaseLost); a batch error splits the batch in halves, each run again, down to
 // single flights, whose out is then that error. A BatchCompleter's commit
 // whose outcome is unknown (lock.ErrUnavailable) is not run again: each
 // flight settles as "store unavailable". last says that no other part
