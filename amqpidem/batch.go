@@ -449,6 +449,11 @@ func (f *flight) runKept() {
 		return
 	}
 	f.kept, f.keptCtx = kept, kept
+	// Its execution, for FromContext on hctx: its Info, and an outbox
+	// sealed (Stage refuses: a batch's messages stage on their
+	// DeliveryContext, the runs' executions). Part of the flight.
+	f.x = execution{info: Info{Queue: p.cfg.Queue, Key: f.ev.Key, Attempt: f.attempt, Fence: f.lease.Fence}}
+	f.x.outbox.sealed = true
 	f.hctx = (*handlerCtx)(f)
 	f.runBatched()
 }
@@ -458,7 +463,9 @@ func (f *flight) runKept() {
 // as a single message's is, so that an observer can tell the messages of
 // a batch apart by it (promamqpidem's oldest handler), where their ctx is
 // one (a Consumer's session's). It carries the flight's lease
-// (heartbeat.LeaseFromContext) and ctx's values, and is done when ctx
+// (heartbeat.LeaseFromContext), its Info (FromContext, as a single
+// message's execution does; Stage on it answers ErrNoOutbox) and ctx's
+// values, and is done when ctx
 // is, when the lease is lost (its cause the loss's, as a Keep context's)
 // and once the keep stops (context.Canceled, as a Keep context's stop
 // cancels it). It is the flight itself until a context of its own is
@@ -517,12 +524,15 @@ func (c *handlerCtx) Err() error {
 	return c.ctx.Err()
 }
 
-// Value returns the flight's kept lease for heartbeat's key, else the
-// value of the handler context for key (its cancellation cause too, for
-// context.Cause).
+// Value returns the flight's kept lease for heartbeat's key, its
+// execution (x) for FromContext's, else the value of the handler context
+// for key (its cancellation cause too, for context.Cause).
 func (c *handlerCtx) Value(key any) any {
 	if v := c.keptCtx.Value(key); v != nil {
 		return v
+	}
+	if key == (executionKey{}) {
+		return &c.x
 	}
 	if o := c.own(false); o != nil {
 		return o.Value(key)

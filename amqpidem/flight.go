@@ -95,8 +95,9 @@ type flight struct {
 	// flight rather than an allocation of its own.
 	acq acquireCall
 	// x is its execution (run, runUnkeyed: the handler's context), and hd
-	// the delivery its handler gets (handlerDelivery's copy): parts of
-	// the flight, already on the heap, rather than allocations of their
+	// the delivery its handler gets (handlerDelivery's copy; a batch
+	// consumer's flight's x only gives its Info to hctx, runKept): parts
+	// of the flight, already on the heap, rather than allocations of their
 	// own. The handler may keep either after it returns; they keep the
 	// flight, never reused, alive with them.
 	x  execution
