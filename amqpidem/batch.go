@@ -509,7 +509,11 @@ func (c *handlerCtx) end() {
 	}
 }
 
-// Deadline returns the flight's ctx's deadline.
+// Deadline returns the flight's ctx's deadline. HandlerTimeout's is not
+// it: that bounds each run of the batch (the run's context carries it),
+// and hctx spans every run (a split runs a flight again, under a fresh
+// timeout), so that no one deadline, with Done closed when it passes,
+// would be true of it.
 func (c *handlerCtx) Deadline() (time.Time, bool) { return c.ctx.Deadline() }
 
 // Done returns a channel closed when the flight's ctx is done, its lease
