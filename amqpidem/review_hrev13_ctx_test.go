@@ -78,3 +78,78 @@ func TestHrev13BatchHandlerCtxFromContext(t *testing.T) {
 		}
 	}
 }
+
+// handlerCtx asked from other goroutines (an observer's) while its lease
+// is lost, its keep stops and its ctx ends, all at once: under -race, no
+// data race; Done one channel, closed in the end; Err non-nil; and once
+// an Err or a Cause was seen non-nil, the cause never changes after.
+func TestHrev13HandlerCtxRaces(t *testing.T) {
+	lostErr := errors.New("lease lost (hrev13)")
+	ctxErr := errors.New("ctx ended (hrev13)")
+	for i := range 200 {
+		ctx, cancel := context.WithCancelCause(context.Background())
+		f := &flight{p: &processor{batch: &batcher{}}, ctx: ctx}
+		c := (*handlerCtx)(f)
+		var wg sync.WaitGroup
+		start := make(chan struct{})
+		var seen []error // causes seen once Err was non-nil, in order
+		var dones []<-chan struct{}
+		var mu sync.Mutex
+		for range 2 {
+			wg.Go(func() {
+				<-start
+				for range 50 {
+					d := c.Done()
+					var cause error
+					if c.Err() != nil {
+						cause = context.Cause(c)
+					}
+					mu.Lock()
+					dones = append(dones, d)
+					if cause != nil {
+						seen = append(seen, cause)
+					}
+					mu.Unlock()
+				}
+			})
+		}
+		wg.Go(func() {
+			<-start
+			for range 50 {
+				if err := c.Err(); err != nil {
+					mu.Lock()
+					seen = append(seen, context.Cause(c))
+					mu.Unlock()
+				}
+				_ = c.Value(executionKey{})
+			}
+		})
+		wg.Go(func() { <-start; (*batchLoss)(f).LeaseLost(lostErr) })
+		wg.Go(func() { <-start; c.end() })
+		wg.Go(func() { <-start; cancel(ctxErr) })
+		close(start)
+		wg.Wait()
+		select {
+		case <-c.Done():
+		default:
+			t.Fatalf("run %d: Done not closed once lost, ended and ctx done", i)
+		}
+		final := context.Cause(c)
+		if c.Err() == nil || final == nil {
+			t.Fatalf("run %d: Err %v, Cause %v once done", i, c.Err(), final)
+		}
+		if !errors.Is(final, lostErr) && !errors.Is(final, ctxErr) && !errors.Is(final, context.Canceled) {
+			t.Fatalf("run %d: Cause %v, want one of the three", i, final)
+		}
+		for _, s := range seen {
+			if s != final {
+				t.Fatalf("run %d: a Cause %v seen while done, later %v", i, s, final)
+			}
+		}
+		for _, d := range dones {
+			if d != c.Done() {
+				t.Fatalf("run %d: Done gave two channels", i)
+			}
+		}
+	}
+}
