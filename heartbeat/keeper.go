@@ -58,8 +58,7 @@ type Keeper struct {
 	batches chan *batch   // loop → extender; buffered 1
 	results chan *batch   // extender → loop; buffered 1
 
-	quit       chan struct{} // closed by Shutdown
-	closeOnce  sync.Once
+	quit       chan struct{}   // closed by the first Shutdown, once its leases were told
 	baseCtx    context.Context // parent of every Extend call's context
 	cancelBase context.CancelFunc
 	loopDone   chan struct{}
@@ -305,20 +304,32 @@ func (k *Keeper) Len() int {
 // waits for both goroutines to return or for ctx to be done, returning
 // ctx.Err() in that case. A store whose Extend ignores its context keeps the
 // extender goroutine until the call returns; it exits then without touching
-// any lease. Shutdown is idempotent; later calls wait the same way.
+// any lease. Shutdown is idempotent; later calls wait the same way (for
+// the first call's LossHandlers too: the goroutines end after them).
+//
+// A LossHandler that calls Shutdown waits for the Keeper, which waits for
+// it: that call returns ctx.Err() once ctx is done, never before, and the
+// Keeper's goroutines end only after the handler returned. Call it on a
+// goroutine of its own.
 func (k *Keeper) Shutdown(ctx context.Context) error {
-	k.closeOnce.Do(func() {
-		k.mu.Lock()
-		k.closed = true
-		entries := k.entries
+	// Not a sync.Once: a LossHandler that the first call runs may call
+	// Shutdown, which must then wait (with its ctx) rather than block in
+	// Do for good.
+	k.mu.Lock()
+	first := !k.closed
+	k.closed = true
+	entries := k.entries
+	if first {
 		k.entries = make(map[*entry]struct{})
-		k.mu.Unlock()
+	}
+	k.mu.Unlock()
+	if first {
 		for e := range entries {
 			e.lose(ErrClosed)
 		}
 		k.cancelBase()
 		close(k.quit)
-	})
+	}
 	for _, done := range []chan struct{}{k.loopDone, k.extDone} {
 		select {
 		case <-done:
