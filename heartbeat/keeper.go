@@ -188,13 +188,19 @@ type LossHandler interface {
 	// ErrLeaseUnconfirmed or ErrInvalidLease, or ErrClosed. It is called
 	// on one of the Keeper's goroutines (or Shutdown's), which wait for
 	// it (it runs on a goroutine of its own that they wait for): it must
-	// return quickly, and may call the lease's Kept.Stop (a panic is
-	// recovered and logged with its stack, the caller's bug, as is a
-	// runtime.Goexit). A
-	// lease stopped before the Keeper found it lost is never reported;
-	// but a Stop racing with that finding may return before, or while,
-	// LeaseLost is called: a handler must ignore a call for work it has
-	// finished.
+	// return quickly. While a call the Keeper's loop made runs, that loop
+	// checks no deadline and extends no lease, of any KeepWith or Keep
+	// call: a handler that blocks for longer than the shortest TTL's
+	// margin lets the other leases run out unextended, their holders
+	// untold. It may call the lease's Kept.Stop, and Keep or KeepWith
+	// (a panic is recovered and logged with its stack, the caller's bug,
+	// as is a runtime.Goexit); a call of Shutdown waits for the handler
+	// itself (see Shutdown). Calls for different leases may run at once
+	// (the loop's and Shutdown's), and one made by a Shutdown racing with
+	// KeepWith may come before KeepWith returns. A lease stopped before
+	// the Keeper found it lost is never reported; but a Stop racing with
+	// that finding may return before, or while, LeaseLost is called: a
+	// handler must ignore a call for work it has finished.
 	LeaseLost(cause error)
 }
 
