@@ -196,8 +196,9 @@ type LossHandler interface {
 	// (a panic is recovered and logged with its stack, the caller's bug,
 	// as is a runtime.Goexit); a call of Shutdown waits for the handler
 	// itself (see Shutdown). Calls for different leases may run at once
-	// (the loop's and Shutdown's), and one made by a Shutdown racing with
-	// KeepWith may come before KeepWith returns. A lease stopped before
+	// (the loop's and Shutdown's), and one may come before KeepWith has
+	// returned (a Shutdown racing with it, a deadline already close). A
+	// lease stopped before
 	// the Keeper found it lost is never reported; but a Stop racing with
 	// that finding may return before, or while, LeaseLost is called: a
 	// handler must ignore a call for work it has finished.
