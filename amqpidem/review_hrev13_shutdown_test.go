@@ -11,6 +11,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/heartbeat"
+	"github.com/amqpidem/amqpidem/internal/testenv"
 	"github.com/amqpidem/amqpidem/lock"
 )
 
@@ -38,7 +39,26 @@ func TestHrev13KeeperShutdownNoRerun(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	store := &loseOne{MemoryStore: mem}
+	hrev13ShutdownNoRerun(t, mem, mem.Inspect)
+}
+
+// TestHrev13KeeperShutdownNoRerunRedis is TestHrev13KeeperShutdownNoRerun
+// on the real Redis.
+func TestHrev13KeeperShutdownNoRerunRedis(t *testing.T) {
+	rs, err := lock.NewRedisStore(testenv.RedisClient(t), lock.Config{Prefix: testenv.Name(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hrev13ShutdownNoRerun(t, rs, rs.Inspect)
+}
+
+// hrev13Store is a store that takes leases in batches.
+type hrev13Store interface {
+	lock.Store
+	lock.BatchAcquirer
+}
+
+func hrev13ShutdownNoRerun(t *testing.T, store hrev13Store, inspect func(context.Context, string) (lock.Record, error)) {
 	ids := []string{"hrev13-k0", "hrev13-k1", "hrev13-k2", "hrev13-k3"}
 	started := make(chan struct{})
 	var mu sync.Mutex
@@ -105,9 +125,20 @@ func TestHrev13KeeperShutdownNoRerun(t *testing.T) {
 	if got != 1 {
 		t.Errorf("handler calls %d, want 1: the batch ran again after the Keeper's Shutdown cancelled it", got)
 	}
-	lost := map[string]bool{}
 	for _, id := range ids {
-		lost[id] = true
+		ev := evs[id]
+		if ev.Outcome != Abandoned || ev.Reason != "lease lost" {
+			t.Errorf("%s: %v %q %v, want abandoned, lease lost", id, ev.Outcome, ev.Reason, ev.Err)
+		}
+		rec, err := inspect(context.Background(), StoreKey(p.cfg.Endpoint, id))
+		if err != nil {
+			t.Fatalf("%s: Inspect: %v", id, err)
+		}
+		if rec.State == lock.StateCompleted {
+			t.Errorf("%s: its record completed, though the Keeper shut down mid-run", id)
+		}
 	}
-	hrev10Check(t, mem, &p, evs, ids, lost)
+	if got := p.keeper.Len(); got != 0 {
+		t.Errorf("leases still kept: %d", got)
+	}
 }
