@@ -255,15 +255,38 @@ func TestRedisCheckWarnsOnEviction(t *testing.T) {
 		t.Fatalf("Check with allkeys-lru logged %q, want a warning naming the policy", got)
 	}
 
-	logs.Reset()
-	if err := client.ConfigSet(context.Background(), "maxmemory-policy", "noeviction").Err(); err != nil {
-		t.Fatal(err)
+	// warnings counts the WARN lines Check logs with the policy set (""
+	// leaves it as it is).
+	warnings := func(policy string) int {
+		t.Helper()
+		if policy != "" {
+			if err := client.ConfigSet(context.Background(), "maxmemory-policy", policy).Err(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		mu.Lock()
+		logs.Reset()
+		mu.Unlock()
+		if err := s.Check(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		return strings.Count(logs.String(), "level=WARN")
 	}
-	if err := s.Check(context.Background()); err != nil {
-		t.Fatal(err)
+	// A Consumer's Run checks again after its user's Check: the same
+	// finding is not warned about twice, a changed one is.
+	if n := warnings(""); n != 0 {
+		t.Fatalf("a second Check with allkeys-lru logged %d warnings, want 0 (logged once already)", n)
 	}
-	if logs.Len() != 0 {
-		t.Fatalf("Check with noeviction logged %q, want nothing", logs.String())
+	if n := warnings("volatile-lru"); n != 1 {
+		t.Fatalf("Check after the policy changed to volatile-lru logged %d warnings, want 1", n)
+	}
+	if n := warnings("noeviction"); n != 0 {
+		t.Fatalf("Check with noeviction logged %d warnings (%q), want none", n, logs.String())
+	}
+	if n := warnings("volatile-lru"); n != 1 {
+		t.Fatalf("Check after the policy went back from noeviction to volatile-lru logged %d warnings, want 1", n)
 	}
 
 	srv.Stop()
