@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -64,6 +65,13 @@ type RedisStore struct {
 	client redis.UniversalClient
 	cfg    Config
 	batch  batcher // Acquire, Complete, Fail, Release, Cancel and Amend calls
+
+	// warnedMu guards warned: per server address, what Check last warned
+	// about ("" while nothing), so that a Check that finds the same again
+	// (a Consumer's Run checks after the user's own Check, each member of
+	// a Group too) does not repeat it.
+	warnedMu sync.Mutex
+	warned   map[string]string
 }
 
 var _ Store = (*RedisStore)(nil)
@@ -87,7 +95,10 @@ func NewRedisStore(client redis.UniversalClient, cfg Config) (*RedisStore, error
 // Check pings the server, loads the scripts and reads maxmemory-policy on
 // every master. A policy other than noeviction is logged as a warning: an
 // evicted record is a duplicate execution waiting to happen. A server that
-// refuses CONFIG GET (some managed services do) is logged too. Check
+// refuses CONFIG GET (some managed services do) is logged too. Each of
+// these is logged once per server by a store, and again only when what
+// Check finds there changes (the policy set to another, or back): a
+// Consumer's Run checks too, after the Check its user made. Check
 // returns an error only when the server cannot be reached or the scripts
 // cannot be loaded.
 func (s *RedisStore) Check(ctx context.Context) error {
@@ -100,14 +111,21 @@ func (s *RedisStore) Check(ctx context.Context) error {
 				return fmt.Errorf("lock: redis %s: loading script: %w", c.Options().Addr, err)
 			}
 		}
+		addr := c.Options().Addr
 		policy, err := c.ConfigGet(ctx, "maxmemory-policy").Result()
 		switch {
 		case err != nil:
-			s.cfg.Logger.WarnContext(ctx, "lock: cannot read maxmemory-policy; make sure it is noeviction",
-				"addr", c.Options().Addr, "error", err)
+			if s.warnOnce(addr, "unreadable") {
+				s.cfg.Logger.WarnContext(ctx, "lock: cannot read maxmemory-policy; make sure it is noeviction",
+					"addr", addr, "error", err)
+			}
 		case policy["maxmemory-policy"] != "noeviction":
-			s.cfg.Logger.WarnContext(ctx, "lock: maxmemory-policy is not noeviction: evicted records cause duplicate executions",
-				"addr", c.Options().Addr, "maxmemory-policy", policy["maxmemory-policy"])
+			if s.warnOnce(addr, "policy "+policy["maxmemory-policy"]) {
+				s.cfg.Logger.WarnContext(ctx, "lock: maxmemory-policy is not noeviction: evicted records cause duplicate executions",
+					"addr", addr, "maxmemory-policy", policy["maxmemory-policy"])
+			}
+		default:
+			s.warnOnce(addr, "")
 		}
 		return nil
 	}
@@ -123,6 +141,22 @@ func (s *RedisStore) Check(ctx context.Context) error {
 		}
 		return nil
 	}
+}
+
+// warnOnce records what Check found at addr (what, "" for nothing to
+// warn of) and reports whether it differs from what it found last, so
+// that a warning is logged once until it changes.
+func (s *RedisStore) warnOnce(addr, what string) bool {
+	s.warnedMu.Lock()
+	defer s.warnedMu.Unlock()
+	if s.warned[addr] == what {
+		return false
+	}
+	if s.warned == nil {
+		s.warned = make(map[string]string)
+	}
+	s.warned[addr] = what
+	return true
 }
 
 // Ping checks that the server answers (every master of a Cluster), for a
