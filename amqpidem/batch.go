@@ -130,10 +130,13 @@ type BatchInfo struct {
 	// Size is how many deliveries the batch gathered: those whose
 	// handler was to run.
 	Size int
-	// Runs is how many times the handler was called for it: 1, or more
-	// when a batch error split it or a lost lease made it run again
-	// without some of its messages (a BatchTxHandler's own reruns
-	// without its failed messages are one call).
+	// Runs is how many times the consumer called its BatchHandler for
+	// it: 1, or more when a batch error split it or a lost lease made it
+	// run again without some of its messages. A handler that calls your
+	// function again within one call counts as one run: pgstore's
+	// BatchTxHandler does, without the messages your function answered
+	// failed for, so your function may have been called more times than
+	// Runs says.
 	Runs int
 	// Duration is how long the batch took from the end of its gathering
 	// to its records' completion (the handler's runs, the transaction,
