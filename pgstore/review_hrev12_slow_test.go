@@ -1,0 +1,144 @@
+package pgstore_test
+
+import (
+	"context"
+	"fmt"
+	"regexp"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/pgstore"
+)
+
+// hrev12SlowTracer makes the publish of message "slow" outlast
+// PublishTimeout: its StartPublish waits for the publish's context to end
+// (a body too large for the link, a broker slow to confirm it), so that
+// the publish gives up at once, without clogging the connection for the
+// others as a slow link would. It counts those publishes.
+type hrev12SlowTracer struct{ slow atomic.Int64 }
+
+func (*hrev12SlowTracer) Start(ctx context.Context, _ string, _ *amqp.Delivery) context.Context {
+	return ctx
+}
+func (*hrev12SlowTracer) Inject(context.Context, amqp.Table)  {}
+func (*hrev12SlowTracer) End(context.Context, amqpidem.Event) {}
+func (t *hrev12SlowTracer) StartPublish(ctx context.Context, p amqpidem.Publish) func(error) {
+	if p.MessageID == "slow" {
+		t.slow.Add(1)
+		<-ctx.Done()
+	}
+	return nil
+}
+
+// hrev12SlowRow writes the row of message "slow" and returns its id.
+func hrev12SlowRow(t *testing.T, r *outboxRig) int64 {
+	t.Helper()
+	slow := r.msg("slow")
+	slow.Publishing.MessageId = "slow"
+	r.write(true, slow)
+	var id int64
+	table := pgx.Identifier{r.cfg.Schema, pgstore.DefaultOutboxTable}.Sanitize()
+	if err := r.pool.QueryRow(context.Background(), "SELECT id FROM "+table+" WHERE message_id = 'slow'").Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	return id
+}
+
+// hrev12Tries returns the relay's warnings of publishes the broker did not
+// take that name row id: one a try of it that failed.
+func hrev12Tries(log string, id int64) []string {
+	re := regexp.MustCompile(fmt.Sprintf(`\(row ids ([0-9]+ )*%d[ )]`, id))
+	var out []string
+	for _, line := range strings.Split(log, "\n") {
+		if strings.Contains(line, "level=WARN") && re.MatchString(line) {
+			out = append(out, line)
+		}
+	}
+	return out
+}
+
+// hrev12RetryIn returns the retry_in of a warning line, or 0.
+func hrev12RetryIn(line string) time.Duration {
+	m := regexp.MustCompile(` retry_in=(\S+)`).FindStringSubmatch(line)
+	if m == nil {
+		return 0
+	}
+	d, _ := time.ParseDuration(m[1])
+	return d
+}
+
+// hrev12Log keeps the end of a relay's log for the test's output.
+func hrev12Log(t *testing.T, log *testenv.SyncBuffer) {
+	t.Cleanup(func() {
+		s := log.String()
+		if len(s) > 4000 {
+			s = s[len(s)-4000:]
+		}
+		t.Logf("relay log (its end):\n%s", s)
+	})
+}
+
+// TestHrev12LoneSlowRowBacksRelayOff: one row whose publish always
+// outlasts PublishTimeout, and no other traffic (a quiet hour). Each of
+// its rounds holds only that row, so nothing of the round was confirmed:
+// 0b8bfce treats it as a broker that cannot be reached, and the relay's
+// backoff (RetryBackoff doubled, up to MaxBackoff or 30 s) grows round
+// after round, during which a notification does not wake it: a message
+// written then waits out the rest of the backoff (up to 30 s) though the
+// broker confirms it at once. The row is one the relay has already seen
+// time out: its own wait may grow, the relay's must not. Checked on the
+// logged retry_in (computed, not measured: a loaded machine only makes
+// fewer rounds): at most 4 times RetryBackoff.
+func TestHrev12LoneSlowRowBacksRelayOff(t *testing.T) {
+	r := newOutboxRig(t)
+	id := hrev12SlowRow(t, r)
+	var log testenv.SyncBuffer
+	hrev12Log(t, &log)
+	const backoff = 100 * time.Millisecond
+	tr := &hrev12SlowTracer{}
+	_, stop := startRelay(t, r.ob, pgstore.RelayConfig{Tracer: tr, PublishTimeout: 100 * time.Millisecond,
+		RetryBackoff: backoff, MaxBackoff: time.Minute, PollInterval: 50 * time.Millisecond, Logger: logTo(&log)}, nil)
+	time.Sleep(6 * time.Second)
+	// What it costs: a message written now waits out the relay's backoff.
+	written := time.Now()
+	small := r.msg("small")
+	small.Publishing.MessageId = "small"
+	r.write(true, small)
+	for deadline := time.Now().Add(40 * time.Second); ; {
+		d, ok, err := r.ch.Get(r.queue, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ok && d.MessageId == "small" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the small message did not arrive within 40 s")
+		}
+		if !ok {
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	t.Logf("a small message written after 6 s of the lone slow row arrived %v after its commit", time.Since(written))
+	stop()
+	tries := hrev12Tries(log.String(), id)
+	if len(tries) < 2 {
+		t.Fatalf("%d failed tries of the slow row logged: the reproduction did not reproduce", len(tries))
+	}
+	var most time.Duration
+	for _, line := range tries[1:] { // the first: the relay could not know the row
+		most = max(most, hrev12RetryIn(line))
+	}
+	t.Logf("%d failed tries of the slow row; the relay's longest backoff after one it had seen before: %v", len(tries), most)
+	if most > 4*backoff {
+		t.Errorf("the relay backed off %v (RetryBackoff %v) from a round whose only failure was a row it had seen "+
+			"time out before: the broker is reachable, and every other message waits out that backoff", most, backoff)
+	}
+}
