@@ -3,7 +3,9 @@ package pgstore_test
 import (
 	"context"
 	"fmt"
+	"math"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -140,5 +142,49 @@ func TestHrev12LoneSlowRowBacksRelayOff(t *testing.T) {
 	if most > 4*backoff {
 		t.Errorf("the relay backed off %v (RetryBackoff %v) from a round whose only failure was a row it had seen "+
 			"time out before: the broker is reachable, and every other message waits out that backoff", most, backoff)
+	}
+}
+
+// TestHrev12SlowRowTriesGrow: one row whose publish always outlasts
+// PublishTimeout beside a stream of small rows the broker confirms, so
+// that the relay never backs off (0b8bfce). A timeout is not a refusal
+// (a slow broker gives the same error), so the row is tried for good; but
+// each try copies its body to the queue (the broker took it after the
+// relay gave up), and before, it was tried every RetryBackoff. Its wait
+// between tries must grow: RetryBackoff doubled after each timeout, less
+// at most 20% jitter, so that within a window W at most
+// 1 + log2(W/(0.8 RetryBackoff) + 1) tries fit (a loaded machine only
+// makes fewer), plus one of margin.
+func TestHrev12SlowRowTriesGrow(t *testing.T) {
+	r := newOutboxRig(t)
+	id := hrev12SlowRow(t, r)
+	var log testenv.SyncBuffer
+	hrev12Log(t, &log)
+	const backoff = 100 * time.Millisecond
+	tr := &hrev12SlowTracer{}
+	_, stop := startRelay(t, r.ob, pgstore.RelayConfig{Tracer: tr, PublishTimeout: 100 * time.Millisecond,
+		RetryBackoff: backoff, MaxBackoff: time.Minute, PollInterval: 50 * time.Millisecond, Logger: logTo(&log)}, nil)
+	const window = 8 * time.Second
+	start := time.Now()
+	for i := 0; time.Since(start) < window; i++ {
+		m := r.msg(strconv.Itoa(i))
+		m.Publishing.MessageId = "m" + strconv.Itoa(i)
+		r.write(true, m)
+		time.Sleep(50 * time.Millisecond)
+	}
+	stop()
+	elapsed := time.Since(start)
+	tries := hrev12Tries(log.String(), id)
+	if n := tr.slow.Load(); n != int64(len(tries)) {
+		t.Logf("%d publishes of the slow row, %d failed tries logged", n, len(tries))
+	}
+	bound := 2 + int(math.Log2(float64(elapsed)/(0.8*float64(backoff))+1))
+	t.Logf("the slow row failed %d tries in %v (bound %d)", len(tries), elapsed, bound)
+	if len(tries) < 2 {
+		t.Fatalf("%d failed tries of the slow row logged: the reproduction did not reproduce", len(tries))
+	}
+	if len(tries) > bound {
+		t.Errorf("the slow row was tried %d times in %v, each a copy of its body in the queue: want at most %d, "+
+			"its wait doubled from RetryBackoff %v after each timeout", len(tries), elapsed, bound, backoff)
 	}
 }
