@@ -188,3 +188,56 @@ func TestHrev12SlowRowTriesGrow(t *testing.T) {
 			"its wait doubled from RetryBackoff %v after each timeout", len(tries), elapsed, bound, backoff)
 	}
 }
+
+// hrev12HungTracer makes every publish outlast PublishTimeout: a broker
+// that has blocked its publishers (a memory alarm) or a dial that hangs.
+type hrev12HungTracer struct{ hrev12SlowTracer }
+
+func (*hrev12HungTracer) StartPublish(ctx context.Context, _ amqpidem.Publish) func(error) {
+	<-ctx.Done()
+	return nil
+}
+
+// TestHrev12AllTimeoutsStillBackOff: with every publish timing out (a
+// blocked broker) and a backlog larger than a claim, the relay's rounds
+// alternate between rows it has seen time out (due again after their own
+// wait, claimed first: lowest ids) and rows new to it. A round of only the
+// former is not backed off from (TestHrev12LoneSlowRowBacksRelayOff), but
+// it must not end the run of failed rounds either: else the relay's
+// backoff never grows past RetryBackoff, and a blocked broker gets a
+// round of Batch publishes every RetryBackoff. Checked on the logged
+// retry_in (computed, not measured): it must reach 3 times RetryBackoff.
+func TestHrev12AllTimeoutsStillBackOff(t *testing.T) {
+	r := newOutboxRig(t)
+	var msgs []pgstore.Message
+	for i := range 40 {
+		m := r.msg(strconv.Itoa(i))
+		m.Publishing.MessageId = "m" + strconv.Itoa(i)
+		msgs = append(msgs, m)
+	}
+	r.write(true, msgs...)
+	var log testenv.SyncBuffer
+	hrev12Log(t, &log)
+	const backoff = 100 * time.Millisecond
+	_, stop := startRelay(t, r.ob, pgstore.RelayConfig{Tracer: &hrev12HungTracer{}, PublishTimeout: 100 * time.Millisecond,
+		Batch: 4, Concurrency: 4, ClaimTTL: 2 * time.Second,
+		RetryBackoff: backoff, MaxBackoff: time.Minute, PollInterval: 50 * time.Millisecond, Logger: logTo(&log)}, nil)
+	time.Sleep(6 * time.Second)
+	stop()
+	var most time.Duration
+	rounds := 0
+	for _, line := range strings.Split(log.String(), "\n") {
+		if strings.Contains(line, "relay: publish ") {
+			rounds++
+			most = max(most, hrev12RetryIn(line))
+		}
+	}
+	t.Logf("%d failed rounds in 6 s; the relay's longest backoff %v", rounds, most)
+	if rounds < 4 {
+		t.Fatalf("%d failed rounds logged: the reproduction did not reproduce", rounds)
+	}
+	if most < 3*backoff {
+		t.Errorf("the relay's backoff grew to %v at most (RetryBackoff %v) though every publish timed out for 6 s: "+
+			"its rounds of rows seen to time out before ended each run of failed rounds", most, backoff)
+	}
+}
