@@ -406,10 +406,12 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 		began := time.Now()
 		n, err := r.round(ctx)
+		reachable := true
 		if pe := (partialError{}); errors.As(err, &pe) {
-			// The broker is reachable: no backoff for all the rows.
+			// The broker is reachable, or the rows it could not take
+			// wait backoffs of their own: no backoff for all the rows.
 			r.log.Warn("pgstore: relay: "+err.Error(), "relay", r.cfg.Name)
-			err = nil
+			err, reachable = nil, pe.reachable
 		}
 		var wait time.Duration
 		switch {
@@ -420,7 +422,9 @@ func (r *Relay) Run(ctx context.Context) error {
 				r.log.Warn("pgstore: relay: "+err.Error(), "relay", r.cfg.Name, "retry_in", wait)
 			}
 		default:
-			failures = 0
+			if reachable {
+				failures = 0
+			}
 			wait = r.cfg.PollInterval
 			if d, ok := r.nextRetry(began); ok {
 				wait = min(wait, d)

@@ -173,7 +173,7 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 			// before, each waiting a backoff of its own: backing off
 			// for them all made every other message wait it out
 			// (TestHrev12LoneSlowRowBacksRelayOff).
-			return len(rows) - len(notTried), partialError{err}
+			return len(rows) - len(notTried), partialError{err, len(sent)+len(refusedIDs) > 0}
 		}
 		return len(rows) - len(notTried), errors.Join(markErr, refuseErr, err)
 	}
@@ -256,7 +256,15 @@ func idList(ids []int64, n int) string {
 // hung, is backed off from at the first round of rows new to it). Backing off, as from a broker that cannot
 // be reached, made one row that always outlasts PublishTimeout hold every
 // other row back for up to 30 s a round (TestHrelay3OneSlowRowHoldsNoOtherBack).
-type partialError struct{ error }
+type partialError struct {
+	error
+	// reachable: the broker confirmed or refused some of the round's
+	// messages, which ends a run of failed rounds. A round of rows that
+	// timed out before neither ends nor lengthens it: a broker that
+	// times out every publish (blocked by an alarm, a hung dial) is still
+	// backed off from more at each round of rows new to the relay.
+	reachable bool
+}
 
 func (e partialError) Unwrap() error { return e.error }
 
