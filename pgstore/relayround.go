@@ -253,9 +253,10 @@ func idList(ids []int64, n int) string {
 // error too when the rows the broker could not take all timed out before:
 // each waits its own growing wait, so a relay-wide backoff would only hold
 // the other rows back (a broker whose publishes all time out, blocked or
-// hung, is backed off from at the first round of rows new to it). Backing off, as from a broker that cannot
-// be reached, made one row that always outlasts PublishTimeout hold every
-// other row back for up to 30 s a round (TestHrelay3OneSlowRowHoldsNoOtherBack).
+// hung, is backed off from at the first round of rows new to it).
+// Backing off, as from a broker that cannot be reached, made one row that
+// always outlasts PublishTimeout hold every other row back for up to 30 s
+// a round (TestHrelay3OneSlowRowHoldsNoOtherBack).
 type partialError struct {
 	error
 	// reachable: the broker confirmed or refused some of the round's
