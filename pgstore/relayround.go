@@ -197,7 +197,7 @@ type slowRow struct {
 // row that always outlasts it (a body too large for the link) would be
 // tried, and its body copied to the queue, every RetryBackoff for good. So
 // its wait doubles after each timeout in a row, from RetryBackoff up to
-// MaxBackoff (less up to 20% jitter), counted in memory: forgotten on a
+// MaxBackoff, counted in memory: forgotten on a
 // restart, past maxSlowRows rows, once confirmed or refused, or once not
 // claimed again by this relay within ClaimTTL after it was due (another
 // relay took it) (TestHrev12SlowRowTriesGrow). Any other error (a lost
@@ -212,7 +212,16 @@ func (r *Relay) timedOut(id int64, err error, now time.Time) (time.Duration, boo
 		return r.cfg.RetryBackoff, false
 	}
 	s.timeouts++
-	wait := backoff(r.cfg.RetryBackoff, r.cfg.MaxBackoff, s.timeouts)
+	// No jitter: rows that timed out together (behind one slow body on
+	// the connection) stay due together, as they were when each waited
+	// RetryBackoff. Apart, one's round came while the other's body still
+	// filled the link, and timed out behind it, round after round
+	// (TestHrelay3PublishOutlastsTimeout: "other" never published in 8 s).
+	wait := r.cfg.RetryBackoff
+	for i := 1; i < s.timeouts && wait < r.cfg.MaxBackoff; i++ {
+		wait *= 2
+	}
+	wait = min(wait, r.cfg.MaxBackoff)
 	s.due = now.Add(wait)
 	r.slow[id] = s
 	return wait, known

@@ -151,8 +151,8 @@ func TestHrev12LoneSlowRowBacksRelayOff(t *testing.T) {
 // (a slow broker gives the same error), so the row is tried for good; but
 // each try copies its body to the queue (the broker took it after the
 // relay gave up), and before, it was tried every RetryBackoff. Its wait
-// between tries must grow: RetryBackoff doubled after each timeout, less
-// at most 20% jitter, so that within a window W at most
+// between tries must grow: RetryBackoff doubled after each timeout (less
+// at most 20%, were it jittered), so that within a window W at most
 // 1 + log2(W/(0.8 RetryBackoff) + 1) tries fit (a loaded machine only
 // makes fewer), plus one of margin.
 func TestHrev12SlowRowTriesGrow(t *testing.T) {
