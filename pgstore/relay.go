@@ -91,10 +91,13 @@ type RelayConfig struct {
 	// connection and a nack (the broker cannot take it now: a quorum queue
 	// without a leader, a full queue) are not refusals: the row waits
 	// RetryBackoff, and the relay backs off unless the broker confirmed or
-	// refused other messages of the round. Default DefaultRelayMaxAttempts.
+	// refused other messages of the round, or the rows it could not take
+	// had all timed out before. Default DefaultRelayMaxAttempts.
 	MaxAttempts int
 	// RetryBackoff is the wait after a message's first refusal, doubled
-	// after each next one up to MaxBackoff; also the first wait after the
+	// after each next one up to MaxBackoff; so is the wait of a row whose
+	// publish outlasted PublishTimeout, after each timeout in a row
+	// (counted in memory, not as a refusal); also the first wait after the
 	// broker or the database could not be reached. Defaults
 	// DefaultRelayRetryBackoff and DefaultRelayMaxBackoff.
 	RetryBackoff, MaxBackoff time.Duration
@@ -230,6 +233,10 @@ type Relay struct {
 	// not hold its key back for a PollInterval more.
 	retries []time.Time
 
+	// slow are the rows whose publishes timed out, by id (Run's
+	// goroutine only): see timedOut.
+	slow map[int64]slowRow
+
 	// claimant is the claimed_by of this relay's claims: Name and a
 	// random suffix. A relay writes a refusal or a release only on rows
 	// claimed under it, so no two relays may share it, even when they
@@ -310,8 +317,11 @@ func NewRelay(o *Outbox, cfg RelayConfig) (*Relay, error) {
 				FROM unnest($3::bigint[], $4::text[], $5::bigint[]) AS x(id, err, wait)
 				WHERE t.id = x.id AND t.state = 'p' AND t.claimed_by = $1
 				RETURNING t.id, t.state`,
-			release: `UPDATE ` + t + ` SET claimed_by = NULL, due_at = clock_timestamp() + $3 * interval '1 millisecond'
-				WHERE id = ANY($2) AND state = 'p' AND claimed_by = $1`,
+			// Each row due after its own wait: a row whose publishes
+			// time out waits longer each time (Relay.timedOut).
+			release: `UPDATE ` + t + ` t SET claimed_by = NULL, due_at = clock_timestamp() + x.wait * interval '1 millisecond'
+				FROM unnest($2::bigint[], $3::bigint[]) AS x(id, wait)
+				WHERE t.id = x.id AND t.state = 'p' AND t.claimed_by = $1`,
 			listen: "LISTEN " + pgx.Identifier{o.n.outboxChannel}.Sanitize(),
 		},
 		wake:     make(chan struct{}, 1),
@@ -319,6 +329,7 @@ func NewRelay(o *Outbox, cfg RelayConfig) (*Relay, error) {
 		cancel:   make(chan struct{}),
 		done:     make(chan struct{}),
 		claimant: cfg.Name + "#" + strconv.FormatUint(rand.Uint64(), 36),
+		slow:     map[int64]slowRow{},
 	}
 	return r, nil
 }
@@ -395,10 +406,16 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 		began := time.Now()
 		n, err := r.round(ctx)
+		reachable := true
 		if pe := (partialError{}); errors.As(err, &pe) {
-			// The broker is reachable: no backoff for all the rows.
-			r.log.Warn("pgstore: relay: "+err.Error(), "relay", r.cfg.Name)
-			err = nil
+			// The broker is reachable, or the rows it could not take
+			// wait backoffs of their own: no backoff for all the rows.
+			// Not logged once stopping: Shutdown cut the publishes
+			// short (TestHrev12ShutdownCutsMixedRoundQuietly).
+			if ctx.Err() == nil && !r.isStopping() {
+				r.log.Warn("pgstore: relay: "+err.Error(), "relay", r.cfg.Name)
+			}
+			err, reachable = nil, pe.reachable
 		}
 		var wait time.Duration
 		switch {
@@ -409,7 +426,9 @@ func (r *Relay) Run(ctx context.Context) error {
 				r.log.Warn("pgstore: relay: "+err.Error(), "relay", r.cfg.Name, "retry_in", wait)
 			}
 		default:
-			failures = 0
+			if reachable {
+				failures = 0
+			}
 			wait = r.cfg.PollInterval
 			if d, ok := r.nextRetry(began); ok {
 				wait = min(wait, d)

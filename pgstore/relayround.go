@@ -40,7 +40,8 @@ var errNotTried = errors.New("not tried: an earlier message of its order key was
 // publish must not make it spin), and an error when the database or the
 // broker could not be reached (the rows it could not publish are
 // released, due after a backoff): a partialError when the broker confirmed
-// or refused others of its messages.
+// or refused others of its messages, or the rows it could not take had all
+// timed out before.
 func (r *Relay) round(ctx context.Context) (int, error) {
 	rows, start, err := r.claim(ctx)
 	if err != nil || len(rows) == 0 {
@@ -80,17 +81,23 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 	}
 	wg.Wait()
 
-	var sent, unavailable, notTried []int64
+	var sent, unavailable, unavailableWaits, notTried, notTriedWaits []int64
 	var refusedIDs, waits []int64
 	var reasons []string
 	var brokerErr error
+	onlySlow := true // every row the broker could not take timed out before
+	now := time.Now()
+	r.forgetSlow(now)
 	for _, c := range rows {
 		switch {
 		case c.err == nil:
 			sent = append(sent, c.id)
+			delete(r.slow, c.id)
 		case errors.Is(c.err, errNotTried):
 			notTried = append(notTried, c.id)
+			notTriedWaits = append(notTriedWaits, 0)
 		case refused(c.err):
+			delete(r.slow, c.id)
 			refusedIDs = append(refusedIDs, c.id)
 			reasons = append(reasons, c.err.Error())
 			wait := backoff(r.cfg.RetryBackoff, r.cfg.MaxBackoff, c.attempts+1)
@@ -98,7 +105,10 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 			r.log.Warn("pgstore: relay: the broker refused a message", "relay", r.cfg.Name, "id", c.id,
 				"attempt", c.attempts+1, "max_attempts", r.cfg.MaxAttempts, "error", c.err)
 		default:
+			wait, known := r.timedOut(c.id, c.err, now)
+			onlySlow = onlySlow && known
 			unavailable = append(unavailable, c.id)
+			unavailableWaits = append(unavailableWaits, wait.Milliseconds())
 			brokerErr = c.err
 		}
 	}
@@ -145,26 +155,87 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 			"claimed_for", time.Since(start))
 	}
 	if len(notTried) > 0 {
-		if _, err := r.o.pool.Exec(mctx, r.sql.release, r.claimant, notTried, 0); err != nil {
+		if _, err := r.o.pool.Exec(mctx, r.sql.release, r.claimant, notTried, notTriedWaits); err != nil {
 			r.log.Warn("pgstore: relay: release rows (they wait out the claim): "+classify(err).Error(), "relay", r.cfg.Name)
 		}
 	}
 	if len(unavailable) > 0 {
-		wait := r.cfg.RetryBackoff.Milliseconds()
-		if _, err := r.o.pool.Exec(mctx, r.sql.release, r.claimant, unavailable, wait); err != nil {
+		if _, err := r.o.pool.Exec(mctx, r.sql.release, r.claimant, unavailable, unavailableWaits); err != nil {
 			r.log.Warn("pgstore: relay: release rows (they wait out the claim): "+classify(err).Error(), "relay", r.cfg.Name)
 		}
 		// The row ids: a row the broker never takes in time (a body too
 		// large to send within PublishTimeout) is no refusal, so it has no
 		// attempts nor last_error to find it by (TestHrelay3PublishOutlastsTimeout).
 		err := fmt.Errorf("publish %d of %d messages (row ids %s): %w", len(unavailable), len(rows), idList(unavailable, 10), brokerErr)
-		if markErr == nil && refuseErr == nil && len(sent)+len(refusedIDs) > 0 {
-			// The broker answered for the others: reachable.
-			return len(rows) - len(notTried), partialError{err}
+		if markErr == nil && refuseErr == nil && (len(sent)+len(refusedIDs) > 0 || onlySlow) {
+			// The broker answered for the others: reachable. Or the
+			// rows it could not take are all ones that timed out
+			// before, each waiting a backoff of its own: backing off
+			// for them all made every other message wait it out
+			// (TestHrev12LoneSlowRowBacksRelayOff).
+			return len(rows) - len(notTried), partialError{err, len(sent)+len(refusedIDs) > 0}
 		}
 		return len(rows) - len(notTried), errors.Join(markErr, refuseErr, err)
 	}
 	return len(rows) - len(notTried), errors.Join(markErr, refuseErr)
+}
+
+// maxSlowRows bounds Relay.slow: past it, a row that times out for the
+// first time waits RetryBackoff each time, as if not known.
+const maxSlowRows = 4096
+
+// slowRow is what a relay knows of a row whose publishes timed out.
+type slowRow struct {
+	timeouts int       // in a row
+	due      time.Time // when its last release made it due again
+}
+
+// timedOut returns how long the row id, which the broker could not take
+// (err), waits before its next try, and whether it had timed out before.
+// A publish that outlasts PublishTimeout is no refusal (a slow or blocked
+// broker gives the same error), so it counts toward no MaxAttempts; but a
+// row that always outlasts it (a body too large for the link) would be
+// tried, and its body copied to the queue, every RetryBackoff for good. So
+// its wait doubles after each timeout in a row, from RetryBackoff up to
+// MaxBackoff, counted in memory: forgotten on a
+// restart, past maxSlowRows rows, once confirmed or refused, or once not
+// claimed again by this relay within ClaimTTL after it was due (another
+// relay took it) (TestHrev12SlowRowTriesGrow). Any other error (a lost
+// connection) waits RetryBackoff and ends the row's run of timeouts.
+func (r *Relay) timedOut(id int64, err error, now time.Time) (time.Duration, bool) {
+	if !errors.Is(err, context.DeadlineExceeded) {
+		delete(r.slow, id)
+		return r.cfg.RetryBackoff, false
+	}
+	s, known := r.slow[id]
+	if !known && len(r.slow) >= maxSlowRows {
+		return r.cfg.RetryBackoff, false
+	}
+	s.timeouts++
+	// No jitter: rows that timed out together (behind one slow body on
+	// the connection) stay due together, as they were when each waited
+	// RetryBackoff. Apart, one's round came while the other's body still
+	// filled the link, and timed out behind it, round after round
+	// (TestHrelay3PublishOutlastsTimeout: "other" never published in 8 s).
+	wait := r.cfg.RetryBackoff
+	for i := 1; i < s.timeouts && wait < r.cfg.MaxBackoff; i++ {
+		wait *= 2
+	}
+	wait = min(wait, r.cfg.MaxBackoff)
+	s.due = now.Add(wait)
+	r.slow[id] = s
+	return wait, known
+}
+
+// forgetSlow forgets the slow rows not claimed again by this relay within
+// ClaimTTL after they were due: another relay took them, or an operator's
+// hand, or this relay backed off meanwhile.
+func (r *Relay) forgetSlow(now time.Time) {
+	for id, s := range r.slow {
+		if now.Sub(s.due) > r.cfg.ClaimTTL {
+			delete(r.slow, id)
+		}
+	}
 }
 
 // idList formats up to n of ids, space-separated, with "..." when there
@@ -187,10 +258,23 @@ func idList(ids []int64, n int) string {
 // of its messages and could not take others (no confirm within
 // PublishTimeout, a nack, a channel lost): the broker is reachable, so Run
 // logs it and does not back off; the rows it could not take are released,
-// due again after RetryBackoff. Backing off, as from a broker that cannot
-// be reached, made one row that always outlasts PublishTimeout hold every
-// other row back for up to 30 s a round (TestHrelay3OneSlowRowHoldsNoOtherBack).
-type partialError struct{ error }
+// due again after RetryBackoff (or their own wait: timedOut). It is round's
+// error too when the rows the broker could not take all timed out before:
+// each waits its own growing wait, so a relay-wide backoff would only hold
+// the other rows back (a broker whose publishes all time out, blocked or
+// hung, is backed off from at the first round of rows new to it).
+// Backing off, as from a broker that cannot be reached, made one row that
+// always outlasts PublishTimeout hold every other row back for up to 30 s
+// a round (TestHrelay3OneSlowRowHoldsNoOtherBack).
+type partialError struct {
+	error
+	// reachable: the broker confirmed or refused some of the round's
+	// messages, which ends a run of failed rounds. A round of rows that
+	// timed out before neither ends nor lengthens it: a broker that
+	// times out every publish (blocked by an alarm, a hung dial) is still
+	// backed off from more at each round of rows new to the relay.
+	reachable bool
+}
 
 func (e partialError) Unwrap() error { return e.error }
 
