@@ -1,0 +1,98 @@
+package pgstore_test
+
+import (
+	"context"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/amqpidem/amqpidem/amqpidem"
+	"github.com/amqpidem/amqpidem/internal/testenv"
+	"github.com/amqpidem/amqpidem/pgstore"
+)
+
+// slowLastTracer makes the publish of message "slow" outlast
+// PublishTimeout (it waits for its context to end) and counts the
+// publishes of other messages that overlapped one of the slow row's
+// after its first: on one connection, a body that fills the link holds
+// back every message sent after it, which then times out too.
+type slowLastTracer struct {
+	mu          sync.Mutex
+	slowTries   int
+	slowOn      bool // a publish of "slow" runs
+	othersOn    int  // publishes of other messages running
+	overlapping int  // other publishes running beside a later try of "slow"
+}
+
+func (*slowLastTracer) Start(ctx context.Context, _ string, _ *amqp.Delivery) context.Context {
+	return ctx
+}
+func (*slowLastTracer) Inject(context.Context, amqp.Table)  {}
+func (*slowLastTracer) End(context.Context, amqpidem.Event) {}
+func (t *slowLastTracer) StartPublish(ctx context.Context, p amqpidem.Publish) func(error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if p.MessageID == "slow" {
+		t.slowTries++
+		if t.slowTries > 1 && t.othersOn > 0 {
+			t.overlapping += t.othersOn
+		}
+		t.slowOn = true
+		t.mu.Unlock()
+		<-ctx.Done()
+		t.mu.Lock()
+		t.slowOn = false
+		return nil
+	}
+	if t.slowOn && t.slowTries > 1 {
+		t.overlapping++
+	}
+	t.othersOn++
+	return func(error) {
+		t.mu.Lock()
+		t.othersOn--
+		t.mu.Unlock()
+	}
+}
+
+// TestRelayPublishesKnownSlowRowsLast: a row whose publish timed out
+// before is published in its round after the round's other messages were
+// confirmed, so that on one connection its body cannot hold them back
+// (time them out, and lock them into its growing wait: rows that timed
+// out together stay due together). Rows are written in bursts, so that
+// rounds hold the slow row with others.
+func TestRelayPublishesKnownSlowRowsLast(t *testing.T) {
+	r := newOutboxRig(t)
+	hrev12SlowRow(t, r)
+	var log testenv.SyncBuffer
+	hrev12Log(t, &log)
+	tr := &slowLastTracer{}
+	_, stop := startRelay(t, r.ob, pgstore.RelayConfig{Tracer: tr, PublishTimeout: 100 * time.Millisecond,
+		RetryBackoff: 50 * time.Millisecond, MaxBackoff: 100 * time.Millisecond, PollInterval: 20 * time.Millisecond,
+		Logger: logTo(&log)}, nil)
+	start := time.Now()
+	for i := 0; time.Since(start) < 3*time.Second; i++ {
+		var ms []pgstore.Message
+		for j := 0; j < 20; j++ {
+			m := r.msg(strconv.Itoa(i*20 + j))
+			m.Publishing.MessageId = "m" + strconv.Itoa(i*20+j)
+			ms = append(ms, m)
+		}
+		r.write(true, ms...)
+		time.Sleep(5 * time.Millisecond)
+	}
+	stop()
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	t.Logf("slow row tried %d times; %d other publishes overlapped a later try of it", tr.slowTries, tr.overlapping)
+	if tr.slowTries < 3 {
+		t.Fatalf("the slow row was tried %d times: the reproduction did not reproduce", tr.slowTries)
+	}
+	if tr.overlapping > 0 {
+		t.Errorf("%d publishes of other messages ran beside a try of the row known to be slow: on one connection its body "+
+			"holds them back; want it published after its round's others", tr.overlapping)
+	}
+}
