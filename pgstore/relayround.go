@@ -58,28 +58,43 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 	// is released for the next round.
 	heads := start.Add(r.cfg.ClaimTTL - r.cfg.PublishTimeout)
 	followers := start.Add(r.cfg.ClaimTTL/2 - r.cfg.PublishTimeout)
-	var wg sync.WaitGroup
-	sem := make(chan struct{}, r.cfg.Concurrency)
+	// Chains whose head timed out before (r.slow) go once the others are
+	// done: on the one connection, a body too large for the link holds
+	// back every message sent after it, which would time out too and,
+	// due again together with it, stay behind it round after round
+	// (TestRelayPublishesKnownSlowRowsLast).
+	var first, last [][]*claimed
 	for _, chain := range chains(rows) {
-		sem <- struct{}{}
-		wg.Add(1)
-		go func() {
-			defer func() { <-sem; wg.Done() }()
-			var failed error
-			for i, c := range chain {
-				switch {
-				case failed != nil:
-					c.err = errNotTried
-				case time.Now().After(heads), i > 0 && time.Now().After(followers):
-					c.err, failed = errNotTried, errNotTried
-				default:
-					c.err = r.publish(ctx, c.message)
-					failed = c.err
-				}
-			}
-		}()
+		if _, slow := r.slow[chain[0].id]; slow {
+			last = append(last, chain)
+		} else {
+			first = append(first, chain)
+		}
 	}
-	wg.Wait()
+	sem := make(chan struct{}, r.cfg.Concurrency)
+	for _, cs := range [][][]*claimed{first, last} {
+		var wg sync.WaitGroup
+		for _, chain := range cs {
+			sem <- struct{}{}
+			wg.Add(1)
+			go func() {
+				defer func() { <-sem; wg.Done() }()
+				var failed error
+				for i, c := range chain {
+					switch {
+					case failed != nil:
+						c.err = errNotTried
+					case time.Now().After(heads), i > 0 && time.Now().After(followers):
+						c.err, failed = errNotTried, errNotTried
+					default:
+						c.err = r.publish(ctx, c.message)
+						failed = c.err
+					}
+				}
+			}()
+		}
+		wg.Wait()
+	}
 
 	var sent, unavailable, unavailableWaits, notTried, notTriedWaits []int64
 	var refusedIDs, waits []int64
