@@ -96,3 +96,99 @@ func TestRelayPublishesKnownSlowRowsLast(t *testing.T) {
 			"holds them back; want it published after its round's others", tr.overlapping)
 	}
 }
+
+// stuckTracer stands for one connection that a body too large for its
+// link fills: the publish of "slow" outlasts PublishTimeout, and so does
+// a publish that starts while one of "slow" runs (sent behind its body);
+// the first publish of "other" times out too (it was sent behind the
+// body in the round both were first tried in). It counts the publishes
+// of "other" started beside one of "slow".
+type stuckTracer struct {
+	mu         sync.Mutex
+	slowOn     int
+	otherTries int
+	beside     int
+}
+
+func (*stuckTracer) Start(ctx context.Context, _ string, _ *amqp.Delivery) context.Context {
+	return ctx
+}
+func (*stuckTracer) Inject(context.Context, amqp.Table)  {}
+func (*stuckTracer) End(context.Context, amqpidem.Event) {}
+func (t *stuckTracer) StartPublish(ctx context.Context, p amqpidem.Publish) func(error) {
+	t.mu.Lock()
+	stuck := false
+	switch p.MessageID {
+	case "slow":
+		t.slowOn++
+		stuck = true
+	case "other":
+		t.otherTries++
+		if t.otherTries > 1 {
+			// Sent at once, its frames would beat the slow body
+			// started a moment later on the link; give that body
+			// its moment, as a real link's scheduling may.
+			t.mu.Unlock()
+			time.Sleep(20 * time.Millisecond)
+			t.mu.Lock()
+		}
+		stuck = t.otherTries == 1 || t.slowOn > 0
+		if t.otherTries > 1 && t.slowOn > 0 {
+			t.beside++
+		}
+	}
+	t.mu.Unlock()
+	if stuck {
+		<-ctx.Done()
+	}
+	if p.MessageID == "slow" {
+		t.mu.Lock()
+		t.slowOn--
+		t.mu.Unlock()
+	}
+	return nil
+}
+
+// TestRelaySlowRowsOneAtATime: two rows that timed out together behind
+// one slow body (due again together: their waits grow alike) are
+// published one after the other in their next rounds, so that the one
+// not at fault gets the link alone and is published, rather than sent
+// behind the slow body round after round.
+func TestRelaySlowRowsOneAtATime(t *testing.T) {
+	r := newOutboxRig(t)
+	hrev12SlowRow(t, r)
+	other := r.msg("other")
+	other.Publishing.MessageId = "other"
+	r.write(true, other)
+	var log testenv.SyncBuffer
+	hrev12Log(t, &log)
+	tr := &stuckTracer{}
+	_, stop := startRelay(t, r.ob, pgstore.RelayConfig{Tracer: tr, PublishTimeout: 100 * time.Millisecond,
+		RetryBackoff: 50 * time.Millisecond, MaxBackoff: 100 * time.Millisecond, PollInterval: 20 * time.Millisecond,
+		Logger: logTo(&log)}, nil)
+	time.Sleep(3 * time.Second)
+	stop()
+	delivered := 0
+	for {
+		d, ok, err := r.ch.Get(r.queue, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !ok {
+			break
+		}
+		if d.MessageId == "other" {
+			delivered++
+		}
+	}
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	t.Logf("other tried %d times, %d of them beside a publish of the slow row; delivered %d times", tr.otherTries, tr.beside, delivered)
+	if tr.otherTries < 2 {
+		t.Fatalf("other was tried %d times: the reproduction did not reproduce", tr.otherTries)
+	}
+	if tr.beside > 0 || delivered == 0 {
+		t.Errorf("other, which timed out once behind the slow row, was published %d times beside it and delivered %d times in 3s: "+
+			"want it published alone, and delivered", tr.beside, delivered)
+	}
+}
