@@ -49,7 +49,7 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 	}
 	// A chain is published one message at a time, each after the
 	// confirm of the one before, stopping at the first that is not
-	// confirmed; chains go Concurrency at a time. No publish starts
+	// confirmed; chains go Concurrency at a time (but those below). No publish starts
 	// unless the claim outlasts it: a chain's first message (at most
 	// Batch of them, which Validate makes fit in the claim when
 	// publishes are all that runs) while the claim outlasts its publish;
@@ -59,10 +59,13 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 	heads := start.Add(r.cfg.ClaimTTL - r.cfg.PublishTimeout)
 	followers := start.Add(r.cfg.ClaimTTL/2 - r.cfg.PublishTimeout)
 	// Chains whose head timed out before (r.slow) go once the others are
-	// done: on the one connection, a body too large for the link holds
-	// back every message sent after it, which would time out too and,
-	// due again together with it, stay behind it round after round
-	// (TestRelayPublishesKnownSlowRowsLast).
+	// done, one at a time, the fewest timeouts first: on the one
+	// connection, a body too large for the link holds back every message
+	// sent after it, which times out too; published beside it again, the
+	// rows that timed out with it, due again with it, would stay behind it
+	// round after round (TestRelayPublishesKnownSlowRowsLast,
+	// TestRelaySlowRowsOneAtATime). A broker that times out every publish
+	// (blocked by an alarm) makes such rounds longer, up to the claim.
 	var first, last [][]*claimed
 	for _, chain := range chains(rows) {
 		if _, slow := r.slow[chain[0].id]; slow {
@@ -71,30 +74,11 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 			first = append(first, chain)
 		}
 	}
-	sem := make(chan struct{}, r.cfg.Concurrency)
-	for _, cs := range [][][]*claimed{first, last} {
-		var wg sync.WaitGroup
-		for _, chain := range cs {
-			sem <- struct{}{}
-			wg.Add(1)
-			go func() {
-				defer func() { <-sem; wg.Done() }()
-				var failed error
-				for i, c := range chain {
-					switch {
-					case failed != nil:
-						c.err = errNotTried
-					case time.Now().After(heads), i > 0 && time.Now().After(followers):
-						c.err, failed = errNotTried, errNotTried
-					default:
-						c.err = r.publish(ctx, c.message)
-						failed = c.err
-					}
-				}
-			}()
-		}
-		wg.Wait()
-	}
+	slices.SortStableFunc(last, func(a, b []*claimed) int {
+		return cmp.Compare(r.slow[a[0].id].timeouts, r.slow[b[0].id].timeouts)
+	})
+	r.publishChains(ctx, first, r.cfg.Concurrency, heads, followers)
+	r.publishChains(ctx, last, 1, heads, followers)
 
 	var sent, unavailable, unavailableWaits, notTried, notTriedWaits []int64
 	var refusedIDs, waits []int64
@@ -193,6 +177,36 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 		return len(rows) - len(notTried), errors.Join(markErr, refuseErr, err)
 	}
 	return len(rows) - len(notTried), errors.Join(markErr, refuseErr)
+}
+
+// publishChains publishes the chains cs, n at a time, and sets each
+// message's err: a chain is published one message at a time, each after
+// the confirm of the one before, stopping at the first that is not
+// confirmed. No publish starts after heads, nor one after a chain's first
+// after followers: those are errNotTried.
+func (r *Relay) publishChains(ctx context.Context, cs [][]*claimed, n int, heads, followers time.Time) {
+	sem := make(chan struct{}, n)
+	var wg sync.WaitGroup
+	for _, chain := range cs {
+		sem <- struct{}{}
+		wg.Add(1)
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			var failed error
+			for i, c := range chain {
+				switch {
+				case failed != nil:
+					c.err = errNotTried
+				case time.Now().After(heads), i > 0 && time.Now().After(followers):
+					c.err, failed = errNotTried, errNotTried
+				default:
+					c.err = r.publish(ctx, c.message)
+					failed = c.err
+				}
+			}
+		}()
+	}
+	wg.Wait()
 }
 
 // maxSlowRows bounds Relay.slow: past it, a row that times out for the
