@@ -20,6 +20,7 @@ import (
 // after its first: on one connection, a body that fills the link holds
 // back every message sent after it, which then times out too.
 type slowLastTracer struct {
+	nopTracer
 	mu          sync.Mutex
 	slowTries   int
 	slowOn      bool // a publish of "slow" runs
@@ -27,11 +28,13 @@ type slowLastTracer struct {
 	overlapping int  // other publishes running beside a later try of "slow"
 }
 
-func (*slowLastTracer) Start(ctx context.Context, _ string, _ *amqp.Delivery) context.Context {
-	return ctx
-}
-func (*slowLastTracer) Inject(context.Context, amqp.Table)  {}
-func (*slowLastTracer) End(context.Context, amqpidem.Event) {}
+// nopTracer is an amqpidem.PublishTracer's consumer side that does
+// nothing, for tracers that only watch publishes.
+type nopTracer struct{}
+
+func (nopTracer) Start(ctx context.Context, _ string, _ *amqp.Delivery) context.Context { return ctx }
+func (nopTracer) Inject(context.Context, amqp.Table)                                    {}
+func (nopTracer) End(context.Context, amqpidem.Event)                                   {}
 func (t *slowLastTracer) StartPublish(ctx context.Context, p amqpidem.Publish) func(error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -104,17 +107,13 @@ func TestRelayPublishesKnownSlowRowsLast(t *testing.T) {
 // body in the round both were first tried in). It counts the publishes
 // of "other" started beside one of "slow".
 type stuckTracer struct {
+	nopTracer
 	mu         sync.Mutex
 	slowOn     int
 	otherTries int
 	beside     int
 }
 
-func (*stuckTracer) Start(ctx context.Context, _ string, _ *amqp.Delivery) context.Context {
-	return ctx
-}
-func (*stuckTracer) Inject(context.Context, amqp.Table)  {}
-func (*stuckTracer) End(context.Context, amqpidem.Event) {}
 func (t *stuckTracer) StartPublish(ctx context.Context, p amqpidem.Publish) func(error) {
 	t.mu.Lock()
 	stuck := false
@@ -168,19 +167,7 @@ func TestRelaySlowRowsOneAtATime(t *testing.T) {
 		Logger: logTo(&log)}, nil)
 	time.Sleep(3 * time.Second)
 	stop()
-	delivered := 0
-	for {
-		d, ok, err := r.ch.Get(r.queue, true)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !ok {
-			break
-		}
-		if d.MessageId == "other" {
-			delivered++
-		}
-	}
+	delivered := r.drain()["other"]
 	tr.mu.Lock()
 	defer tr.mu.Unlock()
 	t.Logf("other tried %d times, %d of them beside a publish of the slow row; delivered %d times", tr.otherTries, tr.beside, delivered)

@@ -150,6 +150,22 @@ func (r *outboxRig) take(n int, timeout time.Duration) []amqp.Delivery {
 	}
 }
 
+// drain reads what the queue holds now and counts it by MessageId.
+func (r *outboxRig) drain() map[string]int {
+	r.t.Helper()
+	got := map[string]int{}
+	for {
+		d, ok, err := r.ch.Get(r.queue, true)
+		if err != nil {
+			r.t.Fatal(err)
+		}
+		if !ok {
+			return got
+		}
+		got[d.MessageId]++
+	}
+}
+
 // count returns the outbox's rows in state ('p', 's', 'd').
 func (r *outboxRig) count(state string) int {
 	r.t.Helper()

@@ -74,17 +74,7 @@ func TestHrelay3PublishOutlastsTimeout(t *testing.T) {
 		t.Fatal(err)
 	}
 	tries := strings.Count(log.String(), "level=WARN msg=\"pgstore: relay: publish ")
-	deliveries := map[string]int{}
-	for {
-		d, ok, err := r.ch.Get(r.queue, true)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !ok {
-			break
-		}
-		deliveries[d.MessageId]++
-	}
+	deliveries := r.drain()
 	pub, refusedN, dead := rl.Counts()
 	t.Logf("after %v: slow row %s with %d attempts; %d failed rounds logged; deliveries %v; counts published %d refused %d dead %d",
 		watch, state, attempts, tries, deliveries, pub, refusedN, dead)

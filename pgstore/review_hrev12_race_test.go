@@ -61,18 +61,7 @@ func TestHrev12ShutdownRacesRun(t *testing.T) {
 	if left := hrev9Settled(t, before, hrev9RelayGoroutines(before, hrev9Goroutines())); len(left) > 0 {
 		t.Errorf("%d goroutines of the relays still run after their Shutdown:\n%s", len(left), strings.Join(left, "\n\n"))
 	}
-	var listening int
-	for range 50 {
-		if err := r.pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
-			WHERE application_name = $1 AND query LIKE 'LISTEN%'`, app).Scan(&listening); err != nil {
-			t.Fatal(err)
-		}
-		if listening == 0 {
-			break
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	if listening != 0 {
+	if listening := hrev9Listening(t, r, app); listening != 0 {
 		t.Errorf("%d listening sessions of the relays left after their Shutdown", listening)
 	}
 	t.Logf("published %d of the 1 row by the %d relays (0 or 1, as their Shutdowns came)", 1-r.count("p"), relays)

@@ -491,18 +491,7 @@ func TestHrev9RelayShutdownLeavesNoGoroutine(t *testing.T) {
 	}
 	// The listening session ends (the server's backend exits after the
 	// client's Terminate).
-	var listening int
-	for range 50 {
-		if err := r.pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
-			WHERE application_name = $1 AND query LIKE 'LISTEN%'`, app).Scan(&listening); err != nil {
-			t.Fatal(err)
-		}
-		if listening == 0 {
-			break
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	if listening != 0 {
+	if listening := hrev9Listening(t, r, app); listening != 0 {
 		t.Errorf("%d listening sessions of the relay left after Shutdown", listening)
 	}
 	t.Logf("%d messages written; Counts at the end: %v", writes.Load(), fmt.Sprint(rl.Counts()))
@@ -695,4 +684,22 @@ func TestHrev9RelayOrderedClaimSize(t *testing.T) {
 	if claimed != 16 {
 		t.Errorf("the first claim held %d rows, want 16 (4 heads, each with its 3 next rows)", claimed)
 	}
+}
+
+// hrev9Listening returns how many server sessions of application name app
+// still run a LISTEN, after waiting up to a second for none to.
+func hrev9Listening(t *testing.T, r *outboxRig, app string) int {
+	t.Helper()
+	var listening int
+	for range 50 {
+		if err := r.pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
+			WHERE application_name = $1 AND query LIKE 'LISTEN%'`, app).Scan(&listening); err != nil {
+			t.Fatal(err)
+		}
+		if listening == 0 {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return listening
 }
