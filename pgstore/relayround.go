@@ -25,6 +25,7 @@ type claimed struct {
 	orderKey *string // with Ordered: its order key and place in it
 	seq      *int64
 	err      error // of its publish
+	marked   bool  // confirmed and marked sent before its round's end
 }
 
 // errNotTried marks a row of an order key's chain that was not published
@@ -78,10 +79,30 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 		return cmp.Compare(r.slow[a[0].id].timeouts, r.slow[b[0].id].timeouts)
 	})
 	r.publishChains(ctx, first, r.cfg.Concurrency, heads, followers)
+	// The others' confirmed rows are marked sent before the slow ones go:
+	// each of those may take a PublishTimeout, up to the end of the
+	// claim, and a mark written after it comes after another relay may
+	// have published the rows again (TestHrev14SlowRowsLeaveTheMarkItsClaim).
+	var markErr error
+	if len(last) > 0 {
+		var early []int64
+		for _, chain := range first {
+			for _, c := range chain {
+				if c.err == nil {
+					c.marked = true
+					early = append(early, c.id)
+				}
+			}
+		}
+		if len(early) > 0 {
+			markErr = r.markSent(ctx, early)
+		}
+	}
 	r.publishChains(ctx, last, 1, heads, followers)
 
 	var sent, unavailable, unavailableWaits, notTried, notTriedWaits []int64
 	var refusedIDs, waits []int64
+	confirmed := 0 // sent, and those marked before the slow rows went
 	var reasons []string
 	var brokerErr error
 	onlySlow := true // every row the broker could not take timed out before
@@ -90,7 +111,10 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 	for _, c := range rows {
 		switch {
 		case c.err == nil:
-			sent = append(sent, c.id)
+			confirmed++
+			if !c.marked {
+				sent = append(sent, c.id)
+			}
 			delete(r.slow, c.id)
 		case errors.Is(c.err, errNotTried):
 			notTried = append(notTried, c.id)
@@ -118,9 +142,8 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 	// left unwritten is not counted toward MaxAttempts, and its row waits
 	// out the claim instead of its backoff
 	// (TestHrelay3RefusalRecordedWhenMarkFails).
-	var markErr error
 	if len(sent) > 0 {
-		markErr = r.markSent(ctx, sent)
+		markErr = errors.Join(markErr, r.markSent(ctx, sent))
 	}
 	// Started after the mark, which may take a third of ClaimTTL: the
 	// statements below share PublishTimeout.
@@ -166,13 +189,13 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 		// large to send within PublishTimeout) is no refusal, so it has no
 		// attempts nor last_error to find it by (TestHrelay3PublishOutlastsTimeout).
 		err := fmt.Errorf("publish %d of %d messages (row ids %s): %w", len(unavailable), len(rows), idList(unavailable, 10), brokerErr)
-		if markErr == nil && refuseErr == nil && (len(sent)+len(refusedIDs) > 0 || onlySlow) {
+		if markErr == nil && refuseErr == nil && (confirmed+len(refusedIDs) > 0 || onlySlow) {
 			// The broker answered for the others: reachable. Or the
 			// rows it could not take are all ones that timed out
 			// before, each waiting a backoff of its own: backing off
 			// for them all made every other message wait it out
 			// (TestHrev12LoneSlowRowBacksRelayOff).
-			return len(rows) - len(notTried), partialError{err, len(sent)+len(refusedIDs) > 0}
+			return len(rows) - len(notTried), partialError{err, confirmed+len(refusedIDs) > 0}
 		}
 		return len(rows) - len(notTried), errors.Join(markErr, refuseErr, err)
 	}
