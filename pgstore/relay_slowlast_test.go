@@ -179,3 +179,71 @@ func TestRelaySlowRowsOneAtATime(t *testing.T) {
 			"want it published alone, and delivered", tr.beside, delivered)
 	}
 }
+
+// runTracer makes every publish of message "slow" outlast
+// PublishTimeout and counts the longest run of such publishes with no
+// publish of another message started between them.
+type runTracer struct {
+	nopTracer
+	mu          sync.Mutex
+	slow, run   int
+	longest     int
+	others      int
+	slowStarted bool
+}
+
+func (t *runTracer) StartPublish(ctx context.Context, p amqpidem.Publish) func(error) {
+	t.mu.Lock()
+	if p.MessageID != "slow" {
+		t.others++
+		if t.slowStarted {
+			t.run = 0
+		}
+		t.mu.Unlock()
+		return nil
+	}
+	t.slow++
+	t.slowStarted = true
+	t.run++
+	t.longest = max(t.longest, t.run)
+	t.mu.Unlock()
+	<-ctx.Done()
+	return nil
+}
+
+// TestRelayRoundTriesOneSlowRow: with several rows known to outlast
+// PublishTimeout, a round tries them one at a time only until one of
+// them times out (the rest wait for the next round), so that a round
+// lasts about one PublishTimeout beyond its other publishes, as before
+// the known-slow rows went one at a time, and rows written meanwhile are
+// not held back for a PublishTimeout per slow row.
+func TestRelayRoundTriesOneSlowRow(t *testing.T) {
+	r := newOutboxRig(t)
+	for range 6 {
+		hrev12SlowRow(t, r)
+	}
+	var log testenv.SyncBuffer
+	hrev12Log(t, &log)
+	tr := &runTracer{}
+	_, stop := startRelay(t, r.ob, pgstore.RelayConfig{Tracer: tr, PublishTimeout: 200 * time.Millisecond,
+		RetryBackoff: 50 * time.Millisecond, MaxBackoff: 100 * time.Millisecond, PollInterval: 20 * time.Millisecond,
+		Logger: logTo(&log)}, nil)
+	start := time.Now()
+	for i := 0; time.Since(start) < 4*time.Second; i++ {
+		m := r.msg(strconv.Itoa(i))
+		m.Publishing.MessageId = "m" + strconv.Itoa(i)
+		r.write(true, m)
+		time.Sleep(20 * time.Millisecond)
+	}
+	stop()
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	t.Logf("%d publishes of slow rows, %d of others; longest run of slow publishes with none of another between: %d", tr.slow, tr.others, tr.longest)
+	if tr.slow < 8 {
+		t.Fatalf("%d publishes of slow rows: the reproduction did not reproduce", tr.slow)
+	}
+	if tr.longest > 2 {
+		t.Errorf("%d slow publishes in a row, each a PublishTimeout, while rows written every 20 ms waited: want a round to try "+
+			"its known-slow rows only until one times out", tr.longest)
+	}
+}
