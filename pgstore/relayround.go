@@ -65,8 +65,7 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 	// sent after it, which times out too; published beside it again, the
 	// rows that timed out with it, due again with it, would stay behind it
 	// round after round (TestRelayPublishesKnownSlowRowsLast,
-	// TestRelaySlowRowsOneAtATime). A broker that times out every publish
-	// (blocked by an alarm) makes such rounds longer, up to the claim.
+	// TestRelaySlowRowsOneAtATime).
 	var first, last [][]*claimed
 	for _, chain := range chains(rows) {
 		if _, slow := r.slow[chain[0].id]; slow {
@@ -98,7 +97,24 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 			markErr = r.markSent(ctx, early)
 		}
 	}
-	r.publishChains(ctx, last, 1, heads, followers)
+	// One at a time, until one of them is not confirmed: the rest wait
+	// for the next round, due at once, so that a round lasts one
+	// PublishTimeout beyond its other publishes, not one per slow row,
+	// which the rows written meanwhile would wait out
+	// (TestRelayRoundTriesOneSlowRow).
+	failed := false
+	for _, chain := range last {
+		if failed {
+			for _, c := range chain {
+				c.err = errNotTried
+			}
+			continue
+		}
+		r.publishChain(ctx, chain, heads, followers)
+		for _, c := range chain {
+			failed = failed || (c.err != nil && !errors.Is(c.err, errNotTried))
+		}
+	}
 
 	var sent, unavailable, unavailableWaits, notTried, notTriedWaits []int64
 	var refusedIDs, waits []int64
@@ -202,11 +218,7 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 	return len(rows) - len(notTried), errors.Join(markErr, refuseErr)
 }
 
-// publishChains publishes the chains cs, n at a time, and sets each
-// message's err: a chain is published one message at a time, each after
-// the confirm of the one before, stopping at the first that is not
-// confirmed. No publish starts after heads, nor one after a chain's first
-// after followers: those are errNotTried.
+// publishChains publishes the chains cs, n at a time (publishChain).
 func (r *Relay) publishChains(ctx context.Context, cs [][]*claimed, n int, heads, followers time.Time) {
 	sem := make(chan struct{}, n)
 	var wg sync.WaitGroup
@@ -215,21 +227,29 @@ func (r *Relay) publishChains(ctx context.Context, cs [][]*claimed, n int, heads
 		wg.Add(1)
 		go func() {
 			defer func() { <-sem; wg.Done() }()
-			var failed error
-			for i, c := range chain {
-				switch {
-				case failed != nil:
-					c.err = errNotTried
-				case time.Now().After(heads), i > 0 && time.Now().After(followers):
-					c.err, failed = errNotTried, errNotTried
-				default:
-					c.err = r.publish(ctx, c.message)
-					failed = c.err
-				}
-			}
+			r.publishChain(ctx, chain, heads, followers)
 		}()
 	}
 	wg.Wait()
+}
+
+// publishChain publishes chain and sets each message's err: one message
+// at a time, each after the confirm of the one before, stopping at the
+// first that is not confirmed. No publish starts after heads, nor one
+// after the chain's first after followers: those are errNotTried.
+func (r *Relay) publishChain(ctx context.Context, chain []*claimed, heads, followers time.Time) {
+	var failed error
+	for i, c := range chain {
+		switch {
+		case failed != nil:
+			c.err = errNotTried
+		case time.Now().After(heads), i > 0 && time.Now().After(followers):
+			c.err, failed = errNotTried, errNotTried
+		default:
+			c.err = r.publish(ctx, c.message)
+			failed = c.err
+		}
+	}
 }
 
 // maxSlowRows bounds Relay.slow: past it, a row that times out for the
