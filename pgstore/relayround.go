@@ -204,7 +204,13 @@ func (r *Relay) round(ctx context.Context) (int, error) {
 		// The row ids: a row the broker never takes in time (a body too
 		// large to send within PublishTimeout) is no refusal, so it has no
 		// attempts nor last_error to find it by (TestHrelay3PublishOutlastsTimeout).
-		err := fmt.Errorf("publish %d of %d messages (row ids %s): %w", len(unavailable), len(rows), idList(unavailable, 10), brokerErr)
+		// How many were left for the next round, not tried: the others
+		// the broker confirmed or refused.
+		var left string
+		if len(notTried) > 0 {
+			left = fmt.Sprintf(", %d not tried", len(notTried))
+		}
+		err := fmt.Errorf("publish %d of %d messages (row ids %s)%s: %w", len(unavailable), len(rows), idList(unavailable, 10), left, brokerErr)
 		if markErr == nil && refuseErr == nil && (confirmed+len(refusedIDs) > 0 || onlySlow) {
 			// The broker answered for the others: reachable. Or the
 			// rows it could not take are all ones that timed out
