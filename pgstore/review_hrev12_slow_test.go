@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
 	"github.com/amqpidem/amqpidem/internal/testenv"
@@ -24,13 +23,11 @@ import (
 // (a body too large for the link, a broker slow to confirm it), so that
 // the publish gives up at once, without clogging the connection for the
 // others as a slow link would. It counts those publishes.
-type hrev12SlowTracer struct{ slow atomic.Int64 }
-
-func (*hrev12SlowTracer) Start(ctx context.Context, _ string, _ *amqp.Delivery) context.Context {
-	return ctx
+type hrev12SlowTracer struct {
+	nopTracer
+	slow atomic.Int64
 }
-func (*hrev12SlowTracer) Inject(context.Context, amqp.Table)  {}
-func (*hrev12SlowTracer) End(context.Context, amqpidem.Event) {}
+
 func (t *hrev12SlowTracer) StartPublish(ctx context.Context, p amqpidem.Publish) func(error) {
 	if p.MessageID == "slow" {
 		t.slow.Add(1)

@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/amqpidem/amqpidem/amqpidem"
 	"github.com/amqpidem/amqpidem/pgstore"
@@ -19,13 +18,11 @@ import (
 // hrev14SlowTracer makes every publish of a message whose MessageId
 // starts with "slow" outlast PublishTimeout (it waits for its context to
 // end), and counts them.
-type hrev14SlowTracer struct{ slow atomic.Int64 }
-
-func (*hrev14SlowTracer) Start(ctx context.Context, _ string, _ *amqp.Delivery) context.Context {
-	return ctx
+type hrev14SlowTracer struct {
+	nopTracer
+	slow atomic.Int64
 }
-func (*hrev14SlowTracer) Inject(context.Context, amqp.Table)  {}
-func (*hrev14SlowTracer) End(context.Context, amqpidem.Event) {}
+
 func (t *hrev14SlowTracer) StartPublish(ctx context.Context, p amqpidem.Publish) func(error) {
 	if strings.HasPrefix(p.MessageID, "slow") {
 		t.slow.Add(1)
