@@ -115,20 +115,29 @@ func TestShortRun(t *testing.T) {
 		}
 	}
 	// bare and unique per queue type, at the saturating rate and each of
-	// LatencyRates; pg-batch on classic at each of LatencyRates.
+	// LatencyRates; pg-batch and a bare consumer beside it on classic at
+	// each of LatencyRates.
 	wantLatency := 2 * len(opts.QueueTypes) * (1 + len(opts.LatencyRates))
 	if rep.PGSkipped == "" {
-		wantLatency += len(opts.LatencyRates)
+		wantLatency += 2 * len(opts.LatencyRates)
 	}
 	if got, want := len(rep.Latency), wantLatency; got != want {
 		t.Errorf("latency runs: got %d, want %d", got, want)
 	}
+	groups := map[int][]variant{}
 	for _, l := range rep.Latency {
+		groups[l.Group] = append(groups[l.Group], l.Variant)
 		if got, want := l.Settled, l.N+1; got != want { // +1: the probe
 			t.Errorf("latency %s %s: settled %d, want %d", l.QueueType, l.Variant, got, want)
 		}
 		if l.Samples == 0 {
 			t.Errorf("latency %s %s: no samples", l.QueueType, l.Variant)
+		}
+	}
+	// Each group is bare and the variant compared with it.
+	for g, vs := range groups {
+		if len(vs) != 2 || vs[0] != bare || vs[1] != unique && vs[1] != pgBatch {
+			t.Errorf("latency group %d: %v, want bare and unique or pg-batch", g, vs)
 		}
 	}
 	if m := rep.Memory; m == nil {

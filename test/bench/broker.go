@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -183,21 +184,23 @@ func (b *broker) prefill(ctx context.Context, queue, idPrefix string, n int, bod
 	return settle(0)
 }
 
-// paced publishes n messages to queue at a steady rate (messages per
-// second) with ids idPrefix+"<i>", calling sent(i, t) with the time just
-// before each publish. The channel is in confirm mode; confirms are counted
+// paced publishes n messages to each of queues at a steady rate (messages
+// per second, to each) with ids idPrefix+"<i>", message i to every queue
+// back to back, the first of them rotating with i, calling sent(q, i, t)
+// with the time just before the publish of message i to queues[q]. The channel is in confirm mode; confirms are counted
 // as they come and waited for at the end, never per message (as
 // amqpidem.Publisher does), which would hold the pace to the confirms'
 // round trips. It returns the rate achieved and when the last message was
 // handed to the broker.
-func (b *broker) paced(ctx context.Context, queue, idPrefix string, n int, rate float64, body []byte, sent func(i int, t time.Time)) (achieved float64, last time.Time, err error) {
+func (b *broker) paced(ctx context.Context, queues []string, idPrefix string, n int, rate float64, body []byte, sent func(q, i int, t time.Time)) (achieved float64, last time.Time, err error) {
+	name := strings.Join(queues, ", ")
 	ch, err := b.conn.Channel()
 	if err != nil {
-		return 0, last, fmt.Errorf("publish %s: %w", queue, err)
+		return 0, last, fmt.Errorf("publish %s: %w", name, err)
 	}
 	defer ch.Close()
 	if err := ch.Confirm(false); err != nil {
-		return 0, last, fmt.Errorf("publish %s: confirm mode: %w", queue, err)
+		return 0, last, fmt.Errorf("publish %s: confirm mode: %w", name, err)
 	}
 	confirms := ch.NotifyPublish(make(chan amqp.Confirmation, 1024))
 	var acked, nacked atomic.Int64
@@ -222,10 +225,13 @@ func (b *broker) paced(ctx context.Context, queue, idPrefix string, n int, rate 
 	for i := 0; i < n; {
 		due := min(n, int(float64(time.Since(start))/interval)+1)
 		for ; i < due; i++ {
-			now := time.Now()
-			sent(i, now)
-			if err := ch.PublishWithContext(ctx, "", queue, false, false, message(idPrefix+strconv.Itoa(i), body)); err != nil {
-				return 0, last, fmt.Errorf("publish %s: %w", queue, err)
+			msg := message(idPrefix+strconv.Itoa(i), body)
+			for k := range queues {
+				q := (i + k) % len(queues) // the first queue rotates
+				sent(q, i, time.Now())
+				if err := ch.PublishWithContext(ctx, "", queues[q], false, false, msg); err != nil {
+					return 0, last, fmt.Errorf("publish %s: %w", queues[q], err)
+				}
 			}
 		}
 		if i < n {
@@ -238,13 +244,13 @@ func (b *broker) paced(ctx context.Context, queue, idPrefix string, n int, rate 
 	last = time.Now()
 	achieved = float64(n) / last.Sub(start).Seconds()
 	// Wait (bounded by ctx) for the broker to confirm everything.
-	for acked.Load()+nacked.Load() < int64(n) {
+	for acked.Load()+nacked.Load() < int64(n*len(queues)) {
 		if err := sleepCtx(ctx, time.Millisecond); err != nil {
-			return achieved, last, fmt.Errorf("publish %s: waiting for confirms: %w", queue, err)
+			return achieved, last, fmt.Errorf("publish %s: waiting for confirms: %w", name, err)
 		}
 	}
 	if k := nacked.Load(); k > 0 {
-		return achieved, last, fmt.Errorf("publish %s: broker nacked %d messages", queue, k)
+		return achieved, last, fmt.Errorf("publish %s: broker nacked %d messages", name, k)
 	}
 	return achieved, last, nil
 }

@@ -55,8 +55,11 @@
 // outbox and publish, so that an outbox run does). Runs are repeated in
 // rounds, the order of the variants rotating from round to round, and
 // medians are reported. Then: the latency each message gains at
-// half the bare maximum rate and at fixed offered rates (-latency-rates,
-// default 1,000 and 5,000 msg/s; bare and unique), Redis round trips per
+// half the bare maximum rate (bare, then unique) and at fixed offered
+// rates (-latency-rates, default 1,000 and 5,000 msg/s; bare and unique at
+// the same time, one publisher sending each message to both queues, so
+// that a stall of the machine or the broker falls on both: pg-batch
+// likewise beside a bare consumer of its own), Redis round trips per
 // message (go-redis hook: Process plus ProcessPipeline calls), and the
 // goroutines and heap of many long handlers in flight. For the PostgreSQL
 // variants: statements and committed transactions per message, counted

@@ -401,21 +401,14 @@ func printPGBatchLines(out io.Writer, rep *report) {
 		}
 		return float64(r.PG.Committed())
 	}))
-	for _, l := range rep.Latency {
-		if l.Variant != pgBatch || l.QueueType != "classic" || l.Samples == 0 {
-			continue
+	for _, pair := range latencyPairs(rep.Latency, pgBatch) {
+		b, l := pair[0], pair[1]
+		note := ""
+		if b.saturated() || l.saturated() {
+			note = " saturated"
 		}
-		for _, b := range rep.Latency {
-			if b.Variant == bare && b.QueueType == "classic" && b.Rate == l.Rate && b.Samples > 0 {
-				note := ""
-				if b.saturated() || l.saturated() {
-					note = " saturated"
-				}
-				fmt.Fprintf(out, "latency_p99_ms pg-batch %s classic %.1f%s\n", strconv.FormatFloat(l.Rate, 'f', -1, 64),
-					float64(l.P99-b.P99)/float64(time.Millisecond), note)
-				break
-			}
-		}
+		fmt.Fprintf(out, "latency_p99_ms pg-batch %s classic %.1f%s\n", strconv.FormatFloat(l.Rate, 'f', -1, 64),
+			float64(l.P99-b.P99)/float64(time.Millisecond), note)
 	}
 }
 

@@ -209,10 +209,11 @@ func printReport(out io.Writer, e *env, rep *report) {
 	printPG(out, e, rep)
 
 	if len(rep.Latency) > 0 {
-		fmt.Fprintf(out, "\n== latency at half the bare median rate and at fixed rates: publish -> settled after ack, first %v left out ==\n", o.LatencyWarmup)
+		fmt.Fprintf(out, "\n== latency at half the bare median rate (bare, then unique) and at fixed rates (bare and unique at once, one publisher\n"+
+			"   sending each message to both queues): publish -> settled after ack, first %v left out ==\n", o.LatencyWarmup)
 		tw = tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
 		fmt.Fprintln(tw, "queue\trate msg/s\tbare p50\tbare p99\tunique p50\tunique p99\tadded p50\tadded p99\tsamples\tkept up\t")
-		for _, pair := range latencyPairs(rep.Latency) {
+		for _, pair := range latencyPairs(rep.Latency, unique) {
 			b, u := pair[0], pair[1]
 			qt := b.QueueType
 			kept := func(l *latencyResult) string {
@@ -368,9 +369,10 @@ func metOrNot(met bool) string {
 	return "NOT met"
 }
 
-// latencyPairs pairs the bare and unique latency runs of each queue type
-// and rate, in the order they ran; runs without samples are left out.
-func latencyPairs(runs []latencyResult) [][2]*latencyResult {
+// latencyPairs pairs the bare and other latency runs of each group (the
+// runs compared with each other), in the order they ran; runs without
+// samples are left out.
+func latencyPairs(runs []latencyResult, other variant) [][2]*latencyResult {
 	var out [][2]*latencyResult
 	for i := range runs {
 		b := &runs[i]
@@ -379,7 +381,7 @@ func latencyPairs(runs []latencyResult) [][2]*latencyResult {
 		}
 		for j := range runs {
 			u := &runs[j]
-			if u.Variant == unique && u.QueueType == b.QueueType && u.Rate == b.Rate && u.Samples > 0 {
+			if u.Variant == other && u.Group == b.Group && u.Samples > 0 {
 				out = append(out, [2]*latencyResult{b, u})
 				break
 			}
@@ -424,7 +426,7 @@ func printTargets(out io.Writer, o options, rep *report) {
 		if b, u := proc(bare), proc(unique); b > 0 && u > 0 {
 			fmt.Fprintf(out, "machine_x unique %s %.2f\n", qt, u/b)
 		}
-		for _, pair := range latencyPairs(rep.Latency) {
+		for _, pair := range latencyPairs(rep.Latency, unique) {
 			b, u := pair[0], pair[1]
 			if b.QueueType != qt || !slices.Contains(o.LatencyRates, b.Rate) {
 				continue

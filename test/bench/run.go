@@ -80,6 +80,8 @@ type env struct {
 	// replica is the bench's replica of Redis, for unique-wait; nil when
 	// that variant does not run (see report.WaitSkipped).
 	replica *replica
+	// latencyGroups counts the latency groups run (latencyGroup).
+	latencyGroups int
 }
 
 // report is everything a run measured; bench_test reads it.
@@ -373,35 +375,40 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 	rep.OutboxRatios = outboxRatios(rep.Runs, opts.QueueTypes, rep.Variants, unique)
 	rep.PublishRatios = outboxRatios(rep.Runs, opts.QueueTypes, rep.Variants, publishV)
 
-	// 3. Latency at half the bare median rate, and at the fixed rates.
+	// 3. Latency at half the bare median rate, bare and unique one after
+	// the other (two consumers at that rate at once would saturate the
+	// machine), and at the fixed rates, side by side (latencyGroup).
 	for _, qt := range opts.QueueTypes {
 		if !opts.measures(unique) {
 			break
 		}
-		for _, rate := range append([]float64{0.5 * median(rates(rep.Runs, qt, bare))}, opts.LatencyRates...) {
-			for _, v := range []variant{bare, unique} {
-				l, err := e.latency(ctx, qt, v, rate)
-				rep.Latency = append(rep.Latency, l)
-				if err != nil {
-					return rep, fmt.Errorf("latency %s %s at %s msg/s: %w", qt, v, thousands(rate), err)
-				}
+		half := 0.5 * median(rates(rep.Runs, qt, bare))
+		for _, v := range []variant{bare, unique} {
+			ls, err := e.latencyGroup(ctx, qt, half, v)
+			rep.Latency = append(rep.Latency, ls...)
+			if err != nil {
+				return rep, fmt.Errorf("latency %s %s at %s msg/s: %w", qt, v, thousands(half), err)
+			}
+		}
+		// One group, not two: compared with each other.
+		rep.Latency[len(rep.Latency)-1].Group = rep.Latency[len(rep.Latency)-2].Group
+		for _, rate := range opts.LatencyRates {
+			ls, err := e.latencyGroup(ctx, qt, rate, bare, unique)
+			rep.Latency = append(rep.Latency, ls...)
+			if err != nil {
+				return rep, fmt.Errorf("latency %s at %s msg/s: %w", qt, thousands(rate), err)
 			}
 		}
 	}
 
-	// 3a. pg-batch's latency at the fixed rates (issue 39), beside
-	// bare's (measured above when unique is).
+	// 3a. pg-batch's latency at the fixed rates (issue 39), beside a
+	// bare consumer of its own.
 	if e.pg != nil && opts.measures(pgBatch) && slices.Contains(opts.QueueTypes, "classic") {
 		for _, rate := range opts.LatencyRates {
-			for _, v := range []variant{bare, pgBatch} {
-				if v == bare && opts.measures(unique) {
-					continue
-				}
-				l, err := e.latency(ctx, "classic", v, rate)
-				rep.Latency = append(rep.Latency, l)
-				if err != nil {
-					return rep, fmt.Errorf("latency classic %s at %s msg/s: %w", v, thousands(rate), err)
-				}
+			ls, err := e.latencyGroup(ctx, "classic", rate, bare, pgBatch)
+			rep.Latency = append(rep.Latency, ls...)
+			if err != nil {
+				return rep, fmt.Errorf("latency classic pg-batch at %s msg/s: %w", thousands(rate), err)
 			}
 		}
 	}
