@@ -5,6 +5,7 @@ import (
 	"errors"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -151,10 +152,12 @@ func TestHrev10KeeperShutdownMidBatch(t *testing.T) {
 	var once sync.Once
 	var mu sync.Mutex
 	var cause error
+	var calls atomic.Int32
 	h := BatchHandlerFunc(func(ctx context.Context, ds []*amqp.Delivery) ([]BatchResult, error) {
-		// Shutdown tells the leases one after the other: the run the
-		// first loss cancels may run again with the members not told yet,
-		// until their turn cancels it too.
+		// Shutdown tells the leases one after the other; once it told
+		// one, the batch is over for all of them (db84e24): the run is
+		// not started again for the members not told yet.
+		calls.Add(1)
 		once.Do(func() { close(started) })
 		select {
 		case <-ctx.Done():
@@ -184,6 +187,9 @@ func TestHrev10KeeperShutdownMidBatch(t *testing.T) {
 	}
 	if !errors.Is(cause, heartbeat.ErrClosed) {
 		t.Errorf("the run's cause %v, want %v", cause, heartbeat.ErrClosed)
+	}
+	if n := calls.Load(); n != 1 {
+		t.Errorf("handler calls %d, want 1: a batch whose Keeper shut down ran again", n)
 	}
 	lost := map[string]bool{}
 	for _, id := range ids {
