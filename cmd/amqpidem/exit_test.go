@@ -115,3 +115,18 @@ func TestRelayUsageAndNotDead(t *testing.T) {
 		t.Fatalf("relay redrive of rows not dead: exit %d, want 3 naming them\n%s", code, out)
 	}
 }
+
+// A mistyped command gets cobra's suggestion on lines of its own, not
+// one line with its newlines and tab shown as \n and \t.
+func TestUnknownCommandSuggestionReadable(t *testing.T) {
+	_, errOut, code, _ := runBin(t, "replay", "orders", "--all")
+	if code != 2 {
+		t.Fatalf("exit %d, want 2 (usage)\n%s", code, errOut)
+	}
+	if strings.Contains(errOut, `\n`) || strings.Contains(errOut, `\t`) {
+		t.Errorf("the suggestion shows escaped newlines or tabs:\n%s", errOut)
+	}
+	if !strings.Contains(errOut, "\nDid you mean this?\n") || !strings.Contains(errOut, "relay") {
+		t.Errorf("no suggestion on a line of its own:\n%s", errOut)
+	}
+}

@@ -117,7 +117,19 @@ func codeOf(err error, stderr io.Writer) int {
 	if err == nil {
 		return exitOK
 	}
-	fmt.Fprintln(stderr, "amqpidem:", escapeText(err.Error())) // errors quote keys, headers, store replies
+	msg := err.Error()
+	if strings.HasPrefix(msg, "unknown command ") {
+		// Cobra's, with its suggestions on lines of their own: each line
+		// escaped, the line breaks and indenting tabs kept.
+		lines := strings.Split(strings.TrimRight(msg, "\n"), "\n")
+		for i, l := range lines {
+			rest := strings.TrimLeft(l, "\t")
+			lines[i] = l[:len(l)-len(rest)] + escapeText(rest)
+		}
+		fmt.Fprintln(stderr, "amqpidem:", strings.Join(lines, "\n"))
+	} else {
+		fmt.Fprintln(stderr, "amqpidem:", escapeText(msg)) // errors quote keys, headers, store replies
+	}
 	var ce *codeError
 	if errors.As(err, &ce) {
 		return ce.code
