@@ -26,7 +26,9 @@ import (
 // where the PostgreSQL variants are left out.
 func TestShortRun(t *testing.T) {
 	var out bytes.Buffer
-	opts, err := parseFlags([]string{"-short"}, &out)
+	// Two pairs at each fixed rate: the latency_p99_ms lines take their
+	// median.
+	opts, err := parseFlags([]string{"-short", "-latency-repeats", "2"}, &out)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -117,9 +119,9 @@ func TestShortRun(t *testing.T) {
 	// bare and unique per queue type, at the saturating rate and each of
 	// LatencyRates; pg-batch and a bare consumer beside it on classic at
 	// each of LatencyRates.
-	wantLatency := 2 * len(opts.QueueTypes) * (1 + len(opts.LatencyRates))
+	wantLatency := 2 * len(opts.QueueTypes) * (1 + opts.LatencyRepeats*len(opts.LatencyRates))
 	if rep.PGSkipped == "" {
-		wantLatency += 2 * len(opts.LatencyRates)
+		wantLatency += 2 * opts.LatencyRepeats * len(opts.LatencyRates)
 	}
 	if got, want := len(rep.Latency), wantLatency; got != want {
 		t.Errorf("latency runs: got %d, want %d", got, want)
@@ -277,5 +279,35 @@ func TestPGStartHint(t *testing.T) {
 	}
 	if got := pgStartHint("postgres://u@127.0.0.1:5433/db"); !strings.Contains(got, "PG_DSN") {
 		t.Errorf("hint for another DSN does not name PG_DSN:\n%s", got)
+	}
+}
+
+// addedP99 pairs each bare run with the run of its own group, and gives
+// the median of what those pairs added, not a difference across groups.
+func TestAddedP99(t *testing.T) {
+	ms := func(n float64) time.Duration { return time.Duration(n * float64(time.Millisecond)) }
+	run := func(v variant, group int, p99 float64) latencyResult {
+		return latencyResult{QueueType: "classic", Variant: v, Rate: 1000, Group: group, Beside: true,
+			Samples: 10, P99: ms(p99), Length: time.Second}
+	}
+	runs := []latencyResult{
+		run(bare, 1, 1), run(unique, 1, 2), // +1
+		run(bare, 2, 150), run(unique, 2, 151.5), // a stall on both: +1.5
+		run(bare, 3, 2), run(unique, 3, 2.5), // +0.5
+		run(bare, 4, 1), run(pgBatch, 4, 20), // another variant's pair
+	}
+	got, note, ok := addedP99(runs, unique, "classic", 1000)
+	if !ok || note != "" || got != 1 {
+		t.Errorf("addedP99 unique = %v, %q, %v; want 1 (the median of +1, +1.5, +0.5)", got, note, ok)
+	}
+	if got, _, ok := addedP99(runs, pgBatch, "classic", 1000); !ok || got != 19 {
+		t.Errorf("addedP99 pg-batch = %v, %v; want 19", got, ok)
+	}
+	if _, _, ok := addedP99(runs, unique, "quorum", 1000); ok {
+		t.Error("addedP99 found a pair on a queue type with no runs")
+	}
+	runs[5].Lag = time.Second // unique of group 3 fell behind
+	if _, note, _ := addedP99(runs, unique, "classic", 1000); note != " saturated" {
+		t.Errorf("note %q, want saturated", note)
 	}
 }

@@ -259,7 +259,8 @@ type idemConfig struct {
 	steps *steps
 	// batch, if set, is run by a batch consumer (NewBatchConsumer) with
 	// batchSize, in place of handler; prefetch and concurrency are then
-	// the batch consumer's defaults (twice batchSize) when zero.
+	// the batch consumer's defaults (four and two times batchSize)
+	// when zero.
 	batch     amqpidem.BatchHandler
 	batchSize int
 }

@@ -243,6 +243,10 @@ type options struct {
 	// LatencyRates are fixed offered rates (msg/s) measured besides half
 	// the bare rate, each for bare and unique (issue 14's 1,000 and 5,000).
 	LatencyRates []float64
+	// LatencyRepeats is how many times each fixed rate's pair of runs is
+	// measured; the latency_p99_ms lines give the median of what each
+	// pair's p99 added (-short: 1).
+	LatencyRepeats int
 
 	// Relay runs the producer outbox relay's phase (relay.go; with
 	// PostgreSQL and a classic queue): RelayN rows per rate run (N when
@@ -291,6 +295,7 @@ func defaultOptions() options {
 		LatencyDuration: 5 * time.Second,
 		LatencyWarmup:   500 * time.Millisecond,
 		LatencyRates:    []float64{1000, 5000},
+		LatencyRepeats:  3,
 		Relay:           true,
 		RelayN:          20000,
 		RelayRate:       1000,
@@ -315,6 +320,7 @@ func applyShort(o *options, set map[string]bool) {
 		LatencyDuration: time.Second,
 		LatencyWarmup:   100 * time.Millisecond,
 		LatencyMaxN:     1000,
+		LatencyRepeats:  1,
 		MemHandlers:     100,
 		MemSleep:        1500 * time.Millisecond,
 		MemLeaseTTL:     500 * time.Millisecond,
@@ -338,6 +344,9 @@ func applyShort(o *options, set map[string]bool) {
 	}
 	if !set["latency-max-n"] {
 		o.LatencyMaxN = short.LatencyMaxN
+	}
+	if !set["latency-repeats"] {
+		o.LatencyRepeats = short.LatencyRepeats
 	}
 	if !set["mem-handlers"] {
 		o.MemHandlers = short.MemHandlers
@@ -386,6 +395,7 @@ func parseFlags(args []string, out io.Writer) (options, error) {
 	fs.DurationVar(&o.LatencyDuration, "latency-duration", o.LatencyDuration, "length of each latency run")
 	fs.DurationVar(&o.LatencyWarmup, "latency-warmup", o.LatencyWarmup, "start of each latency run left out of the percentiles")
 	fs.IntVar(&o.LatencyMaxN, "latency-max-n", o.LatencyMaxN, "cap on the messages of a latency run (0: none)")
+	fs.IntVar(&o.LatencyRepeats, "latency-repeats", o.LatencyRepeats, "pairs of runs at each fixed rate; latency_p99_ms is the median of what each pair's p99 added")
 	rates := fs.String("latency-rates", "1000,5000", "fixed offered rates (msg/s) of latency runs besides half the bare rate, comma separated (empty: none)")
 	fs.BoolVar(&o.Relay, "relay", o.Relay, "measure the producer outbox relay (pgstore.Relay) on a classic queue, with PostgreSQL")
 	fs.IntVar(&o.RelayN, "relay-n", o.RelayN, "rows of each relay rate run (-n, when set, instead)")
@@ -462,6 +472,8 @@ func (o options) validate() error {
 		return fmt.Errorf("-latency-duration must be positive and longer than -latency-warmup")
 	case o.LatencyMaxN < 0:
 		return fmt.Errorf("-latency-max-n %d must not be negative", o.LatencyMaxN)
+	case o.LatencyRepeats < 1:
+		return fmt.Errorf("-latency-repeats %d must be at least 1", o.LatencyRepeats)
 	case o.Relay && (o.RelayN < 1 || o.RelayRate <= 0):
 		return fmt.Errorf("-relay-n and -relay-rate must be positive")
 	case o.RelayOrderedN < 0 || o.RelayOrderedN > 0 && o.RelayOrderedTimeout <= 0:

@@ -384,7 +384,8 @@ func printPGLines(out io.Writer, rep *report) {
 // ran: pg-batch's median rate over pg-naive's, and its transactions
 // committed per message (counted client side, as the table's commits/msg:
 // the batch's COMMIT and its leases' autocommit, heartbeat included), and
-// the p99 latency it adds over bare at each fixed rate (ms).
+// the p99 latency it adds over the bare consumer beside it at each fixed
+// rate (ms; the median over -latency-repeats pairs).
 func printPGBatchLines(out io.Writer, rep *report) {
 	measured := rep.Variants["classic"]
 	if !slices.Contains(measured, pgBatch) || !slices.Contains(measured, pgNaive) {
@@ -401,14 +402,16 @@ func printPGBatchLines(out io.Writer, rep *report) {
 		}
 		return float64(r.PG.Committed())
 	}))
-	for _, pair := range latencyPairs(rep.Latency, pgBatch) {
-		b, l := pair[0], pair[1]
-		note := ""
-		if b.saturated() || l.saturated() {
-			note = " saturated"
+	var rates []float64 // pg-batch's, in the order they ran
+	for _, l := range rep.Latency {
+		if l.Variant == pgBatch && !slices.Contains(rates, l.Rate) {
+			rates = append(rates, l.Rate)
 		}
-		fmt.Fprintf(out, "latency_p99_ms pg-batch %s classic %.1f%s\n", strconv.FormatFloat(l.Rate, 'f', -1, 64),
-			float64(l.P99-b.P99)/float64(time.Millisecond), note)
+	}
+	for _, rate := range rates {
+		if ms, note, ok := addedP99(rep.Latency, pgBatch, "classic", rate); ok {
+			fmt.Fprintf(out, "latency_p99_ms pg-batch %s classic %.1f%s\n", strconv.FormatFloat(rate, 'f', -1, 64), ms, note)
+		}
 	}
 }
 

@@ -390,11 +390,31 @@ func latencyPairs(runs []latencyResult, other variant) [][2]*latencyResult {
 	return out
 }
 
+// addedP99 is the median, over the pairs of runs of bare and other on qt
+// at rate, of the p99 other added over bare (ms), and " saturated" when
+// a consumer of any of them could not keep up; ok is false without a
+// pair.
+func addedP99(runs []latencyResult, other variant, qt string, rate float64) (ms float64, note string, ok bool) {
+	var added []float64
+	for _, pair := range latencyPairs(runs, other) {
+		b, u := pair[0], pair[1]
+		if b.QueueType != qt || b.Rate != rate {
+			continue
+		}
+		added = append(added, float64(u.P99-b.P99)/float64(time.Millisecond))
+		if b.saturated() || u.saturated() {
+			note = " saturated"
+		}
+	}
+	return median(added), note, len(added) > 0
+}
+
 // printTargets prints issue 14's machine-readable lines, after the ratio
 // lines: Redis CPU per unique, duplicate and outbox message (µs), issue
 // 40's machine CPU per message of every variant (µs) and unique's over
 // bare's, and the p99 latency unique adds over bare (ms) at each fixed
-// offered rate. (The consumer's CPU over bare's, consumer_x, is retired:
+// offered rate: the median over -latency-repeats pairs, each pair run at
+// the same time. (The consumer's CPU over bare's, consumer_x, is retired:
 // it rewarded moving work onto the broker; the table keeps the client's
 // CPU.) A line is left
 // out where the bench has no figure (a variant not measured, a platform
@@ -426,17 +446,10 @@ func printTargets(out io.Writer, o options, rep *report) {
 		if b, u := proc(bare), proc(unique); b > 0 && u > 0 {
 			fmt.Fprintf(out, "machine_x unique %s %.2f\n", qt, u/b)
 		}
-		for _, pair := range latencyPairs(rep.Latency, unique) {
-			b, u := pair[0], pair[1]
-			if b.QueueType != qt || !slices.Contains(o.LatencyRates, b.Rate) {
-				continue
+		for _, rate := range o.LatencyRates {
+			if ms, note, ok := addedP99(rep.Latency, unique, qt, rate); ok {
+				fmt.Fprintf(out, "latency_p99_ms %s %s %.1f%s\n", strconv.FormatFloat(rate, 'f', -1, 64), qt, ms, note)
 			}
-			note := ""
-			if b.saturated() || u.saturated() {
-				note = " saturated"
-			}
-			fmt.Fprintf(out, "latency_p99_ms %s %s %.1f%s\n", strconv.FormatFloat(b.Rate, 'f', -1, 64), qt,
-				float64(u.P99-b.P99)/float64(time.Millisecond), note)
 		}
 	}
 }

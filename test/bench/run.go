@@ -392,11 +392,13 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 		}
 		// One group, not two: compared with each other.
 		rep.Latency[len(rep.Latency)-1].Group = rep.Latency[len(rep.Latency)-2].Group
-		for _, rate := range opts.LatencyRates {
-			ls, err := e.latencyGroup(ctx, qt, rate, bare, unique)
-			rep.Latency = append(rep.Latency, ls...)
-			if err != nil {
-				return rep, fmt.Errorf("latency %s at %s msg/s: %w", qt, thousands(rate), err)
+		for range opts.LatencyRepeats {
+			for _, rate := range opts.LatencyRates {
+				ls, err := e.latencyGroup(ctx, qt, rate, bare, unique)
+				rep.Latency = append(rep.Latency, ls...)
+				if err != nil {
+					return rep, fmt.Errorf("latency %s at %s msg/s: %w", qt, thousands(rate), err)
+				}
 			}
 		}
 	}
@@ -404,11 +406,13 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 	// 3a. pg-batch's latency at the fixed rates (issue 39), beside a
 	// bare consumer of its own.
 	if e.pg != nil && opts.measures(pgBatch) && slices.Contains(opts.QueueTypes, "classic") {
-		for _, rate := range opts.LatencyRates {
-			ls, err := e.latencyGroup(ctx, "classic", rate, bare, pgBatch)
-			rep.Latency = append(rep.Latency, ls...)
-			if err != nil {
-				return rep, fmt.Errorf("latency classic pg-batch at %s msg/s: %w", thousands(rate), err)
+		for range opts.LatencyRepeats {
+			for _, rate := range opts.LatencyRates {
+				ls, err := e.latencyGroup(ctx, "classic", rate, bare, pgBatch)
+				rep.Latency = append(rep.Latency, ls...)
+				if err != nil {
+					return rep, fmt.Errorf("latency classic pg-batch at %s msg/s: %w", thousands(rate), err)
+				}
 			}
 		}
 	}
