@@ -146,7 +146,7 @@ func (a *ackFrames) counts() (single, multi, nacks, rejects, malformed int) {
 // every message acks them in about as few frames as a single-message
 // consumer: mostly multiple acks, each covering many deliveries. Counted
 // exactly from the frames it sends to RabbitMQ through a proxy, with the
-// queue full, so that two batches of the default size (prefetch twice
+// queue full, so that two batches of the default size (Concurrency twice
 // BatchSize) run at once and settle in either order (issue 39: 0.57
 // frames written per message against unique's 0.16, most of its acks
 // written one by one once 64 were held above the frontier).

@@ -133,7 +133,7 @@ func TestBatchConsumerPoolCheck(t *testing.T) {
 			if tt.completer {
 				h = poolBatchCompleter{store}
 			}
-			// Prefetch and Concurrency by default: 200, 2 batches of 100.
+			// Prefetch and Concurrency by default: 400 and 200, 2 batches of 100.
 			c, err := NewBatchConsumer(store, ConsumerConfig{URL: "amqp://localhost",
 				Config: Config{Queue: "q", Logger: slog.New(slog.NewTextHandler(&logs, nil))}}, h)
 			if got := errors.Is(err, ErrPoolTooSmall); got != tt.refused {
@@ -146,6 +146,44 @@ func TestBatchConsumerPoolCheck(t *testing.T) {
 			c.warnSizes(context.Background())
 			if got := strings.Contains(logs.String(), "pool is not larger"); got != tt.warns {
 				t.Errorf("warned: %v, want %v:\n%s", got, tt.warns, logs.String())
+			}
+		})
+	}
+}
+
+// A batch consumer's defaults: the broker may send four batches' worth
+// of deliveries while two batches run (Prefetch four times BatchSize,
+// Concurrency twice), so that the next batch is in hand when one ends; a
+// Prefetch given without Concurrency is also the Concurrency, as for
+// NewConsumer.
+func TestBatchConsumerDefaults(t *testing.T) {
+	mem, err := lock.NewMemoryStore(lock.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	plain := BatchHandlerFunc(func(context.Context, []*amqp.Delivery) ([]BatchResult, error) { return nil, nil })
+	for _, tt := range []struct {
+		name                         string
+		batch, prefetch, concurrency int
+		wantPrefetch, wantConc       int
+		wantBatches                  int
+	}{
+		{name: "defaults", wantPrefetch: 400, wantConc: 200, wantBatches: 2},
+		{name: "BatchSize 10", batch: 10, wantPrefetch: 40, wantConc: 20, wantBatches: 2},
+		{name: "Prefetch given", prefetch: 150, wantPrefetch: 150, wantConc: 150, wantBatches: 2},
+		{name: "Concurrency given", concurrency: 100, wantPrefetch: 400, wantConc: 100, wantBatches: 1},
+		{name: "large BatchSize", batch: 20000, wantPrefetch: 65535, wantConc: 40000, wantBatches: 2},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			c, err := NewBatchConsumer(mem, ConsumerConfig{URL: "amqp://localhost", Prefetch: tt.prefetch, Concurrency: tt.concurrency,
+				BatchSize: tt.batch, Config: Config{Queue: "q", Logger: slog.New(slog.DiscardHandler)}}, plain)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = c.Shutdown(context.Background()) })
+			if c.cfg.Prefetch != tt.wantPrefetch || c.cfg.Concurrency != tt.wantConc || cap(c.proc.batch.slots) != tt.wantBatches {
+				t.Errorf("Prefetch %d, Concurrency %d, batches at once %d; want %d, %d, %d",
+					c.cfg.Prefetch, c.cfg.Concurrency, cap(c.proc.batch.slots), tt.wantPrefetch, tt.wantConc, tt.wantBatches)
 			}
 		})
 	}

@@ -73,7 +73,7 @@ func run(log *slog.Logger) error {
 		return err
 	}
 	// A running batch holds one connection for its transaction; by
-	// default two batches run at once (Prefetch is twice BatchSize), and
+	// default two batches run at once (Concurrency is twice BatchSize), and
 	// the heartbeat and the lease statements need a few more.
 	pcfg.MaxConns = 6
 	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
