@@ -157,10 +157,7 @@ func TestBatchConsumerPoolCheck(t *testing.T) {
 // Prefetch given without Concurrency is also the Concurrency, as for
 // NewConsumer.
 func TestBatchConsumerDefaults(t *testing.T) {
-	mem, err := lock.NewMemoryStore(lock.Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	mem := mustMemory(t)
 	plain := BatchHandlerFunc(func(context.Context, []*amqp.Delivery) ([]BatchResult, error) { return nil, nil })
 	for _, tt := range []struct {
 		name                         string
