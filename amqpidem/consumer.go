@@ -295,12 +295,12 @@ func NewConsumer(store lock.Store, cfg ConsumerConfig, h Handler) (*Consumer, er
 // their leases, while the broker has already sent the deliveries of the
 // next two, not leased yet, rather than waiting for an ack to send more
 // (docs/performance.md: with twice BatchSize, the rate on a quorum queue
-// was 0.77 of this default's in one make bench run). A Prefetch set without Concurrency gives
-// Concurrency = Prefetch, as for NewConsumer. At most Concurrency over
-// BatchSize batches (rounded up) run at once; one ready beyond that waits
-// for a running one to end, gathering meanwhile. A
-// message processed without a lease (ProcessMissingKey, FailOpen) runs
-// as a batch of its own.
+// was 0.77 of this default's in one make bench run). A Prefetch set
+// without Concurrency gives Concurrency = Prefetch, as for NewConsumer.
+// At most Concurrency over BatchSize batches (rounded up) run at once;
+// one ready beyond that waits for a running one to end, gathering
+// meanwhile. A message processed without a lease (ProcessMissingKey,
+// FailOpen) runs as a batch of its own.
 func NewBatchConsumer(store lock.Store, cfg ConsumerConfig, h BatchHandler) (*Consumer, error) {
 	if h == nil {
 		return nil, errors.New("amqpidem: nil batch handler")

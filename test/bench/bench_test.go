@@ -287,7 +287,7 @@ func TestPGStartHint(t *testing.T) {
 func TestAddedP99(t *testing.T) {
 	ms := func(n float64) time.Duration { return time.Duration(n * float64(time.Millisecond)) }
 	run := func(v variant, group int, p99 float64) latencyResult {
-		return latencyResult{QueueType: "classic", Variant: v, Rate: 1000, Group: group, Beside: true,
+		return latencyResult{QueueType: "classic", Variant: v, Rate: 1000, Group: group,
 			Samples: 10, P99: ms(p99), Length: time.Second}
 	}
 	runs := []latencyResult{

@@ -33,12 +33,11 @@ type latencyResult struct {
 	Length  time.Duration // of the paced publishing
 	Settled int
 	// Group numbers the runs compared with each other: bare's run and
-	// the run of the variant it is compared with have the same one.
-	// Beside says they ran at the same time, fed by one publisher (the
-	// fixed rates); otherwise one ran after the other (half the bare
-	// rate, where two consumers at once would saturate the machine).
-	Group  int
-	Beside bool
+	// the run of the variant it is compared with have the same one. At
+	// the fixed rates they ran at the same time, fed by one publisher; at
+	// half the bare rate one after the other (two consumers at once would
+	// saturate the machine).
+	Group int
 }
 
 // saturated says whether the consumer fell behind the publisher: it
@@ -66,13 +65,13 @@ type latencyRun struct {
 // here show pauses of 100-200 ms in bare's runs and amqpidem's alike, a
 // few seconds apart) falls on all of them alike, rather than on whichever
 // ran when it came, and the p99 one adds over another is not the stall's.
-// The runs it returns share a new Group, Beside when there are several.
+// The runs it returns share a new Group.
 func (e *env) latencyGroup(ctx context.Context, qt string, rate float64, vs ...variant) (res []latencyResult, err error) {
 	e.latencyGroups++
 	group := e.latencyGroups
 	runs := make([]*latencyRun, len(vs))
 	for i, v := range vs {
-		runs[i] = &latencyRun{res: latencyResult{QueueType: qt, Variant: v, Rate: rate, Group: group, Beside: len(vs) > 1}}
+		runs[i] = &latencyRun{res: latencyResult{QueueType: qt, Variant: v, Rate: rate, Group: group}}
 	}
 	defer func() {
 		for _, r := range runs {
