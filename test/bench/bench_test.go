@@ -311,3 +311,64 @@ func TestAddedP99(t *testing.T) {
 		t.Errorf("note %q, want saturated", note)
 	}
 }
+
+// machine_us is the median of the rounds' machine CPU per message: one
+// round slowed by a stall moves it no more than the round beside it.
+func TestMachinePerMessageMedian(t *testing.T) {
+	run := func(v variant, round int, n int, cpu time.Duration) runResult {
+		return runResult{QueueType: "quorum", Variant: v, Round: round, N: n, ProcCPU: cpu}
+	}
+	runs := []runResult{
+		run(bare, 0, 100, 9*time.Millisecond), // calibration: not a round
+		run(bare, 1, 1000, 40*time.Millisecond),
+		run(bare, 2, 1000, 41*time.Millisecond),
+		run(bare, 3, 1000, 70*time.Millisecond), // a stalled round
+		run(unique, 1, 1000, 50*time.Millisecond),
+		run(unique, 2, 1000, 0), // not measured (the node restarted)
+		run(unique, 3, 1000, 52*time.Millisecond),
+	}
+	if got := machinePerMessage(runs, "quorum", bare); got != 41e3 {
+		t.Errorf("bare: %v ns a message, want the median round's 41000 (the mean would be 50333)", got)
+	}
+	if got := machinePerMessage(runs, "quorum", unique); got != 51e3 {
+		t.Errorf("unique: %v ns a message, want 51000 (the two measured rounds)", got)
+	}
+	if got := machinePerMessage(runs, "classic", bare); got != 0 {
+		t.Errorf("no runs: %v, want 0", got)
+	}
+}
+
+// Every round runs each unit once, the first round in the tables' order,
+// and a unit does not follow the same one in each of the first rounds.
+func TestRoundOrder(t *testing.T) {
+	for _, n := range []int{1, 2, 3, 7, 8, 11} {
+		pred := map[[2]int]int{} // {unit, its predecessor}: rounds
+		for round := 1; round <= 3; round++ {
+			order := roundOrder(n, round)
+			seen := make([]bool, n)
+			for _, k := range order {
+				if k < 0 || k >= n || seen[k] {
+					t.Fatalf("n %d round %d: %v is not an order of the units", n, round, order)
+				}
+				seen[k] = true
+			}
+			if len(order) != n {
+				t.Fatalf("n %d round %d: %v", n, round, order)
+			}
+			if round == 1 && !slices.IsSorted(order) {
+				t.Errorf("n %d: round 1 runs %v, want the tables' order", n, order)
+			}
+			if order[0] != (round-1)%n {
+				t.Errorf("n %d round %d: led by %d, want %d", n, round, order[0], (round-1)%n)
+			}
+			for k := 1; k < n; k++ {
+				pred[[2]int{order[k], order[k-1]}]++
+			}
+		}
+		for p, rounds := range pred {
+			if n >= 7 && rounds > 1 {
+				t.Errorf("n %d: unit %d follows unit %d in %d of 3 rounds", n, p[0], p[1], rounds)
+			}
+		}
+	}
+}

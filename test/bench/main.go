@@ -53,7 +53,7 @@
 // first ack to the N-th. N is sized by a calibration so that a bare run
 // lasts -duration (for the pg variants, so that a pg-naive run does; for
 // outbox and publish, so that an outbox run does). Runs are repeated in
-// rounds, the order of the variants rotating from round to round, and
+// rounds, the order of the variants changing from round to round, and
 // medians are reported. Then: the latency each message gains at
 // half the bare maximum rate (bare, then unique) and at fixed offered
 // rates (-latency-rates, default 1,000 and 5,000 msg/s; bare and unique at
@@ -81,7 +81,8 @@
 //
 // Then, per queue type, issue 14's figures: Redis CPU per unique, per
 // duplicate and per outbox message in µs; issue 40's: the machine's CPU
-// per message of every variant measured, in µs (this process, plus
+// per message of every variant measured, in µs, the median of the rounds
+// (this process, plus
 // redis-server, plus the RabbitMQ node read from /proc/<pid>/stat, plus
 // PostgreSQL's processes for a pg variant; left out when the node is not
 // on this machine), and unique's over bare's; and the p99 that unique

@@ -145,6 +145,28 @@ func perMeasured(runs []runResult, qt string, v variant, f func(runResult) float
 	return sum / n
 }
 
+// medianPerMessage is the median, over the measured runs of qt and v
+// (those where f is above 0, as perMeasured's), of f per message of each
+// run; 0 when there are none. Issue 40's machine_us is this median of the
+// rounds: one round that a stall of the broker or the disk slowed moves
+// the mean of three rounds (perMeasured), not their median.
+func medianPerMessage(runs []runResult, qt string, v variant, f func(runResult) float64) float64 {
+	var xs []float64
+	for _, r := range runs {
+		if x := f(r); r.Round > 0 && r.QueueType == qt && r.Variant == v && x > 0 && r.N > 0 {
+			xs = append(xs, x/float64(r.N))
+		}
+	}
+	return median(xs)
+}
+
+// machinePerMessage is a variant's machine_us (ns): the median over the
+// rounds of the machine's CPU per message (ProcCPU: this process, Redis,
+// RabbitMQ, PostgreSQL where used).
+func machinePerMessage(runs []runResult, qt string, v variant) float64 {
+	return medianPerMessage(runs, qt, v, func(r runResult) float64 { return float64(r.ProcCPU) })
+}
+
 func printReport(out io.Writer, e *env, rep *report) {
 	o := e.opts
 	fmt.Fprintf(out, "\n== throughput: median of %d run(s), msg/s; prefetch %d, concurrency %d ==\n", o.Repeats, o.Prefetch, o.Concurrency)
@@ -169,7 +191,7 @@ func printReport(out io.Writer, e *env, rep *report) {
 			cbytes := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ClientBytes) })
 			rcpu := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.RedisCPU) })
 			bcpu := perMeasured(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.BrokerCPU) })
-			pcpu := perMeasured(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ProcCPU) })
+			pcpu := machinePerMessage(rep.Runs, qt, v)
 			mcpu := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.MachineCPU) })
 			reads := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.Reads) })
 			writes := perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.Writes) })
@@ -185,7 +207,8 @@ func printReport(out io.Writer, e *env, rep *report) {
 		" (exact: the garbage collector's work follows them); cpu/msg: CPU time while consuming, per message,\n"+
 		" of this process, of redis-server (INFO cpu), of the RabbitMQ node (/proc/<pid>/stat; \"?\": not\n"+
 		" on this machine), of the machine (the sum of those, and of PostgreSQL's processes for a pg\n"+
-		" variant: the machine_us lines) and of all (/proc/stat: other work on the machine counts too))")
+		" variant: the machine_us lines, the median of the rounds; every other cpu/msg is their total over\n"+
+		" their messages) and of all (/proc/stat: other work on the machine counts too))")
 	if len(rep.OutboxRatios) > 0 {
 		fmt.Fprintf(out, "(outbox: one staged message of %d bytes per message, to a queue of the run's own, %s)\n",
 			stagedBodySize, sinkText(o.OutboxSink))
@@ -321,7 +344,7 @@ func printPG(out io.Writer, e *env, rep *report) {
 			pg(func(c *pgCounts) float64 { return float64(c.Wait) })/1e3,
 			pgcpu,
 			perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ClientCPU) })/1e3,
-			usOrUnknown(perMeasured(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ProcCPU) })),
+			usOrUnknown(machinePerMessage(rep.Runs, qt, v)),
 			perMessage(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.EffectRows) }))
 	}
 	tw.Flush()
@@ -337,7 +360,8 @@ func printPG(out io.Writer, e *env, rep *report) {
 		" statements prepared (a round trip each, once per connection and SQL text). pool waits/msg, pool\n"+
 		" wait/msg: pool acquires that found no idle connection while measuring (0: no handler ever waited for\n"+
 		" the pool), and the time they waited. pg cpu/msg: CPU of every PostgreSQL process, other sessions'\n"+
-		" included, while consuming. effect rows/msg: rows in %s for the run's queue)\n",
+		" included, while consuming. machine cpu/msg: as in the table above, the median of the rounds.\n"+
+		" effect rows/msg: rows in %s for the run's queue)\n",
 		e.pg.conns, pgEffectsTable)
 
 	u, d, n := median(rates(rep.Runs, qt, pgUnique)), median(rates(rep.Runs, qt, pgDuplicate)), naiveRate
@@ -435,9 +459,7 @@ func printTargets(out io.Writer, o options, rep *report) {
 		// Issue 40's: the machine's CPU per message of every variant
 		// (this process, Redis, RabbitMQ, PostgreSQL where used), and
 		// unique's over bare's.
-		proc := func(v variant) float64 {
-			return perMeasured(rep.Runs, qt, v, func(r runResult) float64 { return float64(r.ProcCPU) })
-		}
+		proc := func(v variant) float64 { return machinePerMessage(rep.Runs, qt, v) }
 		for _, v := range rep.Variants[qt] {
 			if m := proc(v); m > 0 {
 				fmt.Fprintf(out, "machine_us %s %s %.1f\n", v, qt, m/1e3)

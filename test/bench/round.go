@@ -299,6 +299,40 @@ func (e *env) start(ctx context.Context, qt string, v variant, queue, prefix str
 	return startIdem(ctx, store, cfg, t)
 }
 
+// roundOrder is the order in which round (from 1) runs n units: it starts
+// at unit round-1 and steps by the round's step, the round-th number
+// coprime with n (1, 2, 3 for 7 units; 1, 3, 5 for 8), cycling. Round 1
+// runs them in the tables' order. Each unit leads one round in n, and
+// follows a different unit in each round for as many rounds as there are
+// such steps (6 for 7 units, 4 for 8; 1 for 2 units, which can only
+// alternate): with a plain rotation (a step of 1 in every round) a unit
+// always ran after the same one, and took the aftermath of that one's run
+// in every round.
+func roundOrder(n, round int) []int {
+	var steps []int
+	for s := 1; s < n; s++ {
+		if gcd(s, n) == 1 {
+			steps = append(steps, s)
+		}
+	}
+	step := 1
+	if len(steps) > 0 {
+		step = steps[(round-1)%len(steps)]
+	}
+	order := make([]int, n)
+	for k := range order {
+		order[k] = (round - 1 + k*step) % n
+	}
+	return order
+}
+
+func gcd(a, b int) int {
+	for b != 0 {
+		a, b = b, a%b
+	}
+	return a
+}
+
 // units are the groups of variants of a round on queue type qt, in the
 // order of the first round; a group runs in its order (a duplicate after
 // the unique run it replays).

@@ -335,9 +335,11 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 		rep.NDynamo = cmp.Or(opts.N, opts.DynamoN) // not calibrated: see dynamo.go
 	}
 
-	// 2. Throughput, in rounds; the order of the variants rotates so that
-	// drift hits all alike. duplicate follows unique in each round: it
-	// replays unique's keys, completed by then.
+	// 2. Throughput, in rounds; the order of the variants changes from
+	// round to round (roundOrder) so that drift, and the aftermath of a
+	// run (its queue's deletion, the collection of its garbage), hit all
+	// alike rather than the same successor. duplicate follows unique in
+	// each round: it replays unique's keys, completed by then.
 	// pg-duplicate likewise follows pg-unique.
 	for _, qt := range opts.QueueTypes {
 		for _, u := range e.units(qt) {
@@ -348,8 +350,8 @@ func run(ctx context.Context, opts options, out io.Writer) (rep *report, err err
 	for round := 1; round <= opts.Repeats; round++ {
 		for _, qt := range opts.QueueTypes {
 			units := e.units(qt)
-			for k := range units {
-				for _, v := range units[(k+round-1)%len(units)] {
+			for _, k := range roundOrder(len(units), round) {
+				for _, v := range units[k] {
 					r, err := e.throughput(ctx, qt, v, round, rep.n(qt, v), nil)
 					rep.Runs = append(rep.Runs, r)
 					if err != nil {
