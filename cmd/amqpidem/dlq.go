@@ -22,14 +22,16 @@ func callContext(c *cobra.Command, o *options) (context.Context, context.CancelF
 	return context.WithTimeout(c.Context(), o.timeout)
 }
 
-// dlqFlags name a dead-letter queue and the key its dead letters are
-// signed with.
+// dlqFlags name a queue, its dead-letter queue and the key its dead
+// letters are signed with.
 type dlqFlags struct {
+	queue   string
 	dlq     string
 	keyFile string
 }
 
 func (f *dlqFlags) add(c *cobra.Command) {
+	c.Flags().StringVarP(&f.queue, "queue", "q", "", "the `queue` (instead of the QUEUE argument; inspect and forget name it so)")
 	c.Flags().StringVar(&f.dlq, "dlq", "", "the dead-letter `queue`, when it is not QUEUE.dlq (Config.DeadLetterRoutingKey)")
 	c.Flags().StringVar(&f.keyFile, "signing-key-file", "", "a `file` holding the consumers' Config.SigningKey (default: AMQPIDEM_SIGNING_KEY)")
 }
@@ -64,6 +66,23 @@ const (
 	originUnchecked = operator.OriginUnchecked
 )
 
+// queueArgs checks that a dlq command names its queue once: as its one
+// argument, or with --queue (as inspect and forget do), or both alike.
+func (f *dlqFlags) queueArgs(c *cobra.Command, args []string) error {
+	switch {
+	case len(args) > 1:
+		return withCode(exitUsage, "%s takes one QUEUE (see %s --help)", c.CommandPath(), c.CommandPath())
+	case len(args) == 1 && f.queue != "" && args[0] != f.queue:
+		return withCode(exitUsage, "%s: the QUEUE argument %q and --queue %q differ: give one", c.CommandPath(), args[0], f.queue)
+	case len(args) == 0 && f.queue == "":
+		return withCode(exitUsage, "%s takes one QUEUE, as an argument or with --queue (see %s --help)", c.CommandPath(), c.CommandPath())
+	}
+	if len(args) == 1 {
+		f.queue = args[0]
+	}
+	return nil
+}
+
 func (f *dlqFlags) name(queue string) string {
 	if f.dlq != "" {
 		return f.dlq
@@ -76,7 +95,9 @@ func newDLQ(o *options) *cobra.Command {
 		Use:   "dlq",
 		Short: "List and replay the dead letters of a queue",
 		Long: `dlq works on the dead letters amqpidem published for a queue (by default to
-the queue QUEUE.dlq), with the fault headers amqpidem gives them.`,
+the queue QUEUE.dlq), with the fault headers amqpidem gives them. Each
+command names the queue as its argument or with --queue (-q), as inspect
+and forget do.`,
 	}
 	c.AddCommand(newDLQList(o), newDLQReplay(o))
 	return c
@@ -210,7 +231,7 @@ Exit code 3 when the dead-letter queue does not exist.`,
 		Example: `  amqpidem dlq list orders
   amqpidem dlq list orders --limit 1000 --json | jq '.[] | .key'
   amqpidem dlq list orders --limit 10 --json | jq 'length < (.[0].total // 0)'   # cut by --limit?`,
-		Args: exactArgs(1, "one QUEUE"),
+		Args: f.queueArgs,
 		RunE: func(c *cobra.Command, args []string) error {
 			if limit < 1 {
 				return withCode(exitUsage, "--limit must be at least 1")
@@ -219,7 +240,7 @@ Exit code 3 when the dead-letter queue does not exist.`,
 			if err != nil {
 				return err
 			}
-			s, err := o.openDLQ(f.name(args[0]))
+			s, err := o.openDLQ(f.name(f.queue))
 			if err != nil {
 				return err
 			}

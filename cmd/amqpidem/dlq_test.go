@@ -149,3 +149,24 @@ func TestReplayStoreErrorNamesTheKey(t *testing.T) {
 		t.Fatalf("record: %v; want ErrUnavailable naming key \"k1\", without the store key", err)
 	}
 }
+
+// A dlq command names its queue once: an argument or --queue, not two
+// different ones, not none; the mistakes are usage errors (exit 2) that
+// say what to give, before any service is reached.
+func TestDLQQueueNamedOnce(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"dlq", "list"}, "takes one QUEUE, as an argument or with --queue"},
+		{[]string{"dlq", "replay", "--all"}, "takes one QUEUE, as an argument or with --queue"},
+		{[]string{"dlq", "list", "orders", "--queue", "payments"}, `the QUEUE argument "orders" and --queue "payments" differ`},
+		{[]string{"dlq", "replay", "orders", "-q", "payments", "--all"}, `the QUEUE argument "orders" and --queue "payments" differ`},
+		{[]string{"dlq", "list", "orders", "payments"}, "takes one QUEUE"},
+	} {
+		_, errOut, code := runCLI(t, append(tc.args, "--amqp", "amqp://guest:guest@127.0.0.1:1/", "--timeout", "2s")...)
+		if code != exitUsage || !strings.Contains(errOut, tc.want) {
+			t.Errorf("%v: exit %d, stderr %q; want exit %d saying %q", tc.args, code, errOut, exitUsage, tc.want)
+		}
+	}
+}

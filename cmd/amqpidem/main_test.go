@@ -237,6 +237,12 @@ func TestDeadLetterListedReplayedExecutedOnce(t *testing.T) {
 	if !strings.Contains(text, "2 dead letters") || !strings.Contains(text, "pay-2") || !strings.Contains(text, "permanent failure") {
 		t.Fatalf("dlq list:\n%s", text)
 	}
+	// The queue named as inspect names it lists the same.
+	for _, flag := range []string{"--queue", "-q"} {
+		if got := r.mustCLI(0, "dlq", "list", flag, r.queue); got != text {
+			t.Fatalf("dlq list %s Q:\n%s\nwant what dlq list Q printed:\n%s", flag, got, text)
+		}
+	}
 
 	var rec struct{ State, Error, Location string }
 	out = r.mustCLI(0, "inspect", "pay-1", "--queue", r.queue, "--json")

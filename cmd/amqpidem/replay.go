@@ -103,12 +103,12 @@ when the run stopped early (what was done is reported first).`,
   amqpidem dlq replay orders --all --forget --dry-run
   amqpidem dlq replay orders --all --forget
   AMQPIDEM_SIGNING_KEY=... amqpidem dlq replay orders --all --forget --to-original-exchange`,
-		Args: exactArgs(1, "one QUEUE"),
+		Args: f.queueArgs,
 		RunE: func(c *cobra.Command, args []string) error {
 			if all == (key != "") {
 				return withCode(exitUsage, "give exactly one of --key KEY and --all")
 			}
-			k.queue = args[0]
+			k.queue = f.queue
 			signingKey, err := f.signingKey()
 			if err != nil {
 				return err
@@ -120,9 +120,9 @@ when the run stopped early (what was done is reported first).`,
 				return err
 			}
 			defer closeStore()
-			r := &replayer{o: o, queue: args[0], k: &k, admin: admin, forget: forget, dryRun: dryRun, original: original,
+			r := &replayer{o: o, queue: f.queue, k: &k, admin: admin, forget: forget, dryRun: dryRun, original: original,
 				ask: all && forget && !dryRun, yes: yes, signingKey: signingKey, trust: trust, allowMissing: allowMissing}
-			return r.run(c.Context(), f.name(args[0]), key)
+			return r.run(c.Context(), f.name(f.queue), key)
 		},
 	}
 	f.add(c)
