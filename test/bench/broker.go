@@ -190,8 +190,8 @@ func (b *broker) prefill(ctx context.Context, queue, idPrefix string, n int, bod
 // with the time just before the publish of message i to queues[q]. The
 // channel is in confirm mode; confirms are counted as they come and
 // waited for at the end, never per message (as amqpidem.Publisher does),
-// which would hold the pace to the confirms' round trips. It returns the rate achieved and when the last message was
-// handed to the broker.
+// which would hold the pace to the confirms' round trips. It returns the
+// rate achieved and when the last message was handed to the broker.
 func (b *broker) paced(ctx context.Context, queues []string, idPrefix string, n int, rate float64, body []byte, sent func(q, i int, t time.Time)) (achieved float64, last time.Time, err error) {
 	name := strings.Join(queues, ", ")
 	ch, err := b.conn.Channel()

@@ -145,26 +145,20 @@ func perMeasured(runs []runResult, qt string, v variant, f func(runResult) float
 	return sum / n
 }
 
-// medianPerMessage is the median, over the measured runs of qt and v
-// (those where f is above 0, as perMeasured's), of f per message of each
-// run; 0 when there are none. Issue 40's machine_us is this median of the
-// rounds: one round that a stall of the broker or the disk slowed moves
+// machinePerMessage is a variant's machine_us (ns): the median, over the
+// rounds of qt and v where it was measured (as perMeasured's), of the
+// machine's CPU per message (ProcCPU: this process, Redis, RabbitMQ,
+// PostgreSQL where used); 0 when there are none. Issue 40's targets are
+// medians: one round that a stall of the broker or the disk slowed moves
 // the mean of three rounds (perMeasured), not their median.
-func medianPerMessage(runs []runResult, qt string, v variant, f func(runResult) float64) float64 {
+func machinePerMessage(runs []runResult, qt string, v variant) float64 {
 	var xs []float64
 	for _, r := range runs {
-		if x := f(r); r.Round > 0 && r.QueueType == qt && r.Variant == v && x > 0 && r.N > 0 {
-			xs = append(xs, x/float64(r.N))
+		if r.Round > 0 && r.QueueType == qt && r.Variant == v && r.ProcCPU > 0 && r.N > 0 {
+			xs = append(xs, float64(r.ProcCPU)/float64(r.N))
 		}
 	}
 	return median(xs)
-}
-
-// machinePerMessage is a variant's machine_us (ns): the median over the
-// rounds of the machine's CPU per message (ProcCPU: this process, Redis,
-// RabbitMQ, PostgreSQL where used).
-func machinePerMessage(runs []runResult, qt string, v variant) float64 {
-	return medianPerMessage(runs, qt, v, func(r runResult) float64 { return float64(r.ProcCPU) })
 }
 
 func printReport(out io.Writer, e *env, rep *report) {
