@@ -67,7 +67,8 @@ const (
 )
 
 // queueArgs checks that a dlq command names its queue once: as its one
-// argument, or with --queue (as inspect and forget do), or both alike.
+// argument, or with --queue (as inspect and forget do), or both alike;
+// then f.queue holds it.
 func (f *dlqFlags) queueArgs(c *cobra.Command, args []string) error {
 	switch {
 	case len(args) > 1:
