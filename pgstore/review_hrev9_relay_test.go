@@ -113,28 +113,49 @@ func TestHrev9RelayKilledBetweenConfirmAndMark(t *testing.T) {
 // hrev9States returns the outbox rows' states by MessageId.
 func hrev9States(t *testing.T, r *outboxRig) map[string]string {
 	t.Helper()
-	rows, err := r.pool.Query(context.Background(), "SELECT message_id, state FROM "+
-		pgx.Identifier{r.cfg.Schema, pgstore.DefaultOutboxTable}.Sanitize())
+	s, _ := hrev9Snapshot(t, r)
+	return s
+}
+
+// hrev9Snapshot returns the outbox rows' states by MessageId and, read in
+// the same statement (one snapshot), each row in full with the
+// transaction that wrote it (xmin) and the statement's snapshot: what a
+// watcher reports when the states break an order.
+func hrev9Snapshot(t *testing.T, r *outboxRig) (map[string]string, string) {
+	t.Helper()
+	rows, err := r.pool.Query(context.Background(), `SELECT message_id, state, format('id=%s xmin=%s key=%s seq=%s state=%s '||
+			'attempts=%s claimed_by=%s due_at=%s sent_at=%s error=%s (snapshot %s)', id, xmin, order_key, seq, state, attempts,
+			claimed_by, due_at, sent_at, last_error, pg_current_snapshot()) FROM `+
+		pgx.Identifier{r.cfg.Schema, pgstore.DefaultOutboxTable}.Sanitize()+" ORDER BY id")
 	if err != nil {
 		t.Error(err)
-		return nil
+		return nil, ""
 	}
 	defer rows.Close()
 	out := map[string]string{}
+	var all strings.Builder
 	for rows.Next() {
-		var id, state string
-		if err := rows.Scan(&id, &state); err != nil {
+		var id, state, row string
+		if err := rows.Scan(&id, &state, &row); err != nil {
 			t.Error(err)
-			return nil
+			return nil, ""
+		}
+		if _, twice := out[id]; twice {
+			t.Errorf("two outbox rows with MessageId %s", id)
 		}
 		out[id] = state
+		fmt.Fprintf(&all, "\n\t%s: %s", id, row)
 	}
-	return out
+	if err := rows.Err(); err != nil {
+		t.Error(err)
+		return nil, ""
+	}
+	return out, all.String()
 }
 
 // hrev9Watch samples the rows' states every few ms until stop is closed,
 // and reports each time a row of after was sent while its row before
-// was still pending.
+// was still pending, with the rows as that one statement read them.
 func hrev9Watch(t *testing.T, r *outboxRig, before string, after []string, stop <-chan struct{}) *sync.WaitGroup {
 	var wg sync.WaitGroup
 	wg.Add(1)
@@ -147,11 +168,12 @@ func hrev9Watch(t *testing.T, r *outboxRig, before string, after []string, stop 
 				return
 			case <-time.After(5 * time.Millisecond):
 			}
-			s := hrev9States(t, r)
+			s, all := hrev9Snapshot(t, r)
 			for _, a := range after {
 				if s[a] == "s" && s[before] == "p" && !reported[a] {
 					reported[a] = true
-					t.Errorf("%s was sent while %s, before it in its order key, was still pending", a, before)
+					t.Errorf("%s was sent while %s, before it in its order key, was still pending; the rows, read together:%s",
+						a, before, all)
 				}
 			}
 		}
