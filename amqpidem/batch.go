@@ -609,6 +609,15 @@ var lossHook func(f *flight, cause error)
 // each flight of a batch consumer before it joins a run batch.
 var runJoinHook func(f *flight)
 
+// leaseBatch is the lease batch f's lease was asked for in, nil when
+// none (its lease was not batched, or not asked for yet).
+func (f *flight) leaseBatch() *group[*acquireCall] {
+	if f.acq == nil {
+		return nil
+	}
+	return f.acq.from
+}
+
 // runBatched is run's second half for a batch consumer: f joins a batch
 // and waits for it (or gathers and runs it, as its leader), then settles
 // by what the batch came to for it.
@@ -620,7 +629,7 @@ func (f *flight) runBatched() {
 	}
 	f.ready.Add(1)
 	b.runs.mu.Lock()
-	if open := b.runs.open; b.bt != nil && open != nil && open.from != f.acq.from {
+	if open := b.runs.open; b.bt != nil && open != nil && open.from != f.leaseBatch() {
 		// A BatchLeaseTaker's leases of two lease batches (two sessions,
 		// say) never run as one batch: the batch being gathered is
 		// parked, still gathering its own lease batch's flights.
@@ -630,13 +639,13 @@ func (f *flight) runBatched() {
 		b.parked[open.from] = open
 		b.runs.open = nil
 	}
-	if g := b.parked[f.acq.from]; b.bt != nil && b.runs.open == nil && g != nil {
-		delete(b.parked, f.acq.from)
+	if g := b.parked[f.leaseBatch()]; b.bt != nil && b.runs.open == nil && g != nil {
+		delete(b.parked, f.leaseBatch())
 		b.runs.open = g
 	}
 	gr, leader := b.runs.joinLocked(f, b.size)
 	if leader {
-		gr.from = f.acq.from
+		gr.from = f.leaseBatch()
 	}
 	b.arrivedLocked(f)
 	b.runs.mu.Unlock()

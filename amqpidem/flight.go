@@ -70,46 +70,76 @@ type flight struct {
 	// stopped (ended); guarded, with ended, by its batcher's lossMu.
 	ownCtx    context.Context
 	cancelOwn context.CancelCauseFunc
-	ended     bool
 	// copyErr is the last error publishing a requeued copy gave, for
 	// the PublishTracer's span.
 	copyErr error
 	// out is what its batch came to, for a batch consumer's flight
 	// (runBatched); batchTimedOut says that HandlerTimeout cut off the
 	// batch it ran in alone.
-	out           batchOut
-	batchTimedOut bool
+	out batchOut
 	// ready is done once its batch's leader found out final: a flight
 	// whose record committed in one part of a split batch settles then,
 	// not after the rest of the split (whose runs may outlast its
 	// outbox claim). released says the leader marked it done (the
 	// leader's own field). A WaitGroup, part of the flight, rather than a
 	// channel, an allocation per message.
-	ready    sync.WaitGroup
-	released bool
-	// leaseBatched: its lease was asked for in a lease batch, and it has
-	// not told its batcher yet that it is no longer on its way to a run
-	// batch (arrived).
-	leaseBatched bool
-	// acq is its request in a lease batch (acquireBatched), part of the
-	// flight rather than an allocation of its own.
-	acq acquireCall
-	// x is its execution (run, runUnkeyed: the handler's context), and hd
-	// the delivery its handler gets (handlerDelivery's copy; a batch
-	// consumer's flight's x only gives its Info to hctx, runKept): parts
-	// of the flight, already on the heap, rather than allocations of their
-	// own. The handler may keep either after it returns; they keep the
-	// flight, never reused, alive with them.
-	x  execution
-	hd amqp.Delivery
+	ready sync.WaitGroup
+	// acq is its request in a lease batch (acquireBatched), and hd the
+	// delivery its handler gets (handlerDelivery's copy): a batch
+	// consumer's flights use only the first, the others only the second,
+	// so each is allocated with the flight that uses it (newFlight,
+	// newJob), or on first use.
+	acq *acquireCall
+	hd  *amqp.Delivery
+	// x is its execution (run, runUnkeyed: the handler's context; a
+	// batch consumer's flight's x only gives its Info to hctx, runKept):
+	// part of the flight, already on the heap, rather than an allocation
+	// of its own. The handler may keep it, or hd, after it returns; they
+	// keep the flight, never reused, alive with them.
+	x execution
+
+	// The flags, together (no padding after each): ended goes with
+	// ownCtx, batchTimedOut with out, released with ready. leaseBatched:
+	// its lease was asked for in a lease batch, and it has not told its
+	// batcher yet that it is no longer on its way to a run batch
+	// (arrived).
+	ended, batchTimedOut, released, leaseBatched bool
+}
+
+// soloFlight and batchFlight are a flight with the part that only its
+// kind of processor uses (see flight.acq), in one allocation.
+type (
+	soloFlight struct {
+		flight
+		hd amqp.Delivery
+	}
+	batchFlight struct {
+		flight
+		acq acquireCall
+	}
+)
+
+// newFlight returns a zero flight for p, with its hd or its acq.
+func (p *processor) newFlight() *flight {
+	if p.batchesLeases() {
+		f := new(batchFlight)
+		f.flight.acq = &f.acq
+		return &f.flight
+	}
+	f := new(soloFlight)
+	f.flight.hd = &f.hd
+	return &f.flight
 }
 
 // handlerDelivery is the delivery as its handler gets it: a copy whose
 // Ack, Nack and Reject refuse (see handlerDelivery), kept in the flight.
 func (f *flight) handlerDelivery() *amqp.Delivery {
-	f.hd = *f.d
+	if f.hd == nil {
+		f.hd = new(amqp.Delivery)
+	}
+	*f.hd = *f.d
 	f.hd.Acknowledger = refuseAck{}
-	return &f.hd
+	return f.hd
 }
 
 // calmCtx is the context of the calls that settle the delivery, which
@@ -206,8 +236,11 @@ func (f *flight) arrive(t *ticket) {
 	defer f.arrived()
 	var res lock.Result
 	if f.leaseBatched {
+		if f.acq == nil {
+			f.acq = new(acquireCall)
+		}
 		f.acq.req, f.acq.d = req, f.d
-		res, err = p.acquireBatched(f.ctx, &f.acq)
+		res, err = p.acquireBatched(f.ctx, f.acq)
 	} else {
 		res, err = p.acquire(f.ctx, req, f.d)
 	}

@@ -56,7 +56,7 @@ func TestFlyAllocations(t *testing.T) {
 				}
 			})
 			viaFly := testing.AllocsPerRun(runs, func() {
-				j := &job{d: amqp.Delivery{Acknowledger: ack, MessageId: id(), Body: []byte("x")}}
+				j := p.newJob(amqp.Delivery{Acknowledger: ack, MessageId: id(), Body: []byte("x")})
 				if ev := p.fly(&j.f, ctx, calm, nopBroker{}, &j.d, nil); ev.Outcome != Completed {
 					t.Fatalf("fly: %v %s %v", ev.Outcome, ev.Reason, ev.Err)
 				}

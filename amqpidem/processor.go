@@ -196,7 +196,7 @@ func sameStore(a, b lock.Store) (same bool) {
 // without a gate). It returns what happened, once it was logged and
 // reported.
 func (p *processor) process(ctx context.Context, b broker, d *amqp.Delivery, t *ticket) Event {
-	return p.fly(new(flight), ctx, nil, b, d, t)
+	return p.fly(p.newFlight(), ctx, nil, b, d, t)
 }
 
 // fly is process with the flight f, a zero flight of the caller's (a

@@ -82,10 +82,10 @@ func TestBatchLeaseTakerInterleavedJoins(t *testing.T) {
 		by := map[*group[*acquireCall]][]*flight{}
 		var order []*group[*acquireCall]
 		for _, f := range waiting {
-			if by[f.acq.from] == nil {
-				order = append(order, f.acq.from)
+			if by[f.leaseBatch()] == nil {
+				order = append(order, f.leaseBatch())
 			}
-			by[f.acq.from] = append(by[f.acq.from], f)
+			by[f.leaseBatch()] = append(by[f.leaseBatch()], f)
 		}
 		mu.Unlock()
 		for i := range size {

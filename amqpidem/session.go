@@ -21,6 +21,33 @@ type job struct {
 	f flight // its way through the processor (processor.fly)
 }
 
+// soloJob and batchJob are a job with the part of its flight that only
+// its kind of processor uses (see flight.acq), in one allocation: 1,576
+// and 1,560 bytes, allocated as 1,792, where a job that held both took
+// 1,856, allocated as 2,048.
+type (
+	soloJob struct {
+		job
+		hd amqp.Delivery
+	}
+	batchJob struct {
+		job
+		acq acquireCall
+	}
+)
+
+// newJob returns a job for d, with its flight's hd or its acq.
+func (p *processor) newJob(d amqp.Delivery) *job {
+	if p.batchesLeases() {
+		j := &batchJob{job: job{d: d}}
+		j.f.acq = &j.acq
+		return &j.job
+	}
+	j := &soloJob{job: job{d: d}}
+	j.f.hd = &j.hd
+	return &j.job
+}
+
 // session runs one connection: it returns when the connection or channel
 // closes, or when the consumer stops. When it stops (Shutdown, ctx done),
 // it waits for its handlers, whose acks need its channel, before it
@@ -95,7 +122,7 @@ func (c *Consumer) session(ctx, base context.Context) error {
 				end(false)
 				return c.closedErr(connClosed, chClosed)
 			}
-			j := &job{d: d}
+			j := c.proc.newJob(d)
 			j.d.Acknowledger = acks
 			if c.isStopping() {
 				requeueWaiting()
