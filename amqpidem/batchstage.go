@@ -61,15 +61,19 @@ func DiscardStaged(ctx context.Context) {
 type batchRunKey struct{}
 
 // batchRun is what the context of one call of a batch handler carries:
-// an execution (Info and outbox) per message of the batch, by index, and
-// what each message's completed record holds. Safe for concurrent use.
+// an execution (Info and outbox) per message of the batch, by index, made
+// when the handler first asks for it (DeliveryContext), and what each
+// message's completed record holds. Safe for concurrent use.
 type batchRun struct {
-	fs    []*flight
-	index map[*amqp.Delivery]int // the handler's deliveries, by pointer
-	p     *processor
+	fs  []*flight
+	ds  []*amqp.Delivery // the handler's deliveries
+	ctx context.Context  // the executions' context
+	p   *processor
 
-	mu sync.Mutex
-	xs []*execution
+	mu    sync.Mutex
+	index map[*amqp.Delivery]int // ds by pointer, once a lookup needs it
+	xs    []*execution           // nil until looked up
+	slab  []execution            // the first executions, one allocation for the batch
 
 	// Set by the leader alone, in callBatch: what each message staged
 	// (the handler returned), and, for a BatchCompleter, the value last
@@ -79,16 +83,12 @@ type batchRun struct {
 	nStaged []int
 }
 
-// newBatchRun makes the run of fs, whose handler gets ds, under ctx.
+// newBatchRun makes the run of fs, whose handler gets ds, under ctx. A
+// handler that never asks for a message's context (no DeliveryContext,
+// nothing staged) costs the run no execution, nor index.
 func (p *processor) newBatchRun(ctx context.Context, fs []*flight, ds []*amqp.Delivery) (*batchRun, context.Context) {
-	r := &batchRun{fs: fs, index: make(map[*amqp.Delivery]int, len(ds)), p: p, xs: make([]*execution, len(fs)),
+	r := &batchRun{fs: fs, ds: ds, ctx: ctx, p: p, xs: make([]*execution, len(fs)),
 		stored: make([][]byte, len(fs)), nStaged: make([]int, len(fs))}
-	xs := make([]execution, len(ds)) // one allocation for the batch, not one per message
-	for i, d := range ds {
-		r.index[d] = i
-		xs[i] = r.execution(ctx, i)
-		r.xs[i] = &xs[i]
-	}
 	return r, context.WithValue(ctx, batchRunKey{}, r)
 }
 
@@ -109,21 +109,56 @@ func (r *batchRun) execution(ctx context.Context, i int) execution {
 	}
 }
 
-// lookup is d's execution, or nil for a delivery not of the run.
+// lookup is d's execution, made now if it has none yet, or nil for a
+// delivery not of the run.
 func (r *batchRun) lookup(d *amqp.Delivery) *execution {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.index == nil {
+		r.index = make(map[*amqp.Delivery]int, len(r.ds))
+		for i, d := range r.ds {
+			r.index[d] = i
+		}
+	}
 	i, ok := r.index[d]
 	if !ok {
 		return nil
 	}
-	r.mu.Lock()
-	defer r.mu.Unlock()
+	switch x := r.xs[i]; x {
+	case nil:
+		if r.slab == nil {
+			r.slab = make([]execution, len(r.ds))
+		}
+		r.slab[i] = r.execution(r.ctx, i)
+		r.xs[i] = &r.slab[i]
+	case &sealedEarly:
+		// Sealed before it was asked for: its own, sealed as well.
+		x = r.newExecution(r.ctx, i)
+		x.outbox.seal()
+		r.xs[i] = x
+	}
 	return r.xs[i]
 }
 
-// seal ends the staging of the i-th message and returns what it staged.
+// sealedEarly marks, in batchRun.xs, a message sealed before its
+// execution was made: staging in it is refused, as in a sealed outbox.
+// Never handed out (lookup makes the message its own).
+var sealedEarly execution
+
+// seal ends the staging of the i-th message and returns what it staged:
+// nothing when it has no execution yet, which its lookups then refuse to
+// stage in (as a sealed outbox would).
 func (r *batchRun) seal(i int) [][]byte {
 	r.mu.Lock()
 	x := r.xs[i]
+	switch x {
+	case nil:
+		r.xs[i] = &sealedEarly
+		fallthrough
+	case &sealedEarly:
+		r.mu.Unlock()
+		return nil
+	}
 	r.mu.Unlock()
 	return x.outbox.seal()
 }
@@ -144,6 +179,10 @@ func (r *batchRun) discard() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for i, x := range r.xs {
+		if x == nil || x == &sealedEarly {
+			r.xs[i] = nil // the next lookup makes a fresh one
+			continue
+		}
 		x.outbox.seal()
 		r.xs[i] = r.newExecution(x.Context, i)
 	}
