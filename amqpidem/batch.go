@@ -1071,7 +1071,7 @@ func (p *processor) batchValue(f *flight, result []byte, staged [][]byte) ([]byt
 // runCompleter settle a single message.
 func (f *flight) settleBatched() {
 	o := f.out
-	f.slot.free()
+	f.freeSlot()
 	f.batchTimedOut = o.timedOut
 	switch {
 	case o.err == nil && o.completed:

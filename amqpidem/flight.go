@@ -42,8 +42,6 @@ type flight struct {
 	// from its arrival on (arrivalHeaders), the rest once head read them.
 	h  headers
 	ev Event
-	// slot is the delivery's hold on a gate slot; none without a gate.
-	slot slot
 	// storeKey is the key of the delivery's record (StoreKey), once it
 	// has one.
 	storeKey string
@@ -70,9 +68,6 @@ type flight struct {
 	// stopped (ended); guarded, with ended, by its batcher's lossMu.
 	ownCtx    context.Context
 	cancelOwn context.CancelCauseFunc
-	// copyErr is the last error publishing a requeued copy gave, for
-	// the PublishTracer's span.
-	copyErr error
 	// out is what its batch came to, for a batch consumer's flight
 	// (runBatched); batchTimedOut says that HandlerTimeout cut off the
 	// batch it ran in alone.
@@ -102,8 +97,9 @@ type flight struct {
 	// ownCtx, batchTimedOut with out, released with ready. leaseBatched:
 	// its lease was asked for in a lease batch, and it has not told its
 	// batcher yet that it is no longer on its way to a run batch
-	// (arrived).
-	ended, batchTimedOut, released, leaseBatched bool
+	// (arrived). slotHeld: it holds a slot of its processor's gate
+	// (freeSlot); never without a gate.
+	ended, batchTimedOut, released, leaseBatched, slotHeld bool
 }
 
 // soloFlight and batchFlight are a flight with the part that only its
@@ -153,17 +149,12 @@ func (f *flight) calmCtx() context.Context {
 	return f.calm
 }
 
-// slot is a delivery's hold on one of the gate's slots.
-type slot struct {
-	g    *gate
-	held bool
-}
-
-// free gives the slot back, once; a no-op when none is held.
-func (s *slot) free() {
-	if s.held {
-		s.held = false
-		s.g.release()
+// freeSlot gives the delivery's slot of the processor's gate back, once;
+// a no-op when it holds none.
+func (f *flight) freeSlot() {
+	if f.slotHeld {
+		f.slotHeld = false
+		f.p.gate.release()
 	}
 }
 
@@ -210,10 +201,10 @@ func (f *flight) arrive(t *ticket) {
 			f.requeue(Abandoned, "shutdown", 0, cmp.Or(f.ctx.Err(), errNotStarted))
 			return
 		}
-		f.slot = slot{g: p.gate, held: true}
+		f.slotHeld = true
 	}
 	if err := p.replyRefused(f.d.ReplyTo); err != nil {
-		f.slot.free()
+		f.freeSlot()
 		f.deadLetter("reply-to refused", err) // not run: no lease, no record
 		return
 	}
@@ -225,7 +216,7 @@ func (f *flight) arrive(t *ticket) {
 	req := lock.Request{Key: f.storeKey, TTL: p.cfg.LeaseTTL, Retention: p.cfg.Retention}
 	fp, err := p.fingerprint(f.d)
 	if err != nil {
-		f.slot.free()
+		f.freeSlot()
 		f.deadLetter("invalid key", err)
 		return
 	}
@@ -259,7 +250,7 @@ func (f *flight) answer(res *lock.Result) {
 	f.ev.Attempt, f.ev.Fence = max(res.Attempts, f.h.attempt), res.Fence
 	if res.Status != lock.Acquired {
 		f.arrived()
-		f.slot.free() // nothing to run: later deliveries go on
+		f.freeSlot() // nothing to run: later deliveries go on
 	} else {
 		f.lease = res.Lease
 	}
@@ -282,7 +273,7 @@ func (f *flight) answer(res *lock.Result) {
 		f.deadLetterExpired()
 	case f.head().pending: // its dead letter is due: failed without running
 		f.arrived()
-		f.slot.free()
+		f.freeSlot()
 		f.fail(f.pendingReason(), fmt.Errorf("dead letter pending: %s", f.head().pendingText))
 	case p.batch != nil: // new key, or a retry: run it in a batch
 		f.runKept()
@@ -329,10 +320,10 @@ func (f *flight) noKey(err error) {
 	case errors.Is(err, ErrNoKey) && f.p.cfg.MissingKey == ProcessMissingKey:
 		f.runUnkeyed("no key")
 	case errors.Is(err, ErrInvalidKey):
-		f.slot.free()
+		f.freeSlot()
 		f.deadLetter("invalid key", err)
 	default:
-		f.slot.free()
+		f.freeSlot()
 		f.deadLetter("missing key", err)
 	}
 }
@@ -346,7 +337,7 @@ func (f *flight) noAnswer(err error) {
 		f.runUnkeyed("store unavailable, failing open")
 		return
 	}
-	f.slot.free()
+	f.freeSlot()
 	switch {
 	case errors.Is(err, lock.ErrInvalidKey):
 		f.deadLetter("invalid key", err)

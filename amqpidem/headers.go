@@ -130,23 +130,14 @@ type headers struct {
 	// publishedMs is HeaderTimestampMillis when it is a positive integer;
 	// zero otherwise (see publishedMsOf).
 	publishedMs int64
-	// parsed is set by parseHeaders: every field below is read. Before,
-	// only attempt and publishedMs are (arrivalHeaders).
-	parsed bool
-	// deadLetter is set when HeaderError is (to anything but void): the
-	// message is a dead letter moved back to its queue.
-	deadLetter bool
-	// pending is set when HeaderDeadLetterPending is present, whatever
-	// its value: the message's dead letter is due. pendingText is its
-	// text when it is a string, cut to maxHeaderText; "" otherwise.
-	pending     bool
+	// pendingText is HeaderDeadLetterPending's text when it is a string,
+	// cut to maxHeaderText; "" otherwise (see pending).
 	pendingText string
 	// expiresAt is HeaderExpiresAt, in ms since the epoch, when expires
 	// is set (the header is an integer of any AMQP type; any value, a
 	// negative one included, since it can only bring a dead letter
-	// closer).
+	// closer). expires is with the other flags, at the end.
 	expiresAt int64
-	expires   bool
 	// replyTries is HeaderReplyTries, in [0, maxAttempts].
 	replyTries int
 	// busy is HeaderBusy, in [0, maxBusyDoublings]: a forged value can
@@ -158,7 +149,20 @@ type headers struct {
 	// at most maxShortText bytes: origin says so. Otherwise a copy names
 	// the delivery's own exchange and routing key.
 	exchange, routingKey string
-	origin               bool
+
+	// The flags, together (no padding after each).
+
+	// parsed is set by parseHeaders: every field is read. Before, only
+	// attempt and publishedMs are (arrivalHeaders).
+	parsed bool
+	// deadLetter is set when HeaderError is (to anything but void): the
+	// message is a dead letter moved back to its queue.
+	deadLetter bool
+	// pending is set when HeaderDeadLetterPending is present, whatever
+	// its value: the message's dead letter is due.
+	pending bool
+	expires bool // see expiresAt
+	origin  bool // see exchange
 	// badUserID is set when HeaderUserID is present but not a string of
 	// at most maxShortText bytes: a copy drops it.
 	badUserID bool

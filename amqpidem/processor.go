@@ -215,8 +215,8 @@ func (p *processor) fly(f *flight, ctx, calm context.Context, b broker, d *amqp.
 		f.calm = calm // f.ctx is ctx
 	}
 	f.arrive(t)
-	f.stopKeep()  // whatever a step left running,
-	f.slot.free() // or held
+	f.stopKeep() // whatever a step left running,
+	f.freeSlot() // or held
 	f.ev.Total = time.Since(start)
 	p.report(f.ctx, &f.ev)
 	return f.ev

@@ -22,7 +22,7 @@ func (f *flight) attemptsExhausted() bool {
 		return false
 	}
 	f.arrived()
-	f.slot.free()
+	f.freeSlot()
 	f.fail("attempts exhausted", fmt.Errorf("%d executions started, at most %d allowed (earlier ones crashed or lost their lease)",
 		f.attempt-1, f.p.cfg.MaxAttempts))
 	return true
@@ -33,7 +33,7 @@ func (f *flight) attemptsExhausted() bool {
 // attempt never ran, so it is taken back.
 func (f *flight) notStarted(stopping bool, cause error) {
 	f.arrived()
-	f.slot.free()
+	f.freeSlot()
 	f.cancel()
 	if stopping || f.ctx.Err() != nil {
 		f.requeue(Abandoned, "shutdown", 0, cmp.Or(cause, errNotStarted))
@@ -73,7 +73,7 @@ func (f *flight) run() {
 		return
 	}
 	result, err := f.timeHandler(func() ([]byte, error) { return call(f.hctx, p.handler, f.handlerDelivery()) })
-	f.slot.free()
+	f.freeSlot()
 	staged := x.outbox.seal()
 	switch {
 	case err == nil && len(result) > p.cfg.MaxResultSize:
@@ -115,7 +115,7 @@ func (f *flight) runCompleter(c Completer, o *outbox) {
 		return recovered(func() ([]byte, error) { return c.HandleComplete(f.hctx, f.handlerDelivery(), f.lease, value) })
 	})
 	o.seal()
-	f.slot.free()
+	f.freeSlot()
 	switch {
 	case err == nil: // completed in its transaction
 		f.stopKeep()
@@ -201,7 +201,7 @@ func (f *flight) runUnkeyed(why string) {
 	f.ev.Attempt = f.attempt
 	if f.attempt > p.cfg.MaxAttempts {
 		f.arrived()
-		f.slot.free()
+		f.freeSlot()
 		f.deadLetter("attempts exhausted", fmt.Errorf("%d executions started, at most %d allowed", f.attempt-1, p.cfg.MaxAttempts))
 		return
 	}
@@ -217,7 +217,7 @@ func (f *flight) runUnkeyed(why string) {
 		defer cancel()
 	}
 	result, err := f.timeHandler(func() ([]byte, error) { return call(f.hctx, p.handler, f.handlerDelivery()) })
-	f.slot.free()
+	f.freeSlot()
 	staged := x.outbox.seal()
 	if err == nil && len(staged) > 0 {
 		// No record to keep them in: published now, at least once; a

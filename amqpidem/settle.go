@@ -166,14 +166,13 @@ func (f *flight) requeueWith(o Outcome, reason string, delay time.Duration, caus
 		Kind: PublishRequeue, Queue: f.p.cfg.Queue, RoutingKey: f.p.cfg.Queue, Delay: delay, Headers: extra,
 		MessageID: f.d.MessageId, CorrelationID: f.d.CorrelationId, BodySize: len(f.d.Body),
 	})
-	f.copyErr = nil
-	sent := f.sendBack(delay, extra)
+	sent, copyErr := f.sendBack(delay, extra)
 	if sent {
 		end(nil)
 		f.ack(o)
 		return
 	}
-	end(cmp.Or(f.copyErr, errCopyNotPublished))
+	end(cmp.Or(copyErr, errCopyNotPublished))
 }
 
 // errCopyNotPublished is the error a PublishTracer is given for a
@@ -190,7 +189,8 @@ func pendingMark(text string) amqp.Table {
 
 // sendBack publishes a copy of the delivery, with extra headers, to come
 // back after delay; it reports whether it did, or else has nacked the
-// delivery with requeue.
+// delivery with requeue, and then the last error a publish of the copy
+// gave, if one was tried (for the PublishTracer's span).
 //
 // When the copy cannot be published (a delay queue declared elsewhere
 // with other arguments, a broker refusing publishes), the delivery is held
@@ -209,14 +209,14 @@ func pendingMark(text string) amqp.Table {
 // are exhausted. A copy marked HeaderDeadLetterPending, whose dead letter
 // is due, is published with headers dropped to fit instead, since a nack
 // would lose the mark.
-func (f *flight) sendBack(delay time.Duration, extra amqp.Table) bool {
+func (f *flight) sendBack(delay time.Duration, extra amqp.Table) (bool, error) {
 	p := f.p
 	msg := copyOf(f.d, f.head(), extra)
 	p.sign(&msg)
 	if _, pending := extra[HeaderDeadLetterPending]; pending {
 		f.fit(&msg, extra, "requeued copy") // a nack would lose the mark
 	} else if fm := frameMaxOf(f.b); !fits(&msg, fm) {
-		return f.holdTooLarge(&msg, delay, fm)
+		return f.holdTooLarge(&msg, delay, fm), nil
 	}
 	if delay > 0 && p.cfg.DelayInProcess {
 		// Config.DelayInProcess: the delivery waits here, unacked, and
@@ -225,14 +225,14 @@ func (f *flight) sendBack(delay time.Duration, extra amqp.Table) bool {
 		start := time.Now()
 		if !p.hold(f.ctx, f.d, delay) {
 			f.nackRequeue(f.ev.Reason + "; channel closed during the wait")
-			return false
+			return false, nil
 		}
 		f.ev.Delay = min(delay, time.Since(start)) // less when cut short
 		delay = 0
 	}
 	err := f.publishCopy(delay, msg)
 	if err == nil {
-		return true
+		return true, nil
 	}
 	f.ev.Err = errors.Join(f.ev.Err, err)
 	if delay > 0 {
@@ -240,12 +240,12 @@ func (f *flight) sendBack(delay time.Duration, extra amqp.Table) bool {
 			"queue", p.cfg.Queue, "key", f.ev.Key, "delay", delay, "error", err)
 		p.sleep(f.ctx, min(delay, p.cfg.UnavailableDelay))
 		if err = f.publishCopy(0, msg); err == nil {
-			return true // it waited its delay here instead
+			return true, nil // it waited its delay here instead
 		}
 		f.ev.Err = errors.Join(f.ev.Err, err)
 	}
 	f.nackRequeue(f.ev.Reason + "; nacked back, its copy not published")
-	return false
+	return false, err
 }
 
 // publishCopy publishes msg, sendBack's copy of the delivery, to come
@@ -253,11 +253,7 @@ func (f *flight) sendBack(delay time.Duration, extra amqp.Table) bool {
 func (f *flight) publishCopy(delay time.Duration, msg amqp.Publishing) error {
 	sctx, cancel := calmContext(f.calmCtx())
 	defer cancel()
-	err := f.b.requeue(sctx, f.p.cfg.Queue, msg, delay)
-	if err != nil {
-		f.copyErr = err
-	}
-	return err
+	return f.b.requeue(sctx, f.p.cfg.Queue, msg, delay)
 }
 
 // fit makes msg, a copy of the delivery (what says which: "dead letter",
@@ -379,7 +375,7 @@ func (f *flight) deadLetter(reason string, cause error) {
 // outlived. It is not run, and not dropped either. Only a run is stopped
 // so: a duplicate of completed work is still acked as one.
 func (f *flight) deadLetterExpired() {
-	f.slot.free()
+	f.freeSlot()
 	at := time.UnixMilli(f.head().expiresAt).UTC()
 	f.deadLetter("expired", fmt.Errorf("expired at %s (%s)", at.Format(time.RFC3339Nano), HeaderExpiresAt))
 }
