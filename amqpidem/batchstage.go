@@ -124,18 +124,17 @@ func (r *batchRun) lookup(d *amqp.Delivery) *execution {
 	if !ok {
 		return nil
 	}
-	switch x := r.xs[i]; x {
-	case nil:
+	if x := r.xs[i]; x == nil || x == &sealedEarly {
+		// The message's first execution: slab[i] is handed out once,
+		// since xs[i] is never nil nor sealedEarly again after this.
 		if r.slab == nil {
 			r.slab = make([]execution, len(r.ds))
 		}
 		r.slab[i] = r.execution(r.ctx, i)
+		if x == &sealedEarly {
+			r.slab[i].outbox.seal() // sealed before it was asked for
+		}
 		r.xs[i] = &r.slab[i]
-	case &sealedEarly:
-		// Sealed before it was asked for: its own, sealed as well.
-		x = r.newExecution(r.ctx, i)
-		x.outbox.seal()
-		r.xs[i] = x
 	}
 	return r.xs[i]
 }
